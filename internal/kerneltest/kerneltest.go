@@ -1,0 +1,149 @@
+// Package kerneltest is what kTLS tests share: an honest skip when the
+// running kernel has no kTLS, and the kernel's own counters from
+// /proc/net/tls_stat to prove that the kernel path ran.
+//
+// A kTLS test calls Require first. On a host without kTLS it prints
+// "SKIP: <reason>" and is reported as skipped, never as passed. Inside the
+// project's VM harness (KTLS_REQUIRE=1 in the environment) the same missing
+// support is a failure, because there a skip would hide a broken kernel path.
+package kerneltest
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// RequireEnv names the environment variable the VM harness sets: when it is
+// "1", a kTLS test that cannot run fails instead of skipping.
+const RequireEnv = "KTLS_REQUIRE"
+
+var (
+	availOnce sync.Once
+	availErr  error
+)
+
+// Available reports whether this process can attach the "tls" ULP to a TCP
+// socket, by trying it on a throwaway loopback connection (the kernel answers
+// ENOENT when CONFIG_TLS is off or the module is not loaded).
+func Available() error {
+	availOnce.Do(func() { availErr = tryULP() })
+	return availErr
+}
+
+func tryULP() error {
+	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(ln)
+	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		return err
+	}
+	if err := unix.Listen(ln, 1); err != nil {
+		return err
+	}
+	sa, err := unix.Getsockname(ln)
+	if err != nil {
+		return err
+	}
+	cl, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(cl)
+	if err := unix.Connect(cl, sa); err != nil {
+		return err
+	}
+	// The ULP can only be attached to an established socket.
+	if err := unix.SetsockoptString(cl, unix.IPPROTO_TCP, unix.TCP_ULP, "tls"); err != nil {
+		return fmt.Errorf("kernel TLS unavailable: setsockopt(TCP_ULP, \"tls\"): %w", err)
+	}
+	return nil
+}
+
+// Required reports whether the environment demands that kTLS tests run.
+func Required() bool { return os.Getenv(RequireEnv) == "1" }
+
+// Require skips t loudly when the kernel has no kTLS, or fails it when the
+// harness demands kTLS (KTLS_REQUIRE=1).
+func Require(t testing.TB) {
+	t.Helper()
+	err := Available()
+	if err == nil {
+		return
+	}
+	if Required() {
+		t.Fatalf("FAIL: kTLS required (%s=1) but %v", RequireEnv, err)
+	}
+	fmt.Fprintf(os.Stderr, "SKIP: %s: %v\n", t.Name(), err)
+	t.Skipf("SKIP: %v", err)
+}
+
+// Stat is a snapshot of /proc/net/tls_stat (counters of this network namespace).
+type Stat map[string]int64
+
+// ReadStat reads /proc/net/tls_stat. It fails when the file is absent, which is
+// the case on kernels without CONFIG_TLS or before the tls module is loaded.
+func ReadStat() (Stat, error) {
+	f, err := os.Open("/proc/net/tls_stat")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	s := Stat{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) != 2 {
+			continue
+		}
+		v, err := strconv.ParseInt(fields[1], 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("tls_stat line %q: %w", sc.Text(), err)
+		}
+		s[fields[0]] = v
+	}
+	return s, sc.Err()
+}
+
+// Sub returns s minus before, counter by counter.
+func (s Stat) Sub(before Stat) Stat {
+	d := Stat{}
+	for k, v := range s {
+		d[k] = v - before[k]
+	}
+	return d
+}
+
+// StatDelta runs fn and returns how the tls_stat counters moved meanwhile.
+// It fails t when the counters cannot be read.
+func StatDelta(t testing.TB, fn func()) Stat {
+	t.Helper()
+	before, err := ReadStat()
+	if err != nil {
+		t.Fatalf("read tls_stat: %v", err)
+	}
+	fn()
+	after, err := ReadStat()
+	if err != nil {
+		t.Fatalf("read tls_stat: %v", err)
+	}
+	return after.Sub(before)
+}
+
+// OpenFDs counts this process's open file descriptors, for leak checks.
+func OpenFDs(t testing.TB) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatalf("count fds: %v", err)
+	}
+	return len(ents)
+}

@@ -16,6 +16,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -35,9 +36,9 @@ type Leaf struct {
 	KeyPEM  []byte
 }
 
-var serial int64
+var serial atomic.Int64
 
-func nextSerial() *big.Int { serial++; return big.NewInt(time.Now().UnixNano() + serial) }
+func nextSerial() *big.Int { return big.NewInt(time.Now().UnixNano() + serial.Add(1)) }
 
 // NewCA makes a self-signed ECDSA P-256 CA.
 func NewCA(t testing.TB, name string) *CA {

@@ -1,0 +1,650 @@
+package ktls
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Layered is a raw conn that reads through a userspace buffer over a kernel
+// socket (such as caddy-l4's *layer4.Connection, adapted by the caller).
+type Layered interface {
+	net.Conn
+	// Socket returns the kernel TCP socket under the layer once the layer
+	// holds no unread bytes; an error otherwise (the connection then falls
+	// back with ReasonBufferedBytes).
+	Socket() (*net.TCPConn, error)
+}
+
+// Conn is a TLS connection whose record layer runs in the kernel when it
+// can, and in crypto/tls when it cannot. It implements net.Conn.
+type Conn struct {
+	raw      net.Conn
+	isClient bool
+	opts     Options
+	record   *recordConn
+	tlsConn  *tls.Conn
+	keys     *keyCapture
+
+	hsMu   sync.Mutex
+	hsDone atomic.Bool
+	hsErr  error
+	off    Offload
+
+	// Set once by the handshake when a direction runs in the kernel.
+	sock    *net.TCPConn
+	rawSock syscall.RawConn
+	txSeq   uint64 // TX rec_seq installed (records already sealed under the key)
+
+	readMu   sync.Mutex
+	pending  []byte // decrypted bytes not yet returned by Read
+	readErr  error  // sticky: io.EOF after close_notify, or a fatal error
+	rxSecret []byte // current TLS 1.3 RX secret (for KeyUpdate)
+	opener   *recordOpener
+	limiter  tokenBucket
+	ctrlBuf  []byte
+
+	writeMu   sync.Mutex
+	txSecret  []byte // current TLS 1.3 TX secret (for KeyUpdate)
+	wroteEOF  bool   // close_notify sent
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Server returns a server-side Conn over raw. The handshake runs lazily on
+// the first Read, Write or Handshake, never in the caller's accept loop.
+func Server(raw net.Conn, cfg *tls.Config, opts Options) *Conn {
+	return newConn(raw, cfg, opts, false)
+}
+
+// Client returns a client-side Conn over raw, with the same lazy handshake.
+func Client(raw net.Conn, cfg *tls.Config, opts Options) *Conn {
+	return newConn(raw, cfg, opts, true)
+}
+
+func newConn(raw net.Conn, cfg *tls.Config, opts Options, isClient bool) *Conn {
+	c := &Conn{raw: raw, isClient: isClient, opts: opts, record: newRecordConn(raw), keys: &keyCapture{}}
+	c.limiter = newTokenBucket(opts.KeyUpdateLimit)
+	if isClient {
+		c.tlsConn = tls.Client(c.record, c.keys.clientConfig(cfg))
+	} else {
+		c.tlsConn = tls.Server(c.record, c.keys.serverConfig(cfg))
+	}
+	return c
+}
+
+// keyCapture collects the secrets crypto/tls logs for one connection.
+type keyCapture struct {
+	mu          sync.Mutex
+	secrets     map[string][]byte // by NSS key log label
+	ticketsSent int               // TLS 1.3 NewSessionTicket records sealed under the server's application key
+
+	resumedSuite uint16 // suite of the TLS 1.2 session kept by noteSession
+}
+
+// Write parses NSS key log lines (label, client random, secret in hex).
+func (k *keyCapture) Write(p []byte) (int, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.secrets == nil {
+		k.secrets = map[string][]byte{}
+	}
+	for line := range strings.Lines(string(p)) {
+		f := strings.Fields(line)
+		if len(f) != 3 {
+			continue
+		}
+		secret, err := hex.DecodeString(f[2])
+		if err != nil {
+			return 0, fmt.Errorf("ktls: key log line: %w", err)
+		}
+		k.secrets[f[0]] = secret
+		if f[0] == "CLIENT_RANDOM" {
+			random, err := hex.DecodeString(f[1])
+			if err != nil {
+				return 0, fmt.Errorf("ktls: key log line: %w", err)
+			}
+			k.secrets["client-random"] = random
+		}
+	}
+	return len(p), nil
+}
+
+func (k *keyCapture) get(label string) []byte {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.secrets[label]
+}
+
+// clientConfig clones cfg with the key log bound to this connection.
+func (k *keyCapture) clientConfig(cfg *tls.Config) *tls.Config {
+	if cfg == nil {
+		cfg = &tls.Config{}
+	}
+	clone := cfg.Clone()
+	clone.KeyLogWriter = k
+	return clone
+}
+
+// serverConfig clones cfg for one connection: the key log is bound to this
+// connection, and so is the config GetConfigForClient returns (Caddy always
+// uses it), so keys are captured whichever config runs the handshake.
+func (k *keyCapture) serverConfig(cfg *tls.Config) *tls.Config {
+	if cfg == nil {
+		cfg = &tls.Config{}
+	}
+	clone := cfg.Clone()
+	k.bindServer(clone, cfg)
+	if get := cfg.GetConfigForClient; get != nil {
+		clone.GetConfigForClient = func(hello *tls.ClientHelloInfo) (*tls.Config, error) {
+			chosen, err := get(hello)
+			if err != nil || chosen == nil {
+				return chosen, err
+			}
+			perConn := chosen.Clone()
+			perConn.GetConfigForClient = nil
+			k.bindServer(perConn, chosen)
+			return perConn, nil
+		}
+	}
+	return clone
+}
+
+// bindServer sets the key log on clone and counts TLS 1.3 session tickets.
+// Tickets are sealed and opened with orig's keys: a fresh clone would make
+// its own automatic ticket keys, and no ticket could resume on another
+// connection.
+//
+// The count is the TX sequence number: every TLS 1.3 ticket crypto/tls
+// wraps is written as exactly one record under the application key during
+// the handshake. Counting WrapSession calls does not depend on how
+// crypto/tls buffers and flushes its flights, which counting written records
+// after the key log event would.
+func (k *keyCapture) bindServer(clone, orig *tls.Config) {
+	clone.KeyLogWriter = k
+	wrap, unwrap := orig.WrapSession, orig.UnwrapSession
+	clone.WrapSession = func(cs tls.ConnectionState, ss *tls.SessionState) ([]byte, error) {
+		var ticket []byte
+		var err error
+		if wrap != nil {
+			ticket, err = wrap(cs, ss)
+		} else {
+			ticket, err = orig.EncryptTicket(cs, ss)
+		}
+		if err == nil && cs.Version == tls.VersionTLS13 {
+			k.mu.Lock()
+			k.ticketsSent++
+			k.mu.Unlock()
+		}
+		return ticket, err
+	}
+	clone.UnwrapSession = func(identity []byte, cs tls.ConnectionState) (*tls.SessionState, error) {
+		var ss *tls.SessionState
+		var err error
+		if unwrap != nil {
+			ss, err = unwrap(identity, cs)
+		} else {
+			ss, err = orig.DecryptTicket(identity, cs)
+		}
+		if err == nil && ss != nil {
+			k.noteSession(ss)
+		}
+		return ss, err
+	}
+}
+
+// noteSession keeps the master secret of a TLS 1.2 session offered for
+// resumption: crypto/tls logs no CLIENT_RANDOM line for a resumed TLS 1.2
+// handshake. SessionState.Bytes is documented as opaque, so the layout
+// (crypto/tls ticket.go: u16 version, u8 type, u16 suite, u64 created_at,
+// u8-prefixed secret) is checked strictly; anything unexpected leaves the
+// secret uncaptured and the connection falls back with ReasonKeyCapture.
+func (k *keyCapture) noteSession(ss *tls.SessionState) {
+	b, err := ss.Bytes()
+	if err != nil || len(b) < 14 {
+		return
+	}
+	version, sessionType, secretLen := binary.BigEndian.Uint16(b), b[2], int(b[13])
+	if version != tls.VersionTLS12 || sessionType != 1 || secretLen != 48 || len(b) < 14+secretLen {
+		return
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.secrets == nil {
+		k.secrets = map[string][]byte{}
+	}
+	k.secrets["resumed-master"] = b[14 : 14+secretLen]
+	k.resumedSuite = binary.BigEndian.Uint16(b[3:5])
+}
+
+// resumedMaster returns the master secret noted for a resumed TLS 1.2
+// session of the given suite.
+func (k *keyCapture) resumedMaster(suite uint16) []byte {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.resumedSuite != suite {
+		return nil
+	}
+	return k.secrets["resumed-master"]
+}
+
+func (k *keyCapture) tickets() uint64 {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return uint64(k.ticketsSent)
+}
+
+// Handshake runs the TLS handshake and the offload, once.
+func (c *Conn) Handshake() error { return c.HandshakeContext(context.Background()) }
+
+// HandshakeContext is Handshake with a context bounding the TLS handshake.
+func (c *Conn) HandshakeContext(ctx context.Context) error {
+	if c.hsDone.Load() {
+		return c.hsErr
+	}
+	c.hsMu.Lock()
+	defer c.hsMu.Unlock()
+	if c.hsDone.Load() {
+		return c.hsErr
+	}
+	c.hsErr = c.handshake(ctx)
+	c.hsDone.Store(true)
+	return c.hsErr
+}
+
+// handshake runs under hsMu; nothing reads the socket before it returns,
+// so the ULP is never installed under a concurrent reader (CVE-2025-38616:
+// kTLS must own the receive queue from the moment it is attached).
+func (c *Conn) handshake(ctx context.Context) error {
+	if err := c.tlsConn.HandshakeContext(ctx); err != nil {
+		c.off = Offload{Reason: ReasonHandshakeFailed}
+		c.report(Event{Kind: EventHandshake, Offload: c.off, Err: err})
+		return err
+	}
+	state := c.tlsConn.ConnectionState()
+	c.off = Offload{Version: state.Version, CipherSuite: state.CipherSuite}
+	reason, err := c.offload(state)
+	c.off.Reason = reason
+	ev := Event{Kind: EventHandshake, Offload: c.off, Err: err}
+	switch {
+	case reason == ReasonSetsockoptRX:
+		// TX is in the kernel: the tls.Conn can no longer write, so the
+		// connection is closed rather than left half-working.
+		stats.closedAfterTX.Add(1)
+		c.raw.Close()
+		c.report(ev)
+		c.report(Event{Kind: EventClosed, Offload: c.off, Err: err})
+		return &OffloadError{Reason: reason, Err: err}
+	case c.opts.RequireOffload && c.off.TX == ModeUserspace:
+		c.report(ev)
+		c.tlsConn.Close()
+		return &OffloadError{Reason: reason, Err: err}
+	}
+	c.report(ev)
+	return nil
+}
+
+func (c *Conn) report(ev Event) {
+	if ev.Kind == EventHandshake {
+		countOutcome(ev.Offload)
+	}
+	if c.opts.Observer != nil {
+		ev.Remote = c.raw.RemoteAddr()
+		c.opts.Observer(ev)
+	}
+}
+
+// offload installs what it can and returns the reason for what it did not.
+// Before TLS_TX succeeds every failure leaves the tls.Conn in charge.
+func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
+	if state.Version != tls.VersionTLS13 && state.Version != tls.VersionTLS12 {
+		return ReasonVersion, fmt.Errorf("version %s", tls.VersionName(state.Version))
+	}
+	if _, _, ok := kernelCipher(state.Version, state.CipherSuite); !ok {
+		return ReasonCipher, fmt.Errorf("cipher %s", tls.CipherSuiteName(state.CipherSuite))
+	}
+	if caps := Probe(); caps.ULP != nil {
+		return ReasonNoKernelSupport, caps.ULP
+	} else if !caps.Supports(state.Version, state.CipherSuite, !c.opts.DisableRX) {
+		return ReasonCipher, fmt.Errorf("kernel refused cipher %s", tls.CipherSuiteName(state.CipherSuite))
+	}
+	if !c.record.atRecordBoundary() {
+		return ReasonBufferedBytes, errors.New("handshake ended inside a record")
+	}
+	sock, reason, err := kernelSocket(c.raw)
+	if err != nil {
+		return reason, err
+	}
+	rawSock, err := sock.SyscallConn()
+	if err != nil {
+		return ReasonNotTCP, err
+	}
+	tx, rx, err := c.directionKeys(state)
+	if err != nil {
+		return ReasonKeyCapture, err
+	}
+	if err := controlFD(rawSock, func(fd int) error {
+		return unix.SetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_ULP, "tls")
+	}); err != nil {
+		return ReasonSetsockoptULP, err
+	}
+	// With the ULP attached but no key installed the socket still passes
+	// plain bytes, so the tls.Conn can carry on after a TLS_TX failure.
+	if err := c.install(rawSock, optTLSTX, state, tx); err != nil {
+		return ReasonSetsockoptTX, err
+	}
+	c.sock, c.rawSock, c.txSeq = sock, rawSock, tx.seq
+	c.txSecret = tx.secret
+	c.off.TX = ModeSW
+	if c.opts.TXZeroCopyRO {
+		if err := controlFD(rawSock, func(fd int) error {
+			return unix.SetsockoptInt(fd, unix.SOL_TLS, optTXZeroCopyRO, 1)
+		}); err != nil {
+			return ReasonSetsockoptRX, fmt.Errorf("TLS_TX_ZEROCOPY_RO: %w", err)
+		}
+	}
+	reason = ReasonNone
+	if c.opts.DisableRX {
+		c.opener, err = newRecordOpener(state.Version, state.CipherSuite, rx.key, rx.iv, rx.seq)
+		if err != nil {
+			return ReasonSetsockoptRX, err
+		}
+		c.rxSecret = rx.secret
+		reason = ReasonRXDisabled
+	} else {
+		if err := c.install(rawSock, optTLSRX, state, rx); err != nil {
+			return ReasonSetsockoptRX, err
+		}
+		c.rxSecret = rx.secret
+		c.off.RX = ModeSW
+		if c.opts.ExpectNoPad && state.Version == tls.VersionTLS13 {
+			if err := controlFD(rawSock, func(fd int) error {
+				return unix.SetsockoptInt(fd, unix.SOL_TLS, optRXExpectNoPad, 1)
+			}); err != nil {
+				return ReasonSetsockoptRX, fmt.Errorf("TLS_RX_EXPECT_NO_PAD: %w", err)
+			}
+		}
+	}
+	// The kernel, not our choice, says whether a direction went to a NIC.
+	if info, err := readULPInfo(rawSock); err == nil {
+		c.off.TX = info.TX
+		if !c.opts.DisableRX {
+			c.off.RX = info.RX
+		}
+	}
+	return reason, nil
+}
+
+// kernelSocket finds the TCP socket under raw.
+func kernelSocket(raw net.Conn) (*net.TCPConn, Reason, error) {
+	switch r := raw.(type) {
+	case *net.TCPConn:
+		return r, ReasonNone, nil
+	case Layered:
+		sock, err := r.Socket()
+		if err != nil {
+			return nil, ReasonBufferedBytes, err
+		}
+		return sock, ReasonNone, nil
+	}
+	return nil, ReasonNotTCP, fmt.Errorf("%T is not a TCP connection", raw)
+}
+
+// directionState is one direction's keys as installed.
+type directionState struct {
+	secret, key, iv []byte // secret: TLS 1.3 traffic secret (nil for 1.2)
+	seq             uint64
+}
+
+// directionKeys derives TX and RX keys and sequence numbers from the
+// captured secrets.
+func (c *Conn) directionKeys(state tls.ConnectionState) (tx, rx directionState, err error) {
+	if state.Version == tls.VersionTLS13 {
+		ours, theirs := "SERVER_TRAFFIC_SECRET_0", "CLIENT_TRAFFIC_SECRET_0"
+		if c.isClient {
+			ours, theirs = theirs, ours
+		}
+		if tx, err = tls13Direction(state.CipherSuite, c.keys.get(ours), ours); err != nil {
+			return tx, rx, err
+		}
+		if rx, err = tls13Direction(state.CipherSuite, c.keys.get(theirs), theirs); err != nil {
+			return tx, rx, err
+		}
+		// RX starts at 0: the peer sent nothing under its application key
+		// that we read (the record conn stopped at its Finished). A client
+		// receives the server's NewSessionTicket later, through Read.
+		if !c.isClient {
+			tx.seq = c.keys.tickets()
+		}
+		return tx, rx, nil
+	}
+	master, clientRandom := c.keys.get("CLIENT_RANDOM"), c.keys.get("client-random")
+	first := c.record.firstOut
+	if c.isClient {
+		first = c.record.firstIn
+	}
+	if master == nil && state.DidResume && !c.isClient {
+		master, clientRandom = c.keys.resumedMaster(state.CipherSuite), clientHelloRandom(c.record.firstIn)
+	}
+	serverRand, ok := serverRandom(first)
+	if master == nil || clientRandom == nil || !ok {
+		return tx, rx, errors.New("TLS 1.2 master secret or randoms not captured")
+	}
+	block, err := tls12Keys(state.CipherSuite, master, clientRandom, serverRand)
+	if err != nil {
+		return tx, rx, err
+	}
+	// Each side has sealed and opened exactly one record (Finished) under
+	// the new keys.
+	tx = directionState{key: block.ServerKey, iv: block.ServerIV, seq: 1}
+	rx = directionState{key: block.ClientKey, iv: block.ClientIV, seq: 1}
+	if c.isClient {
+		tx, rx = rx, tx
+	}
+	return tx, rx, nil
+}
+
+func tls13Direction(suite uint16, secret []byte, label string) (directionState, error) {
+	if secret == nil {
+		return directionState{}, fmt.Errorf("%s not captured", label)
+	}
+	key, iv, err := trafficKeys(suite, secret)
+	if err != nil {
+		return directionState{}, err
+	}
+	return directionState{secret: secret, key: key, iv: iv}, nil
+}
+
+func (c *Conn) install(rc syscall.RawConn, opt int, state tls.ConnectionState, d directionState) error {
+	info, err := cryptoInfo(state.Version, state.CipherSuite, d.key, d.iv, d.seq)
+	if err != nil {
+		return err
+	}
+	return controlFD(rc, func(fd int) error { return setsockoptBytes(fd, unix.SOL_TLS, opt, info) })
+}
+
+// Offload reports what the handshake did; the zero value before it ran.
+func (c *Conn) Offload() Offload {
+	if !c.hsDone.Load() {
+		return Offload{}
+	}
+	return c.off
+}
+
+// ConnectionState returns the TLS state of the handshake.
+func (c *Conn) ConnectionState() tls.ConnectionState { return c.tlsConn.ConnectionState() }
+
+// NetConn returns the raw conn given to Server or Client.
+func (c *Conn) NetConn() net.Conn { return c.raw }
+
+// SyscallConn returns the kernel socket's raw conn.
+func (c *Conn) SyscallConn() (syscall.RawConn, error) {
+	if c.hsDone.Load() && c.rawSock != nil {
+		return c.rawSock, nil
+	}
+	sc, ok := c.raw.(syscall.Conn)
+	if !ok {
+		return nil, fmt.Errorf("ktls: %T has no syscall.RawConn", c.raw)
+	}
+	return sc.SyscallConn()
+}
+
+// SpliceSource returns the socket when RX runs in the kernel, so splice(2)
+// reads decrypted bytes from it.
+func (c *Conn) SpliceSource() (syscall.RawConn, bool) {
+	if c.hsDone.Load() && c.hsErr == nil && c.off.RX != ModeUserspace {
+		return c.rawSock, true
+	}
+	return nil, false
+}
+
+// SpliceSink returns the socket when TX runs in the kernel, so splice(2)
+// writes to it get encrypted.
+func (c *Conn) SpliceSink() (syscall.RawConn, bool) {
+	if c.hsDone.Load() && c.hsErr == nil && c.off.TX != ModeUserspace {
+		return c.rawSock, true
+	}
+	return nil, false
+}
+
+// LocalAddr returns the local address.
+func (c *Conn) LocalAddr() net.Addr { return c.raw.LocalAddr() }
+
+// RemoteAddr returns the remote address.
+func (c *Conn) RemoteAddr() net.Addr { return c.raw.RemoteAddr() }
+
+// SetDeadline sets both deadlines, on the kernel socket too.
+func (c *Conn) SetDeadline(t time.Time) error {
+	return c.deadline(t, net.Conn.SetDeadline)
+}
+
+// SetReadDeadline sets the read deadline.
+func (c *Conn) SetReadDeadline(t time.Time) error {
+	return c.deadline(t, net.Conn.SetReadDeadline)
+}
+
+// SetWriteDeadline sets the write deadline.
+func (c *Conn) SetWriteDeadline(t time.Time) error {
+	return c.deadline(t, net.Conn.SetWriteDeadline)
+}
+
+func (c *Conn) deadline(t time.Time, set func(net.Conn, time.Time) error) error {
+	err := set(c.raw, t)
+	if c.hsDone.Load() && c.sock != nil && net.Conn(c.sock) != c.raw {
+		err = errors.Join(err, set(c.sock, t))
+	}
+	return err
+}
+
+// kernelTX reports whether writes go to the kernel.
+func (c *Conn) kernelTX() bool { return c.hsErr == nil && c.off.TX != ModeUserspace }
+
+// kernelRX reports whether reads come from the kernel.
+func (c *Conn) kernelRX() bool { return c.hsErr == nil && c.off.RX != ModeUserspace }
+
+// Write writes application data.
+func (c *Conn) Write(p []byte) (int, error) {
+	if err := c.Handshake(); err != nil {
+		return 0, err
+	}
+	if !c.kernelTX() {
+		return c.tlsConn.Write(p)
+	}
+	c.writeMu.Lock()
+	defer c.writeMu.Unlock()
+	if c.wroteEOF {
+		return 0, errors.New("ktls: write after close_notify")
+	}
+	return c.sock.Write(p)
+}
+
+// Close sends close_notify (when the handshake completed) and closes.
+func (c *Conn) Close() error {
+	c.closeOnce.Do(func() {
+		if !c.hsDone.Load() || !c.kernelTX() {
+			// tls.Conn.Close sends close_notify after a completed
+			// handshake and closes the raw conn.
+			c.closeErr = c.tlsConn.Close()
+			return
+		}
+		c.writeMu.Lock()
+		if !c.wroteEOF {
+			// Do not let a peer that stopped reading hold Close forever.
+			c.sock.SetWriteDeadline(time.Now().Add(5 * time.Second))
+			c.sendControlLocked(recordAlert, closeNotify)
+			c.wroteEOF = true
+		}
+		c.writeMu.Unlock()
+		c.closeErr = errors.Join(ignoreClosed(c.sock.Close()), closeIfDifferent(c.raw, c.sock))
+	})
+	return c.closeErr
+}
+
+// closeIfDifferent closes a layer over the socket too. Either may already
+// be closed (a fatal read error closes the socket), which is not an error
+// of Close.
+func closeIfDifferent(raw net.Conn, sock *net.TCPConn) error {
+	if raw == net.Conn(sock) {
+		return nil
+	}
+	return ignoreClosed(raw.Close())
+}
+
+func ignoreClosed(err error) error {
+	if errors.Is(err, net.ErrClosed) {
+		return nil
+	}
+	return err
+}
+
+var closeNotify = []byte{1, 0} // alert level warning, description close_notify
+
+// CloseWrite sends close_notify and shuts down the write side; reading
+// goes on.
+func (c *Conn) CloseWrite() error {
+	if err := c.Handshake(); err != nil {
+		return err
+	}
+	if !c.kernelTX() {
+		return c.tlsConn.CloseWrite()
+	}
+	c.writeMu.Lock()
+	defer c.writeMu.Unlock()
+	if c.wroteEOF {
+		return nil
+	}
+	if err := c.sendControlLocked(recordAlert, closeNotify); err != nil {
+		return err
+	}
+	c.wroteEOF = true
+	return c.sock.CloseWrite()
+}
+
+// sendControlLocked writes one non-data record through kTLS TX: sendmsg
+// with the record type in a TLS_SET_RECORD_TYPE cmsg. Caller holds writeMu.
+func (c *Conn) sendControlLocked(recordType byte, payload []byte) error {
+	oob := recordTypeCmsg(recordType)
+	var serr error
+	err := c.rawSock.Write(func(fd uintptr) bool {
+		_, serr = unix.SendmsgN(int(fd), payload, oob, nil, 0)
+		return serr != unix.EAGAIN
+	})
+	if err != nil {
+		return err
+	}
+	if serr != nil {
+		return fmt.Errorf("ktls: send record type %d: %w", recordType, serr)
+	}
+	return nil
+}

@@ -1,0 +1,443 @@
+package ktls
+
+import (
+	"bytes"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// expectedReason is what a fully offloadable connection reports on this
+// kernel: none where kTLS works, no-kernel-support elsewhere.
+func expectedReason() Reason {
+	if Probe().ULP != nil {
+		return ReasonNoKernelSupport
+	}
+	return ReasonNone
+}
+
+// runCase handshakes cc (twice when it resumes), checks the offload
+// outcome, moves n bytes each way and checks close_notify both ways.
+func runCase(t *testing.T, p *testPKI, cc connCase, opts Options, n int, want Reason) *pair {
+	t.Helper()
+	scfg, ccfg := p.configs(cc)
+	if cc.resume {
+		first, err := dialPair(t, scfg, ccfg, opts, nil)
+		if err != nil {
+			t.Fatalf("first handshake: %v", err)
+		}
+		// A TLS 1.3 ticket arrives after the handshake: the client sees
+		// it while reading.
+		exchange(t, first, 1024)
+		first.close()
+	}
+	pr, err := dialPair(t, scfg, ccfg, opts, nil)
+	if err != nil {
+		t.Fatalf("handshake: %v", err)
+	}
+	if got := pr.client.ConnectionState().DidResume; got != cc.resume {
+		t.Fatalf("client DidResume = %v, want %v", got, cc.resume)
+	}
+	if got := pr.server.ConnectionState().DidResume; got != cc.resume {
+		t.Fatalf("server DidResume = %v, want %v", got, cc.resume)
+	}
+	off := pr.server.Offload()
+	if off.Reason != want || off.Version != cc.version {
+		t.Fatalf("Offload() = %+v, want reason %q version %#x", off, want, cc.version)
+	}
+	if cc.mutualAuth && len(pr.server.ConnectionState().PeerCertificates) == 0 {
+		t.Fatal("server saw no client certificate")
+	}
+	exchange(t, pr, n)
+	pr.close()
+	return pr
+}
+
+// TestFallbackMatrix runs every handshake shape through the engine. On a
+// kernel without kTLS every connection falls back with no-kernel-support
+// and must still move data intact.
+func TestFallbackMatrix(t *testing.T) {
+	checkNoFDLeak(t, kerneltest.OpenFDs)
+	p := newTestPKI(t)
+	for _, cc := range connCases {
+		t.Run(cc.name, func(t *testing.T) {
+			pr := runCase(t, p, cc, Options{}, 1<<20, expectedReason())
+			if want := expectedReason(); want == ReasonNoKernelSupport {
+				off := pr.server.Offload()
+				if off.TX != ModeUserspace || off.RX != ModeUserspace {
+					t.Fatalf("fallback modes %v/%v, want userspace", off.TX, off.RX)
+				}
+				if _, ok := pr.server.SpliceSink(); ok {
+					t.Fatal("SpliceSink ok on a fallback connection")
+				}
+			}
+		})
+	}
+}
+
+// TestFallbackReasons checks the reasons decided before the kernel is asked.
+func TestFallbackReasons(t *testing.T) {
+	p := newTestPKI(t)
+	cbc := connCase{name: "cbc", version: tls.VersionTLS12}
+	scfg, ccfg := p.configs(cbc)
+	ccfg.CipherSuites = []uint16{tls.TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA}
+	pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pr.server.Offload().Reason; got != ReasonCipher {
+		t.Errorf("CBC suite: reason %q, want %q", got, ReasonCipher)
+	}
+	exchange(t, pr, 64<<10)
+	pr.close()
+
+	v11 := connCase{name: "tls11", version: tls.VersionTLS11}
+	scfg, ccfg = p.configs(v11)
+	scfg.MinVersion = tls.VersionTLS10
+	pr, err = dialPair(t, scfg, ccfg, Options{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pr.server.Offload().Reason; got != ReasonVersion {
+		t.Errorf("TLS 1.1: reason %q, want %q", got, ReasonVersion)
+	}
+	exchange(t, pr, 64<<10)
+	pr.close()
+
+	tls13 := connCase{name: "not-tcp", version: tls.VersionTLS13}
+	scfg, ccfg = p.configs(tls13)
+	hide := func(c net.Conn) net.Conn { return struct{ net.Conn }{c} }
+	pr, err = dialPair(t, scfg, ccfg, Options{}, hide)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := ReasonNotTCP
+	if Probe().ULP != nil {
+		want = ReasonNoKernelSupport // the kernel is asked before the socket is looked for
+	}
+	if got := pr.server.Offload().Reason; got != want {
+		t.Errorf("hidden TCP conn: reason %q, want %q", got, want)
+	}
+	exchange(t, pr, 64<<10)
+	pr.close()
+}
+
+// TestRequireOffload: no fallback allowed, so the handshake fails naming
+// the reason, and the observer and counters see it.
+func TestRequireOffload(t *testing.T) {
+	p := newTestPKI(t)
+	cc := connCase{name: "cbc", version: tls.VersionTLS12}
+	scfg, ccfg := p.configs(cc)
+	ccfg.CipherSuites = []uint16{tls.TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA}
+	var mu sync.Mutex
+	var events []Event
+	opts := Options{RequireOffload: true, Observer: func(e Event) {
+		mu.Lock()
+		events = append(events, e)
+		mu.Unlock()
+	}}
+	before := Stats()
+	_, err := dialPair(t, scfg, ccfg, opts, nil)
+	var oe *OffloadError
+	if !errors.As(err, &oe) || oe.Reason != ReasonCipher || !strings.Contains(err.Error(), "cipher") {
+		t.Fatalf("handshake error %v, want an OffloadError naming %q", err, ReasonCipher)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != ReasonCipher || events[0].Remote == nil {
+		t.Fatalf("observer events %+v, want one handshake event with reason cipher", events)
+	}
+	if d := Stats().Outcomes[ReasonCipher] - before.Outcomes[ReasonCipher]; d != 1 {
+		t.Fatalf("Stats().Outcomes[cipher] grew by %d, want 1", d)
+	}
+}
+
+// TestHandshakeFailed: a client that rejects the certificate makes the
+// server's handshake fail, with reason handshake-failed.
+func TestHandshakeFailed(t *testing.T) {
+	p := newTestPKI(t)
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
+	ccfg.RootCAs = nil // the test CA is unknown to the client
+	var got []Event
+	_, err := dialPair(t, scfg, ccfg, Options{Observer: func(e Event) { got = append(got, e) }}, nil)
+	if err == nil {
+		t.Fatal("handshake succeeded with an untrusted certificate")
+	}
+	if len(got) != 1 || got[0].Offload.Reason != ReasonHandshakeFailed || got[0].Err == nil {
+		t.Fatalf("events %+v, want one handshake-failed", got)
+	}
+}
+
+// TestGetConfigForClient: the config GetConfigForClient returns is the one
+// whose certificate is served, and it is never modified.
+func TestGetConfigForClient(t *testing.T) {
+	p := newTestPKI(t)
+	// A client with a session cache asks for tickets (psk_dhe_ke).
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13, tickets: true, resume: true})
+	chosen := scfg.Clone()
+	base := &tls.Config{GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) { return chosen, nil }}
+	pr, err := dialPair(t, base, ccfg, Options{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if chosen.KeyLogWriter != nil || chosen.WrapSession != nil || base.KeyLogWriter != nil {
+		t.Fatal("caller's configs were modified")
+	}
+	if got := pr.server.Offload().Reason; got != expectedReason() {
+		t.Fatalf("reason %q, want %q", got, expectedReason())
+	}
+	if len(pr.server.keys.get("SERVER_TRAFFIC_SECRET_0")) != 32 || pr.server.keys.tickets() != 1 {
+		t.Fatalf("keys not captured through GetConfigForClient (tickets %d)", pr.server.keys.tickets())
+	}
+	exchange(t, pr, 64<<10)
+	pr.close()
+}
+
+// TestClientFallback runs Client against a crypto/tls server.
+func TestClientFallback(t *testing.T) {
+	checkNoFDLeak(t, kerneltest.OpenFDs)
+	runClient(t, newTestPKI(t), 256<<10)
+}
+
+// runClient reads n bytes and close_notify from a crypto/tls server that
+// also sends a session ticket (the client has a session cache), with client
+// auth. With RX in the kernel the ticket arrives as a handshake record that
+// Read must drop.
+func runClient(t *testing.T, p *testPKI, n int) *Conn {
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13, tickets: true, mutualAuth: true, resume: true})
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", scfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	want, _, _ := sum256(payload(3, n))
+	srvErr := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			srvErr <- err
+			return
+		}
+		defer c.Close()
+		if _, err := io.Copy(c, payload(3, n)); err != nil {
+			srvErr <- err
+			return
+		}
+		srvErr <- c.(*tls.Conn).CloseWrite()
+	}()
+	raw, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := Client(raw, ccfg, Options{})
+	defer c.Close()
+	got, m, err := sum256(c)
+	if err != nil || m != int64(n) || got != want {
+		t.Fatalf("client read %d bytes, err %v, sha match %v", m, err, got == want)
+	}
+	if err := <-srvErr; err != nil {
+		t.Fatal(err)
+	}
+	if c.Offload().Reason != expectedReason() {
+		t.Fatalf("client reason %q", c.Offload().Reason)
+	}
+	return c
+}
+
+// TestReadFromFlattensLimitedReaders: two nested LimitedReaders around a
+// file reach the socket as one, so the kernel can sendfile, and every
+// wrapper's N is lowered afterwards.
+func TestReadFromFlattensLimitedReaders(t *testing.T) {
+	f, err := os.CreateTemp(t.TempDir(), "src")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := io.Copy(f, payload(4, 10000)); err != nil {
+		t.Fatal(err)
+	}
+	f.Seek(0, io.SeekStart)
+	inner := &io.LimitedReader{R: f, N: 7000}
+	outer := &io.LimitedReader{R: inner, N: 9000}
+	var dst recordingReaderFrom
+	n, err := readFromFlattened(&dst, outer)
+	if err != nil || n != 7000 {
+		t.Fatalf("copied %d, %v; want 7000", n, err)
+	}
+	lr, ok := dst.got.(*io.LimitedReader)
+	if !ok || lr.R != io.Reader(f) || lr.N != 0 {
+		t.Fatalf("socket got %T %+v, want one *io.LimitedReader over the *os.File", dst.got, dst.got)
+	}
+	if inner.N != 0 || outer.N != 2000 {
+		t.Fatalf("wrapper N = %d, %d; want 0, 2000", inner.N, outer.N)
+	}
+	want, _, _ := sum256(io.LimitReader(payload(4, 10000), 7000))
+	if got, _, _ := sum256(strings.NewReader(dst.data.String())); got != want {
+		t.Fatal("bytes differ")
+	}
+	// One level is left to the standard library unchanged.
+	var direct recordingReaderFrom
+	single := &io.LimitedReader{R: strings.NewReader("abc"), N: 2}
+	if n, err := readFromFlattened(&direct, single); n != 2 || err != nil || direct.got != io.Reader(single) {
+		t.Fatalf("single LimitedReader: %d %v %T", n, err, direct.got)
+	}
+}
+
+type recordingReaderFrom struct {
+	got  io.Reader
+	data strings.Builder
+}
+
+func (r *recordingReaderFrom) ReadFrom(src io.Reader) (int64, error) {
+	r.got = src
+	return io.Copy(&r.data, src)
+}
+
+// TestReadFromWriteToFallback: ReadFrom from a file and WriteTo into a
+// file work through the userspace path.
+func TestReadFromWriteToFallback(t *testing.T) {
+	p := newTestPKI(t)
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
+	pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pr.close()
+	dir := t.TempDir()
+	src := filepath.Join(dir, "src")
+	f, _ := os.Create(src)
+	io.Copy(f, payload(5, 300000))
+	f.Seek(0, io.SeekStart)
+	defer f.Close()
+	done := make(chan error, 1)
+	go func() {
+		_, err := pr.server.ReadFrom(&io.LimitedReader{R: &io.LimitedReader{R: f, N: 250000}, N: 200000})
+		if err == nil {
+			err = pr.server.CloseWrite()
+		}
+		done <- err
+	}()
+	got, n, err := sum256(pr.client)
+	want, _, _ := sum256(payload(5, 200000))
+	if err != nil || n != 200000 || got != want {
+		t.Fatalf("client got %d bytes (%v), sha ok %v", n, err, got == want)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	out, _ := os.Create(filepath.Join(dir, "out"))
+	defer out.Close()
+	go func() {
+		io.Copy(pr.client, payload(6, 100000))
+		pr.client.CloseWrite()
+	}()
+	if n, err := pr.server.WriteTo(out); err != nil || n != 100000 {
+		t.Fatalf("WriteTo: %d, %v", n, err)
+	}
+	out.Seek(0, io.SeekStart)
+	got, _, _ = sum256(out)
+	if want, _, _ := sum256(payload(6, 100000)); got != want {
+		t.Fatal("WriteTo bytes differ")
+	}
+}
+
+// TestTokenBucket: Burst at once, then PerSecond.
+func TestTokenBucket(t *testing.T) {
+	b := newTokenBucket(Rate{PerSecond: 2, Burst: 3})
+	now := time.Unix(1000, 0)
+	for i := range 3 {
+		if !b.allow(now) {
+			t.Fatalf("token %d of the burst refused", i)
+		}
+	}
+	if b.allow(now) {
+		t.Fatal("a fourth token at the same instant was allowed")
+	}
+	if !b.allow(now.Add(500 * time.Millisecond)) {
+		t.Fatal("no token after 1/PerSecond")
+	}
+	if b.allow(now.Add(600 * time.Millisecond)) {
+		t.Fatal("a token before the next refill")
+	}
+	if !b.allow(now.Add(time.Hour)) || !b.allow(now.Add(time.Hour)) || !b.allow(now.Add(time.Hour)) || b.allow(now.Add(time.Hour)) {
+		t.Fatal("refill is not capped at Burst")
+	}
+	if d := newTokenBucket(Rate{}); d.rate != DefaultKeyUpdateLimit {
+		t.Fatalf("zero Rate gives %+v, want the default", d.rate)
+	}
+}
+
+// TestCryptoInfoLayout checks the structs against the kernel's layout
+// (include/uapi/linux/tls.h): header, then iv, key, salt, rec_seq.
+func TestCryptoInfoLayout(t *testing.T) {
+	key, iv := bytes.Repeat([]byte{0xaa}, 16), []byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}
+	info, err := cryptoInfo(tls.VersionTLS13, tls.TLS_AES_128_GCM_SHA256, key, iv, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := binary.NativeEndian.AppendUint16(nil, 0x0304)
+	want = binary.NativeEndian.AppendUint16(want, 51)
+	want = append(want, iv[4:]...)
+	want = append(want, key...)
+	want = append(want, iv[:4]...)
+	want = append(want, 0, 0, 0, 0, 0, 0, 0, 7)
+	if !bytes.Equal(info, want) {
+		t.Fatalf("AES-128-GCM TLS 1.3:\n got %x\nwant %x", info, want)
+	}
+	key32 := bytes.Repeat([]byte{0xbb}, 32)
+	info, err = cryptoInfo(tls.VersionTLS13, tls.TLS_CHACHA20_POLY1305_SHA256, key32, iv, 1)
+	if err != nil || len(info) != 4+12+32+8 || !bytes.Equal(info[4:16], iv) || info[len(info)-1] != 1 {
+		t.Fatalf("ChaCha20: %x, %v", info, err)
+	}
+	salt := []byte{9, 9, 9, 9}
+	info, err = cryptoInfo(tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384, key32, salt, 1)
+	// TLS 1.2: the explicit nonce ("iv") starts at rec_seq.
+	if err != nil || len(info) != 4+8+32+4+8 || !bytes.Equal(info[4:12], info[len(info)-8:]) || !bytes.Equal(info[44:48], salt) {
+		t.Fatalf("AES-256-GCM TLS 1.2: %x, %v", info, err)
+	}
+	if _, err := cryptoInfo(tls.VersionTLS13, tls.TLS_AES_128_GCM_SHA256, key32, iv, 0); err == nil {
+		t.Fatal("a 32-byte key for AES-128 was accepted")
+	}
+	if _, err := cryptoInfo(tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA, key, salt, 0); err == nil {
+		t.Fatal("a CBC suite was accepted")
+	}
+}
+
+// BenchmarkHandshake compares a plain crypto/tls server handshake with the
+// engine's (key capture, record-bounded reads, offload decision; on a host
+// without kTLS no kernel call is made, so this is the userspace overhead).
+func BenchmarkHandshake(b *testing.B) {
+	p := newTestPKI(b)
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
+	run := func(b *testing.B, server func(net.Conn) interface{ Handshake() error }) {
+		for b.Loop() {
+			c1, c2 := net.Pipe()
+			errs := make(chan error, 1)
+			go func() { errs <- tls.Client(c1, ccfg).Handshake() }()
+			if err := server(c2).Handshake(); err != nil {
+				b.Fatal(err)
+			}
+			if err := <-errs; err != nil {
+				b.Fatal(err)
+			}
+			c1.Close()
+			c2.Close()
+		}
+	}
+	b.Run("crypto-tls", func(b *testing.B) {
+		run(b, func(c net.Conn) interface{ Handshake() error } { return tls.Server(c, scfg) })
+	})
+	b.Run("ktls", func(b *testing.B) {
+		run(b, func(c net.Conn) interface{ Handshake() error } { return Server(c, scfg, Options{}) })
+	})
+}

@@ -1,0 +1,147 @@
+package ktls
+
+import (
+	"crypto/tls"
+	"encoding/binary"
+	"fmt"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Constants from include/uapi/linux/tls.h that golang.org/x/sys/unix does
+// not export.
+const (
+	optTLSTX           = 1 // TLS_TX
+	optTLSRX           = 2 // TLS_RX
+	optTXZeroCopyRO    = 3 // TLS_TX_ZEROCOPY_RO (Linux >= 5.19)
+	optRXExpectNoPad   = 4 // TLS_RX_EXPECT_NO_PAD (Linux >= 6.0, TLS 1.3 RX only)
+	cmsgSetRecordType  = 1 // TLS_SET_RECORD_TYPE (sendmsg)
+	cmsgGetRecordType  = 2 // TLS_GET_RECORD_TYPE (recvmsg)
+	kernelAESGCM128    = 51
+	kernelAESGCM256    = 52
+	kernelChaCha20P130 = 54
+)
+
+// TLS record content types (RFC 8446 section 5.1).
+const (
+	recordChangeCipherSpec = 20
+	recordAlert            = 21
+	recordHandshake        = 22
+	recordApplicationData  = 23
+)
+
+// kernelCipher maps a crypto/tls cipher suite to the kernel's cipher_type and
+// key length. ok is false for suites the kernel path does not handle.
+func kernelCipher(version, suite uint16) (cipherType uint16, keyLen int, ok bool) {
+	switch version {
+	case tls.VersionTLS13:
+		switch suite {
+		case tls.TLS_AES_128_GCM_SHA256:
+			return kernelAESGCM128, 16, true
+		case tls.TLS_AES_256_GCM_SHA384:
+			return kernelAESGCM256, 32, true
+		case tls.TLS_CHACHA20_POLY1305_SHA256:
+			return kernelChaCha20P130, 32, true
+		}
+	case tls.VersionTLS12:
+		switch suite {
+		case tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256:
+			return kernelAESGCM128, 16, true
+		case tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384, tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384:
+			return kernelAESGCM256, 32, true
+		}
+	}
+	return 0, 0, false
+}
+
+// cryptoInfo builds struct tls12_crypto_info_aes_gcm_{128,256} or
+// tls12_crypto_info_chacha20_poly1305. The header fields are host-endian
+// __u16; rec_seq is big endian like on the wire.
+//
+// For TLS 1.3 and ChaCha20 the kernel XORs the sequence number into the
+// 12-byte IV, so iv carries the whole static IV (salt = its first 4 bytes).
+// For TLS 1.2 AES-GCM, iv is the 4-byte implicit salt and the kernel uses
+// the 8-byte "iv" field as the explicit nonce, incrementing it per record:
+// it must start at rec_seq, which is what crypto/tls sends as explicit nonce.
+func cryptoInfo(version, suite uint16, key, iv []byte, seq uint64) ([]byte, error) {
+	cipherType, keyLen, ok := kernelCipher(version, suite)
+	if !ok {
+		return nil, fmt.Errorf("ktls: no kernel cipher for version %#04x suite %#04x", version, suite)
+	}
+	if len(key) != keyLen {
+		return nil, fmt.Errorf("ktls: key is %d bytes, want %d", len(key), keyLen)
+	}
+	var seqBytes [8]byte
+	binary.BigEndian.PutUint64(seqBytes[:], seq)
+	b := make([]byte, 0, 64)
+	b = binary.NativeEndian.AppendUint16(b, version)
+	b = binary.NativeEndian.AppendUint16(b, cipherType)
+	switch {
+	case cipherType == kernelChaCha20P130:
+		if len(iv) != 12 {
+			return nil, fmt.Errorf("ktls: ChaCha20 iv is %d bytes, want 12", len(iv))
+		}
+		b = append(b, iv...)
+		b = append(b, key...)
+	case version == tls.VersionTLS13:
+		if len(iv) != 12 {
+			return nil, fmt.Errorf("ktls: TLS 1.3 iv is %d bytes, want 12", len(iv))
+		}
+		b = append(b, iv[4:12]...)
+		b = append(b, key...)
+		b = append(b, iv[0:4]...)
+	default: // TLS 1.2 AES-GCM
+		if len(iv) != 4 {
+			return nil, fmt.Errorf("ktls: TLS 1.2 implicit iv is %d bytes, want 4", len(iv))
+		}
+		b = append(b, seqBytes[:]...)
+		b = append(b, key...)
+		b = append(b, iv...)
+	}
+	b = append(b, seqBytes[:]...)
+	return b, nil
+}
+
+// setsockoptBytes passes a struct by pointer and length, as the kernel wants
+// for TLS_TX/TLS_RX.
+func setsockoptBytes(fd, level, opt int, b []byte) error {
+	return unix.SetsockoptString(fd, level, opt, string(b))
+}
+
+// controlFD runs f on the socket's descriptor.
+func controlFD(rc syscall.RawConn, f func(fd int) error) error {
+	var ferr error
+	if err := rc.Control(func(fd uintptr) { ferr = f(int(fd)) }); err != nil {
+		return err
+	}
+	return ferr
+}
+
+// recordTypeCmsg builds the control message that sets the record type of a
+// sendmsg(2) on a kTLS socket.
+func recordTypeCmsg(recordType byte) []byte {
+	oob := make([]byte, unix.CmsgSpace(1))
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
+	h.Level = unix.SOL_TLS
+	h.Type = cmsgSetRecordType
+	h.SetLen(unix.CmsgLen(1))
+	oob[unix.CmsgLen(0)] = recordType
+	return oob
+}
+
+// parseRecordType returns the TLS_GET_RECORD_TYPE byte of a recvmsg(2), or
+// -1 when the kernel attached none.
+func parseRecordType(oob []byte) int {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return -1
+	}
+	for _, m := range msgs {
+		if m.Header.Level == unix.SOL_TLS && m.Header.Type == cmsgGetRecordType && len(m.Data) > 0 {
+			return int(m.Data[0])
+		}
+	}
+	return -1
+}

@@ -1,0 +1,205 @@
+package ktls
+
+import (
+	"crypto/tls"
+	"fmt"
+	"strings"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Capabilities is what this kernel accepts, found by trying setsockopt on
+// throwaway loopback connections (never by parsing version numbers: distro
+// kernels backport features and modules may be absent).
+type Capabilities struct {
+	// ULP is nil if the "tls" upper layer protocol attaches to a TCP socket;
+	// otherwise why not (ENOENT: no CONFIG_TLS, or module not loaded and the
+	// process may not autoload it).
+	ULP error
+	// NetAdmin reports whether the process holds CAP_NET_ADMIN: the kernel
+	// autoloads the tls module on TCP_ULP only for such a caller.
+	NetAdmin bool
+	// Ciphers lists TLS 1.2 and 1.3 × AES-128-GCM, AES-256-GCM,
+	// ChaCha20-Poly1305 with whether TLS_TX and TLS_RX accepted them.
+	Ciphers []CipherSupport
+	// ExpectNoPad reports whether TLS_RX_EXPECT_NO_PAD is accepted.
+	ExpectNoPad bool
+	// TXZeroCopyRO reports whether TLS_TX_ZEROCOPY_RO is accepted.
+	TXZeroCopyRO bool
+	// Rekey reports whether a second TLS_TX on a TLS 1.3 socket is accepted
+	// (KeyUpdate support, Linux >= 6.14).
+	Rekey bool
+	// Kernel is the uname release, informational only.
+	Kernel string
+}
+
+// CipherSupport says whether the kernel took one version/suite pair for
+// each direction.
+type CipherSupport struct {
+	Version     uint16
+	CipherSuite uint16
+	Name        string
+	TX, RX      bool
+}
+
+// Supports reports whether the kernel accepted a version/suite pair for TX
+// and, when rxToo, for RX. Suites are compared by the kernel cipher they
+// need: the probe tries the RSA-signed TLS 1.2 suites, and their ECDSA twins
+// use the same record protection.
+func (c Capabilities) Supports(version, suite uint16, rxToo bool) bool {
+	want, _, ok := kernelCipher(version, suite)
+	if c.ULP != nil || !ok {
+		return false
+	}
+	for _, s := range c.Ciphers {
+		if got, _, _ := kernelCipher(s.Version, s.CipherSuite); s.Version == version && got == want {
+			return s.TX && (s.RX || !rxToo)
+		}
+	}
+	return false
+}
+
+// String renders the capabilities for humans (used by `caddy ktls probe`).
+func (c Capabilities) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "kernel:           %s\n", c.Kernel)
+	fmt.Fprintf(&b, "CAP_NET_ADMIN:    %v\n", c.NetAdmin)
+	if c.ULP != nil {
+		fmt.Fprintf(&b, "tls ULP:          unavailable: %v\n", c.ULP)
+		if !c.NetAdmin {
+			b.WriteString("                  (without CAP_NET_ADMIN the kernel will not autoload the module: run `modprobe tls`)\n")
+		}
+		return b.String()
+	}
+	b.WriteString("tls ULP:          ok\n")
+	for _, s := range c.Ciphers {
+		fmt.Fprintf(&b, "%-17s %-30s TX %-3s RX %s\n", tls.VersionName(s.Version)+":", s.Name, yesNo(s.TX), yesNo(s.RX))
+	}
+	fmt.Fprintf(&b, "RX expect no pad: %s\n", yesNo(c.ExpectNoPad))
+	fmt.Fprintf(&b, "TX zerocopy RO:   %s\n", yesNo(c.TXZeroCopyRO))
+	fmt.Fprintf(&b, "TLS 1.3 rekey:    %s\n", yesNo(c.Rekey))
+	return b.String()
+}
+
+func yesNo(v bool) string {
+	if v {
+		return "yes"
+	}
+	return "no"
+}
+
+var (
+	probeOnce sync.Once
+	probeCaps Capabilities
+)
+
+// Probe returns the kernel's kTLS capabilities. The first call tries them on
+// loopback sockets; later calls return the cached result.
+func Probe() Capabilities {
+	probeOnce.Do(func() { probeCaps = probe() })
+	return probeCaps
+}
+
+// probeSuites are the version/suite pairs the engine can install.
+var probeSuites = []struct {
+	version, suite uint16
+}{
+	{tls.VersionTLS13, tls.TLS_AES_128_GCM_SHA256},
+	{tls.VersionTLS13, tls.TLS_AES_256_GCM_SHA384},
+	{tls.VersionTLS13, tls.TLS_CHACHA20_POLY1305_SHA256},
+	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256},
+	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384},
+}
+
+func probe() Capabilities {
+	var c Capabilities
+	var uts unix.Utsname
+	if unix.Uname(&uts) == nil {
+		c.Kernel = unix.ByteSliceToString(uts.Release[:])
+	}
+	c.NetAdmin = hasNetAdmin()
+	c.ULP = withULPSocket(func(int) error { return nil })
+	if c.ULP != nil {
+		return c
+	}
+	for _, s := range probeSuites {
+		cs := CipherSupport{Version: s.version, CipherSuite: s.suite, Name: tls.CipherSuiteName(s.suite)}
+		// One socket per pair: without rekey support a direction accepts one key only.
+		_ = withULPSocket(func(fd int) error {
+			cs.TX = installProbeKey(fd, optTLSTX, s.version, s.suite) == nil
+			cs.RX = installProbeKey(fd, optTLSRX, s.version, s.suite) == nil
+			if s.version == tls.VersionTLS13 && s.suite == tls.TLS_AES_128_GCM_SHA256 {
+				c.ExpectNoPad = cs.RX && unix.SetsockoptInt(fd, unix.SOL_TLS, optRXExpectNoPad, 1) == nil
+				c.TXZeroCopyRO = cs.TX && unix.SetsockoptInt(fd, unix.SOL_TLS, optTXZeroCopyRO, 1) == nil
+				c.Rekey = cs.TX && installProbeKey(fd, optTLSTX, s.version, s.suite) == nil
+			}
+			return nil
+		})
+		c.Ciphers = append(c.Ciphers, cs)
+	}
+	return c
+}
+
+// installProbeKey installs an all-zero key: the kernel checks only the
+// struct, not the key, and no record is ever sent.
+func installProbeKey(fd, opt int, version, suite uint16) error {
+	_, keyLen, _ := kernelCipher(version, suite)
+	ivLen := 12
+	if version == tls.VersionTLS12 {
+		ivLen = 4
+	}
+	info, err := cryptoInfo(version, suite, make([]byte, keyLen), make([]byte, ivLen), 0)
+	if err != nil {
+		return err
+	}
+	return setsockoptBytes(fd, unix.SOL_TLS, opt, info)
+}
+
+// withULPSocket connects a throwaway loopback TCP pair, attaches the "tls"
+// ULP to the client end (the kernel only attaches it to an ESTABLISHED
+// socket: ENOTCONN otherwise) and runs f on it.
+func withULPSocket(f func(fd int) error) error {
+	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(ln)
+	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		return err
+	}
+	if err := unix.Listen(ln, 1); err != nil {
+		return err
+	}
+	sa, err := unix.Getsockname(ln)
+	if err != nil {
+		return err
+	}
+	cl, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(cl)
+	if err := unix.Connect(cl, sa); err != nil {
+		return err
+	}
+	// Accept the peer so the pair closes cleanly on both ends.
+	if srv, _, err := unix.Accept4(ln, unix.SOCK_CLOEXEC); err == nil {
+		defer unix.Close(srv)
+	}
+	if err := unix.SetsockoptString(cl, unix.IPPROTO_TCP, unix.TCP_ULP, "tls"); err != nil {
+		return fmt.Errorf("setsockopt(TCP_ULP, \"tls\"): %w", err)
+	}
+	return f(cl)
+}
+
+// hasNetAdmin reports whether CAP_NET_ADMIN is in the effective set.
+func hasNetAdmin() bool {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return false
+	}
+	const capNetAdmin = unix.CAP_NET_ADMIN
+	return data[capNetAdmin/32].Effective&(1<<(capNetAdmin%32)) != 0
+}

@@ -1,0 +1,219 @@
+package splice
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The control-record branch needs a kTLS socket to happen for real (see the
+// TestKernel tests). These host tests drive the same code by injecting the
+// errors splice(2) returns on a kTLS source at a non-data record, through
+// the tunnel's splice function, and by standing in for the kTLS conn's Read.
+
+// controlSource poses as a kTLS connection whose RX runs in the kernel: it
+// offers its TCP socket for splicing and answers the relay's Read (which the
+// relay only calls when splice failed) from a script.
+type controlSource struct {
+	*net.TCPConn
+	reads chan readResult
+}
+
+type readResult struct {
+	data []byte
+	err  error
+}
+
+func (c *controlSource) SpliceSource() (syscall.RawConn, bool) {
+	rc, err := c.SyscallConn()
+	return rc, err == nil
+}
+
+func (c *controlSource) Read(p []byte) (int, error) {
+	select {
+	case r := <-c.reads:
+		return copy(p, r.data), r.err
+	case <-time.After(10 * time.Second):
+		return 0, errors.New("controlSource: Read called with nothing scripted")
+	}
+}
+
+// injector fails the next splice(2) that reads from fd with a queued error.
+type injector struct {
+	fd   int
+	errs chan error
+}
+
+func newInjector(t *testing.T, c *net.TCPConn) *injector {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	inj := &injector{errs: make(chan error, 1024)}
+	rc.Control(func(fd uintptr) { inj.fd = int(fd) })
+	return inj
+}
+
+func (inj *injector) splice(rfd, wfd, n, flags int) (int64, error) {
+	if rfd == inj.fd {
+		select {
+		case err := <-inj.errs:
+			return 0, err
+		default:
+		}
+	}
+	return spliceSyscall(rfd, wfd, n, flags)
+}
+
+// controlTunnel sets up client → controlSource(relayA) → relayB → upstream.
+func controlTunnel(t *testing.T) (topology, *controlSource, *injector, func() (Result, error)) {
+	tp := newTopology(t)
+	src := &controlSource{TCPConn: tp.relayA, reads: make(chan readResult, 16)}
+	inj := newInjector(t, tp.relayA)
+	tun := newTunnel(src, tp.relayB, Options{Pipes: newTestPool(t, 2)}, inj.splice)
+	return tp, src, inj, runRelay(t.Context(), tun)
+}
+
+func readN(t *testing.T, r io.Reader, n int) []byte {
+	t.Helper()
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		t.Fatalf("read %d bytes: %v", n, err)
+	}
+	return b
+}
+
+// TestControlRecordDataKeepsOrder: a control step that yields data (the
+// conn's Read returned bytes) lands between the bytes spliced before and
+// after it, and is counted as copied.
+func TestControlRecordDataKeepsOrder(t *testing.T) {
+	checkLeaks(t)
+	tp, src, inj, wait := controlTunnel(t)
+	before := bytes.Repeat([]byte("A"), 100<<10)
+	after := bytes.Repeat([]byte("B"), 100<<10)
+	if _, err := tp.client.Write(before); err != nil {
+		t.Fatal(err)
+	}
+	if got := readN(t, tp.upstream, len(before)); !bytes.Equal(got, before) {
+		t.Fatal("first block corrupted")
+	}
+	inj.errs <- unix.EINVAL
+	src.reads <- readResult{data: []byte("XYZ")}
+	if _, err := tp.client.Write(after); err != nil {
+		t.Fatal(err)
+	}
+	tp.client.CloseWrite()
+	tp.upstream.CloseWrite()
+	got, err := io.ReadAll(tp.upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "XYZ" + string(after); string(got) != want {
+		t.Fatalf("upstream got %d bytes starting %q, want %d starting %q", len(got), got[:min(8, len(got))], len(want), want[:8])
+	}
+	res, err := wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ds := res.AToB
+	if ds.Bytes != 200<<10+3 || ds.SpliceBytes != 200<<10 || ds.CopyBytes != 3 || ds.ControlRecords != 1 || ds.End != EndEOF {
+		t.Errorf("a->b %+v", ds)
+	}
+}
+
+// TestControlRecordKeyUpdateThenCloseNotify: a KeyUpdate (Read returns 0,
+// nil; EKEYEXPIRED from splice until the rekey) is transparent, and
+// close_notify (Read returns io.EOF) half-closes the upstream while the
+// client's socket has not even sent a FIN.
+func TestControlRecordKeyUpdateThenCloseNotify(t *testing.T) {
+	checkLeaks(t)
+	tp, src, inj, wait := controlTunnel(t)
+	inj.errs <- unix.EINVAL      // the KeyUpdate record at the head of the queue
+	inj.errs <- unix.EKEYEXPIRED // what a kernel ≥ 6.14 answers until the new key is in
+	src.reads <- readResult{}
+	src.reads <- readResult{}
+	if _, err := tp.client.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	if got := readN(t, tp.upstream, 5); string(got) != "hello" {
+		t.Fatalf("upstream got %q", got)
+	}
+	inj.errs <- unix.EINVAL
+	src.reads <- readResult{err: io.EOF}
+	if _, err := tp.client.Write([]byte("!")); err != nil { // wakes the relay
+		t.Fatal(err)
+	}
+	if n, err := tp.upstream.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("upstream after close_notify: %d, %v; want EOF", n, err)
+	}
+	tp.upstream.CloseWrite()
+	res, err := wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ds := res.AToB; ds.Bytes != 5 || ds.ControlRecords != 3 || ds.End != EndEOF {
+		t.Errorf("a->b %+v, want 5 bytes, 3 control records, eof", ds)
+	}
+}
+
+// TestControlRecordAlert: an alert (Read returns an error) fails the tunnel
+// with that error.
+func TestControlRecordAlert(t *testing.T) {
+	checkLeaks(t)
+	tp, src, inj, wait := controlTunnel(t)
+	inj.errs <- unix.EINVAL
+	src.reads <- readResult{err: errors.New("tls: remote alert: bad_record_mac")}
+	tp.client.Write([]byte("x"))
+	res, err := wait()
+	if err == nil || !strings.Contains(err.Error(), "bad_record_mac") {
+		t.Fatalf("relay error %v, want the alert", err)
+	}
+	if res.AToB.End != EndError || res.BToA.End != EndAborted {
+		t.Errorf("ends a->b %v b->a %v, want error, aborted", res.AToB.End, res.BToA.End)
+	}
+}
+
+// TestControlRecordFlood: a source whose splice keeps failing while Read
+// yields nothing is cut off instead of spinning.
+func TestControlRecordFlood(t *testing.T) {
+	checkLeaks(t)
+	tp, src, inj, wait := controlTunnel(t)
+	for range maxControlRecordsInARow + 1 {
+		inj.errs <- unix.EINVAL
+	}
+	go func() {
+		for range maxControlRecordsInARow {
+			src.reads <- readResult{}
+		}
+	}()
+	tp.client.Write([]byte("x"))
+	res, err := wait()
+	if err == nil || !strings.Contains(err.Error(), "control records in a row") {
+		t.Fatalf("relay error %v, want the flood cut-off", err)
+	}
+	if res.AToB.ControlRecords != maxControlRecordsInARow {
+		t.Errorf("handled %d control records, want %d", res.AToB.ControlRecords, maxControlRecordsInARow)
+	}
+}
+
+// TestPlainSourceSpliceErrorIsFatal: on a plain TCP source a splice error is
+// a real error, never a control record (there is no userspace path to ask).
+func TestPlainSourceSpliceErrorIsFatal(t *testing.T) {
+	checkLeaks(t)
+	tp := newTopology(t)
+	inj := newInjector(t, tp.relayA)
+	inj.errs <- unix.EINVAL
+	wait := runRelay(t.Context(), newTunnel(tp.relayA, tp.relayB, Options{Pipes: newTestPool(t, 1)}, inj.splice))
+	tp.client.Write([]byte("x"))
+	res, err := wait()
+	if !errors.Is(err, unix.EINVAL) || res.AToB.End != EndError || res.AToB.ControlRecords != 0 {
+		t.Fatalf("relay: %v, %+v; want EINVAL as a fatal a->b error", err, res.AToB)
+	}
+}

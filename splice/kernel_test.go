@@ -1,0 +1,287 @@
+package splice
+
+import (
+	"bufio"
+	"bytes"
+	"crypto/tls"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+)
+
+// kernelTestSize is the per-direction transfer of the kernel tests:
+// KTLS_TEST_MIB MiB (default 4, small because the VM emulates AES slowly).
+func kernelTestSize(t *testing.T) int64 {
+	v := os.Getenv("KTLS_TEST_MIB")
+	if v == "" {
+		return 4 * MiB
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n <= 0 {
+		t.Fatalf("KTLS_TEST_MIB=%q: want a positive integer", v)
+	}
+	return int64(n) * MiB
+}
+
+// ktlsTopology is gateway (Go TLS client) → kTLS server conn (tunnel side a)
+// → tunnel → relayB → upstream, all on loopback.
+type ktlsTopology struct {
+	gateway  *tls.Conn
+	server   *ktls.Conn
+	relayB   *net.TCPConn
+	upstream *net.TCPConn
+}
+
+func newKTLSTopology(t *testing.T, version uint16, opts ktls.Options) ktlsTopology {
+	t.Helper()
+	ca := testpki.NewCA(t, "splice test CA")
+	srvCfg := &tls.Config{Certificates: []tls.Certificate{ca.Server(t).TLS}}
+	cliCfg := &tls.Config{RootCAs: ca.Pool, ServerName: "localhost", MinVersion: version, MaxVersion: version}
+	cliRaw, srvRaw := tcpPair(t)
+	server := ktls.Server(srvRaw, srvCfg, opts)
+	gateway := tls.Client(cliRaw, cliCfg)
+	hsErr := make(chan error, 1)
+	go func() { hsErr <- gateway.Handshake() }()
+	if err := server.Handshake(); err != nil {
+		t.Fatalf("kTLS server handshake: %v", err)
+	}
+	if err := <-hsErr; err != nil {
+		t.Fatalf("client handshake: %v", err)
+	}
+	var tp ktlsTopology
+	tp.gateway, tp.server = gateway, server
+	tp.relayB, tp.upstream = tcpPair(t)
+	t.Cleanup(func() { gateway.Close(); server.Close() })
+	return tp
+}
+
+// TestKernelRelayEcho: size bytes each way through a kTLS server conn and the
+// relay to an echo upstream and back, for TLS 1.3 and 1.2, with RX in the
+// kernel (both directions spliced) and with RX kept in userspace (the
+// gateway→upstream direction copies, the other still splices into kTLS TX).
+// The gateway's close_notify reaches the relay as a control record.
+func TestKernelRelayEcho(t *testing.T) {
+	kerneltest.Require(t)
+	size := kernelTestSize(t)
+	// The first offload probes the kernel on throwaway sockets (cached for
+	// the process); keep those installs out of the counted deltas.
+	ktls.Probe()
+	for _, tc := range []struct {
+		name      string
+		version   uint16
+		disableRX bool
+	}{
+		{"tls13", tls.VersionTLS13, false},
+		{"tls12", tls.VersionTLS12, false},
+		{"tls13-rx-userspace", tls.VersionTLS13, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkLeaks(t)
+			pool := newTestPool(t, 2)
+			var res Result
+			var err error
+			// The delta spans the handshake (where the keys go into the
+			// kernel) and the close (where the kernel drops them).
+			delta := kerneltest.StatDelta(t, func() {
+				tp := newKTLSTopology(t, tc.version, ktls.Options{RequireOffload: true, DisableRX: tc.disableRX})
+				res, err = echoThrough(t, tp, New(tp.server, tp.relayB, Options{Pipes: pool}), size)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			in, out := res.AToB, res.BToA
+			t.Logf("gateway->upstream %+v; upstream->gateway %+v; tls_stat delta %v", in, out, delta)
+			if out.Bytes != size || !out.Spliced || out.SpliceBytes != size || out.End != EndEOF {
+				t.Errorf("upstream->gateway %+v, want %d bytes spliced into kTLS TX", out, size)
+			}
+			if tc.disableRX {
+				if in.Bytes != size || in.Spliced || in.CopyBytes != size || in.End != EndEOF {
+					t.Errorf("gateway->upstream %+v, want %d bytes copied (RX in userspace)", in, size)
+				}
+			} else {
+				// close_notify is the one control record; it carries no data.
+				if in.Bytes != size || !in.Spliced || in.SpliceBytes != size || in.ControlRecords != 1 || in.End != EndEOF {
+					t.Errorf("gateway->upstream %+v, want %d bytes spliced from kTLS RX and 1 control record", in, size)
+				}
+			}
+			if delta["TlsTxSw"] != 1 {
+				t.Errorf("TlsTxSw moved by %d, want 1", delta["TlsTxSw"])
+			}
+			if want := map[bool]int64{false: 1, true: 0}[tc.disableRX]; delta["TlsRxSw"] != want {
+				t.Errorf("TlsRxSw moved by %d, want %d", delta["TlsRxSw"], want)
+			}
+			if delta["TlsCurrTxSw"] != 0 || delta["TlsCurrRxSw"] != 0 {
+				t.Errorf("kTLS sockets left open: TlsCurrTxSw %+d, TlsCurrRxSw %+d", delta["TlsCurrTxSw"], delta["TlsCurrRxSw"])
+			}
+			if delta["TlsDecryptError"] != 0 {
+				t.Errorf("TlsDecryptError moved by %d", delta["TlsDecryptError"])
+			}
+		})
+	}
+}
+
+// echoThrough runs the tunnel, sends size bytes from the gateway, lets the
+// upstream echo them, and checks what the gateway gets back.
+func echoThrough(t *testing.T, tp ktlsTopology, tun *Tunnel, size int64) (Result, error) {
+	wait := runRelay(t.Context(), tun)
+	var wg sync.WaitGroup
+	var upErr, sendErr error
+	var sent []byte
+	wg.Go(func() { upErr = echoUpstream(tp.upstream) })
+	wg.Go(func() {
+		sent, sendErr = sendStream(tp.gateway, 7, size)
+		if sendErr == nil {
+			sendErr = tp.gateway.CloseWrite() // close_notify
+		}
+	})
+	got, gotSum, recvErr := recvStream(tp.gateway)
+	wg.Wait()
+	res, relayErr := wait()
+	if err := errors.Join(upErr, sendErr, recvErr, relayErr); err != nil {
+		return res, err
+	}
+	if got != size || !bytes.Equal(gotSum, sent) {
+		return res, errors.New("echo through kTLS: digest or size mismatch")
+	}
+	return res, nil
+}
+
+// TestKernelRelayKeyUpdate: openssl s_client sends KeyUpdate(update_requested)
+// in the middle of a spliced stream (its "K" command). On a kernel that can
+// rekey kTLS (>= 6.14) the record is handled by the conn's userspace path,
+// the relay resumes splicing with the new RX key, and bytes spliced back into
+// kTLS TX after the conn's answering KeyUpdate still decrypt at the client.
+// On older kernels the relay must fail with the conn's clear error.
+func TestKernelRelayKeyUpdate(t *testing.T) {
+	kerneltest.Require(t)
+	openssl, err := exec.LookPath("openssl")
+	if err != nil {
+		if kerneltest.Required() {
+			t.Fatalf("openssl not found: %v", err)
+		}
+		t.Skipf("SKIP: openssl not found: %v", err)
+	}
+	rekey := ktls.Probe().Rekey // before checkLeaks: the probe is cached for the process
+	checkLeaks(t)
+	ca := testpki.NewCA(t, "splice keyupdate CA")
+	caFile := ca.WriteFile(t, t.TempDir(), "ca")
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+
+	cmd := exec.CommandContext(t.Context(), openssl, "s_client", "-connect", ln.Addr().String(),
+		"-tls1_3", "-servername", "localhost", "-CAfile", caFile)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = io.Discard
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		cmd.Process.Kill()
+		cmd.Wait() // closes stdin and stdout
+	}()
+	raw, err := ln.AcceptTCP()
+	if err != nil {
+		t.Fatal(err)
+	}
+	server := ktls.Server(raw, &tls.Config{Certificates: []tls.Certificate{ca.Server(t).TLS}}, ktls.Options{RequireOffload: true})
+	defer server.Close()
+	if err := server.HandshakeContext(t.Context()); err != nil {
+		t.Fatalf("kTLS handshake with openssl: %v", err)
+	}
+	relayB, upstream := tcpPair(t)
+	pool := newTestPool(t, 2)
+	var res Result
+	var relayErr error
+	delta := kerneltest.StatDelta(t, func() {
+		wait := runRelay(t.Context(), New(server, relayB, Options{Pipes: pool}))
+		lines := bufio.NewScanner(stdout)
+		// s_client reads stdin in chunks and treats a chunk starting with
+		// "K" as its KeyUpdate command: data chunks are digits only.
+		block1 := digits(64<<10, '1')
+		block2 := digits(64<<10, '2')
+		stdin.Write(block1)
+		if got := readN(t, upstream, len(block1)); !bytes.Equal(got, block1) {
+			t.Fatal("block before KeyUpdate corrupted")
+		}
+		stdin.Write([]byte("K\n"))
+		time.Sleep(200 * time.Millisecond) // a separate stdin chunk for the command
+		stdin.Write(block2)
+		if !rekey {
+			res, relayErr = wait()
+			return
+		}
+		if got := readN(t, upstream, len(block2)); !bytes.Equal(got, block2) {
+			t.Fatal("block after KeyUpdate corrupted")
+		}
+		// The conn answered with its own KeyUpdate and rotated TX; a reply
+		// spliced into kTLS TX now must decrypt at openssl.
+		const pong = "PONG-after-keyupdate"
+		upstream.Write([]byte(pong + "\n"))
+		found := false
+		for lines.Scan() {
+			if strings.Contains(lines.Text(), pong) {
+				found = true
+				break
+			}
+		}
+		if !found {
+			t.Error("openssl never printed the reply sent after the KeyUpdate")
+		}
+		stdin.Close() // s_client sends close_notify and exits
+		if rest, err := io.ReadAll(upstream); err != nil || len(rest) != 0 {
+			t.Errorf("upstream after close_notify: %d more bytes, %v; want EOF", len(rest), err)
+		}
+		upstream.CloseWrite()
+		res, relayErr = wait()
+	})
+	t.Logf("rekey=%v result %+v err %v tls_stat delta %v", rekey, res, relayErr, delta)
+	if !rekey {
+		if !errors.Is(relayErr, ktls.ErrRekeyUnsupported) || res.AToB.End != EndError {
+			t.Fatalf("relay on a kernel without kTLS rekey: %v, want ErrRekeyUnsupported", relayErr)
+		}
+		return
+	}
+	if relayErr != nil {
+		t.Fatal(relayErr)
+	}
+	// The conn's Read that consumes the KeyUpdate may go on to return the
+	// data record behind it: those bytes are copied, the rest spliced.
+	in := res.AToB
+	if in.Bytes != 128<<10 || in.SpliceBytes+in.CopyBytes != in.Bytes || in.SpliceBytes == 0 || in.ControlRecords < 2 || in.End != EndEOF {
+		t.Errorf("openssl->upstream %+v, want 128 KiB mostly spliced, KeyUpdate and close_notify as control records", in)
+	}
+	if delta["TlsRxRekeyOk"] < 1 || delta["TlsTxRekeyOk"] < 1 {
+		t.Errorf("tls_stat rekey counters %v, want TlsRxRekeyOk and TlsTxRekeyOk >= 1", delta)
+	}
+}
+
+// digits returns n bytes of ASCII digits d, newline-terminated lines.
+func digits(n int, d byte) []byte {
+	b := bytes.Repeat([]byte{d}, n)
+	for i := 63; i < n; i += 64 {
+		b[i] = '\n'
+	}
+	b[n-1] = '\n'
+	return b
+}

@@ -1,0 +1,5 @@
+//go:build !race
+
+package splice
+
+const raceEnabled = false

@@ -1,0 +1,550 @@
+// Package splice is the data path of caddy-ktls: a bidirectional relay
+// between two connections that moves bytes with splice(2) through a kernel
+// pipe (socket → pipe → socket, never through userspace) wherever both ends
+// of a direction are kernel sockets carrying plaintext: a plain TCP socket,
+// or a kTLS socket whose receive (source) or send (sink) side runs in the
+// kernel. A direction that cannot be spliced falls back to a buffered copy
+// with the same semantics and metering.
+//
+// The relay is driven by Go's netpoller: splice(2) runs non-blocking inside
+// syscall.RawConn callbacks (as in Go's internal/poll/splice_linux.go), so a
+// waiting tunnel parks a goroutine, never an OS thread. Pipes come from a
+// PipePool per transfer burst: a direction takes a pipe when its source turns
+// readable, splices until the source would block with the pipe drained into
+// the sink, and gives the pipe back. An idle tunnel holds no pipe. (The copy
+// path cannot wait for readability without a buffer, because a userspace TLS
+// source may hold decrypted bytes no socket readiness would announce: a
+// copying direction holds one pooled 32 KiB buffer while blocked in Read.)
+//
+// A kTLS connection must have finished its handshake before it is given to
+// a Tunnel: its SpliceSource/SpliceSink answer ok only after the offload.
+//
+// kTLS sources deliver TLS control records (alerts, KeyUpdate) out of band:
+// splice(2) cannot read them and fails (EINVAL at a non-data record,
+// EKEYEXPIRED after a KeyUpdate until the new key is installed, EIO, older
+// kernels ENOTSUPP). The relay then calls the connection's Read once, which
+// handles that record in userspace (and may return data behind it), and
+// resumes splicing. The
+// contract is the Source interface, implemented by *ktls.Conn; this package
+// does not import ktls.
+package splice
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Source is implemented by connections whose receive side may be in the
+// kernel (*ktls.Conn). SpliceSource returns the socket and ok=true only when
+// splice(2) from it yields the connection's plaintext (kTLS RX in the
+// kernel). When splice(2) from that socket fails, the connection's Read is
+// called once to handle the pending control record in userspace: it returns
+// the record's data bytes if any, (0, nil) after a KeyUpdate, io.EOF on
+// close_notify, or an error (an alert, a decryption failure). It may go on
+// to read data behind the control record, but must return all it took off
+// the socket: the relay resumes splicing straight after it, and its buffer
+// (32 KiB) holds more than one TLS record's plaintext (at most 16 KiB).
+type Source interface {
+	SpliceSource() (rc syscall.RawConn, ok bool)
+}
+
+// Sink is implemented by connections whose send side may be in the kernel
+// (*ktls.Conn). SpliceSink returns the socket and ok=true only when bytes
+// spliced into it are sent as the connection's plaintext (kTLS TX in the
+// kernel seals them into records).
+type Sink interface {
+	SpliceSink() (rc syscall.RawConn, ok bool)
+}
+
+// closeWriter is the half-close contract: *net.TCPConn (shutdown(SHUT_WR))
+// and *ktls.Conn (close_notify, then SHUT_WR).
+type closeWriter interface {
+	CloseWrite() error
+}
+
+// Direction names one half of a tunnel.
+type Direction uint8
+
+const (
+	AToB Direction = iota // bytes read from a, written to b
+	BToA                  // bytes read from b, written to a
+)
+
+// String returns "a->b" or "b->a".
+func (d Direction) String() string {
+	if d == AToB {
+		return "a->b"
+	}
+	return "b->a"
+}
+
+// EndReason says why a direction stopped.
+type EndReason uint32
+
+const (
+	EndRunning  EndReason = iota // still relaying
+	EndEOF                       // the source ended (FIN or close_notify) and the sink was half-closed
+	EndError                     // reading the source or writing the sink failed; DirectionStats.Err says how
+	EndAborted                   // stopped because the other direction failed (or ended, with Options.CloseOnEOF)
+	EndCanceled                  // stopped because the context was canceled
+)
+
+// String returns the reason as a short lowercase word.
+func (r EndReason) String() string {
+	switch r {
+	case EndRunning:
+		return "running"
+	case EndEOF:
+		return "eof"
+	case EndError:
+		return "error"
+	case EndAborted:
+		return "aborted"
+	case EndCanceled:
+		return "canceled"
+	}
+	return fmt.Sprintf("EndReason(%d)", uint32(r))
+}
+
+// Options configure a tunnel. The zero value is ready to use.
+type Options struct {
+	// Pipes supplies pipes for spliced bursts; nil means DefaultPipePool().
+	Pipes *PipePool
+	// OnBytes, when set, is called after every step that delivered bytes
+	// to a sink (each splice(2) into the sink, each userspace write) with
+	// the step's byte count. It runs on the relay's goroutines, so it must be
+	// cheap and must not block: it is meant for activity metering.
+	OnBytes func(dir Direction, n int)
+	// CloseOnEOF ends the whole tunnel when either source ends, instead of
+	// half-closing the other side and letting the other direction finish.
+	// A sink without CloseWrite always behaves this way.
+	CloseOnEOF bool
+}
+
+// DirectionStats are one direction's counters. Bytes is exact: it is updated
+// after every splice(2) or write into the sink. Once the direction has ended
+// it equals SpliceBytes + CopyBytes (a snapshot taken while it runs may see
+// the three counters one step apart).
+type DirectionStats struct {
+	Bytes          int64     // bytes delivered to the sink
+	SpliceBytes    int64     // of which moved by splice(2)
+	CopyBytes      int64     // of which copied through userspace (fallback, control-record data)
+	ControlRecords int64     // splice(2) failures handed to the source's Read (kTLS control records)
+	Spliced        bool      // the direction runs on the splice path
+	End            EndReason // EndRunning while the direction runs
+	Err            error     // set when End is EndError
+}
+
+// Result holds both directions' counters.
+type Result struct {
+	AToB, BToA DirectionStats
+}
+
+// Dir returns the counters of direction d.
+func (r Result) Dir(d Direction) DirectionStats {
+	if d == AToB {
+		return r.AToB
+	}
+	return r.BToA
+}
+
+// spliceFunc is splice(2) between two file descriptors without offsets.
+type spliceFunc func(rfd, wfd, n, flags int) (int64, error)
+
+func spliceSyscall(rfd, wfd, n, flags int) (int64, error) {
+	return unix.Splice(rfd, nil, wfd, nil, n, flags)
+}
+
+// spliceFlags: SPLICE_F_MOVE is a hint, SPLICE_F_NONBLOCK keeps the pipe side
+// from blocking (the socket side is non-blocking already). SPLICE_F_MORE is
+// deliberately not set: it becomes MSG_MORE on the sink, and a kTLS sink then
+// keeps its TLS record open, a TCP sink its segment corked, until the next
+// write, which may never come when the source goes quiet. Within one call the
+// kernel already marks all but the last pipe buffer "more", so one call
+// draining a full pipe still produces full records.
+const spliceFlags = unix.SPLICE_F_MOVE | unix.SPLICE_F_NONBLOCK
+
+// maxControlRecordsInARow bounds consecutive splice(2) failures handed to the
+// source's Read without a spliced byte in between. A well-behaved kTLS
+// connection consumes one control record per Read (and rate-limits KeyUpdate
+// itself); a source that keeps failing splice without progress would
+// otherwise spin a CPU forever.
+const maxControlRecordsInARow = 256
+
+// copyBufferSize is the userspace buffer of the copy path and of control
+// records: enough for a whole TLS record (16 KiB plaintext) plus headroom.
+const copyBufferSize = 32 << 10
+
+var copyBuffers = sync.Pool{New: func() any { b := make([]byte, copyBufferSize); return &b }}
+
+// A Tunnel relays bytes between two connections in both directions. Make one
+// with New, start it with Run, and read its live counters with Stats from any
+// goroutine while it runs.
+//
+// Ownership: a Tunnel owns both connections once Run is called. It closes
+// both before Run returns, whatever the outcome, and sets their deadlines
+// to stop the relay early (context canceled, or a failed direction); callers
+// must not use the connections meanwhile.
+type Tunnel struct {
+	conns  [2]net.Conn
+	opts   Options
+	pipes  *PipePool
+	splice spliceFunc
+
+	dirs    [2]dirState
+	started atomic.Bool
+
+	abortOnce   sync.Once
+	abortReason atomic.Uint32 // EndReason given to directions stopped by abort
+}
+
+type dirState struct {
+	bytes, spliceBytes, copyBytes, controlRecords atomic.Int64
+	spliced                                       atomic.Bool
+	end                                           atomic.Uint32
+	mu                                            sync.Mutex
+	err                                           error
+}
+
+// New returns a tunnel between a and b; nothing moves until Run.
+//
+// A direction is spliced when its source is a Source that says ok, or a
+// *net.TCPConn, and its sink is a Sink that says ok, or a *net.TCPConn. Any
+// other connection (a userspace TLS conn, a wrapper that may buffer bytes)
+// is read and written through its net.Conn methods.
+func New(a, b net.Conn, opts Options) *Tunnel {
+	return newTunnel(a, b, opts, spliceSyscall)
+}
+
+func newTunnel(a, b net.Conn, opts Options, splice spliceFunc) *Tunnel {
+	t := &Tunnel{conns: [2]net.Conn{a, b}, opts: opts, pipes: opts.Pipes, splice: splice}
+	if t.pipes == nil {
+		t.pipes = defaultPipes
+	}
+	return t
+}
+
+// Relay relays between a and b until both directions end, then closes both;
+// see Tunnel.Run.
+func Relay(ctx context.Context, a, b net.Conn, opts Options) (Result, error) {
+	return New(a, b, opts).Run(ctx)
+}
+
+// Run relays until both directions have ended, closes both connections and
+// returns the final counters. A source's EOF half-closes the other side and
+// the other direction keeps going; a failure in either direction stops both.
+// The error is nil when both directions ended with EOF (or, with CloseOnEOF,
+// one did); otherwise it names the failed direction, or wraps the context's
+// cause when ctx was canceled. Run may be called once.
+func (t *Tunnel) Run(ctx context.Context) (Result, error) {
+	if !t.started.CompareAndSwap(false, true) {
+		return t.Stats(), errors.New("splice: Tunnel.Run called twice")
+	}
+	if t.conns[0] == nil || t.conns[1] == nil {
+		return Result{}, errors.New("splice: Tunnel needs two connections, got a nil one")
+	}
+	stop := context.AfterFunc(ctx, func() { t.abort(EndCanceled) })
+	var wg sync.WaitGroup
+	wg.Go(func() { t.runDirection(BToA) })
+	t.runDirection(AToB)
+	wg.Wait()
+	stop()
+	for _, c := range t.conns {
+		c.Close()
+	}
+	res := t.Stats()
+	return res, t.resultErr(ctx, res)
+}
+
+func (t *Tunnel) resultErr(ctx context.Context, res Result) error {
+	for _, d := range []Direction{AToB, BToA} {
+		if ds := res.Dir(d); ds.End == EndError {
+			return fmt.Errorf("splice: %s: %w", d, ds.Err)
+		}
+	}
+	if res.AToB.End == EndCanceled || res.BToA.End == EndCanceled {
+		return fmt.Errorf("splice: relay canceled: %w", context.Cause(ctx))
+	}
+	return nil
+}
+
+// Stats returns a snapshot of the counters; safe to call while Run runs.
+func (t *Tunnel) Stats() Result {
+	return Result{AToB: t.dirs[AToB].snapshot(), BToA: t.dirs[BToA].snapshot()}
+}
+
+func (s *dirState) snapshot() DirectionStats {
+	s.mu.Lock()
+	err := s.err
+	s.mu.Unlock()
+	return DirectionStats{
+		Bytes:          s.bytes.Load(),
+		SpliceBytes:    s.spliceBytes.Load(),
+		CopyBytes:      s.copyBytes.Load(),
+		ControlRecords: s.controlRecords.Load(),
+		Spliced:        s.spliced.Load(),
+		End:            EndReason(s.end.Load()),
+		Err:            err,
+	}
+}
+
+// abort stops both directions by moving the connections' deadlines into the
+// past, which wakes goroutines parked in the netpoller (and blocked Reads)
+// with os.ErrDeadlineExceeded. The connections stay open until Run closes
+// them, so no file descriptor is reused under a running splice(2).
+func (t *Tunnel) abort(reason EndReason) {
+	t.abortOnce.Do(func() {
+		t.abortReason.Store(uint32(reason))
+		past := time.Unix(1, 0)
+		for _, c := range t.conns {
+			c.SetDeadline(past)
+		}
+	})
+}
+
+func (t *Tunnel) runDirection(d Direction) {
+	src, dst := t.conns[d], t.conns[1-d]
+	var err error
+	srcRC, srcHasControl := sourceRawConn(src)
+	dstRC := sinkRawConn(dst)
+	if srcRC != nil && dstRC != nil {
+		t.dirs[d].spliced.Store(true)
+		err = t.spliceLoop(d, src, srcRC, srcHasControl, dst, dstRC)
+	} else {
+		err = t.copyLoop(d, src, dst)
+	}
+	t.finish(d, dst, err)
+}
+
+// finish records how direction d ended; err == nil means its source ended.
+func (t *Tunnel) finish(d Direction, dst net.Conn, err error) {
+	s := &t.dirs[d]
+	if err == nil {
+		cw, ok := dst.(closeWriter)
+		if ok && !t.opts.CloseOnEOF {
+			err = cw.CloseWrite()
+			if err == nil {
+				s.end.Store(uint32(EndEOF))
+				return
+			}
+			err = fmt.Errorf("half-close sink: %w", err)
+		} else {
+			s.end.Store(uint32(EndEOF))
+			t.abort(EndAborted)
+			return
+		}
+	}
+	if r := EndReason(t.abortReason.Load()); r != EndRunning {
+		// Woken by abort: the deadline error is ours, not the peer's.
+		s.end.Store(uint32(r))
+		return
+	}
+	s.mu.Lock()
+	s.err = err
+	s.mu.Unlock()
+	s.end.Store(uint32(EndError))
+	t.abort(EndAborted)
+}
+
+// sourceRawConn returns the socket to splice from, and whether the source is
+// a kTLS Source whose splice failures are control records for its Read.
+func sourceRawConn(c net.Conn) (syscall.RawConn, bool) {
+	if s, ok := c.(Source); ok {
+		if rc, ok := s.SpliceSource(); ok {
+			return rc, true
+		}
+		return nil, false
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		if rc, err := tc.SyscallConn(); err == nil {
+			return rc, false
+		}
+	}
+	return nil, false
+}
+
+// sinkRawConn returns the socket to splice into, or nil.
+func sinkRawConn(c net.Conn) syscall.RawConn {
+	if s, ok := c.(Sink); ok {
+		if rc, ok := s.SpliceSink(); ok {
+			return rc
+		}
+		return nil
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		if rc, err := tc.SyscallConn(); err == nil {
+			return rc
+		}
+	}
+	return nil
+}
+
+// spliceLoop moves src → pipe → dst until src ends (nil) or fails.
+//
+// Each burst: wait for src to be readable holding no pipe; take a pipe;
+// splice src → pipe (up to the pipe's size), then pipe → dst until the pipe
+// is empty; repeat until src would block; give the empty pipe back. Because
+// the pipe is always drained before the next read from src, it is empty
+// whenever src fails, so a control record's data (from src.Read) is written
+// after every byte that preceded it: order is preserved.
+func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcRC syscall.RawConn, hasControl bool, dst net.Conn, dstRC syscall.RawConn) error {
+	var p *pipe
+	defer func() {
+		if p != nil {
+			t.pipes.put(p)
+		}
+	}()
+	controlInARow := 0
+	for {
+		var (
+			n          int64
+			serr, perr error
+		)
+		err := srcRC.Read(func(fd uintptr) bool {
+			if p == nil {
+				if p, perr = t.pipes.get(); perr != nil {
+					return true
+				}
+			}
+			n, serr = t.splice(int(fd), p.wfd, p.size, spliceFlags)
+			if serr == unix.EAGAIN {
+				// The burst is over and the pipe is empty: give it back
+				// before parking, so an idle tunnel holds no pipe.
+				t.pipes.put(p)
+				p = nil
+				return false
+			}
+			return true
+		})
+		switch {
+		case err != nil:
+			return fmt.Errorf("source: %w", err)
+		case perr != nil:
+			return perr
+		case serr != nil && hasControl:
+			if controlInARow++; controlInARow > maxControlRecordsInARow {
+				return fmt.Errorf("source: %d control records in a row without data (last splice error: %w)", controlInARow-1, serr)
+			}
+			if err := t.controlRecord(d, src, dst); err != nil {
+				if err == io.EOF {
+					return nil
+				}
+				return err
+			}
+			continue
+		case serr != nil:
+			return os.NewSyscallError("splice source", serr)
+		case n == 0:
+			return nil
+		}
+		controlInARow = 0
+		p.buffered = int(n)
+		if err := t.drain(d, p, dstRC); err != nil {
+			return err
+		}
+	}
+}
+
+// drain splices everything buffered in p into the sink, counting after
+// every call.
+func (t *Tunnel) drain(d Direction, p *pipe, dstRC syscall.RawConn) error {
+	for p.buffered > 0 {
+		var (
+			m    int64
+			serr error
+		)
+		err := dstRC.Write(func(fd uintptr) bool {
+			m, serr = t.splice(p.rfd, int(fd), p.buffered, spliceFlags)
+			return serr != unix.EAGAIN
+		})
+		if err != nil {
+			return fmt.Errorf("sink: %w", err)
+		}
+		if serr != nil {
+			return os.NewSyscallError("splice sink", serr)
+		}
+		if m == 0 {
+			return errors.New("splice sink: moved 0 bytes from a non-empty pipe")
+		}
+		p.buffered -= int(m)
+		t.count(d, m, true)
+	}
+	return nil
+}
+
+// controlRecord lets the source's userspace path handle the record that
+// splice(2) could not read, and forwards any data bytes it yields. It
+// returns io.EOF when the record was close_notify.
+func (t *Tunnel) controlRecord(d Direction, src, dst net.Conn) error {
+	t.dirs[d].controlRecords.Add(1)
+	bufp := copyBuffers.Get().(*[]byte)
+	defer copyBuffers.Put(bufp)
+	n, err := src.Read(*bufp)
+	if n > 0 {
+		if werr := t.write(d, dst, (*bufp)[:n]); werr != nil {
+			return werr
+		}
+	}
+	if err != nil && err != io.EOF {
+		return fmt.Errorf("source control record: %w", err)
+	}
+	return err
+}
+
+// copyLoop is the userspace path: read into a pooled buffer, write it all,
+// until src ends (nil) or fails. The buffer is taken per Read; while blocked
+// in Read a direction holds one buffer, since a userspace TLS source may
+// hold decrypted bytes that no socket readiness would announce.
+func (t *Tunnel) copyLoop(d Direction, src, dst net.Conn) error {
+	for {
+		bufp := copyBuffers.Get().(*[]byte)
+		n, rerr := src.Read(*bufp)
+		var werr error
+		if n > 0 {
+			werr = t.write(d, dst, (*bufp)[:n])
+		}
+		copyBuffers.Put(bufp)
+		switch {
+		case werr != nil:
+			return werr
+		case rerr == io.EOF:
+			return nil
+		case rerr != nil:
+			return fmt.Errorf("source: %w", rerr)
+		}
+	}
+}
+
+func (t *Tunnel) write(d Direction, dst net.Conn, b []byte) error {
+	n, err := dst.Write(b)
+	if n > 0 {
+		t.count(d, int64(n), false)
+	}
+	if err != nil {
+		return fmt.Errorf("sink: %w", err)
+	}
+	return nil
+}
+
+func (t *Tunnel) count(d Direction, n int64, spliced bool) {
+	s := &t.dirs[d]
+	s.bytes.Add(n)
+	if spliced {
+		s.spliceBytes.Add(n)
+	} else {
+		s.copyBytes.Add(n)
+	}
+	if t.opts.OnBytes != nil {
+		t.opts.OnBytes(d, int(n))
+	}
+}

@@ -1,0 +1,465 @@
+package splice
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// bigTransfer is the per-direction size of the big echo tests: 64 MiB, or
+// 8 MiB under the race detector.
+func bigTransfer() int64 {
+	if raceEnabled {
+		return 8 * MiB
+	}
+	return 64 * MiB
+}
+
+func TestRelayEchoSplice(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 4)
+	tp := newTopology(t)
+	size := bigTransfer()
+	var metered [2]atomic.Int64
+	tun := New(tp.relayA, tp.relayB, Options{Pipes: pool, OnBytes: func(d Direction, n int) { metered[d].Add(int64(n)) }})
+	res, err := echoRun(t.Context(), tp, tun, 1, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []Direction{AToB, BToA} {
+		ds := res.Dir(d)
+		if !ds.Spliced || ds.Bytes != size || ds.SpliceBytes != size || ds.CopyBytes != 0 || ds.ControlRecords != 0 || ds.End != EndEOF || ds.Err != nil {
+			t.Errorf("%s: %+v, want %d bytes all spliced, ended by EOF", d, ds, size)
+		}
+		if got := metered[d].Load(); got != size {
+			t.Errorf("%s: OnBytes saw %d bytes, want %d", d, got, size)
+		}
+	}
+	st := pool.Stats()
+	if st.InUse != 0 || st.Created == 0 {
+		t.Errorf("pool after relay: %+v, want pipes created and none in use", st)
+	}
+	t.Logf("%d MiB each way; pool %+v", size/MiB, st)
+}
+
+func TestRelayEchoCopyFallback(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 4)
+	tp := newTopology(t)
+	size := bigTransfer()
+	var metered [2]atomic.Int64
+	tun := New(opaqueConn{tp.relayA}, tp.relayB, Options{Pipes: pool, OnBytes: func(d Direction, n int) { metered[d].Add(int64(n)) }})
+	res, err := echoRun(t.Context(), tp, tun, 2, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []Direction{AToB, BToA} {
+		ds := res.Dir(d)
+		if ds.Spliced || ds.Bytes != size || ds.CopyBytes != size || ds.SpliceBytes != 0 || ds.End != EndEOF || ds.Err != nil {
+			t.Errorf("%s: %+v, want %d bytes all copied, ended by EOF", d, ds, size)
+		}
+		if got := metered[d].Load(); got != size {
+			t.Errorf("%s: OnBytes saw %d bytes, want %d", d, got, size)
+		}
+	}
+	if st := pool.Stats(); st.Created != 0 {
+		t.Errorf("copy path took pipes: %+v", st)
+	}
+}
+
+// TestRelayConcurrent runs 200 tunnels at once with sizes from 0 to ~1 MiB,
+// half of them with one side on the copy path, all sharing one pipe pool.
+func TestRelayConcurrent(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 16)
+	const tunnels = 200
+	var wg sync.WaitGroup
+	errs := make([]error, tunnels)
+	for i := range tunnels {
+		tp := newTopology(t)
+		size := int64(i*i*37) % (1 * MiB)
+		if i%10 == 0 {
+			size = 0
+		}
+		var a net.Conn = tp.relayA
+		copyPath := i%2 == 1
+		if copyPath {
+			a = opaqueConn{tp.relayA}
+		}
+		wg.Go(func() {
+			res, err := echoRun(t.Context(), tp, New(a, tp.relayB, Options{Pipes: pool}), uint64(i), size)
+			if err == nil {
+				for _, d := range []Direction{AToB, BToA} {
+					ds := res.Dir(d)
+					if ds.Bytes != size || ds.Spliced == copyPath || ds.SpliceBytes+ds.CopyBytes != size || ds.End != EndEOF {
+						err = errors.New("tunnel " + d.String() + " counters wrong")
+						t.Errorf("tunnel %d (size %d, copy %v) %s: %+v", i, size, copyPath, d, ds)
+					}
+				}
+			}
+			errs[i] = err
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("tunnel %d: %v", i, err)
+		}
+	}
+	if st := pool.Stats(); st.InUse != 0 || st.Idle > 16 {
+		t.Errorf("pool after 200 tunnels: %+v", st)
+	}
+}
+
+// TestRelayHalfCloseClientFirst: the client sends a request and half-closes;
+// the upstream sees EOF, still sends its whole response, and the client
+// gets it all.
+func TestRelayHalfCloseClientFirst(t *testing.T) {
+	for _, copyPath := range []bool{false, true} {
+		t.Run(pathName(copyPath), func(t *testing.T) {
+			checkLeaks(t)
+			pool := newTestPool(t, 4)
+			tp := newTopology(t)
+			const reqSize, respSize = 300 << 10, 2 * MiB
+			tun := New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool})
+			wait := runRelay(t.Context(), tun)
+
+			sent, err := sendStream(tp.client, 10, reqSize)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := tp.client.CloseWrite(); err != nil {
+				t.Fatal(err)
+			}
+			n, sum, err := recvStream(tp.upstream)
+			if err != nil || n != reqSize || string(sum) != string(sent) {
+				t.Fatalf("upstream got %d bytes (err %v), digest match %v; want %d", n, err, string(sum) == string(sent), reqSize)
+			}
+			// The request direction is over (it records that just after the
+			// half-close the upstream saw), the response direction still runs.
+			if st := waitEnd(tun, AToB); st.AToB.End != EndEOF || st.BToA.End != EndRunning {
+				t.Errorf("after the client's half-close: a->b %v, b->a %v; want eof, running", st.AToB.End, st.BToA.End)
+			}
+			respDone := make(chan error, 1)
+			var resp []byte
+			go func() {
+				var err error
+				resp, err = sendStream(tp.upstream, 11, respSize)
+				if err == nil {
+					err = tp.upstream.CloseWrite()
+				}
+				respDone <- err
+			}()
+			n, sum, err = recvStream(tp.client)
+			if werr := <-respDone; werr != nil {
+				t.Fatal(werr)
+			}
+			if err != nil || n != respSize || string(sum) != string(resp) {
+				t.Fatalf("client got %d bytes (err %v), digest match %v; want %d", n, err, string(sum) == string(resp), respSize)
+			}
+			res, err := wait()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.AToB.Bytes != reqSize || res.BToA.Bytes != respSize || res.AToB.End != EndEOF || res.BToA.End != EndEOF {
+				t.Errorf("result %+v", res)
+			}
+		})
+	}
+}
+
+// TestRelayHalfCloseUpstreamFirst: the upstream speaks first and half-closes;
+// the client reads it all, then sends its own stream, which the upstream
+// receives in full.
+func TestRelayHalfCloseUpstreamFirst(t *testing.T) {
+	for _, copyPath := range []bool{false, true} {
+		t.Run(pathName(copyPath), func(t *testing.T) {
+			checkLeaks(t)
+			pool := newTestPool(t, 4)
+			tp := newTopology(t)
+			const greetSize, bodySize = 1 * MiB, 700 << 10
+			tun := New(tp.relayA, maybeOpaque(tp.relayB, copyPath), Options{Pipes: pool})
+			wait := runRelay(t.Context(), tun)
+
+			greetDone := make(chan error, 1)
+			var greet []byte
+			go func() {
+				var err error
+				greet, err = sendStream(tp.upstream, 20, greetSize)
+				if err == nil {
+					err = tp.upstream.CloseWrite()
+				}
+				greetDone <- err
+			}()
+			n, sum, err := recvStream(tp.client)
+			if gerr := <-greetDone; gerr != nil {
+				t.Fatal(gerr)
+			}
+			if err != nil || n != greetSize || string(sum) != string(greet) {
+				t.Fatalf("client got %d bytes (err %v), digest match %v; want %d", n, err, string(sum) == string(greet), greetSize)
+			}
+			if st := waitEnd(tun, BToA); st.BToA.End != EndEOF || st.AToB.End != EndRunning {
+				t.Errorf("after the upstream's half-close: b->a %v, a->b %v; want eof, running", st.BToA.End, st.AToB.End)
+			}
+			bodyDone := make(chan error, 1)
+			var body []byte
+			go func() {
+				var err error
+				body, err = sendStream(tp.client, 21, bodySize)
+				if err == nil {
+					err = tp.client.CloseWrite()
+				}
+				bodyDone <- err
+			}()
+			n, sum, err = recvStream(tp.upstream)
+			if berr := <-bodyDone; berr != nil {
+				t.Fatal(berr)
+			}
+			if err != nil || n != bodySize || string(sum) != string(body) {
+				t.Fatalf("upstream got %d bytes (err %v), digest match %v; want %d", n, err, string(sum) == string(body), bodySize)
+			}
+			res, err := wait()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.AToB.Bytes != bodySize || res.BToA.Bytes != greetSize || res.AToB.End != EndEOF || res.BToA.End != EndEOF {
+				t.Errorf("result %+v", res)
+			}
+		})
+	}
+}
+
+// TestRelayCloseOnEOF: with CloseOnEOF, the client's half-close ends the
+// whole tunnel and the upstream sees the connection closed.
+func TestRelayCloseOnEOF(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 4)
+	tp := newTopology(t)
+	wait := runRelay(t.Context(), New(tp.relayA, tp.relayB, Options{Pipes: pool, CloseOnEOF: true}))
+	if _, err := tp.client.Write([]byte("bye")); err != nil {
+		t.Fatal(err)
+	}
+	tp.client.CloseWrite()
+	res, err := wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.AToB.End != EndEOF || res.BToA.End != EndAborted || res.AToB.Bytes != 3 {
+		t.Errorf("result %+v, want a->b eof with 3 bytes, b->a aborted", res)
+	}
+	got, err := io.ReadAll(tp.upstream)
+	if err != nil || string(got) != "bye" {
+		t.Errorf("upstream read %q, %v; want \"bye\" then EOF", got, err)
+	}
+	if n, err := tp.client.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Errorf("client read after tunnel end: %d, %v; want EOF", n, err)
+	}
+}
+
+// resetClose closes c with an RST instead of a FIN.
+func resetClose(t *testing.T, c *net.TCPConn) {
+	if err := c.SetLinger(0); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+}
+
+func isResetOrPipe(err error) bool {
+	return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+}
+
+// checkResetResult wants the relay failed with a reset, one direction
+// EndError and the other stopped.
+func checkResetResult(t *testing.T, res Result, err error) {
+	t.Helper()
+	if !isResetOrPipe(err) {
+		t.Fatalf("relay error %v, want ECONNRESET or EPIPE", err)
+	}
+	errs := 0
+	for _, d := range []Direction{AToB, BToA} {
+		ds := res.Dir(d)
+		switch ds.End {
+		case EndError:
+			errs++
+			if ds.Err == nil {
+				t.Errorf("%s ended with error but Err is nil", d)
+			}
+		case EndAborted, EndEOF:
+		default:
+			t.Errorf("%s ended %v", d, ds.End)
+		}
+	}
+	if errs == 0 {
+		t.Errorf("no direction ended in error: %+v", res)
+	}
+}
+
+func TestRelayUpstreamReset(t *testing.T) {
+	for _, copyPath := range []bool{false, true} {
+		t.Run(pathName(copyPath), func(t *testing.T) {
+			checkLeaks(t)
+			pool := newTestPool(t, 4)
+			tp := newTopology(t)
+			wait := runRelay(t.Context(), New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool}))
+			sendDone := make(chan error, 1)
+			go func() {
+				_, err := sendStream(tp.client, 30, 1<<30) // far more than gets through
+				sendDone <- err
+			}()
+			if _, err := io.ReadFull(tp.upstream, make([]byte, 1*MiB)); err != nil {
+				t.Fatal(err)
+			}
+			resetClose(t, tp.upstream)
+			res, err := wait()
+			checkResetResult(t, res, err)
+			// The relay closed the client's side too: the client's writes fail.
+			select {
+			case err := <-sendDone:
+				if err == nil {
+					t.Error("client sent 1 GiB through a reset tunnel")
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("client writer still blocked 30s after the tunnel ended")
+			}
+			if res.AToB.Bytes < 1*MiB {
+				t.Errorf("a->b moved %d bytes, upstream read 1 MiB", res.AToB.Bytes)
+			}
+		})
+	}
+}
+
+func TestRelayClientReset(t *testing.T) {
+	for _, copyPath := range []bool{false, true} {
+		t.Run(pathName(copyPath), func(t *testing.T) {
+			checkLeaks(t)
+			pool := newTestPool(t, 4)
+			tp := newTopology(t)
+			wait := runRelay(t.Context(), New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool}))
+			sendDone := make(chan error, 1)
+			go func() {
+				_, err := sendStream(tp.upstream, 31, 1<<30)
+				sendDone <- err
+			}()
+			if _, err := io.ReadFull(tp.client, make([]byte, 1*MiB)); err != nil {
+				t.Fatal(err)
+			}
+			resetClose(t, tp.client)
+			res, err := wait()
+			checkResetResult(t, res, err)
+			select {
+			case err := <-sendDone:
+				if err == nil {
+					t.Error("upstream sent 1 GiB through a reset tunnel")
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("upstream writer still blocked 30s after the tunnel ended")
+			}
+		})
+	}
+}
+
+// TestRelayIdleHoldsNoPipe: tunnels that have moved bytes and gone quiet
+// hold no pipe and no file descriptor beyond their sockets; canceling the
+// context then ends them all promptly.
+func TestRelayIdleHoldsNoPipe(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 0) // keep no idle pipes, so fds show pipes in use
+	const tunnels = 16
+	// Sockets exist before the baseline; the tunnels must add nothing.
+	tops := make([]topology, tunnels)
+	for i := range tops {
+		tops[i] = newTopology(t)
+	}
+	baseFDs := kerneltest.OpenFDs(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	waits := make([]func() (Result, error), tunnels)
+	for i, tp := range tops {
+		waits[i] = runRelay(ctx, New(tp.relayA, tp.relayB, Options{Pipes: pool}))
+		go echoUpstream(tp.upstream) // until the tunnel is torn down
+		msg := make([]byte, 100<<10)
+		if _, err := tp.client.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(tp.client, msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Every tunnel is now idle: parked in the netpoller waiting to read.
+	var st PoolStats
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if st = pool.Stats(); st.InUse == 0 {
+			break
+		}
+	}
+	if st.InUse != 0 || st.Idle != 0 || st.Created < tunnels*2 || st.Created != st.Destroyed {
+		t.Errorf("idle tunnels' pool: %+v, want every pipe returned", st)
+	}
+	if fds := kerneltest.OpenFDs(t); fds != baseFDs {
+		t.Errorf("%d idle tunnels hold %d file descriptors beyond their sockets", tunnels, fds-baseFDs)
+	}
+
+	cancel()
+	for i, wait := range waits {
+		res, err := wait()
+		if !errors.Is(err, context.Canceled) || res.AToB.End != EndCanceled || res.BToA.End != EndCanceled {
+			t.Errorf("tunnel %d after cancel: %v, %+v", i, err, res)
+		}
+		if n, err := tops[i].client.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+			t.Errorf("tunnel %d: client read after cancel: %d, %v; want EOF", i, n, err)
+		}
+	}
+}
+
+func TestRunTwice(t *testing.T) {
+	checkLeaks(t)
+	tp := newTopology(t)
+	tun := New(tp.relayA, tp.relayB, Options{Pipes: newTestPool(t, 1)})
+	tp.client.CloseWrite()
+	tp.upstream.CloseWrite()
+	if _, err := tun.Run(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tun.Run(t.Context()); err == nil {
+		t.Fatal("second Run succeeded")
+	}
+}
+
+// waitEnd waits up to 5 s for direction d to end and returns the stats.
+func waitEnd(tun *Tunnel, d Direction) Result {
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if st := tun.Stats(); st.Dir(d).End != EndRunning {
+			return st
+		}
+	}
+	return tun.Stats()
+}
+
+func maybeOpaque(c *net.TCPConn, opaque bool) net.Conn {
+	if opaque {
+		return opaqueConn{c}
+	}
+	return c
+}
+
+func pathName(copyPath bool) string {
+	if copyPath {
+		return "copy"
+	}
+	return "splice"
+}
+
+func TestRunNilConn(t *testing.T) {
+	tp := newTopology(t)
+	if _, err := New(tp.relayA, nil, Options{}).Run(t.Context()); err == nil {
+		t.Fatal("Run with a nil connection succeeded")
+	}
+}

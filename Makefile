@@ -1,0 +1,62 @@
+# caddy-ktls: build, demo and test entry points. `make help` lists them.
+GO ?= go
+# The kernel matrix of `make test` (names: 6.1 bookworm, 6.12 trixie, 7.3
+# trixie-backports). 6.12 is left out by default to keep CI under 30 minutes
+# on 2 cores: make test KERNELS="6.1 6.12 7.3".
+KERNELS ?= 6.1 7.3
+# One kernel for `make vmtest` and the demo.
+KERNEL ?= 6.1
+DEMO_KERNEL ?= 7.3
+# Flags of the host test run (-race roughly doubles its time; see README).
+HOST_TEST_FLAGS ?= -race
+XCADDY_VERSION = v0.4.5
+CADDY_VERSION = v2.11.9
+CADDY_L4_VERSION = v0.1.2
+# Transfer size (MiB) of the kernel tests in the VM; empty = each test's default.
+export KTLS_TEST_MIB
+
+.PHONY: help build xcaddy demo test vet hosttest vmtest clean
+
+help:
+	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
+	@echo 'make xcaddy       bin/caddy-xcaddy with xcaddy $(XCADDY_VERSION), and check it carries this module'
+	@echo 'make demo         caddy ktls probe on this host, then in a VM on kernel $(DEMO_KERNEL)'
+	@echo 'make test         go vet, host tests ($(HOST_TEST_FLAGS)), kernel tests in VMs on: $(KERNELS)'
+	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
+	@echo 'make clean        remove bin/ and the harness build dir'
+
+build:
+	$(GO) build -o bin/caddy ./cmd/caddy
+
+# The user's path to a Caddy with this module: the exact xcaddy command, with
+# the module proxy only (no VCS fallback) so that it resolves what go.sum pins.
+xcaddy: build
+	@command -v xcaddy >/dev/null 2>&1 || [ -x "$$($(GO) env GOPATH)/bin/xcaddy" ] || \
+		$(GO) install github.com/caddyserver/xcaddy/cmd/xcaddy@$(XCADDY_VERSION)
+	@start=$$(date +%s); \
+	PATH="$$PATH:$$($(GO) env GOPATH)/bin" GOPROXY="$$($(GO) env GOPROXY | cut -d, -f1)|off" \
+		xcaddy build $(CADDY_VERSION) --with github.com/mholt/caddy-l4@$(CADDY_L4_VERSION) --with github.com/ktlsingress/caddy-ktls=. && \
+	mv caddy bin/caddy-xcaddy && \
+	echo "xcaddy build took $$(( $$(date +%s) - start ))s"
+	integration/xcaddy-check.sh bin/caddy-xcaddy bin/caddy
+
+demo: build
+	@echo '=== caddy ktls probe on this host ($(shell uname -r))'
+	bin/caddy ktls probe
+	@echo '=== caddy ktls probe in a VM on kernel $(DEMO_KERNEL)'
+	integration/vm.sh $(DEMO_KERNEL) 'bin/caddy ktls probe'
+
+test: vet hosttest build
+	integration/vmtest.sh $(KERNELS)
+
+vet:
+	$(GO) vet ./...
+
+hosttest:
+	integration/hosttest.sh $(HOST_TEST_FLAGS)
+
+vmtest: build
+	integration/vmtest.sh $(KERNEL)
+
+clean:
+	rm -rf bin integration/.build

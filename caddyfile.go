@@ -1,0 +1,297 @@
+package caddyktls
+
+import (
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddytls"
+)
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. The offload
+// options read as in the `ktls` listener wrapper; connection_policy is
+// caddy-l4's `tls` handler syntax:
+//
+//	ktls {
+//		connection_policy {
+//			client_auth {
+//				mode require_and_verify
+//				trust_pool inline <base64_der>
+//				verifier leaf pem <cert_pem>
+//			}
+//		}
+//		rx                on|off        # default on; off keeps decryption in Go (kTLS RX is where CVEs cluster)
+//		fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
+//		expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted peers only)
+//		tx_zerocopy_ro                  # TLS_TX_ZEROCOPY_RO
+//		keyupdate_rate    <per_second> [<burst>]
+//		handshake_timeout <duration>
+//	}
+func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the handler name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch opt := d.Val(); opt {
+		case "connection_policy":
+			cp := new(caddytls.ConnectionPolicy)
+			if err := cp.UnmarshalCaddyfile(d.NewFromNextSegment()); err != nil {
+				return err
+			}
+			h.ConnectionPolicies = append(h.ConnectionPolicies, cp)
+		case "rx":
+			v, err := choice(d, "on", "off")
+			if err != nil {
+				return err
+			}
+			h.DisableRX = v == "off"
+		case "fallback":
+			v, err := choice(d, "allow", "refuse")
+			if err != nil {
+				return err
+			}
+			h.RequireOffload = v == "refuse"
+		case "expect_no_pad":
+			if err := noArgs(d); err != nil {
+				return err
+			}
+			h.ExpectNoPad = true
+		case "tx_zerocopy_ro":
+			if err := noArgs(d); err != nil {
+				return err
+			}
+			h.TXZeroCopyRO = true
+		case "keyupdate_rate":
+			args := d.RemainingArgs()
+			if len(args) < 1 || len(args) > 2 {
+				return d.Errf("keyupdate_rate takes a rate per second and an optional burst, got %d arguments", len(args))
+			}
+			rate, err := strconv.ParseFloat(args[0], 64)
+			if err != nil || rate <= 0 {
+				return d.Errf("keyupdate_rate: %q is not a positive number", args[0])
+			}
+			h.KeyUpdateRate = rate
+			if len(args) == 2 {
+				if h.KeyUpdateBurst, err = positiveInt(d, args[1]); err != nil {
+					return err
+				}
+			}
+		case "handshake_timeout":
+			dur, err := durationArg(d)
+			if err != nil {
+				return err
+			}
+			h.HandshakeTimeout = dur
+		default:
+			return d.Errf("unknown ktls handler option %q", opt)
+		}
+	}
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens:
+//
+//	sandbox {
+//		key       <key_id> <base64_ed25519_public_key>
+//		key_file  <keyring.pem>
+//		require_channel_binding
+//		max_clock_skew     <duration>
+//		max_preamble_ttl   <duration>
+//		replay_cache_size  <n>
+//		preamble_timeout   <duration>
+//		dial_timeout       <duration>
+//		keepalive          <duration>
+//		tcp_user_timeout   <duration>
+//		allow              <cidr|ip>...      # e.g. 10.0.0.0/8; 127.0.0.0/8 opens loopback (demo only)
+//		allow_ports        <port|lo-hi>...
+//		drain_grace_period <duration>
+//		activity_push <url> {
+//			interval   <duration>
+//			timeout    <duration>
+//			attempts   <n>
+//			backoff    <duration>
+//			queue_size <n>
+//		}
+//	}
+func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the handler name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	durations := map[string]*caddy.Duration{
+		"max_clock_skew": &h.MaxClockSkew, "max_preamble_ttl": &h.MaxPreambleTTL,
+		"preamble_timeout": &h.PreambleTimeout, "dial_timeout": &h.DialTimeout,
+		"keepalive": &h.KeepAlive, "tcp_user_timeout": &h.TCPUserTimeout,
+		"drain_grace_period": &h.DrainGracePeriod,
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		if dst, ok := durations[opt]; ok {
+			dur, err := durationArg(d)
+			if err != nil {
+				return err
+			}
+			*dst = dur
+			continue
+		}
+		switch opt {
+		case "key":
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return d.Errf("key takes a key ID and a base64 Ed25519 public key, got %d arguments", len(args))
+			}
+			h.Keys = append(h.Keys, SandboxKey{ID: args[0], PublicKey: args[1]})
+		case "key_file":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			h.KeyFiles = append(h.KeyFiles, args...)
+		case "require_channel_binding":
+			if err := noArgs(d); err != nil {
+				return err
+			}
+			h.RequireChannelBinding = true
+		case "replay_cache_size":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			n, err := positiveInt(d, d.Val())
+			if err != nil {
+				return err
+			}
+			h.ReplayCacheSize = n
+		case "allow":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			h.AllowCIDRs = append(h.AllowCIDRs, args...)
+		case "allow_ports":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			h.AllowPorts = append(h.AllowPorts, args...)
+		case "activity_push":
+			p, err := unmarshalActivityPush(d)
+			if err != nil {
+				return err
+			}
+			h.ActivityPush = p
+		default:
+			return d.Errf("unknown sandbox handler option %q", opt)
+		}
+	}
+	return nil
+}
+
+func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
+	if !d.NextArg() {
+		return nil, d.Errf("activity_push needs a URL")
+	}
+	p := &ActivityPush{URL: d.Val()}
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch opt := d.Val(); opt {
+		case "interval", "timeout", "backoff":
+			dur, err := durationArg(d)
+			if err != nil {
+				return nil, err
+			}
+			switch opt {
+			case "interval":
+				p.Interval = dur
+			case "timeout":
+				p.Timeout = dur
+			default:
+				p.Backoff = dur
+			}
+		case "attempts", "queue_size":
+			if !d.NextArg() {
+				return nil, d.ArgErr()
+			}
+			n, err := positiveInt(d, d.Val())
+			if err != nil {
+				return nil, err
+			}
+			if opt == "attempts" {
+				p.Attempts = n
+			} else {
+				p.QueueSize = n
+			}
+		default:
+			return nil, d.Errf("unknown activity_push option %q", opt)
+		}
+	}
+	return p, nil
+}
+
+// UnmarshalCaddyfile sets up the matcher: `sandbox`, no arguments.
+func (m *MatchSandbox) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the matcher name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	if d.NextBlock(d.Nesting()) {
+		return d.Errf("the sandbox matcher takes no block")
+	}
+	return nil
+}
+
+func choice(d *caddyfile.Dispenser, choices ...string) (string, error) {
+	opt := d.Val()
+	if !d.NextArg() {
+		return "", d.ArgErr()
+	}
+	v := d.Val()
+	if d.NextArg() {
+		return "", d.ArgErr()
+	}
+	for _, c := range choices {
+		if v == c {
+			return v, nil
+		}
+	}
+	return "", d.Errf("%s: %q is not one of %v", opt, v, choices)
+}
+
+func noArgs(d *caddyfile.Dispenser) error {
+	if d.NextArg() {
+		return d.Errf("%s takes no arguments", d.Val())
+	}
+	return nil
+}
+
+func positiveInt(d *caddyfile.Dispenser, s string) (int, error) {
+	n, err := strconv.Atoi(s)
+	if err != nil || n <= 0 {
+		return 0, d.Errf("%q is not a positive integer", s)
+	}
+	return n, nil
+}
+
+func durationArg(d *caddyfile.Dispenser) (caddy.Duration, error) {
+	opt := d.Val()
+	if !d.NextArg() {
+		return 0, d.ArgErr()
+	}
+	dur, err := caddy.ParseDuration(d.Val())
+	if err != nil || dur <= 0 {
+		return 0, d.Errf("%s: %q is not a positive duration", opt, d.Val())
+	}
+	if d.NextArg() {
+		return 0, d.ArgErr()
+	}
+	return caddy.Duration(dur), nil
+}
+
+// Interface guards.
+var (
+	_ caddyfile.Unmarshaler = (*KTLSHandler)(nil)
+	_ caddyfile.Unmarshaler = (*SandboxHandler)(nil)
+	_ caddyfile.Unmarshaler = (*MatchSandbox)(nil)
+)

@@ -1,0 +1,199 @@
+package caddyktls
+
+import (
+	"bytes"
+	"crypto/tls"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+)
+
+var noULP = ktls.Capabilities{
+	Kernel:   "6.18.0-test",
+	NetAdmin: true,
+	ULP:      fmt.Errorf("setsockopt(TCP_ULP, \"tls\"): %w", unix.ENOENT),
+}
+
+var fullULP = ktls.Capabilities{
+	Kernel:   "7.3.4-test",
+	NetAdmin: true,
+	Ciphers: []ktls.CipherSupport{
+		{Version: tls.VersionTLS13, CipherSuite: tls.TLS_AES_128_GCM_SHA256, Name: "TLS_AES_128_GCM_SHA256", TX: true, RX: true},
+		{Version: tls.VersionTLS12, CipherSuite: tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384, Name: "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384", TX: true, RX: false},
+	},
+	ExpectNoPad:  true,
+	TXZeroCopyRO: true,
+	Rekey:        true,
+}
+
+func decodeReport(t *testing.T, b []byte) probeReport {
+	t.Helper()
+	var r probeReport
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&r); err != nil {
+		t.Fatalf("decode probe JSON: %v\n%s", err, b)
+	}
+	return r
+}
+
+func TestWriteProbeUnavailable(t *testing.T) {
+	var human bytes.Buffer
+	if err := writeProbe(&human, noULP, false); err != nil {
+		t.Fatal(err)
+	}
+	first, rest, _ := strings.Cut(human.String(), "\n")
+	wantFirst := `kernel TLS unavailable: setsockopt(TCP_ULP, "tls"): no such file or directory; ` + enableHint
+	if first != wantFirst {
+		t.Errorf("first line:\n got %q\nwant %q", first, wantFirst)
+	}
+	for _, want := range []string{"modprobe tls", "CAP_NET_ADMIN", "/etc/modules-load.d/tls.conf"} {
+		if !strings.Contains(first, want) {
+			t.Errorf("hint lacks %q: %q", want, first)
+		}
+	}
+	if !strings.Contains(rest, "6.18.0-test") {
+		t.Errorf("details lack the kernel release:\n%s", rest)
+	}
+
+	var js bytes.Buffer
+	if err := writeProbe(&js, noULP, true); err != nil {
+		t.Fatal(err)
+	}
+	got := decodeReport(t, js.Bytes())
+	want := probeReport{
+		Kernel:    "6.18.0-test",
+		Available: false,
+		ULPError:  `setsockopt(TCP_ULP, "tls"): no such file or directory`,
+		Hint:      enableHint,
+		NetAdmin:  true,
+		Ciphers:   []probeCipher{},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("JSON report:\n got %+v\nwant %+v", got, want)
+	}
+	// An empty list, not null: consumers iterate it without a nil check.
+	if !strings.Contains(js.String(), `"ciphers": []`) {
+		t.Errorf("ciphers not an empty JSON array:\n%s", js.String())
+	}
+}
+
+func TestWriteProbeAvailable(t *testing.T) {
+	var human bytes.Buffer
+	if err := writeProbe(&human, fullULP, false); err != nil {
+		t.Fatal(err)
+	}
+	if first, _, _ := strings.Cut(human.String(), "\n"); first != "kernel TLS available" {
+		t.Errorf("first line %q, want %q", first, "kernel TLS available")
+	}
+	if strings.Contains(human.String(), "modprobe") {
+		t.Errorf("hint printed although kTLS is available:\n%s", human.String())
+	}
+	var js bytes.Buffer
+	if err := writeProbe(&js, fullULP, true); err != nil {
+		t.Fatal(err)
+	}
+	got := decodeReport(t, js.Bytes())
+	want := probeReport{
+		Kernel:    "7.3.4-test",
+		Available: true,
+		NetAdmin:  true,
+		Ciphers: []probeCipher{
+			{Version: "TLS 1.3", Suite: "TLS_AES_128_GCM_SHA256", TX: true, RX: true},
+			{Version: "TLS 1.2", Suite: "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384", TX: true, RX: false},
+		},
+		ExpectNoPad:  true,
+		TXZeroCopyRO: true,
+		Rekey:        true,
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("JSON report:\n got %+v\nwant %+v", got, want)
+	}
+}
+
+// TestProbeCommandReportsThisKernel runs the cobra command as `caddy ktls
+// probe --json` would, against this process's kernel.
+func TestProbeCommandReportsThisKernel(t *testing.T) {
+	cmd := probeCommand()
+	var out bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetArgs([]string{"--json"})
+	if err := cmd.Execute(); err != nil {
+		t.Fatalf("probe --json: %v", err)
+	}
+	got := decodeReport(t, out.Bytes())
+	if want := newProbeReport(ktls.Probe()); !reflect.DeepEqual(got, want) {
+		t.Errorf("command report:\n got %+v\nwant %+v", got, want)
+	}
+	if avail := kerneltest.Available() == nil; got.Available != avail {
+		t.Errorf("available = %v, but the ULP check says %v", got.Available, avail)
+	}
+	cmd.SetArgs([]string{"--bogus"})
+	cmd.SetErr(&bytes.Buffer{})
+	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "bogus") {
+		t.Errorf("unknown flag: err = %v, want one naming --bogus", err)
+	}
+}
+
+// caddyBinary is the Caddy built by `make build` (override: KTLS_CADDY_BIN).
+// A kernel test fails without it: the VM harness builds it first.
+func caddyBinary(t *testing.T) string {
+	t.Helper()
+	name := os.Getenv("KTLS_CADDY_BIN")
+	if name == "" {
+		name = filepath.Join("bin", "caddy")
+	}
+	path, err := exec.LookPath(name)
+	if err != nil {
+		t.Fatalf("the built Caddy is missing (run `make build`, or set KTLS_CADDY_BIN): %v", err)
+	}
+	return path
+}
+
+// TestKernelProbeCommand runs the real binary's `ktls probe --json` on a
+// kTLS kernel and checks it against the in-process probe and the kernel's
+// counters (the subprocess's installs show up in the shared tls_stat).
+func TestKernelProbeCommand(t *testing.T) {
+	kerneltest.Require(t)
+	caddy := caddyBinary(t)
+	var stdout, stderr bytes.Buffer
+	delta := kerneltest.StatDelta(t, func() {
+		cmd := exec.Command(caddy, "ktls", "probe", "--json")
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		if err := cmd.Run(); err != nil {
+			t.Fatalf("%s ktls probe --json: %v\nstderr: %s", caddy, err, stderr.String())
+		}
+	})
+	got := decodeReport(t, stdout.Bytes())
+	t.Logf("caddy ktls probe --json on %s:\n%s", got.Kernel, stdout.String())
+	if !got.Available || got.ULPError != "" || got.Hint != "" {
+		t.Fatalf("the binary reports kTLS unavailable on a kTLS kernel: %+v", got)
+	}
+	if want := newProbeReport(ktls.Probe()); !reflect.DeepEqual(got, want) {
+		t.Errorf("binary and in-process probe disagree:\n binary %+v\nprocess %+v", got, want)
+	}
+	var tx, rx int64
+	for _, c := range got.Ciphers {
+		if c.TX {
+			tx++
+		}
+		if c.RX {
+			rx++
+		}
+	}
+	// Each accepted first install is one new software context in the kernel.
+	if tx == 0 || delta["TlsTxSw"] != tx || delta["TlsRxSw"] != rx {
+		t.Errorf("tls_stat TlsTxSw +%d TlsRxSw +%d while the binary reported %d TX and %d RX installs",
+			delta["TlsTxSw"], delta["TlsRxSw"], tx, rx)
+	}
+}

@@ -1,0 +1,198 @@
+package forward
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/splice"
+)
+
+// Defaults for the zero values of Config.
+const (
+	DefaultPreambleTimeout = 5 * time.Second
+	DefaultDialTimeout     = 10 * time.Second
+	DefaultKeepAlive       = 30 * time.Second
+)
+
+// Config configures a Forwarder.
+type Config struct {
+	// Verifier checks preambles (keys, validity, binding, replay). Required.
+	Verifier *preamble.Verifier
+	// Policy decides which targets may be dialed. Required.
+	Policy *TargetPolicy
+	// Registry records tunnels and rejections. Required; normally one per
+	// process, shared by every Forwarder.
+	Registry *Registry
+	// PreambleTimeout bounds the wait for the whole preamble. It is the only
+	// deadline a tunnel ever has. Zero means DefaultPreambleTimeout.
+	PreambleTimeout time.Duration
+	// DialTimeout bounds the connect to the target. Zero means
+	// DefaultDialTimeout.
+	DialTimeout time.Duration
+	// KeepAlive is the TCP keepalive idle time and probe interval on both
+	// sockets (three unanswered probes end the tunnel). Zero means
+	// DefaultKeepAlive.
+	KeepAlive time.Duration
+	// UserTimeout sets TCP_USER_TIMEOUT on both sockets: how long sent data
+	// may stay unacknowledged before the kernel drops the connection. Zero
+	// leaves the kernel default.
+	UserTimeout time.Duration
+	// Pipes supplies splice pipes; nil means splice.DefaultPipePool().
+	Pipes *splice.PipePool
+}
+
+// Forwarder carries tunnels: one Serve call per client connection.
+type Forwarder struct {
+	cfg  Config
+	sock socketOptions
+}
+
+// New validates cfg and returns a Forwarder.
+func New(cfg Config) (*Forwarder, error) {
+	if cfg.Verifier == nil || cfg.Policy == nil || cfg.Registry == nil {
+		return nil, errors.New("forward: Config needs a Verifier, a Policy and a Registry")
+	}
+	if cfg.PreambleTimeout < 0 || cfg.DialTimeout < 0 || cfg.KeepAlive < 0 || cfg.UserTimeout < 0 {
+		return nil, errors.New("forward: negative timeout")
+	}
+	if cfg.PreambleTimeout == 0 {
+		cfg.PreambleTimeout = DefaultPreambleTimeout
+	}
+	if cfg.DialTimeout == 0 {
+		cfg.DialTimeout = DefaultDialTimeout
+	}
+	if cfg.KeepAlive == 0 {
+		cfg.KeepAlive = DefaultKeepAlive
+	}
+	return &Forwarder{cfg: cfg, sock: socketOptions{keepAlive: cfg.KeepAlive, userTimeout: cfg.UserTimeout}}, nil
+}
+
+// Client is the gateway side of one tunnel.
+type Client struct {
+	// Conn is what the preamble is read from. It may be a wrapper that
+	// buffers bytes read ahead from the socket (caddy-l4's Connection).
+	Conn net.Conn
+	// Binding is the channel binding of the TLS session the client arrived
+	// on (preamble.ChannelBinding), or nil when it has none.
+	Binding []byte
+	// Unwrap, when set, is called after the preamble to get the connection
+	// the relay should use (the one under Conn's buffer, so that splice can
+	// reach the socket) and the bytes Conn has buffered beyond the preamble,
+	// which are sent to the target first. When nil, the relay uses Conn.
+	Unwrap func() (relay net.Conn, buffered []byte)
+	// OnOpen, when set, is called once the target is connected and the
+	// tunnel registered, before any byte is relayed.
+	OnOpen func(TunnelInfo)
+	// Peer names the client in logs and the registry (a remote address or
+	// a certificate subject).
+	Peer string
+}
+
+// Result describes a tunnel that was carried.
+type Result struct {
+	Tunnel TunnelInfo
+	Relay  splice.Result
+}
+
+// Serve carries one tunnel and returns when it has ended; it always closes
+// the client connection. A refused tunnel returns a *preamble.Error or a
+// *RejectError (see ReasonOf), is counted in the registry, and has not sent
+// a single byte to any target. A tunnel that ran returns its counters and
+// the relay's error, nil when both directions ended cleanly.
+func (f *Forwarder) Serve(c Client) (Result, error) {
+	upstream, tun, ctx, err := f.open(c)
+	if err != nil {
+		c.Conn.Close()
+		f.cfg.Registry.Reject(ReasonOf(err))
+		return Result{}, err
+	}
+	defer tun.Close()
+	if c.OnOpen != nil {
+		c.OnOpen(tun.Info())
+	}
+	relay, buffered := c.Conn, []byte(nil)
+	if c.Unwrap != nil {
+		relay, buffered = c.Unwrap()
+	}
+	if err := f.sock.applyToClient(relay); err != nil {
+		relay.Close()
+		upstream.Close()
+		return Result{Tunnel: tun.Info()}, fmt.Errorf("forward: client socket: %w", err)
+	}
+	if len(buffered) > 0 {
+		// Bytes the client sent right behind the preamble that a wrapper
+		// already read: they precede everything still in the socket.
+		n, werr := upstream.Write(buffered)
+		tun.AddToSandbox(int64(n))
+		if werr != nil {
+			relay.Close()
+			upstream.Close()
+			return Result{Tunnel: tun.Info()}, fmt.Errorf("forward: buffered client bytes to target: %w", werr)
+		}
+	}
+	res, err := splice.New(relay, upstream, splice.Options{
+		Pipes: f.cfg.Pipes,
+		OnBytes: func(d splice.Direction, n int) {
+			if d == splice.AToB {
+				tun.AddToSandbox(int64(n))
+			} else {
+				tun.AddFromSandbox(int64(n))
+			}
+		},
+	}).Run(ctx)
+	f.cfg.Registry.addDataPath(res)
+	return Result{Tunnel: tun.Info(), Relay: res}, err
+}
+
+// open runs everything up to a connected target: preamble, verification,
+// policy, registration and dial.
+func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, error) {
+	if f.cfg.Registry.Draining() {
+		return nil, nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
+	}
+	if err := c.Conn.SetReadDeadline(time.Now().Add(f.cfg.PreambleTimeout)); err != nil {
+		return nil, nil, nil, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "set preamble deadline", Err: err}
+	}
+	frame, err := preamble.ReadFrame(c.Conn, f.cfg.Verifier.MaxFrameLen())
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	if err := c.Conn.SetReadDeadline(time.Time{}); err != nil {
+		return nil, nil, nil, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "clear preamble deadline", Err: err}
+	}
+	claims, err := f.cfg.Verifier.Verify(frame, c.Binding)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	if err := f.cfg.Policy.Check(claims.Target); err != nil {
+		return nil, nil, nil, &RejectError{Reason: ReasonTargetDenied, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
+	}
+	target := claims.Target.String()
+	up, err := f.sock.dial(context.Background(), target, f.cfg.DialTimeout)
+	if err != nil {
+		return nil, nil, nil, &RejectError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
+	}
+	// Register only once the target answered, so open-tunnel counts never
+	// include dials that fail; a drain that began meanwhile still wins.
+	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, c.Peer)
+	if err != nil {
+		up.Close()
+		return nil, nil, nil, err
+	}
+	return up, tun, ctx, nil
+}
+
+// ReasonOf returns the stable reason of a refused tunnel: a preamble
+// package reason, one of this package's Reasons, "" for nil and "other"
+// for anything else.
+func ReasonOf(err error) string {
+	var re *RejectError
+	if errors.As(err, &re) {
+		return string(re.Reason)
+	}
+	return preamble.ReasonOf(err)
+}

@@ -1,0 +1,359 @@
+package forward
+
+import (
+	"bytes"
+	"context"
+	"crypto/ed25519"
+	"crypto/sha256"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/splice"
+)
+
+// fixture is a forwarder listening on loopback, serving plain TCP clients
+// (the kTLS side is tested in the Caddy package and the VM).
+type fixture struct {
+	gw   *forwardtest.Gateway
+	reg  *Registry
+	fwd  *Forwarder
+	ln   net.Listener
+	wg   sync.WaitGroup
+	mu   sync.Mutex
+	errs []error
+	res  []Result
+}
+
+func newFixture(t *testing.T, mod func(*Config)) *fixture {
+	t.Helper()
+	f := &fixture{gw: forwardtest.NewGateway(t, "gw-1"), reg: NewRegistry()}
+	v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": f.gw.Pub}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol, err := NewTargetPolicy([]string{"127.0.0.0/8"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pipes := splice.NewPipePool(0, 0)
+	cfg := Config{Verifier: v, Policy: pol, Registry: f.reg, Pipes: pipes, PreambleTimeout: 2 * time.Second}
+	if mod != nil {
+		mod(&cfg)
+	}
+	if f.fwd, err = New(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if f.ln, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	f.wg.Add(1)
+	go func() {
+		defer f.wg.Done()
+		for {
+			c, err := f.ln.Accept()
+			if err != nil {
+				return
+			}
+			f.wg.Add(1)
+			go func() {
+				defer f.wg.Done()
+				res, err := f.fwd.Serve(Client{Conn: c, Peer: c.RemoteAddr().String()})
+				f.mu.Lock()
+				f.errs, f.res = append(f.errs, err), append(f.res, res)
+				f.mu.Unlock()
+			}()
+		}
+	}()
+	t.Cleanup(func() { f.ln.Close(); f.wg.Wait(); pipes.Close() })
+	return f
+}
+
+func (f *fixture) dial(t testing.TB) *net.TCPConn {
+	t.Helper()
+	c, err := net.Dial("tcp", f.ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c.(*net.TCPConn)
+}
+
+// wait returns the Serve errors once n tunnels have been served.
+func (f *fixture) wait(t testing.TB, n int) []error {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		f.mu.Lock()
+		if len(f.errs) >= n {
+			errs := append([]error(nil), f.errs...)
+			f.mu.Unlock()
+			return errs
+		}
+		f.mu.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %d tunnels to end", n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// runTunnel writes the preamble and `send` bytes (followed by half-close),
+// reads until EOF, and returns what it sent and received.
+func runTunnel(t testing.TB, c *net.TCPConn, frame []byte, send int64, seed uint64) (sentSum, recvSum [32]byte, recvN int64) {
+	t.Helper()
+	defer c.Close()
+	errc := make(chan error, 1)
+	go func() {
+		h := sha256.New()
+		if _, err := c.Write(frame); err != nil {
+			errc <- err
+			return
+		}
+		_, err := io.Copy(io.MultiWriter(c, h), io.LimitReader(forwardtest.NewPattern(seed), send))
+		copy(sentSum[:], h.Sum(nil))
+		if err == nil {
+			err = c.CloseWrite()
+		}
+		errc <- err
+	}()
+	h := sha256.New()
+	n, err := io.Copy(h, c)
+	if err != nil {
+		t.Errorf("client read: %v", err)
+	}
+	if err := <-errc; err != nil {
+		t.Errorf("client write: %v", err)
+	}
+	copy(recvSum[:], h.Sum(nil))
+	return sentSum, recvSum, n
+}
+
+func TestServeRelaysExactBytesBothWays(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	size := forwardtest.TransferMiB(t, 64) << 20
+	up := forwardtest.NewUpstream(t, size+7)
+	f := newFixture(t, nil)
+	sent, recv, n := runTunnel(t, f.dial(t), f.gw.Frame(t, "sbx-1", up.Addr()), size, 1)
+	if errs := f.wait(t, 1); errs[0] != nil {
+		t.Fatalf("Serve: %v", errs[0])
+	}
+	up.Close()
+	r := up.Results()[0]
+	if r.Received != size || r.RecvSum != sent {
+		t.Errorf("upstream got %d bytes (sha %x), client sent %d (sha %x)", r.Received, r.RecvSum, size, sent)
+	}
+	if n != size+7 || recv != r.SentSum {
+		t.Errorf("client got %d bytes (sha %x), upstream sent %d (sha %x)", n, recv, size+7, r.SentSum)
+	}
+	res := f.res[0]
+	if res.Tunnel.BytesToSandbox != size || res.Tunnel.BytesFromSandbox != size+7 {
+		t.Errorf("meters: to %d from %d, want %d and %d", res.Tunnel.BytesToSandbox, res.Tunnel.BytesFromSandbox, size, size+7)
+	}
+	// TCP to TCP: both directions must run on splice(2), with no userspace copy.
+	for _, d := range []splice.DirectionStats{res.Relay.AToB, res.Relay.BToA} {
+		if !d.Spliced || d.CopyBytes != 0 || d.SpliceBytes != d.Bytes {
+			t.Errorf("direction not fully spliced: %+v", d)
+		}
+	}
+	act := f.reg.Activity()
+	if len(act) != 1 || act[0].Sandbox != "sbx-1" || act[0].BytesToSandbox != size || act[0].BytesFromSandbox != size+7 || act[0].OpenTunnels != 0 || act[0].TotalTunnels != 1 {
+		t.Errorf("activity = %+v", act)
+	}
+	if dp := f.reg.DataPath(); dp.SpliceBytes != 2*size+7 || dp.CopyBytes != 0 {
+		t.Errorf("data path = %+v", dp)
+	}
+	if open, opened := f.reg.Counts(); open != 0 || opened != 1 {
+		t.Errorf("counts: open %d opened %d", open, opened)
+	}
+}
+
+// A client that writes tenant bytes in the same segment as the preamble:
+// ReadFrame must not swallow them.
+func TestServePreambleAndDataInOneWrite(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up := forwardtest.NewUpstream(t, 0)
+	f := newFixture(t, nil)
+	c := f.dial(t)
+	payload := []byte("hello sandbox, right behind the preamble")
+	c.Write(append(f.gw.Frame(t, "sbx-2", up.Addr()), payload...))
+	c.CloseWrite()
+	io.Copy(io.Discard, c)
+	c.Close()
+	f.wait(t, 1)
+	up.Close()
+	if r := up.Results()[0]; r.Received != int64(len(payload)) || r.RecvSum != sha256.Sum256(payload) {
+		t.Fatalf("upstream received %d bytes, want exactly the %d payload bytes", r.Received, len(payload))
+	}
+}
+
+// Unwrap: bytes a wrapper buffered past the preamble reach the target first.
+func TestServeForwardsBufferedBytesFirst(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up := forwardtest.NewUpstream(t, 0)
+	f := newFixture(t, nil)
+	a, b := tcpPair(t)
+	frame := f.gw.Frame(t, "sbx-3", up.Addr())
+	done := make(chan error, 1)
+	go func() {
+		_, err := f.fwd.Serve(Client{
+			Conn:   &bufferedConn{Conn: a, r: io.MultiReader(bytes.NewReader(frame), a)},
+			Unwrap: func() (net.Conn, []byte) { return a, []byte("buffered-") },
+		})
+		done <- err
+	}()
+	b.Write([]byte("from-socket"))
+	b.CloseWrite()
+	io.Copy(io.Discard, b)
+	b.Close()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	up.Close()
+	if want := sha256.Sum256([]byte("buffered-from-socket")); up.Results()[0].RecvSum != want {
+		t.Fatalf("upstream got %d bytes in the wrong order or content", up.Results()[0].Received)
+	}
+}
+
+func tcpPair(t *testing.T) (*net.TCPConn, *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	b, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a.(*net.TCPConn), b.(*net.TCPConn)
+}
+
+type bufferedConn struct {
+	net.Conn
+	r io.Reader
+}
+
+func (c *bufferedConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+
+func TestRejections(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up := forwardtest.NewUpstream(t, 0)
+	closedPort := func() netip.AddrPort {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		a := ln.Addr().(*net.TCPAddr).AddrPort()
+		ln.Close()
+		return a
+	}()
+	f := newFixture(t, func(c *Config) { c.PreambleTimeout = 300 * time.Millisecond })
+	other := forwardtest.NewGateway(t, "gw-1") // same key ID, different key
+	unknown := forwardtest.NewGateway(t, "gw-unknown")
+	cases := []struct {
+		name   string
+		send   func(c *net.TCPConn)
+		reason string
+	}{
+		{"bad-signature", func(c *net.TCPConn) { c.Write(other.Frame(t, "sbx", up.Addr())) }, "bad-signature"},
+		{"unknown-key", func(c *net.TCPConn) { c.Write(unknown.Frame(t, "sbx", up.Addr())) }, "unknown-key"},
+		{"bad-magic", func(c *net.TCPConn) { c.Write([]byte("GET / HTTP/1.1\r\n\r\n")) }, "bad-magic"},
+		{"timeout", func(c *net.TCPConn) { c.Write(f.gw.Frame(t, "sbx", up.Addr())[:10]) }, "timeout"},
+		{"read-failed", func(c *net.TCPConn) { c.Write(f.gw.Frame(t, "sbx", up.Addr())[:10]); c.CloseWrite() }, "truncated"},
+		{"target-denied", func(c *net.TCPConn) {
+			c.Write(f.gw.Frame(t, "sbx", netip.MustParseAddrPort("169.254.169.254:80")))
+		}, "target-denied"},
+		{"dial-failed", func(c *net.TCPConn) { c.Write(f.gw.Frame(t, "sbx", closedPort)) }, "dial-failed"},
+	}
+	for i, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := f.dial(t)
+			defer c.Close()
+			tc.send(c)
+			// The forwarder answers nothing and closes (a reset when it
+			// closed with our bytes unread).
+			c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			n, err := io.Copy(io.Discard, c)
+			if n != 0 || (err != nil && !errors.Is(err, syscall.ECONNRESET)) {
+				t.Errorf("client read %d bytes, err %v; want a silent close", n, err)
+			}
+			errs := f.wait(t, i+1)
+			if got := ReasonOf(errs[i]); got != tc.reason {
+				t.Errorf("reason %q (%v), want %q", got, errs[i], tc.reason)
+			}
+		})
+	}
+	replay := f.gw.Frame(t, "sbx", up.Addr())
+	t.Run("replayed-nonce", func(t *testing.T) {
+		for j := 0; j < 2; j++ {
+			c := f.dial(t)
+			c.Write(replay)
+			c.CloseWrite()
+			io.Copy(io.Discard, c)
+			c.Close()
+		}
+		errs := f.wait(t, len(cases)+2)
+		// Either may be recorded first: the client sees EOF before Serve returns.
+		got := map[string]int{ReasonOf(errs[len(cases)]): 1}
+		got[ReasonOf(errs[len(cases)+1])]++
+		if got[""] != 1 || got["replayed-nonce"] != 1 {
+			t.Errorf("outcomes %v, %v; want one success and one replayed-nonce", errs[len(cases)], errs[len(cases)+1])
+		}
+	})
+	if got := up.Accepted(); got != 1 {
+		t.Errorf("upstream accepted %d connections; only the one valid tunnel may dial", got)
+	}
+	rej := f.reg.Rejections()
+	for _, tc := range cases {
+		if rej[tc.reason] != 1 {
+			t.Errorf("rejections[%q] = %d, want 1 (all: %v)", tc.reason, rej[tc.reason], rej)
+		}
+	}
+	if rej["replayed-nonce"] != 1 {
+		t.Errorf("rejections = %v", rej)
+	}
+}
+
+func TestDrainRefusesNewAndClosesAfterGrace(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up := forwardtest.NewUpstream(t, 0)
+	f := newFixture(t, nil)
+	c := f.dial(t)
+	defer c.Close()
+	c.Write(append(f.gw.Frame(t, "sbx-d", up.Addr()), "x"...))
+	for {
+		if open, _ := f.reg.Counts(); open == 1 {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if forced := f.reg.Drain(ctx); forced != 1 {
+		t.Fatalf("Drain forced %d tunnels, want 1", forced)
+	}
+	// The idle tunnel was closed by the drain: the client sees EOF.
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.Copy(io.Discard, c); err != nil {
+		t.Fatalf("client after drain: %v", err)
+	}
+	c2 := f.dial(t)
+	defer c2.Close()
+	c2.Write(f.gw.Frame(t, "sbx-d", up.Addr()))
+	errs := f.wait(t, 2)
+	var re *RejectError
+	if !errors.As(errs[1], &re) || re.Reason != ReasonDraining {
+		t.Fatalf("tunnel during drain: %v, want draining", errs[1])
+	}
+}

@@ -1,0 +1,231 @@
+// Package forwardtest holds what the forwarder's tests share: a sandbox
+// upstream that hashes what it receives while sending a deterministic
+// stream, a gateway that signs preambles, transfer sizing from
+// KTLS_TEST_MIB, and fd/goroutine leak checks.
+package forwardtest
+
+import (
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/sha256"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/splice"
+)
+
+// Gateway signs preambles like an edge gateway.
+type Gateway struct {
+	Signer *preamble.Signer
+	Pub    ed25519.PublicKey
+}
+
+// NewGateway makes a gateway with a fresh Ed25519 key named keyID.
+func NewGateway(t testing.TB, keyID string) *Gateway {
+	t.Helper()
+	pub, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := preamble.NewSigner(keyID, priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &Gateway{Signer: s, Pub: pub}
+}
+
+// Frame signs an unbound preamble for sandbox and target.
+func (g *Gateway) Frame(t testing.TB, sandbox string, target netip.AddrPort) []byte {
+	t.Helper()
+	f, err := g.Signer.Sign(preamble.Claims{SandboxID: sandbox, Target: target})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// Upstream is a sandbox service: for each connection it hashes everything
+// it receives until EOF while sending Send pattern bytes, then half-closes
+// and closes. It records each connection's results.
+type Upstream struct {
+	ln       *net.TCPListener
+	send     int64
+	mu       sync.Mutex
+	accepted int
+	results  []Result
+	wg       sync.WaitGroup
+}
+
+// Result is what one upstream connection saw.
+type Result struct {
+	Received int64
+	RecvSum  [32]byte
+	Sent     int64
+	SentSum  [32]byte
+	ReadErr  error
+	WriteErr error
+}
+
+// NewUpstream listens on 127.0.0.1 and sends send bytes on each connection
+// (pattern seeded by the connection's order). It stops at test cleanup.
+func NewUpstream(t testing.TB, send int64) *Upstream {
+	t.Helper()
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := &Upstream{ln: ln, send: send}
+	u.wg.Add(1)
+	go func() {
+		defer u.wg.Done()
+		for {
+			c, err := ln.AcceptTCP()
+			if err != nil {
+				return
+			}
+			u.mu.Lock()
+			u.accepted++
+			u.mu.Unlock()
+			u.wg.Add(1)
+			go func() {
+				defer u.wg.Done()
+				u.serve(c)
+			}()
+		}
+	}()
+	t.Cleanup(u.Close)
+	return u
+}
+
+func (u *Upstream) serve(c *net.TCPConn) {
+	defer c.Close()
+	var res Result
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		h := sha256.New()
+		res.Sent, res.WriteErr = io.Copy(io.MultiWriter(c, h), io.LimitReader(NewPattern(2), u.send))
+		copy(res.SentSum[:], h.Sum(nil))
+		c.CloseWrite()
+	}()
+	h := sha256.New()
+	res.Received, res.ReadErr = io.Copy(h, c)
+	copy(res.RecvSum[:], h.Sum(nil))
+	wg.Wait()
+	u.mu.Lock()
+	u.results = append(u.results, res)
+	u.mu.Unlock()
+}
+
+// Addr is the upstream's address.
+func (u *Upstream) Addr() netip.AddrPort { return u.ln.Addr().(*net.TCPAddr).AddrPort() }
+
+// Accepted counts the connections accepted so far.
+func (u *Upstream) Accepted() int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.accepted
+}
+
+// Close stops listening and waits for the connections to finish.
+func (u *Upstream) Close() {
+	u.ln.Close()
+	u.wg.Wait()
+}
+
+// Results returns the finished connections' results; call after Close to
+// see all of them.
+func (u *Upstream) Results() []Result {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return append([]Result(nil), u.results...)
+}
+
+// Pattern is a cheap deterministic byte stream (xorshift), so tests move
+// many MiB without paying for crypto/rand.
+type Pattern struct{ x uint64 }
+
+// NewPattern returns the stream for seed.
+func NewPattern(seed uint64) *Pattern { return &Pattern{x: seed*0x9E3779B97F4A7C15 + 1} }
+
+func (p *Pattern) Read(b []byte) (int, error) {
+	for i := range b {
+		p.x ^= p.x << 13
+		p.x ^= p.x >> 7
+		p.x ^= p.x << 17
+		b[i] = byte(p.x)
+	}
+	return len(b), nil
+}
+
+// PatternSum is the SHA-256 of the first n bytes of NewPattern(seed).
+func PatternSum(seed uint64, n int64) [32]byte {
+	h := sha256.New()
+	io.Copy(h, io.LimitReader(NewPattern(seed), n))
+	var s [32]byte
+	copy(s[:], h.Sum(nil))
+	return s
+}
+
+// TransferMiB is the per-direction size of big transfer tests: KTLS_TEST_MIB
+// when set, else def (def/8 under the race detector, at least 1).
+func TransferMiB(t testing.TB, def int64) int64 {
+	if s := os.Getenv("KTLS_TEST_MIB"); s != "" {
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || n <= 0 {
+			t.Fatalf("KTLS_TEST_MIB=%q: want a positive integer", s)
+		}
+		return n
+	}
+	if RaceEnabled {
+		return max(def/8, 1)
+	}
+	return def
+}
+
+// fdTargets lists what this process's fds point at, for leak reports.
+func fdTargets() []string {
+	ents, _ := os.ReadDir("/proc/self/fd")
+	var out []string
+	for _, e := range ents {
+		target, _ := os.Readlink("/proc/self/fd/" + e.Name())
+		out = append(out, e.Name()+"->"+target)
+	}
+	return out
+}
+
+// CheckLeaks records open fds and goroutines now and fails t at cleanup
+// when they have not come back to that level within a few seconds. Empty
+// pipes kept for reuse by splice's default pool (two fds each) are not
+// leaks; a pipe still in use at cleanup is.
+func CheckLeaks(t *testing.T) {
+	t.Helper()
+	pool := splice.DefaultPipePool()
+	fds, gs, idle := kerneltest.OpenFDs(t), runtime.NumGoroutine(), pool.Stats().Idle
+	t.Cleanup(func() {
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			ps := pool.Stats()
+			nf, ng := kerneltest.OpenFDs(t)-2*(ps.Idle-idle), runtime.NumGoroutine()
+			if nf <= fds && ng <= gs && ps.InUse == 0 {
+				return
+			}
+			if time.Now().After(deadline) {
+				buf := make([]byte, 1<<20)
+				buf = buf[:runtime.Stack(buf, true)]
+				t.Fatalf("leak: fds %d -> %d, goroutines %d -> %d, pipes in use %d\nfds: %v\n%s", fds, nf, gs, ng, ps.InUse, fdTargets(), buf)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+}

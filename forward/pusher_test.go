@@ -1,0 +1,124 @@
+package forward
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+)
+
+// The receiver gets JSON deltas that sum to exactly the bytes moved.
+func TestPusherDeltasSumToBytesMoved(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	var mu sync.Mutex
+	sums := map[string][2]int64{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var rep ActivityReport
+		if r.Method != http.MethodPost || r.Header.Get("Content-Type") != "application/json" {
+			t.Errorf("got %s with Content-Type %q", r.Method, r.Header.Get("Content-Type"))
+		}
+		if err := json.NewDecoder(r.Body).Decode(&rep); err != nil {
+			t.Errorf("decode report: %v", err)
+		}
+		mu.Lock()
+		for _, d := range rep.Sandboxes {
+			s := sums[d.Sandbox]
+			sums[d.Sandbox] = [2]int64{s[0] + d.BytesToSandbox, s[1] + d.BytesFromSandbox}
+		}
+		mu.Unlock()
+	}))
+	defer srv.Close()
+	reg := NewRegistry()
+	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: 5 * time.Millisecond}, reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Start()
+	a, _, _ := reg.Open("sbx-a", "10.0.0.1:1", "peer")
+	b, _, _ := reg.Open("sbx-b", "10.0.0.2:1", "peer")
+	for i := range 200 {
+		a.AddToSandbox(int64(i))
+		a.AddFromSandbox(3)
+		b.AddFromSandbox(int64(i * 2))
+		if i%50 == 0 {
+			time.Sleep(7 * time.Millisecond)
+		}
+	}
+	a.Close()
+	b.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.Stop(ctx) // takes and delivers the last deltas
+	mu.Lock()
+	defer mu.Unlock()
+	if got := sums["sbx-a"]; got != [2]int64{199 * 200 / 2, 600} {
+		t.Errorf("sbx-a deltas sum to %v", got)
+	}
+	if got := sums["sbx-b"]; got != [2]int64{0, 199 * 200} {
+		t.Errorf("sbx-b deltas sum to %v", got)
+	}
+	if st := p.Stats(); st.Sent == 0 || st.Dropped != 0 || st.Retries != 0 {
+		t.Errorf("stats %+v", st)
+	}
+}
+
+// A failing receiver: each report is retried, then dropped and counted;
+// the data path (the counters) is never held up.
+func TestPusherRetriesThenDrops(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	var posts atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		posts.Add(1)
+		http.Error(w, "down", http.StatusServiceUnavailable)
+	}))
+	defer srv.Close()
+	reg := NewRegistry()
+	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: time.Hour, Attempts: 3, Backoff: time.Millisecond, Queue: 1}, reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Start()
+	tun, _, _ := reg.Open("sbx", "10.0.0.1:1", "peer")
+	tun.AddToSandbox(1 << 20)
+	tun.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.Stop(ctx)
+	st := p.Stats()
+	if st.Sent != 0 || st.Dropped != 1 || st.Retries != 2 || posts.Load() != 3 {
+		t.Errorf("stats %+v after %d POSTs; want 3 attempts, 2 retries, 1 drop", st, posts.Load())
+	}
+}
+
+// A full queue evicts the oldest report and counts it.
+func TestPusherQueueBound(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { <-release }))
+	defer srv.Close()
+	defer close(release)
+	reg := NewRegistry()
+	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: time.Hour, Attempts: 1, Queue: 2, Timeout: 50 * time.Millisecond}, reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tun, _, _ := reg.Open("sbx", "10.0.0.1:1", "peer")
+	defer tun.Close()
+	for range 5 {
+		tun.AddToSandbox(1)
+		p.enqueue()
+	}
+	if got := p.Stats().Dropped; got != 3 {
+		t.Errorf("dropped %d of 5 reports with a queue of 2, want 3", got)
+	}
+	p.Start()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.Stop(ctx)
+}

@@ -1,0 +1,30 @@
+package forward
+
+// Reason says why a tunnel was refused. The values are stable strings: they
+// appear in logs, metrics labels and the admin API, so they never change
+// meaning once released. A refused preamble carries the preamble package's
+// own reason unchanged (preamble.Reason: "timeout", "bad-signature", ...);
+// the reasons below are the forwarder's, raised after the preamble verified.
+type Reason string
+
+const (
+	// ReasonTargetDenied: the signed target is not allowed by the target policy.
+	ReasonTargetDenied Reason = "target-denied"
+	// ReasonDialFailed: the target could not be reached within the dial timeout.
+	ReasonDialFailed Reason = "dial-failed"
+	// ReasonDraining: the process is exiting and accepts no new tunnels.
+	ReasonDraining Reason = "draining"
+)
+
+// RejectError is returned by Forwarder.Serve when a tunnel is refused before
+// any client byte reaches the target.
+type RejectError struct {
+	Reason Reason
+	Err    error
+}
+
+func (e *RejectError) Error() string {
+	return "tunnel rejected (" + string(e.Reason) + "): " + e.Err.Error()
+}
+
+func (e *RejectError) Unwrap() error { return e.Err }

@@ -1,0 +1,361 @@
+package forward
+
+import (
+	"context"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/splice"
+)
+
+// Registry is the process-level state of all tunnels: the open ones with
+// their live byte counters, per-sandbox totals, and the rejections by reason.
+// A process normally has exactly one, shared by every configuration that is
+// loaded over the process's lifetime, so that tunnels and counters survive
+// reloads. All methods are safe for concurrent use; the data path touches
+// only atomics.
+type Registry struct {
+	mu        sync.Mutex
+	nextID    uint64
+	tunnels   map[uint64]*Tunnel
+	sandboxes map[string]*sandboxCounters
+	rejects   map[string]uint64
+	draining  bool
+	idle      chan struct{} // closed and replaced whenever the last open tunnel closes
+	lastPrune time.Time
+
+	opened atomic.Uint64
+	// Bytes of all tunnels ever, by direction (sandbox entries are pruned).
+	toSandbox, fromSandbox atomic.Int64
+	// Data-path totals of closed tunnels' relays (package splice's counters).
+	spliceBytes, copyBytes, controlRecords atomic.Int64
+
+	// Retention is how long a sandbox with no open tunnel keeps its entry
+	// (totals and unreported deltas) after its last activity. Zero means one
+	// hour. It bounds memory in a long-lived process that sees many sandboxes.
+	Retention time.Duration
+}
+
+type sandboxCounters struct {
+	open, total            atomic.Int64
+	toSandbox, fromSandbox atomic.Int64
+	pendingTo, pendingFrom atomic.Int64 // not yet taken by TakeDeltas
+	lastActivity           atomic.Int64 // unix nanoseconds
+}
+
+// NewRegistry returns an empty registry.
+func NewRegistry() *Registry {
+	return &Registry{
+		tunnels:   make(map[uint64]*Tunnel),
+		sandboxes: make(map[string]*sandboxCounters),
+		rejects:   make(map[string]uint64),
+		idle:      make(chan struct{}),
+	}
+}
+
+// Tunnel is one open tunnel. Its counters are updated by the relay as bytes
+// move and are readable at any time.
+type Tunnel struct {
+	ID      uint64
+	Sandbox string
+	Target  string
+	Peer    string
+	Opened  time.Time
+
+	reg         *Registry
+	sb          *sandboxCounters
+	toSandbox   atomic.Int64
+	fromSandbox atomic.Int64
+	lastActive  atomic.Int64
+
+	// cancel stops the tunnel's relay; a forced drain calls it.
+	cancel context.CancelFunc
+}
+
+// TunnelInfo is a snapshot of one tunnel, as served by the admin API.
+type TunnelInfo struct {
+	ID               uint64    `json:"id"`
+	Sandbox          string    `json:"sandbox"`
+	Target           string    `json:"target"`
+	Peer             string    `json:"peer"`
+	Opened           time.Time `json:"opened"`
+	LastActivity     time.Time `json:"last_activity"`
+	BytesToSandbox   int64     `json:"bytes_to_sandbox"`
+	BytesFromSandbox int64     `json:"bytes_from_sandbox"`
+}
+
+// SandboxActivity is a snapshot of one sandbox's counters: totals since the
+// registry first saw it, as served by the admin API.
+type SandboxActivity struct {
+	Sandbox          string    `json:"sandbox"`
+	OpenTunnels      int64     `json:"open_tunnels"`
+	TotalTunnels     int64     `json:"total_tunnels"`
+	BytesToSandbox   int64     `json:"bytes_to_sandbox"`
+	BytesFromSandbox int64     `json:"bytes_from_sandbox"`
+	LastActivity     time.Time `json:"last_activity"`
+}
+
+// SandboxDelta is what a sandbox moved since the previous TakeDeltas.
+type SandboxDelta struct {
+	Sandbox          string    `json:"sandbox"`
+	BytesToSandbox   int64     `json:"bytes_to_sandbox"`
+	BytesFromSandbox int64     `json:"bytes_from_sandbox"`
+	OpenTunnels      int64     `json:"open_tunnels"`
+	LastActivity     time.Time `json:"last_activity"`
+}
+
+// errDraining is wrapped in the RejectError that Open's callers return.
+type drainingError struct{}
+
+func (drainingError) Error() string { return "the forwarder is draining before exit" }
+
+// Open registers a new tunnel, or refuses it while the registry drains.
+// The tunnel's relay must run under the returned context: Drain cancels it
+// when the grace period is over.
+func (r *Registry) Open(sandbox, target, peer string) (*Tunnel, context.Context, error) {
+	now := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.draining {
+		return nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
+	}
+	r.pruneLocked(now)
+	r.nextID++
+	sb := r.sandboxes[sandbox]
+	if sb == nil {
+		sb = new(sandboxCounters)
+		r.sandboxes[sandbox] = sb
+	}
+	sb.open.Add(1)
+	sb.total.Add(1)
+	sb.lastActivity.Store(now.UnixNano())
+	ctx, cancel := context.WithCancel(context.Background())
+	t := &Tunnel{ID: r.nextID, Sandbox: sandbox, Target: target, Peer: peer, Opened: now, reg: r, sb: sb, cancel: cancel}
+	t.lastActive.Store(now.UnixNano())
+	r.tunnels[t.ID] = t
+	r.opened.Add(1)
+	return t, ctx, nil
+}
+
+func (r *Registry) pruneLocked(now time.Time) {
+	if now.Sub(r.lastPrune) < time.Minute {
+		return
+	}
+	r.lastPrune = now
+	keep := r.Retention
+	if keep == 0 {
+		keep = time.Hour
+	}
+	for id, sb := range r.sandboxes {
+		if sb.open.Load() == 0 && now.Sub(time.Unix(0, sb.lastActivity.Load())) > keep {
+			delete(r.sandboxes, id)
+		}
+	}
+}
+
+// Reject counts a refused tunnel under its reason.
+func (r *Registry) Reject(reason string) {
+	r.mu.Lock()
+	r.rejects[reason]++
+	r.mu.Unlock()
+}
+
+// Rejections returns the refused tunnels counted so far, by reason.
+func (r *Registry) Rejections() map[string]uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	m := make(map[string]uint64, len(r.rejects))
+	for k, v := range r.rejects {
+		m[k] = v
+	}
+	return m
+}
+
+// AddToSandbox counts n bytes moved from the client towards the sandbox.
+func (t *Tunnel) AddToSandbox(n int64) {
+	t.toSandbox.Add(n)
+	t.reg.toSandbox.Add(n)
+	t.sb.toSandbox.Add(n)
+	t.sb.pendingTo.Add(n)
+	t.touch()
+}
+
+// AddFromSandbox counts n bytes moved from the sandbox towards the client.
+func (t *Tunnel) AddFromSandbox(n int64) {
+	t.fromSandbox.Add(n)
+	t.reg.fromSandbox.Add(n)
+	t.sb.fromSandbox.Add(n)
+	t.sb.pendingFrom.Add(n)
+	t.touch()
+}
+
+func (t *Tunnel) touch() {
+	now := time.Now().UnixNano()
+	t.lastActive.Store(now)
+	t.sb.lastActivity.Store(now)
+}
+
+// Info returns a snapshot of the tunnel.
+func (t *Tunnel) Info() TunnelInfo {
+	return TunnelInfo{
+		ID: t.ID, Sandbox: t.Sandbox, Target: t.Target, Peer: t.Peer, Opened: t.Opened,
+		LastActivity:     time.Unix(0, t.lastActive.Load()),
+		BytesToSandbox:   t.toSandbox.Load(),
+		BytesFromSandbox: t.fromSandbox.Load(),
+	}
+}
+
+// Close deregisters the tunnel. It is idempotent.
+func (t *Tunnel) Close() {
+	r := t.reg
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.tunnels[t.ID]; !ok {
+		return
+	}
+	delete(r.tunnels, t.ID)
+	t.cancel()
+	t.sb.open.Add(-1)
+	if len(r.tunnels) == 0 {
+		close(r.idle)
+		r.idle = make(chan struct{})
+	}
+}
+
+// Totals returns the bytes all tunnels have moved since the registry was
+// made, towards and from the sandboxes.
+func (r *Registry) Totals() (toSandbox, fromSandbox int64) {
+	return r.toSandbox.Load(), r.fromSandbox.Load()
+}
+
+// DataPath is how the bytes of closed tunnels moved.
+type DataPath struct {
+	SpliceBytes    int64 // moved by splice(2), never entering userspace
+	CopyBytes      int64 // copied through userspace (fallback, control-record data)
+	ControlRecords int64 // kTLS control records handled in userspace during relays
+}
+
+// DataPath returns the splice/copy totals of the tunnels closed so far.
+func (r *Registry) DataPath() DataPath {
+	return DataPath{SpliceBytes: r.spliceBytes.Load(), CopyBytes: r.copyBytes.Load(), ControlRecords: r.controlRecords.Load()}
+}
+
+func (r *Registry) addDataPath(res splice.Result) {
+	for _, d := range []splice.DirectionStats{res.AToB, res.BToA} {
+		r.spliceBytes.Add(d.SpliceBytes)
+		r.copyBytes.Add(d.CopyBytes)
+		r.controlRecords.Add(d.ControlRecords)
+	}
+}
+
+// Tunnels returns a snapshot of the open tunnels, oldest first.
+func (r *Registry) Tunnels() []TunnelInfo {
+	r.mu.Lock()
+	list := make([]*Tunnel, 0, len(r.tunnels))
+	for _, t := range r.tunnels {
+		list = append(list, t)
+	}
+	r.mu.Unlock()
+	infos := make([]TunnelInfo, len(list))
+	for i, t := range list {
+		infos[i] = t.Info()
+	}
+	sort.Slice(infos, func(i, j int) bool { return infos[i].ID < infos[j].ID })
+	return infos
+}
+
+// Counts returns the number of open tunnels and of tunnels opened since the
+// registry was made.
+func (r *Registry) Counts() (open int, opened uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.tunnels), r.opened.Load()
+}
+
+// Activity returns a snapshot of every sandbox the registry remembers,
+// ordered by sandbox ID.
+func (r *Registry) Activity() []SandboxActivity {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]SandboxActivity, 0, len(r.sandboxes))
+	for id, sb := range r.sandboxes {
+		out = append(out, SandboxActivity{
+			Sandbox: id, OpenTunnels: sb.open.Load(), TotalTunnels: sb.total.Load(),
+			BytesToSandbox: sb.toSandbox.Load(), BytesFromSandbox: sb.fromSandbox.Load(),
+			LastActivity: time.Unix(0, sb.lastActivity.Load()),
+		})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Sandbox < out[j].Sandbox })
+	return out
+}
+
+// TakeDeltas returns, for every sandbox that moved bytes or has an open
+// tunnel, the bytes moved since the previous call, and resets them. Each byte
+// is returned by exactly one call, however many callers there are, so the
+// deltas of all calls sum to the bytes moved (which is what lets a new
+// configuration's pusher take over from the old one's during a reload).
+func (r *Registry) TakeDeltas() []SandboxDelta {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []SandboxDelta
+	for id, sb := range r.sandboxes {
+		to, from := sb.pendingTo.Swap(0), sb.pendingFrom.Swap(0)
+		open := sb.open.Load()
+		if to == 0 && from == 0 && open == 0 {
+			continue
+		}
+		out = append(out, SandboxDelta{
+			Sandbox: id, BytesToSandbox: to, BytesFromSandbox: from, OpenTunnels: open,
+			LastActivity: time.Unix(0, sb.lastActivity.Load()),
+		})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Sandbox < out[j].Sandbox })
+	return out
+}
+
+// Draining reports whether Drain has started.
+func (r *Registry) Draining() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.draining
+}
+
+// Drain refuses new tunnels from now on, waits for the open ones to end
+// until ctx is done, then closes the remaining tunnels' connections and
+// waits for their relays to finish. It returns how many tunnels it had to
+// close. It is meant for process exit only: a reload must never drain.
+func (r *Registry) Drain(ctx context.Context) (forced int) {
+	r.mu.Lock()
+	r.draining = true
+	r.mu.Unlock()
+	for {
+		r.mu.Lock()
+		n, idle := len(r.tunnels), r.idle
+		r.mu.Unlock()
+		if n == 0 {
+			return forced
+		}
+		select {
+		case <-idle:
+			continue
+		case <-ctx.Done():
+		}
+		r.mu.Lock()
+		list := make([]*Tunnel, 0, len(r.tunnels))
+		for _, t := range r.tunnels {
+			list = append(list, t)
+		}
+		idle = r.idle
+		r.mu.Unlock()
+		forced = len(list)
+		for _, t := range list {
+			t.cancel()
+		}
+		if len(list) > 0 {
+			<-idle
+		}
+		return forced
+	}
+}

@@ -1,0 +1,46 @@
+#!/bin/sh
+# Runs inside the VM (through vm.sh, in the chroot, working directory = the
+# checkout): every kernel test binary listed in the manifest, each from its
+# package directory as `go test` would, with KTLS_REQUIRE=1 so that a
+# missing kernel feature fails instead of skipping.
+#
+# usage: guest-suite.sh MANIFEST   (lines: "<import path> <package dir> <test binary>")
+# env: KTLS_TEST_MIB (passed on to the tests), VM_TEST_TIMEOUT (seconds per
+#      binary, default 600), VM_OUT (results dir, set by vm.sh)
+# Prints go-test-style closing lines ("ok  <pkg> <time>s" / "FAIL <pkg> ...")
+# and exits non-zero if any binary failed, printed "--- FAIL" or "--- SKIP",
+# or timed out. Copies /proc/net/tls_stat to $VM_OUT/tls_stat at the end.
+set -u
+manifest=${1:?usage: guest-suite.sh MANIFEST}
+repo=$(pwd)
+limit=${VM_TEST_TIMEOUT:-600}
+export KTLS_REQUIRE=1
+[ -n "${KTLS_TEST_MIB:-}" ] && export KTLS_TEST_MIB
+failed=0
+uptime_s() { cut -d' ' -f1 /proc/uptime; }
+echo "guest: kernel $(uname -r), KTLS_TEST_MIB=${KTLS_TEST_MIB:-default}"
+while read -r pkg dir bin; do
+  [ -n "$pkg" ] || continue
+  log=$VM_OUT/$(basename "$bin").log
+  t0=$(uptime_s)
+  # -test.timeout panics with goroutine dumps before the outer timeout kills.
+  (cd "$repo/$dir" && timeout -k 10 "$limit" "$repo/$bin" -test.run '^TestKernel' -test.v \
+      -test.timeout "$((limit - 15))s" 2>&1; echo "exit $?" >"$log.rc") | tee "$log"
+  rc=$(sed 's/^exit //' "$log.rc"); rm -f "$log.rc"
+  secs=$(awk -v a="$t0" -v b="$(uptime_s)" 'BEGIN { printf "%.3f", b - a }')
+  why=
+  [ "$rc" -eq 0 ] || why="exit status $rc"
+  [ "$rc" -eq 124 ] && why="timed out after ${limit}s"
+  grep -q -- '--- FAIL' "$log" && why="${why:+$why, }--- FAIL"
+  # A kernel test that skips inside the VM hides a broken kernel path.
+  grep -q -- '--- SKIP' "$log" && why="${why:+$why, }--- SKIP in the VM"
+  if [ -z "$why" ]; then
+    printf 'ok  \t%s\t%ss [vm kernel %s]\n' "$pkg" "$secs" "$(uname -r)"
+  else
+    printf 'FAIL\t%s\t%ss [vm kernel %s]: %s\n' "$pkg" "$secs" "$(uname -r)" "$why"
+    failed=1
+  fi
+done <"$manifest"
+echo "guest: /proc/net/tls_stat after the suite:"
+cat /proc/net/tls_stat | tee "$VM_OUT/tls_stat"
+exit $failed

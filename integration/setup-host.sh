@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the host tools the VM harness needs, with apt, only when missing:
+# qemu (TCG, no KVM needed), a static busybox for the guest's init, cpio for
+# the initramfs, kmod (depmod/modprobe --show-depends), xz/zstd for compressed
+# kernel modules, and the Debian keyring that verifies the kernel packages.
+set -euo pipefail
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have qemu-system-x86_64 || need+=(qemu-system-x86)
+# The busybox copied into the initramfs must be static: the guest has no libc
+# until the host root is mounted.
+# (Without file(1) we cannot tell, so busybox-static is requested; apt keeps
+# an installed one as it is.)
+have file || need+=(file)
+if ! { [ -x /bin/busybox ] && file -L /bin/busybox 2>/dev/null | grep -q 'statically linked'; }; then
+  need+=(busybox-static)
+fi
+have cpio || need+=(cpio)
+have xz || need+=(xz-utils)
+have zstd || need+=(zstd)
+have depmod || need+=(kmod)
+have dpkg-deb || need+=(dpkg)
+[ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
+if [ ${#need[@]} -eq 0 ]; then
+  exit 0
+fi
+[ "$(id -u)" -eq 0 ] || { echo "ERROR: missing host packages (${need[*]}); run as root or: apt-get install ${need[*]}" >&2; exit 1; }
+echo "setup-host: apt-get install ${need[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

@@ -1,0 +1,609 @@
+package caddyktls
+
+import (
+	"context"
+	"crypto/ed25519"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+	"github.com/caddyserver/caddy/v2/modules/caddytls"
+	"github.com/mholt/caddy-l4/layer4"
+	"github.com/mholt/caddy-l4/modules/l4tls"
+	"go.uber.org/zap"
+
+	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+func init() {
+	caddy.RegisterModule(new(KTLSHandler))
+	caddy.RegisterModule(new(SandboxHandler))
+	caddy.RegisterModule(new(MatchSandbox))
+}
+
+// tunnels is the process-level tunnel registry: every configuration loaded
+// over the process's lifetime shares it, so tunnels and their counters
+// survive reloads (a reload never closes a tunnel; only process exit drains).
+var tunnels = forward.NewRegistry()
+
+// KTLSHandler terminates TLS inside caddy-l4 and moves the session into the
+// kernel (kTLS), then passes the decrypted stream on. Its configuration has
+// the shape of caddy-l4's `tls` handler (connection policies with client
+// authentication for mutual TLS) plus the offload options.
+//
+// It sets the same connection variables as caddy-l4's `tls` handler, so the
+// `tls` matcher, `{l4.tls.*}` placeholders and later handlers see the session.
+//
+// SECURITY: kernel receive (RX) is on by default because it is what lets the
+// data path splice decrypted bytes without a copy. The kernel's TLS receive
+// path is where kTLS vulnerabilities have clustered; set `disable_rx` to keep
+// decryption in Go while the kernel still encrypts outgoing records.
+type KTLSHandler struct {
+	// The TLS connection policies, exactly as in caddy-l4's `tls` handler:
+	// certificate selection, protocols, and `client_auth` (mode, trust_pool,
+	// verifiers such as `leaf` for a client-certificate allowlist). With none,
+	// one default policy is used.
+	ConnectionPolicies caddytls.ConnectionPolicies `json:"connection_policies,omitempty"`
+
+	// DisableRX keeps decryption in userspace: the kernel seals outgoing
+	// records (TX) while incoming records are decrypted in Go. Costs a copy
+	// and the decryption on the client-to-sandbox direction.
+	DisableRX bool `json:"disable_rx,omitempty"`
+
+	// RequireOffload refuses connections that cannot be offloaded (no
+	// kernel support, cipher, bytes buffered...) instead of serving them
+	// with userspace TLS.
+	RequireOffload bool `json:"require_offload,omitempty"`
+
+	// ExpectNoPad sets TLS_RX_EXPECT_NO_PAD (TLS 1.3 RX): faster decryption
+	// into the caller's buffer. Trusted peers only: a peer that pads its
+	// records makes each one decrypt twice.
+	ExpectNoPad bool `json:"expect_no_pad,omitempty"`
+
+	// TXZeroCopyRO sets TLS_TX_ZEROCOPY_RO (device offload with sendfile
+	// only; files must not change while in flight).
+	TXZeroCopyRO bool `json:"tx_zerocopy_ro,omitempty"`
+
+	// KeyUpdateRate is the sustained rate of TLS control records (KeyUpdate)
+	// a connection may send per second before it is disconnected. Zero means
+	// the ktls package default.
+	KeyUpdateRate float64 `json:"keyupdate_rate,omitempty"`
+
+	// KeyUpdateBurst is the burst allowed above KeyUpdateRate. Zero means the
+	// ktls package default.
+	KeyUpdateBurst int `json:"keyupdate_burst,omitempty"`
+
+	// HandshakeTimeout bounds the TLS handshake. Default: 10s.
+	HandshakeTimeout caddy.Duration `json:"handshake_timeout,omitempty"`
+
+	ctx    caddy.Context
+	logger *zap.Logger
+	opts   ktls.Options
+}
+
+// CaddyModule returns the Caddy module information.
+func (*KTLSHandler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "layer4.handlers.ktls", New: func() caddy.Module { return new(KTLSHandler) }}
+}
+
+// Provision sets up the handler.
+func (h *KTLSHandler) Provision(ctx caddy.Context) error {
+	h.ctx = ctx
+	h.logger = ctx.Logger(h)
+	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
+	if len(h.ConnectionPolicies) == 0 {
+		h.ConnectionPolicies = append(h.ConnectionPolicies, new(caddytls.ConnectionPolicy))
+	}
+	if err := h.ConnectionPolicies.Provision(ctx); err != nil {
+		return fmt.Errorf("ktls handler: connection policies: %v", err)
+	}
+	if h.KeyUpdateRate < 0 || h.KeyUpdateBurst < 0 || h.HandshakeTimeout < 0 {
+		return errors.New("ktls handler: keyupdate_rate, keyupdate_burst and handshake_timeout must not be negative")
+	}
+	if h.HandshakeTimeout == 0 {
+		h.HandshakeTimeout = caddy.Duration(10 * time.Second)
+	}
+	h.opts = ktls.Options{
+		DisableRX:      h.DisableRX,
+		RequireOffload: h.RequireOffload,
+		ExpectNoPad:    h.ExpectNoPad,
+		TXZeroCopyRO:   h.TXZeroCopyRO,
+		KeyUpdateLimit: ktls.Rate{PerSecond: h.KeyUpdateRate, Burst: h.KeyUpdateBurst},
+		Observer:       h.observe,
+	}
+	return nil
+}
+
+func (h *KTLSHandler) observe(ev ktls.Event) {
+	if ev.Kind == ktls.EventHandshake || ev.Err == nil {
+		return
+	}
+	h.logger.Warn("kTLS connection event", zap.String("event", string(ev.Kind)), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
+}
+
+// Handle terminates TLS on cx and calls next with the decrypted connection.
+func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
+	cfg := h.ConnectionPolicies.TLSConfig(h.ctx)
+	var hello l4tls.ClientHelloInfo
+	getConfig := cfg.GetConfigForClient
+	cfg.GetConfigForClient = func(chi *tls.ClientHelloInfo) (*tls.Config, error) {
+		hello.ClientHelloInfo = *chi
+		return getConfig(chi)
+	}
+	// The handshake reads through cx, so bytes a matcher prefetched (the
+	// ClientHello) are used first; kTLS is installed only once cx holds no
+	// more buffered bytes (layeredConn.Socket).
+	kconn := ktls.Server(layeredConn{cx}, cfg, h.opts)
+	ctx, cancel := context.WithTimeout(cx.Context, time.Duration(h.HandshakeTimeout))
+	err := kconn.HandshakeContext(ctx)
+	cancel()
+	if err != nil {
+		kconn.Close()
+		return fmt.Errorf("ktls handshake with %s: %w", cx.RemoteAddr(), err)
+	}
+	off := kconn.Offload()
+	state := kconn.ConnectionState()
+	h.logger.Debug("terminated TLS",
+		zap.Stringer("remote", cx.RemoteAddr()),
+		zap.String("server_name", state.ServerName),
+		zap.String("tx", off.TX.String()), zap.String("rx", off.RX.String()),
+		zap.String("offload_reason", string(off.Reason)))
+
+	var hellos []l4tls.ClientHelloInfo
+	if v, ok := cx.GetVar(tlsClientHellosVar).([]l4tls.ClientHelloInfo); ok {
+		hellos = v
+	}
+	cx.SetVar(tlsClientHellosVar, append(hellos, hello))
+	var states []*tls.ConnectionState
+	if v, ok := cx.GetVar(layer4.TLSConnectionStatesVarName).([]*tls.ConnectionState); ok {
+		states = v
+	}
+	cx.SetVar(layer4.TLSConnectionStatesVarName, append(states, &state))
+	addTLSPlaceholders(cx.Replacer(), &state)
+	return next.Handle(cx.Wrap(kconn))
+}
+
+// tlsClientHellosVar is the connection variable caddy-l4's `tls` handler
+// stores ClientHellos under (an unexported constant in l4tls); its matchers
+// and l4proxy read it.
+const tlsClientHellosVar = "tls_client_hellos"
+
+// addTLSPlaceholders provides the most used {l4.tls.*} placeholders of
+// caddy-l4's `tls` handler.
+func addTLSPlaceholders(repl *caddy.Replacer, cs *tls.ConnectionState) {
+	if repl == nil {
+		return
+	}
+	repl.Map(func(key string) (any, bool) {
+		switch key {
+		case "l4.tls.version":
+			return caddytls.ProtocolName(cs.Version), true
+		case "l4.tls.cipher_suite":
+			return tls.CipherSuiteName(cs.CipherSuite), true
+		case "l4.tls.resumed":
+			return cs.DidResume, true
+		case "l4.tls.proto":
+			return cs.NegotiatedProtocol, true
+		case "l4.tls.server_name":
+			return cs.ServerName, true
+		}
+		if len(cs.PeerCertificates) == 0 {
+			return nil, false
+		}
+		cert := cs.PeerCertificates[0]
+		switch key {
+		case "l4.tls.client.subject":
+			return cert.Subject, true
+		case "l4.tls.client.subject.common_name":
+			return cert.Subject.CommonName, true
+		case "l4.tls.client.issuer":
+			return cert.Issuer, true
+		case "l4.tls.client.serial":
+			return cert.SerialNumber, true
+		case "l4.tls.client.fingerprint":
+			return fmt.Sprintf("%x", sha256.Sum256(cert.Raw)), true
+		}
+		return nil, false
+	})
+}
+
+// layeredConn adapts caddy-l4's Connection to ktls.Layered: the handshake
+// reads through the Connection's prefetch buffer, and the kernel socket is
+// handed out only once that buffer is empty.
+type layeredConn struct{ cx *layer4.Connection }
+
+func (l layeredConn) Read(p []byte) (int, error)         { return l.cx.Read(p) }
+func (l layeredConn) Write(p []byte) (int, error)        { return l.cx.Write(p) }
+func (l layeredConn) Close() error                       { return l.cx.Close() }
+func (l layeredConn) LocalAddr() net.Addr                { return l.cx.LocalAddr() }
+func (l layeredConn) RemoteAddr() net.Addr               { return l.cx.RemoteAddr() }
+func (l layeredConn) SetDeadline(t time.Time) error      { return l.cx.SetDeadline(t) }
+func (l layeredConn) SetReadDeadline(t time.Time) error  { return l.cx.SetReadDeadline(t) }
+func (l layeredConn) SetWriteDeadline(t time.Time) error { return l.cx.SetWriteDeadline(t) }
+
+// Socket implements ktls.Layered.
+func (l layeredConn) Socket() (*net.TCPConn, error) {
+	if n := len(l.cx.MatchingBytes()); n > 0 {
+		return nil, fmt.Errorf("%d bytes past the handshake are buffered in caddy-l4", n)
+	}
+	tcp, ok := l.cx.Conn.(*net.TCPConn)
+	if !ok {
+		return nil, fmt.Errorf("caddy-l4 connection wraps %T, not a TCP socket", l.cx.Conn)
+	}
+	return tcp, nil
+}
+
+// SyscallConn exposes the socket for socket options (keepalive) even when
+// the session stayed in userspace.
+func (l layeredConn) SyscallConn() (syscall.RawConn, error) {
+	sc, ok := l.cx.Conn.(syscall.Conn)
+	if !ok {
+		return nil, fmt.Errorf("caddy-l4 connection wraps %T, which has no socket", l.cx.Conn)
+	}
+	return sc.SyscallConn()
+}
+
+// SandboxHandler is a terminal handler that carries sandbox tunnels: it
+// reads the gateway's signed preamble (under the one deadline a tunnel has),
+// verifies it, checks the target against the allowlist, dials it and relays
+// both directions with splice(2), metering every byte per tunnel and per
+// sandbox. A refused tunnel is closed without a reply, logged in one line
+// with its reason and counted; nothing is dialed for it.
+//
+// Place it after `ktls` (mutual TLS) so that splice reaches kernel sockets on
+// both sides; behind caddy-l4's `tls` handler or on plaintext it still works,
+// with a userspace copy.
+type SandboxHandler struct {
+	// Keys are the gateways' Ed25519 public keys, inline.
+	Keys []SandboxKey `json:"keys,omitempty"`
+
+	// KeyFiles are keyring files: PEM "PUBLIC KEY" blocks, each named by a
+	// "Key-Id" header (or the key's derived ID without one).
+	KeyFiles []string `json:"key_files,omitempty"`
+
+	// RequireChannelBinding rejects preambles that are not bound to this
+	// TLS session (the TLS 1.3 exporter the gateway signs), so a captured
+	// preamble cannot be replayed on another connection.
+	RequireChannelBinding bool `json:"require_channel_binding,omitempty"`
+
+	// MaxClockSkew is the clock difference tolerated between gateway and
+	// forwarder. Default: 30s.
+	MaxClockSkew caddy.Duration `json:"max_clock_skew,omitempty"`
+
+	// MaxPreambleTTL is the longest validity window a preamble may claim.
+	// Default: 2m.
+	MaxPreambleTTL caddy.Duration `json:"max_preamble_ttl,omitempty"`
+
+	// ReplayCacheSize is how many nonces are remembered for replay
+	// detection. Default: 65536.
+	ReplayCacheSize int `json:"replay_cache_size,omitempty"`
+
+	// PreambleTimeout bounds the wait for the whole preamble: the only
+	// deadline a tunnel ever has. Default: 5s.
+	PreambleTimeout caddy.Duration `json:"preamble_timeout,omitempty"`
+
+	// DialTimeout bounds connecting to the target. Default: 10s.
+	DialTimeout caddy.Duration `json:"dial_timeout,omitempty"`
+
+	// KeepAlive is the TCP keepalive idle time and interval on both sockets.
+	// Default: 30s.
+	KeepAlive caddy.Duration `json:"keepalive,omitempty"`
+
+	// TCPUserTimeout sets TCP_USER_TIMEOUT on both sockets (how long sent
+	// data may go unacknowledged). Default: the kernel's.
+	TCPUserTimeout caddy.Duration `json:"tcp_user_timeout,omitempty"`
+
+	// AllowCIDRs are the networks targets may be in; empty allows every
+	// address not refused by default. Loopback, link-local (including
+	// 169.254.169.254), multicast, unspecified, broadcast and this host's
+	// own addresses are refused unless an entry lies inside them: for
+	// example "127.0.0.0/8" opens loopback for a demo, "0.0.0.0/0" does not.
+	AllowCIDRs []string `json:"allow_cidrs,omitempty"`
+
+	// AllowPorts are the target ports allowed, as "443" or "8000-8999";
+	// empty allows all.
+	AllowPorts []string `json:"allow_ports,omitempty"`
+
+	// ActivityPush, when set, POSTs per-sandbox byte deltas as JSON to a
+	// control plane (format: forward.ActivityReport).
+	ActivityPush *ActivityPush `json:"activity_push,omitempty"`
+
+	// DrainGracePeriod is how long open tunnels may keep running when the
+	// process exits before they are closed. Reloads never close tunnels.
+	// Default: 30s.
+	DrainGracePeriod caddy.Duration `json:"drain_grace_period,omitempty"`
+
+	ctx    caddy.Context
+	logger *zap.Logger
+	fwd    *forward.Forwarder
+	pusher *forward.Pusher
+	events *caddyevents.App
+}
+
+// SandboxKey is one inline gateway key.
+type SandboxKey struct {
+	// ID is the key ID gateways write in their preambles.
+	ID string `json:"id"`
+	// PublicKey is the Ed25519 public key: 32 raw bytes in standard base64,
+	// or a PEM "PUBLIC KEY" block.
+	PublicKey string `json:"public_key"`
+}
+
+// ActivityPush configures the activity reports.
+type ActivityPush struct {
+	// URL receives the POSTs.
+	URL string `json:"url"`
+	// Interval between reports. Default: 10s.
+	Interval caddy.Duration `json:"interval,omitempty"`
+	// Timeout per POST attempt. Default: 5s.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+	// Attempts per report before it is dropped. Default: 4.
+	Attempts int `json:"attempts,omitempty"`
+	// Backoff before the first retry, doubled after each. Default: 500ms.
+	Backoff caddy.Duration `json:"backoff,omitempty"`
+	// QueueSize is how many reports may wait; when full, the oldest is
+	// dropped. Default: 16.
+	QueueSize int `json:"queue_size,omitempty"`
+}
+
+// CaddyModule returns the Caddy module information.
+func (*SandboxHandler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "layer4.handlers.sandbox", New: func() caddy.Module { return new(SandboxHandler) }}
+}
+
+// Provision sets up the handler.
+func (h *SandboxHandler) Provision(ctx caddy.Context) error {
+	h.ctx = ctx
+	h.logger = ctx.Logger(h)
+	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
+	keys, err := h.keyring()
+	if err != nil {
+		return err
+	}
+	verifier, err := preamble.NewVerifier(preamble.VerifierConfig{
+		Keys:            keys,
+		MaxSkew:         time.Duration(h.MaxClockSkew),
+		MaxTTL:          time.Duration(h.MaxPreambleTTL),
+		ReplayCacheSize: h.ReplayCacheSize,
+		RequireBinding:  h.RequireChannelBinding,
+	})
+	if err != nil {
+		return fmt.Errorf("sandbox handler: %w", err)
+	}
+	policy, err := forward.NewTargetPolicy(h.AllowCIDRs, h.AllowPorts)
+	if err != nil {
+		return fmt.Errorf("sandbox handler: %w", err)
+	}
+	h.fwd, err = forward.New(forward.Config{
+		Verifier:        verifier,
+		Policy:          policy,
+		Registry:        tunnels,
+		PreambleTimeout: time.Duration(h.PreambleTimeout),
+		DialTimeout:     time.Duration(h.DialTimeout),
+		KeepAlive:       time.Duration(h.KeepAlive),
+		UserTimeout:     time.Duration(h.TCPUserTimeout),
+	})
+	if err != nil {
+		return fmt.Errorf("sandbox handler: %w", err)
+	}
+	if h.DrainGracePeriod < 0 {
+		return errors.New("sandbox handler: drain_grace_period must not be negative")
+	}
+	if h.DrainGracePeriod == 0 {
+		h.DrainGracePeriod = caddy.Duration(30 * time.Second)
+	}
+	events, err := ctx.App("events")
+	if err != nil {
+		return fmt.Errorf("sandbox handler: events app: %w", err)
+	}
+	h.events = events.(*caddyevents.App)
+	if p := h.ActivityPush; p != nil {
+		h.pusher, err = forward.NewPusher(forward.PusherConfig{
+			URL: p.URL, Interval: time.Duration(p.Interval), Timeout: time.Duration(p.Timeout),
+			Attempts: p.Attempts, Backoff: time.Duration(p.Backoff), Queue: p.QueueSize,
+		}, tunnels)
+		if err != nil {
+			return fmt.Errorf("sandbox handler: %w", err)
+		}
+		pushers.add(h.pusher)
+		h.pusher.Start()
+	}
+	return nil
+}
+
+func (h *SandboxHandler) keyring() (map[string]ed25519.PublicKey, error) {
+	keys := make(map[string]ed25519.PublicKey)
+	add := func(from string, ring map[string]ed25519.PublicKey) error {
+		for id, k := range ring {
+			if _, dup := keys[id]; dup {
+				return fmt.Errorf("sandbox handler: key ID %q is configured twice (%s)", id, from)
+			}
+			keys[id] = k
+		}
+		return nil
+	}
+	for i, k := range h.Keys {
+		pub, err := parsePublicKey(k.PublicKey)
+		if err != nil {
+			return nil, fmt.Errorf("sandbox handler: keys[%d] (%q): %w", i, k.ID, err)
+		}
+		if k.ID == "" {
+			return nil, fmt.Errorf("sandbox handler: keys[%d] has no id", i)
+		}
+		if err := add("inline", map[string]ed25519.PublicKey{k.ID: pub}); err != nil {
+			return nil, err
+		}
+	}
+	for _, f := range h.KeyFiles {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			return nil, fmt.Errorf("sandbox handler: key file: %w", err)
+		}
+		ring, err := preamble.ParseKeyring(data)
+		if err != nil {
+			return nil, fmt.Errorf("sandbox handler: key file %s: %w", f, err)
+		}
+		if len(ring) == 0 {
+			return nil, fmt.Errorf("sandbox handler: key file %s holds no PUBLIC KEY block", f)
+		}
+		if err := add(f, ring); err != nil {
+			return nil, err
+		}
+	}
+	if len(keys) == 0 {
+		return nil, errors.New("sandbox handler: no gateway keys: set keys or key_files")
+	}
+	return keys, nil
+}
+
+// parsePublicKey accepts a PEM "PUBLIC KEY" block, or standard base64 of
+// either the raw 32-byte key or its SPKI DER form (what `openssl pkey
+// -pubout -outform DER` writes).
+func parsePublicKey(s string) (ed25519.PublicKey, error) {
+	if ring, err := preamble.ParseKeyring([]byte(s)); err == nil && len(ring) == 1 {
+		for _, k := range ring {
+			return k, nil
+		}
+	}
+	raw, err := base64.StdEncoding.DecodeString(s)
+	if err != nil {
+		return nil, fmt.Errorf("public key is neither one PEM PUBLIC KEY block nor base64: %v", err)
+	}
+	if len(raw) == ed25519.PublicKeySize {
+		return ed25519.PublicKey(raw), nil
+	}
+	k, err := x509.ParsePKIXPublicKey(raw)
+	if err != nil {
+		return nil, fmt.Errorf("public key is %d bytes: neither a raw Ed25519 key (%d) nor SPKI DER: %v", len(raw), ed25519.PublicKeySize, err)
+	}
+	pub, ok := k.(ed25519.PublicKey)
+	if !ok {
+		return nil, fmt.Errorf("public key is %T, want Ed25519", k)
+	}
+	return pub, nil
+}
+
+// Cleanup stops this configuration's pusher. Tunnels are left alone on a
+// reload; when the process exits it drains them for the grace period.
+func (h *SandboxHandler) Cleanup() error {
+	if h.pusher != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		h.pusher.Stop(ctx)
+		cancel()
+		pushers.remove(h.pusher)
+	}
+	if caddy.Exiting() && h.fwd != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(h.DrainGracePeriod))
+		forced := tunnels.Drain(ctx)
+		cancel()
+		if forced > 0 {
+			h.logger.Warn("closed tunnels still open after the drain grace period", zap.Int("tunnels", forced))
+		}
+	}
+	return nil
+}
+
+// Handle carries one tunnel; it is terminal and never calls next.
+func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
+	peer := cx.RemoteAddr().String()
+	client := forward.Client{
+		Conn: cx,
+		Peer: peer,
+		OnOpen: func(ti forward.TunnelInfo) {
+			h.events.Emit(h.ctx, "sandbox_tunnel_opened", map[string]any{
+				"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
+			})
+		},
+		Unwrap: func() (net.Conn, []byte) {
+			// Relay the connection under cx's read-ahead buffer so that
+			// splice reaches the socket; what cx still buffers (a matcher
+			// read past the preamble) goes to the target first.
+			return cx.Conn, append([]byte(nil), cx.MatchingBytes()...)
+		},
+	}
+	if state, ok := tlsStateOf(cx); ok {
+		client.Binding, _ = preamble.ChannelBinding(state)
+	}
+	res, err := h.fwd.Serve(client)
+	if res.Tunnel.ID == 0 {
+		reason := forward.ReasonOf(err)
+		h.logger.Warn("sandbox tunnel rejected", zap.String("reason", reason), zap.String("peer", peer), zap.Error(err))
+		return nil
+	}
+	ti := res.Tunnel
+	h.events.Emit(h.ctx, "sandbox_tunnel_closed", map[string]any{
+		"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
+		"bytes_to_sandbox": ti.BytesToSandbox, "bytes_from_sandbox": ti.BytesFromSandbox,
+		"duration": time.Since(ti.Opened).Seconds(),
+	})
+	fields := []zap.Field{zap.Uint64("id", ti.ID), zap.String("sandbox", ti.Sandbox), zap.String("target", ti.Target),
+		zap.String("peer", peer), zap.Int64("bytes_to_sandbox", ti.BytesToSandbox), zap.Int64("bytes_from_sandbox", ti.BytesFromSandbox),
+		zap.Bool("spliced_to_sandbox", res.Relay.AToB.Spliced), zap.Bool("spliced_from_sandbox", res.Relay.BToA.Spliced)}
+	if err != nil && !errors.Is(err, io.EOF) {
+		h.logger.Info("sandbox tunnel ended with an error", append(fields, zap.Error(err))...)
+		return nil
+	}
+	h.logger.Debug("sandbox tunnel closed", fields...)
+	return nil
+}
+
+// tlsStateOf returns the TLS session that carries cx: the one the layer4
+// ktls (or tls) handler recorded, or, when the connection came through the
+// HTTP server's `listener_wrappers { ktls; layer4 {...} }` (where caddy-l4
+// records no TLS state), the one the wrapped connection itself reports.
+func tlsStateOf(cx *layer4.Connection) (tls.ConnectionState, bool) {
+	if states, ok := cx.GetVar(layer4.TLSConnectionStatesVarName).([]*tls.ConnectionState); ok && len(states) > 0 {
+		return *states[len(states)-1], true
+	}
+	if sc, ok := cx.Conn.(interface{ ConnectionState() tls.ConnectionState }); ok {
+		return sc.ConnectionState(), true
+	}
+	return tls.ConnectionState{}, false
+}
+
+// MatchSandbox matches connections that start with a sandbox preamble (its
+// magic bytes), so tunnels can share a listener with other layer4 routes.
+// It is a cheap routing test, not a verification: the sandbox handler
+// verifies.
+type MatchSandbox struct{}
+
+// CaddyModule returns the Caddy module information.
+func (*MatchSandbox) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "layer4.matchers.sandbox", New: func() caddy.Module { return new(MatchSandbox) }}
+}
+
+// Match reports whether cx starts with the preamble magic.
+func (*MatchSandbox) Match(cx *layer4.Connection) (bool, error) {
+	buf := make([]byte, len(preamble.Magic))
+	if _, err := io.ReadFull(cx, buf); err != nil {
+		return false, err
+	}
+	return string(buf) == preamble.Magic, nil
+}
+
+// Interface guards.
+var (
+	_ layer4.NextHandler = (*KTLSHandler)(nil)
+	_ caddy.Provisioner  = (*KTLSHandler)(nil)
+	_ layer4.NextHandler = (*SandboxHandler)(nil)
+	_ caddy.Provisioner  = (*SandboxHandler)(nil)
+	_ caddy.CleanerUpper = (*SandboxHandler)(nil)
+	_ layer4.ConnMatcher = (*MatchSandbox)(nil)
+	_ ktls.Layered       = layeredConn{}
+)

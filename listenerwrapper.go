@@ -1,0 +1,563 @@
+package caddyktls
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/mholt/caddy-l4/layer4"
+	"go.uber.org/zap"
+
+	"github.com/ktlsingress/caddy-ktls/ktls"
+)
+
+func init() {
+	caddy.RegisterModule(new(ListenerWrapper))
+}
+
+// ListenerWrapper is the `caddy.listeners.ktls` listener wrapper: Caddy's
+// HTTPS (HTTP/1.1 and HTTP/2) served from kernel TLS. Caddy still runs the
+// whole TLS handshake with its own connection policies (automatic and
+// on-demand certificates, `tls internal`, client authentication, ECH); once
+// the handshake is done the session keys move into the kernel, which then
+// encrypts and decrypts the records. Connections that cannot be offloaded
+// fall back to userspace TLS unless `require_offload` is set. HTTP/3 does not
+// use listener wrappers and is unaffected.
+//
+// It must come after the `tls` placeholder wrapper, which is where Caddy puts
+// every wrapper by default:
+//
+//	listener_wrappers {
+//		ktls
+//	}
+//
+// SECURITY: kernel receive (RX) is on by default. The kernel's TLS receive
+// path is where kTLS vulnerabilities have clustered; set `disable_rx` to keep
+// decryption in Go while the kernel still encrypts outgoing records.
+type ListenerWrapper struct {
+	// DisableRX keeps decryption in userspace: the kernel seals outgoing
+	// records (TX) while incoming records are decrypted in Go with the
+	// session keys. Request bodies then cost a copy and the decryption in
+	// Go; responses still leave through the kernel.
+	DisableRX bool `json:"disable_rx,omitempty"`
+
+	// RequireOffload refuses connections that cannot be offloaded (kernel
+	// without kTLS, cipher the kernel refuses, TLS 1.0/1.1...) instead of
+	// serving them with userspace TLS: their handshake completes, then the
+	// connection is closed. Loading a configuration with it fails on a kernel
+	// without kTLS, because every connection would be refused.
+	RequireOffload bool `json:"require_offload,omitempty"`
+
+	// ExpectNoPad sets TLS_RX_EXPECT_NO_PAD on TLS 1.3 connections (Linux
+	// 6.0+): the kernel decrypts straight into the reader's buffer. For
+	// trusted clients only: a client that pads its records makes each one
+	// decrypt twice. Ignored with disable_rx.
+	ExpectNoPad bool `json:"expect_no_pad,omitempty"`
+
+	// TXZeroCopyRO sets TLS_TX_ZEROCOPY_RO (Linux 5.19+): with NIC (device)
+	// TLS offload, sendfile pages go to the NIC without a copy. It only
+	// matters with sendfile and device offload, and a file that changes while
+	// it is being sent makes retransmitted records fail authentication at the
+	// client (a broken connection, never wrong data). Requires `sendfile`.
+	TXZeroCopyRO bool `json:"tx_zerocopy_ro,omitempty"`
+
+	// KeyUpdateRate is the sustained rate (per second) of TLS 1.3 KeyUpdate
+	// messages a client may send before it is disconnected. Zero: the ktls
+	// package default (10/s).
+	KeyUpdateRate float64 `json:"keyupdate_rate,omitempty"`
+
+	// KeyUpdateBurst is the number of KeyUpdate messages allowed in a burst
+	// above KeyUpdateRate. Zero: the ktls package default (20).
+	KeyUpdateBurst int `json:"keyupdate_burst,omitempty"`
+
+	// HandshakeTimeout bounds the TLS handshake, which runs on the first
+	// read or write of a connection (never in the accept loop). Default: 10s.
+	HandshakeTimeout caddy.Duration `json:"handshake_timeout,omitempty"`
+
+	// Sendfile lets HTTP/1.1 response bodies read from files (file_server)
+	// go out with sendfile(2), encrypted by the kernel, without passing
+	// through userspace.
+	//
+	// The trade-off, with Caddy v2.11: for sendfile the connection handed to
+	// Caddy must not report its TLS state through a ConnectionState method,
+	// because Caddy hides every optional method of such connections
+	// (including the io.ReaderFrom that net/http uses for sendfile). Caddy
+	// then logs "tls is enabled, but listener wrapper returns a connection
+	// that doesn't implement connectionStater" at WARN level for every
+	// connection. Requests still see the correct TLS state (r.TLS,
+	// {http.request.tls.*}, client certificate matchers, access logs). Off by
+	// default: response bodies are then written through the kernel with
+	// write(2), still encrypted by the kernel, and the logs stay clean.
+	// Sendfile is only possible when the server serves both HTTP/1.1 and
+	// HTTP/2 (Caddy's default); otherwise this option has no effect and a
+	// warning says so at start.
+	Sendfile bool `json:"sendfile,omitempty"`
+
+	ctx      caddy.Context
+	srv      *caddyhttp.Server
+	logger   *zap.Logger
+	opts     ktls.Options
+	sendfile bool // Sendfile, and possible on this server
+
+	baseOnce sync.Once
+	base     *tls.Config
+}
+
+// CaddyModule returns the Caddy module information.
+func (*ListenerWrapper) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "caddy.listeners.ktls", New: func() caddy.Module { return new(ListenerWrapper) }}
+}
+
+// defaultHandshakeTimeout bounds handshakes when HandshakeTimeout is zero.
+const defaultHandshakeTimeout = 10 * time.Second
+
+// Provision checks the configuration and where the wrapper sits in its
+// server, and registers the per-connection TLS state with the server.
+func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
+	lw.ctx = ctx
+	lw.logger = ctx.Logger(lw)
+	srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if !ok || srv == nil {
+		return errors.New("ktls listener wrapper: only usable in an HTTP server's listener_wrappers")
+	}
+	lw.srv = srv
+	if err := checkWrapperOrder(srv.ListenerWrappersRaw); err != nil {
+		return err
+	}
+	if lw.KeyUpdateRate < 0 || lw.KeyUpdateBurst < 0 || lw.HandshakeTimeout < 0 {
+		return errors.New("ktls listener wrapper: keyupdate_rate, keyupdate_burst and handshake_timeout must not be negative")
+	}
+	if lw.TXZeroCopyRO && !lw.Sendfile {
+		return errors.New("ktls listener wrapper: tx_zerocopy_ro only affects sendfile: enable sendfile too, or remove it")
+	}
+	if lw.RequireOffload {
+		if caps := ktls.Probe(); caps.ULP != nil {
+			return fmt.Errorf("ktls listener wrapper: require_offload is set but this kernel cannot offload TLS, so every connection would be refused: %v", caps.ULP)
+		}
+	}
+	if lw.HandshakeTimeout == 0 {
+		lw.HandshakeTimeout = caddy.Duration(defaultHandshakeTimeout)
+	}
+	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
+	if err := registerListenerMetrics(ctx); err != nil {
+		return err
+	}
+	lw.opts = ktls.Options{
+		DisableRX:      lw.DisableRX,
+		RequireOffload: lw.RequireOffload,
+		ExpectNoPad:    lw.ExpectNoPad,
+		TXZeroCopyRO:   lw.TXZeroCopyRO,
+		KeyUpdateLimit: ktls.Rate{PerSecond: lw.KeyUpdateRate, Burst: lw.KeyUpdateBurst},
+		Observer:       lw.observe,
+	}
+	lw.sendfile = lw.Sendfile && servesH1AndH2(srv)
+	if lw.Sendfile && !lw.sendfile {
+		lw.logger.Warn("sendfile needs both HTTP/1.1 and HTTP/2 enabled on every listener of this server (Caddy hides it otherwise): serving without sendfile")
+	}
+	srv.RegisterConnContext(connTLSState)
+	return nil
+}
+
+// connTLSState gives requests the TLS state of connections that do not
+// report it through ConnectionState by the time net/http sees them: ours in
+// sendfile mode, and ours behind a layer4 listener wrapper, which hands
+// HTTP its *layer4.Connection. Caddy fills r.TLS from this context value
+// (server.go, ServeHTTP) under its unexported tlsConnectionStateFuncCtxKey,
+// which has this type and string; the TLS placeholder checks in
+// listenerwrapper_test.go pin that contract.
+func connTLSState(ctx context.Context, c net.Conn) context.Context {
+	if lc, ok := c.(*layer4.Connection); ok {
+		c = lc.Conn
+	}
+	switch hc := c.(type) {
+	case *sendfileConn:
+		return context.WithValue(ctx, tlsConnectionStateFuncKey, hc.tlsState)
+	case *stateConn:
+		return context.WithValue(ctx, tlsConnectionStateFuncKey, hc.tlsState)
+	}
+	return ctx
+}
+
+// tlsConnectionStateFuncKey is the context key under which Caddy looks up a
+// func() *tls.ConnectionState for connections that are not *tls.Conn.
+const tlsConnectionStateFuncKey caddy.CtxKey = "tls_connection_state_func"
+
+// checkWrapperOrder rejects a ktls wrapper placed before the `tls`
+// placeholder: there it would receive raw TCP connections and Caddy's
+// *tls.Conn would later run the record layer in userspace on top of it.
+// Without an explicit `tls`, Caddy puts it first, so every wrapper is after.
+func checkWrapperOrder(raws []json.RawMessage) error {
+	tlsAt, ktlsAt := -1, -1
+	for i, raw := range raws {
+		var w struct {
+			Wrapper string `json:"wrapper"`
+		}
+		if err := json.Unmarshal(raw, &w); err != nil {
+			return fmt.Errorf("ktls listener wrapper: reading listener_wrappers[%d]: %v", i, err)
+		}
+		switch w.Wrapper {
+		case "tls":
+			tlsAt = i
+		case "ktls":
+			if ktlsAt < 0 {
+				ktlsAt = i
+			}
+		}
+	}
+	if tlsAt >= 0 && ktlsAt >= 0 && ktlsAt < tlsAt {
+		return fmt.Errorf("ktls listener wrapper: it is at position %d of listener_wrappers, before the tls wrapper at %d; it must come after tls (it takes over the connections Caddy's TLS listener accepted), e.g. list it without tls", ktlsAt, tlsAt)
+	}
+	return nil
+}
+
+// servesH1AndH2 reports whether every listener of srv serves HTTP/1.1 and
+// HTTP/2: only then does Caddy hand connections to net/http unwrapped
+// (http2listener.go), so that net/http finds their ReadFrom.
+func servesH1AndH2(srv *caddyhttp.Server) bool {
+	both := func(protos []string) bool {
+		return slices.Contains(protos, "h1") && (slices.Contains(protos, "h2") || slices.Contains(protos, "h2c"))
+	}
+	if !both(srv.Protocols) {
+		return false
+	}
+	for _, p := range srv.ListenProtocols {
+		if p != nil && !both(p) {
+			return false
+		}
+	}
+	return true
+}
+
+// observe logs what the ktls engine reports for a connection.
+func (lw *ListenerWrapper) observe(ev ktls.Event) {
+	switch ev.Kind {
+	case ktls.EventHandshake:
+		if ce := lw.logger.Check(zap.DebugLevel, "kernel TLS handshake"); ce != nil {
+			ce.Write(zap.Stringer("remote", ev.Remote),
+				zap.String("tx", ev.Offload.TX.String()), zap.String("rx", ev.Offload.RX.String()),
+				zap.String("reason", string(ev.Offload.Reason)),
+				zap.String("version", tls.VersionName(ev.Offload.Version)),
+				zap.String("cipher_suite", tls.CipherSuiteName(ev.Offload.CipherSuite)),
+				zap.Error(ev.Err))
+		}
+	case ktls.EventRateLimited, ktls.EventClosed:
+		lw.logger.Warn("kernel TLS connection closed", zap.String("event", string(ev.Kind)),
+			zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
+	default:
+		lw.logger.Debug("kernel TLS connection event", zap.String("event", string(ev.Kind)),
+			zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
+	}
+}
+
+// WrapListener wraps ln, which is Caddy's TLS listener (or a plain listener
+// on the HTTP port, whose connections pass through untouched).
+func (lw *ListenerWrapper) WrapListener(ln net.Listener) net.Listener {
+	lw.baseOnce.Do(lw.start)
+	return &listener{Listener: ln, lw: lw}
+}
+
+// start builds the base TLS configuration and logs what this kernel can do.
+// It runs in WrapListener, not Provision, because Caddy provisions the
+// server's TLS connection policies after its listener wrappers.
+func (lw *ListenerWrapper) start() {
+	lw.base = lw.srv.TLSConnPolicies.TLSConfig(lw.ctx)
+	caps := ktls.Probe()
+	fields := []zap.Field{
+		zap.String("kernel", caps.Kernel),
+		zap.Bool("rx_in_kernel", !lw.DisableRX),
+		zap.Bool("fallback", !lw.RequireOffload),
+		zap.Bool("sendfile", lw.sendfile),
+	}
+	if caps.ULP != nil {
+		fields = append(fields, zap.String("offload", "off"), zap.NamedError("why", caps.ULP),
+			zap.Bool("cap_net_admin", caps.NetAdmin))
+		lw.logger.Info("kernel TLS unavailable: connections use userspace TLS", fields...)
+		return
+	}
+	var suites []string
+	for _, s := range caps.Ciphers {
+		if s.TX && (s.RX || lw.DisableRX) {
+			suites = append(suites, tls.VersionName(s.Version)+" "+s.Name)
+		}
+	}
+	fields = append(fields, zap.String("offload", "on"), zap.Strings("suites", suites),
+		zap.Bool("rekey", caps.Rekey), zap.Bool("expect_no_pad_supported", caps.ExpectNoPad),
+		zap.Bool("tx_zerocopy_ro_supported", caps.TXZeroCopyRO))
+	lw.logger.Info("kernel TLS available", fields...)
+	if lw.ExpectNoPad && !caps.ExpectNoPad {
+		lw.logger.Warn("expect_no_pad is set but this kernel does not accept TLS_RX_EXPECT_NO_PAD: TLS 1.3 connections will fail to offload RX")
+	}
+	if lw.TXZeroCopyRO && !caps.TXZeroCopyRO {
+		lw.logger.Warn("tx_zerocopy_ro is set but this kernel does not accept TLS_TX_ZEROCOPY_RO: connections will fail to offload")
+	}
+}
+
+type listener struct {
+	net.Listener
+	lw *ListenerWrapper
+}
+
+// Accept takes Caddy's not yet handshaken *tls.Conn, keeps only the TCP
+// connection under it and starts a kernel TLS connection over that. Nothing
+// has been read or written through the *tls.Conn yet, so dropping it is free.
+// The handshake runs on the connection's first read or write, in the
+// connection's own goroutine, never here.
+func (l *listener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	tc, ok := c.(*tls.Conn)
+	if !ok {
+		return c, nil // the HTTP port of a server, or no TLS on this server
+	}
+	hc := &httpConn{kc: ktls.Server(tc.NetConn(), l.lw.base, l.lw.opts), timeout: time.Duration(l.lw.HandshakeTimeout)}
+	if l.lw.sendfile {
+		return &sendfileConn{hc}, nil
+	}
+	return &stateConn{hc}, nil
+}
+
+// httpConn is a kernel TLS connection as the HTTP server sees it. It
+// forwards only what net/http and Caddy use, and deliberately neither
+// ConnectionState nor ReadFrom: each variant below adds exactly one of them
+// (see ListenerWrapper.Sendfile).
+type httpConn struct {
+	kc        *ktls.Conn
+	timeout   time.Duration
+	handshook atomic.Bool
+}
+
+// handshake runs the TLS handshake once, bounded by the timeout. The ktls
+// connection would otherwise run it unbounded on the first Read or Write.
+func (c *httpConn) handshake() error {
+	if c.handshook.Load() {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
+	defer cancel()
+	if err := c.kc.HandshakeContext(ctx); err != nil {
+		return err
+	}
+	c.handshook.Store(true)
+	return nil
+}
+
+// Read reads plaintext, after the handshake.
+func (c *httpConn) Read(p []byte) (int, error) {
+	if err := c.handshake(); err != nil {
+		return 0, err
+	}
+	return c.kc.Read(p)
+}
+
+// Write writes plaintext, after the handshake.
+func (c *httpConn) Write(p []byte) (int, error) {
+	if err := c.handshake(); err != nil {
+		return 0, err
+	}
+	return c.kc.Write(p)
+}
+
+// WriteTo copies the plaintext to w; a hijacked connection (a WebSocket
+// proxied by reverse_proxy) thus splices when RX is in the kernel.
+func (c *httpConn) WriteTo(w io.Writer) (int64, error) {
+	if err := c.handshake(); err != nil {
+		return 0, err
+	}
+	return c.kc.WriteTo(w)
+}
+
+// CloseWrite sends close_notify and shuts down the sending side; net/http
+// uses it to close HTTP/1 connections gracefully.
+func (c *httpConn) CloseWrite() error {
+	if err := c.handshake(); err != nil {
+		return err
+	}
+	return c.kc.CloseWrite()
+}
+
+// SpliceSource returns the kernel socket when RX runs in the kernel, so
+// the splice data path (a sandbox tunnel routed by a layer4 listener wrapper
+// after this one) reads decrypted bytes from it.
+func (c *httpConn) SpliceSource() (syscall.RawConn, bool) { return c.kc.SpliceSource() }
+
+// SpliceSink returns the kernel socket when TX runs in the kernel, so the
+// splice data path writes bytes that the kernel encrypts.
+func (c *httpConn) SpliceSink() (syscall.RawConn, bool) { return c.kc.SpliceSink() }
+
+// Close sends close_notify (after a completed handshake) and closes.
+func (c *httpConn) Close() error { return c.kc.Close() }
+
+// LocalAddr returns the local address.
+func (c *httpConn) LocalAddr() net.Addr { return c.kc.LocalAddr() }
+
+// RemoteAddr returns the client's address.
+func (c *httpConn) RemoteAddr() net.Addr { return c.kc.RemoteAddr() }
+
+// SetDeadline sets the read and write deadlines.
+func (c *httpConn) SetDeadline(t time.Time) error { return c.kc.SetDeadline(t) }
+
+// SetReadDeadline sets the read deadline.
+func (c *httpConn) SetReadDeadline(t time.Time) error { return c.kc.SetReadDeadline(t) }
+
+// SetWriteDeadline sets the write deadline.
+func (c *httpConn) SetWriteDeadline(t time.Time) error { return c.kc.SetWriteDeadline(t) }
+
+// tlsState returns the connection's TLS state for Caddy's r.TLS.
+func (c *httpConn) tlsState() *tls.ConnectionState {
+	st := c.kc.ConnectionState()
+	return &st
+}
+
+// stateConn reports its TLS state to Caddy the standard way, through
+// ConnectionState, so Caddy logs nothing; Caddy then hides its other
+// optional methods from net/http, and bodies are written with write(2).
+type stateConn struct{ *httpConn }
+
+// ConnectionState returns the TLS state of the finished handshake.
+func (c *stateConn) ConnectionState() tls.ConnectionState { return c.kc.ConnectionState() }
+
+// sendfileConn gives net/http its ReadFrom, so file bodies go out with
+// sendfile(2); its TLS state reaches requests through the server's
+// connection context instead of ConnectionState.
+type sendfileConn struct{ *httpConn }
+
+// ReadFrom copies r to the connection. With TX in the kernel and a file
+// under r (net/http and Caddy wrap it in *io.LimitedReaders, which the ktls
+// package unwraps) the kernel reads the file with sendfile(2) and encrypts
+// it; otherwise the bytes are copied through Write.
+func (c *sendfileConn) ReadFrom(r io.Reader) (int64, error) {
+	if err := c.handshake(); err != nil {
+		return 0, err
+	}
+	_, kernelTX := c.kc.SpliceSink()
+	_, isFile := innermostReader(r).(*os.File)
+	n, err := c.kc.ReadFrom(r)
+	countReadFrom(kernelTX && isFile, n)
+	return n, err
+}
+
+// innermostReader returns the reader under any nesting of *io.LimitedReader.
+func innermostReader(r io.Reader) io.Reader {
+	for {
+		lr, ok := r.(*io.LimitedReader)
+		if !ok {
+			return r
+		}
+		r = lr.R
+	}
+}
+
+// UnmarshalCaddyfile sets up the wrapper from Caddyfile tokens:
+//
+//	ktls {
+//		rx                on|off        # default on: decrypt in the kernel
+//		fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
+//		expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted clients only)
+//		tx_zerocopy_ro                  # TLS_TX_ZEROCOPY_RO (with sendfile, device offload)
+//		keyupdate_rate    <per_second> [<burst>]
+//		handshake_timeout <duration>
+//		sendfile                        # sendfile for file bodies; Caddy then WARNs per connection
+//	}
+func (lw *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the wrapper name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch opt := d.Val(); opt {
+		case "rx":
+			v, err := oneOf(d, "on", "off")
+			if err != nil {
+				return err
+			}
+			lw.DisableRX = v == "off"
+		case "fallback":
+			v, err := oneOf(d, "allow", "refuse")
+			if err != nil {
+				return err
+			}
+			lw.RequireOffload = v == "refuse"
+		case "expect_no_pad", "tx_zerocopy_ro", "sendfile":
+			if d.NextArg() {
+				return d.Errf("%s takes no arguments", opt)
+			}
+			switch opt {
+			case "expect_no_pad":
+				lw.ExpectNoPad = true
+			case "tx_zerocopy_ro":
+				lw.TXZeroCopyRO = true
+			default:
+				lw.Sendfile = true
+			}
+		case "keyupdate_rate":
+			args := d.RemainingArgs()
+			if len(args) < 1 || len(args) > 2 {
+				return d.Errf("keyupdate_rate takes a rate per second and an optional burst, got %d arguments", len(args))
+			}
+			rate, err := strconv.ParseFloat(args[0], 64)
+			if err != nil || rate <= 0 {
+				return d.Errf("keyupdate_rate: %q is not a positive number", args[0])
+			}
+			lw.KeyUpdateRate = rate
+			if len(args) == 2 {
+				burst, err := strconv.Atoi(args[1])
+				if err != nil || burst <= 0 {
+					return d.Errf("keyupdate_rate: burst %q is not a positive integer", args[1])
+				}
+				lw.KeyUpdateBurst = burst
+			}
+		case "handshake_timeout":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			dur, err := caddy.ParseDuration(d.Val())
+			if err != nil || dur <= 0 {
+				return d.Errf("handshake_timeout: %q is not a positive duration", d.Val())
+			}
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			lw.HandshakeTimeout = caddy.Duration(dur)
+		default:
+			return d.Errf("unknown ktls listener wrapper option %q", opt)
+		}
+	}
+	return nil
+}
+
+// oneOf reads exactly one argument, which must be one of choices.
+func oneOf(d *caddyfile.Dispenser, choices ...string) (string, error) {
+	opt := d.Val()
+	args := d.RemainingArgs()
+	if len(args) != 1 || !slices.Contains(choices, args[0]) {
+		return "", d.Errf("%s takes one of %s", opt, strings.Join(choices, ", "))
+	}
+	return args[0], nil
+}
+
+// Interface guards.
+var (
+	_ caddy.Provisioner     = (*ListenerWrapper)(nil)
+	_ caddy.ListenerWrapper = (*ListenerWrapper)(nil)
+	_ caddyfile.Unmarshaler = (*ListenerWrapper)(nil)
+	_ io.ReaderFrom         = (*sendfileConn)(nil)
+)

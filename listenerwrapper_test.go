@@ -1,0 +1,654 @@
+package caddyktls
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+)
+
+// lwTestMiB is the download and upload size: KTLS_TEST_MIB, default 4.
+func lwTestMiB(t testing.TB) int {
+	t.Helper()
+	s := os.Getenv("KTLS_TEST_MIB")
+	if s == "" {
+		return 2
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n <= 0 {
+		t.Fatalf("KTLS_TEST_MIB=%q is not a positive integer", s)
+	}
+	return n
+}
+
+func lwFreePort(t testing.TB) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+func lwSHA(b []byte) string { s := sha256.Sum256(b); return hex.EncodeToString(s[:]) }
+
+// lwSite is an in-process Caddy with the ktls wrapper on one HTTPS server,
+// and the same wrapper on a plain-HTTP server (which must pass through).
+type lwSite struct {
+	ca                 *testpki.CA
+	client             *testpki.Leaf
+	port, plainPort    int
+	adminAddr, logFile string
+	file               []byte // served at /files/blob.bin
+	wrapper            map[string]any
+	upstream           string
+}
+
+// lwStartSite loads the configuration and waits until HTTPS answers.
+func lwStartSite(t *testing.T, wrapper map[string]any) *lwSite {
+	t.Helper()
+	dir := t.TempDir()
+	t.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data"))
+	t.Setenv("XDG_CONFIG_HOME", filepath.Join(dir, "config"))
+	s := &lwSite{
+		ca:        testpki.NewCA(t, "ktls wrapper test CA"),
+		port:      lwFreePort(t),
+		plainPort: lwFreePort(t),
+		adminAddr: fmt.Sprintf("127.0.0.1:%d", lwFreePort(t)),
+		logFile:   filepath.Join(dir, "caddy.log"),
+		wrapper:   wrapper,
+	}
+	s.client = s.ca.Client(t, "gateway-7")
+	s.file = make([]byte, lwTestMiB(t)<<20+123) // not a multiple of a record
+	rand.Read(s.file)
+	if err := os.MkdirAll(filepath.Join(dir, "www", "files"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "www", "files", "blob.bin"), s.file, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	s.upstream = lwHashUpstream(t)
+	cfg := s.config(t, filepath.Join(dir, "www"), "v1")
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatalf("load: %v", err)
+	}
+	t.Cleanup(func() {
+		// caddy.Stop would leave the admin server running; loading a
+		// config with admin disabled stops it and the apps.
+		if err := caddy.Load([]byte(`{"admin":{"disabled":true,"config":{"persist":false}}}`), true); err != nil {
+			t.Errorf("unload: %v", err)
+		}
+	})
+	probe := s.h1(nil)
+	defer probe.CloseIdleConnections()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := probe.Get(s.url("localhost", "/tls"))
+		if err == nil {
+			resp.Body.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("server did not come up: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return s
+}
+
+// config renders the JSON configuration; version tags the /tls response
+// so a reload is visible.
+func (s *lwSite) config(t *testing.T, root, version string) []byte {
+	t.Helper()
+	serverLeaf := s.ca.Server(t, "mtls.localhost")
+	wrapper := map[string]any{"wrapper": "ktls"}
+	for k, v := range s.wrapper {
+		wrapper[k] = v
+	}
+	tlsBody := version + " {http.request.scheme} {http.request.tls.version} {http.request.tls.cipher_suite} " +
+		"{http.request.tls.proto} {http.request.tls.resumed} {http.request.tls.server_name} cn={http.request.tls.client.subject}"
+	routes := []any{
+		map[string]any{"match": []any{map[string]any{"path": []string{"/files/*"}}},
+			"handle": []any{map[string]any{"handler": "file_server", "root": root}}},
+		map[string]any{"match": []any{map[string]any{"path": []string{"/tls"}}},
+			"handle": []any{map[string]any{"handler": "static_response", "body": tlsBody}}},
+		// The `protocol https` matcher reads r.TLS too.
+		map[string]any{"match": []any{map[string]any{"path": []string{"/https-only"}, "protocol": "https"}},
+			"handle": []any{map[string]any{"handler": "static_response", "body": "https matched"}}},
+		map[string]any{"match": []any{map[string]any{"path": []string{"/upload"}}},
+			"handle": []any{map[string]any{"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": s.upstream}}}}},
+	}
+	cfg := map[string]any{
+		"admin": map[string]any{"listen": s.adminAddr, "config": map[string]any{"persist": false}},
+		// Caddy's default storage path is fixed at init, before t.Setenv.
+		"storage": map[string]any{"module": "file_system", "root": filepath.Join(filepath.Dir(s.logFile), "storage")},
+		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
+			"level":   "DEBUG",
+			"writer":  map[string]any{"output": "file", "filename": s.logFile},
+			"encoder": map[string]any{"format": "json"},
+		}}},
+		"apps": map[string]any{
+			"tls": map[string]any{"certificates": map[string]any{"load_pem": []any{
+				map[string]any{"certificate": string(serverLeaf.CertPEM), "key": string(serverLeaf.KeyPEM)},
+			}}},
+			"http": map[string]any{
+				"http_port":  s.plainPort,
+				"https_port": s.port,
+				"servers": map[string]any{
+					"tls": map[string]any{
+						"listen":            []string{fmt.Sprintf("127.0.0.1:%d", s.port)},
+						"listener_wrappers": []any{wrapper},
+						"automatic_https":   map[string]any{"disable": true},
+						"tls_connection_policies": []any{
+							map[string]any{
+								"match": map[string]any{"sni": []string{"mtls.localhost"}},
+								"client_authentication": map[string]any{
+									"ca": map[string]any{"provider": "inline",
+										"trusted_ca_certs": []string{base64.StdEncoding.EncodeToString(s.ca.Cert.Raw)}},
+									"mode": "require_and_verify",
+								},
+							},
+							map[string]any{},
+						},
+						"routes": routes,
+					},
+					"plain": map[string]any{
+						"listen":            []string{fmt.Sprintf("127.0.0.1:%d", s.plainPort)},
+						"listener_wrappers": []any{wrapper},
+						"routes":            routes,
+					},
+				},
+			},
+		},
+	}
+	b, err := json.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func (s *lwSite) url(host, path string) string {
+	return fmt.Sprintf("https://%s:%d%s", host, s.port, path)
+}
+
+func (s *lwSite) tlsConfig(cache tls.ClientSessionCache, withCert bool) *tls.Config {
+	cfg := &tls.Config{RootCAs: s.ca.Pool, ClientSessionCache: cache}
+	if withCert {
+		cfg.Certificates = []tls.Certificate{s.client.TLS}
+	}
+	return cfg
+}
+
+// transport dials 127.0.0.1 whatever the URL's host, so SNI can vary.
+func (s *lwSite) transport(cfg *tls.Config, h2 bool) *http.Transport {
+	tr := &http.Transport{
+		TLSClientConfig:   cfg,
+		ForceAttemptHTTP2: h2,
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			_, port, _ := net.SplitHostPort(addr)
+			var d net.Dialer
+			return d.DialContext(ctx, network, net.JoinHostPort("127.0.0.1", port))
+		},
+	}
+	if !h2 {
+		// Without HTTP/2 the transport offers no ALPN at all; offer
+		// http/1.1 like browsers and curl do.
+		tr.TLSClientConfig = cfg.Clone()
+		tr.TLSClientConfig.NextProtos = []string{"http/1.1"}
+		tr.TLSNextProto = map[string]func(string, *tls.Conn) http.RoundTripper{}
+	}
+	return tr
+}
+
+func (s *lwSite) h1(cfg *tls.Config) *http.Client {
+	if cfg == nil {
+		cfg = s.tlsConfig(nil, false)
+	}
+	return &http.Client{Transport: s.transport(cfg, false), Timeout: 2 * time.Minute}
+}
+
+func (s *lwSite) h2(cfg *tls.Config) *http.Client {
+	if cfg == nil {
+		cfg = s.tlsConfig(nil, false)
+	}
+	return &http.Client{Transport: s.transport(cfg, true), Timeout: 2 * time.Minute}
+}
+
+// get fetches url and returns the body, failing t on any error or non-200.
+func lwGet(t *testing.T, c *http.Client, url string, wantProto int) []byte {
+	t.Helper()
+	resp, err := c.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("GET %s: reading body: %v", url, err)
+	}
+	if resp.StatusCode != http.StatusOK || resp.ProtoMajor != wantProto {
+		t.Fatalf("GET %s: %s over HTTP/%d, want 200 over HTTP/%d: %q", url, resp.Status, resp.ProtoMajor, wantProto, body)
+	}
+	return body
+}
+
+// lwHashUpstream is a reverse_proxy upstream that answers with the
+// SHA-256 and length of the request body.
+func lwHashUpstream(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h := sha256.New()
+		n, err := io.Copy(h, r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		fmt.Fprintf(w, "%x %d", h.Sum(nil), n)
+	})}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return ln.Addr().String()
+}
+
+// exercise runs every check on one lwSite and returns the number of TLS
+// connections it opened to the HTTPS server.
+func (s *lwSite) exercise(t *testing.T) (conns int) {
+	t.Helper()
+	for _, proto := range []struct {
+		name   string
+		major  int
+		client func(*tls.Config) *http.Client
+	}{{"h1", 1, s.h1}, {"h2", 2, s.h2}} {
+		t.Run(proto.name, func(t *testing.T) {
+			c := proto.client(nil)
+			defer c.CloseIdleConnections()
+			conns++
+			// Download through file_server.
+			if got := lwGet(t, c, s.url("localhost", "/files/blob.bin"), proto.major); lwSHA(got) != lwSHA(s.file) || len(got) != len(s.file) {
+				t.Fatalf("download: %d bytes sha %s, want %d bytes sha %s", len(got), lwSHA(got), len(s.file), lwSHA(s.file))
+			}
+			// Upload through reverse_proxy.
+			resp, err := c.Post(s.url("localhost", "/upload"), "application/octet-stream", bytes.NewReader(s.file))
+			if err != nil {
+				t.Fatalf("upload: %v", err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if want := fmt.Sprintf("%s %d", lwSHA(s.file), len(s.file)); string(body) != want {
+				t.Fatalf("upload: upstream saw %q, want %q", body, want)
+			}
+			// r.TLS for placeholders and matchers.
+			wantALPN := map[int]string{1: "http/1.1", 2: "h2"}[proto.major]
+			got := string(lwGet(t, c, s.url("localhost", "/tls"), proto.major))
+			want := "v1 https tls1.3 TLS_AES_128_GCM_SHA256 " + wantALPN + " false localhost cn="
+			if got != want {
+				t.Errorf("TLS placeholders: %q, want %q", got, want)
+			}
+			if got := string(lwGet(t, c, s.url("localhost", "/https-only"), proto.major)); got != "https matched" {
+				t.Errorf("protocol https matcher: %q", got)
+			}
+		})
+	}
+	t.Run("client-auth", func(t *testing.T) {
+		c := s.h1(s.tlsConfig(nil, true))
+		defer c.CloseIdleConnections()
+		conns++
+		got := string(lwGet(t, c, s.url("mtls.localhost", "/tls"), 1))
+		if !strings.HasSuffix(got, " mtls.localhost cn=CN=gateway-7") {
+			t.Errorf("client certificate placeholder: %q", got)
+		}
+		// Without a certificate the handshake must fail.
+		noCert := s.h1(s.tlsConfig(nil, false))
+		defer noCert.CloseIdleConnections()
+		conns++
+		if resp, err := noCert.Get(s.url("mtls.localhost", "/tls")); err == nil {
+			resp.Body.Close()
+			t.Errorf("request without client certificate succeeded: %s", resp.Status)
+		}
+	})
+	t.Run("resumption", func(t *testing.T) {
+		cache := tls.NewLRUClientSessionCache(4)
+		for i, want := range []string{"false", "true"} {
+			c := s.h1(s.tlsConfig(cache, false))
+			conns++
+			got := strings.Fields(string(lwGet(t, c, s.url("localhost", "/tls"), 1)))
+			c.CloseIdleConnections()
+			if len(got) < 6 || got[5] != want {
+				t.Errorf("connection %d: resumed placeholder in %q, want %s", i, got, want)
+			}
+		}
+	})
+	t.Run("plain-http-passes-through", func(t *testing.T) {
+		c := &http.Client{Timeout: 10 * time.Second}
+		resp, err := c.Get(fmt.Sprintf("http://127.0.0.1:%d/tls", s.plainPort))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if !strings.HasPrefix(string(body), "v1 http ") {
+			t.Errorf("plain HTTP: %q", body)
+		}
+	})
+	return conns
+}
+
+// logLines returns the JSON log entries whose message contains substr.
+func (s *lwSite) logLines(t *testing.T, substr string) []map[string]any {
+	t.Helper()
+	f, err := os.Open(s.logFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var out []map[string]any
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var e map[string]any
+		if json.Unmarshal(sc.Bytes(), &e) != nil {
+			continue
+		}
+		if msg, _ := e["msg"].(string); strings.Contains(msg, substr) {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+const lwStaterWarning = "doesn't implement connectionStater"
+
+type lwReadFromTotals struct{ sendfileCalls, sendfileBytes, copyCalls, copyBytes uint64 }
+
+func lwReadFromNow() lwReadFromTotals {
+	var r lwReadFromTotals
+	r.sendfileCalls, r.sendfileBytes = readFromSendfile.load()
+	r.copyCalls, r.copyBytes = readFromCopy.load()
+	return r
+}
+
+func (r lwReadFromTotals) sub(o lwReadFromTotals) lwReadFromTotals {
+	return lwReadFromTotals{r.sendfileCalls - o.sendfileCalls, r.sendfileBytes - o.sendfileBytes,
+		r.copyCalls - o.copyCalls, r.copyBytes - o.copyBytes}
+}
+
+// lwScenario is the whole HTTP scenario for one wrapper mode.
+// kernel says whether the connections must be offloaded (VM) or must fall
+// back (host).
+func lwScenario(t *testing.T, sendfile, kernel bool) {
+	statsBefore := ktls.Stats()
+	rfBefore := lwReadFromNow()
+	s := lwStartSite(t, map[string]any{"sendfile": sendfile})
+	var exercised int
+	var tlsDelta kerneltest.Stat
+	run := func() { exercised = s.exercise(t) }
+	if kernel {
+		tlsDelta = kerneltest.StatDelta(t, run)
+	} else {
+		run()
+	}
+	conns := exercised + 1 // and the readiness probe
+	stats := ktls.Stats()
+	rf := lwReadFromNow().sub(rfBefore)
+	outcome := func(r ktls.Reason) uint64 { return stats.Outcomes[r] - statsBefore.Outcomes[r] }
+	// One connection is refused in the handshake (client auth without a
+	// certificate); every other one reports its outcome.
+	offloaded := conns - 1
+	if kernel {
+		if got := outcome(ktls.ReasonNone); got < uint64(offloaded) {
+			t.Errorf("fully offloaded handshakes: %d, want >= %d (outcomes %v)", got, offloaded, stats.Outcomes)
+		}
+		// The kernel counts the sockets that got TX and RX keys while the
+		// checks ran (the probe connection was before).
+		if want := int64(exercised - 1); tlsDelta["TlsTxSw"] < want || tlsDelta["TlsRxSw"] < want {
+			t.Errorf("tls_stat delta %v: want TlsTxSw and TlsRxSw >= %d", tlsDelta, want)
+		}
+	} else if got := outcome(ktls.ReasonNoKernelSupport); got < uint64(offloaded) {
+		t.Errorf("fallbacks for no-kernel-support: %d, want >= %d (outcomes %v)", got, offloaded, stats.Outcomes)
+	}
+	// http.response.ReadFrom copies the first 512 bytes itself (sniffing).
+	minBody := uint64(len(s.file) - 512)
+	if sendfile {
+		path, bytes := "copy", rf.copyBytes
+		if kernel {
+			path, bytes = "sendfile", rf.sendfileBytes
+		}
+		if bytes < minBody {
+			t.Errorf("ReadFrom %s path moved %d bytes, want >= %d (totals %+v)", path, bytes, minBody, rf)
+		}
+		if kernel && rf.copyBytes != 0 {
+			t.Errorf("file body copied through userspace on a kTLS connection: %+v", rf)
+		}
+	} else if rf != (lwReadFromTotals{}) {
+		t.Errorf("ReadFrom reached without sendfile mode: %+v", rf)
+	}
+	// Logs: the start summary, one debug line per handshake, and Caddy's
+	// per-connection WARN exactly when sendfile is on.
+	if n := len(s.logLines(t, "kernel TLS ")); n == 0 {
+		t.Error("no kernel TLS log lines")
+	}
+	summary := "kernel TLS unavailable"
+	if kernel {
+		summary = "kernel TLS available"
+	}
+	if len(s.logLines(t, summary)) == 0 {
+		t.Errorf("no %q summary at start", summary)
+	}
+	handshakes := s.logLines(t, "kernel TLS handshake")
+	if len(handshakes) < offloaded {
+		t.Errorf("%d handshake debug lines, want >= %d", len(handshakes), offloaded)
+	}
+	warns := len(s.logLines(t, lwStaterWarning))
+	if sendfile && warns < offloaded {
+		t.Errorf("sendfile mode: %d Caddy connectionStater warnings, want one per connection (%d): has Caddy changed?", warns, offloaded)
+	}
+	if !sendfile && warns != 0 {
+		t.Errorf("default mode: %d Caddy connectionStater warnings, want none", warns)
+	}
+}
+
+// TestListenerWrapperFallback serves HTTP/1.1 and HTTP/2 through the
+// wrapper on a kernel without kTLS: every connection falls back to
+// userspace TLS and everything still works. With KTLS_REQUIRE=1 (the VM)
+// it is the kernel tests' job, so it only runs where kTLS is absent.
+func TestListenerWrapperFallback(t *testing.T) {
+	if kerneltest.Available() == nil {
+		t.Skip("kTLS is available here: TestKernelListenerWrapper covers this kernel")
+	}
+	for _, sendfile := range []bool{false, true} {
+		t.Run("sendfile="+strconv.FormatBool(sendfile), func(t *testing.T) {
+			lwScenario(t, sendfile, false)
+		})
+	}
+}
+
+// TestKernelListenerWrapper is the same scenario on a kTLS kernel: every
+// connection must be offloaded (tls_stat moves), and in sendfile mode file
+// bodies must leave through the sendfile path.
+func TestKernelListenerWrapper(t *testing.T) {
+	kerneltest.Require(t)
+	for _, sendfile := range []bool{false, true} {
+		t.Run("sendfile="+strconv.FormatBool(sendfile), func(t *testing.T) {
+			lwScenario(t, sendfile, true)
+		})
+	}
+}
+
+// TestListenerWrapperReload reloads the configuration through the admin
+// API in the middle of a download: the download completes intact on the
+// old configuration, and a new connection gets the new one.
+func TestListenerWrapperReload(t *testing.T) { lwReload(t) }
+
+// TestKernelListenerWrapperReload is the reload on a kTLS kernel: the
+// in-flight download runs on an offloaded connection.
+func TestKernelListenerWrapperReload(t *testing.T) {
+	kerneltest.Require(t)
+	before := ktls.Stats().Outcomes[ktls.ReasonNone]
+	lwReload(t)
+	// The probe, the in-flight download and the connection after reload.
+	if got := ktls.Stats().Outcomes[ktls.ReasonNone] - before; got < 3 {
+		t.Errorf("%d fully offloaded connections, want >= 3", got)
+	}
+}
+
+func lwReload(t *testing.T) {
+	s := lwStartSite(t, map[string]any{"sendfile": true})
+	// A small receive buffer keeps the server inside the response (the
+	// file does not fit in the socket buffers) while the reload happens.
+	tr := s.transport(s.tlsConfig(nil, false), false)
+	dial := tr.DialContext
+	tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err == nil {
+			err = c.(*net.TCPConn).SetReadBuffer(32 << 10)
+		}
+		return c, err
+	}
+	c := &http.Client{Transport: tr, Timeout: 2 * time.Minute}
+	defer c.CloseIdleConnections()
+	resp, err := c.Get(s.url("localhost", "/files/blob.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	head := make([]byte, 64<<10)
+	if _, err := io.ReadFull(resp.Body, head); err != nil {
+		t.Fatal(err)
+	}
+	root := filepath.Join(filepath.Dir(s.logFile), "www")
+	admin := &http.Client{Timeout: 30 * time.Second}
+	lr, err := admin.Post("http://"+s.adminAddr+"/load", "application/json", bytes.NewReader(s.config(t, root, "v2")))
+	if err != nil {
+		t.Fatalf("POST /load: %v", err)
+	}
+	msg, _ := io.ReadAll(lr.Body)
+	lr.Body.Close()
+	if lr.StatusCode != http.StatusOK {
+		t.Fatalf("POST /load: %s %s", lr.Status, msg)
+	}
+	rest, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("in-flight download after reload: %v", err)
+	}
+	if got := append(head, rest...); lwSHA(got) != lwSHA(s.file) {
+		t.Fatalf("in-flight download: %d bytes, sha mismatch (want %d)", len(got), len(s.file))
+	}
+	fresh := s.h2(nil)
+	defer fresh.CloseIdleConnections()
+	if got := string(lwGet(t, fresh, s.url("localhost", "/tls"), 2)); !strings.HasPrefix(got, "v2 https ") {
+		t.Errorf("new connection after reload: %q, want the v2 config", got)
+	}
+}
+
+// TestListenerWrapperNoLeaks checks that connections through the wrapper
+// leave no file descriptors or goroutines behind once closed.
+func TestListenerWrapperNoLeaks(t *testing.T) {
+	s := lwStartSite(t, nil)
+	settle := func() (fds, goroutines int) {
+		runtime.GC()
+		return kerneltest.OpenFDs(t), runtime.NumGoroutine()
+	}
+	round := func() {
+		for _, c := range []struct {
+			client *http.Client
+			major  int
+		}{{s.h1(nil), 1}, {s.h2(nil), 2}} {
+			lwGet(t, c.client, s.url("localhost", "/tls"), c.major)
+			c.client.CloseIdleConnections()
+		}
+	}
+	round() // first use starts what lives as long as the server
+	fdsBefore, gBefore := settle()
+	for range 5 {
+		round()
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		fds, g := settle()
+		if fds <= fdsBefore && g <= gBefore {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after 10 closed connections: %d fds (before %d), %d goroutines (before %d)", fds, fdsBefore, g, gBefore)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestListenerWrapperRejectsBadPlacement: before `tls` the wrapper would see
+// raw TCP connections; loading must fail and say why.
+func TestListenerWrapperRejectsBadPlacement(t *testing.T) {
+	t.Setenv("XDG_DATA_HOME", t.TempDir())
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	cfg := fmt.Sprintf(`{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{
+		"listen":["127.0.0.1:%d"],
+		"listener_wrappers":[{"wrapper":"ktls"},{"wrapper":"tls"}],
+		"routes":[]}}}}}`, lwFreePort(t))
+	err := caddy.Load([]byte(cfg), true)
+	if err == nil {
+		caddy.Stop()
+		t.Fatal("ktls before tls was accepted")
+	}
+	if !strings.Contains(err.Error(), "must come after tls") {
+		t.Fatalf("error does not explain the placement: %v", err)
+	}
+}
+
+// TestListenerWrapperRejectsBadOptions checks the errors of Provision.
+func TestListenerWrapperRejectsBadOptions(t *testing.T) {
+	t.Setenv("XDG_DATA_HOME", t.TempDir())
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	cases := map[string]struct {
+		wrapper string
+		want    string
+	}{
+		"zerocopy without sendfile": {`{"wrapper":"ktls","tx_zerocopy_ro":true}`, "tx_zerocopy_ro only affects sendfile"},
+		"negative rate":             {`{"wrapper":"ktls","keyupdate_rate":-1}`, "must not be negative"},
+	}
+	if kerneltest.Available() != nil {
+		cases["refuse fallback without kTLS"] = struct{ wrapper, want string }{`{"wrapper":"ktls","require_offload":true}`, "this kernel cannot offload TLS"}
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			cfg := fmt.Sprintf(`{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{
+				"listen":["127.0.0.1:%d"],"listener_wrappers":[%s],"routes":[]}}}}}`, lwFreePort(t), tc.wrapper)
+			err := caddy.Load([]byte(cfg), true)
+			if err == nil {
+				caddy.Stop()
+				t.Fatal("accepted")
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %q does not contain %q", err, tc.want)
+			}
+		})
+	}
+}

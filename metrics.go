@@ -1,0 +1,140 @@
+package caddyktls
+
+import (
+	"errors"
+	"sync"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// collector exposes the process-level state (tunnel registry, pushers, ktls
+// counters) to Prometheus. It is created once per process and registered in
+// every configuration's registry: Caddy makes a new metrics registry for
+// each config load, while tunnels and counters outlive reloads, so the
+// values are read from the process state at scrape time instead of being
+// kept in per-config metric objects.
+type collector struct {
+	tunnelsOpen, tunnelsOpened, bytes, rejects, relayBytes, controlRecords,
+	pushReports, offloads, offloadModes *prometheus.Desc
+}
+
+var metrics = &collector{
+	tunnelsOpen:    prometheus.NewDesc("caddy_ktls_sandbox_tunnels_active", "Sandbox tunnels open now.", nil, nil),
+	tunnelsOpened:  prometheus.NewDesc("caddy_ktls_sandbox_tunnels_total", "Sandbox tunnels opened since the process started.", nil, nil),
+	bytes:          prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil),
+	rejects:        prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil),
+	relayBytes:     prometheus.NewDesc("caddy_ktls_relay_bytes_total", "Bytes of closed tunnels by data path: splice (never in userspace) or copy.", []string{"path"}, nil),
+	controlRecords: prometheus.NewDesc("caddy_ktls_relay_control_records_total", "kTLS control records handled in userspace during relays of closed tunnels.", nil, nil),
+	pushReports:    prometheus.NewDesc("caddy_ktls_activity_reports_total", "Activity reports by outcome (sent, retried, dropped).", []string{"outcome"}, nil),
+	offloads:       prometheus.NewDesc("caddy_ktls_handshakes_total", "kTLS handshakes by offload outcome reason (none = fully offloaded).", []string{"reason"}, nil),
+	offloadModes:   prometheus.NewDesc("caddy_ktls_offload_directions_total", "Offloaded connections by direction (tx, rx) and mode (userspace, sw, hw).", []string{"direction", "mode"}, nil),
+}
+
+// Describe implements prometheus.Collector.
+func (c *collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.bytes, c.rejects, c.relayBytes,
+		c.controlRecords, c.pushReports, c.offloads, c.offloadModes} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	open, opened := tunnels.Counts()
+	ch <- prometheus.MustNewConstMetric(c.tunnelsOpen, prometheus.GaugeValue, float64(open))
+	ch <- prometheus.MustNewConstMetric(c.tunnelsOpened, prometheus.CounterValue, float64(opened))
+	to, from := tunnels.Totals()
+	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(to), "to_sandbox")
+	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(from), "from_sandbox")
+	rejects := tunnels.Rejections()
+	for _, r := range rejectReasons() {
+		ch <- prometheus.MustNewConstMetric(c.rejects, prometheus.CounterValue, float64(rejects[r]), r)
+	}
+	dp := tunnels.DataPath()
+	ch <- prometheus.MustNewConstMetric(c.relayBytes, prometheus.CounterValue, float64(dp.SpliceBytes), "splice")
+	ch <- prometheus.MustNewConstMetric(c.relayBytes, prometheus.CounterValue, float64(dp.CopyBytes), "copy")
+	ch <- prometheus.MustNewConstMetric(c.controlRecords, prometheus.CounterValue, float64(dp.ControlRecords))
+	ps := pushers.stats()
+	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Sent), "sent")
+	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Retries), "retried")
+	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Dropped), "dropped")
+	ks := ktls.Stats()
+	for _, r := range ktls.Reasons {
+		ch <- prometheus.MustNewConstMetric(c.offloads, prometheus.CounterValue, float64(ks.Outcomes[r]), string(r))
+	}
+	for dir, modes := range map[string]map[ktls.Mode]uint64{"tx": ks.TX, "rx": ks.RX} {
+		for mode, n := range modes {
+			ch <- prometheus.MustNewConstMetric(c.offloadModes, prometheus.CounterValue, float64(n), dir, mode.String())
+		}
+	}
+}
+
+// rejectReasons lists every reason a sandbox tunnel can be refused for, so
+// each has a series from the start (alerts on rate() need the zero).
+func rejectReasons() []string {
+	var rs []string
+	for _, r := range preamble.Reasons() {
+		rs = append(rs, string(r))
+	}
+	return append(rs, string(forward.ReasonTargetDenied), string(forward.ReasonDialFailed), string(forward.ReasonDraining), "other")
+}
+
+// registerMetrics adds the process collector to this configuration's
+// registry; a second module in the same configuration finds it there.
+func registerMetrics(ctx caddy.Context) error {
+	err := ctx.GetMetricsRegistry().Register(metrics)
+	var are prometheus.AlreadyRegisteredError
+	if err != nil && !errors.As(err, &are) {
+		return err
+	}
+	return nil
+}
+
+// pusherSet tracks the activity pushers of all loaded configurations, and
+// keeps the counts of retired ones so the metrics never go backwards across
+// a reload.
+type pusherSet struct {
+	mu      sync.Mutex
+	live    map[*forward.Pusher]struct{}
+	retired forward.PusherStats
+}
+
+var pushers = &pusherSet{live: map[*forward.Pusher]struct{}{}}
+
+func (s *pusherSet) add(p *forward.Pusher) {
+	s.mu.Lock()
+	s.live[p] = struct{}{}
+	s.mu.Unlock()
+}
+
+// remove retires a stopped pusher.
+func (s *pusherSet) remove(p *forward.Pusher) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.live[p]; !ok {
+		return
+	}
+	delete(s.live, p)
+	st := p.Stats()
+	s.retired.Sent += st.Sent
+	s.retired.Retries += st.Retries
+	s.retired.Dropped += st.Dropped
+}
+
+func (s *pusherSet) stats() forward.PusherStats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t := s.retired
+	for p := range s.live {
+		st := p.Stats()
+		t.Sent += st.Sent
+		t.Retries += st.Retries
+		t.Dropped += st.Dropped
+	}
+	return t
+}

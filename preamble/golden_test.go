@@ -1,0 +1,419 @@
+package preamble
+
+import (
+	"bytes"
+	"crypto/ed25519"
+	"encoding/binary"
+	"encoding/hex"
+	"flag"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+var update = flag.Bool("update", false, "rewrite testdata/*.hex from the generators")
+
+// The example key, clock and claims of docs/preamble.md: anyone can rebuild
+// the worked example from these.
+var (
+	exampleSeed    = seq(0x00, 32)
+	exampleKey     = ed25519.NewKeyFromSeed(exampleSeed)
+	examplePub     = exampleKey.Public().(ed25519.PublicKey)
+	exampleKeyID   = "example-1"
+	exampleIssued  = uint64(1767225600) // 2026-01-01T00:00:00Z
+	exampleNow     = time.Unix(int64(exampleIssued)+1, 0)
+	exampleNonce   = seq(0xa0, 16)
+	exampleBinding = bytes.Repeat([]byte{0x42}, 32)
+)
+
+func seq(start byte, n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = start + byte(i)
+	}
+	return b
+}
+
+// rawFrame is every wire field, written by this test's own encoder
+// (buildFrame) straight from the spec so that malformed frames can be signed.
+type rawFrame struct {
+	magic      string
+	version    byte
+	reserved   byte
+	lenDelta   int // added to the header's body length
+	keyID      string
+	iat, exp   uint64
+	nonce      []byte
+	sandboxID  string
+	family     byte
+	addr       []byte
+	port       uint16
+	binding    []byte
+	extensions []byte // raw TLV area
+	gap        []byte // bytes between the extensions and the signature
+	signer     ed25519.PrivateKey
+	flipSig    bool
+	cut        int // bytes dropped from the end
+}
+
+func exampleFrame() rawFrame {
+	return rawFrame{
+		magic: "KTLP", version: 1, keyID: exampleKeyID,
+		iat: exampleIssued, exp: exampleIssued + 30, nonce: exampleNonce,
+		sandboxID: "sbx-0123.example_A", family: 4, addr: []byte{10, 1, 2, 3}, port: 8080,
+		signer: exampleKey,
+	}
+}
+
+func tlv(typ uint16, value string) []byte {
+	b := binary.BigEndian.AppendUint16(nil, typ)
+	b = binary.BigEndian.AppendUint16(b, uint16(len(value)))
+	return append(b, value...)
+}
+
+func buildFrame(f rawFrame) []byte {
+	var body []byte
+	body = append(body, byte(len(f.keyID)))
+	body = append(body, f.keyID...)
+	body = binary.BigEndian.AppendUint64(body, f.iat)
+	body = binary.BigEndian.AppendUint64(body, f.exp)
+	body = append(body, f.nonce...)
+	body = append(body, byte(len(f.sandboxID)))
+	body = append(body, f.sandboxID...)
+	body = append(body, f.family)
+	body = append(body, f.addr...)
+	body = binary.BigEndian.AppendUint16(body, f.port)
+	body = append(body, byte(len(f.binding)))
+	body = append(body, f.binding...)
+	body = binary.BigEndian.AppendUint16(body, uint16(len(f.extensions)))
+	body = append(body, f.extensions...)
+	body = append(body, f.gap...)
+	hdr := []byte(f.magic)
+	hdr = append(hdr, f.version, f.reserved)
+	hdr = binary.BigEndian.AppendUint16(hdr, uint16(len(body)+64+f.lenDelta))
+	signed := append(hdr, body...)
+	sig := ed25519.Sign(f.signer, append([]byte("caddy-ktls sandbox preamble v1\x00"), signed...))
+	if f.flipSig {
+		sig[10] ^= 0x01
+	}
+	frame := append(signed, sig...)
+	return frame[:len(frame)-f.cut]
+}
+
+// goldenCase is one vector: its file name, how to build it, and what a
+// verifier configured as in verifyGolden must say about it.
+type goldenCase struct {
+	name           string
+	reason         Reason // "" for a valid frame
+	requireBinding bool
+	build          func(f *rawFrame)
+}
+
+var goldenCases = []goldenCase{
+	{"valid-ipv4", "", false, func(f *rawFrame) {}},
+	{"valid-ipv6-bound", "", true, func(f *rawFrame) {
+		f.family, f.addr, f.port = 6, netip.MustParseAddr("fd00::1234").AsSlice(), 443
+		f.binding = exampleBinding
+	}},
+	{"valid-noncritical-extension", "", false, func(f *rawFrame) {
+		f.extensions = append(tlv(0x0001, "hello"), tlv(0x7fff, "")...)
+	}},
+	{"reject-bad-magic", ReasonBadMagic, false, func(f *rawFrame) { f.magic = "PROX" }},
+	{"reject-bad-version", ReasonBadVersion, false, func(f *rawFrame) { f.version = 2 }},
+	{"reject-oversized", ReasonOversized, false, func(f *rawFrame) { f.extensions = tlv(0x0001, strings.Repeat("x", 900)) }},
+	{"reject-truncated", ReasonTruncated, false, func(f *rawFrame) { f.cut = 10 }},
+	{"reject-trailing-bytes", ReasonTrailingBytes, false, func(f *rawFrame) { f.gap = []byte{0, 0, 0} }},
+	{"reject-malformed", ReasonMalformed, false, func(f *rawFrame) { f.reserved = 1 }},
+	{"reject-bad-key-id", ReasonBadKeyID, false, func(f *rawFrame) { f.keyID = "example 1" }},
+	{"reject-bad-sandbox-id", ReasonBadSandboxID, false, func(f *rawFrame) { f.sandboxID = "sbx/../etc" }},
+	{"reject-bad-target", ReasonBadTarget, false, func(f *rawFrame) { f.port = 0 }},
+	{"reject-bad-extension", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = append(tlv(0x0002, "b"), tlv(0x0001, "a")...)
+	}},
+	{"reject-unknown-critical-extension", ReasonUnknownCriticalExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x8001, "must-understand")
+	}},
+	{"reject-unknown-key", ReasonUnknownKey, false, func(f *rawFrame) { f.keyID = "example-9" }},
+	{"reject-bad-signature", ReasonBadSignature, false, func(f *rawFrame) { f.flipSig = true }},
+	{"reject-not-yet-valid", ReasonNotYetValid, false, func(f *rawFrame) { f.iat, f.exp = exampleIssued+100, exampleIssued+130 }},
+	{"reject-expired", ReasonExpired, false, func(f *rawFrame) { f.iat, f.exp = exampleIssued-200, exampleIssued-100 }},
+	{"reject-ttl-too-long", ReasonTTLTooLong, false, func(f *rawFrame) { f.exp = exampleIssued + 600 }},
+	{"reject-binding-mismatch", ReasonBindingMismatch, false, func(f *rawFrame) { f.binding = bytes.Repeat([]byte{0x43}, 32) }},
+	{"reject-binding-required", ReasonBindingRequired, true, func(f *rawFrame) {}},
+}
+
+// goldenVerifier is the configuration the vectors are judged under; the
+// connection's channel binding is exampleBinding.
+func goldenVerifier(t testing.TB, requireBinding bool) *Verifier {
+	t.Helper()
+	v, err := NewVerifier(VerifierConfig{
+		Keys:           map[string]ed25519.PublicKey{exampleKeyID: examplePub},
+		MaxSkew:        30 * time.Second,
+		MaxTTL:         120 * time.Second,
+		RequireBinding: requireBinding,
+		Now:            func() time.Time { return exampleNow },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+func readGolden(t testing.TB, name string) []byte {
+	t.Helper()
+	text, err := os.ReadFile(filepath.Join("testdata", name+".hex"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := hex.DecodeString(strings.TrimSpace(string(text)))
+	if err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	return b
+}
+
+// TestGoldenVectors pins the bytes of every vector and checks the package's
+// verdict on each.
+func TestGoldenVectors(t *testing.T) {
+	for _, gc := range goldenCases {
+		t.Run(gc.name, func(t *testing.T) {
+			f := exampleFrame()
+			gc.build(&f)
+			want := buildFrame(f)
+			path := filepath.Join("testdata", gc.name+".hex")
+			if *update {
+				if err := os.WriteFile(path, []byte(hex.EncodeToString(want)+"\n"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			frame := readGolden(t, gc.name)
+			if !bytes.Equal(frame, want) {
+				t.Fatalf("%s differs from the generator (run go test -run TestGoldenVectors -update)", path)
+			}
+			_, err := goldenVerifier(t, gc.requireBinding).Verify(frame, exampleBinding)
+			if got := ReasonOf(err); got != string(gc.reason) {
+				t.Fatalf("reason %q, want %q (err: %v)", got, gc.reason, err)
+			}
+		})
+	}
+}
+
+// TestSignerMatchesGolden checks that the package's encoder produces the
+// same bytes as the spec-derived encoder for the valid vectors.
+func TestSignerMatchesGolden(t *testing.T) {
+	s, err := NewSigner(exampleKeyID, exampleKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := Claims{
+		SandboxID: "sbx-0123.example_A",
+		Target:    netip.MustParseAddrPort("10.1.2.3:8080"),
+		IssuedAt:  time.Unix(int64(exampleIssued), 0),
+		ExpiresAt: time.Unix(int64(exampleIssued)+30, 0),
+		Nonce:     [16]byte(exampleNonce),
+	}
+	bound := base
+	bound.Target = netip.MustParseAddrPort("[fd00::1234]:443")
+	bound.Binding = exampleBinding
+	ext := base
+	ext.Extensions = []Extension{{Type: 0x0001, Value: []byte("hello")}, {Type: 0x7fff}}
+	for name, c := range map[string]Claims{"valid-ipv4": base, "valid-ipv6-bound": bound, "valid-noncritical-extension": ext} {
+		got, err := s.Sign(c)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if want := readGolden(t, name); !bytes.Equal(got, want) {
+			t.Errorf("%s: Signer wrote\n%x\nwant\n%x", name, got, want)
+		}
+	}
+}
+
+// specVerdict is an independent implementation of docs/preamble.md, section
+// "Verification", written from the spec alone: it shares no code with the
+// package. It returns the claims it decoded or the reason string.
+type specClaims struct {
+	keyID, sandboxID string
+	target           netip.AddrPort
+	iat, exp         uint64
+	nonce            []byte
+	binding          []byte
+}
+
+func specVerdict(frame []byte, keys map[string]ed25519.PublicKey, now int64, skew, maxTTL int64, connBinding []byte, requireBinding bool) (specClaims, string) {
+	var c specClaims
+	if len(frame) < 8 {
+		return c, "truncated"
+	}
+	if string(frame[:4]) != "KTLP" {
+		return c, "bad-magic"
+	}
+	if frame[4] != 1 {
+		return c, "bad-version"
+	}
+	if frame[5] != 0 {
+		return c, "malformed"
+	}
+	n := int(frame[6])<<8 | int(frame[7])
+	if 8+n > 1024 {
+		return c, "oversized"
+	}
+	if n < 110 {
+		return c, "malformed"
+	}
+	if len(frame) < 8+n {
+		return c, "truncated"
+	}
+	if len(frame) > 8+n {
+		return c, "trailing-bytes"
+	}
+	end := len(frame) - 64
+	i := 8
+	take := func(k int) []byte {
+		if i+k > end {
+			i = end + 1
+			return nil
+		}
+		b := frame[i : i+k]
+		i += k
+		return b
+	}
+	var kid, sid, addr, bind, ext []byte
+	var fam byte
+	var port uint16
+	ok := func() bool { return i <= end }
+	if b := take(1); b != nil {
+		kid = take(int(b[0]))
+	}
+	if b := take(16); b != nil {
+		c.iat, c.exp = binary.BigEndian.Uint64(b), binary.BigEndian.Uint64(b[8:])
+	}
+	c.nonce = take(16)
+	if b := take(1); b != nil {
+		sid = take(int(b[0]))
+	}
+	if b := take(1); b != nil {
+		fam = b[0]
+		switch fam {
+		case 4:
+			addr = take(4)
+		case 6:
+			addr = take(16)
+		default:
+			if ok() {
+				return c, "bad-target"
+			}
+		}
+	}
+	if b := take(2); b != nil {
+		port = binary.BigEndian.Uint16(b)
+	}
+	if b := take(1); b != nil {
+		bind = take(int(b[0]))
+	}
+	if b := take(2); b != nil {
+		ext = take(int(binary.BigEndian.Uint16(b)))
+	}
+	if !ok() {
+		return c, "truncated"
+	}
+	if i != end {
+		return c, "trailing-bytes"
+	}
+	charset := func(b []byte, max int) bool {
+		if len(b) < 1 || len(b) > max {
+			return false
+		}
+		for _, ch := range b {
+			if !strings.ContainsRune("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-", rune(ch)) {
+				return false
+			}
+		}
+		return true
+	}
+	if !charset(kid, 64) {
+		return c, "bad-key-id"
+	}
+	if !charset(sid, 128) {
+		return c, "bad-sandbox-id"
+	}
+	a, _ := netip.AddrFromSlice(addr)
+	if port == 0 || a.IsUnspecified() || a.IsMulticast() || a.Is4In6() || a == netip.MustParseAddr("255.255.255.255") {
+		return c, "bad-target"
+	}
+	if len(bind) != 0 && len(bind) != 32 {
+		return c, "malformed"
+	}
+	if c.exp <= c.iat || c.exp > 9223372035 {
+		return c, "malformed"
+	}
+	last := -1
+	for j := 0; j < len(ext); {
+		if len(ext)-j < 4 {
+			return c, "bad-extension"
+		}
+		typ := int(ext[j])<<8 | int(ext[j+1])
+		l := int(ext[j+2])<<8 | int(ext[j+3])
+		j += 4
+		if l > len(ext)-j || typ <= last {
+			return c, "bad-extension"
+		}
+		if typ&0x8000 != 0 {
+			return c, "unknown-critical-extension"
+		}
+		last = typ
+		j += l
+	}
+	pub, found := keys[string(kid)]
+	if !found {
+		return c, "unknown-key"
+	}
+	msg := append([]byte("caddy-ktls sandbox preamble v1\x00"), frame[:end]...)
+	if !ed25519.Verify(pub, msg, frame[end:]) {
+		return c, "bad-signature"
+	}
+	switch {
+	case int64(c.iat) > now+skew:
+		return c, "not-yet-valid"
+	case int64(c.exp) < now-skew:
+		return c, "expired"
+	case int64(c.exp-c.iat) > maxTTL:
+		return c, "ttl-too-long"
+	}
+	switch {
+	case len(bind) != 0 && !bytes.Equal(bind, connBinding):
+		return c, "binding-mismatch"
+	case len(bind) == 0 && requireBinding:
+		return c, "binding-required"
+	}
+	c.keyID, c.sandboxID, c.target = string(kid), string(sid), netip.AddrPortFrom(a, port)
+	if len(bind) != 0 {
+		c.binding = bind
+	}
+	return c, ""
+}
+
+// TestIndependentDecoderAgrees runs the spec-only decoder over every golden
+// vector and requires the same verdict and, for valid frames, the same claims.
+func TestIndependentDecoderAgrees(t *testing.T) {
+	keys := map[string]ed25519.PublicKey{exampleKeyID: examplePub}
+	for _, gc := range goldenCases {
+		frame := readGolden(t, gc.name)
+		sc, specReason := specVerdict(frame, keys, exampleNow.Unix(), 30, 120, exampleBinding, gc.requireBinding)
+		c, err := goldenVerifier(t, gc.requireBinding).Verify(frame, exampleBinding)
+		if specReason != ReasonOf(err) {
+			t.Errorf("%s: spec decoder says %q, package says %q", gc.name, specReason, ReasonOf(err))
+			continue
+		}
+		if err != nil {
+			continue
+		}
+		if sc.keyID != c.KeyID || sc.sandboxID != c.SandboxID || sc.target != c.Target ||
+			int64(sc.iat) != c.IssuedAt.Unix() || int64(sc.exp) != c.ExpiresAt.Unix() ||
+			!bytes.Equal(sc.nonce, c.Nonce[:]) || !bytes.Equal(sc.binding, c.Binding) {
+			t.Errorf("%s: spec decoder claims %+v, package claims %+v", gc.name, sc, c)
+		}
+	}
+}

@@ -1,0 +1,308 @@
+package preamble
+
+import (
+	"bytes"
+	"crypto/ed25519"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// Verifier defaults, used where a VerifierConfig field is zero.
+const (
+	DefaultMaxSkew         = 30 * time.Second
+	DefaultMaxTTL          = 2 * time.Minute
+	DefaultReplayCacheSize = 1 << 16
+	// replayBuckets is the number of expiry-time buckets of the replay cache.
+	replayBuckets = 16
+)
+
+// VerifierConfig configures a Verifier.
+type VerifierConfig struct {
+	// Keys maps key IDs to Ed25519 public keys. Several keys at once let a
+	// gateway fleet rotate without downtime: add the new key, move the
+	// gateways over, then drop the old key.
+	Keys map[string]ed25519.PublicKey
+	// MaxFrameLen caps a frame (header included); zero means MaxFrameLen,
+	// larger values are refused.
+	MaxFrameLen int
+	// MaxSkew is the clock difference tolerated in both directions between
+	// gateway and forwarder. Zero means DefaultMaxSkew; negative is refused.
+	MaxSkew time.Duration
+	// MaxTTL is the longest validity window (ExpiresAt - IssuedAt) accepted.
+	// Zero means DefaultMaxTTL.
+	MaxTTL time.Duration
+	// ReplayCacheSize is the most nonces remembered at once. Every frame
+	// still inside its validity window needs a slot; when none is free the
+	// verifier rejects with ReasonReplayCacheFull rather than forget a nonce
+	// that could still be replayed. Size it above the peak rate of accepted
+	// frames times (MaxTTL + 2*MaxSkew). Memory is proportional to it (tens
+	// of bytes per slot, see docs/preamble.md).
+	// Zero means DefaultReplayCacheSize. Must be zero when ReplayCache is set.
+	ReplayCacheSize int
+	// ReplayCache, when set, is used instead of a cache of the Verifier's
+	// own. Share one between the Verifiers of successive configurations so
+	// that a reload does not forget nonces that are still live. Its window
+	// must cover MaxTTL + 2*MaxSkew.
+	ReplayCache *ReplayCache
+	// RequireBinding rejects frames without a channel binding.
+	RequireBinding bool
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// Verifier checks preambles. It is safe for concurrent use; its replay cache
+// is shared by all connections that use it.
+type Verifier struct {
+	keys           map[string]keyringEntry
+	maxFrameLen    int
+	maxSkew        int64 // seconds
+	maxTTL         int64 // seconds
+	requireBinding bool
+	now            func() time.Time
+	replay         *ReplayCache
+}
+
+// keyringEntry keeps the key ID string next to its key so that Verify can
+// return it without allocating or aliasing the frame.
+type keyringEntry struct {
+	id  string
+	key ed25519.PublicKey
+}
+
+// NewVerifier validates cfg and returns a Verifier.
+func NewVerifier(cfg VerifierConfig) (*Verifier, error) {
+	if len(cfg.Keys) == 0 {
+		return nil, errors.New("preamble: verifier needs at least one key")
+	}
+	for id, k := range cfg.Keys {
+		if len(id) == 0 || len(id) > MaxKeyIDLen || !validID([]byte(id)) {
+			return nil, fmt.Errorf("preamble: key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", id, MaxKeyIDLen)
+		}
+		if len(k) != ed25519.PublicKeySize {
+			return nil, fmt.Errorf("preamble: key %q is %d bytes, want an Ed25519 public key of %d", id, len(k), ed25519.PublicKeySize)
+		}
+	}
+	v := &Verifier{
+		keys:           make(map[string]keyringEntry, len(cfg.Keys)),
+		maxFrameLen:    cfg.MaxFrameLen,
+		requireBinding: cfg.RequireBinding,
+		now:            cfg.Now,
+	}
+	for id, k := range cfg.Keys {
+		v.keys[id] = keyringEntry{id: id, key: bytes.Clone(k)}
+	}
+	switch {
+	case v.maxFrameLen == 0:
+		v.maxFrameLen = MaxFrameLen
+	case v.maxFrameLen < HeaderLen+minBodyLen || v.maxFrameLen > MaxFrameLen:
+		return nil, fmt.Errorf("preamble: MaxFrameLen %d outside [%d, %d]", v.maxFrameLen, HeaderLen+minBodyLen, MaxFrameLen)
+	}
+	skew, ttl := cfg.MaxSkew, cfg.MaxTTL
+	if skew == 0 {
+		skew = DefaultMaxSkew
+	}
+	if ttl == 0 {
+		ttl = DefaultMaxTTL
+	}
+	if skew < 0 || ttl < time.Second {
+		return nil, fmt.Errorf("preamble: MaxSkew %v must be >= 0 and MaxTTL %v >= 1s", skew, ttl)
+	}
+	v.maxSkew, v.maxTTL = int64(skew/time.Second), int64(ttl/time.Second)
+	if v.now == nil {
+		v.now = time.Now
+	}
+	window := v.maxTTL + 2*v.maxSkew
+	if cfg.ReplayCache != nil {
+		if cfg.ReplayCacheSize != 0 {
+			return nil, errors.New("preamble: set ReplayCacheSize or ReplayCache, not both")
+		}
+		if cfg.ReplayCache.window < window {
+			return nil, fmt.Errorf("preamble: shared replay cache covers %ds, MaxTTL + 2*MaxSkew needs %ds", cfg.ReplayCache.window, window)
+		}
+		v.replay = cfg.ReplayCache
+		return v, nil
+	}
+	size := cfg.ReplayCacheSize
+	if size == 0 {
+		size = DefaultReplayCacheSize
+	}
+	var err error
+	if v.replay, err = NewReplayCache(size, time.Duration(window)*time.Second); err != nil {
+		return nil, err
+	}
+	return v, nil
+}
+
+// MaxFrameLen returns the frame cap to pass to ReadFrame.
+func (v *Verifier) MaxFrameLen() int { return v.maxFrameLen }
+
+// Verify checks a whole frame as returned by ReadFrame. binding is this
+// connection's ChannelBinding, or nil when it has none (TLS 1.2). Checks run
+// cheapest first and the nonce is recorded last, so that only authentic,
+// fresh frames take replay-cache space.
+//
+// The returned Claims alias frame (SandboxID, Binding, extension values):
+// do not modify frame while they are in use. This keeps the happy path free
+// of allocations.
+func (v *Verifier) Verify(frame []byte, binding []byte) (Claims, error) {
+	p, err := parse(frame, v.maxFrameLen)
+	if err != nil {
+		return Claims{}, err
+	}
+	entry, ok := v.keys[string(p.keyID)]
+	if !ok {
+		return Claims{}, reject(ReasonUnknownKey, "no key %q in the keyring", p.keyID)
+	}
+	if !verifySignature(entry.key, p.signed, p.signature) {
+		return Claims{}, reject(ReasonBadSignature, "signature does not verify with key %q", p.keyID)
+	}
+	c := p.claims
+	c.KeyID = entry.id
+	now := v.now().Unix()
+	iat, exp := c.IssuedAt.Unix(), c.ExpiresAt.Unix()
+	switch {
+	case iat > now+v.maxSkew:
+		return Claims{}, reject(ReasonNotYetValid, "issued %ds in the future (skew allowed %ds)", iat-now, v.maxSkew)
+	case exp < now-v.maxSkew:
+		return Claims{}, reject(ReasonExpired, "expired %ds ago (skew allowed %ds)", now-exp, v.maxSkew)
+	case exp-iat > v.maxTTL:
+		return Claims{}, reject(ReasonTTLTooLong, "validity of %ds exceeds the maximum %ds", exp-iat, v.maxTTL)
+	}
+	switch {
+	case c.Binding != nil && binding == nil:
+		return Claims{}, reject(ReasonBindingMismatch, "frame is bound but this connection has no channel binding (TLS 1.3 needed)")
+	case c.Binding != nil && subtle.ConstantTimeCompare(c.Binding, binding) != 1:
+		return Claims{}, reject(ReasonBindingMismatch, "frame is bound to another TLS session")
+	case c.Binding == nil && v.requireBinding:
+		return Claims{}, reject(ReasonBindingRequired, "frame carries no channel binding")
+	}
+	if err := v.replay.add(c.Nonce, exp, now-v.maxSkew); err != nil {
+		return Claims{}, err
+	}
+	return c, nil
+}
+
+// verifySignature checks the Ed25519 signature over SignatureContext||signed.
+// The message is assembled in a stack buffer (frames are capped at
+// MaxFrameLen) to keep verification allocation-free.
+func verifySignature(key ed25519.PublicKey, signed, sig []byte) bool {
+	var buf [len(SignatureContext) + MaxFrameLen]byte
+	n := copy(buf[:], SignatureContext)
+	n += copy(buf[n:], signed)
+	return ed25519.Verify(key, buf[:n], sig)
+}
+
+// ReplayCache remembers accepted nonces until their frames expire, in
+// bounded memory. It is safe for concurrent use and may be shared by several
+// Verifiers (VerifierConfig.ReplayCache).
+//
+// Nonces are grouped into buckets by expiry second; a bucket
+// is recycled whole once every frame it covers is past its expiry plus skew
+// (such frames are rejected as expired before reaching the cache). A replay
+// carries the same signed expiry as the original, so it lands in the same
+// bucket and one map lookup finds it.
+type ReplayCache struct {
+	mu       sync.Mutex
+	capacity int
+	hint     int // initial size of each bucket's map
+	count    int
+	window   int64 // seconds: MaxTTL + 2*MaxSkew of the verifiers it serves
+	width    int64 // seconds of expiry time per bucket
+	buckets  [replayBuckets]replayBucket
+}
+
+type replayBucket struct {
+	epoch  int64 // expiry second / width; -1 when empty
+	nonces map[[NonceLen]byte]struct{}
+}
+
+// NewReplayCache returns a cache for at most size nonces, for verifiers whose
+// MaxTTL + 2*MaxSkew is at most window.
+func NewReplayCache(size int, window time.Duration) (*ReplayCache, error) {
+	if size <= 0 {
+		return nil, fmt.Errorf("preamble: replay cache size %d must be positive", size)
+	}
+	if window < time.Second {
+		return nil, fmt.Errorf("preamble: replay cache window %v must be at least 1s", window)
+	}
+	rc := &ReplayCache{}
+	rc.init(size, int64(window/time.Second))
+	return rc, nil
+}
+
+func (rc *ReplayCache) init(capacity int, window int64) {
+	rc.capacity = capacity
+	rc.window = window
+	rc.hint = capacity / replayBuckets
+	// Live frames have expiries within window (MaxTTL + 2*MaxSkew) seconds of
+	// each other; spreading that over all but two buckets leaves a spare
+	// bucket on each side, so a live bucket is never recycled early.
+	rc.width = window/(replayBuckets-2) + 1
+	for i := range rc.buckets {
+		rc.buckets[i] = replayBucket{epoch: -1, nonces: make(map[[NonceLen]byte]struct{}, rc.hint)}
+	}
+}
+
+// add records nonce for a frame expiring at exp (unix seconds). oldestLive is
+// the earliest expiry a frame may have and still be accepted.
+func (rc *ReplayCache) add(nonce [NonceLen]byte, exp, oldestLive int64) error {
+	epoch := exp / rc.width
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	b := &rc.buckets[epoch%replayBuckets]
+	if b.epoch != epoch {
+		if b.epoch >= 0 && (b.epoch+1)*rc.width > oldestLive {
+			// Unreachable when the clock is monotonic and skew and TTL are
+			// enforced; fail closed if a clock jump makes it reachable.
+			return reject(ReasonReplayCacheFull, "expiry bucket still holds live nonces")
+		}
+		rc.recycle(b)
+		b.epoch = epoch
+	}
+	if _, seen := b.nonces[nonce]; seen {
+		return reject(ReasonReplayedNonce, "nonce %x was already accepted", nonce)
+	}
+	if rc.count >= rc.capacity {
+		rc.expire(oldestLive)
+		if rc.count >= rc.capacity {
+			return reject(ReasonReplayCacheFull, "%d live nonces, capacity %d", rc.count, rc.capacity)
+		}
+	}
+	b.nonces[nonce] = struct{}{}
+	rc.count++
+	return nil
+}
+
+// expire recycles every bucket whose frames have all expired.
+func (rc *ReplayCache) expire(oldestLive int64) {
+	for i := range rc.buckets {
+		b := &rc.buckets[i]
+		if b.epoch >= 0 && (b.epoch+1)*rc.width <= oldestLive {
+			rc.recycle(b)
+			b.epoch = -1
+		}
+	}
+}
+
+// recycle empties a bucket. A map keeps its storage when cleared, so a
+// bucket that once took far more than its share gets a fresh map: the cache's
+// memory then tracks its live nonces (bounded by capacity) plus a fixed
+// per-bucket reserve, not the largest burst ever seen in every bucket.
+func (rc *ReplayCache) recycle(b *replayBucket) {
+	rc.count -= len(b.nonces)
+	if len(b.nonces) > 2*rc.hint {
+		b.nonces = make(map[[NonceLen]byte]struct{}, rc.hint)
+	} else {
+		clear(b.nonces)
+	}
+}
+
+// Len returns the number of nonces held.
+func (rc *ReplayCache) Len() int {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	return rc.count
+}

@@ -1,0 +1,395 @@
+package preamble
+
+import (
+	"encoding/binary"
+	"errors"
+	"io"
+	"math"
+	"net"
+	"net/netip"
+	"time"
+	"unsafe"
+)
+
+// Wire constants of format version 1. docs/preamble.md is the normative
+// description; these values must stay in step with it.
+const (
+	// Magic opens every frame: ASCII "KTLP".
+	Magic = "KTLP"
+	// Version is the only frame version this package writes and accepts.
+	Version = 1
+	// HeaderLen is the fixed header: magic (4), version (1), reserved (1),
+	// body length (2, big endian).
+	HeaderLen = 8
+	// MaxFrameLen is the hard cap on a whole frame (header + body). A
+	// verifier may be configured lower, never higher.
+	MaxFrameLen = 1024
+	// NonceLen is the size of the per-frame random nonce.
+	NonceLen = 16
+	// BindingLen is the size of a channel binding (TLS exporter output).
+	BindingLen = 32
+	// SignatureLen is the size of the Ed25519 signature that ends the body.
+	SignatureLen = 64
+	// MaxKeyIDLen and MaxSandboxIDLen cap the two identifiers.
+	MaxKeyIDLen     = 64
+	MaxSandboxIDLen = 128
+	// CriticalBit marks an extension type that a verifier must understand:
+	// an unknown critical extension rejects the frame, an unknown
+	// non-critical one is ignored.
+	CriticalBit = 0x8000
+
+	// SignatureContext is prepended to the signed bytes (header and body up
+	// to the signature) so that a signature over a preamble can never be
+	// mistaken for an Ed25519 signature over anything else made with the same
+	// key. It ends in a NUL byte.
+	SignatureContext = "caddy-ktls sandbox preamble v1\x00"
+
+	// ChannelBindingLabel is the TLS exporter label of the channel binding
+	// (RFC 9266, tls-exporter), with an empty context and 32 bytes of output.
+	ChannelBindingLabel = "EXPORTER-Channel-Binding"
+
+	familyIPv4 = 4
+	familyIPv6 = 6
+
+	// minBodyLen is the smallest body that can hold every fixed field:
+	// one-byte key ID and sandbox ID, IPv4 target, no binding, no extensions.
+	minBodyLen = 1 + 1 + 8 + 8 + NonceLen + 1 + 1 + 1 + 4 + 2 + 1 + 2 + SignatureLen
+)
+
+// Claims is what a preamble asserts. Sign encodes it; Verify returns it.
+type Claims struct {
+	// KeyID names the signing key in the verifier's keyring. Sign fills it
+	// from the Signer.
+	KeyID string
+	// SandboxID names the sandbox: 1..128 bytes of [A-Za-z0-9._-].
+	SandboxID string
+	// Target is the private IPv4 or IPv6 address and port of the sandbox
+	// service. Never a host name: the forwarder does no DNS.
+	Target netip.AddrPort
+	// IssuedAt and ExpiresAt bound the frame's validity (second precision).
+	// Sign defaults IssuedAt to now and ExpiresAt to IssuedAt + DefaultTTL.
+	IssuedAt, ExpiresAt time.Time
+	// Nonce makes each frame unique for the replay cache. Sign fills an
+	// all-zero nonce from crypto/rand.
+	Nonce [NonceLen]byte
+	// Binding is the channel binding of the gateway↔forwarder TLS session
+	// (ChannelBinding), or nil for an unbound frame.
+	Binding []byte
+	// Extensions are optional TLVs, encoded in strictly ascending Type order.
+	Extensions []Extension
+}
+
+// Extension is one optional TLV. A Type with CriticalBit set must be
+// understood by the verifier.
+type Extension struct {
+	Type  uint16
+	Value []byte
+}
+
+// Critical reports whether a verifier that does not know this extension must
+// reject the frame.
+func (e Extension) Critical() bool { return e.Type&CriticalBit != 0 }
+
+// ReadFrame reads exactly one frame from r: the fixed header, then exactly
+// the body length it declares, and never a byte more, because the bytes after
+// the frame belong to the tenant and must stay in the kernel socket for
+// splice. maxLen caps the whole frame (header included); zero or a value above
+// MaxFrameLen means MaxFrameLen. The caller bounds the wait with a read
+// deadline. The returned slice holds the whole frame, ready for Verify.
+func ReadFrame(r io.Reader, maxLen int) ([]byte, error) {
+	if maxLen <= 0 || maxLen > MaxFrameLen {
+		maxLen = MaxFrameLen
+	}
+	var hdr [HeaderLen]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return nil, readError(err, "header")
+	}
+	bodyLen, err := checkHeader(hdr[:], maxLen)
+	if err != nil {
+		return nil, err
+	}
+	frame := make([]byte, HeaderLen+bodyLen)
+	copy(frame, hdr[:])
+	if _, err := io.ReadFull(r, frame[HeaderLen:]); err != nil {
+		return nil, readError(err, "body")
+	}
+	return frame, nil
+}
+
+func readError(err error, part string) error {
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+		return &Error{Reason: ReasonTruncated, Detail: "stream ended inside the frame " + part, Err: err}
+	}
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return &Error{Reason: ReasonTimeout, Detail: "deadline reached reading the frame " + part, Err: err}
+	}
+	return &Error{Reason: ReasonReadFailed, Detail: "reading the frame " + part, Err: err}
+}
+
+// checkHeader validates the fixed header and returns the body length.
+func checkHeader(hdr []byte, maxLen int) (int, error) {
+	if string(hdr[0:4]) != Magic {
+		return 0, reject(ReasonBadMagic, "frame starts with %q, want %q", hdr[0:4], Magic)
+	}
+	if hdr[4] != Version {
+		return 0, reject(ReasonBadVersion, "version %d, want %d", hdr[4], Version)
+	}
+	if hdr[5] != 0 {
+		return 0, reject(ReasonMalformed, "reserved header byte is %#x, want 0", hdr[5])
+	}
+	bodyLen := int(binary.BigEndian.Uint16(hdr[6:8]))
+	if HeaderLen+bodyLen > maxLen {
+		return 0, reject(ReasonOversized, "frame of %d bytes exceeds the cap of %d", HeaderLen+bodyLen, maxLen)
+	}
+	if bodyLen < minBodyLen {
+		return 0, reject(ReasonMalformed, "body of %d bytes is shorter than the minimum %d", bodyLen, minBodyLen)
+	}
+	return bodyLen, nil
+}
+
+// parsed is a structurally valid frame, before any cryptographic or policy
+// check. Its byte slices alias the frame.
+type parsed struct {
+	keyID     []byte
+	claims    Claims
+	signed    []byte // header + body up to the signature
+	signature []byte
+}
+
+// parse checks the structure of a whole frame (header included) against the
+// wire rules. It does not allocate on frames without extensions: the
+// SandboxID string aliases the frame (see Verify).
+func parse(frame []byte, maxLen int) (parsed, error) {
+	var p parsed
+	if len(frame) < HeaderLen {
+		return p, reject(ReasonTruncated, "frame of %d bytes is shorter than the header", len(frame))
+	}
+	bodyLen, err := checkHeader(frame[:HeaderLen], maxLen)
+	if err != nil {
+		return p, err
+	}
+	if len(frame) < HeaderLen+bodyLen {
+		return p, reject(ReasonTruncated, "frame holds %d bytes, header declares %d", len(frame), HeaderLen+bodyLen)
+	}
+	if len(frame) > HeaderLen+bodyLen {
+		return p, reject(ReasonTrailingBytes, "%d bytes follow the declared frame", len(frame)-HeaderLen-bodyLen)
+	}
+	sigStart := len(frame) - SignatureLen
+	d := decoder{buf: frame[:sigStart], off: HeaderLen}
+
+	kidLen := int(d.u8())
+	p.keyID = d.bytes(kidLen)
+	iat := d.u64()
+	exp := d.u64()
+	copy(p.claims.Nonce[:], d.bytes(NonceLen))
+	sidLen := int(d.u8())
+	sid := d.bytes(sidLen)
+	family := d.u8()
+	var addr netip.Addr
+	switch family {
+	case familyIPv4:
+		addr = netip.AddrFrom4([4]byte(d.bytes(4)))
+	case familyIPv6:
+		addr = netip.AddrFrom16([16]byte(d.bytes(16)))
+	default:
+		if !d.short {
+			return p, reject(ReasonBadTarget, "address family %d, want 4 or 6", family)
+		}
+	}
+	port := d.u16()
+	bindLen := int(d.u8())
+	binding := d.bytes(bindLen)
+	extLen := int(d.u16())
+	ext := d.bytes(extLen)
+	if d.short {
+		return p, reject(ReasonTruncated, "fields run past the signature at offset %d", d.off)
+	}
+	if d.off != sigStart {
+		return p, reject(ReasonTrailingBytes, "%d bytes between the extensions and the signature", sigStart-d.off)
+	}
+
+	if kidLen == 0 || kidLen > MaxKeyIDLen || !validID(p.keyID) {
+		return p, reject(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", p.keyID, MaxKeyIDLen)
+	}
+	if sidLen == 0 || sidLen > MaxSandboxIDLen || !validID(sid) {
+		return p, reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [A-Za-z0-9._-]", sid, MaxSandboxIDLen)
+	}
+	target := netip.AddrPortFrom(addr, port)
+	if err := checkTarget(target); err != nil {
+		return p, err
+	}
+	if bindLen != 0 && bindLen != BindingLen {
+		return p, reject(ReasonMalformed, "channel binding of %d bytes, want 0 or %d", bindLen, BindingLen)
+	}
+	if exp <= iat || exp > uint64(maxUnixSeconds) {
+		return p, reject(ReasonMalformed, "validity window [%d, %d] is empty or out of range", iat, exp)
+	}
+	exts, err := parseExtensions(ext)
+	if err != nil {
+		return p, err
+	}
+
+	p.claims.SandboxID = unsafe.String(unsafe.SliceData(sid), len(sid))
+	p.claims.Target = target
+	p.claims.IssuedAt = time.Unix(int64(iat), 0)
+	p.claims.ExpiresAt = time.Unix(int64(exp), 0)
+	if bindLen != 0 {
+		p.claims.Binding = binding
+	}
+	p.claims.Extensions = exts
+	p.signed = frame[:sigStart]
+	p.signature = frame[sigStart:]
+	return p, nil
+}
+
+// maxUnixSeconds keeps timestamps inside what time.Unix and int64
+// arithmetic on durations handle without overflow (year 2262).
+const maxUnixSeconds = math.MaxInt64/int64(time.Second) - 1
+
+// parseExtensions walks the TLV area. Types must be strictly ascending (which
+// also forbids duplicates) so that every claim set has one encoding. Critical
+// extensions are all unknown in version 1.
+func parseExtensions(area []byte) ([]Extension, error) {
+	var exts []Extension
+	prev := -1
+	for off := 0; off < len(area); {
+		if len(area)-off < 4 {
+			return nil, reject(ReasonBadExtension, "extension header truncated at offset %d", off)
+		}
+		typ := binary.BigEndian.Uint16(area[off:])
+		n := int(binary.BigEndian.Uint16(area[off+2:]))
+		off += 4
+		if n > len(area)-off {
+			return nil, reject(ReasonBadExtension, "extension %#04x declares %d bytes, %d remain", typ, n, len(area)-off)
+		}
+		if int(typ) <= prev {
+			return nil, reject(ReasonBadExtension, "extension %#04x after %#04x: types must be strictly ascending", typ, prev)
+		}
+		prev = int(typ)
+		if typ&CriticalBit != 0 {
+			return nil, reject(ReasonUnknownCriticalExtension, "critical extension %#04x is not understood", typ)
+		}
+		exts = append(exts, Extension{Type: typ, Value: area[off : off+n : off+n]})
+		off += n
+	}
+	return exts, nil
+}
+
+func checkTarget(t netip.AddrPort) error {
+	a := t.Addr()
+	switch {
+	case !a.IsValid():
+		return reject(ReasonBadTarget, "no address")
+	case a.Zone() != "":
+		return reject(ReasonBadTarget, "address %s has a zone", a)
+	case a.Is4In6():
+		return reject(ReasonBadTarget, "IPv4-mapped address %s: encode it as IPv4", a)
+	case a.IsUnspecified(), a.IsMulticast(), a == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		return reject(ReasonBadTarget, "address %s is not a unicast host", a)
+	case t.Port() == 0:
+		return reject(ReasonBadTarget, "port 0")
+	}
+	return nil
+}
+
+// validID reports whether b is made only of [A-Za-z0-9._-].
+func validID(b []byte) bool {
+	for _, c := range b {
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9', c == '.', c == '_', c == '-':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// decoder reads big-endian fields; running past the end sets short instead
+// of panicking so that the caller reports one truncation error.
+type decoder struct {
+	buf   []byte
+	off   int
+	short bool
+}
+
+func (d *decoder) bytes(n int) []byte {
+	if d.short || n > len(d.buf)-d.off {
+		d.short = true
+		return make([]byte, n)
+	}
+	b := d.buf[d.off : d.off+n : d.off+n]
+	d.off += n
+	return b
+}
+
+func (d *decoder) u8() uint8   { return d.bytes(1)[0] }
+func (d *decoder) u16() uint16 { return binary.BigEndian.Uint16(d.bytes(2)) }
+func (d *decoder) u64() uint64 { return binary.BigEndian.Uint64(d.bytes(8)) }
+
+// encode validates c and returns the frame without its signature (header
+// and body up to the signature), with room for the signature appended later.
+func encode(keyID string, c *Claims) ([]byte, error) {
+	if len(keyID) == 0 || len(keyID) > MaxKeyIDLen || !validID([]byte(keyID)) {
+		return nil, reject(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", keyID, MaxKeyIDLen)
+	}
+	if len(c.SandboxID) == 0 || len(c.SandboxID) > MaxSandboxIDLen || !validID([]byte(c.SandboxID)) {
+		return nil, reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [A-Za-z0-9._-]", c.SandboxID, MaxSandboxIDLen)
+	}
+	if err := checkTarget(c.Target); err != nil {
+		return nil, err
+	}
+	if c.Binding != nil && len(c.Binding) != BindingLen {
+		return nil, reject(ReasonMalformed, "channel binding of %d bytes, want %d", len(c.Binding), BindingLen)
+	}
+	iat, exp := c.IssuedAt.Unix(), c.ExpiresAt.Unix()
+	if iat < 0 || exp <= iat || exp > maxUnixSeconds {
+		return nil, reject(ReasonMalformed, "validity window [%d, %d] is empty or out of range", iat, exp)
+	}
+	extLen := 0
+	prev := -1
+	for _, e := range c.Extensions {
+		if int(e.Type) <= prev {
+			return nil, reject(ReasonBadExtension, "extension %#04x after %#04x: types must be strictly ascending", e.Type, prev)
+		}
+		if len(e.Value) > 0xffff {
+			return nil, reject(ReasonBadExtension, "extension %#04x value of %d bytes", e.Type, len(e.Value))
+		}
+		prev = int(e.Type)
+		extLen += 4 + len(e.Value)
+	}
+	addr := c.Target.Addr()
+	bodyLen := 1 + len(keyID) + 8 + 8 + NonceLen + 1 + len(c.SandboxID) + 1 + addr.BitLen()/8 + 2 +
+		1 + len(c.Binding) + 2 + extLen + SignatureLen
+	if HeaderLen+bodyLen > MaxFrameLen {
+		return nil, reject(ReasonOversized, "frame of %d bytes exceeds the cap of %d", HeaderLen+bodyLen, MaxFrameLen)
+	}
+
+	b := make([]byte, 0, HeaderLen+bodyLen)
+	b = append(b, Magic...)
+	b = append(b, Version, 0)
+	b = binary.BigEndian.AppendUint16(b, uint16(bodyLen))
+	b = append(b, byte(len(keyID)))
+	b = append(b, keyID...)
+	b = binary.BigEndian.AppendUint64(b, uint64(iat))
+	b = binary.BigEndian.AppendUint64(b, uint64(exp))
+	b = append(b, c.Nonce[:]...)
+	b = append(b, byte(len(c.SandboxID)))
+	b = append(b, c.SandboxID...)
+	if addr.Is4() {
+		b = append(b, familyIPv4)
+	} else {
+		b = append(b, familyIPv6)
+	}
+	b = append(b, addr.AsSlice()...)
+	b = binary.BigEndian.AppendUint16(b, c.Target.Port())
+	b = append(b, byte(len(c.Binding)))
+	b = append(b, c.Binding...)
+	b = binary.BigEndian.AppendUint16(b, uint16(extLen))
+	for _, e := range c.Extensions {
+		b = binary.BigEndian.AppendUint16(b, e.Type)
+		b = binary.BigEndian.AppendUint16(b, uint16(len(e.Value)))
+		b = append(b, e.Value...)
+	}
+	return b, nil
+}

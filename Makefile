@@ -7,6 +7,8 @@ KERNELS ?= 6.1 7.3
 # One kernel for `make vmtest` and the demo.
 KERNEL ?= 6.1
 DEMO_KERNEL ?= 7.3
+# MiB the demo sends through the tunnel inside the (slow, emulated) VM.
+DEMO_VM_MIB ?= 4
 # Flags of the host test run (-race roughly doubles its time; see README).
 HOST_TEST_FLAGS ?= -race
 XCADDY_VERSION = v0.4.5
@@ -20,7 +22,7 @@ export KTLS_TEST_MIB
 help:
 	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
 	@echo 'make xcaddy       bin/caddy-xcaddy with xcaddy $(XCADDY_VERSION), and check it carries this module'
-	@echo 'make demo         caddy ktls probe on this host, then in a VM on kernel $(DEMO_KERNEL)'
+	@echo 'make demo         a sandbox tunnel end to end on this host, then in a VM on kernel $(DEMO_KERNEL)'
 	@echo 'make test         go vet, host tests ($(HOST_TEST_FLAGS)), kernel tests in VMs on: $(KERNELS)'
 	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
 	@echo 'make clean        remove bin/ and the harness build dir'
@@ -41,10 +43,11 @@ xcaddy: build
 	integration/xcaddy-check.sh bin/caddy-xcaddy bin/caddy
 
 demo: build
-	@echo '=== caddy ktls probe on this host ($(shell uname -r))'
-	bin/caddy ktls probe
-	@echo '=== caddy ktls probe in a VM on kernel $(DEMO_KERNEL)'
-	integration/vm.sh $(DEMO_KERNEL) 'bin/caddy ktls probe'
+	$(GO) build -o bin/demo-upstream ./examples/demo-upstream
+	@echo '=== the sandbox data path on this host ($(shell uname -r))'
+	DEMO_PREBUILT=1 examples/demo.sh
+	@echo '=== the same in a VM on kernel $(DEMO_KERNEL), which has kTLS'
+	integration/vm.sh $(DEMO_KERNEL) 'DEMO_PREBUILT=1 DEMO_MIB=$(DEMO_VM_MIB) examples/demo.sh'
 
 test: vet hosttest build
 	integration/vmtest.sh $(KERNELS)

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# End-to-end demo of the sandbox data path: build Caddy and a demo upstream,
-# make a CA, a forwarder certificate, a gateway client certificate and a
-# gateway signing key, start the forwarder (examples/forwarder.Caddyfile)
-# and the upstream, then open a tunnel like an edge gateway with
-# `caddy sandbox dial` and show the reply, the tunnel's activity and the
-# metrics. On a kernel without kTLS the forwarder falls back to userspace
-# TLS (the log and /metrics say so); everything else is the same.
+# End-to-end demo of the sandbox data path. It makes a CA, a forwarder
+# certificate, a gateway client certificate and a gateway signing key,
+# starts the forwarder (examples/forwarder.Caddyfile) and an echo upstream,
+# then acts as the edge gateway with `caddy sandbox dial`: a greeting, then
+# DEMO_MIB MiB of random bytes through the tunnel and back, checked with
+# SHA-256. It prints the bytes moved, whether the kernel path (kTLS, from
+# /proc/net/tls_stat, and splice, from the metrics) or the userspace fallback
+# carried them, a refused target, the activity endpoint and the metrics.
 #
-# Usage: examples/demo.sh   (from anywhere; needs go, openssl, curl)
+# Usage: examples/demo.sh   (needs openssl and curl; go unless DEMO_PREBUILT=1)
+# env: DEMO_MIB (default 16), DEMO_PREBUILT=1 (use bin/caddy and
+#      bin/demo-upstream as they are: `make demo` builds them on the host and
+#      runs this script again inside a kTLS VM)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+MIB=${DEMO_MIB:-16}
 DEMO_DIR=$(mktemp -d)
 export DEMO_DIR DEMO_LISTEN=127.0.0.1:9443 DEMO_ADMIN=127.0.0.1:2999 DEMO_UPSTREAM_PORT=9000
 export XDG_DATA_HOME=$DEMO_DIR/data XDG_CONFIG_HOME=$DEMO_DIR/config
@@ -21,45 +26,89 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== build"
-(cd "$ROOT" && go build -o bin/caddy ./cmd/caddy && go build -o "$DEMO_DIR/demo-upstream" ./examples/demo-upstream)
-CADDY=$ROOT/bin/caddy
+CADDY=$ROOT/bin/caddy UPSTREAM=$ROOT/bin/demo-upstream
+if [ "${DEMO_PREBUILT:-}" != 1 ]; then
+	echo "== build"
+	(cd "$ROOT" && go build -o "$CADDY" ./cmd/caddy && go build -o "$UPSTREAM" ./examples/demo-upstream)
+fi
+echo "== kernel $(uname -r): $("$CADDY" ktls probe | head -1)"
 
-echo "== PKI and gateway key in $DEMO_DIR"
+echo "== PKI and gateway signing key in $DEMO_DIR"
 cd "$DEMO_DIR"
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=demo-ca \
 	-keyout ca-key.pem -out ca.pem 2>/dev/null
 issue() { # name, subject CN, extensions
 	openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$2" -keyout "$1-key.pem" -out "$1.csr" 2>/dev/null
-	openssl x509 -req -in "$1.csr" -CA ca.pem -CAkey ca-key.pem -CAcreateserial -days 1 -out "$1.pem" -extfile <(printf '%s\n' "$3") 2>/dev/null
+	printf '%s\n' "$3" >"$1.ext" # a file, not <(...): a bare VM has no /dev/fd
+	openssl x509 -req -in "$1.csr" -CA ca.pem -CAkey ca-key.pem -CAcreateserial -days 1 -out "$1.pem" -extfile "$1.ext" 2>/dev/null
 }
 issue server localhost "subjectAltName=DNS:localhost,IP:127.0.0.1
 extendedKeyUsage=serverAuth"
 issue gateway gateway-1 "extendedKeyUsage=clientAuth"
 "$CADDY" sandbox keygen --key-out gateway-signing.pem --pub-out gateways.pem --key-id gw-1
 
-echo "== start upstream and forwarder"
-"$DEMO_DIR/demo-upstream" -listen 127.0.0.1:$DEMO_UPSTREAM_PORT 2>upstream.log &
+echo "== start the echo upstream and the forwarder"
+"$UPSTREAM" -listen 127.0.0.1:$DEMO_UPSTREAM_PORT 2>upstream.log &
 pids+=($!)
 "$CADDY" run --adapter caddyfile --config "$ROOT/examples/forwarder.Caddyfile" 2>caddy.log &
 pids+=($!)
-for _ in $(seq 100); do curl -fsS "http://$DEMO_ADMIN/config/" >/dev/null 2>&1 && break; sleep 0.1; done
+for _ in $(seq 300); do curl -fsS "http://$DEMO_ADMIN/config/" >/dev/null 2>&1 && break; sleep 0.1; done
 
-echo "== gateway: open a tunnel to sandbox demo-1 -> 127.0.0.1:$DEMO_UPSTREAM_PORT"
-reply=$(printf 'hello from the edge\n' | "$CADDY" sandbox dial --addr "$DEMO_LISTEN" --server-name localhost \
-	--cert gateway.pem --key gateway-key.pem --ca ca.pem --signing-key gateway-signing.pem --key-id gw-1 \
-	--sandbox demo-1 --target 127.0.0.1:$DEMO_UPSTREAM_PORT)
-echo "reply: $reply"
-[ "$reply" = "sandbox says: HELLO FROM THE EDGE" ] || { echo "unexpected reply"; cat caddy.log; exit 1; }
+# The gateway: mTLS to the forwarder, a preamble bound to that session and
+# signed with the gateway key, then stdin/stdout through the tunnel.
+dial() { # target
+	"$CADDY" sandbox dial --addr "$DEMO_LISTEN" --server-name localhost \
+		--cert gateway.pem --key gateway-key.pem --ca ca.pem --signing-key gateway-signing.pem --key-id gw-1 \
+		--sandbox demo-1 --target "$1"
+}
+tls_stat() { # counter name: its value, 0 when the kernel has no kTLS
+	awk -v k="$1" '$1 == k { v = $2 } END { print v + 0 }' /proc/net/tls_stat 2>/dev/null || echo 0
+}
+metric() { # metric line pattern: its value (sum), 0 when absent
+	curl -fsS "http://$DEMO_ADMIN/metrics" | awk -v p="$1" 'index($0, p) == 1 { s += $NF } END { printf "%d", s }'
+}
+tx0=$(tls_stat TlsTxSw) rx0=$(tls_stat TlsRxSw)
+spliced0=$(metric 'caddy_ktls_relay_bytes_total{path="splice"}') copied0=$(metric 'caddy_ktls_relay_bytes_total{path="copy"}')
+
+echo "== gateway: greeting to sandbox demo-1 at 127.0.0.1:$DEMO_UPSTREAM_PORT"
+reply=$(printf 'hello from the edge\n' | dial 127.0.0.1:$DEMO_UPSTREAM_PORT)
+echo "echoed: $reply"
+[ "$reply" = "hello from the edge" ] || { echo "FAIL: unexpected reply"; cat caddy.log; exit 1; }
+
+echo "== gateway: $MIB MiB of random bytes through the tunnel and back"
+head -c $((MIB << 20)) /dev/urandom >payload
+start=$(date +%s.%N)
+dial 127.0.0.1:$DEMO_UPSTREAM_PORT <payload >echoed
+secs=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+sent=$(sha256sum <payload | cut -d' ' -f1) got=$(sha256sum <echoed | cut -d' ' -f1)
+echo "sent     $(stat -c %s payload) bytes sha256 $sent"
+echo "received $(stat -c %s echoed) bytes sha256 $got  ($secs s)"
+[ "$sent" = "$got" ] || { echo "FAIL: SHA-256 mismatch"; tail -20 caddy.log; exit 1; }
+echo "SHA-256 OK"
+
+# Tunnel counters are folded into the metrics when a tunnel closes.
+for _ in $(seq 50); do
+	[ "$(metric caddy_ktls_sandbox_tunnels_active)" = 0 ] && break
+	sleep 0.1
+done
+tx=$(( $(tls_stat TlsTxSw) - tx0 )) rx=$(( $(tls_stat TlsRxSw) - rx0 ))
+spliced=$(( $(metric 'caddy_ktls_relay_bytes_total{path="splice"}') - spliced0 ))
+copied=$(( $(metric 'caddy_ktls_relay_bytes_total{path="copy"}') - copied0 ))
+echo "== data path: tls_stat TlsTxSw +$tx TlsRxSw +$rx; relay bytes: $spliced spliced, $copied copied in userspace"
+if [ "$tx" -gt 0 ] && [ "$rx" -gt 0 ] && [ "$spliced" -gt 0 ] && [ "$copied" = 0 ]; then
+	echo "KERNEL PATH: kTLS (TLS_TX + TLS_RX in the kernel) and splice(2); no tenant byte entered userspace"
+else
+	echo "FALLBACK: userspace TLS and copy (this kernel has no kTLS: $("$CADDY" ktls probe | head -1))"
+fi
 
 echo "== a tunnel to a refused target (cloud metadata) is closed without a word"
-printf 'x' | "$CADDY" sandbox dial --addr "$DEMO_LISTEN" --server-name localhost \
-	--cert gateway.pem --key gateway-key.pem --ca ca.pem --signing-key gateway-signing.pem --key-id gw-1 \
-	--sandbox demo-1 --target 169.254.169.254:80 || true
-grep -o '"msg":"sandbox tunnel rejected"[^}]*' caddy.log || true
+printf 'x' | dial 169.254.169.254:80 || true
+for _ in $(seq 20); do grep -q 'sandbox tunnel rejected' caddy.log && break; sleep 0.1; done
+grep -o '"msg":"sandbox tunnel rejected"[^}]*' caddy.log || { echo "FAIL: no rejection logged"; exit 1; }
 
 echo "== GET /sandbox/activity"
 curl -fsS "http://$DEMO_ADMIN/sandbox/activity"
+echo
 echo "== metrics"
-curl -fsS "http://$DEMO_ADMIN/metrics" | grep -E '^caddy_ktls_(sandbox_(tunnels|bytes)|handshakes_total\{reason="(none|no-kernel-support)"\}|relay_bytes)' || true
+curl -fsS "http://$DEMO_ADMIN/metrics" | grep -E '^caddy_ktls_(sandbox_(tunnels|bytes|rejects_total\{reason="target-denied"\})|handshakes_total\{reason="(none|no-kernel-support)"\}|relay_bytes)'
 echo "== demo OK"

@@ -1,12 +1,9 @@
 // Command demo-upstream is the sandbox service of the caddy-ktls demo: a TCP
-// server that answers every connection with "sandbox says: " followed by
-// everything the client sent, upper-cased, and closes when the client
-// half-closes.
+// echo server. It sends back every byte it receives, half-closes when the
+// client half-closes, and logs how many bytes each connection carried.
 package main
 
 import (
-	"bufio"
-	"bytes"
 	"flag"
 	"io"
 	"log"
@@ -26,17 +23,17 @@ func main() {
 		if err != nil {
 			log.Fatal(err)
 		}
-		go serve(c)
+		go echo(c.(*net.TCPConn))
 	}
 }
 
-func serve(c net.Conn) {
+func echo(c *net.TCPConn) {
 	defer c.Close()
-	in, err := io.ReadAll(bufio.NewReader(c))
+	n, err := io.Copy(c, c)
 	if err != nil {
-		log.Printf("%s: %v", c.RemoteAddr(), err)
+		log.Printf("%s: echoed %d bytes: %v", c.RemoteAddr(), n, err)
 		return
 	}
-	c.Write(append([]byte("sandbox says: "), bytes.ToUpper(in)...))
-	log.Printf("%s: answered %d bytes", c.RemoteAddr(), len(in))
+	c.CloseWrite()
+	log.Printf("%s: echoed %d bytes", c.RemoteAddr(), n)
 }

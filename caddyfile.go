@@ -33,6 +33,12 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return d.ArgErr()
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if handled, err := h.unmarshalCaddyfileOption(d); handled {
+			if err != nil {
+				return err
+			}
+			continue
+		}
 		switch opt := d.Val(); opt {
 		case "connection_policy":
 			cp := new(caddytls.ConnectionPolicy)
@@ -40,49 +46,6 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.ConnectionPolicies = append(h.ConnectionPolicies, cp)
-		case "rx":
-			v, err := choice(d, "on", "off")
-			if err != nil {
-				return err
-			}
-			h.DisableRX = v == "off"
-		case "fallback":
-			v, err := choice(d, "allow", "refuse")
-			if err != nil {
-				return err
-			}
-			h.RequireOffload = v == "refuse"
-		case "expect_no_pad":
-			if err := noArgs(d); err != nil {
-				return err
-			}
-			h.ExpectNoPad = true
-		case "tx_zerocopy_ro":
-			if err := noArgs(d); err != nil {
-				return err
-			}
-			h.TXZeroCopyRO = true
-		case "keyupdate_rate":
-			args := d.RemainingArgs()
-			if len(args) < 1 || len(args) > 2 {
-				return d.Errf("keyupdate_rate takes a rate per second and an optional burst, got %d arguments", len(args))
-			}
-			rate, err := strconv.ParseFloat(args[0], 64)
-			if err != nil || rate <= 0 {
-				return d.Errf("keyupdate_rate: %q is not a positive number", args[0])
-			}
-			h.KeyUpdateRate = rate
-			if len(args) == 2 {
-				if h.KeyUpdateBurst, err = positiveInt(d, args[1]); err != nil {
-					return err
-				}
-			}
-		case "handshake_timeout":
-			dur, err := durationArg(d)
-			if err != nil {
-				return err
-			}
-			h.HandshakeTimeout = dur
 		default:
 			return d.Errf("unknown ktls handler option %q", opt)
 		}
@@ -242,26 +205,10 @@ func (m *MatchSandbox) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-func choice(d *caddyfile.Dispenser, choices ...string) (string, error) {
-	opt := d.Val()
-	if !d.NextArg() {
-		return "", d.ArgErr()
-	}
-	v := d.Val()
-	if d.NextArg() {
-		return "", d.ArgErr()
-	}
-	for _, c := range choices {
-		if v == c {
-			return v, nil
-		}
-	}
-	return "", d.Errf("%s: %q is not one of %v", opt, v, choices)
-}
-
+// noArgs fails when the option d is on has arguments.
 func noArgs(d *caddyfile.Dispenser) error {
-	if d.NextArg() {
-		return d.Errf("%s takes no arguments", d.Val())
+	if opt := d.Val(); d.NextArg() {
+		return d.Errf("%s takes no arguments", opt)
 	}
 	return nil
 }

@@ -57,36 +57,9 @@ type KTLSHandler struct {
 	// one default policy is used.
 	ConnectionPolicies caddytls.ConnectionPolicies `json:"connection_policies,omitempty"`
 
-	// DisableRX keeps decryption in userspace: the kernel seals outgoing
-	// records (TX) while incoming records are decrypted in Go. Costs a copy
-	// and the decryption on the client-to-sandbox direction.
-	DisableRX bool `json:"disable_rx,omitempty"`
-
-	// RequireOffload refuses connections that cannot be offloaded (no
-	// kernel support, cipher, bytes buffered...) instead of serving them
-	// with userspace TLS.
-	RequireOffload bool `json:"require_offload,omitempty"`
-
-	// ExpectNoPad sets TLS_RX_EXPECT_NO_PAD (TLS 1.3 RX): faster decryption
-	// into the caller's buffer. Trusted peers only: a peer that pads its
-	// records makes each one decrypt twice.
-	ExpectNoPad bool `json:"expect_no_pad,omitempty"`
-
-	// TXZeroCopyRO sets TLS_TX_ZEROCOPY_RO (device offload with sendfile
-	// only; files must not change while in flight).
-	TXZeroCopyRO bool `json:"tx_zerocopy_ro,omitempty"`
-
-	// KeyUpdateRate is the sustained rate of TLS control records (KeyUpdate)
-	// a connection may send per second before it is disconnected. Zero means
-	// the ktls package default.
-	KeyUpdateRate float64 `json:"keyupdate_rate,omitempty"`
-
-	// KeyUpdateBurst is the burst allowed above KeyUpdateRate. Zero means the
-	// ktls package default.
-	KeyUpdateBurst int `json:"keyupdate_burst,omitempty"`
-
-	// HandshakeTimeout bounds the TLS handshake. Default: 10s.
-	HandshakeTimeout caddy.Duration `json:"handshake_timeout,omitempty"`
+	// The offload options: disable_rx, require_offload, expect_no_pad,
+	// tx_zerocopy_ro, keyupdate_rate, keyupdate_burst, handshake_timeout.
+	OffloadOptions
 
 	ctx    caddy.Context
 	logger *zap.Logger
@@ -111,20 +84,10 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 	if err := h.ConnectionPolicies.Provision(ctx); err != nil {
 		return fmt.Errorf("ktls handler: connection policies: %v", err)
 	}
-	if h.KeyUpdateRate < 0 || h.KeyUpdateBurst < 0 || h.HandshakeTimeout < 0 {
-		return errors.New("ktls handler: keyupdate_rate, keyupdate_burst and handshake_timeout must not be negative")
+	if err := h.OffloadOptions.provision(); err != nil {
+		return fmt.Errorf("ktls handler: %w", err)
 	}
-	if h.HandshakeTimeout == 0 {
-		h.HandshakeTimeout = caddy.Duration(10 * time.Second)
-	}
-	h.opts = ktls.Options{
-		DisableRX:      h.DisableRX,
-		RequireOffload: h.RequireOffload,
-		ExpectNoPad:    h.ExpectNoPad,
-		TXZeroCopyRO:   h.TXZeroCopyRO,
-		KeyUpdateLimit: ktls.Rate{PerSecond: h.KeyUpdateRate, Burst: h.KeyUpdateBurst},
-		Observer:       h.observe,
-	}
+	h.opts = h.ktlsOptions(h.observe)
 	return nil
 }
 

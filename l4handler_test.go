@@ -210,6 +210,23 @@ func (e *sandboxEnv) logLines(t testing.TB, msg string) []map[string]any {
 	return out
 }
 
+// checkTunnelTransfer waits for the tunnel to end, closes up and checks
+// both directions of a transfer: the upstream received the client's size
+// pattern bytes (seed), and the client received the upstream's size+3
+// bytes (n, recvSum) unchanged.
+func checkTunnelTransfer(t testing.TB, up *forwardtest.Upstream, size int64, seed uint64, n int64, recvSum [32]byte) {
+	t.Helper()
+	waitIdle(t)
+	up.Close()
+	r := up.Results()[0]
+	if r.Received != size || r.RecvSum != forwardtest.PatternSum(seed, size) {
+		t.Errorf("upstream received %d bytes, want %d with the client's hash", r.Received, size)
+	}
+	if n != size+3 || recvSum != r.SentSum {
+		t.Errorf("client received %d bytes, want %d with the upstream's hash", n, size+3)
+	}
+}
+
 // waitIdle waits until the registry has no open tunnel.
 func waitIdle(t testing.TB) {
 	t.Helper()
@@ -239,15 +256,7 @@ func TestSandboxEndToEnd(t *testing.T) {
 	if err != nil {
 		t.Fatalf("transfer: %v", err)
 	}
-	waitIdle(t)
-	up.Close()
-	r := up.Results()[0]
-	if r.Received != size || r.RecvSum != forwardtest.PatternSum(7, size) {
-		t.Errorf("upstream received %d bytes, want %d with the client's hash", r.Received, size)
-	}
-	if n != size+3 || recvSum != r.SentSum {
-		t.Errorf("client received %d bytes, want %d with the upstream's hash", n, size+3)
-	}
+	checkTunnelTransfer(t, up, size, 7, n, recvSum)
 	to1, from1 := tunnels.Totals()
 	if to1-to0 != size || from1-from0 != size+3 {
 		t.Errorf("registry meters moved %d/%d, want %d/%d", to1-to0, from1-from0, size, size+3)

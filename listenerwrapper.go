@@ -10,8 +10,6 @@ import (
 	"net"
 	"os"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -50,44 +48,9 @@ func init() {
 // path is where kTLS vulnerabilities have clustered; set `disable_rx` to keep
 // decryption in Go while the kernel still encrypts outgoing records.
 type ListenerWrapper struct {
-	// DisableRX keeps decryption in userspace: the kernel seals outgoing
-	// records (TX) while incoming records are decrypted in Go with the
-	// session keys. Request bodies then cost a copy and the decryption in
-	// Go; responses still leave through the kernel.
-	DisableRX bool `json:"disable_rx,omitempty"`
-
-	// RequireOffload refuses connections that cannot be offloaded (kernel
-	// without kTLS, cipher the kernel refuses, TLS 1.0/1.1...) instead of
-	// serving them with userspace TLS: their handshake completes, then the
-	// connection is closed. Loading a configuration with it fails on a kernel
-	// without kTLS, because every connection would be refused.
-	RequireOffload bool `json:"require_offload,omitempty"`
-
-	// ExpectNoPad sets TLS_RX_EXPECT_NO_PAD on TLS 1.3 connections (Linux
-	// 6.0+): the kernel decrypts straight into the reader's buffer. For
-	// trusted clients only: a client that pads its records makes each one
-	// decrypt twice. Ignored with disable_rx.
-	ExpectNoPad bool `json:"expect_no_pad,omitempty"`
-
-	// TXZeroCopyRO sets TLS_TX_ZEROCOPY_RO (Linux 5.19+): with NIC (device)
-	// TLS offload, sendfile pages go to the NIC without a copy. It only
-	// matters with sendfile and device offload, and a file that changes while
-	// it is being sent makes retransmitted records fail authentication at the
-	// client (a broken connection, never wrong data). Requires `sendfile`.
-	TXZeroCopyRO bool `json:"tx_zerocopy_ro,omitempty"`
-
-	// KeyUpdateRate is the sustained rate (per second) of TLS 1.3 KeyUpdate
-	// messages a client may send before it is disconnected. Zero: the ktls
-	// package default (10/s).
-	KeyUpdateRate float64 `json:"keyupdate_rate,omitempty"`
-
-	// KeyUpdateBurst is the number of KeyUpdate messages allowed in a burst
-	// above KeyUpdateRate. Zero: the ktls package default (20).
-	KeyUpdateBurst int `json:"keyupdate_burst,omitempty"`
-
-	// HandshakeTimeout bounds the TLS handshake, which runs on the first
-	// read or write of a connection (never in the accept loop). Default: 10s.
-	HandshakeTimeout caddy.Duration `json:"handshake_timeout,omitempty"`
+	// The offload options: disable_rx, require_offload, expect_no_pad,
+	// tx_zerocopy_ro, keyupdate_rate, keyupdate_burst, handshake_timeout.
+	OffloadOptions
 
 	// Sendfile lets HTTP/1.1 response bodies read from files (file_server)
 	// go out with sendfile(2), encrypted by the kernel, without passing
@@ -123,9 +86,6 @@ func (*ListenerWrapper) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: "caddy.listeners.ktls", New: func() caddy.Module { return new(ListenerWrapper) }}
 }
 
-// defaultHandshakeTimeout bounds handshakes when HandshakeTimeout is zero.
-const defaultHandshakeTimeout = 10 * time.Second
-
 // Provision checks the configuration and where the wrapper sits in its
 // server, and registers the per-connection TLS state with the server.
 func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
@@ -139,8 +99,8 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	if err := checkWrapperOrder(srv.ListenerWrappersRaw); err != nil {
 		return err
 	}
-	if lw.KeyUpdateRate < 0 || lw.KeyUpdateBurst < 0 || lw.HandshakeTimeout < 0 {
-		return errors.New("ktls listener wrapper: keyupdate_rate, keyupdate_burst and handshake_timeout must not be negative")
+	if err := lw.OffloadOptions.provision(); err != nil {
+		return fmt.Errorf("ktls listener wrapper: %w", err)
 	}
 	if lw.TXZeroCopyRO && !lw.Sendfile {
 		return errors.New("ktls listener wrapper: tx_zerocopy_ro only affects sendfile: enable sendfile too, or remove it")
@@ -150,23 +110,13 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("ktls listener wrapper: require_offload is set but this kernel cannot offload TLS, so every connection would be refused: %v", caps.ULP)
 		}
 	}
-	if lw.HandshakeTimeout == 0 {
-		lw.HandshakeTimeout = caddy.Duration(defaultHandshakeTimeout)
-	}
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
 	if err := registerListenerMetrics(ctx); err != nil {
 		return err
 	}
-	lw.opts = ktls.Options{
-		DisableRX:      lw.DisableRX,
-		RequireOffload: lw.RequireOffload,
-		ExpectNoPad:    lw.ExpectNoPad,
-		TXZeroCopyRO:   lw.TXZeroCopyRO,
-		KeyUpdateLimit: ktls.Rate{PerSecond: lw.KeyUpdateRate, Burst: lw.KeyUpdateBurst},
-		Observer:       lw.observe,
-	}
+	lw.opts = lw.ktlsOptions(lw.observe)
 	lw.sendfile = lw.Sendfile && servesH1AndH2(srv)
 	if lw.Sendfile && !lw.sendfile {
 		lw.logger.Warn("sendfile needs both HTTP/1.1 and HTTP/2 enabled on every listener of this server (Caddy hides it otherwise): serving without sendfile")
@@ -483,75 +433,23 @@ func (lw *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return d.ArgErr()
 	}
 	for d.NextBlock(0) {
+		if handled, err := lw.unmarshalCaddyfileOption(d); handled {
+			if err != nil {
+				return err
+			}
+			continue
+		}
 		switch opt := d.Val(); opt {
-		case "rx":
-			v, err := oneOf(d, "on", "off")
-			if err != nil {
+		case "sendfile":
+			if err := noArgs(d); err != nil {
 				return err
 			}
-			lw.DisableRX = v == "off"
-		case "fallback":
-			v, err := oneOf(d, "allow", "refuse")
-			if err != nil {
-				return err
-			}
-			lw.RequireOffload = v == "refuse"
-		case "expect_no_pad", "tx_zerocopy_ro", "sendfile":
-			if d.NextArg() {
-				return d.Errf("%s takes no arguments", opt)
-			}
-			switch opt {
-			case "expect_no_pad":
-				lw.ExpectNoPad = true
-			case "tx_zerocopy_ro":
-				lw.TXZeroCopyRO = true
-			default:
-				lw.Sendfile = true
-			}
-		case "keyupdate_rate":
-			args := d.RemainingArgs()
-			if len(args) < 1 || len(args) > 2 {
-				return d.Errf("keyupdate_rate takes a rate per second and an optional burst, got %d arguments", len(args))
-			}
-			rate, err := strconv.ParseFloat(args[0], 64)
-			if err != nil || rate <= 0 {
-				return d.Errf("keyupdate_rate: %q is not a positive number", args[0])
-			}
-			lw.KeyUpdateRate = rate
-			if len(args) == 2 {
-				burst, err := strconv.Atoi(args[1])
-				if err != nil || burst <= 0 {
-					return d.Errf("keyupdate_rate: burst %q is not a positive integer", args[1])
-				}
-				lw.KeyUpdateBurst = burst
-			}
-		case "handshake_timeout":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(d.Val())
-			if err != nil || dur <= 0 {
-				return d.Errf("handshake_timeout: %q is not a positive duration", d.Val())
-			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-			lw.HandshakeTimeout = caddy.Duration(dur)
+			lw.Sendfile = true
 		default:
 			return d.Errf("unknown ktls listener wrapper option %q", opt)
 		}
 	}
 	return nil
-}
-
-// oneOf reads exactly one argument, which must be one of choices.
-func oneOf(d *caddyfile.Dispenser, choices ...string) (string, error) {
-	opt := d.Val()
-	args := d.RemainingArgs()
-	if len(args) != 1 || !slices.Contains(choices, args[0]) {
-		return "", d.Errf("%s takes one of %s", opt, strings.Join(choices, ", "))
-	}
-	return args[0], nil
 }
 
 // Interface guards.

@@ -26,7 +26,15 @@ func adaptCaddyfile(t *testing.T, caddyfile string) ([]byte, error) {
 // testdata/caddyfile_adapt/listener_*.caddytest: a Caddyfile, a line of
 // dashes, and the JSON `caddy adapt` must produce.
 func TestListenerWrapperCaddyfileAdapt(t *testing.T) {
-	files, err := filepath.Glob("testdata/caddyfile_adapt/listener_*.caddytest")
+	checkAdaptGolden(t, "testdata/caddyfile_adapt/listener_*.caddytest", *updateGolden)
+}
+
+// checkAdaptGolden checks every golden file matching pattern: a Caddyfile, a
+// line of dashes, and the JSON `caddy adapt` must produce. With update it
+// rewrites the expected JSON instead.
+func checkAdaptGolden(t *testing.T, pattern string, update bool) {
+	t.Helper()
+	files, err := filepath.Glob(pattern)
 	if err != nil || len(files) == 0 {
 		t.Fatalf("no golden files: %v", err)
 	}
@@ -48,7 +56,7 @@ func TestListenerWrapperCaddyfileAdapt(t *testing.T) {
 			if err := json.Indent(&gotBuf, got, "", "\t"); err != nil {
 				t.Fatal(err)
 			}
-			if *updateGolden {
+			if update {
 				if err := os.WriteFile(file, []byte(caddyfile+"\n----------\n"+gotBuf.String()+"\n"), 0o644); err != nil {
 					t.Fatal(err)
 				}
@@ -58,7 +66,7 @@ func TestListenerWrapperCaddyfileAdapt(t *testing.T) {
 				t.Fatalf("expected JSON in %s: %v", file, err)
 			}
 			if gotBuf.String() != wantBuf.String() {
-				t.Errorf("adapted JSON differs.\ngot:\n%s\nwant:\n%s", gotBuf.String(), wantBuf.String())
+				t.Errorf("adapted JSON differs from %s.\ngot:\n%s\nwant:\n%s", file, gotBuf.String(), wantBuf.String())
 			}
 		})
 	}

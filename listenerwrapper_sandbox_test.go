@@ -117,15 +117,7 @@ func lwSandboxShape(t *testing.T, kernel bool) {
 	if err != nil {
 		t.Fatalf("transfer: %v", err)
 	}
-	waitIdle(t)
-	up.Close()
-	r := up.Results()[0]
-	if r.Received != size || r.RecvSum != forwardtest.PatternSum(11, size) {
-		t.Errorf("upstream received %d bytes, want %d with the client's hash", r.Received, size)
-	}
-	if n != size+3 || recvSum != r.SentSum {
-		t.Errorf("client received %d bytes, want %d with the upstream's hash", n, size+3)
-	}
+	checkTunnelTransfer(t, up, size, 11, n, recvSum)
 
 	// Which data path moved the tunnel's bytes: splice on kTLS, else copy.
 	// The bytes layer4 read ahead while matching the preamble (at most its

@@ -1,11 +1,7 @@
 package caddyktls
 
 import (
-	"bytes"
-	"encoding/json"
 	"flag"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -17,42 +13,7 @@ var updateSandboxGolden = flag.Bool("update-sandbox-golden", false, "rewrite the
 // the JSON `caddy adapt` must produce), which together use every option of
 // the ktls and sandbox handlers and the sandbox matcher.
 func TestSandboxCaddyfileAdapt(t *testing.T) {
-	files, err := filepath.Glob("testdata/caddyfile_adapt/sandbox_*.caddytest")
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no golden files: %v", err)
-	}
-	for _, file := range files {
-		t.Run(filepath.Base(file), func(t *testing.T) {
-			raw, err := os.ReadFile(file)
-			if err != nil {
-				t.Fatal(err)
-			}
-			caddyfile, wantJSON, ok := strings.Cut(string(raw), "\n----------\n")
-			if !ok {
-				t.Fatalf("%s: no ---------- separator line", file)
-			}
-			got, err := adaptCaddyfile(t, caddyfile)
-			if err != nil {
-				t.Fatalf("adapt: %v", err)
-			}
-			var gotBuf, wantBuf bytes.Buffer
-			if err := json.Indent(&gotBuf, got, "", "\t"); err != nil {
-				t.Fatal(err)
-			}
-			if *updateSandboxGolden {
-				if err := os.WriteFile(file, []byte(caddyfile+"\n----------\n"+gotBuf.String()+"\n"), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				return
-			}
-			if err := json.Indent(&wantBuf, []byte(strings.TrimSpace(wantJSON)), "", "\t"); err != nil {
-				t.Fatalf("expected JSON in %s: %v", file, err)
-			}
-			if gotBuf.String() != wantBuf.String() {
-				t.Errorf("adapted JSON differs from %s:\n%s", file, gotBuf.String())
-			}
-		})
-	}
+	checkAdaptGolden(t, "testdata/caddyfile_adapt/sandbox_*.caddytest", *updateSandboxGolden)
 }
 
 // Bad Caddyfile input gets a clear error naming the problem.
@@ -63,7 +24,7 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\treplay_cache_size -1\n}", "not a positive integer"},
 		{"sandbox {\n\tactivity_push\n}", "activity_push needs a URL"},
 		{"sandbox {\n\tfrobnicate\n}", `unknown sandbox handler option "frobnicate"`},
-		{"ktls {\n\trx maybe\n}", `rx: "maybe" is not one of [on off]`},
+		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},
 		{"ktls {\n\tkeyupdate_rate fast\n}", "not a positive number"},
 		{"ktls {\n\tfrobnicate\n}", `unknown ktls handler option "frobnicate"`},
 	} {

@@ -88,48 +88,51 @@ func TestFallbackMatrix(t *testing.T) {
 // TestFallbackReasons checks the reasons decided before the kernel is asked.
 func TestFallbackReasons(t *testing.T) {
 	p := newTestPKI(t)
-	cbc := connCase{name: "cbc", version: tls.VersionTLS12}
-	scfg, ccfg := p.configs(cbc)
-	ccfg.CipherSuites = []uint16{tls.TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA}
-	pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := pr.server.Offload().Reason; got != ReasonCipher {
-		t.Errorf("CBC suite: reason %q, want %q", got, ReasonCipher)
-	}
-	exchange(t, pr, 64<<10)
-	pr.close()
-
-	v11 := connCase{name: "tls11", version: tls.VersionTLS11}
-	scfg, ccfg = p.configs(v11)
-	scfg.MinVersion = tls.VersionTLS10
-	pr, err = dialPair(t, scfg, ccfg, Options{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := pr.server.Offload().Reason; got != ReasonVersion {
-		t.Errorf("TLS 1.1: reason %q, want %q", got, ReasonVersion)
-	}
-	exchange(t, pr, 64<<10)
-	pr.close()
-
-	tls13 := connCase{name: "not-tcp", version: tls.VersionTLS13}
-	scfg, ccfg = p.configs(tls13)
-	hide := func(c net.Conn) net.Conn { return struct{ net.Conn }{c} }
-	pr, err = dialPair(t, scfg, ccfg, Options{}, hide)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := ReasonNotTCP
+	notTCP := ReasonNotTCP
 	if Probe().ULP != nil {
-		want = ReasonNoKernelSupport // the kernel is asked before the socket is looked for
+		notTCP = ReasonNoKernelSupport // the kernel is asked before the socket is looked for
 	}
-	if got := pr.server.Offload().Reason; got != want {
-		t.Errorf("hidden TCP conn: reason %q, want %q", got, want)
+	for _, tc := range []struct {
+		desc  string
+		cc    connCase
+		tweak func(scfg, ccfg *tls.Config)
+		wrap  func(net.Conn) net.Conn
+		want  Reason
+	}{
+		{
+			desc: "CBC suite", cc: connCase{name: "cbc", version: tls.VersionTLS12},
+			tweak: func(_, ccfg *tls.Config) {
+				ccfg.CipherSuites = []uint16{tls.TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA}
+			},
+			want: ReasonCipher,
+		},
+		{
+			desc: "TLS 1.1", cc: connCase{name: "tls11", version: tls.VersionTLS11},
+			tweak: func(scfg, _ *tls.Config) { scfg.MinVersion = tls.VersionTLS10 },
+			want:  ReasonVersion,
+		},
+		{
+			desc: "hidden TCP conn", cc: connCase{name: "not-tcp", version: tls.VersionTLS13},
+			wrap: func(c net.Conn) net.Conn { return struct{ net.Conn }{c} },
+			want: notTCP,
+		},
+	} {
+		t.Run(tc.cc.name, func(t *testing.T) {
+			scfg, ccfg := p.configs(tc.cc)
+			if tc.tweak != nil {
+				tc.tweak(scfg, ccfg)
+			}
+			pr, err := dialPair(t, scfg, ccfg, Options{}, tc.wrap)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := pr.server.Offload().Reason; got != tc.want {
+				t.Errorf("%s: reason %q, want %q", tc.desc, got, tc.want)
+			}
+			exchange(t, pr, 64<<10)
+			pr.close()
+		})
 	}
-	exchange(t, pr, 64<<10)
-	pr.close()
 }
 
 // TestRequireOffload: no fallback allowed, so the handshake fails naming

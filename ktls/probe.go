@@ -7,6 +7,8 @@ import (
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/loopback"
 )
 
 // Capabilities is what this kernel accepts, found by trying setsockopt on
@@ -160,37 +162,12 @@ func installProbeKey(fd, opt int, version, suite uint16) error {
 // ULP to the client end (the kernel only attaches it to an ESTABLISHED
 // socket: ENOTCONN otherwise) and runs f on it.
 func withULPSocket(f func(fd int) error) error {
-	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(ln)
-	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-		return err
-	}
-	if err := unix.Listen(ln, 1); err != nil {
-		return err
-	}
-	sa, err := unix.Getsockname(ln)
-	if err != nil {
-		return err
-	}
-	cl, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(cl)
-	if err := unix.Connect(cl, sa); err != nil {
-		return err
-	}
-	// Accept the peer so the pair closes cleanly on both ends.
-	if srv, _, err := unix.Accept4(ln, unix.SOCK_CLOEXEC); err == nil {
-		defer unix.Close(srv)
-	}
-	if err := unix.SetsockoptString(cl, unix.IPPROTO_TCP, unix.TCP_ULP, "tls"); err != nil {
-		return fmt.Errorf("setsockopt(TCP_ULP, \"tls\"): %w", err)
-	}
-	return f(cl)
+	return loopback.WithConn(func(fd int) error {
+		if err := unix.SetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_ULP, "tls"); err != nil {
+			return fmt.Errorf("setsockopt(TCP_ULP, \"tls\"): %w", err)
+		}
+		return f(fd)
+	})
 }
 
 // hasNetAdmin reports whether CAP_NET_ADMIN is in the effective set.

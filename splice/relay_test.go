@@ -26,23 +26,7 @@ func bigTransfer() int64 {
 func TestRelayEchoSplice(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 4)
-	tp := newTopology(t)
-	size := bigTransfer()
-	var metered [2]atomic.Int64
-	tun := New(tp.relayA, tp.relayB, Options{Pipes: pool, OnBytes: func(d Direction, n int) { metered[d].Add(int64(n)) }})
-	res, err := echoRun(t.Context(), tp, tun, 1, size)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, d := range []Direction{AToB, BToA} {
-		ds := res.Dir(d)
-		if !ds.Spliced || ds.Bytes != size || ds.SpliceBytes != size || ds.CopyBytes != 0 || ds.ControlRecords != 0 || ds.End != EndEOF || ds.Err != nil {
-			t.Errorf("%s: %+v, want %d bytes all spliced, ended by EOF", d, ds, size)
-		}
-		if got := metered[d].Load(); got != size {
-			t.Errorf("%s: OnBytes saw %d bytes, want %d", d, got, size)
-		}
-	}
+	size := echoBig(t, pool, false, 1)
 	st := pool.Stats()
 	if st.InUse != 0 || st.Created == 0 {
 		t.Errorf("pool after relay: %+v, want pipes created and none in use", st)
@@ -53,26 +37,40 @@ func TestRelayEchoSplice(t *testing.T) {
 func TestRelayEchoCopyFallback(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 4)
+	echoBig(t, pool, true, 2)
+	if st := pool.Stats(); st.Created != 0 {
+		t.Errorf("copy path took pipes: %+v", st)
+	}
+}
+
+// echoBig echoes bigTransfer() bytes (seed) each way through a tunnel with
+// pipes from pool, on the copy path (relayA hidden behind opaqueConn) or
+// the splice path, and checks that each direction moved them all on that
+// path, ended by EOF, and reported them all to OnBytes. It returns the size.
+func echoBig(t *testing.T, pool *PipePool, copyPath bool, seed uint64) int64 {
+	t.Helper()
 	tp := newTopology(t)
 	size := bigTransfer()
 	var metered [2]atomic.Int64
-	tun := New(opaqueConn{tp.relayA}, tp.relayB, Options{Pipes: pool, OnBytes: func(d Direction, n int) { metered[d].Add(int64(n)) }})
-	res, err := echoRun(t.Context(), tp, tun, 2, size)
+	tun := New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool, OnBytes: func(d Direction, n int) { metered[d].Add(int64(n)) }})
+	res, err := echoRun(t.Context(), tp, tun, seed, size)
 	if err != nil {
 		t.Fatal(err)
 	}
+	spliceBytes, copyBytes, how := size, int64(0), "spliced"
+	if copyPath {
+		spliceBytes, copyBytes, how = 0, size, "copied"
+	}
 	for _, d := range []Direction{AToB, BToA} {
 		ds := res.Dir(d)
-		if ds.Spliced || ds.Bytes != size || ds.CopyBytes != size || ds.SpliceBytes != 0 || ds.End != EndEOF || ds.Err != nil {
-			t.Errorf("%s: %+v, want %d bytes all copied, ended by EOF", d, ds, size)
+		if ds.Spliced == copyPath || ds.Bytes != size || ds.SpliceBytes != spliceBytes || ds.CopyBytes != copyBytes || ds.ControlRecords != 0 || ds.End != EndEOF || ds.Err != nil {
+			t.Errorf("%s: %+v, want %d bytes all %s, ended by EOF", d, ds, size, how)
 		}
 		if got := metered[d].Load(); got != size {
 			t.Errorf("%s: OnBytes saw %d bytes, want %d", d, got, size)
 		}
 	}
-	if st := pool.Stats(); st.Created != 0 {
-		t.Errorf("copy path took pipes: %+v", st)
-	}
+	return size
 }
 
 // TestRelayConcurrent runs 200 tunnels at once with sizes from 0 to ~1 MiB,
@@ -123,114 +121,54 @@ func TestRelayConcurrent(t *testing.T) {
 // the upstream sees EOF, still sends its whole response, and the client
 // gets it all.
 func TestRelayHalfCloseClientFirst(t *testing.T) {
-	for _, copyPath := range []bool{false, true} {
-		t.Run(pathName(copyPath), func(t *testing.T) {
-			checkLeaks(t)
-			pool := newTestPool(t, 4)
-			tp := newTopology(t)
-			const reqSize, respSize = 300 << 10, 2 * MiB
-			tun := New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool})
-			wait := runRelay(t.Context(), tun)
-
-			sent, err := sendStream(tp.client, 10, reqSize)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := tp.client.CloseWrite(); err != nil {
-				t.Fatal(err)
-			}
-			n, sum, err := recvStream(tp.upstream)
-			if err != nil || n != reqSize || string(sum) != string(sent) {
-				t.Fatalf("upstream got %d bytes (err %v), digest match %v; want %d", n, err, string(sum) == string(sent), reqSize)
-			}
-			// The request direction is over (it records that just after the
-			// half-close the upstream saw), the response direction still runs.
-			if st := waitEnd(tun, AToB); st.AToB.End != EndEOF || st.BToA.End != EndRunning {
-				t.Errorf("after the client's half-close: a->b %v, b->a %v; want eof, running", st.AToB.End, st.BToA.End)
-			}
-			respDone := make(chan error, 1)
-			var resp []byte
-			go func() {
-				var err error
-				resp, err = sendStream(tp.upstream, 11, respSize)
-				if err == nil {
-					err = tp.upstream.CloseWrite()
-				}
-				respDone <- err
-			}()
-			n, sum, err = recvStream(tp.client)
-			if werr := <-respDone; werr != nil {
-				t.Fatal(werr)
-			}
-			if err != nil || n != respSize || string(sum) != string(resp) {
-				t.Fatalf("client got %d bytes (err %v), digest match %v; want %d", n, err, string(sum) == string(resp), respSize)
-			}
-			res, err := wait()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if res.AToB.Bytes != reqSize || res.BToA.Bytes != respSize || res.AToB.End != EndEOF || res.BToA.End != EndEOF {
-				t.Errorf("result %+v", res)
-			}
-		})
-	}
+	testHalfClose(t, AToB, 300<<10, 2*MiB, 10)
 }
 
 // TestRelayHalfCloseUpstreamFirst: the upstream speaks first and half-closes;
 // the client reads it all, then sends its own stream, which the upstream
 // receives in full.
 func TestRelayHalfCloseUpstreamFirst(t *testing.T) {
+	testHalfClose(t, BToA, 1*MiB, 700<<10, 20)
+}
+
+// testHalfClose runs, on the splice and the copy path (the first sender's
+// relay side hidden behind opaqueConn), a tunnel where the side that sends
+// in direction first streams firstSize bytes (seed) and half-closes, which
+// must end that direction only; then the other side streams secondSize bytes
+// (seed+1) and half-closes, and the tunnel ends with both directions at EOF.
+func testHalfClose(t *testing.T, first Direction, firstSize, secondSize int64, seed uint64) {
+	second := BToA
+	if first == BToA {
+		second = AToB
+	}
 	for _, copyPath := range []bool{false, true} {
 		t.Run(pathName(copyPath), func(t *testing.T) {
 			checkLeaks(t)
 			pool := newTestPool(t, 4)
 			tp := newTopology(t)
-			const greetSize, bodySize = 1 * MiB, 700 << 10
-			tun := New(tp.relayA, maybeOpaque(tp.relayB, copyPath), Options{Pipes: pool})
+			tun := New(maybeOpaque(tp.relayA, copyPath && first == AToB), maybeOpaque(tp.relayB, copyPath && first == BToA), Options{Pipes: pool})
 			wait := runRelay(t.Context(), tun)
+			// Direction AToB carries client to upstream.
+			ends := map[Direction]struct {
+				src, dst         *net.TCPConn
+				srcName, dstName string
+			}{
+				AToB: {tp.client, tp.upstream, "client", "upstream"},
+				BToA: {tp.upstream, tp.client, "upstream", "client"},
+			}
 
-			greetDone := make(chan error, 1)
-			var greet []byte
-			go func() {
-				var err error
-				greet, err = sendStream(tp.upstream, 20, greetSize)
-				if err == nil {
-					err = tp.upstream.CloseWrite()
-				}
-				greetDone <- err
-			}()
-			n, sum, err := recvStream(tp.client)
-			if gerr := <-greetDone; gerr != nil {
-				t.Fatal(gerr)
+			streamHalfClosed(t, ends[first].src, ends[first].dst, seed, firstSize, ends[first].dstName)
+			// The first direction is over (it records that just after the
+			// half-close the receiver saw), the other one still runs.
+			if st := waitEnd(tun, first); st.Dir(first).End != EndEOF || st.Dir(second).End != EndRunning {
+				t.Errorf("after the %s's half-close: %s %v, %s %v; want eof, running", ends[first].srcName, first, st.Dir(first).End, second, st.Dir(second).End)
 			}
-			if err != nil || n != greetSize || string(sum) != string(greet) {
-				t.Fatalf("client got %d bytes (err %v), digest match %v; want %d", n, err, string(sum) == string(greet), greetSize)
-			}
-			if st := waitEnd(tun, BToA); st.BToA.End != EndEOF || st.AToB.End != EndRunning {
-				t.Errorf("after the upstream's half-close: b->a %v, a->b %v; want eof, running", st.BToA.End, st.AToB.End)
-			}
-			bodyDone := make(chan error, 1)
-			var body []byte
-			go func() {
-				var err error
-				body, err = sendStream(tp.client, 21, bodySize)
-				if err == nil {
-					err = tp.client.CloseWrite()
-				}
-				bodyDone <- err
-			}()
-			n, sum, err = recvStream(tp.upstream)
-			if berr := <-bodyDone; berr != nil {
-				t.Fatal(berr)
-			}
-			if err != nil || n != bodySize || string(sum) != string(body) {
-				t.Fatalf("upstream got %d bytes (err %v), digest match %v; want %d", n, err, string(sum) == string(body), bodySize)
-			}
+			streamHalfClosed(t, ends[second].src, ends[second].dst, seed+1, secondSize, ends[second].dstName)
 			res, err := wait()
 			if err != nil {
 				t.Fatal(err)
 			}
-			if res.AToB.Bytes != bodySize || res.BToA.Bytes != greetSize || res.AToB.End != EndEOF || res.BToA.End != EndEOF {
+			if res.Dir(first).Bytes != firstSize || res.Dir(second).Bytes != secondSize || res.AToB.End != EndEOF || res.BToA.End != EndEOF {
 				t.Errorf("result %+v", res)
 			}
 		})
@@ -302,6 +240,34 @@ func checkResetResult(t *testing.T, res Result, err error) {
 	}
 }
 
+// resetMidStream has sender (named senderName in failures) stream far more
+// than gets through, resets receiver once it has read 1 MiB, and checks that
+// the relay (whose wait is given) failed with a reset and closed the
+// sender's side too, so that the sender's writes fail.
+func resetMidStream(t *testing.T, wait func() (Result, error), sender, receiver *net.TCPConn, seed uint64, senderName string) Result {
+	t.Helper()
+	sendDone := make(chan error, 1)
+	go func() {
+		_, err := sendStream(sender, seed, 1<<30) // far more than gets through
+		sendDone <- err
+	}()
+	if _, err := io.ReadFull(receiver, make([]byte, 1*MiB)); err != nil {
+		t.Fatal(err)
+	}
+	resetClose(t, receiver)
+	res, err := wait()
+	checkResetResult(t, res, err)
+	select {
+	case err := <-sendDone:
+		if err == nil {
+			t.Errorf("%s sent 1 GiB through a reset tunnel", senderName)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("%s writer still blocked 30s after the tunnel ended", senderName)
+	}
+	return res
+}
+
 func TestRelayUpstreamReset(t *testing.T) {
 	for _, copyPath := range []bool{false, true} {
 		t.Run(pathName(copyPath), func(t *testing.T) {
@@ -309,26 +275,7 @@ func TestRelayUpstreamReset(t *testing.T) {
 			pool := newTestPool(t, 4)
 			tp := newTopology(t)
 			wait := runRelay(t.Context(), New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool}))
-			sendDone := make(chan error, 1)
-			go func() {
-				_, err := sendStream(tp.client, 30, 1<<30) // far more than gets through
-				sendDone <- err
-			}()
-			if _, err := io.ReadFull(tp.upstream, make([]byte, 1*MiB)); err != nil {
-				t.Fatal(err)
-			}
-			resetClose(t, tp.upstream)
-			res, err := wait()
-			checkResetResult(t, res, err)
-			// The relay closed the client's side too: the client's writes fail.
-			select {
-			case err := <-sendDone:
-				if err == nil {
-					t.Error("client sent 1 GiB through a reset tunnel")
-				}
-			case <-time.After(30 * time.Second):
-				t.Fatal("client writer still blocked 30s after the tunnel ended")
-			}
+			res := resetMidStream(t, wait, tp.client, tp.upstream, 30, "client")
 			if res.AToB.Bytes < 1*MiB {
 				t.Errorf("a->b moved %d bytes, upstream read 1 MiB", res.AToB.Bytes)
 			}
@@ -343,25 +290,7 @@ func TestRelayClientReset(t *testing.T) {
 			pool := newTestPool(t, 4)
 			tp := newTopology(t)
 			wait := runRelay(t.Context(), New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool}))
-			sendDone := make(chan error, 1)
-			go func() {
-				_, err := sendStream(tp.upstream, 31, 1<<30)
-				sendDone <- err
-			}()
-			if _, err := io.ReadFull(tp.client, make([]byte, 1*MiB)); err != nil {
-				t.Fatal(err)
-			}
-			resetClose(t, tp.client)
-			res, err := wait()
-			checkResetResult(t, res, err)
-			select {
-			case err := <-sendDone:
-				if err == nil {
-					t.Error("upstream sent 1 GiB through a reset tunnel")
-				}
-			case <-time.After(30 * time.Second):
-				t.Fatal("upstream writer still blocked 30s after the tunnel ended")
-			}
+			resetMidStream(t, wait, tp.upstream, tp.client, 31, "upstream")
 		})
 	}
 }
@@ -430,6 +359,30 @@ func TestRunTwice(t *testing.T) {
 	}
 	if _, err := tun.Run(t.Context()); err == nil {
 		t.Fatal("second Run succeeded")
+	}
+}
+
+// streamHalfClosed sends size pattern bytes (seed) from src and then
+// half-closes it, while dst (named dstName in failures) reads to EOF; it
+// fails t unless dst got exactly the bytes sent.
+func streamHalfClosed(t *testing.T, src, dst *net.TCPConn, seed uint64, size int64, dstName string) {
+	t.Helper()
+	sendDone := make(chan error, 1)
+	var sent []byte
+	go func() {
+		var err error
+		sent, err = sendStream(src, seed, size)
+		if err == nil {
+			err = src.CloseWrite()
+		}
+		sendDone <- err
+	}()
+	n, sum, err := recvStream(dst)
+	if serr := <-sendDone; serr != nil {
+		t.Fatal(serr)
+	}
+	if err != nil || n != size || string(sum) != string(sent) {
+		t.Fatalf("%s got %d bytes (err %v), digest match %v; want %d", dstName, n, err, string(sum) == string(sent), size)
 	}
 }
 

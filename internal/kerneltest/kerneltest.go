@@ -18,6 +18,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/loopback"
 )
 
 // RequireEnv names the environment variable the VM harness sets: when it is
@@ -38,34 +40,13 @@ func Available() error {
 }
 
 func tryULP() error {
-	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(ln)
-	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-		return err
-	}
-	if err := unix.Listen(ln, 1); err != nil {
-		return err
-	}
-	sa, err := unix.Getsockname(ln)
-	if err != nil {
-		return err
-	}
-	cl, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(cl)
-	if err := unix.Connect(cl, sa); err != nil {
-		return err
-	}
-	// The ULP can only be attached to an established socket.
-	if err := unix.SetsockoptString(cl, unix.IPPROTO_TCP, unix.TCP_ULP, "tls"); err != nil {
-		return fmt.Errorf("kernel TLS unavailable: setsockopt(TCP_ULP, \"tls\"): %w", err)
-	}
-	return nil
+	return loopback.WithConn(func(fd int) error {
+		// The ULP can only be attached to an established socket.
+		if err := unix.SetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_ULP, "tls"); err != nil {
+			return fmt.Errorf("kernel TLS unavailable: setsockopt(TCP_ULP, \"tls\"): %w", err)
+		}
+		return nil
+	})
 }
 
 // Required reports whether the environment demands that kTLS tests run.

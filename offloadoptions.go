@@ -1,0 +1,167 @@
+package caddyktls
+
+import (
+	"errors"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/ktlsingress/caddy-ktls/ktls"
+)
+
+// OffloadOptions are the kTLS offload options shared by the layer4 `ktls`
+// handler (KTLSHandler) and the `ktls` HTTP listener wrapper
+// (ListenerWrapper). Both embed it, so its fields sit at the top level of
+// their JSON and of their Caddyfile blocks.
+type OffloadOptions struct {
+	// DisableRX keeps decryption in userspace: the kernel seals outgoing
+	// records (TX) while incoming records are decrypted in Go with the
+	// session keys. The receiving direction (request bodies in the listener
+	// wrapper, client-to-sandbox bytes in the layer4 handler) then costs a
+	// copy and the decryption in Go; outgoing bytes still leave through the
+	// kernel.
+	DisableRX bool `json:"disable_rx,omitempty"`
+
+	// RequireOffload refuses connections that cannot be offloaded (kernel
+	// without kTLS, cipher the kernel refuses, TLS 1.0/1.1, bytes buffered
+	// past the handshake...) instead of serving them with userspace TLS. In
+	// the listener wrapper, loading a configuration with it fails on a
+	// kernel without kTLS, because every connection would be refused.
+	RequireOffload bool `json:"require_offload,omitempty"`
+
+	// ExpectNoPad sets TLS_RX_EXPECT_NO_PAD on TLS 1.3 connections (Linux
+	// 6.0+): the kernel decrypts straight into the reader's buffer. For
+	// trusted peers only: a peer that pads its records makes each one
+	// decrypt twice. Ignored with disable_rx.
+	ExpectNoPad bool `json:"expect_no_pad,omitempty"`
+
+	// TXZeroCopyRO sets TLS_TX_ZEROCOPY_RO (Linux 5.19+): with NIC (device)
+	// TLS offload, sendfile pages go to the NIC without a copy. It only
+	// matters with sendfile and device offload, and a file that changes while
+	// it is being sent makes retransmitted records fail authentication at the
+	// peer (a broken connection, never wrong data). The listener wrapper
+	// requires `sendfile` with it.
+	TXZeroCopyRO bool `json:"tx_zerocopy_ro,omitempty"`
+
+	// KeyUpdateRate is the sustained rate (per second) of TLS control
+	// records (TLS 1.3 KeyUpdate messages) a peer may send before it is
+	// disconnected. Zero: the ktls package default (10/s).
+	KeyUpdateRate float64 `json:"keyupdate_rate,omitempty"`
+
+	// KeyUpdateBurst is the number of KeyUpdate messages allowed in a burst
+	// above KeyUpdateRate. Zero: the ktls package default (20).
+	KeyUpdateBurst int `json:"keyupdate_burst,omitempty"`
+
+	// HandshakeTimeout bounds the TLS handshake (in the listener wrapper it
+	// runs on the first read or write of a connection, never in the accept
+	// loop). Default: 10s.
+	HandshakeTimeout caddy.Duration `json:"handshake_timeout,omitempty"`
+}
+
+// defaultHandshakeTimeout bounds handshakes when HandshakeTimeout is zero.
+const defaultHandshakeTimeout = 10 * time.Second
+
+// provision rejects negative limits and fills in the default handshake
+// timeout. Callers prefix the error with their module's name.
+func (o *OffloadOptions) provision() error {
+	if o.KeyUpdateRate < 0 || o.KeyUpdateBurst < 0 || o.HandshakeTimeout < 0 {
+		return errors.New("keyupdate_rate, keyupdate_burst and handshake_timeout must not be negative")
+	}
+	if o.HandshakeTimeout == 0 {
+		o.HandshakeTimeout = caddy.Duration(defaultHandshakeTimeout)
+	}
+	return nil
+}
+
+// ktlsOptions converts the options for the ktls engine, with observer as
+// its event callback.
+func (o *OffloadOptions) ktlsOptions(observer func(ktls.Event)) ktls.Options {
+	return ktls.Options{
+		DisableRX:      o.DisableRX,
+		RequireOffload: o.RequireOffload,
+		ExpectNoPad:    o.ExpectNoPad,
+		TXZeroCopyRO:   o.TXZeroCopyRO,
+		KeyUpdateLimit: ktls.Rate{PerSecond: o.KeyUpdateRate, Burst: o.KeyUpdateBurst},
+		Observer:       observer,
+	}
+}
+
+// unmarshalCaddyfileOption reads the offload sub-directive d is on, if it is
+// one, and reports whether it was:
+//
+//	rx                on|off        # default on; off keeps decryption in Go (kTLS RX is where CVEs cluster)
+//	fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
+//	expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted peers only)
+//	tx_zerocopy_ro                  # TLS_TX_ZEROCOPY_RO
+//	keyupdate_rate    <per_second> [<burst>]
+//	handshake_timeout <duration>
+func (o *OffloadOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
+	switch opt := d.Val(); opt {
+	case "rx":
+		v, err := oneOf(d, "on", "off")
+		if err != nil {
+			return true, err
+		}
+		o.DisableRX = v == "off"
+	case "fallback":
+		v, err := oneOf(d, "allow", "refuse")
+		if err != nil {
+			return true, err
+		}
+		o.RequireOffload = v == "refuse"
+	case "expect_no_pad":
+		if err := noArgs(d); err != nil {
+			return true, err
+		}
+		o.ExpectNoPad = true
+	case "tx_zerocopy_ro":
+		if err := noArgs(d); err != nil {
+			return true, err
+		}
+		o.TXZeroCopyRO = true
+	case "keyupdate_rate":
+		args := d.RemainingArgs()
+		if len(args) < 1 || len(args) > 2 {
+			return true, d.Errf("keyupdate_rate takes a rate per second and an optional burst, got %d arguments", len(args))
+		}
+		rate, err := strconv.ParseFloat(args[0], 64)
+		if err != nil || rate <= 0 {
+			return true, d.Errf("keyupdate_rate: %q is not a positive number", args[0])
+		}
+		o.KeyUpdateRate = rate
+		if len(args) == 2 {
+			burst, err := strconv.Atoi(args[1])
+			if err != nil || burst <= 0 {
+				return true, d.Errf("keyupdate_rate: burst %q is not a positive integer", args[1])
+			}
+			o.KeyUpdateBurst = burst
+		}
+	case "handshake_timeout":
+		dur, err := durationArg(d)
+		if err != nil {
+			return true, err
+		}
+		o.HandshakeTimeout = dur
+	default:
+		return false, nil
+	}
+	return true, nil
+}
+
+// oneOf reads exactly one argument, which must be one of choices.
+func oneOf(d *caddyfile.Dispenser, choices ...string) (string, error) {
+	opt := d.Val()
+	args := d.RemainingArgs()
+	switch {
+	case len(args) == 1 && slices.Contains(choices, args[0]):
+		return args[0], nil
+	case len(args) == 1:
+		return "", d.Errf("%s takes one of %s, got %q", opt, strings.Join(choices, ", "), args[0])
+	default:
+		return "", d.Errf("%s takes one of %s, got %d arguments", opt, strings.Join(choices, ", "), len(args))
+	}
+}

@@ -17,13 +17,14 @@ CADDY_L4_VERSION = v0.1.2
 # Transfer size (MiB) of the kernel tests in the VM; empty = each test's default.
 export KTLS_TEST_MIB
 
-.PHONY: help build xcaddy demo test vet hosttest vmtest clean
+.PHONY: help build xcaddy demo test vet hosttest fuzz vmtest clean
 
 help:
 	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
 	@echo 'make xcaddy       bin/caddy-xcaddy with xcaddy $(XCADDY_VERSION), and check it carries this module'
 	@echo 'make demo         a sandbox tunnel end to end on this host, then in a VM on kernel $(DEMO_KERNEL)'
 	@echo 'make test         go vet, host tests ($(HOST_TEST_FLAGS)), kernel tests in VMs on: $(KERNELS)'
+	@echo 'make fuzz         every fuzz target for $(FUZZTIME) (FUZZTIME=10m for a real run)'
 	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
 	@echo 'make clean        remove bin/ and the harness build dir'
 
@@ -49,7 +50,7 @@ demo: build
 	@echo '=== the same in a VM on kernel $(DEMO_KERNEL), which has kTLS'
 	integration/vm.sh $(DEMO_KERNEL) 'DEMO_PREBUILT=1 DEMO_MIB=$(DEMO_VM_MIB) examples/demo.sh'
 
-test: vet hosttest build
+test: vet hosttest fuzz build
 	integration/vmtest.sh $(KERNELS)
 
 vet:
@@ -57,6 +58,16 @@ vet:
 
 hosttest:
 	integration/hosttest.sh $(HOST_TEST_FLAGS)
+
+# A short run of every fuzz target (the parsers that face the network);
+# FUZZTIME=10m for a real run.
+FUZZTIME ?= 10s
+FUZZ_TARGETS = ./ktls:FuzzRecordReader ./ktls:FuzzRecordOpen ./preamble:FuzzParse
+fuzz:
+	@for t in $(FUZZ_TARGETS); do \
+		echo "=== fuzz $${t#*:} in $${t%%:*} for $(FUZZTIME)"; \
+		$(GO) test -run '^$$' -fuzz "^$${t#*:}$$" -fuzztime $(FUZZTIME) $${t%%:*} || exit 1; \
+	done
 
 vmtest: build
 	integration/vmtest.sh $(KERNEL)

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -159,68 +160,148 @@ func startOpenSSL(t *testing.T, p *testPKI, scfg *tls.Config, opts Options, args
 	return r
 }
 
+// opensslShape is one handshake shape of the OpenSSL matrix. With resume,
+// a full handshake saves the session and a second connection resumes it.
+type opensslShape struct {
+	tickets, mutualAuth, resume bool
+}
+
+func (s opensslShape) String() string {
+	name := "no-tickets"
+	if s.tickets {
+		name = "tickets"
+	}
+	if s.mutualAuth {
+		name += "-mtls"
+	}
+	if s.resume {
+		name += "-then-resumed"
+	}
+	return name
+}
+
+// tls13Shapes is tickets on/off × client auth × resumed (which needs a
+// ticket; the full handshake before it covers the fresh one with tickets).
+var tls13Shapes = []opensslShape{
+	{tickets: true, resume: true}, {tickets: true, mutualAuth: true, resume: true}, {}, {mutualAuth: true},
+}
+
 // TestKernelOpenSSLSuites: a real OpenSSL client forces the suites a Go
-// client cannot (AES-256-GCM, ChaCha20 in TLS 1.3) and TLS 1.2 AES-GCM.
+// client cannot (AES-256-GCM, ChaCha20 in TLS 1.3), each TLS 1.3 suite
+// across tickets on/off × client auth × resumption (-sess_out/-sess_in), and
+// TLS 1.2 AES-GCM. The first connection of each suite moves KTLS_TEST_MIB;
+// the others are about the handshake and move 64 KiB unless KTLS_TEST_MIB
+// is set.
 func TestKernelOpenSSLSuites(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
-	n := transferSize(t, defaultKernelBytes)
-	cases := []struct {
-		name  string
-		suite uint16
-		args  []string
+	certFile, keyFile := p.client.WriteFiles(t, t.TempDir(), "client")
+	bulk, small := transferSize(t, defaultKernelBytes), transferSize(t, 64<<10)
+	suites := []struct {
+		name   string
+		suite  uint16
+		args   []string
+		shapes []opensslShape
 	}{
-		{"tls13-aes256", tls.TLS_AES_256_GCM_SHA384, []string{"-tls1_3", "-ciphersuites", "TLS_AES_256_GCM_SHA384"}},
-		{"tls13-chacha20", tls.TLS_CHACHA20_POLY1305_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_CHACHA20_POLY1305_SHA256"}},
-		{"tls13-aes128", tls.TLS_AES_128_GCM_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256"}},
-		{"tls12-aes256", tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"}},
-		{"tls12-aes128", tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"}},
+		{"tls13-aes256", tls.TLS_AES_256_GCM_SHA384, []string{"-tls1_3", "-ciphersuites", "TLS_AES_256_GCM_SHA384"}, tls13Shapes},
+		{"tls13-chacha20", tls.TLS_CHACHA20_POLY1305_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_CHACHA20_POLY1305_SHA256"}, tls13Shapes},
+		{"tls13-aes128", tls.TLS_AES_128_GCM_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256"}, tls13Shapes},
+		{"tls12-aes256", tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"}, []opensslShape{{tickets: true}}},
+		{"tls12-aes128", tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"}, []opensslShape{{tickets: true}}},
 	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			scfg, _ := p.configs(connCase{tickets: true})
-			var r *opensslRun
-			d := statDelta(t, func() {
-				r = startOpenSSL(t, p, scfg, Options{}, append(tc.args, "-quiet")...)
-				off := r.server.Offload()
-				if off.Reason != ReasonNone || off.CipherSuite != tc.suite {
-					t.Fatalf("Offload() = %+v, want none with suite %s", off, tls.CipherSuiteName(tc.suite))
+	for _, su := range suites {
+		for i, shape := range su.shapes {
+			t.Run(su.name+"/"+shape.String(), func(t *testing.T) {
+				n := small
+				if i == 0 {
+					n = bulk
 				}
-				// client → server: what openssl reads from stdin.
-				go func() {
-					io.Copy(r.stdin, payload(7, n))
-				}()
-				got, m, err := sum256(io.LimitReader(r.server, int64(n)))
-				if want, _, _ := sum256(payload(7, n)); err != nil || m != int64(n) || got != want {
-					t.Fatalf("openssl → server: %d bytes, %v, sha ok %v", m, err, got == want)
+				scfg, _ := p.configs(connCase{tickets: shape.tickets, mutualAuth: shape.mutualAuth})
+				args := append(slices.Clone(su.args), "-quiet")
+				if shape.mutualAuth {
+					args = append(args, "-cert", certFile, "-key", keyFile)
 				}
-				// server → client, then close_notify: openssl exits. Its
-				// stdout is drained meanwhile, or it stops reading.
-				type result struct {
-					sum [32]byte
-					n   int64
-					err error
-				}
-				out := make(chan result, 1)
-				go func() {
-					s, m, err := sum256(r.stdout)
-					out <- result{s, m, err}
-				}()
-				if _, err := io.Copy(r.server, payload(8, n)); err != nil {
-					t.Fatal(err)
-				}
-				if err := r.server.Close(); err != nil {
-					t.Fatal(err)
-				}
-				res := <-out
-				got, m, err = res.sum, res.n, res.err
-				if want, _, _ := sum256(payload(8, n)); err != nil || m != int64(n) || got != want {
-					t.Fatalf("server → openssl: %d bytes, %v, sha ok %v\n%s", m, err, got == want, r.stderr.String())
-				}
+				conns := int64(1)
+				d := statDelta(t, func() {
+					if shape.resume {
+						session := filepath.Join(t.TempDir(), "session.pem")
+						first := startOpenSSL(t, p, scfg, Options{}, append(args, "-sess_out", session)...)
+						first.check(t, su.suite, shape, false)
+						first.exchange(t, n)
+						n = small
+						if st, err := os.Stat(session); err != nil || st.Size() == 0 {
+							t.Fatalf("openssl saved no session: %v\n%s", err, first.stderr.String())
+						}
+						args = append(args, "-sess_in", session)
+						conns = 2
+					}
+					r := startOpenSSL(t, p, scfg, Options{}, args...)
+					r.check(t, su.suite, shape, shape.resume)
+					r.exchange(t, n)
+				})
+				wantStat(t, d, "TlsTxSw", conns)
+				wantStat(t, d, "TlsRxSw", conns)
+				wantStat(t, d, "TlsDecryptError", 0)
 			})
-			wantStat(t, d, "TlsTxSw", 1)
-			wantStat(t, d, "TlsRxSw", 1)
-		})
+		}
+	}
+}
+
+// check verifies the server's view of an openssl handshake: fully
+// offloaded with the suite asked for, resumed or not, with or without a
+// client certificate.
+func (r *opensslRun) check(t *testing.T, suite uint16, shape opensslShape, resumed bool) {
+	t.Helper()
+	off := r.server.Offload()
+	if off.Reason != ReasonNone || off.CipherSuite != suite {
+		t.Fatalf("Offload() = %+v, want none with suite %s", off, tls.CipherSuiteName(suite))
+	}
+	state := r.server.ConnectionState()
+	if state.DidResume != resumed {
+		t.Fatalf("server DidResume = %v, want %v", state.DidResume, resumed)
+	}
+	if got := len(state.PeerCertificates) > 0; got != shape.mutualAuth {
+		t.Fatalf("client certificate seen %v, want %v", got, shape.mutualAuth)
+	}
+}
+
+// exchange moves n bytes from openssl to the server and n back, checked by
+// SHA-256, then closes with close_notify, after which openssl exits.
+func (r *opensslRun) exchange(t *testing.T, n int) {
+	t.Helper()
+	// client → server: what openssl reads from stdin.
+	go func() {
+		io.Copy(r.stdin, payload(7, n))
+	}()
+	got, m, err := sum256(io.LimitReader(r.server, int64(n)))
+	if want, _, _ := sum256(payload(7, n)); err != nil || m != int64(n) || got != want {
+		t.Fatalf("openssl → server: %d bytes, %v, sha ok %v", m, err, got == want)
+	}
+	// server → client, then close_notify: openssl exits. Its stdout is
+	// drained meanwhile, or it stops reading.
+	type result struct {
+		sum [32]byte
+		n   int64
+		err error
+	}
+	out := make(chan result, 1)
+	go func() {
+		s, m, err := sum256(r.stdout)
+		out <- result{s, m, err}
+	}()
+	if _, err := io.Copy(r.server, payload(8, n)); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.server.Close(); err != nil {
+		t.Fatal(err)
+	}
+	res := <-out
+	if want, _, _ := sum256(payload(8, n)); res.err != nil || res.n != int64(n) || res.sum != want {
+		t.Fatalf("server → openssl: %d bytes, %v, sha ok %v\n%s", res.n, res.err, res.sum == want, r.stderr.String())
+	}
+	// openssl writes the session file (-sess_out) before it exits.
+	if err := r.cmd.Wait(); err != nil {
+		t.Fatalf("openssl: %v\n%s", err, r.stderr.String())
 	}
 }
 
@@ -419,25 +500,7 @@ func TestKernelReadFromWriteTo(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pr.close()
-	src, err := os.Create(filepath.Join(t.TempDir(), "src"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer src.Close()
-	io.Copy(src, payload(9, n+1000))
-	src.Seek(0, io.SeekStart)
-	done := make(chan error, 1)
-	go func() {
-		_, err := pr.server.ReadFrom(&io.LimitedReader{R: &io.LimitedReader{R: src, N: int64(n + 500)}, N: int64(n)})
-		done <- err
-	}()
-	got, m, err := sum256(io.LimitReader(pr.client, int64(n)))
-	if want, _, _ := sum256(payload(9, n)); err != nil || m != int64(n) || got != want {
-		t.Fatalf("ReadFrom: client got %d bytes, %v, sha ok %v", m, err, got == want)
-	}
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	readFromFile(t, pr, 9, n)
 	// WriteTo a TCP upstream: Go splices socket to socket.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -470,6 +533,34 @@ func TestKernelReadFromWriteTo(t *testing.T) {
 	up.Close()
 	if want, _, _ := sum256(payload(10, n)); <-sums != want {
 		t.Fatal("WriteTo: upstream bytes differ")
+	}
+}
+
+// readFromFile sends n bytes of payload(seed) from a file, under two nested
+// LimitedReaders as Caddy's file server wraps it, through pr.server.ReadFrom
+// (sendfile into the kTLS socket), and checks what the client reads.
+func readFromFile(t *testing.T, pr *pair, seed uint64, n int) {
+	t.Helper()
+	src, err := os.Create(filepath.Join(t.TempDir(), "src"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	if _, err := io.Copy(src, payload(seed, n+1000)); err != nil {
+		t.Fatal(err)
+	}
+	src.Seek(0, io.SeekStart)
+	done := make(chan error, 1)
+	go func() {
+		_, err := pr.server.ReadFrom(&io.LimitedReader{R: &io.LimitedReader{R: src, N: int64(n + 500)}, N: int64(n)})
+		done <- err
+	}()
+	got, m, err := sum256(io.LimitReader(pr.client, int64(n)))
+	if want, _, _ := sum256(payload(seed, n)); err != nil || m != int64(n) || got != want {
+		t.Fatalf("ReadFrom: client got %d bytes, %v, sha ok %v", m, err, got == want)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -1,10 +1,14 @@
 package caddyktls
 
 import (
+	"bufio"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -30,37 +34,13 @@ func TestKernelListenerWrapperCurl(t *testing.T) {
 }
 
 func lwCurl(t *testing.T, kernel bool) {
-	curl, err := exec.LookPath("curl")
-	if err != nil {
-		if kerneltest.Required() {
-			t.Fatalf("curl is needed in the VM: %v", err)
-		}
-		t.Skipf("SKIP: no curl: %v", err)
-	}
+	curl := lwLookCurl(t)
 	s := lwStartSite(t, map[string]any{"sendfile": true})
 	caFile := s.ca.WriteFile(t, t.TempDir(), "ca")
 	for _, proto := range []string{"--http1.1", "--http2"} {
 		t.Run(strings.TrimPrefix(proto, "--"), func(t *testing.T) {
 			before, rf := ktls.Stats().Outcomes[ktls.ReasonNone], lwReadFromNow()
-			out := filepath.Join(t.TempDir(), "blob")
-			cmd := exec.Command(curl, "--silent", "--show-error", "--fail", proto, "--cacert", caFile,
-				"--resolve", fmt.Sprintf("localhost:%d:127.0.0.1", s.port),
-				"--output", out, "--write-out", "%{http_version} %{size_download}", s.url("localhost", "/files/blob.bin"))
-			got, err := cmd.CombinedOutput()
-			if err != nil {
-				t.Fatalf("curl: %v: %s", err, got)
-			}
-			wantVersion := map[string]string{"--http1.1": "1.1", "--http2": "2"}[proto]
-			if want := fmt.Sprintf("%s %d", wantVersion, len(s.file)); string(got) != want {
-				t.Errorf("curl reports %q, want %q", got, want)
-			}
-			body, err := os.ReadFile(out)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if lwSHA(body) != lwSHA(s.file) {
-				t.Fatalf("curl downloaded %d bytes with a different SHA-256 (want %d bytes)", len(body), len(s.file))
-			}
+			lwCurlDownload(t, s, curl, caFile, proto)
 			if !kernel {
 				return
 			}
@@ -72,4 +52,196 @@ func lwCurl(t *testing.T, kernel bool) {
 			}
 		})
 	}
+}
+
+// lwLookCurl finds curl: missing, it skips on the host and fails in the VM.
+func lwLookCurl(t *testing.T) string {
+	t.Helper()
+	curl, err := exec.LookPath("curl")
+	if err != nil {
+		if kerneltest.Required() {
+			t.Fatalf("curl is needed in the VM: %v", err)
+		}
+		t.Skipf("SKIP: no curl: %v", err)
+	}
+	return curl
+}
+
+// lwCurlDownload downloads the site's file with curl over proto
+// (--http1.1, --http2) and checks the protocol, size and SHA-256.
+func lwCurlDownload(t *testing.T, s *lwSite, curl, caFile, proto string) {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "blob")
+	cmd := exec.Command(curl, "--silent", "--show-error", "--fail", proto, "--cacert", caFile,
+		"--resolve", fmt.Sprintf("localhost:%d:127.0.0.1", s.port),
+		"--output", out, "--write-out", "%{http_version} %{size_download}", s.url("localhost", "/files/blob.bin"))
+	got, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("curl: %v: %s", err, got)
+	}
+	wantVersion := map[string]string{"--http1.1": "1.1", "--http2": "2"}[proto]
+	if want := fmt.Sprintf("%s %d", wantVersion, len(s.file)); string(got) != want {
+		t.Errorf("curl reports %q, want %q", got, want)
+	}
+	body, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lwSHA(body) != lwSHA(s.file) {
+		t.Fatalf("curl downloaded %d bytes with a different SHA-256 (want %d bytes)", len(body), len(s.file))
+	}
+}
+
+// TestKernelListenerWrapperSendfileSyscalls checks with the kernel's own
+// records, not only our counters, that sendfile mode sends file bodies with
+// sendfile(2). curl (another process, so this one is only the server)
+// downloads the same file over HTTP/1.1 in the default mode and in sendfile
+// mode while strace records this process's sendfile calls: their results
+// must add up to exactly the bytes our ReadFrom counter claims, the whole
+// body, and to nothing in the default mode. The kernel's per-thread I/O
+// accounting gives the read and write syscalls per MiB of both modes (one
+// sendfile counts as one of each), which the test logs. It asserts no ratio
+// between them: on a kTLS socket a sendfile call moves at most what fits in
+// the socket's send buffer, so it takes about as many calls as copying
+// 32 KiB buffers through write(2); what it saves is the copy and the
+// file's read(2) calls.
+func TestKernelListenerWrapperSendfileSyscalls(t *testing.T) {
+	kerneltest.Require(t)
+	curl := lwLookCurl(t)
+	strace, err := exec.LookPath("strace")
+	if err != nil {
+		t.Fatalf("strace is needed in the VM: %v", err)
+	}
+	for _, sendfile := range []bool{false, true} {
+		t.Run("sendfile="+strconv.FormatBool(sendfile), func(t *testing.T) {
+			s := lwStartSite(t, map[string]any{"sendfile": sendfile})
+			caFile := s.ca.WriteFile(t, t.TempDir(), "ca")
+			stopTrace := lwTraceSendfile(t, strace)
+			ioBefore, rf := lwProcIO(t), lwReadFromNow()
+			lwCurlDownload(t, s, curl, caFile, "--http1.1")
+			used, counted := lwProcIO(t).sub(ioBefore), lwReadFromNow().sub(rf)
+			calls, traced := stopTrace()
+			mib := float64(len(s.file)) / (1 << 20)
+			t.Logf("%.1f MiB: %d sendfile calls moving %d bytes; %d read and %d write syscalls (%.1f and %.1f per MiB), %d bytes read and %d written",
+				mib, calls, traced, used.syscr, used.syscw, float64(used.syscr)/mib, float64(used.syscw)/mib, used.rchar, used.wchar)
+			// sendfile(2) counts its bytes as written too, so in both
+			// modes the whole body went through the write counter.
+			if used.wchar < uint64(len(s.file)) {
+				t.Errorf("the kernel counted %d bytes written for a %d-byte body", used.wchar, len(s.file))
+			}
+			if !sendfile {
+				if calls != 0 {
+					t.Errorf("default mode: %d sendfile calls moved %d bytes", calls, traced)
+				}
+				return
+			}
+			if traced != counted.sendfileBytes || traced < uint64(len(s.file)-512) {
+				t.Errorf("sendfile calls moved %d bytes, the sendfile counter says %d, want both equal and >= %d",
+					traced, counted.sendfileBytes, len(s.file)-512)
+			}
+		})
+	}
+}
+
+// lwTraceSendfile attaches strace to every thread of this process and
+// returns a function that detaches it and returns the successful
+// sendfile(2) calls it saw and the bytes they moved. strace follows the
+// children too (curl), which never call sendfile.
+func lwTraceSendfile(t *testing.T, strace string) (stop func() (calls int, bytes uint64)) {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "strace")
+	cmd := exec.Command(strace, "-f", "-e", "trace=sendfile", "-e", "status=successful", "-e", "signal=none", "-o", out,
+		"-p", strconv.Itoa(os.Getpid()))
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	// strace says "Process N attached with M threads" once it traces them.
+	var said []string
+	sc := bufio.NewScanner(stderr)
+	for sc.Scan() && !strings.Contains(sc.Text(), " attached") {
+		said = append(said, sc.Text())
+	}
+	if sc.Err() != nil || !strings.Contains(sc.Text(), " attached") {
+		cmd.Wait()
+		t.Fatalf("strace did not attach: %v %q", sc.Err(), said)
+	}
+	drained := make(chan struct{})
+	go func() { io.Copy(io.Discard, stderr); close(drained) }()
+	return func() (int, uint64) {
+		t.Helper()
+		if err := cmd.Process.Signal(os.Interrupt); err != nil {
+			t.Fatal(err)
+		}
+		<-drained
+		cmd.Wait() // exits with the interrupt
+		b, err := os.ReadFile(out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Whole calls end in ") = N" (strace pads before the "="); a call
+		// interrupted by another thread's line ends in "<unfinished ...>"
+		// and its result is on a later "<... sendfile resumed>) = N".
+		var calls int
+		var bytes uint64
+		for _, m := range lwSendfileResult.FindAllSubmatch(b, -1) {
+			n, err := strconv.ParseUint(string(m[1]), 10, 64)
+			if err != nil {
+				t.Fatalf("strace line %q: %v", m[0], err)
+			}
+			calls++
+			bytes += n
+		}
+		return calls, bytes
+	}
+}
+
+// lwSendfileResult matches the result of a sendfile call in strace's output.
+var lwSendfileResult = regexp.MustCompile(`(?m)sendfile.*\)\s+= (\d+)$`)
+
+type lwIOCounters struct{ rchar, wchar, syscr, syscw uint64 }
+
+// lwProcIO sums the I/O accounting of this process's threads,
+// /proc/self/task/*/io. Not /proc/self/io: that one also adds the counts of
+// reaped children (curl) to the process's.
+func lwProcIO(t *testing.T) lwIOCounters {
+	t.Helper()
+	files, err := filepath.Glob("/proc/self/task/*/io")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("the kernel's per-thread I/O accounting: %v %v", files, err)
+	}
+	var total lwIOCounters
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatalf("the kernel's per-thread I/O accounting: %v", err)
+		}
+		var c lwIOCounters
+		fields := map[string]*uint64{"rchar": &c.rchar, "wchar": &c.wchar, "syscr": &c.syscr, "syscw": &c.syscw}
+		for line := range strings.Lines(string(b)) {
+			name, value, _ := strings.Cut(strings.TrimSpace(line), ": ")
+			if p, ok := fields[name]; ok {
+				if *p, err = strconv.ParseUint(value, 10, 64); err != nil {
+					t.Fatalf("%s: %q: %v", f, line, err)
+				}
+				delete(fields, name)
+			}
+		}
+		if len(fields) != 0 {
+			t.Fatalf("%s lacks %d of rchar, wchar, syscr, syscw:\n%s", f, len(fields), b)
+		}
+		total = total.add(c)
+	}
+	return total
+}
+
+func (c lwIOCounters) add(o lwIOCounters) lwIOCounters {
+	return lwIOCounters{c.rchar + o.rchar, c.wchar + o.wchar, c.syscr + o.syscr, c.syscw + o.syscw}
+}
+
+func (c lwIOCounters) sub(o lwIOCounters) lwIOCounters {
+	return lwIOCounters{c.rchar - o.rchar, c.wchar - o.wchar, c.syscr - o.syscr, c.syscw - o.syscw}
 }

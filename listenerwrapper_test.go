@@ -24,6 +24,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
+	"golang.org/x/net/http2"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
@@ -239,6 +240,24 @@ func (s *lwSite) h2(cfg *tls.Config) *http.Client {
 	return &http.Client{Transport: s.transport(cfg, true), Timeout: 2 * time.Minute}
 }
 
+// xnetH2 is an HTTP/2-only client on golang.org/x/net/http2's own
+// Transport (the framer and flow control gRPC and many Go clients use),
+// not net/http's bundled copy behind ForceAttemptHTTP2.
+func (s *lwSite) xnetH2(cfg *tls.Config) *http.Client {
+	if cfg == nil {
+		cfg = s.tlsConfig(nil, false)
+	}
+	tr := &http2.Transport{
+		TLSClientConfig: cfg,
+		DialTLSContext: func(ctx context.Context, network, addr string, cfg *tls.Config) (net.Conn, error) {
+			_, port, _ := net.SplitHostPort(addr)
+			d := tls.Dialer{Config: cfg}
+			return d.DialContext(ctx, network, net.JoinHostPort("127.0.0.1", port))
+		},
+	}
+	return &http.Client{Transport: tr, Timeout: 2 * time.Minute}
+}
+
 // get fetches url and returns the body, failing t on any error or non-200.
 func lwGet(t *testing.T, c *http.Client, url string, wantProto int) []byte {
 	t.Helper()
@@ -287,7 +306,7 @@ func (s *lwSite) exercise(t *testing.T) (conns int) {
 		name   string
 		major  int
 		client func(*tls.Config) *http.Client
-	}{{"h1", 1, s.h1}, {"h2", 2, s.h2}} {
+	}{{"h1", 1, s.h1}, {"h2", 2, s.h2}, {"h2-x-net", 2, s.xnetH2}} {
 		t.Run(proto.name, func(t *testing.T) {
 			c := proto.client(nil)
 			defer c.CloseIdleConnections()
@@ -573,10 +592,6 @@ func lwReload(t *testing.T) {
 // leave no file descriptors or goroutines behind once closed.
 func TestListenerWrapperNoLeaks(t *testing.T) {
 	s := lwStartSite(t, nil)
-	settle := func() (fds, goroutines int) {
-		runtime.GC()
-		return kerneltest.OpenFDs(t), runtime.NumGoroutine()
-	}
 	round := func() {
 		for _, c := range []struct {
 			client *http.Client
@@ -587,18 +602,33 @@ func TestListenerWrapperNoLeaks(t *testing.T) {
 		}
 	}
 	round() // first use starts what lives as long as the server
-	fdsBefore, gBefore := settle()
+	fdsBefore, gBefore := lwSettle(t)
 	for range 5 {
 		round()
 	}
+	lwWaitReleased(t, fdsBefore, gBefore)
+}
+
+// lwSettle collects garbage and returns the open file descriptors and
+// goroutines.
+func lwSettle(t *testing.T) (fds, goroutines int) {
+	runtime.GC()
+	return kerneltest.OpenFDs(t), runtime.NumGoroutine()
+}
+
+// lwWaitReleased waits up to 10 s for closed connections to release their
+// file descriptors and goroutines: until at most fds descriptors and
+// goroutines goroutines (when not negative) remain.
+func lwWaitReleased(t *testing.T, fds, goroutines int) {
+	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		fds, g := settle()
-		if fds <= fdsBefore && g <= gBefore {
+		nowFDs, nowG := lwSettle(t)
+		if nowFDs <= fds && (goroutines < 0 || nowG <= goroutines) {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("after 10 closed connections: %d fds (before %d), %d goroutines (before %d)", fds, fdsBefore, g, gBefore)
+			t.Fatalf("connections closed but %d fds remain (%d before), %d goroutines (%d before)", nowFDs, fds, nowG, goroutines)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

@@ -2,7 +2,8 @@
 # Installs the host tools the VM harness needs, with apt, only when missing:
 # qemu (TCG, no KVM needed), a static busybox for the guest's init, cpio for
 # the initramfs, kmod (depmod/modprobe --show-depends), xz/zstd for compressed
-# kernel modules, and the Debian keyring that verifies the kernel packages.
+# kernel modules, the Debian keyring that verifies the kernel packages, and
+# the client tools the kernel tests run (openssl, curl, strace).
 set -euo pipefail
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
@@ -21,6 +22,12 @@ have zstd || need+=(zstd)
 have depmod || need+=(kmod)
 have dpkg-deb || need+=(dpkg)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
+# Tools the kernel tests and the demo run inside the VM (over the 9p root
+# share): a real OpenSSL client, curl for HTTP/1.1 and HTTP/2 downloads, and
+# strace to count the sendfile(2) calls of the listener wrapper.
+have openssl || need+=(openssl)
+have curl || need+=(curl)
+have strace || need+=(strace)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

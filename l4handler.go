@@ -252,7 +252,8 @@ type SandboxHandler struct {
 	MaxPreambleTTL caddy.Duration `json:"max_preamble_ttl,omitempty"`
 
 	// ReplayCacheSize is how many nonces are remembered for replay
-	// detection. Default: 65536.
+	// detection. Default: 65536. The cache outlives reloads as long as
+	// this, max_preamble_ttl and max_clock_skew stay the same.
 	ReplayCacheSize int `json:"replay_cache_size,omitempty"`
 
 	// PreambleTimeout bounds the wait for the whole preamble: the only
@@ -290,11 +291,12 @@ type SandboxHandler struct {
 	// Default: 30s.
 	DrainGracePeriod caddy.Duration `json:"drain_grace_period,omitempty"`
 
-	ctx    caddy.Context
-	logger *zap.Logger
-	fwd    *forward.Forwarder
-	pusher *forward.Pusher
-	events *caddyevents.App
+	ctx       caddy.Context
+	logger    *zap.Logger
+	fwd       *forward.Forwarder
+	pusher    *forward.Pusher
+	events    *caddyevents.App
+	replayKey replayCacheKey // set while this handler holds a replayCaches reference
 }
 
 // SandboxKey is one inline gateway key.
@@ -339,12 +341,16 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
+	replay, err := h.loadReplayCache()
+	if err != nil {
+		return fmt.Errorf("sandbox handler: %w", err)
+	}
 	verifier, err := preamble.NewVerifier(preamble.VerifierConfig{
-		Keys:            keys,
-		MaxSkew:         time.Duration(h.MaxClockSkew),
-		MaxTTL:          time.Duration(h.MaxPreambleTTL),
-		ReplayCacheSize: h.ReplayCacheSize,
-		RequireBinding:  h.RequireChannelBinding,
+		Keys:           keys,
+		MaxSkew:        time.Duration(h.MaxClockSkew),
+		MaxTTL:         time.Duration(h.MaxPreambleTTL),
+		ReplayCache:    replay,
+		RequireBinding: h.RequireChannelBinding,
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
@@ -388,6 +394,57 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		h.pusher.Start()
 	}
 	return nil
+}
+
+// replayCaches holds the preamble replay caches in use, one per distinct
+// (size, window): the verifier of every configuration is new, but its
+// nonces must not be: a preamble accepted just before a reload would
+// otherwise be accepted again right after it, within its TTL. A reload
+// provisions the new configuration before it cleans up the old one, so
+// the reference count never drops to zero and the cache carries over.
+// Changing replay_cache_size, max_preamble_ttl or max_clock_skew selects
+// another cache: that reload starts with no nonces remembered.
+var replayCaches = caddy.NewUsagePool()
+
+type replayCacheKey struct {
+	size   int
+	window time.Duration
+}
+
+// replayCacheEntry makes a ReplayCache a caddy.Destructor; it holds only
+// memory, so there is nothing to release.
+type replayCacheEntry struct{ *preamble.ReplayCache }
+
+func (replayCacheEntry) Destruct() error { return nil }
+
+// loadReplayCache takes a reference to the shared replay cache for this
+// handler's settings, released by Cleanup.
+func (h *SandboxHandler) loadReplayCache() (*preamble.ReplayCache, error) {
+	size := h.ReplayCacheSize
+	if size == 0 {
+		size = preamble.DefaultReplayCacheSize
+	}
+	skew, ttl := time.Duration(h.MaxClockSkew), time.Duration(h.MaxPreambleTTL)
+	if skew == 0 {
+		skew = preamble.DefaultMaxSkew
+	}
+	if ttl == 0 {
+		ttl = preamble.DefaultMaxTTL
+	}
+	// The verifier checks whole seconds, and its window is MaxTTL +
+	// 2*MaxSkew; at least 1s so that bad TTL or skew values reach the
+	// verifier's clearer error.
+	window := max((ttl/time.Second+2*(skew/time.Second))*time.Second, time.Second)
+	key := replayCacheKey{size: size, window: window}
+	v, _, err := replayCaches.LoadOrNew(key, func() (caddy.Destructor, error) {
+		rc, err := preamble.NewReplayCache(size, window)
+		return replayCacheEntry{rc}, err
+	})
+	if err != nil {
+		return nil, err
+	}
+	h.replayKey = key
+	return v.(replayCacheEntry).ReplayCache, nil
 }
 
 func (h *SandboxHandler) keyring() (map[string]ed25519.PublicKey, error) {
@@ -462,14 +519,21 @@ func parsePublicKey(s string) (ed25519.PublicKey, error) {
 	return pub, nil
 }
 
-// Cleanup stops this configuration's pusher. Tunnels are left alone on a
-// reload; when the process exits it drains them for the grace period.
+// Cleanup stops this configuration's pusher and releases its reference to
+// the shared replay cache; a second call does nothing (Caddy also cleans up
+// after a failed Provision). Tunnels are left alone on a reload; when the
+// process exits it drains them for the grace period.
 func (h *SandboxHandler) Cleanup() error {
+	if h.replayKey != (replayCacheKey{}) {
+		replayCaches.Delete(h.replayKey)
+		h.replayKey = replayCacheKey{}
+	}
 	if h.pusher != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		h.pusher.Stop(ctx)
 		cancel()
 		pushers.remove(h.pusher)
+		h.pusher = nil
 	}
 	if caddy.Exiting() && h.fwd != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(h.DrainGracePeriod))
@@ -544,6 +608,21 @@ func tlsStateOf(cx *layer4.Connection) (tls.ConnectionState, bool) {
 // magic bytes), so tunnels can share a listener with other layer4 routes.
 // It is a cheap routing test, not a verification: the sandbox handler
 // verifies.
+//
+// The preamble travels inside TLS, so the matcher must see plaintext: put
+// it in a subroute after `ktls`, not beside it. In JSON the route is
+// `ktls` then `subroute` with a first route matched by `sandbox` that
+// handles with `sandbox`, and further routes for the other traffic on the
+// same port (which is then never counted as a tunnel rejection):
+//
+//	route {
+//		ktls { ... }
+//		subroute {
+//			@t sandbox
+//			route @t { sandbox { ... } }
+//			route { proxy 127.0.0.1:8080 }
+//		}
+//	}
 type MatchSandbox struct{}
 
 // CaddyModule returns the Caddy module information.

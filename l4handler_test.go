@@ -8,13 +8,18 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -22,6 +27,7 @@ import (
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 	_ "github.com/mholt/caddy-l4"
 
+	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
@@ -54,6 +60,28 @@ func loopbackAddr(t testing.TB) string {
 // handler's JSON.
 func newSandboxEnv(t *testing.T, sandboxOpts map[string]any) *sandboxEnv {
 	t.Helper()
+	e := newSandboxConfig(t, sandboxOpts)
+	e.start(t)
+	return e
+}
+
+// start loads e.cfg into this process's Caddy and unloads it at cleanup.
+func (e *sandboxEnv) start(t *testing.T) {
+	t.Helper()
+	e.load(t)
+	t.Cleanup(func() {
+		// caddy.Stop leaves the admin server running; a config with admin
+		// disabled stops it, and stops the apps too.
+		if err := caddy.Load([]byte(unloadConfig), true); err != nil {
+			t.Errorf("unload: %v", err)
+		}
+	})
+}
+
+// newSandboxConfig builds the configuration of a sandboxEnv without
+// loading it.
+func newSandboxConfig(t *testing.T, sandboxOpts map[string]any) *sandboxEnv {
+	t.Helper()
 	t.Setenv("XDG_DATA_HOME", t.TempDir())
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
 	e := &sandboxEnv{ca: testpki.NewCA(t, "test CA"), gw: forwardtest.NewGateway(t, "gw-1"),
@@ -76,9 +104,14 @@ func newSandboxEnv(t *testing.T, sandboxOpts map[string]any) *sandboxEnv {
 			"encoder": map[string]any{"format": "json"},
 		}}},
 		"apps": map[string]any{
-			"tls": map[string]any{"certificates": map[string]any{"load_pem": []any{
-				map[string]any{"certificate": string(server.CertPEM), "key": string(server.KeyPEM)},
-			}}},
+			"tls": map[string]any{
+				"certificates": map[string]any{"load_pem": []any{
+					map[string]any{"certificate": string(server.CertPEM), "key": string(server.KeyPEM)},
+				}},
+				// A reload would start storage cleaning, whose lock file
+				// goroutine lives 5s: long enough to look like a leak.
+				"disable_storage_clean": true,
+			},
 			"layer4": map[string]any{"servers": map[string]any{"tunnels": map[string]any{
 				"listen": []string{e.addr},
 				"routes": []any{map[string]any{"handle": []any{
@@ -101,15 +134,18 @@ func newSandboxEnv(t *testing.T, sandboxOpts map[string]any) *sandboxEnv {
 			}}},
 		},
 	}
-	e.load(t)
-	t.Cleanup(func() {
-		// caddy.Stop leaves the admin server running; a config with admin
-		// disabled stops it, and stops the apps too.
-		if err := caddy.Load([]byte(unloadConfig), true); err != nil {
-			t.Errorf("unload: %v", err)
-		}
-	})
 	return e
+}
+
+// route returns the layer4 server's route, whose handle list is ktls then
+// sandbox.
+func (e *sandboxEnv) route() map[string]any {
+	return e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["tunnels"].(map[string]any)["routes"].([]any)[0].(map[string]any)
+}
+
+// sandboxHandler returns the sandbox handler's JSON in e.cfg.
+func (e *sandboxEnv) sandboxHandler() map[string]any {
+	return e.route()["handle"].([]any)[1].(map[string]any)
 }
 
 func (e *sandboxEnv) load(t testing.TB) {
@@ -120,6 +156,33 @@ func (e *sandboxEnv) load(t testing.TB) {
 	}
 	if err := caddy.Load(raw, true); err != nil {
 		t.Fatalf("caddy.Load: %v", err)
+	}
+}
+
+// rawTunnel opens the mTLS session and writes payload as the "preamble",
+// then half-closes when asked.
+func (e *sandboxEnv) rawTunnel(t *testing.T, payload []byte, halfClose bool) *tls.Conn {
+	t.Helper()
+	c, err := tls.Dial("tcp", e.addr, e.tlsConfig(e.client))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Write(payload)
+	if halfClose {
+		c.CloseWrite()
+	}
+	return c
+}
+
+// waitRejections waits until the registry counted want refusals for reason.
+func waitRejections(t testing.TB, reason string, want uint64) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for tunnels.Rejections()[reason] != want {
+		if time.Now().After(deadline) {
+			t.Fatalf("rejections[%q] = %d, want %d", reason, tunnels.Rejections()[reason], want)
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }
 
@@ -375,18 +438,7 @@ func TestSandboxRejections(t *testing.T) {
 	denied := netip.AddrPortFrom(up.Addr().Addr(), 1) // a port outside allow_ports
 	other := forwardtest.NewGateway(t, "gw-1")
 	unknown := forwardtest.NewGateway(t, "gw-2")
-	// mtls opens the mTLS session and writes raw bytes as the "preamble".
-	mtls := func(t *testing.T, payload []byte, halfClose bool) *tls.Conn {
-		c, err := tls.Dial("tcp", e.addr, e.tlsConfig(e.client))
-		if err != nil {
-			t.Fatal(err)
-		}
-		c.Write(payload)
-		if halfClose {
-			c.CloseWrite()
-		}
-		return c
-	}
+	mtls := e.rawTunnel
 	cases := []struct {
 		reason string
 		open   func(t *testing.T) *tls.Conn
@@ -424,13 +476,7 @@ func TestSandboxRejections(t *testing.T) {
 			if n != 0 {
 				t.Errorf("refused client read %d bytes (err %v); want a silent close", n, err)
 			}
-			deadline := time.Now().Add(5 * time.Second)
-			for tunnels.Rejections()[tc.reason] != before+1 {
-				if time.Now().After(deadline) {
-					t.Fatalf("rejections[%q] = %d, want %d", tc.reason, tunnels.Rejections()[tc.reason], before+1)
-				}
-				time.Sleep(5 * time.Millisecond)
-			}
+			waitRejections(t, tc.reason, before+1)
 			want[tc.reason]++
 		})
 	}
@@ -491,8 +537,8 @@ func TestKernelSandboxEndToEnd(t *testing.T) {
 		t.Fatalf("bytes: upstream got %d, client got %d of %d; hashes match: %v %v", r.Received, n, size,
 			r.RecvSum == forwardtest.PatternSum(11, size), sum == r.SentSum)
 	}
-	if delta["TlsTxSw"] < 1 || delta["TlsRxSw"] < 1 {
-		t.Errorf("tls_stat delta %v: the kernel did not carry TX and RX", delta)
+	if delta["TlsTxSw"] < 1 || delta["TlsRxSw"] < 1 || delta["TlsDecryptError"] != 0 {
+		t.Errorf("tls_stat delta %v: the kernel did not carry TX and RX, or failed to decrypt", delta)
 	}
 	dp := tunnels.DataPath()
 	if spliced, copied := dp.SpliceBytes-dp0.SpliceBytes, dp.CopyBytes-dp0.CopyBytes; spliced != 2*size || copied != 0 {
@@ -555,7 +601,7 @@ func TestSandboxReloadsKeepTunnels(t *testing.T) {
 		}()
 	}
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
-	sandbox := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["tunnels"].(map[string]any)["routes"].([]any)[0].(map[string]any)["handle"].([]any)[1].(map[string]any)
+	sandbox := e.sandboxHandler()
 	for i := range 20 {
 		sandbox["preamble_timeout"] = fmt.Sprintf("%dms", 5000+i)
 		body, err := json.Marshal(e.cfg)
@@ -598,5 +644,505 @@ func TestSandboxReloadsKeepTunnels(t *testing.T) {
 	}
 	if matched != tunnelsN {
 		t.Errorf("%d of %d tunnels delivered exactly what their client sent", matched, tunnelsN)
+	}
+}
+
+// A preamble accepted before a configuration reload is still known after
+// it: every configuration has a new verifier, but they share the replay
+// cache, so a replay within the frame's TTL is refused.
+func TestSandboxReplayCacheSurvivesReload(t *testing.T) {
+	up := forwardtest.NewUpstream(t, 0)
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	frame := e.gw.Frame(t, "sbx-replay", up.Addr())
+	c := e.rawTunnel(t, frame, true)
+	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
+		t.Fatalf("first use of the frame: read %d bytes, err %v; want a clean empty tunnel", n, err)
+	}
+	c.Close()
+	waitIdle(t)
+	if up.Accepted() != 1 {
+		t.Fatalf("upstream accepted %d connections for the first use, want 1", up.Accepted())
+	}
+
+	e.sandboxHandler()["preamble_timeout"] = "4s" // a changed configuration
+	e.load(t)
+	key := replayCacheKey{size: preamble.DefaultReplayCacheSize, window: preamble.DefaultMaxTTL + 2*preamble.DefaultMaxSkew}
+	if refs, ok := replayCaches.References(key); !ok || refs != 1 {
+		t.Errorf("after the reload the replay cache has %d references (present: %v), want 1: the old configuration's was not released", refs, ok)
+	}
+
+	before := tunnels.Rejections()[string(preamble.ReasonReplayedNonce)]
+	c = e.rawTunnel(t, frame, false)
+	defer c.Close()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, _ := io.Copy(io.Discard, c); n != 0 {
+		t.Errorf("replayed frame: the client read %d bytes, want a silent close", n)
+	}
+	waitRejections(t, string(preamble.ReasonReplayedNonce), before+1)
+	if up.Accepted() != 1 {
+		t.Errorf("upstream accepted %d connections, want 1: the replay was dialed", up.Accepted())
+	}
+}
+
+var sandboxSeq atomic.Int64
+
+// uniqueSandbox returns a sandbox ID no other tunnel of this process has
+// used, so that per-sandbox counters and events of the process-level
+// registry start from zero even with -count.
+func uniqueSandbox(prefix string) string {
+	return fmt.Sprintf("%s-%d", prefix, sandboxSeq.Add(1))
+}
+
+// resetUpstream accepts one connection, sends send pattern bytes, reads
+// until it has received at least atLeast bytes, then resets the connection
+// (SO_LINGER 0: RST, not FIN). It reports how many bytes it received.
+func resetUpstream(t *testing.T, send, atLeast int64) (netip.AddrPort, <-chan int64) {
+	t.Helper()
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	received := make(chan int64, 1)
+	go func() {
+		c, err := ln.AcceptTCP()
+		ln.Close()
+		if err != nil {
+			received <- -1
+			return
+		}
+		_, werr := io.Copy(c, io.LimitReader(forwardtest.NewPattern(3), send))
+		n, rerr := io.CopyN(io.Discard, c, atLeast)
+		if werr != nil || rerr != nil {
+			t.Errorf("reset upstream: write %v, read %d bytes: %v", werr, n, rerr)
+		}
+		c.SetLinger(0)
+		c.Close()
+		received <- n
+	}()
+	return ln.Addr().(*net.TCPAddr).AddrPort(), received
+}
+
+// endOfTunnel is how a gateway saw its tunnel end.
+type endOfTunnel struct {
+	received int64
+	readErr  error
+	writeErr error
+}
+
+// pumpUntilClosed writes pattern bytes to c until a write fails while
+// reading everything c returns, and reports both ends; the read gives up
+// after 20s (an error that names the deadline).
+func pumpUntilClosed(c *tls.Conn) <-chan endOfTunnel {
+	out := make(chan endOfTunnel, 1)
+	go func() {
+		var end endOfTunnel
+		werr := make(chan error, 1)
+		go func() {
+			_, err := io.Copy(c, forwardtest.NewPattern(4))
+			werr <- err
+		}()
+		c.SetReadDeadline(time.Now().Add(20 * time.Second))
+		end.received, end.readErr = io.Copy(io.Discard, c)
+		c.Close()
+		end.writeErr = <-werr
+		out <- end
+	}()
+	return out
+}
+
+// checkClosedWithError checks that a tunnel of sandbox ended, was counted
+// once with toSandbox and fromSandbox bytes, and was logged as ended with
+// an error.
+func checkClosedWithError(t *testing.T, e *sandboxEnv, sandbox string, toSandbox, fromSandbox int64) {
+	t.Helper()
+	waitIdle(t)
+	a := activityOf(t, e, sandbox)
+	if a.TotalTunnels != 1 || a.OpenTunnels != 0 || a.BytesToSandbox != toSandbox || a.BytesFromSandbox != fromSandbox {
+		t.Errorf("activity of %s: %+v; want 1 closed tunnel with %d/%d bytes", sandbox, a, toSandbox, fromSandbox)
+	}
+	for _, l := range e.logLines(t, "sandbox tunnel ended with an error") {
+		if l["sandbox"] == sandbox {
+			return
+		}
+	}
+	t.Errorf("no log line says the tunnel of %s ended with an error", sandbox)
+}
+
+// The sandbox resets its connection mid-transfer: the tunnel ends, the
+// gateway's connection is closed, and the bytes moved until then are
+// counted.
+func TestSandboxUpstreamResetMidTransfer(t *testing.T) {
+	const sent, readBeforeReset = 64 << 10, 256 << 10
+	target, upReceived := resetUpstream(t, sent, readBeforeReset)
+	sandbox := uniqueSandbox("sbx-upstream-rst")
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	end := <-pumpUntilClosed(e.dial(t, sandbox, target))
+	if ne, ok := end.readErr.(net.Error); ok && ne.Timeout() {
+		t.Fatalf("the gateway's connection stayed open after the sandbox reset: %v", end.readErr)
+	}
+	if end.writeErr == nil {
+		t.Error("the gateway could write forever: its connection was not closed")
+	}
+	if end.received > sent {
+		t.Errorf("the gateway received %d bytes; the sandbox sent %d", end.received, sent)
+	}
+	if got := <-upReceived; got != readBeforeReset {
+		t.Fatalf("the sandbox read %d bytes before its reset, want %d", got, readBeforeReset)
+	}
+	// What reached the forwarder's socket before the reset is counted; the
+	// bytes it relayed towards the sandbox are at least what the sandbox read.
+	waitIdle(t)
+	a := activityOf(t, e, sandbox)
+	if a.BytesToSandbox < readBeforeReset {
+		t.Errorf("counted %d bytes to the sandbox, but it read %d", a.BytesToSandbox, readBeforeReset)
+	}
+	checkClosedWithError(t, e, sandbox, a.BytesToSandbox, sent)
+}
+
+// The gateway resets its connection mid-transfer: the tunnel ends, the
+// sandbox's connection is closed while it is still sending, and exactly
+// the bytes the gateway sent are counted towards the sandbox.
+func TestSandboxGatewayResetMidTransfer(t *testing.T) {
+	const sent = 256 << 10
+	up := forwardtest.NewUpstream(t, 1<<40) // never finishes on its own
+	sandbox := uniqueSandbox("sbx-gateway-rst")
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	c := e.dial(t, sandbox, up.Addr())
+	if _, err := io.Copy(c, io.LimitReader(forwardtest.NewPattern(5), sent)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for activityOf(t, e, sandbox).BytesToSandbox < sent {
+		if time.Now().After(deadline) {
+			t.Fatalf("the sandbox never got the gateway's %d bytes: %+v", sent, activityOf(t, e, sandbox))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	tcp := c.NetConn().(*net.TCPConn)
+	tcp.SetLinger(0)
+	tcp.Close()
+	waitIdle(t)
+	up.Close() // returns once the sandbox's connection has ended
+	r := up.Results()[0]
+	if r.WriteErr == nil || r.Sent >= 1<<40 {
+		t.Errorf("the sandbox sent %d bytes without an error: its connection was not closed", r.Sent)
+	}
+	if r.Received != sent || r.RecvSum != forwardtest.PatternSum(5, sent) {
+		t.Errorf("the sandbox received %d bytes, want the gateway's %d", r.Received, sent)
+	}
+	a := activityOf(t, e, sandbox)
+	checkClosedWithError(t, e, sandbox, sent, a.BytesFromSandbox)
+}
+
+// The sandbox matcher shares a port between tunnels and other traffic. It
+// reads plaintext, so it runs after `ktls`, in a subroute: the route shape
+// is `ktls` then `subroute { @t sandbox -> sandbox; anything else -> ... }`
+// (here caddy-l4's echo handler). Non-tunnel traffic is not a rejection.
+func TestSandboxMatcherSharesPort(t *testing.T) {
+	up := forwardtest.NewUpstream(t, 100<<10)
+	e := newSandboxConfig(t, nil)
+	route := e.route()
+	handlers := route["handle"].([]any)
+	route["handle"] = []any{handlers[0], map[string]any{
+		"handler": "subroute",
+		"routes": []any{
+			map[string]any{"match": []any{map[string]any{"sandbox": map[string]any{}}}, "handle": []any{handlers[1]}},
+			map[string]any{"handle": []any{map[string]any{"handler": "echo"}}},
+		},
+	}}
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	rejected := tunnels.Rejections()
+
+	n, sum, err := transfer(e.dial(t, "sbx-matcher", up.Addr()), 3000, 8)
+	if err != nil || n != 100<<10 || sum != forwardtest.PatternSum(2, 100<<10) {
+		t.Errorf("tunnel through the matcher: %d bytes, err %v", n, err)
+	}
+	const hello = "GET / HTTP/1.0\r\n\r\nnot a tunnel"
+	c := e.rawTunnel(t, []byte(hello), true)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	echo, err := io.ReadAll(c)
+	c.Close()
+	if string(echo) != hello || err != nil {
+		t.Errorf("the other route echoed %q (err %v), want %q", echo, err, hello)
+	}
+	waitIdle(t)
+	up.Close()
+	if r := up.Results(); len(r) != 1 || r[0].Received != 3000 || r[0].RecvSum != forwardtest.PatternSum(8, 3000) {
+		t.Errorf("upstream results %+v, want one connection with the tunnel's 3000 bytes", r)
+	}
+	if now := tunnels.Rejections(); !maps.Equal(now, rejected) {
+		t.Errorf("rejections changed from %v to %v: non-tunnel traffic reached the sandbox handler", rejected, now)
+	}
+}
+
+func init() { caddy.RegisterModule(eventRecorder{}) }
+
+// eventRecorder is a test events handler that keeps every event it gets.
+type eventRecorder struct{}
+
+var recorded struct {
+	sync.Mutex
+	events []caddy.Event
+}
+
+func (eventRecorder) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "events.handlers.sandbox_test_recorder", New: func() caddy.Module { return new(eventRecorder) }}
+}
+
+func (eventRecorder) Handle(_ context.Context, ev caddy.Event) error {
+	recorded.Lock()
+	recorded.events = append(recorded.events, ev)
+	recorded.Unlock()
+	return nil
+}
+
+// recordedEvent waits for the event name about sandbox and returns its data.
+func recordedEvent(t *testing.T, name, sandbox string) map[string]any {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		recorded.Lock()
+		for _, ev := range recorded.events {
+			if ev.Name() == name && ev.Data["sandbox"] == sandbox {
+				recorded.Unlock()
+				return ev.Data
+			}
+		}
+		recorded.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s event for %s", name, sandbox)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// The handler emits sandbox_tunnel_opened and sandbox_tunnel_closed Caddy
+// events that an events-app subscription receives.
+func TestSandboxEventsEmitted(t *testing.T) {
+	const size = 50 << 10
+	up := forwardtest.NewUpstream(t, size+3)
+	sandbox := uniqueSandbox("sbx-events")
+	e := newSandboxConfig(t, nil)
+	e.cfg["apps"].(map[string]any)["events"] = map[string]any{"subscriptions": []any{map[string]any{
+		"events":   []string{"sandbox_tunnel_opened", "sandbox_tunnel_closed"},
+		"handlers": []any{map[string]any{"handler": "sandbox_test_recorder"}},
+	}}}
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, 9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkTunnelTransfer(t, up, size, 9, n, sum)
+	opened := recordedEvent(t, "sandbox_tunnel_opened", sandbox)
+	closed := recordedEvent(t, "sandbox_tunnel_closed", sandbox)
+	if opened["target"] != up.Addr().String() || opened["id"] != closed["id"] || !strings.HasPrefix(opened["peer"].(string), "127.0.0.1:") {
+		t.Errorf("opened event %v does not describe the tunnel (closed: %v)", opened, closed)
+	}
+	if closed["bytes_to_sandbox"] != int64(size) || closed["bytes_from_sandbox"] != int64(size+3) {
+		t.Errorf("closed event %v, want bytes_to_sandbox %d and bytes_from_sandbox %d", closed, size, size+3)
+	}
+	if d, ok := closed["duration"].(float64); !ok || d <= 0 {
+		t.Errorf("closed event duration %v", closed["duration"])
+	}
+}
+
+// activity_push configured through Caddy POSTs reports whose deltas for a
+// sandbox sum to exactly the bytes its tunnel moved.
+func TestSandboxActivityPush(t *testing.T) {
+	size := forwardtest.TransferMiB(t, 8) << 20
+	sandbox := uniqueSandbox("sbx-push")
+	var mu sync.Mutex
+	var to, from int64
+	var reports int
+	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var rep forward.ActivityReport
+		if err := json.NewDecoder(r.Body).Decode(&rep); err != nil || r.Method != http.MethodPost || rep.SentAt.IsZero() {
+			t.Errorf("activity report: %s, decode error %v, sent_at %v", r.Method, err, rep.SentAt)
+		}
+		mu.Lock()
+		reports++
+		for _, d := range rep.Sandboxes {
+			if d.Sandbox == sandbox {
+				to += d.BytesToSandbox
+				from += d.BytesFromSandbox
+			}
+		}
+		mu.Unlock()
+		// No keep-alive: an idle pusher connection would count as a leak.
+		w.Header().Set("Connection", "close")
+	}))
+	t.Cleanup(push.Close)
+	up := forwardtest.NewUpstream(t, size+3)
+	e := newSandboxEnv(t, map[string]any{"activity_push": map[string]any{"url": push.URL, "interval": "50ms"}})
+	forwardtest.CheckLeaks(t)
+	n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkTunnelTransfer(t, up, size, 10, n, sum)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mu.Lock()
+		gotTo, gotFrom, gotReports := to, from, reports
+		mu.Unlock()
+		if gotTo > size || gotFrom > size+3 {
+			t.Fatalf("pushed deltas sum to %d/%d, more than the %d/%d bytes moved", gotTo, gotFrom, size, size+3)
+		}
+		if gotTo == size && gotFrom == size+3 {
+			t.Logf("%d reports", gotReports)
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pushed deltas sum to %d/%d after %d reports, want %d/%d", gotTo, gotFrom, gotReports, size, size+3)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// builtCaddy returns the real Caddy binary for subprocess tests:
+// KTLS_CADDY_BIN when set, else bin/caddy rebuilt from this tree (`go
+// build` relinks only when a source changed: seconds once built).
+func builtCaddy(t *testing.T) string {
+	t.Helper()
+	if os.Getenv("KTLS_CADDY_BIN") == "" {
+		goTool, err := exec.LookPath("go")
+		if err != nil {
+			t.Fatalf("building bin/caddy needs the go command (or set KTLS_CADDY_BIN): %v", err)
+		}
+		args := []string{goTool, "build", "-o", filepath.Join("bin", "caddy"), "./cmd/caddy"}
+		if nice, err := exec.LookPath("nice"); err == nil {
+			args = append([]string{nice, "-n", "10"}, args...)
+		}
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("go build ./cmd/caddy: %v\n%s", err, out)
+		}
+	}
+	return caddyBinary(t)
+}
+
+// When the process exits (SIGTERM), the real binary stops accepting, lets
+// an open tunnel keep moving bytes for drain_grace_period, then closes it
+// and exits.
+func TestSandboxDrainOnExit(t *testing.T) {
+	const grace = 3 * time.Second
+	caddyBin := builtCaddy(t)
+	up := forwardtest.NewUpstream(t, 1<<40) // streams until the tunnel is cut
+	e := newSandboxConfig(t, map[string]any{"drain_grace_period": grace.String()})
+	cfg, err := json.Marshal(e.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfgFile := filepath.Join(t.TempDir(), "caddy.json")
+	if err := os.WriteFile(cfgFile, cfg, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var output strings.Builder
+	cmd := exec.Command(caddyBin, "run", "--config", cfgFile)
+	cmd.Stdout, cmd.Stderr = &output, &output
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var exitErr error
+	exited := make(chan struct{}) // closed when caddy has exited (exitErr)
+	go func() {
+		exitErr = cmd.Wait()
+		close(exited)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-exited:
+		default:
+			cmd.Process.Kill()
+			<-exited
+		}
+		if t.Failed() {
+			log, _ := os.ReadFile(e.logFile)
+			t.Logf("caddy output:\n%s\ncaddy log:\n%s", output.String(), log)
+		}
+	})
+	// connectable reports whether the layer4 listener accepts.
+	connectable := func() bool {
+		c, err := net.DialTimeout("tcp", e.addr, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for !connectable() {
+		if time.Now().After(deadline) {
+			t.Fatal("caddy never listened")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	c := e.dial(t, "sbx-drain", up.Addr())
+	defer c.Close()
+	var received atomic.Int64
+	readErr := make(chan error, 1)
+	go func() {
+		buf := make([]byte, 16<<10)
+		for {
+			n, err := c.Read(buf)
+			received.Add(int64(n))
+			if err != nil {
+				readErr <- err
+				return
+			}
+			time.Sleep(time.Millisecond) // a steady stream, not a CPU race
+		}
+	}()
+	for received.Load() < 1<<20 {
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	// Stopping closes the listener first: new tunnels are refused.
+	deadline = time.Now().Add(5 * time.Second)
+	for connectable() {
+		if time.Now().After(deadline) {
+			t.Fatal("caddy still accepts connections after SIGTERM")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// The open tunnel keeps moving bytes during the grace period.
+	at := received.Load()
+	time.Sleep(grace / 3)
+	select {
+	case err := <-readErr:
+		t.Fatalf("the tunnel ended within a third of the drain grace period: %v", err)
+	default:
+	}
+	if moved := received.Load() - at; moved == 0 {
+		t.Fatal("the tunnel moved no bytes during the drain grace period")
+	}
+	// After it, the tunnel is closed and the process exits.
+	select {
+	case <-readErr:
+	case <-time.After(grace + 10*time.Second):
+		t.Fatal("the tunnel is still open long after the drain grace period")
+	}
+	select {
+	case <-exited:
+		if exitErr != nil {
+			t.Errorf("caddy exited with %v", exitErr)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("caddy did not exit after the drain")
+	}
+	forced := e.logLines(t, "closed tunnels still open after the drain grace period")
+	if len(forced) != 1 || forced[0]["tunnels"] != 1.0 {
+		t.Errorf("drain log lines %v, want one that closed 1 tunnel", forced)
+	}
+	if up.Accepted() != 1 {
+		t.Errorf("upstream accepted %d connections, want the one tunnel's", up.Accepted())
 	}
 }

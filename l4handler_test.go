@@ -1098,7 +1098,16 @@ func TestSandboxDrainOnExit(t *testing.T) {
 			time.Sleep(time.Millisecond) // a steady stream, not a CPU race
 		}
 	}()
+	deadline = time.Now().Add(30 * time.Second)
 	for received.Load() < 1<<20 {
+		select {
+		case err := <-readErr:
+			t.Fatalf("the tunnel ended after %d bytes, before the drain: %v", received.Load(), err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the tunnel moved only %d bytes in 30 s", received.Load())
+		}
 		time.Sleep(5 * time.Millisecond)
 	}
 

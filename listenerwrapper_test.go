@@ -67,10 +67,12 @@ type lwSite struct {
 	file               []byte // served at /files/blob.bin
 	wrapper            map[string]any
 	upstream           string
+	protocols          []string // of the HTTPS server; empty is Caddy's default
 }
 
 // lwStartSite loads the configuration and waits until HTTPS answers.
-func lwStartSite(t *testing.T, wrapper map[string]any) *lwSite {
+// protocols, when given, are the HTTPS server's `protocols`.
+func lwStartSite(t *testing.T, wrapper map[string]any, protocols ...string) *lwSite {
 	t.Helper()
 	dir := t.TempDir()
 	t.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data"))
@@ -82,6 +84,7 @@ func lwStartSite(t *testing.T, wrapper map[string]any) *lwSite {
 		adminAddr: fmt.Sprintf("127.0.0.1:%d", lwFreePort(t)),
 		logFile:   filepath.Join(dir, "caddy.log"),
 		wrapper:   wrapper,
+		protocols: protocols,
 	}
 	s.client = s.ca.Client(t, "gateway-7")
 	s.file = make([]byte, lwTestMiB(t)<<20+123) // not a multiple of a record
@@ -143,6 +146,26 @@ func (s *lwSite) config(t *testing.T, root, version string) []byte {
 		map[string]any{"match": []any{map[string]any{"path": []string{"/upload"}}},
 			"handle": []any{map[string]any{"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": s.upstream}}}}},
 	}
+	tlsServer := map[string]any{
+		"listen":            []string{fmt.Sprintf("127.0.0.1:%d", s.port)},
+		"listener_wrappers": []any{wrapper},
+		"automatic_https":   map[string]any{"disable": true},
+		"tls_connection_policies": []any{
+			map[string]any{
+				"match": map[string]any{"sni": []string{"mtls.localhost"}},
+				"client_authentication": map[string]any{
+					"ca": map[string]any{"provider": "inline",
+						"trusted_ca_certs": []string{base64.StdEncoding.EncodeToString(s.ca.Cert.Raw)}},
+					"mode": "require_and_verify",
+				},
+			},
+			map[string]any{},
+		},
+		"routes": routes,
+	}
+	if len(s.protocols) > 0 {
+		tlsServer["protocols"] = s.protocols
+	}
 	cfg := map[string]any{
 		"admin": map[string]any{"listen": s.adminAddr, "config": map[string]any{"persist": false}},
 		// Caddy's default storage path is fixed at init, before t.Setenv.
@@ -160,23 +183,7 @@ func (s *lwSite) config(t *testing.T, root, version string) []byte {
 				"http_port":  s.plainPort,
 				"https_port": s.port,
 				"servers": map[string]any{
-					"tls": map[string]any{
-						"listen":            []string{fmt.Sprintf("127.0.0.1:%d", s.port)},
-						"listener_wrappers": []any{wrapper},
-						"automatic_https":   map[string]any{"disable": true},
-						"tls_connection_policies": []any{
-							map[string]any{
-								"match": map[string]any{"sni": []string{"mtls.localhost"}},
-								"client_authentication": map[string]any{
-									"ca": map[string]any{"provider": "inline",
-										"trusted_ca_certs": []string{base64.StdEncoding.EncodeToString(s.ca.Cert.Raw)}},
-									"mode": "require_and_verify",
-								},
-							},
-							map[string]any{},
-						},
-						"routes": routes,
-					},
+					"tls": tlsServer,
 					"plain": map[string]any{
 						"listen":            []string{fmt.Sprintf("127.0.0.1:%d", s.plainPort)},
 						"listener_wrappers": []any{wrapper},

@@ -355,13 +355,32 @@ func activityOf(t testing.TB, e *sandboxEnv, sandbox string) sandboxTotals {
 }
 
 // Many tunnels at once, of mixed sizes, with half-close each way.
-func TestSandboxConcurrentTunnels(t *testing.T) {
-	const tunnelsN = 200
-	up := forwardtest.NewUpstream(t, 100<<10)
+func TestSandboxConcurrentTunnels(t *testing.T) { sandboxConcurrentTunnels(t, false) }
+
+// TestKernelSandboxConcurrentTunnels is TestSandboxConcurrentTunnels on a
+// kTLS kernel, with fewer tunnels (the VM's AES is slow): every byte of
+// every tunnel must be spliced.
+func TestKernelSandboxConcurrentTunnels(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxConcurrentTunnels(t, true)
+}
+
+func sandboxConcurrentTunnels(t *testing.T, kernel bool) {
+	tunnelsN := 200
+	if kernel {
+		tunnelsN = 20
+	}
+	const reply = 100 << 10
+	up := forwardtest.NewUpstream(t, reply)
 	e := newSandboxEnv(t, nil)
 	// After Caddy started: what Caddy itself keeps (logs, admin) is not a
 	// tunnel leak; everything the tunnels open must be gone again.
 	forwardtest.CheckLeaks(t)
+	var want int64 // bytes towards the sandboxes
+	for i := range tunnelsN {
+		want += int64(i%7) * 37 << 10
+	}
+	splicedSince := dataPathCheck(t, kernel, int64(tunnelsN))
 	var wg sync.WaitGroup
 	errs := make(chan error, tunnelsN)
 	sem := make(chan struct{}, 50)
@@ -374,7 +393,7 @@ func TestSandboxConcurrentTunnels(t *testing.T) {
 			send := int64(i%7) * 37 << 10
 			c := e.dial(t, fmt.Sprintf("sbx-%d", i%10), up.Addr())
 			n, sum, err := transfer(c, send, uint64(i))
-			if err != nil || n != 100<<10 || sum != forwardtest.PatternSum(2, 100<<10) {
+			if err != nil || n != reply || sum != forwardtest.PatternSum(2, reply) {
 				errs <- fmt.Errorf("tunnel %d: got %d bytes, err %v", i, n, err)
 			}
 		}()
@@ -385,17 +404,53 @@ func TestSandboxConcurrentTunnels(t *testing.T) {
 		t.Error(err)
 	}
 	waitIdle(t)
+	spliced := splicedSince()
 	up.Close()
 	var total int64
 	for _, r := range up.Results() {
 		total += r.Received
 	}
-	var want int64
-	for i := range tunnelsN {
-		want += int64(i%7) * 37 << 10
-	}
 	if len(up.Results()) != tunnelsN || total != want {
 		t.Errorf("upstream: %d connections, %d bytes; want %d and %d", len(up.Results()), total, tunnelsN, want)
+	}
+	if moved := want + int64(tunnelsN)*reply; kernel && spliced != moved {
+		t.Errorf("%d bytes spliced, want all %d the tunnels moved", spliced, moved)
+	}
+}
+
+// dataPathCheck notes, on a kTLS kernel (kernel), tls_stat and the
+// registry's data-path totals, and returns a check to call once at least
+// sessions tunnels have moved their bytes and closed: it checks that the
+// kernel carried TLS records both ways for every session without a
+// decryption error and that no tunnel byte was copied through userspace,
+// and returns the bytes spliced meanwhile. Without kernel (where tls_stat
+// may not exist) the check does nothing and returns 0.
+func dataPathCheck(t *testing.T, kernel bool, sessions int64) (splicedSince func() int64) {
+	t.Helper()
+	if !kernel {
+		return func() int64 { return 0 }
+	}
+	dp0 := tunnels.DataPath()
+	tls0, err := kerneltest.ReadStat()
+	if err != nil {
+		t.Fatalf("read tls_stat: %v", err)
+	}
+	return func() int64 {
+		t.Helper()
+		tls1, err := kerneltest.ReadStat()
+		if err != nil {
+			t.Fatalf("read tls_stat: %v", err)
+		}
+		delta, dp := tls1.Sub(tls0), tunnels.DataPath()
+		spliced, copied := dp.SpliceBytes-dp0.SpliceBytes, dp.CopyBytes-dp0.CopyBytes
+		if delta["TlsTxSw"] < sessions || delta["TlsRxSw"] < sessions || delta["TlsDecryptError"] != 0 {
+			t.Errorf("tls_stat delta %v: want TlsTxSw and TlsRxSw >= %d (the kernel carried every session), TlsDecryptError 0", delta, sessions)
+		}
+		if spliced == 0 || copied != 0 {
+			t.Errorf("data path: %d bytes spliced, %d copied; want every byte spliced", spliced, copied)
+		}
+		t.Logf("tls_stat delta %v; %d bytes spliced, %d copied", delta, spliced, copied)
+		return spliced
 	}
 }
 
@@ -520,41 +575,52 @@ func TestKernelSandboxEndToEnd(t *testing.T) {
 	// After Caddy started: what Caddy itself keeps (logs, admin) is not a
 	// tunnel leak; everything the tunnels open must be gone again.
 	forwardtest.CheckLeaks(t)
-	dp0 := tunnels.DataPath()
-	var n int64
-	var sum [32]byte
-	delta := kerneltest.StatDelta(t, func() {
-		var err error
-		n, sum, err = transfer(e.dial(t, "sbx-kernel", up.Addr()), size, 11)
-		if err != nil {
-			t.Errorf("transfer: %v", err)
-		}
-		waitIdle(t)
-	})
+	splicedSince := dataPathCheck(t, true, 1)
+	n, sum, err := transfer(e.dial(t, "sbx-kernel", up.Addr()), size, 11)
+	if err != nil {
+		t.Errorf("transfer: %v", err)
+	}
+	waitIdle(t)
+	spliced := splicedSince()
 	up.Close()
 	r := up.Results()[0]
 	if r.Received != size || r.RecvSum != forwardtest.PatternSum(11, size) || n != size || sum != r.SentSum {
 		t.Fatalf("bytes: upstream got %d, client got %d of %d; hashes match: %v %v", r.Received, n, size,
 			r.RecvSum == forwardtest.PatternSum(11, size), sum == r.SentSum)
 	}
-	if delta["TlsTxSw"] < 1 || delta["TlsRxSw"] < 1 || delta["TlsDecryptError"] != 0 {
-		t.Errorf("tls_stat delta %v: the kernel did not carry TX and RX, or failed to decrypt", delta)
+	if spliced != 2*size {
+		t.Errorf("%d bytes spliced, want %d", spliced, 2*size)
 	}
-	dp := tunnels.DataPath()
-	if spliced, copied := dp.SpliceBytes-dp0.SpliceBytes, dp.CopyBytes-dp0.CopyBytes; spliced != 2*size || copied != 0 {
-		t.Errorf("data path: %d bytes spliced, %d copied; want %d and 0", spliced, copied, 2*size)
-	}
-	t.Logf("moved %d MiB each way; tls_stat delta %v; data path %+v", size>>20, delta, dp)
+	t.Logf("moved %d MiB each way", size>>20)
 }
 
 // Tunnels outlive configuration reloads: 20 POST /load with a changed
 // config while tunnels move data; none drops, every hash matches, and the
 // new configs keep accepting tunnels.
-func TestSandboxReloadsKeepTunnels(t *testing.T) {
+func TestSandboxReloadsKeepTunnels(t *testing.T) { sandboxReloadsKeepTunnels(t, false) }
+
+// TestKernelSandboxReloadsKeepTunnels is TestSandboxReloadsKeepTunnels on a
+// kTLS kernel, with smaller transfers (the VM's AES is slow): the spliced
+// tunnels outlive the reloads and none of their bytes is copied.
+func TestKernelSandboxReloadsKeepTunnels(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxReloadsKeepTunnels(t, true)
+}
+
+func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
 	const tunnelsN = 8
-	up := forwardtest.NewUpstream(t, 1<<20)
+	// What the upstream replies, and the chunks each client writes, one
+	// every pace, until the reloads are done. In the VM the reloads take
+	// seconds each: a slower stream keeps the bytes moved (and the time the
+	// VM's slow AES spends on them) small.
+	reply, chunk, pace := int64(1<<20), 16<<10, time.Millisecond
+	if kernel {
+		reply, chunk, pace = 256<<10, 4<<10, 50*time.Millisecond
+	}
+	up := forwardtest.NewUpstream(t, reply)
 	e := newSandboxEnv(t, nil)
 	forwardtest.CheckLeaks(t)
+	splicedSince := dataPathCheck(t, kernel, tunnelsN+1)
 	stop := make(chan struct{})
 	type outcome struct {
 		sent, recv int64
@@ -572,7 +638,7 @@ func TestSandboxReloadsKeepTunnels(t *testing.T) {
 			go func() {
 				h := sha256.New()
 				src := forwardtest.NewPattern(uint64(100 + i))
-				buf := make([]byte, 16<<10)
+				buf := make([]byte, chunk)
 				for {
 					select {
 					case <-stop:
@@ -588,7 +654,7 @@ func TestSandboxReloadsKeepTunnels(t *testing.T) {
 					}
 					h.Write(buf)
 					o.sent += int64(len(buf))
-					time.Sleep(time.Millisecond)
+					time.Sleep(pace)
 				}
 			}()
 			h := sha256.New()
@@ -602,6 +668,7 @@ func TestSandboxReloadsKeepTunnels(t *testing.T) {
 	}
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 	sandbox := e.sandboxHandler()
+	reloadsStart := time.Now()
 	for i := range 20 {
 		sandbox["preamble_timeout"] = fmt.Sprintf("%dms", 5000+i)
 		body, err := json.Marshal(e.cfg)
@@ -621,20 +688,26 @@ func TestSandboxReloadsKeepTunnels(t *testing.T) {
 			t.Fatalf("after reload %d: %d tunnels open, want %d", i, open, tunnelsN)
 		}
 	}
+	t.Logf("20 reloads took %v", time.Since(reloadsStart))
 	// The last configuration carries new tunnels too.
-	if n, sum, err := transfer(e.dial(t, "sbx-after-reload", up.Addr()), 1000, 5); err != nil || n != 1<<20 || sum != forwardtest.PatternSum(2, 1<<20) {
+	if n, sum, err := transfer(e.dial(t, "sbx-after-reload", up.Addr()), 1000, 5); err != nil || n != reply || sum != forwardtest.PatternSum(2, reply) {
 		t.Errorf("tunnel after the reloads: %d bytes, err %v", n, err)
 	}
 	close(stop)
 	sent := map[[32]byte]int64{}
+	moved := 1000 + reply // the tunnel after the reloads
 	for range tunnelsN {
 		o := <-results
-		if o.err != nil || o.recv != 1<<20 {
+		if o.err != nil || o.recv != reply {
 			t.Errorf("tunnel: received %d bytes, err %v", o.recv, o.err)
 		}
 		sent[o.sentSum] = o.sent
+		moved += o.sent + o.recv
 	}
 	waitIdle(t)
+	if spliced := splicedSince(); kernel && spliced != moved {
+		t.Errorf("%d bytes spliced, want all %d the tunnels moved", spliced, moved)
+	}
 	up.Close()
 	matched := 0
 	for _, r := range up.Results() {
@@ -773,13 +846,26 @@ func checkClosedWithError(t *testing.T, e *sandboxEnv, sandbox string, toSandbox
 // The sandbox resets its connection mid-transfer: the tunnel ends, the
 // gateway's connection is closed, and the bytes moved until then are
 // counted.
-func TestSandboxUpstreamResetMidTransfer(t *testing.T) {
+func TestSandboxUpstreamResetMidTransfer(t *testing.T) { sandboxUpstreamResetMidTransfer(t, false) }
+
+// TestKernelSandboxUpstreamResetMidTransfer is
+// TestSandboxUpstreamResetMidTransfer on a kTLS kernel, where every byte
+// counted must have been spliced.
+func TestKernelSandboxUpstreamResetMidTransfer(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxUpstreamResetMidTransfer(t, true)
+}
+
+func sandboxUpstreamResetMidTransfer(t *testing.T, kernel bool) {
 	const sent, readBeforeReset = 64 << 10, 256 << 10
 	target, upReceived := resetUpstream(t, sent, readBeforeReset)
 	sandbox := uniqueSandbox("sbx-upstream-rst")
 	e := newSandboxEnv(t, nil)
 	forwardtest.CheckLeaks(t)
+	splicedSince := dataPathCheck(t, kernel, 1)
 	end := <-pumpUntilClosed(e.dial(t, sandbox, target))
+	waitIdle(t)
+	spliced := splicedSince()
 	if ne, ok := end.readErr.(net.Error); ok && ne.Timeout() {
 		t.Fatalf("the gateway's connection stayed open after the sandbox reset: %v", end.readErr)
 	}
@@ -794,28 +880,48 @@ func TestSandboxUpstreamResetMidTransfer(t *testing.T) {
 	}
 	// What reached the forwarder's socket before the reset is counted; the
 	// bytes it relayed towards the sandbox are at least what the sandbox read.
-	waitIdle(t)
 	a := activityOf(t, e, sandbox)
 	if a.BytesToSandbox < readBeforeReset {
 		t.Errorf("counted %d bytes to the sandbox, but it read %d", a.BytesToSandbox, readBeforeReset)
 	}
 	checkClosedWithError(t, e, sandbox, a.BytesToSandbox, sent)
+	checkAllSpliced(t, kernel, spliced, a)
+}
+
+// checkAllSpliced checks, on a kTLS kernel, that the bytes spliced are
+// exactly those counted for the sandbox a of the only tunnel that ran.
+func checkAllSpliced(t *testing.T, kernel bool, spliced int64, a sandboxTotals) {
+	t.Helper()
+	if kernel && spliced != a.BytesToSandbox+a.BytesFromSandbox {
+		t.Errorf("%d bytes spliced; the tunnel moved %d/%d", spliced, a.BytesToSandbox, a.BytesFromSandbox)
+	}
 }
 
 // The gateway resets its connection mid-transfer: the tunnel ends, the
 // sandbox's connection is closed while it is still sending, and exactly
 // the bytes the gateway sent are counted towards the sandbox.
-func TestSandboxGatewayResetMidTransfer(t *testing.T) {
+func TestSandboxGatewayResetMidTransfer(t *testing.T) { sandboxGatewayResetMidTransfer(t, false) }
+
+// TestKernelSandboxGatewayResetMidTransfer is
+// TestSandboxGatewayResetMidTransfer on a kTLS kernel, where every byte
+// counted must have been spliced.
+func TestKernelSandboxGatewayResetMidTransfer(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxGatewayResetMidTransfer(t, true)
+}
+
+func sandboxGatewayResetMidTransfer(t *testing.T, kernel bool) {
 	const sent = 256 << 10
 	up := forwardtest.NewUpstream(t, 1<<40) // never finishes on its own
 	sandbox := uniqueSandbox("sbx-gateway-rst")
 	e := newSandboxEnv(t, nil)
 	forwardtest.CheckLeaks(t)
+	splicedSince := dataPathCheck(t, kernel, 1)
 	c := e.dial(t, sandbox, up.Addr())
 	if _, err := io.Copy(c, io.LimitReader(forwardtest.NewPattern(5), sent)); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(20 * time.Second)
 	for activityOf(t, e, sandbox).BytesToSandbox < sent {
 		if time.Now().After(deadline) {
 			t.Fatalf("the sandbox never got the gateway's %d bytes: %+v", sent, activityOf(t, e, sandbox))
@@ -826,6 +932,7 @@ func TestSandboxGatewayResetMidTransfer(t *testing.T) {
 	tcp.SetLinger(0)
 	tcp.Close()
 	waitIdle(t)
+	spliced := splicedSince()
 	up.Close() // returns once the sandbox's connection has ended
 	r := up.Results()[0]
 	if r.WriteErr == nil || r.Sent >= 1<<40 {
@@ -836,6 +943,7 @@ func TestSandboxGatewayResetMidTransfer(t *testing.T) {
 	}
 	a := activityOf(t, e, sandbox)
 	checkClosedWithError(t, e, sandbox, sent, a.BytesFromSandbox)
+	checkAllSpliced(t, kernel, spliced, a)
 }
 
 // The sandbox matcher shares a port between tunnels and other traffic. It

@@ -212,8 +212,11 @@ type dirState struct {
 	bytes, spliceBytes, copyBytes, controlRecords atomic.Int64
 	spliced                                       atomic.Bool
 	end                                           atomic.Uint32
-	mu                                            sync.Mutex
-	err                                           error
+	// sinkClosing is set just before this direction half-closes its sink,
+	// whose FIN makes a later TCP_CLOSE on that socket an orderly end.
+	sinkClosing atomic.Bool
+	mu          sync.Mutex
+	err         error
 }
 
 // New returns a tunnel between a and b; nothing moves until Run.
@@ -329,9 +332,17 @@ func (t *Tunnel) runDirection(d Direction) {
 // finish records how direction d ended; err == nil means its source ended.
 func (t *Tunnel) finish(d Direction, dst net.Conn, err error) {
 	s := &t.dirs[d]
+	if err == nil && !t.dirs[1-d].sinkClosing.Load() && wasReset(t.conns[d]) {
+		// A kTLS source can report the end of a reset connection as a plain
+		// end of stream (seen on 6.1), and the kernel then lets splice keep
+		// "writing" into the dead socket: half-closing would leave the other
+		// direction running forever. A reset ends the whole tunnel.
+		err = fmt.Errorf("source: %w", syscall.ECONNRESET)
+	}
 	if err == nil {
 		cw, ok := dst.(closeWriter)
 		if ok && !t.opts.CloseOnEOF {
+			s.sinkClosing.Store(true)
 			err = cw.CloseWrite()
 			if err == nil {
 				s.end.Store(uint32(EndEOF))
@@ -354,6 +365,35 @@ func (t *Tunnel) finish(d Direction, dst net.Conn, err error) {
 	s.mu.Unlock()
 	s.end.Store(uint32(EndError))
 	t.abort(EndAborted)
+}
+
+// tcpStateClose is TCP_CLOSE (include/net/tcp_states.h): the state a reset
+// leaves a socket in. While we have not sent our FIN, an orderly end (the
+// peer's FIN) leaves it in CLOSE_WAIT, and a close_notify without FIN in
+// ESTABLISHED; after our FIN, both FINs also end in TCP_CLOSE (the socket
+// moves to TIME_WAIT as a separate timewait socket), so the check only
+// applies before it.
+const tcpStateClose = 7
+
+// wasReset reports whether the socket under c was reset by its peer.
+func wasReset(c net.Conn) bool {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	var state uint8
+	if err := rc.Control(func(fd uintptr) {
+		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			state = info.State
+		}
+	}); err != nil {
+		return false
+	}
+	return state == tcpStateClose
 }
 
 // sourceRawConn returns the socket to splice from, and whether the source is

@@ -133,16 +133,7 @@ func (o *recordOpener) setKey(p suiteKeyParams, key, iv []byte) error {
 	if len(iv) != p.ivLen {
 		return fmt.Errorf("ktls: record opener: %s iv is %d bytes, want %d", tls.CipherSuiteName(o.suite), len(iv), p.ivLen)
 	}
-	var aead cipher.AEAD
-	var err error
-	if isChaCha(o.suite) {
-		aead, err = chacha20poly1305.New(key)
-	} else {
-		var block cipher.Block
-		if block, err = aes.NewCipher(key); err == nil {
-			aead, err = cipher.NewGCM(block)
-		}
-	}
+	aead, err := newAEAD(o.suite, key)
 	if err != nil {
 		return fmt.Errorf("ktls: record opener: %w", err)
 	}
@@ -150,6 +141,18 @@ func (o *recordOpener) setKey(p suiteKeyParams, key, iv []byte) error {
 	o.iv = append(o.iv[:0], iv...)
 	o.seq = 0
 	return nil
+}
+
+// newAEAD returns the record AEAD of suite: ChaCha20-Poly1305 or AES-GCM.
+func newAEAD(suite uint16, key []byte) (cipher.AEAD, error) {
+	if isChaCha(suite) {
+		return chacha20poly1305.New(key)
+	}
+	block, err := aes.NewCipher(key)
+	if err != nil {
+		return nil, err
+	}
+	return cipher.NewGCM(block)
 }
 
 func isChaCha(suite uint16) bool {

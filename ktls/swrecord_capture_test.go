@@ -6,7 +6,6 @@ package ktls
 
 import (
 	"bytes"
-	"crypto/aes"
 	"crypto/cipher"
 	"crypto/sha256"
 	"crypto/tls"
@@ -22,7 +21,6 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
-	"golang.org/x/crypto/chacha20poly1305"
 )
 
 // testKeyLog collects NSS key log lines (label → secret). For TLS 1.2 the
@@ -240,16 +238,7 @@ type testSealer struct {
 
 func newTestSealer(t testing.TB, version, suite uint16, key, iv []byte) *testSealer {
 	t.Helper()
-	var aead cipher.AEAD
-	var err error
-	if isChaCha(suite) {
-		aead, err = chacha20poly1305.New(key)
-	} else {
-		var block cipher.Block
-		if block, err = aes.NewCipher(key); err == nil {
-			aead, err = cipher.NewGCM(block)
-		}
-	}
+	aead, err := newAEAD(suite, key)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -351,9 +351,12 @@ func TestDrainRefusesNewAndClosesAfterGrace(t *testing.T) {
 	c2 := f.dial(t)
 	defer c2.Close()
 	c2.Write(f.gw.Frame(t, "sbx-d", up.Addr()))
+	// Either may be recorded first: the drained tunnel's client sees EOF
+	// before its Serve returns.
 	errs := f.wait(t, 2)
-	var re *RejectError
-	if !errors.As(errs[1], &re) || re.Reason != ReasonDraining {
-		t.Fatalf("tunnel during drain: %v, want draining", errs[1])
+	got := map[string]int{ReasonOf(errs[0]): 1}
+	got[ReasonOf(errs[1])]++
+	if got[string(ReasonDraining)] != 1 || !errors.Is(errs[0], context.Canceled) && !errors.Is(errs[1], context.Canceled) {
+		t.Fatalf("outcomes %v, %v; want one drained (context canceled) and one refused as draining", errs[0], errs[1])
 	}
 }

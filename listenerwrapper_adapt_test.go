@@ -79,6 +79,7 @@ func TestListenerWrapperCaddyfileErrors(t *testing.T) {
 		"unknown option":       {"bogus", `unknown ktls listener wrapper option "bogus"`},
 		"rx value":             {"rx maybe", "rx takes one of on, off"},
 		"rx missing":           {"rx", "rx takes one of on, off"},
+		"offload value":        {"offload maybe", "offload takes one of on, off"},
 		"fallback value":       {"fallback sometimes", "fallback takes one of allow, refuse"},
 		"flag with argument":   {"expect_no_pad yes", "expect_no_pad takes no arguments"},
 		"rate not a number":    {"keyupdate_rate fast", `keyupdate_rate: "fast" is not a positive number`},

@@ -670,6 +670,7 @@ func TestListenerWrapperRejectsBadOptions(t *testing.T) {
 	}{
 		"zerocopy without sendfile": {`{"wrapper":"ktls","tx_zerocopy_ro":true}`, "tx_zerocopy_ro only affects sendfile"},
 		"negative rate":             {`{"wrapper":"ktls","keyupdate_rate":-1}`, "must not be negative"},
+		"offload off but required":  {`{"wrapper":"ktls","disable_offload":true,"require_offload":true}`, "would refuse every connection"},
 	}
 	if kerneltest.Available() != nil {
 		cases["refuse fallback without kTLS"] = struct{ wrapper, want string }{`{"wrapper":"ktls","require_offload":true}`, "this kernel cannot offload TLS"}

@@ -18,6 +18,13 @@ import (
 // (ListenerWrapper). Both embed it, so its fields sit at the top level of
 // their JSON and of their Caddyfile blocks.
 type OffloadOptions struct {
+	// DisableOffload keeps the whole TLS session in userspace (Go's
+	// crypto/tls), exactly as on a kernel without kTLS, with everything else
+	// unchanged: for side-by-side measurements, and as an escape hatch from
+	// a kernel kTLS bug. Connections report the reason "disabled". It cannot
+	// be combined with require_offload.
+	DisableOffload bool `json:"disable_offload,omitempty"`
+
 	// DisableRX keeps decryption in userspace: the kernel seals outgoing
 	// records (TX) while incoming records are decrypted in Go with the
 	// session keys. The receiving direction (request bodies in the listener
@@ -71,6 +78,9 @@ func (o *OffloadOptions) provision() error {
 	if o.KeyUpdateRate < 0 || o.KeyUpdateBurst < 0 || o.HandshakeTimeout < 0 {
 		return errors.New("keyupdate_rate, keyupdate_burst and handshake_timeout must not be negative")
 	}
+	if o.DisableOffload && o.RequireOffload {
+		return errors.New("disable_offload and require_offload together would refuse every connection")
+	}
 	if o.HandshakeTimeout == 0 {
 		o.HandshakeTimeout = caddy.Duration(defaultHandshakeTimeout)
 	}
@@ -81,6 +91,7 @@ func (o *OffloadOptions) provision() error {
 // its event callback.
 func (o *OffloadOptions) ktlsOptions(observer func(ktls.Event)) ktls.Options {
 	return ktls.Options{
+		Disable:        o.DisableOffload,
 		DisableRX:      o.DisableRX,
 		RequireOffload: o.RequireOffload,
 		ExpectNoPad:    o.ExpectNoPad,
@@ -93,6 +104,7 @@ func (o *OffloadOptions) ktlsOptions(observer func(ktls.Event)) ktls.Options {
 // unmarshalCaddyfileOption reads the offload sub-directive d is on, if it is
 // one, and reports whether it was:
 //
+//	offload           on|off        # default on; off keeps the whole session in userspace TLS
 //	rx                on|off        # default on; off keeps decryption in Go (kTLS RX is where CVEs cluster)
 //	fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
 //	expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted peers only)
@@ -101,6 +113,12 @@ func (o *OffloadOptions) ktlsOptions(observer func(ktls.Event)) ktls.Options {
 //	handshake_timeout <duration>
 func (o *OffloadOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
 	switch opt := d.Val(); opt {
+	case "offload":
+		v, err := oneOf(d, "on", "off")
+		if err != nil {
+			return true, err
+		}
+		o.DisableOffload = v == "off"
 	case "rx":
 		v, err := oneOf(d, "on", "off")
 		if err != nil {

@@ -308,6 +308,9 @@ func (c *Conn) report(ev Event) {
 // offload installs what it can and returns the reason for what it did not.
 // Before TLS_TX succeeds every failure leaves the tls.Conn in charge.
 func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
+	if c.opts.Disable {
+		return ReasonDisabled, errors.New("offload disabled by configuration")
+	}
 	if state.Version != tls.VersionTLS13 && state.Version != tls.VersionTLS12 {
 		return ReasonVersion, fmt.Errorf("version %s", tls.VersionName(state.Version))
 	}

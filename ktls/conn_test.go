@@ -99,8 +99,14 @@ func TestFallbackReasons(t *testing.T) {
 		cc    connCase
 		tweak func(scfg, ccfg *tls.Config)
 		wrap  func(net.Conn) net.Conn
+		opts  Options
 		want  Reason
 	}{
+		{
+			desc: "offload switched off", cc: connCase{name: "disabled", version: tls.VersionTLS13},
+			opts: Options{Disable: true},
+			want: ReasonDisabled,
+		},
 		{
 			desc: "CBC suite", cc: connCase{name: "cbc", version: tls.VersionTLS12},
 			tweak: func(_, ccfg *tls.Config) {
@@ -124,7 +130,7 @@ func TestFallbackReasons(t *testing.T) {
 			if tc.tweak != nil {
 				tc.tweak(scfg, ccfg)
 			}
-			pr, err := dialPair(t, scfg, ccfg, Options{}, tc.wrap)
+			pr, err := dialPair(t, scfg, ccfg, tc.opts, tc.wrap)
 			if err != nil {
 				t.Fatal(err)
 			}

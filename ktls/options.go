@@ -11,6 +11,11 @@ import (
 // Options says how a connection may be offloaded. The zero value puts TX and
 // RX in the kernel and allows the userspace fallback.
 type Options struct {
+	// Disable keeps the whole session in userspace crypto/tls, as on a
+	// kernel without kTLS: for side-by-side measurements and as an escape
+	// hatch from a kernel kTLS bug without changing the rest of the
+	// configuration. The outcome is reported with ReasonDisabled.
+	Disable bool
 	// DisableRX keeps receive in userspace: incoming records are decrypted
 	// in Go with the captured keys while the kernel seals outgoing ones.
 	// The RX path (strparser, async decrypt) is where kTLS CVEs cluster.
@@ -52,6 +57,7 @@ type Reason string
 const (
 	ReasonNone            Reason = "none"              // TX and RX in the kernel as asked
 	ReasonRXDisabled      Reason = "rx-disabled"       // TX in the kernel, RX in userspace by Options.DisableRX
+	ReasonDisabled        Reason = "disabled"          // TX and RX in userspace by Options.Disable
 	ReasonNoKernelSupport Reason = "no-kernel-support" // the "tls" ULP does not attach (no CONFIG_TLS / module)
 	ReasonVersion         Reason = "version"           // negotiated TLS version is not 1.2 or 1.3
 	ReasonCipher          Reason = "cipher"            // suite not AES-GCM/ChaCha20-Poly1305, or the kernel refused it in Probe
@@ -65,7 +71,7 @@ const (
 )
 
 // Reasons lists every Reason, for metrics pre-registration.
-var Reasons = []Reason{ReasonNone, ReasonRXDisabled, ReasonNoKernelSupport, ReasonVersion, ReasonCipher,
+var Reasons = []Reason{ReasonNone, ReasonRXDisabled, ReasonDisabled, ReasonNoKernelSupport, ReasonVersion, ReasonCipher,
 	ReasonBufferedBytes, ReasonNotTCP, ReasonKeyCapture, ReasonSetsockoptULP, ReasonSetsockoptTX,
 	ReasonSetsockoptRX, ReasonHandshakeFailed}
 

@@ -23,6 +23,10 @@
 #                    7.x kernels sometimes oops in early boot under TCG
 #   VM_SMP, VM_MEM   vCPUs (default 1: SMP=2 makes that oops likelier) and MiB (default 2048)
 #   VM_LOG           serial log file (default $VM_OUT/serial.log)
+#   VM_ICOUNT=1      deterministic guest time for cost measurements: one
+#                    vCPU, single-threaded TCG and `-icount shift=0,sleep=off`,
+#                    so guest time counts executed instructions (1 ns each)
+#                    and does not depend on host load (see docs/bench)
 # exit: the command's exit status; 1 if the guest did not report one (boot
 # failure, panic, timeout).
 set -euo pipefail
@@ -117,7 +121,7 @@ boot() {
   # wall-clock time; when the host is busy, the emulated CPU falls behind and
   # the check panics ("IO-APIC + timer doesn't work!").
   qemu-system-x86_64 -nographic -no-reboot -nodefaults -serial stdio -nic none \
-    -accel tcg,thread=multi -cpu max -m "${VM_MEM:-2048}" -smp "${VM_SMP:-1}" \
+    "${ACCEL[@]}" -cpu max -m "${VM_MEM:-2048}" \
     -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
     -virtfs "local,path=$REPO,mount_tag=checkout,security_model=none,readonly=on,multidevs=remap" \
     -virtfs "local,path=$VM_OUT,mount_tag=vmout,security_model=none" \
@@ -148,6 +152,11 @@ boot() {
   return $status
 }
 
+if [ "${VM_ICOUNT:-0}" = 1 ]; then
+  ACCEL=(-accel tcg,thread=single -icount shift=0,sleep=off -smp 1)
+else
+  ACCEL=(-accel tcg,thread=multi -smp "${VM_SMP:-1}")
+fi
 START=$(now)
 tries=$(( ${VM_BOOT_RETRIES:-2} + 1 ))
 for try in $(seq 1 "$tries"); do

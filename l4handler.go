@@ -3,7 +3,6 @@ package caddyktls
 import (
 	"context"
 	"crypto/ed25519"
-	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/base64"
@@ -68,7 +67,7 @@ type KTLSHandler struct {
 
 // CaddyModule returns the Caddy module information.
 func (*KTLSHandler) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: "layer4.handlers.ktls", New: func() caddy.Module { return new(KTLSHandler) }}
+	return caddy.ModuleInfo{ID: moduleL4Handler, New: func() caddy.Module { return new(KTLSHandler) }}
 }
 
 // Provision sets up the handler.
@@ -92,6 +91,7 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 }
 
 func (h *KTLSHandler) observe(ev ktls.Event) {
+	connCloses.count(moduleL4Handler, ev.Kind)
 	if ev.Kind == ktls.EventHandshake || ev.Err == nil {
 		return
 	}
@@ -144,45 +144,6 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 // stores ClientHellos under (an unexported constant in l4tls); its matchers
 // and l4proxy read it.
 const tlsClientHellosVar = "tls_client_hellos"
-
-// addTLSPlaceholders provides the most used {l4.tls.*} placeholders of
-// caddy-l4's `tls` handler.
-func addTLSPlaceholders(repl *caddy.Replacer, cs *tls.ConnectionState) {
-	if repl == nil {
-		return
-	}
-	repl.Map(func(key string) (any, bool) {
-		switch key {
-		case "l4.tls.version":
-			return caddytls.ProtocolName(cs.Version), true
-		case "l4.tls.cipher_suite":
-			return tls.CipherSuiteName(cs.CipherSuite), true
-		case "l4.tls.resumed":
-			return cs.DidResume, true
-		case "l4.tls.proto":
-			return cs.NegotiatedProtocol, true
-		case "l4.tls.server_name":
-			return cs.ServerName, true
-		}
-		if len(cs.PeerCertificates) == 0 {
-			return nil, false
-		}
-		cert := cs.PeerCertificates[0]
-		switch key {
-		case "l4.tls.client.subject":
-			return cert.Subject, true
-		case "l4.tls.client.subject.common_name":
-			return cert.Subject.CommonName, true
-		case "l4.tls.client.issuer":
-			return cert.Issuer, true
-		case "l4.tls.client.serial":
-			return cert.SerialNumber, true
-		case "l4.tls.client.fingerprint":
-			return fmt.Sprintf("%x", sha256.Sum256(cert.Raw)), true
-		}
-		return nil, false
-	})
-}
 
 // layeredConn adapts caddy-l4's Connection to ktls.Layered: the handshake
 // reads through the Connection's prefetch buffer, and the kernel socket is

@@ -83,7 +83,7 @@ type ListenerWrapper struct {
 
 // CaddyModule returns the Caddy module information.
 func (*ListenerWrapper) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: "caddy.listeners.ktls", New: func() caddy.Module { return new(ListenerWrapper) }}
+	return caddy.ModuleInfo{ID: moduleListenerWrapper, New: func() caddy.Module { return new(ListenerWrapper) }}
 }
 
 // Provision checks the configuration and where the wrapper sits in its
@@ -197,6 +197,7 @@ func servesH1AndH2(srv *caddyhttp.Server) bool {
 
 // observe logs what the ktls engine reports for a connection.
 func (lw *ListenerWrapper) observe(ev ktls.Event) {
+	connCloses.count(moduleListenerWrapper, ev.Kind)
 	switch ev.Kind {
 	case ktls.EventHandshake:
 		if ce := lw.logger.Check(zap.DebugLevel, "kernel TLS handshake"); ce != nil {

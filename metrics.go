@@ -2,6 +2,7 @@ package caddyktls
 
 import (
 	"errors"
+	"maps"
 	"sync"
 
 	"github.com/caddyserver/caddy/v2"
@@ -20,7 +21,7 @@ import (
 // kept in per-config metric objects.
 type collector struct {
 	tunnelsOpen, tunnelsOpened, bytes, rejects, relayBytes, controlRecords,
-	pushReports, offloads, offloadModes *prometheus.Desc
+	pushReports, offloads, offloadModes, connCloses, acceptRetries *prometheus.Desc
 }
 
 var metrics = &collector{
@@ -33,12 +34,17 @@ var metrics = &collector{
 	pushReports:    prometheus.NewDesc("caddy_ktls_activity_reports_total", "Activity reports by outcome (sent, retried, dropped).", []string{"outcome"}, nil),
 	offloads:       prometheus.NewDesc("caddy_ktls_handshakes_total", "kTLS handshakes by offload outcome reason (none = fully offloaded).", []string{"reason"}, nil),
 	offloadModes:   prometheus.NewDesc("caddy_ktls_offload_directions_total", "Offloaded connections by direction (tx, rx) and mode (userspace, sw, hw).", []string{"direction", "mode"}, nil),
+	connCloses: prometheus.NewDesc("caddy_ktls_connections_closed_total",
+		"Offloaded connections the ktls engine closed, by module and event (rate-limited: KeyUpdates above keyupdate_rate; alert: the peer's fatal alert; closed-after-tx: a step after installing TLS_TX failed).",
+		[]string{"module", "event"}, nil),
+	acceptRetries: prometheus.NewDesc("caddy_ktls_accept_retries_total",
+		"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil),
 }
 
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.bytes, c.rejects, c.relayBytes,
-		c.controlRecords, c.pushReports, c.offloads, c.offloadModes} {
+		c.controlRecords, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.acceptRetries} {
 		ch <- d
 	}
 }
@@ -72,6 +78,59 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(c.offloadModes, prometheus.CounterValue, float64(n), dir, mode.String())
 		}
 	}
+	for k, n := range connCloses.snapshot() {
+		ch <- prometheus.MustNewConstMetric(c.connCloses, prometheus.CounterValue, float64(n), k.module, string(k.event))
+	}
+	ch <- prometheus.MustNewConstMetric(c.acceptRetries, prometheus.CounterValue, float64(acceptRetries.Load()))
+}
+
+// The modules whose connections the ktls engine closes, as metric labels.
+const (
+	moduleL4Handler       = "layer4.handlers.ktls"
+	moduleListenerWrapper = "caddy.listeners.ktls"
+)
+
+// closeEvents are the ktls events that end a connection.
+var closeEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.EventClosed}
+
+type closeKey struct {
+	module string
+	event  ktls.EventKind
+}
+
+// closeCounts counts the connections the ktls engine closed, per module and
+// event. Process-level like the collector: the modules' observers count, the
+// collector reads.
+type closeCounts struct {
+	mu sync.Mutex
+	n  map[closeKey]uint64
+}
+
+// connCloses starts with every series at zero (alerts on rate() need them).
+var connCloses = func() *closeCounts {
+	c := &closeCounts{n: map[closeKey]uint64{}}
+	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+		for _, ev := range closeEvents {
+			c.n[closeKey{m, ev}] = 0
+		}
+	}
+	return c
+}()
+
+// count records ev for module when it is a close event.
+func (c *closeCounts) count(module string, ev ktls.EventKind) {
+	k := closeKey{module, ev}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, ok := c.n[k]; ok {
+		c.n[k]++
+	}
+}
+
+func (c *closeCounts) snapshot() map[closeKey]uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return maps.Clone(c.n)
 }
 
 // rejectReasons lists every reason a sandbox tunnel can be refused for, so

@@ -2,6 +2,7 @@ package caddyktls
 
 import (
 	"errors"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -147,7 +148,8 @@ func (o *OffloadOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handl
 			return true, d.Errf("keyupdate_rate takes a rate per second and an optional burst, got %d arguments", len(args))
 		}
 		rate, err := strconv.ParseFloat(args[0], 64)
-		if err != nil || rate <= 0 {
+		// ParseFloat takes "NaN" and "Inf", which JSON cannot carry.
+		if err != nil || !(rate > 0) || math.IsInf(rate, 1) {
 			return true, d.Errf("keyupdate_rate: %q is not a positive number", args[0])
 		}
 		o.KeyUpdateRate = rate

@@ -2,23 +2,12 @@ package forward
 
 import (
 	"errors"
-	"net"
 	"net/netip"
 	"testing"
 )
 
 func TestTargetPolicy(t *testing.T) {
-	hostAddr := func() netip.Addr {
-		addrs, _ := net.InterfaceAddrs()
-		for _, a := range addrs {
-			if ipn, ok := a.(*net.IPNet); ok {
-				if ip, ok := netip.AddrFromSlice(ipn.IP); ok && !ip.Unmap().IsLoopback() && !ip.IsLinkLocalUnicast() {
-					return ip.Unmap()
-				}
-			}
-		}
-		return netip.Addr{}
-	}()
+	hostAddr := hostAddress()
 	cases := []struct {
 		allow, ports []string
 		target       string

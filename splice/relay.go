@@ -24,7 +24,9 @@
 // EKEYEXPIRED after a KeyUpdate until the new key is installed, EIO, older
 // kernels ENOTSUPP). The relay then calls the connection's Read once, which
 // handles that record in userspace (and may return data behind it), and
-// resumes splicing. The
+// resumes splicing. EBADMSG is not one of them: the kernel failed to
+// authenticate a record and has already aborted the connection, so the
+// tunnel ends there (a Read would only fail on the same record again). The
 // contract is the Source interface, implemented by *ktls.Conn; this package
 // does not import ktls.
 package splice
@@ -471,7 +473,7 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcRC syscall.RawConn, ha
 			return fmt.Errorf("source: %w", err)
 		case perr != nil:
 			return perr
-		case serr != nil && hasControl:
+		case serr != nil && hasControl && serr != unix.EBADMSG:
 			if controlInARow++; controlInARow > maxControlRecordsInARow {
 				return fmt.Errorf("source: %d control records in a row without data (last splice error: %w)", controlInARow-1, serr)
 			}

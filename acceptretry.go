@@ -1,0 +1,101 @@
+package caddyktls
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+)
+
+// acceptRetryNetwork names a listener network for caddy-l4 servers, as in
+// `tcp-retry/192.0.2.10:9443`: plain TCP whose Accept rides out a shortage
+// of file descriptors or kernel memory. caddy-l4 v0.1.2's accept loop
+// (layer4/server.go, serve) returns on the first Accept error that is not a
+// timeout, so one EMFILE stops that listener for good (until the next
+// config load), logged only at DEBUG: the port still completes TCP
+// handshakes in the kernel, but nobody accepts. net/http.Server sleeps and
+// retries instead; this listener does the same underneath caddy-l4.
+const acceptRetryNetwork = "tcp-retry"
+
+// maxAcceptDelay caps the backoff between failed accepts (net/http's value).
+const maxAcceptDelay = time.Second
+
+// acceptRetries counts failed accepts that were retried, for the metrics.
+var acceptRetries atomic.Uint64
+
+func init() {
+	caddy.RegisterNetwork(acceptRetryNetwork, listenAcceptRetry)
+}
+
+// listenAcceptRetry opens the address as Caddy opens "tcp" ones (shared
+// across config loads) and wraps it.
+func listenAcceptRetry(ctx context.Context, _, host, portRange string, portOffset uint, cfg net.ListenConfig) (any, error) {
+	na, err := caddy.ParseNetworkAddress(caddy.JoinNetworkAddress("tcp", host, portRange))
+	if err != nil {
+		return nil, err
+	}
+	got, err := na.Listen(ctx, portOffset, cfg)
+	if err != nil {
+		return nil, err
+	}
+	ln, ok := got.(net.Listener)
+	if !ok {
+		return nil, fmt.Errorf("%s: %s gave a %T, not a stream listener", acceptRetryNetwork, na, got)
+	}
+	logger := caddy.Log()
+	if cctx, ok := ctx.(caddy.Context); ok {
+		logger = cctx.Logger()
+	}
+	return &retryListener{Listener: ln, logger: logger.Named("accept"), closed: make(chan struct{})}, nil
+}
+
+// retryListener retries Accept errors caused by a resource shortage, with
+// an exponential backoff, and logs and counts each one. While it waits,
+// new connections queue in the kernel's backlog.
+type retryListener struct {
+	net.Listener
+	logger    *zap.Logger
+	closed    chan struct{}
+	closeOnce sync.Once
+}
+
+func (l *retryListener) Accept() (net.Conn, error) {
+	var delay time.Duration
+	for {
+		c, err := l.Listener.Accept()
+		if err == nil || !resourceShortage(err) {
+			return c, err
+		}
+		delay = min(max(2*delay, 5*time.Millisecond), maxAcceptDelay)
+		acceptRetries.Add(1)
+		l.logger.Warn("accept failed for lack of resources; retrying",
+			zap.Stringer("address", l.Addr()), zap.Duration("delay", delay), zap.Error(err))
+		t := time.NewTimer(delay)
+		select {
+		case <-t.C:
+		case <-l.closed:
+			t.Stop()
+			return nil, net.ErrClosed
+		}
+	}
+}
+
+// Close also ends a backoff wait in Accept.
+func (l *retryListener) Close() error {
+	l.closeOnce.Do(func() { close(l.closed) })
+	return l.Listener.Close()
+}
+
+// resourceShortage reports whether an Accept error is a passing lack of
+// descriptors or memory (accept(2) then leaves the connection queued).
+func resourceShortage(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
+}

@@ -1,0 +1,770 @@
+package caddyktls
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// closesMetric gathers caddy_ktls_connections_closed_total through a
+// registry, as Prometheus scrapes it, keyed by "module event".
+func closesMetric(t *testing.T) map[string]float64 {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	if err := reg.Register(metrics); err != nil {
+		t.Fatal(err)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() != "caddy_ktls_connections_closed_total" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			var module, event string
+			for _, l := range m.GetLabel() {
+				switch l.GetName() {
+				case "module":
+					module = l.GetValue()
+				case "event":
+					event = l.GetValue()
+				}
+			}
+			out[module+" "+event] = m.GetCounter().GetValue()
+		}
+	}
+	return out
+}
+
+// A connection the ktls engine closes for a KeyUpdate storm (or a peer
+// alert, or a failure after TLS_TX) is logged at WARN with the peer and
+// counted per module in caddy_ktls_connections_closed_total; every series
+// exists from the start. The events come in through the modules' observers,
+// the path the engine reports them on (a real storm needs a kTLS kernel:
+// TestKernelKeyUpdateFlood).
+func TestConnectionCloseEventsCounted(t *testing.T) {
+	before := closesMetric(t)
+	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+		for _, ev := range closeEvents {
+			if _, ok := before[m+" "+string(ev)]; !ok {
+				t.Errorf("no series for %s %s before any close", m, ev)
+			}
+		}
+	}
+	peer := &net.TCPAddr{IP: net.IPv4(192, 0, 2, 7), Port: 40000}
+	core, logs := observer.New(zapcore.DebugLevel)
+	h := &KTLSHandler{logger: zap.New(core)}
+	lw := &ListenerWrapper{logger: zap.New(core)}
+	for _, observe := range []func(ktls.Event){h.observe, lw.observe} {
+		observe(ktls.Event{Kind: ktls.EventRateLimited, Remote: peer, Err: ktls.ErrKeyUpdateRateLimited})
+		observe(ktls.Event{Kind: ktls.EventRateLimited, Remote: peer, Err: ktls.ErrKeyUpdateRateLimited})
+		observe(ktls.Event{Kind: ktls.EventKeyUpdate, Remote: peer}) // applied: not a close
+	}
+	h.observe(ktls.Event{Kind: ktls.EventAlert, Remote: peer, Err: ktls.AlertError(20)})
+
+	after := closesMetric(t)
+	for key, want := range map[string]float64{
+		moduleL4Handler + " rate-limited":       2,
+		moduleListenerWrapper + " rate-limited": 2,
+		moduleL4Handler + " alert":              1,
+		moduleListenerWrapper + " alert":        0,
+		moduleL4Handler + " closed-after-tx":    0,
+	} {
+		if got := after[key] - before[key]; got != want {
+			t.Errorf("%s: counted %v, want %v", key, got, want)
+		}
+	}
+	if len(after) != 2*len(closeEvents) {
+		t.Errorf("series %v, want exactly modules x close events", after)
+	}
+	warned := 0
+	for _, e := range logs.FilterLevelExact(zapcore.WarnLevel).All() {
+		fields := e.ContextMap()
+		if fields["event"] == string(ktls.EventRateLimited) {
+			warned++
+			if fields["remote"] != peer.String() {
+				t.Errorf("rate-limit WARN without the peer: %v", fields)
+			}
+		}
+	}
+	if warned != 4 {
+		t.Errorf("%d rate-limit WARN lines, want 4 (2 per module)", warned)
+	}
+}
+
+// caddyProcess is the real binary running a sandboxEnv's configuration.
+type caddyProcess struct {
+	cmd     *exec.Cmd
+	exited  chan struct{} // closed when the process has exited (exitErr)
+	exitErr error
+}
+
+// exitedAfterDrain waits for the process to exit 0 after a drain that
+// closed forced tunnels when its grace period ran out, as one log line says.
+func (p *caddyProcess) exitedAfterDrain(t *testing.T, e *sandboxEnv, forced int) {
+	t.Helper()
+	select {
+	case <-p.exited:
+		if p.exitErr != nil {
+			t.Errorf("caddy exited with %v", p.exitErr)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("caddy did not exit after the drain")
+	}
+	lines := e.logLines(t, "closed tunnels still open after the drain grace period")
+	if len(lines) != 1 || lines[0]["tunnels"] != float64(forced) {
+		t.Errorf("drain log lines %v, want one that closed %d tunnels", lines, forced)
+	}
+}
+
+// startCaddy runs bin/caddy with e's configuration, after the shell
+// commands in prelude (e.g. "ulimit -n 64"), waits until the layer4
+// listener accepts, and kills the process at cleanup if it still runs.
+func startCaddy(t *testing.T, e *sandboxEnv, prelude string) *caddyProcess {
+	t.Helper()
+	caddyBin := builtCaddy(t)
+	cfg, err := json.Marshal(e.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfgFile := filepath.Join(t.TempDir(), "caddy.json")
+	if err := os.WriteFile(cfgFile, cfg, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	output := new(syncBuffer)
+	cmd := exec.Command("/bin/sh", "-c", prelude+`
+exec "$0" run --config "$1"`, caddyBin, cfgFile)
+	cmd.Stdout, cmd.Stderr = output, output
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &caddyProcess{cmd: cmd, exited: make(chan struct{})}
+	go func() {
+		p.exitErr = cmd.Wait()
+		close(p.exited)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-p.exited:
+		default:
+			cmd.Process.Kill()
+			<-p.exited
+		}
+		if t.Failed() {
+			log, _ := os.ReadFile(e.logFile)
+			t.Logf("caddy output:\n%s\ncaddy log (tail):\n%s", output.String(), tail(log, 64<<10))
+		}
+	})
+	deadline := time.Now().Add(15 * time.Second)
+	for !connectable(e.addr) {
+		if time.Now().After(deadline) {
+			t.Fatal("caddy never listened")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return p
+}
+
+// connectable reports whether a TCP listener accepts at addr.
+func connectable(addr string) bool {
+	c, err := net.DialTimeout("tcp", addr, time.Second)
+	if err == nil {
+		c.Close()
+	}
+	return err == nil
+}
+
+// openFDs counts the process's open file descriptors.
+func (p *caddyProcess) openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p.cmd.Process.Pid))
+	if err != nil {
+		t.Fatalf("count caddy's fds: %v", err)
+	}
+	return len(ents)
+}
+
+// syncBuffer is an io.Writer for a subprocess's output that the test may
+// read while the process still writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// tail returns the last n bytes of b.
+func tail(b []byte, n int) []byte {
+	return b[max(len(b)-n, 0):]
+}
+
+// openTunnel is dial with a deadline and an error instead of a test failure.
+func (e *sandboxEnv) openTunnel(sandbox string, target netip.AddrPort, timeout time.Duration) (*tls.Conn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	return preamble.Dial(ctx, "tcp", e.addr, e.tlsConfig(e.client), e.gw.Signer, preamble.Claims{SandboxID: sandbox, Target: target})
+}
+
+// When the real binary runs out of file descriptors, a new tunnel fails
+// cleanly (dial-failed: the gateway's TLS session is closed without a
+// byte), the tunnels already open keep moving exact bytes, and once
+// descriptors are free again new tunnels work: the accept loop survived
+// EMFILE.
+func TestSandboxFDExhaustion(t *testing.T) {
+	const limit = 64
+	reply := int64(256 << 10)
+	up := forwardtest.NewUpstream(t, reply)
+	e := newSandboxConfig(t, nil)
+	server := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["tunnels"].(map[string]any)
+	server["listen"] = []string{acceptRetryNetwork + "/" + e.addr}
+	p := startCaddy(t, e, fmt.Sprintf("ulimit -n %d", limit))
+	fdsAtStart := p.openFDs(t)
+	t.Logf("caddy holds %d fds at start, limit %d", fdsAtStart, limit)
+
+	// Open tunnels until one fails: with every descriptor in use, the
+	// forwarder cannot open the upstream socket.
+	var open []*tls.Conn
+	defer func() {
+		for _, c := range open {
+			c.Close()
+		}
+	}()
+	failed := false
+	for i := 0; i < limit && !failed; i++ {
+		accepted := up.Accepted()
+		c, err := e.openTunnel(fmt.Sprintf("sbx-fd-%d", i), up.Addr(), 5*time.Second)
+		if err != nil {
+			t.Fatalf("tunnel %d: the TLS handshake failed (%v): the listener should still accept here", i, err)
+		}
+		// Dialed, or refused (logged): whichever comes first.
+		deadline := time.Now().Add(10 * time.Second)
+		for up.Accepted() == accepted && len(e.logLines(t, "sandbox tunnel rejected")) == 0 {
+			if time.Now().After(deadline) {
+				t.Fatalf("tunnel %d: neither dialed nor refused", i)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		if up.Accepted() > accepted {
+			open = append(open, c)
+			continue
+		}
+		// Refused: closed without a byte.
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
+			t.Errorf("refused tunnel: read %d bytes, err %v; want a clean close", n, err)
+		}
+		c.Close()
+		failed = true
+	}
+	if !failed {
+		t.Fatalf("%d tunnels opened under a limit of %d fds", len(open), limit)
+	}
+	t.Logf("%d tunnels open, then dial-failed; caddy holds %d fds", len(open), p.openFDs(t))
+
+	// Hold the last descriptors with bare TCP connections that never
+	// start a handshake: the next accept(2) fails with EMFILE.
+	var stalled []net.Conn
+	for range 4 {
+		c, err := net.Dial("tcp", e.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stalled = append(stalled, c)
+	}
+	const retrying = "accept failed for lack of resources; retrying"
+	deadline := time.Now().Add(10 * time.Second)
+	for len(e.logLines(t, retrying)) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("accept never failed for lack of fds")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	// The open tunnels are unaffected.
+	var wg sync.WaitGroup
+	errs := make([]error, len(open))
+	sums := make([][32]byte, len(open))
+	for i, c := range open {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var n int64
+			n, sums[i], errs[i] = transfer(c, 64<<10, uint64(1000+i))
+			if errs[i] == nil && n != reply {
+				errs[i] = fmt.Errorf("received %d bytes, want %d", n, reply)
+			}
+		}()
+	}
+	wg.Wait()
+	open = nil
+	for i, err := range errs {
+		if err != nil || sums[i] != forwardtest.PatternSum(2, reply) {
+			t.Errorf("open tunnel %d while out of fds: err %v, reply hash matches: %v", i, err, sums[i] == forwardtest.PatternSum(2, reply))
+		}
+	}
+	for _, c := range stalled {
+		c.Close()
+	}
+
+	// Recovery: descriptors are free again, new tunnels work.
+	var n int64
+	var sum [32]byte
+	var err error
+	deadline = time.Now().Add(10 * time.Second)
+	for {
+		var c *tls.Conn
+		if c, err = e.openTunnel("sbx-fd-after", up.Addr(), 3*time.Second); err == nil {
+			if n, sum, err = transfer(c, 1000, 5); err == nil {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no tunnel after the descriptors came back: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if n != reply || sum != forwardtest.PatternSum(2, reply) {
+		t.Errorf("tunnel after recovery: %d bytes, hash matches: %v", n, sum == forwardtest.PatternSum(2, reply))
+	}
+	// The shortage was counted, the refusal too, and the descriptors are
+	// back to where they started.
+	metrics := string(e.adminBody(t, "/metrics"))
+	for _, re := range []string{`(?m)^caddy_ktls_accept_retries_total [1-9]`, `(?m)^caddy_ktls_sandbox_rejects_total\{reason="dial-failed"\} 1$`} {
+		if !regexp.MustCompile(re).MatchString(metrics) {
+			t.Errorf("/metrics does not match %s", re)
+		}
+	}
+	deadline = time.Now().Add(5 * time.Second)
+	for p.openFDs(t) > fdsAtStart {
+		if time.Now().After(deadline) {
+			t.Fatalf("caddy holds %d fds after the tunnels closed, %d at start", p.openFDs(t), fdsAtStart)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	up.Close()
+	got := map[[32]byte]int64{}
+	for _, r := range up.Results() {
+		got[r.RecvSum] = r.Received
+	}
+	for i := range errs {
+		if got[forwardtest.PatternSum(uint64(1000+i), 64<<10)] != 64<<10 {
+			t.Errorf("upstream did not receive tunnel %d's bytes", i)
+		}
+	}
+	if got[forwardtest.PatternSum(5, 1000)] != 1000 {
+		t.Errorf("upstream did not receive the recovered tunnel's bytes")
+	}
+}
+
+// SIGTERM with 100 tunnels moving data: the real binary stops accepting at
+// once, lets the tunnels that finish within drain_grace_period finish with
+// every byte intact, closes the rest after it, and exits 0.
+func TestSandboxDrainManyTunnels(t *testing.T) {
+	const (
+		grace     = 6 * time.Second
+		finishing = 50      // end their transfer shortly after SIGTERM
+		streaming = 50      // would stream forever: closed by the drain
+		chunk     = 1 << 10 // every 20ms per tunnel: 100 tunnels must not starve 2 cores
+		reply     = 256 << 10
+	)
+	finite := forwardtest.NewUpstream(t, reply)
+	endless := tricklingUpstream(t, chunk, 20*time.Millisecond)
+	e := newSandboxConfig(t, map[string]any{"drain_grace_period": grace.String()})
+	p := startCaddy(t, e, "")
+
+	finish := make(chan struct{}) // closed shortly after SIGTERM: the finishing tunnels end
+	var finished []<-chan streamOutcome
+	var moving atomic.Int64    // bytes the streaming tunnels received
+	var streamers atomic.Int64 // streaming tunnels that received bytes
+	streamEnded := make(chan error, streaming)
+	for i := range finishing {
+		c := e.dial(t, fmt.Sprintf("sbx-drain-fin-%d", i), finite.Addr())
+		finished = append(finished, pacedStream(c, uint64(300+i), chunk, 20*time.Millisecond, finish))
+	}
+	for i := range streaming {
+		c := e.dial(t, fmt.Sprintf("sbx-drain-str-%d", i), endless)
+		go func() {
+			defer c.Close()
+			// Unpaced: the upstream paces, so nothing piles up in socket
+			// buffers and the drain's close is seen at once.
+			buf := make([]byte, 16<<10)
+			for first := true; ; first = false {
+				n, err := c.Read(buf)
+				if first && err == nil {
+					streamers.Add(1)
+				}
+				moving.Add(int64(n))
+				if err != nil {
+					streamEnded <- err
+					return
+				}
+			}
+		}()
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	// Every tunnel is open (a preamble still in flight at SIGTERM would be
+	// refused as "draining").
+	for streamers.Load() < streaming || finite.Accepted() < finishing {
+		if time.Now().After(deadline) {
+			t.Fatalf("tunnels did not start moving: %d streaming, %d finishing tunnels dialed", streamers.Load(), finite.Accepted())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	// The finishing tunnels end well within the grace period; the
+	// streaming ones must all be alive then.
+	finishBy := time.After(grace / 2)
+	// New connections are refused during the drain.
+	deadline = time.Now().Add(5 * time.Second)
+	for connectable(e.addr) {
+		if time.Now().After(deadline) {
+			t.Fatal("caddy still accepts connections after SIGTERM")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if c, err := e.openTunnel("sbx-drain-late", finite.Addr(), 2*time.Second); err == nil {
+		c.Close()
+		t.Error("a tunnel opened during the drain")
+	}
+	at := moving.Load()
+	close(finish)
+	sent := map[[32]byte]int64{} // what each finishing client sent, by hash
+	for _, done := range finished {
+		select {
+		case o := <-done:
+			sent[o.sentSum] = o.sent
+			if o.err != nil || o.recv != reply || o.recvSum != forwardtest.PatternSum(2, reply) {
+				t.Errorf("finishing tunnel: received %d of %d bytes (hash ok: %v), err %v", o.recv, reply, o.recvSum == forwardtest.PatternSum(2, reply), o.err)
+			}
+		case <-finishBy:
+			t.Fatal("the finishing tunnels did not all finish within half the grace period")
+		}
+	}
+	select {
+	case err := <-streamEnded:
+		t.Fatalf("a streaming tunnel ended within half the grace period: %v", err)
+	default:
+	}
+	if moving.Load() == at {
+		t.Error("the streaming tunnels moved no bytes during the drain")
+	}
+	for range streaming {
+		select {
+		case <-streamEnded:
+		case <-time.After(grace + 10*time.Second):
+			t.Fatal("a streaming tunnel is still open long after the grace period")
+		}
+	}
+	p.exitedAfterDrain(t, e, streaming)
+	finite.Close()
+	if n := len(finite.Results()); n != finishing {
+		t.Errorf("upstream saw %d finishing tunnels, want %d (a late tunnel was dialed?)", n, finishing)
+	}
+	matched := 0
+	for _, r := range finite.Results() {
+		if n, ok := sent[r.RecvSum]; ok && n == r.Received {
+			matched++
+		}
+	}
+	if matched != finishing {
+		t.Errorf("%d of %d finishing tunnels delivered exactly what their client sent", matched, finishing)
+	}
+}
+
+// Slowloris at scale: hundreds of gateways' sessions each dribble a valid
+// preamble one byte per second. Every one is cut at preamble_timeout with
+// reason "timeout" (logged with the peer, counted), nothing is dialed for
+// them, a normal tunnel opened during the attack works, and every fd and
+// goroutine is released after.
+func TestSandboxSlowlorisPreambles(t *testing.T) {
+	slow := 500
+	if forwardtest.RaceEnabled {
+		slow = 200 // the race detector makes each handshake ~10x dearer
+	}
+	size := int64(1 << 20)
+	up := forwardtest.NewUpstream(t, size+3)
+	e := newSandboxEnv(t, map[string]any{"preamble_timeout": "2s"})
+	forwardtest.CheckLeaks(t)
+	before := tunnels.Rejections()["timeout"]
+
+	frame := e.gw.Frame(t, "sbx-slow", up.Addr())
+	var wg sync.WaitGroup
+	var dribbling sync.WaitGroup // until every slow session started to dribble
+	read := make(chan int64, slow)
+	handshakes := make(chan struct{}, 32) // bounded concurrent handshakes
+	dribbling.Add(slow)
+	for range slow {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			handshakes <- struct{}{}
+			c, err := tls.Dial("tcp", e.addr, e.tlsConfig(e.client))
+			<-handshakes
+			dribbling.Done()
+			if err != nil {
+				t.Errorf("slow session handshake: %v", err)
+				return
+			}
+			defer c.Close()
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				c.SetReadDeadline(time.Now().Add(30 * time.Second))
+				n, _ := io.Copy(io.Discard, c)
+				read <- n
+			}()
+			tick := time.NewTicker(time.Second)
+			defer tick.Stop()
+		dribble:
+			for i := range frame {
+				if _, err := c.Write(frame[i : i+1]); err != nil {
+					break
+				}
+				select {
+				case <-done: // cut off
+					break dribble
+				case <-tick.C:
+				}
+			}
+			<-done
+		}()
+	}
+	dribbling.Wait()
+	// A normal tunnel during the attack.
+	n, recvSum, err := transfer(e.dial(t, "sbx-during-slowloris", up.Addr()), size, 9)
+	if err != nil {
+		t.Errorf("tunnel during the attack: %v", err)
+	}
+	wg.Wait()
+	close(read)
+	for n := range read {
+		if n != 0 {
+			t.Errorf("a slow session read %d bytes; want a silent close", n)
+		}
+	}
+	waitRejections(t, "timeout", before+uint64(slow))
+	checkTunnelTransfer(t, up, size, 9, n, recvSum)
+	if up.Accepted() != 1 {
+		t.Errorf("upstream accepted %d connections, want only the normal tunnel's", up.Accepted())
+	}
+	logged := 0
+	for _, l := range e.logLines(t, "sandbox tunnel rejected") {
+		if l["reason"] == "timeout" && l["peer"] != "" {
+			logged++
+		}
+	}
+	if logged != slow {
+		t.Errorf("%d timeout log lines with a peer, want %d", logged, slow)
+	}
+}
+
+// Peers that fail mutual TLS never reach the preamble parser: non-TLS
+// bytes, no client certificate, a certificate of another CA, and one of
+// the right CA that is not on the leaf allowlist. Each connection is
+// closed without a tunnel byte, logged with the peer, counted as
+// handshake-failed, and nothing is dialed.
+func TestSandboxHandshakeRefusals(t *testing.T) {
+	up := forwardtest.NewUpstream(t, 0)
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	stranger := e.ca.Client(t, "not-allowed")
+	otherCA := testpki.NewCA(t, "other CA").Client(t, "gateway-1")
+	tlsCase := func(leaf *testpki.Leaf) func(t *testing.T) {
+		return func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			c, err := preamble.Dial(ctx, "tcp", e.addr, e.tlsConfig(leaf), e.gw.Signer, preamble.Claims{SandboxID: "sbx", Target: up.Addr()})
+			if err != nil {
+				return // refused in the handshake
+			}
+			defer c.Close()
+			// TLS 1.3: the client learns of the refusal on its first read.
+			c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			if n, err := io.Copy(io.Discard, c); n != 0 || err == nil {
+				t.Errorf("refused client read %d tunnel bytes and then err %v; want an error, no byte", n, err)
+			}
+		}
+	}
+	cases := []struct {
+		name string
+		run  func(t *testing.T)
+	}{
+		{"non-tls", func(t *testing.T) {
+			c, err := net.Dial("tcp", e.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.Write([]byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"))
+			c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			if b, _ := io.ReadAll(c); len(b) > 0 && b[0] != 0x15 { // at most a TLS alert record
+				t.Errorf("non-TLS client read %q", b)
+			}
+		}},
+		{"no-client-certificate", tlsCase(nil)},
+		{"other-ca", tlsCase(otherCA)},
+		{"not-on-allowlist", tlsCase(stranger)},
+	}
+	failed := func() uint64 { return ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed] }
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			before := failed()
+			logged := len(e.logLines(t, "handling connection"))
+			tc.run(t)
+			deadline := time.Now().Add(5 * time.Second)
+			for failed() != before+1 || len(e.logLines(t, "handling connection")) != logged+1 {
+				if time.Now().After(deadline) {
+					t.Fatalf("handshake-failed %d -> %d, log lines %d -> %d; want one more of each",
+						before, failed(), logged, len(e.logLines(t, "handling connection")))
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			l := e.logLines(t, "handling connection")[logged]
+			if l["level"] != "error" || l["remote"] == "" || !strings.Contains(fmt.Sprint(l["error"]), "ktls handshake") {
+				t.Errorf("log line %v: want an error naming the handshake and the peer", l)
+			}
+		})
+	}
+	if up.Accepted() != 0 {
+		t.Errorf("upstream dialed %d times for refused peers", up.Accepted())
+	}
+	if n := len(e.logLines(t, "sandbox tunnel rejected")); n != 0 {
+		t.Errorf("%d refused peers reached the preamble parser", n)
+	}
+	metrics := string(e.adminBody(t, "/metrics"))
+	if line := fmt.Sprintf("caddy_ktls_handshakes_total{reason=%q} %d\n", ktls.ReasonHandshakeFailed, failed()); !strings.Contains(metrics, line) {
+		t.Errorf("/metrics lacks %q", line)
+	}
+}
+
+// tricklingUpstream is a sandbox service that writes chunk pattern bytes
+// every pace on each connection until the connection fails, and discards
+// what it receives. It stops at test cleanup.
+func tricklingUpstream(t *testing.T, chunk int, pace time.Duration) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(2)
+			go func() {
+				defer wg.Done()
+				io.Copy(io.Discard, c)
+			}()
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				buf := make([]byte, chunk)
+				src := forwardtest.NewPattern(1)
+				for {
+					src.Read(buf)
+					if _, err := c.Write(buf); err != nil {
+						return
+					}
+					time.Sleep(pace)
+				}
+			}()
+		}
+	}()
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// streamOutcome is what a pacedStream client sent and received.
+type streamOutcome struct {
+	sent, recv       int64
+	sentSum, recvSum [32]byte
+	err              error
+}
+
+// pacedStream writes chunk pattern bytes (seed) on c every pace until stop
+// is closed, then half-closes; meanwhile it reads to EOF. It closes c and
+// reports both directions' counts and hashes.
+func pacedStream(c *tls.Conn, seed uint64, chunk int, pace time.Duration, stop <-chan struct{}) <-chan streamOutcome {
+	out := make(chan streamOutcome, 1)
+	go func() {
+		defer c.Close()
+		var o streamOutcome
+		werr := make(chan error, 1)
+		go func() {
+			h := sha256.New()
+			src := forwardtest.NewPattern(seed)
+			buf := make([]byte, chunk)
+			for {
+				src.Read(buf)
+				if _, err := c.Write(buf); err != nil {
+					werr <- err
+					return
+				}
+				h.Write(buf)
+				o.sent += int64(chunk)
+				select {
+				case <-stop:
+					copy(o.sentSum[:], h.Sum(nil))
+					werr <- c.CloseWrite()
+					return
+				case <-time.After(pace):
+				}
+			}
+		}()
+		h := sha256.New()
+		o.recv, o.err = io.Copy(h, c)
+		copy(o.recvSum[:], h.Sum(nil))
+		if err := <-werr; o.err == nil {
+			o.err = err
+		}
+		out <- o
+	}()
+	return out
+}

@@ -1,0 +1,381 @@
+package caddyktls
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+)
+
+// These tests put OpenSSL in the gateway's seat: testdata/ossl_gateway.py
+// drives libssl through ctypes (`openssl s_client` cannot write the binary
+// preamble and later send a KeyUpdate; see the script). The target echoes,
+// and the gateway waits for the echo of each block before its next step, so
+// every KeyUpdate, close_notify or bad record reaches the forwarder while
+// its relay is splicing, between records it has already moved.
+
+// gatewayResult is what ossl_gateway.py reports.
+type gatewayResult struct {
+	Version        string `json:"version"`
+	Cipher         string `json:"cipher"`
+	StepsDone      int    `json:"steps_done"`
+	Error          string `json:"error"`
+	Sent           int64  `json:"sent"`
+	SentSHA256     string `json:"sent_sha256"`
+	Received       int64  `json:"received"`
+	ReceivedSHA256 string `json:"received_sha256"`
+	KeyUpdates     int    `json:"key_updates"`
+	End            string `json:"end"`
+}
+
+// opensslGateway runs ossl_gateway.py for one tunnel to target with the
+// env's client certificate and an unbound preamble for sandbox, and
+// returns its report. Without python3 the test is skipped loudly (failed
+// under KTLS_REQUIRE=1, where every kernel test must run).
+func (e *sandboxEnv) opensslGateway(t *testing.T, sandbox string, target netip.AddrPort, steps ...string) gatewayResult {
+	t.Helper()
+	python, err := exec.LookPath("python3")
+	if err != nil {
+		if kerneltest.Required() {
+			t.Fatalf("python3 (the OpenSSL gateway's interpreter) not found: %v", err)
+		}
+		fmt.Fprintf(os.Stderr, "SKIP: %s: python3 not found: %v\n", t.Name(), err)
+		t.Skipf("SKIP: python3 not found: %v", err)
+	}
+	dir := t.TempDir()
+	caFile := e.ca.WriteFile(t, dir, "ca")
+	certFile, keyFile := e.client.WriteFiles(t, dir, "gateway")
+	preambleFile := filepath.Join(dir, "preamble")
+	if err := os.WriteFile(preambleFile, e.gw.Frame(t, sandbox, target), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	args := append([]string{"testdata/ossl_gateway.py", e.addr, caFile, certFile, keyFile, preambleFile}, steps...)
+	cmd := exec.CommandContext(t.Context(), python, args...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("ossl_gateway.py: %v\n%s", err, stderr.String())
+	}
+	var res gatewayResult
+	if err := json.Unmarshal(out, &res); err != nil {
+		t.Fatalf("ossl_gateway.py printed %q: %v", out, err)
+	}
+	t.Logf("OpenSSL gateway: %+v", res)
+	return res
+}
+
+// echoResult is what echoUpstream's one connection saw.
+type echoResult struct {
+	n   int64
+	sum string // hex SHA-256 of the bytes, as the gateway reports its own
+	err error
+}
+
+// echoUpstream accepts one connection and sends back everything it
+// receives until EOF, then half-closes; it reports the bytes it echoed.
+func echoUpstream(t *testing.T) (netip.AddrPort, <-chan echoResult) {
+	t.Helper()
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	done := make(chan echoResult, 1)
+	go func() {
+		c, err := ln.AcceptTCP()
+		ln.Close()
+		if err != nil {
+			done <- echoResult{err: err}
+			return
+		}
+		defer c.Close()
+		h := sha256.New()
+		n, err := io.Copy(io.MultiWriter(c, h), c)
+		c.CloseWrite()
+		done <- echoResult{n: n, sum: hex.EncodeToString(h.Sum(nil)), err: err}
+	}()
+	return ln.Addr().(*net.TCPAddr).AddrPort(), done
+}
+
+// metric reads one series (name and labels, as /metrics writes them) from
+// the admin endpoint's /metrics.
+func (e *sandboxEnv) metric(t *testing.T, series string) int64 {
+	t.Helper()
+	for line := range strings.Lines(string(e.adminBody(t, "/metrics"))) {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err != nil {
+				t.Fatalf("/metrics: %q: %v", line, err)
+			}
+			return int64(f)
+		}
+	}
+	t.Fatalf("/metrics has no %s", series)
+	return 0
+}
+
+const (
+	controlRecordsSeries = "caddy_ktls_relay_control_records_total"
+	rateLimitedSeries    = `caddy_ktls_connections_closed_total{event="rate-limited",module="layer4.handlers.ktls"}`
+)
+
+// tunnelEndError returns the error the handler logged when sandbox's tunnel
+// ended, or "" when it ended cleanly.
+func (e *sandboxEnv) tunnelEndError(t *testing.T, sandbox string) string {
+	t.Helper()
+	for _, l := range e.logLines(t, "sandbox tunnel ended with an error") {
+		if l["sandbox"] == sandbox {
+			s, _ := l["error"].(string)
+			return s
+		}
+	}
+	return ""
+}
+
+// dataPathDelta notes tls_stat (on a kTLS kernel) and the registry's
+// data-path totals, and returns a function that gives their deltas since.
+func dataPathDelta(t *testing.T, kernel bool) func() (kerneltest.Stat, forward.DataPath) {
+	t.Helper()
+	read := func() kerneltest.Stat {
+		if !kernel {
+			return kerneltest.Stat{}
+		}
+		s, err := kerneltest.ReadStat()
+		if err != nil {
+			t.Fatalf("read tls_stat: %v", err)
+		}
+		return s
+	}
+	tls0, dp0 := read(), tunnels.DataPath()
+	return func() (kerneltest.Stat, forward.DataPath) {
+		dp := tunnels.DataPath()
+		return read().Sub(tls0), forward.DataPath{
+			SpliceBytes:    dp.SpliceBytes - dp0.SpliceBytes,
+			CopyBytes:      dp.CopyBytes - dp0.CopyBytes,
+			ControlRecords: dp.ControlRecords - dp0.ControlRecords,
+		}
+	}
+}
+
+// keyUpdateBlock is the size of each block the gateway writes and waits to
+// get back between two KeyUpdates: small enough that a blocking write never
+// waits on its own unread echo.
+const keyUpdateBlock = 128 << 10
+
+// TestSandboxOpenSSLKeyUpdate: OpenSSL as the gateway sends KeyUpdates,
+// with and without update_requested, between blocks of a tunnel, then
+// close_notify. On the userspace path (no kTLS here) Go's crypto/tls
+// handles them; every byte must come back unchanged.
+func TestSandboxOpenSSLKeyUpdate(t *testing.T) { sandboxOpenSSLKeyUpdate(t, false) }
+
+// TestKernelSandboxOpenSSLKeyUpdate is TestSandboxOpenSSLKeyUpdate on a kTLS
+// kernel. With rekey (Linux >= 6.14) each KeyUpdate is received as a control
+// record in userspace, the new RX key goes into the kernel and splicing
+// resumes; a requested update is answered with the forwarder's own
+// KeyUpdate and a new kernel TX key, under which the echo must still
+// decrypt at OpenSSL. Without rekey the first KeyUpdate ends the tunnel
+// cleanly with ErrRekeyUnsupported.
+func TestKernelSandboxOpenSSLKeyUpdate(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxOpenSSLKeyUpdate(t, true)
+}
+
+func sandboxOpenSSLKeyUpdate(t *testing.T, kernel bool) {
+	// Userspace TLS always takes KeyUpdates; the kernel from 6.14 on.
+	rekey := !kernel || ktls.Probe().Rekey // before CheckLeaks: the probe is cached for the process
+	steps := []string{
+		"data:" + strconv.Itoa(keyUpdateBlock), "ku:req",
+		"data:" + strconv.Itoa(keyUpdateBlock), "ku:noreq",
+		"data:" + strconv.Itoa(keyUpdateBlock), "ku:req", "ku:noreq",
+		"data:" + strconv.Itoa(keyUpdateBlock), "ku:req",
+		"data:" + strconv.Itoa(keyUpdateBlock), "close",
+	}
+	const keyUpdates, keyUpdatePlaces, requested, total = 5, 4, 3, 5 * keyUpdateBlock
+	if !rekey {
+		// The first KeyUpdate ends the tunnel: the gateway stops writing
+		// there and reads how (more bytes behind the KeyUpdate would still
+		// be unread when the forwarder closes, and TCP would reset the
+		// connection, alert and all).
+		steps = append(steps[:2:2], "wait")
+	}
+	target, echoed := echoUpstream(t)
+	sandbox := uniqueSandbox("sbx-openssl-keyupdate")
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	controls0 := e.metric(t, controlRecordsSeries)
+	since := dataPathDelta(t, kernel)
+
+	gw := e.opensslGateway(t, sandbox, target, steps...)
+	up := <-echoed
+	waitIdle(t)
+	stat, dp := since()
+	t.Logf("rekey=%v tls_stat delta %v; data path %+v; upstream echoed %d bytes (%v)", rekey, stat, dp, up.n, up.err)
+	if gw.Version != "TLSv1.3" {
+		t.Fatalf("OpenSSL negotiated %s, want TLSv1.3 (KeyUpdate is TLS 1.3's)", gw.Version)
+	}
+	if up.err != nil || up.n != gw.Received || up.sum != gw.ReceivedSHA256 {
+		t.Errorf("upstream echoed %d bytes (%v), the gateway got back %d: hashes match %v", up.n, up.err, gw.Received, up.sum == gw.ReceivedSHA256)
+	}
+	if kernel && stat["TlsDecryptError"] != 0 {
+		t.Errorf("tls_stat delta %v: want TlsDecryptError 0", stat)
+	}
+
+	if !rekey {
+		// The tunnel carried the first block, then the KeyUpdate ended it:
+		// the forwarder reported why with an alert and closed both sides.
+		if gw.Error != "" || gw.StepsDone != len(steps) || gw.Sent != keyUpdateBlock || gw.Received != keyUpdateBlock ||
+			gw.SentSHA256 != gw.ReceivedSHA256 || !strings.Contains(gw.End, "alert internal error") {
+			t.Errorf("gateway %+v: want the first block echoed, the KeyUpdate sent, then the forwarder's internal_error alert", gw)
+		}
+		if got := e.tunnelEndError(t, sandbox); !strings.Contains(got, ktls.ErrRekeyUnsupported.Error()) {
+			t.Errorf("tunnel end logged with error %q, want %q", got, ktls.ErrRekeyUnsupported)
+		}
+		return
+	}
+	if gw.Error != "" || gw.StepsDone != len(steps) || gw.KeyUpdates != keyUpdates {
+		t.Fatalf("gateway %+v: want all %d steps and %d KeyUpdates", gw, len(steps), keyUpdates)
+	}
+	if gw.Sent != total || gw.Received != total || gw.SentSHA256 != gw.ReceivedSHA256 {
+		t.Errorf("gateway sent %d and got back %d bytes, want %d both ways, same hash", gw.Sent, gw.Received, total)
+	}
+	if gw.End != "close_notify" {
+		t.Errorf("the gateway's tunnel ended with %q, want the forwarder's close_notify", gw.End)
+	}
+	if got := e.tunnelEndError(t, sandbox); got != "" {
+		t.Errorf("tunnel ended with error %q", got)
+	}
+	if !kernel {
+		return
+	}
+	if stat["TlsRxRekeyOk"] < keyUpdates || stat["TlsTxRekeyOk"] < requested || stat["TlsRxRekeyError"] != 0 {
+		t.Errorf("tls_stat delta %v: want TlsRxRekeyOk >= %d, TlsTxRekeyOk >= %d, TlsRxRekeyError 0", stat, keyUpdates, requested)
+	}
+	// splice(2) refuses the record at the head of the queue once at each
+	// place a KeyUpdate (or two back to back) and the close_notify stand;
+	// the source's Read then handles them in userspace, and may go on to
+	// return data behind them, which is copied: at most one copy buffer
+	// (splice's 32 KiB) per refusal. Everything else is spliced.
+	if dp.ControlRecords < keyUpdatePlaces+1 {
+		t.Errorf("relay handed %d control records to userspace, want >= %d (KeyUpdates at %d places, close_notify)", dp.ControlRecords, keyUpdatePlaces+1, keyUpdatePlaces)
+	}
+	if got := e.metric(t, controlRecordsSeries) - controls0; got != dp.ControlRecords {
+		t.Errorf("%s rose by %d, the registry by %d", controlRecordsSeries, got, dp.ControlRecords)
+	}
+	if dp.SpliceBytes+dp.CopyBytes != 2*total || dp.CopyBytes > dp.ControlRecords*(32<<10) {
+		t.Errorf("data path %+v: want %d bytes, all spliced but at most 32 KiB after each control record", dp, 2*total)
+	}
+}
+
+// TestSandboxBadRecord: after a block, the gateway writes a record the
+// forwarder cannot decrypt (garbage where the AEAD tag should be). The
+// tunnel ends with an error on both sides, the sandbox sees its connection
+// close after exactly the bytes before the bad record, nothing leaks.
+func TestSandboxBadRecord(t *testing.T) { sandboxBadRecord(t, false) }
+
+// TestKernelSandboxBadRecord is TestSandboxBadRecord on a kTLS kernel: the
+// kernel fails the record (EBADMSG, counted in TlsDecryptError).
+func TestKernelSandboxBadRecord(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxBadRecord(t, true)
+}
+
+func sandboxBadRecord(t *testing.T, kernel bool) {
+	target, echoed := echoUpstream(t)
+	sandbox := uniqueSandbox("sbx-bad-record")
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	since := dataPathDelta(t, kernel)
+	gw := e.opensslGateway(t, sandbox, target, "data:"+strconv.Itoa(keyUpdateBlock), "badrecord", "wait")
+	up := <-echoed
+	waitIdle(t)
+	stat, dp := since()
+	t.Logf("tls_stat delta %v; data path %+v", stat, dp)
+	if gw.Received != keyUpdateBlock || up.err != nil || up.n != keyUpdateBlock || up.sum != gw.ReceivedSHA256 {
+		t.Errorf("gateway %+v, upstream echoed %d bytes (%v): want the block before the bad record, and no more, both ways", gw, up.n, up.err)
+	}
+	if gw.End == "" || gw.End == "close_notify" {
+		t.Errorf("the gateway's tunnel ended with %q, want an error or EOF (the forwarder failed it)", gw.End)
+	}
+	logged := e.tunnelEndError(t, sandbox)
+	if logged == "" {
+		t.Errorf("no log line says the tunnel of %s ended with an error", sandbox)
+	}
+	// splice(2) fails with EBADMSG once and the relay ends the tunnel: the
+	// record is not handed to the conn's Read, which would fail on it (and
+	// count it) a second time.
+	if kernel && (stat["TlsDecryptError"] != 1 || !strings.Contains(logged, syscall.EBADMSG.Error())) {
+		t.Errorf("tls_stat delta %v, tunnel error %q: want TlsDecryptError 1 and EBADMSG", stat, logged)
+	}
+}
+
+// TestKernelSandboxKeyUpdateFlood: OpenSSL sends 1,000 KeyUpdates back to
+// back, far above the default limit (10/s, burst 20). With rekey the
+// forwarder installs the burst's keys, then closes the tunnel with
+// ErrKeyUpdateRateLimited (and an unexpected_message alert); without, the
+// first KeyUpdate closes it with ErrRekeyUnsupported. Either way the
+// sandbox sees its connection close, nothing leaks, and the next tunnel
+// works.
+func TestKernelSandboxKeyUpdateFlood(t *testing.T) {
+	kerneltest.Require(t)
+	rekey := ktls.Probe().Rekey // before CheckLeaks: the probe is cached for the process
+	const flood, burst = 1000, 20
+	target, echoed := echoUpstream(t)
+	sandbox := uniqueSandbox("sbx-keyupdate-flood")
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	since := dataPathDelta(t, true)
+	rateLimited0 := e.metric(t, rateLimitedSeries)
+	gw := e.opensslGateway(t, sandbox, target, "data:"+strconv.Itoa(keyUpdateBlock), "kuflood:"+strconv.Itoa(flood), "wait")
+	up := <-echoed
+	waitIdle(t)
+	stat, dp := since()
+	t.Logf("rekey=%v tls_stat delta %v; data path %+v", rekey, stat, dp)
+	if gw.Received != keyUpdateBlock || up.err != nil || up.n != keyUpdateBlock || up.sum != gw.ReceivedSHA256 {
+		t.Errorf("gateway %+v, upstream echoed %d bytes (%v): want the block before the flood both ways, then the close", gw, up.n, up.err)
+	}
+	if gw.End == "close_notify" || gw.KeyUpdates == 0 {
+		t.Errorf("gateway %+v: want KeyUpdates sent and the tunnel failed", gw)
+	}
+	want := ktls.ErrRekeyUnsupported
+	if rekey {
+		want = ktls.ErrKeyUpdateRateLimited
+		if stat["TlsRxRekeyOk"] < burst || stat["TlsRxRekeyOk"] >= flood || stat["TlsDecryptError"] != 0 {
+			t.Errorf("tls_stat delta %v: want TlsRxRekeyOk from the burst (%d) to fewer than the %d sent, TlsDecryptError 0", stat, burst, flood)
+		}
+		if got := e.metric(t, rateLimitedSeries) - rateLimited0; got != 1 {
+			t.Errorf("%s rose by %d, want 1", rateLimitedSeries, got)
+		}
+	}
+	if got := e.tunnelEndError(t, sandbox); !strings.Contains(got, want.Error()) {
+		t.Errorf("tunnel end logged with error %q, want %q", got, want)
+	}
+
+	// The forwarder is fine: a second tunnel carries its bytes and closes cleanly.
+	target, echoed = echoUpstream(t)
+	next := uniqueSandbox("sbx-after-flood")
+	gw = e.opensslGateway(t, next, target, "data:"+strconv.Itoa(keyUpdateBlock), "close")
+	up = <-echoed
+	waitIdle(t)
+	if gw.Error != "" || gw.Received != keyUpdateBlock || gw.SentSHA256 != gw.ReceivedSHA256 || up.n != keyUpdateBlock || gw.End != "close_notify" {
+		t.Errorf("tunnel after the flood: gateway %+v, upstream echoed %d bytes", gw, up.n)
+	}
+	if got := e.tunnelEndError(t, next); got != "" {
+		t.Errorf("tunnel after the flood ended with error %q", got)
+	}
+}

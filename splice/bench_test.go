@@ -19,8 +19,12 @@ import (
 //   - io.Copy-userspace: a plain io.CopyBuffer relay with a 32 KiB buffer,
 //     what a relay over userspace TLS connections does;
 //   - io.Copy-net: io.Copy between the *net.TCPConns, which Go itself
-//     implements with splice(2) (but dies on kTLS control records).
+//     implements with splice(2) (but dies on kTLS control records);
+//   - no-relay: the client writes straight into the sink, the cost every
+//     variant shares: a variant's cpu-s/GiB minus this one's is the relay's
+//     own CPU per GiB.
 func BenchmarkRelay(b *testing.B) {
+	b.Run("no-relay", func(b *testing.B) { benchRelay(b, nil) })
 	b.Run("splice", func(b *testing.B) {
 		benchRelay(b, func(a, c *net.TCPConn) { Relay(b.Context(), a, c, Options{}) })
 	})
@@ -41,18 +45,26 @@ func BenchmarkRelay(b *testing.B) {
 	})
 }
 
+// benchRelay runs relay between the topology's relay ends; a nil relay
+// connects the client to the sink directly.
 func benchRelay(b *testing.B, relay func(a, c *net.TCPConn)) {
 	const chunk = 1 * MiB
 	tp := newTopology(b)
+	sink := tp.upstream
 	relayDone := make(chan struct{})
-	go func() {
-		relay(tp.relayA, tp.relayB)
+	if relay == nil {
+		sink = tp.relayA
 		close(relayDone)
-	}()
+	} else {
+		go func() {
+			relay(tp.relayA, tp.relayB)
+			close(relayDone)
+		}()
+	}
 	sinkDone := make(chan int64)
 	go func() {
-		n, _ := io.CopyBuffer(struct{ io.Writer }{io.Discard}, struct{ io.Reader }{tp.upstream}, make([]byte, 256<<10))
-		tp.upstream.CloseWrite() // ends the tunnel's other direction
+		n, _ := io.CopyBuffer(struct{ io.Writer }{io.Discard}, struct{ io.Reader }{sink}, make([]byte, 256<<10))
+		sink.CloseWrite() // ends the tunnel's other direction
 		sinkDone <- n
 	}()
 	buf := make([]byte, chunk)

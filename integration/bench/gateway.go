@@ -1,0 +1,316 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// gateway is the client side of every shape: it stands for the edge gateway
+// (and its user) and checks every byte that comes back.
+type gateway struct {
+	// dial opens one tunnel to the forwarder, ready for the header protocol
+	// (nil for the HTTP contender).
+	dial func(ctx context.Context) (net.Conn, error)
+	// base is the HTTPS origin of the HTTP contender ("" for L4 contenders).
+	base string
+	tls  *tls.Config
+}
+
+// pinnedSuite is the one cipher suite of every TLS contender: equal crypto
+// work, and the suite the kTLS floor installs. A handshake that picks another
+// fails the run instead of skewing it.
+const pinnedSuite = tls.TLS_AES_128_GCM_SHA256
+
+func checkSuite(cs tls.ConnectionState) error {
+	if cs.Version != tls.VersionTLS13 || cs.CipherSuite != pinnedSuite {
+		return fmt.Errorf("negotiated %s with %s, want TLS 1.3 with %s",
+			tls.VersionName(cs.Version), tls.CipherSuiteName(cs.CipherSuite), tls.CipherSuiteName(pinnedSuite))
+	}
+	return nil
+}
+
+// gatewayTLS is the gateway's client config: full handshakes only (no session
+// cache), X25519 only (HAProxy and nginx on OpenSSL 3.0 lack Go's default
+// post-quantum X25519MLKEM768, so every contender does the same key exchange).
+func gatewayTLS(roots *pki) *tls.Config {
+	return &tls.Config{
+		RootCAs:          roots.pool,
+		ServerName:       "localhost",
+		MinVersion:       tls.VersionTLS13,
+		CurvePreferences: []tls.CurveID{tls.X25519},
+	}
+}
+
+func plainDialer(addr string) func(context.Context) (net.Conn, error) {
+	return func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", addr)
+	}
+}
+
+func tlsDialer(addr string, cfg *tls.Config) func(context.Context) (net.Conn, error) {
+	return func(ctx context.Context) (net.Conn, error) {
+		d := tls.Dialer{Config: cfg}
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err != nil {
+			return nil, err
+		}
+		if err := checkSuite(c.(*tls.Conn).ConnectionState()); err != nil {
+			c.Close()
+			return nil, err
+		}
+		return c, nil
+	}
+}
+
+// preambleDialer is the real gateway: mutual TLS is left out (no contender
+// authenticates clients), the preamble is bound to the session and signed.
+func preambleDialer(addr string, cfg *tls.Config, signer *preamble.Signer, target netip.AddrPort) func(context.Context) (net.Conn, error) {
+	return func(ctx context.Context) (net.Conn, error) {
+		c, err := preamble.Dial(ctx, "tcp", addr, cfg, signer, preamble.Claims{SandboxID: "bench", Target: target})
+		if err != nil {
+			return nil, err
+		}
+		if err := checkSuite(c.ConnectionState()); err != nil {
+			c.Close()
+			return nil, err
+		}
+		return c, nil
+	}
+}
+
+// transfer is what one run of a shape did.
+type transfer struct {
+	bytes     int64           // payload bytes moved, both directions
+	calls     int             // small calls completed
+	latencies []time.Duration // one per small call
+}
+
+func (g *gateway) upload(ctx context.Context, n int64) (transfer, error) {
+	want := payloadSum(n)
+	if g.dial == nil {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/upload", newPayload(n))
+		if err != nil {
+			return transfer{}, err
+		}
+		req.ContentLength = n
+		body, err := g.httpDo(newTransport(g.tls, 1, true), req, 64)
+		if err != nil {
+			return transfer{}, err
+		}
+		if string(body) != hex.EncodeToString(want[:]) {
+			return transfer{}, fmt.Errorf("upload: upstream saw SHA-256 %s, sent %x", body, want)
+		}
+		return transfer{bytes: n}, nil
+	}
+	c, err := g.dial(ctx)
+	if err != nil {
+		return transfer{}, err
+	}
+	defer c.Close()
+	if _, err := c.Write(header{op: opUpload, n: uint64(n)}.marshal()); err != nil {
+		return transfer{}, err
+	}
+	if _, err := newPayload(n).WriteTo(c); err != nil {
+		return transfer{}, fmt.Errorf("upload: %w", err)
+	}
+	var got [32]byte
+	if _, err := io.ReadFull(c, got[:]); err != nil {
+		return transfer{}, fmt.Errorf("upload: reading the upstream's SHA-256: %w", err)
+	}
+	if got != want {
+		return transfer{}, fmt.Errorf("upload: upstream saw SHA-256 %x, sent %x", got, want)
+	}
+	return transfer{bytes: n}, nil
+}
+
+func (g *gateway) download(ctx context.Context, n int64) (transfer, error) {
+	var body io.ReadCloser
+	if g.dial == nil {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, g.base+"/download?n="+strconv.FormatInt(n, 10), nil)
+		if err != nil {
+			return transfer{}, err
+		}
+		resp, err := newTransport(g.tls, 1, true).RoundTrip(req)
+		if err != nil {
+			return transfer{}, err
+		}
+		if err := checkResponse(resp); err != nil {
+			return transfer{}, err
+		}
+		body = resp.Body
+	} else {
+		c, err := g.dial(ctx)
+		if err != nil {
+			return transfer{}, err
+		}
+		if _, err := c.Write(header{op: opDownload, n: uint64(n)}.marshal()); err != nil {
+			c.Close()
+			return transfer{}, err
+		}
+		body = c
+	}
+	defer body.Close()
+	sum := sha256.New()
+	got, err := io.CopyBuffer(sum, body, make([]byte, 256<<10))
+	if err != nil {
+		return transfer{}, fmt.Errorf("download: %w after %d bytes", err, got)
+	}
+	if want := payloadSum(n); got != n || !bytes.Equal(sum.Sum(nil), want[:]) {
+		return transfer{}, fmt.Errorf("download: received %d bytes with SHA-256 %x, want %d bytes with %x", got, sum.Sum(nil), n, want)
+	}
+	return transfer{bytes: n}, nil
+}
+
+// small runs calls request/response exchanges over conns concurrent
+// workers. reuse keeps one connection per worker; otherwise every call opens
+// (and handshakes) its own, and its latency includes that.
+func (g *gateway) small(ctx context.Context, conns, calls, reqLen, respLen int, reuse bool) (transfer, error) {
+	var (
+		mu  sync.Mutex
+		out transfer
+		wg  sync.WaitGroup
+	)
+	errs := make([]error, conns)
+	var tr *http.Transport
+	if g.dial == nil {
+		tr = newTransport(g.tls, conns, !reuse)
+		defer tr.CloseIdleConnections()
+	}
+	for w := range conns {
+		share := calls / conns
+		if w < calls%conns {
+			share++
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var lat []time.Duration
+			var err error
+			switch {
+			case tr != nil:
+				lat, err = g.httpCalls(ctx, tr, share, reqLen, respLen)
+			case reuse:
+				lat, err = g.rawCalls(ctx, share, reqLen, respLen)
+			default:
+				for range share {
+					var one []time.Duration
+					if one, err = g.rawCalls(ctx, 1, reqLen, respLen); err != nil {
+						break
+					}
+					lat = append(lat, one...)
+				}
+			}
+			errs[w] = err
+			mu.Lock()
+			out.latencies = append(out.latencies, lat...)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	out.calls = len(out.latencies)
+	out.bytes = int64(out.calls) * int64(reqLen+respLen)
+	if err := errors.Join(errs...); err != nil {
+		return out, err
+	}
+	return out, nil
+}
+
+// rawCalls makes n calls on one new tunnel; the latency of the first includes
+// the dial, the handshake and (ktls) the preamble.
+func (g *gateway) rawCalls(ctx context.Context, n, reqLen, respLen int) ([]time.Duration, error) {
+	start := time.Now()
+	c, err := g.dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	if _, err := c.Write(header{op: opSmall, req: uint32(reqLen), resp: uint32(respLen), n: uint64(n)}.marshal()); err != nil {
+		return nil, err
+	}
+	resp := make([]byte, respLen)
+	lat := make([]time.Duration, 0, n)
+	for range n {
+		if _, err := c.Write(block[:reqLen]); err != nil {
+			return lat, err
+		}
+		if _, err := io.ReadFull(c, resp); err != nil {
+			return lat, fmt.Errorf("small call: %w", err)
+		}
+		if !bytes.Equal(resp, block[:respLen]) {
+			return lat, errors.New("small call: response bytes differ from the payload")
+		}
+		lat = append(lat, time.Since(start))
+		start = time.Now()
+	}
+	return lat, nil
+}
+
+func (g *gateway) httpCalls(ctx context.Context, tr *http.Transport, n, reqLen, respLen int) ([]time.Duration, error) {
+	lat := make([]time.Duration, 0, n)
+	for range n {
+		start := time.Now()
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/call?resp="+strconv.Itoa(respLen), bytes.NewReader(block[:reqLen]))
+		if err != nil {
+			return lat, err
+		}
+		body, err := g.httpDo(tr, req, respLen)
+		if err != nil {
+			return lat, err
+		}
+		if !bytes.Equal(body, block[:respLen]) {
+			return lat, errors.New("small call: response bytes differ from the payload")
+		}
+		lat = append(lat, time.Since(start))
+	}
+	return lat, nil
+}
+
+// newTransport is an HTTP/1.1-only client transport (reverse_proxy's shape:
+// HTTPS in, HTTP/1.1 out) without session resumption.
+func newTransport(cfg *tls.Config, conns int, perCall bool) *http.Transport {
+	return &http.Transport{
+		TLSClientConfig:     cfg,
+		MaxIdleConnsPerHost: conns,
+		DisableKeepAlives:   perCall,
+		DisableCompression:  true,
+	}
+}
+
+func (g *gateway) httpDo(tr *http.Transport, req *http.Request, limit int) ([]byte, error) {
+	resp, err := tr.RoundTrip(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if err := checkResponse(resp); err != nil {
+		return nil, err
+	}
+	return io.ReadAll(io.LimitReader(resp.Body, int64(limit)+1))
+}
+
+func checkResponse(resp *http.Response) error {
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		resp.Body.Close()
+		return fmt.Errorf("HTTP %s: %s", resp.Status, msg)
+	}
+	if resp.TLS == nil {
+		return errors.New("HTTP response without TLS")
+	}
+	return checkSuite(*resp.TLS)
+}

@@ -1,0 +1,506 @@
+// Command bench is the benchmark harness of caddy-ktls (issue 7): it runs
+// every forwarder contender (this project with kTLS on, RX off and offload
+// off, caddy-l4's tls+proxy, Caddy's reverse_proxy, HAProxy, nginx, and two
+// floors of its own) against the same upstream, through the same gateway
+// client, and writes one JSON document (docs/bench/results.json).
+//
+// integration/bench.sh builds it and runs it in a VM under qemu -icount,
+// where guest time counts instructions; see that script for the modes.
+//
+//	bench run [flags]      the driver: gateway, upstream, contenders, JSON
+//	bench floor-ktls ...   the crypto floor: TLS 1.3 → kTLS TX+RX → splice
+//	bench floor-plain ...  plain TCP → splice
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+func main() {
+	log.SetFlags(0)
+	if len(os.Args) < 2 {
+		log.Fatal("usage: bench run|floor-ktls|floor-plain [flags]")
+	}
+	var err error
+	switch sub := os.Args[1]; sub {
+	case "run":
+		err = runDriver(os.Args[2:])
+	case "floor-ktls", "floor-plain":
+		err = runFloor(sub, os.Args[2:])
+	default:
+		err = fmt.Errorf("unknown subcommand %q", sub)
+	}
+	if err != nil {
+		log.Fatalf("bench: %v", err)
+	}
+}
+
+// params are the sizes of a run, recorded in the JSON.
+type params struct {
+	BulkBytes         int64 `json:"bulk_bytes"`
+	Repetitions       int   `json:"repetitions"`
+	SmallConns        int   `json:"small_conns"`
+	SmallCalls        int   `json:"small_calls"`
+	SmallPerCallCalls int   `json:"small_per_call_calls"`
+	SmallReq          int   `json:"small_req"`
+	SmallResp         int   `json:"small_resp"`
+	StructuralBytes   int64 `json:"structural_bytes"`
+	StructuralCalls   int   `json:"structural_calls"`
+}
+
+type report struct {
+	Schema  int             `json:"schema"`
+	Mode    string          `json:"mode"`
+	Kernel  string          `json:"kernel"`
+	Date    string          `json:"date"`
+	Host    string          `json:"host"`
+	Go      string          `json:"go"`
+	Params  params          `json:"params"`
+	Notes   []string        `json:"notes"`
+	Results []*result       `json:"results"`
+	Skipped []skipped       `json:"skipped,omitempty"`
+	TLSStat kerneltest.Stat `json:"tls_stat_delta"`
+	OK      bool            `json:"ok"`
+}
+
+type skipped struct {
+	Contender string `json:"contender"`
+	Reason    string `json:"reason"`
+}
+
+type run struct {
+	CPUs     float64 `json:"cpu_s"`
+	Users    float64 `json:"user_s"`
+	Syss     float64 `json:"sys_s"`
+	Walls    float64 `json:"wall_s"`
+	Bytes    int64   `json:"bytes"`
+	Calls    int     `json:"calls"`
+	P50us    float64 `json:"p50_us"`
+	P99us    float64 `json:"p99_us"`
+	SHA256OK bool    `json:"sha256_ok"`
+	CPUFrom  string  `json:"cpu_source"`
+	Error    string  `json:"error,omitempty"`
+}
+
+type result struct {
+	Contender    string          `json:"contender"`
+	Shape        string          `json:"shape"`
+	Runs         []run           `json:"runs"`
+	CPUPerGiB    spread          `json:"cpu_s_per_gib"`
+	GiBPerS      spread          `json:"gib_per_s"`
+	CallsPerCPUs *spread         `json:"calls_per_cpu_s,omitempty"`
+	P50us        float64         `json:"p50_us,omitempty"`
+	P99us        float64         `json:"p99_us,omitempty"`
+	Structural   *structural     `json:"structural,omitempty"`
+	Offload      string          `json:"offload"`
+	TLSStat      kerneltest.Stat `json:"tls_stat_delta,omitempty"`
+	Errors       []string        `json:"errors,omitempty"`
+}
+
+var shapes = []string{"upload", "download", "small-reuse", "small-per-call"}
+
+const gib = 1 << 30
+
+func runDriver(args []string) error {
+	fs := flag.NewFlagSet("run", flag.ExitOnError)
+	var p params
+	fs.Int64Var(&p.BulkBytes, "bulk-bytes", 64<<20, "bytes per bulk run (upload, download)")
+	fs.IntVar(&p.Repetitions, "reps", 3, "runs per contender and shape (CPU pass)")
+	fs.IntVar(&p.SmallConns, "small-conns", 16, "concurrent connections of the small-call shapes")
+	fs.IntVar(&p.SmallCalls, "small-calls", 2000, "calls per small-reuse run")
+	fs.IntVar(&p.SmallPerCallCalls, "small-per-call-calls", 400, "calls per small-per-call run (each a full handshake)")
+	fs.IntVar(&p.SmallReq, "small-req", 1024, "request bytes per small call")
+	fs.IntVar(&p.SmallResp, "small-resp", 4096, "response bytes per small call")
+	fs.Int64Var(&p.StructuralBytes, "structural-bytes", 16<<20, "bytes per bulk run of the traced (structural) pass")
+	fs.IntVar(&p.StructuralCalls, "structural-calls", 400, "calls per small run of the traced pass")
+	mode := fs.String("mode", "vm-icount", "where this runs: vm-icount, vm or native (recorded; vm modes require kTLS)")
+	only := fs.String("contenders", strings.Join(contenderNames(), ","), "contenders to run")
+	shapeList := fs.String("shapes", strings.Join(shapes, ","), "shapes to run")
+	caddyBin := fs.String("caddy", "bin/caddy", "Caddy binary with caddy-l4 and this module")
+	out := fs.String("out", "results.json", "JSON output file")
+	noTrace := fs.Bool("no-structural", false, "skip the strace pass")
+	timeout := fs.Duration("run-timeout", 30*time.Minute, "bound on one run of one shape")
+	fs.Parse(args)
+	if p.Repetitions < 1 || p.SmallConns < 1 || p.BulkBytes < 1 || p.SmallReq < 1 || p.SmallResp < 1 ||
+		p.SmallReq > blockLen || p.SmallResp > blockLen {
+		return errors.New("sizes must be positive (small sizes at most 1 MiB)")
+	}
+	shapeNames := strings.Split(*shapeList, ",")
+	for _, s := range shapeNames {
+		if !slices.Contains(shapes, s) {
+			return fmt.Errorf("unknown shape %q (have %s)", s, strings.Join(shapes, ", "))
+		}
+	}
+	caddyPath, err := filepath.Abs(*caddyBin)
+	if err != nil {
+		return err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "ktls-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	kp, err := newPKI(dir)
+	if err != nil {
+		return err
+	}
+	up, err := startUpstream()
+	if err != nil {
+		return err
+	}
+	defer up.close()
+
+	var uts syscall.Utsname
+	syscall.Uname(&uts)
+	rep := &report{
+		Schema: 1, Mode: *mode, Kernel: utsString(uts.Release[:]), Date: time.Now().UTC().Format(time.RFC3339),
+		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Nodename[:]), utsString(uts.Release[:]),
+			utsString(uts.Version[:]), utsString(uts.Machine[:])}, " "),
+		Go: runtime.Version(), Params: p, Notes: notes(*mode), TLSStat: kerneltest.Stat{}, OK: true,
+	}
+	kernelTLS := kerneltest.Available()
+	if kernelTLS != nil && *mode != "native" {
+		return fmt.Errorf("mode %s needs kernel TLS: %v", *mode, kernelTLS)
+	}
+	stat0, _ := kerneltest.ReadStat()
+	for _, name := range strings.Split(*only, ",") {
+		c, ok := findContender(name)
+		if !ok {
+			return fmt.Errorf("unknown contender %q (have %s)", name, strings.Join(contenderNames(), ", "))
+		}
+		if (c.kernelTX || c.kernelRX) && kernelTLS != nil {
+			// A fallback run would be labelled kTLS and measure userspace TLS.
+			reason := fmt.Sprintf("this kernel has no kTLS (%v): refusing a contender that must run on it", kernelTLS)
+			log.Printf("REFUSED %s: %s", c.name, reason)
+			rep.Skipped = append(rep.Skipped, skipped{c.name, reason})
+			continue
+		}
+		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp}
+		results, err := benchContender(c, env, p, shapeNames, !*noTrace, *timeout)
+		rep.Results = append(rep.Results, results...)
+		if err != nil {
+			log.Printf("FAIL %s: %v", c.name, err)
+			rep.OK = false
+		}
+		for _, r := range results {
+			if len(r.Errors) > 0 {
+				rep.OK = false
+			}
+		}
+	}
+	if stat1, err := kerneltest.ReadStat(); err == nil {
+		rep.TLSStat = stat1.Sub(stat0)
+	}
+	data, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(*out, append(data, '\n'), 0o644); err != nil {
+		return err
+	}
+	printTable(rep)
+	if !rep.OK {
+		return errors.New("FAIL: a contender did not move the exact bytes or ran on the wrong data path (see errors in " + *out + ")")
+	}
+	log.Printf("bench: OK, %d results in %s", len(rep.Results), *out)
+	return nil
+}
+
+// benchContender starts one contender and runs every shape on it.
+func benchContender(c contender, env *runEnv, p params, shapeNames []string, trace bool, timeout time.Duration) ([]*result, error) {
+	cmd, err := c.command(env)
+	if err != nil {
+		return nil, err
+	}
+	logFile, err := os.Create(filepath.Join(env.dir, c.name+".log"))
+	if err != nil {
+		return nil, err
+	}
+	defer logFile.Close()
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start: %w", err)
+	}
+	// exited is closed when the contender's process has ended.
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	defer stop(cmd, exited)
+	g := c.gateway(env)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	if err := waitListening(env.listen, exited); err != nil {
+		return nil, fmt.Errorf("%w; log:\n%s", err, tail(logFile.Name()))
+	}
+	// A first transfer: the contender works end to end before any figure.
+	if _, err := g.download(ctx, 64<<10); err != nil {
+		return nil, fmt.Errorf("warm-up download: %w; log:\n%s", err, tail(logFile.Name()))
+	}
+	log.Printf("== %s (pid %d)", c.name, cmd.Process.Pid)
+	var results []*result
+	for _, shape := range shapeNames {
+		r := &result{Contender: c.name, Shape: shape}
+		results = append(results, r)
+		stat0, statErr := kerneltest.ReadStat()
+		do := shapeFunc(g, shape, p)
+		for i := range p.Repetitions {
+			ctx, cancel := context.WithTimeout(context.Background(), timeout)
+			run := measure(ctx, cmd.Process.Pid, func(ctx context.Context) (transfer, error) { return do(ctx, false) })
+			cancel()
+			r.Runs = append(r.Runs, run)
+			log.Printf("   %s run %d: %d bytes, %d calls, forwarder cpu %.3fs, wall %.3fs %s", shape, i+1, run.Bytes, run.Calls, run.CPUs, run.Walls, run.Error)
+		}
+		if trace {
+			ctx, cancel := context.WithTimeout(context.Background(), timeout)
+			var tr transfer
+			s, err := traceSyscalls(cmd.Process.Pid, filepath.Join(env.dir, "strace."+c.name+"."+shape), func() (err error) {
+				tr, err = do(ctx, true)
+				return err
+			})
+			cancel()
+			if err != nil {
+				r.Errors = append(r.Errors, "structural pass: "+err.Error())
+			} else {
+				s.Bytes, s.Calls = tr.bytes, tr.calls
+				s.SyscallsPerGiB = round(float64(s.Syscalls)*gib/float64(tr.bytes), 0)
+				s.UserspaceBytesPerGiB = round(float64(s.UserspaceBytes)*gib/float64(tr.bytes), 0)
+				if tr.calls > 0 {
+					s.SyscallsPerCall = round(float64(s.Syscalls)/float64(tr.calls), 2)
+				}
+				r.Structural = &s
+				log.Printf("   %s traced: %d syscalls, %d userspace bytes for %d bytes", shape, s.Syscalls, s.UserspaceBytes, s.Bytes)
+			}
+		}
+		if statErr == nil {
+			stat1, _ := kerneltest.ReadStat()
+			r.TLSStat = stat1.Sub(stat0)
+		}
+		summarize(r, c)
+		for _, e := range r.Errors {
+			log.Printf("FAIL %s %s: %s", c.name, shape, e)
+		}
+	}
+	return results, nil
+}
+
+// shapeFunc returns one run of a shape (one of shapes); structural picks the
+// traced pass's (smaller) size.
+func shapeFunc(g *gateway, shape string, p params) func(ctx context.Context, structural bool) (transfer, error) {
+	bulk := func(structural bool) int64 {
+		if structural {
+			return p.StructuralBytes
+		}
+		return p.BulkBytes
+	}
+	calls := func(structural bool, n int) int {
+		if structural {
+			return min(p.StructuralCalls, n)
+		}
+		return n
+	}
+	switch shape {
+	case "upload":
+		return func(ctx context.Context, s bool) (transfer, error) { return g.upload(ctx, bulk(s)) }
+	case "download":
+		return func(ctx context.Context, s bool) (transfer, error) { return g.download(ctx, bulk(s)) }
+	case "small-reuse":
+		return func(ctx context.Context, s bool) (transfer, error) {
+			return g.small(ctx, p.SmallConns, calls(s, p.SmallCalls), p.SmallReq, p.SmallResp, true)
+		}
+	case "small-per-call":
+		return func(ctx context.Context, s bool) (transfer, error) {
+			return g.small(ctx, p.SmallConns, calls(s, p.SmallPerCallCalls), p.SmallReq, p.SmallResp, false)
+		}
+	}
+	return nil
+}
+
+// measure runs one shape and charges the forwarder process's CPU to it.
+func measure(ctx context.Context, pid int, do func(context.Context) (transfer, error)) run {
+	before, err := sampleCPU(pid)
+	if err != nil {
+		return run{Error: "forwarder gone: " + err.Error()}
+	}
+	start := time.Now()
+	tr, runErr := do(ctx)
+	wall := time.Since(start)
+	after, err := sampleCPU(pid)
+	if err != nil {
+		return run{Error: "forwarder gone: " + err.Error()}
+	}
+	cpu, user, sys, from := cpuUsed(before, after)
+	r := run{CPUs: cpu, Users: user, Syss: sys, Walls: wall.Seconds(), Bytes: tr.bytes, Calls: tr.calls,
+		SHA256OK: runErr == nil, CPUFrom: from}
+	if runErr != nil {
+		r.Error = runErr.Error()
+	}
+	if len(tr.latencies) > 0 {
+		slices.Sort(tr.latencies)
+		r.P50us, r.P99us = percentile(tr.latencies, 50), percentile(tr.latencies, 99)
+	}
+	return r
+}
+
+// summarize fills a result's spreads and checks its data path: the exact
+// bytes every run, and kernel TLS exactly where the contender claims it.
+func summarize(r *result, c contender) {
+	var cpuPerGiB, gibPerS, callsPerCPU, p50, p99 []float64
+	for _, run := range r.Runs {
+		if !run.SHA256OK {
+			r.Errors = append(r.Errors, "run: "+run.Error)
+			continue
+		}
+		cpuPerGiB = append(cpuPerGiB, run.CPUs*gib/float64(run.Bytes))
+		gibPerS = append(gibPerS, float64(run.Bytes)/gib/run.Walls)
+		if run.Calls > 0 {
+			p50, p99 = append(p50, run.P50us), append(p99, run.P99us)
+			if run.CPUs > 0 {
+				callsPerCPU = append(callsPerCPU, float64(run.Calls)/run.CPUs)
+			}
+		}
+	}
+	r.CPUPerGiB, r.GiBPerS = spreadOf(cpuPerGiB), spreadOf(gibPerS)
+	if len(p50) > 0 {
+		cs := spreadOf(callsPerCPU)
+		r.CallsPerCPUs = &cs
+		r.P50us, r.P99us = spreadOf(p50).Median, spreadOf(p99).Median
+	}
+	r.Offload = offloadOf(r, c)
+}
+
+// offloadOf says which data path the kernel's counters show and records a
+// mismatch with the contender's claim as an error.
+func offloadOf(r *result, c contender) string {
+	if c.dialKind == "plain" {
+		return "no TLS (plain TCP)"
+	}
+	if r.TLSStat == nil {
+		return "userspace (this kernel has no /proc/net/tls_stat)"
+	}
+	tx, rx := r.TLSStat["TlsTxSw"]+r.TLSStat["TlsTxDevice"], r.TLSStat["TlsRxSw"]+r.TLSStat["TlsRxDevice"]
+	for k, v := range r.TLSStat {
+		if strings.Contains(k, "Error") && v != 0 {
+			r.Errors = append(r.Errors, fmt.Sprintf("tls_stat %s +%d", k, v))
+		}
+	}
+	if (tx > 0) != c.kernelTX || (rx > 0) != c.kernelRX {
+		r.Errors = append(r.Errors, fmt.Sprintf("data path: tls_stat TX +%d RX +%d, want kernel TX %v RX %v", tx, rx, c.kernelTX, c.kernelRX))
+	}
+	where := map[bool]string{true: "kernel", false: "userspace"}
+	return fmt.Sprintf("TX %s, RX %s (tls_stat TlsTxSw %+d, TlsRxSw %+d over the cell's connections)", where[tx > 0], where[rx > 0], tx, rx)
+}
+
+func notes(mode string) []string {
+	n := []string{
+		"cpu_s: user+system CPU of the forwarder process (all its threads; every contender is one process) while one run of the shape ran; from the sum of /proc/<pid>/task/*/schedstat run times (ns) when no thread exited during the run (cpu_source schedstat), else /proc/<pid>/stat utime+stime (10 ms ticks, cpu_source stat). user_s/sys_s always come from the ticks. CPU pass: no tracing.",
+		"cpu_s_per_gib: cpu_s scaled to one GiB of payload (both directions of a small call count). The overhead above the crypto floor is ktls minus floor-ktls in the same run.",
+		"structural: a separate pass at params.structural_bytes / structural_calls with strace attached to the forwarder (see structural.source); syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB. Tracing slows the forwarder; only counts come from this pass.",
+		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs); small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption). calls_per_cpu_s = calls / forwarder cpu_s.",
+		"Every contender terminates TLS 1.3 with TLS_AES_128_GCM_SHA256 and X25519 (checked on every connection) with the same ECDSA P-256 certificate, without client authentication; floor-plain speaks plain TCP. ktls* contenders also verify a signed, channel-bound preamble per connection.",
+		"offload: TX/RX placement from /proc/net/tls_stat deltas over the cell (TlsTxSw/TlsRxSw count sockets that installed a kernel key); a contender on the wrong path fails the run.",
+	}
+	switch mode {
+	case "vm-icount":
+		n = append(n, "mode vm-icount: qemu TCG, one vCPU, -icount shift=0: guest time counts executed instructions (1 ns each), so CPU and wall figures are a deterministic cost model, not real time; gib_per_s is informational.")
+	case "native":
+		n = append(n, "mode native: real hardware and wall-clock time; figures vary with host load.")
+	}
+	return n
+}
+
+func printTable(rep *report) {
+	fmt.Printf("%-14s %-15s %12s %8s %10s %14s %16s %10s %10s  %s\n", "contender", "shape", "cpu_s/GiB", "spread%", "GiB/s", "syscalls/GiB", "userspace B/GiB", "p50_us", "p99_us", "offload")
+	for _, r := range rep.Results {
+		var sc, ub float64
+		if r.Structural != nil {
+			sc, ub = r.Structural.SyscallsPerGiB, r.Structural.UserspaceBytesPerGiB
+		}
+		status := r.Offload
+		if len(r.Errors) > 0 {
+			status = "FAIL: " + strings.Join(r.Errors, "; ")
+		}
+		fmt.Printf("%-14s %-15s %12.3f %8.1f %10.4f %14.0f %16.0f %10.0f %10.0f  %s\n", r.Contender, r.Shape,
+			r.CPUPerGiB.Median, r.CPUPerGiB.SpreadPct, r.GiBPerS.Median, sc, ub, r.P50us, r.P99us, status)
+	}
+	for _, s := range rep.Skipped {
+		fmt.Printf("%-14s REFUSED: %s\n", s.Contender, s.Reason)
+	}
+}
+
+// freeAddr picks a loopback port for the next contender (a fresh one each:
+// no TIME_WAIT or lingering listener from the previous contender in the way).
+func freeAddr() string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+func waitListening(addr string, exited <-chan struct{}) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	for time.Now().Before(deadline) {
+		select {
+		case <-exited:
+			return errors.New("exited before listening")
+		default:
+		}
+		if c, err := net.Dial("tcp", addr); err == nil {
+			c.Close()
+			return nil
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return fmt.Errorf("not listening on %s after 2m", addr)
+}
+
+// stop ends a contender: SIGTERM, then SIGKILL after 15 s.
+func stop(cmd *exec.Cmd, exited <-chan struct{}) {
+	cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-exited:
+	case <-time.After(15 * time.Second):
+		cmd.Process.Kill()
+		<-exited
+	}
+}
+
+func tail(file string) string {
+	b, _ := os.ReadFile(file)
+	if len(b) > 4000 {
+		b = b[len(b)-4000:]
+	}
+	return string(b)
+}
+
+func utsString(b []int8) string {
+	s := make([]byte, 0, len(b))
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		s = append(s, byte(c))
+	}
+	return string(bytes.TrimSpace(s))
+}

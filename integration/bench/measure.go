@@ -1,0 +1,246 @@
+package main
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// clockTicks is USER_HZ, the unit of utime/stime in /proc/<pid>/stat: 100 on
+// every Linux architecture Go supports (the kernel scales its internal HZ).
+const clockTicks = 100
+
+// cpuSample is a forwarder process's CPU time at one instant: user and
+// system time of the whole process (all threads, live and exited) in ticks,
+// and the nanoseconds each live thread has run (schedstat), which is exact
+// where ticks are 10 ms coarse.
+type cpuSample struct {
+	user, sys int64
+	threads   map[string]int64
+}
+
+func sampleCPU(pid int) (cpuSample, error) {
+	proc := fmt.Sprintf("/proc/%d", pid)
+	stat, err := os.ReadFile(proc + "/stat")
+	if err != nil {
+		return cpuSample{}, err
+	}
+	// The command name, field 2, may contain spaces: fields count from ')'.
+	f := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
+	if len(f) < 13 {
+		return cpuSample{}, fmt.Errorf("%s/stat: %d fields", proc, len(f))
+	}
+	s := cpuSample{threads: map[string]int64{}}
+	s.user, _ = strconv.ParseInt(f[11], 10, 64) // field 14, utime
+	s.sys, _ = strconv.ParseInt(f[12], 10, 64)  // field 15, stime
+	tasks, err := os.ReadDir(proc + "/task")
+	if err != nil {
+		return cpuSample{}, err
+	}
+	for _, t := range tasks {
+		b, err := os.ReadFile(filepath.Join(proc, "task", t.Name(), "schedstat"))
+		if err != nil {
+			continue // exited meanwhile
+		}
+		ns, _ := strconv.ParseInt(strings.Fields(string(b))[0], 10, 64)
+		s.threads[t.Name()] = ns
+	}
+	return s, nil
+}
+
+// cpuUsed is what the process ran between a and b: total from the threads'
+// schedstat when no thread exited in between (an exited thread takes its
+// schedstat with it), else from the ticks.
+func cpuUsed(a, b cpuSample) (cpu, user, sys float64, source string) {
+	user = float64(b.user-a.user) / clockTicks
+	sys = float64(b.sys-a.sys) / clockTicks
+	var ns int64
+	for tid, after := range b.threads {
+		ns += after - a.threads[tid]
+	}
+	for tid := range a.threads {
+		if _, ok := b.threads[tid]; !ok {
+			return user + sys, user, sys, "stat"
+		}
+	}
+	return float64(ns) / 1e9, user, sys, "schedstat"
+}
+
+// structural is the syscall pass: the forwarder traced with strace while
+// one shape runs at a smaller size.
+type structural struct {
+	Bytes                int64   `json:"bytes"`
+	Calls                int     `json:"calls,omitempty"`
+	Syscalls             int64   `json:"syscalls"`
+	UserspaceBytes       int64   `json:"userspace_bytes"`
+	SyscallsPerGiB       float64 `json:"syscalls_per_gib"`
+	UserspaceBytesPerGiB float64 `json:"userspace_bytes_per_gib"`
+	SyscallsPerCall      float64 `json:"syscalls_per_call,omitempty"`
+	Top                  []count `json:"top_syscalls"`
+	Source               string  `json:"source"`
+}
+
+type count struct {
+	Name  string `json:"name"`
+	Count int64  `json:"count"`
+}
+
+const straceSource = "strace -f -ff -yy -s 0 -e signal=none -p <forwarder pid>, attached for this pass only: syscalls = every syscall entered by any forwarder thread; userspace bytes = sum of positive returns of read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets"
+
+// userspaceIO are the calls whose return value counts bytes copied between
+// a socket and a userspace buffer (splice and sendfile move none).
+var userspaceIO = map[string]bool{
+	"read": true, "readv": true, "recvfrom": true, "recvmsg": true,
+	"write": true, "writev": true, "sendto": true, "sendmsg": true,
+}
+
+// straceCall matches the start of a syscall line of strace -ff -yy output:
+// the name and the first argument (with its fd decoration). A line cut by
+// the detach ("<detached ...>") has no return value but was entered too.
+var straceCall = regexp.MustCompile(`^([a-z_0-9]+)\(([^,)]*)`)
+
+// traceSyscalls attaches strace to every thread of pid, runs fn, detaches and
+// counts what the forwarder did meanwhile.
+func traceSyscalls(pid int, prefix string, fn func() error) (structural, error) {
+	cmd := exec.Command("strace", "-f", "-ff", "-yy", "-s", "0", "-e", "signal=none", "-o", prefix, "-p", strconv.Itoa(pid))
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		return structural{}, fmt.Errorf("strace: %w", err)
+	}
+	if err := waitTraced(pid); err != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+		return structural{}, fmt.Errorf("%w (strace: %s)", err, stderr.String())
+	}
+	runErr := fn()
+	cmd.Process.Signal(os.Interrupt) // detaches from every thread
+	cmd.Wait()
+	if runErr != nil {
+		return structural{}, runErr
+	}
+	return parseStrace(prefix)
+}
+
+// waitTraced waits until every thread of pid has a tracer, so no syscall of
+// the pass goes uncounted.
+func waitTraced(pid int) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+		if err != nil {
+			return err
+		}
+		all := true
+		for _, t := range tasks {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/status", pid, t.Name()))
+			if err == nil && strings.Contains(string(b), "\nTracerPid:\t0\n") {
+				all = false
+				break
+			}
+		}
+		if all {
+			return nil
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return errors.New("strace did not attach to every thread within 30s")
+}
+
+func parseStrace(prefix string) (structural, error) {
+	files, err := filepath.Glob(prefix + ".*")
+	if err != nil || len(files) == 0 {
+		return structural{}, fmt.Errorf("no strace output at %s.*", prefix)
+	}
+	var s structural
+	counts := map[string]int64{}
+	for _, name := range files {
+		f, err := os.Open(name)
+		if err != nil {
+			return s, err
+		}
+		sc := bufio.NewScanner(f)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			line := sc.Text()
+			m := straceCall.FindStringSubmatch(line)
+			if m == nil {
+				continue // "+++ exited", "--- SIG", "[ Process ... ]"
+			}
+			counts[m[1]]++
+			i := strings.LastIndex(line, ") = ")
+			if i < 0 || !userspaceIO[m[1]] || !(strings.Contains(m[2], "<TCP") || strings.Contains(m[2], "<socket:")) {
+				continue
+			}
+			ret, _, _ := strings.Cut(line[i+len(") = "):], " ")
+			if n, err := strconv.ParseInt(ret, 10, 64); err == nil && n > 0 {
+				s.UserspaceBytes += n
+			}
+		}
+		f.Close()
+		if err := sc.Err(); err != nil {
+			return s, err
+		}
+	}
+	for name, n := range counts {
+		s.Syscalls += n
+		s.Top = append(s.Top, count{name, n})
+	}
+	slices.SortFunc(s.Top, func(a, b count) int { return int(b.Count - a.Count) })
+	s.Top = s.Top[:min(len(s.Top), 8)]
+	s.Source = straceSource
+	return s, nil
+}
+
+// spread is min/median/max over a cell's runs; SpreadPct is (max-min)/median.
+type spread struct {
+	Min       float64 `json:"min"`
+	Median    float64 `json:"median"`
+	Max       float64 `json:"max"`
+	SpreadPct float64 `json:"spread_pct"`
+}
+
+func spreadOf(xs []float64) spread {
+	if len(xs) == 0 {
+		return spread{}
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	sp := spread{Min: s[0], Median: median(s), Max: s[len(s)-1]}
+	if sp.Median != 0 {
+		sp.SpreadPct = round((sp.Max-sp.Min)/sp.Median*100, 2)
+	}
+	return sp
+}
+
+// median of sorted xs.
+func median(s []float64) float64 {
+	n := len(s)
+	if n%2 == 1 {
+		return s[n/2]
+	}
+	return (s[n/2-1] + s[n/2]) / 2
+}
+
+// percentile of sorted durations, nearest rank, in microseconds.
+func percentile(d []time.Duration, p float64) float64 {
+	if len(d) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(p/100*float64(len(d)))) - 1
+	return float64(d[max(i, 0)]) / 1e3
+}
+
+func round(x float64, digits int) float64 {
+	p := math.Pow(10, float64(digits))
+	return math.Round(x*p) / p
+}

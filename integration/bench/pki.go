@@ -1,0 +1,85 @@
+package main
+
+import (
+	"crypto/ecdsa"
+	"crypto/ed25519"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/base64"
+	"encoding/pem"
+	"math/big"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// pki is the run's key material, as files for the contenders' configs: one
+// self-signed ECDSA P-256 server certificate that every TLS contender
+// presents (same certificate type, same signature cost) and the gateway
+// trusts directly, and the gateway's Ed25519 preamble signing key.
+// (internal/testpki needs a testing.TB, which a main package cannot make.)
+type pki struct {
+	certFile, keyFile, bundleFile string
+	pool                          *x509.CertPool
+	signer                        *preamble.Signer
+	signingPub                    string // base64 raw Ed25519 public key, for the sandbox handler
+}
+
+func newPKI(dir string) (*pki, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(time.Now().UnixNano()),
+		Subject:               pkix.Name{CommonName: "localhost"},
+		DNSNames:              []string{"localhost"},
+		IPAddresses:           []net.IP{net.IPv4(127, 0, 0, 1)},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(7 * 24 * time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	if err != nil {
+		return nil, err
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, err
+	}
+	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		return nil, err
+	}
+	certPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})
+	p := &pki{
+		certFile:   filepath.Join(dir, "server.pem"),
+		keyFile:    filepath.Join(dir, "server-key.pem"),
+		bundleFile: filepath.Join(dir, "server-bundle.pem"), // HAProxy wants both in one file
+		pool:       x509.NewCertPool(),
+	}
+	p.pool.AddCert(cert)
+	for name, data := range map[string][]byte{p.certFile: certPEM, p.keyFile: keyPEM, p.bundleFile: append(certPEM, keyPEM...)} {
+		if err := os.WriteFile(name, data, 0o600); err != nil {
+			return nil, err
+		}
+	}
+	pub, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		return nil, err
+	}
+	if p.signer, err = preamble.NewSigner("bench-gw", priv); err != nil {
+		return nil, err
+	}
+	p.signingPub = base64.StdEncoding.EncodeToString(pub)
+	return p, nil
+}

@@ -1,0 +1,249 @@
+package main
+
+import (
+	"bytes"
+	"image"
+	"image/png"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// The fixtures under testdata/ are synthetic: invented numbers chosen so that
+// every ratio below is easy to check by hand (and some goals are missed).
+
+func loadFixture(t *testing.T) *Results {
+	t.Helper()
+	data, err := os.ReadFile("testdata/synthetic-results.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := parseResults(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func near(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
+
+func shapeOf(t *testing.T, r *Results, shape string) shapeTable {
+	t.Helper()
+	for _, st := range r.tables() {
+		if st.shape == shape {
+			return st
+		}
+	}
+	t.Fatalf("no shape %q", shape)
+	return shapeTable{}
+}
+
+func TestDerivedFigures(t *testing.T) {
+	r := loadFixture(t)
+	up := shapeOf(t, r, "upload")
+	var order []string
+	for _, res := range up.rows {
+		order = append(order, res.Contender)
+	}
+	if got, want := strings.Join(order, " "), "ktls ktls-off l4-proxy reverse-proxy haproxy nginx floor-ktls floor-plain"; got != want {
+		t.Errorf("upload rows %q, want %q", got, want)
+	}
+	k := up.by["ktls"]
+	for _, c := range []struct {
+		name string
+		got  func() (float64, bool)
+		want float64
+	}{
+		{"ktls above floor", func() (float64, bool) { return up.aboveFloor(k) }, 0.05},
+		{"l4-proxy above floor", func() (float64, bool) { return up.aboveFloor(up.by["l4-proxy"]) }, 1.0},
+		{"ktls above floor / l4-proxy's", func() (float64, bool) { return up.aboveFloorRatio(k, "l4-proxy") }, 0.05},
+		{"ktls above floor / reverse-proxy's", func() (float64, bool) { return up.aboveFloorRatio(k, "reverse-proxy") }, 0.02},
+		{"ktls CPU / l4-proxy's", func() (float64, bool) { return up.cpuRatio(k, "l4-proxy") }, 0.45 / 1.40},
+		{"floor-plain below the floor", func() (float64, bool) { return up.aboveFloor(up.by["floor-plain"]) }, -0.29},
+		// nginx has runs but no summary: the median comes from its runs.
+		{"nginx from runs", func() (float64, bool) { return up.by["nginx"].cpu().Median, true }, 1.0},
+	} {
+		got, ok := c.got()
+		if !ok || !near(got, c.want) {
+			t.Errorf("%s = %v (ok %v), want %v", c.name, got, ok, c.want)
+		}
+	}
+	if _, ok := up.aboveFloor(up.by["haproxy"]); ok {
+		t.Error("haproxy has no CPU figure but got an overhead")
+	}
+	if _, ok := up.aboveFloorRatio(up.by["haproxy"], "l4-proxy"); ok {
+		t.Error("haproxy has no CPU figure but got a ratio")
+	}
+	small := shapeOf(t, r, "small-reuse")
+	if got, ok := small.callsRatio(small.by["ktls"], "l4-proxy"); !ok || !near(got, 2) {
+		t.Errorf("small-reuse calls/CPU-s ratio = %v, want 2", got)
+	}
+	if _, ok := small.callsRatio(small.by["ktls"], "reverse-proxy"); ok {
+		t.Error("a ratio to a contender that was not run")
+	}
+}
+
+func TestGoals(t *testing.T) {
+	got := map[string]string{}
+	for _, g := range goals(loadFixture(t).tables()) {
+		got[g.goal] = g.status + " / " + g.measured
+	}
+	for goal, want := range map[string]string{
+		"fast path: 0 payload bytes through userspace per GiB (upload)": met + " / ktls 0 B/GiB − floor-ktls 0 B/GiB (handshakes) = 0 B/GiB (preambles); l4-proxy 2 GiB/GiB",
+		// 4 KiB/GiB beyond the floor: a preamble, not payload.
+		"fast path: 0 payload bytes through userspace per GiB (download)": met + " / ktls 4 KiB/GiB − floor-ktls 0 B/GiB (handshakes) = 4 KiB/GiB (preambles); l4-proxy 2 GiB/GiB",
+		"syscalls/GiB ≤ 0.1 × l4-proxy's (upload)":                        met + " / 40 vs 65536: ×0.00061",
+		"CPU above the crypto floor ≤ 0.1 × l4-proxy's (upload)":          met + " / +0.05 vs +1 CPU-s/GiB: ×0.05",
+		"CPU above the crypto floor ≤ 0.05 × reverse-proxy's (upload)":    met + " / +0.05 vs +2.5 CPU-s/GiB: ×0.02",
+		// 0.10 above the floor against l4-proxy's 0.80: ×0.125.
+		"CPU above the crypto floor ≤ 0.1 × l4-proxy's (download)":       missed + " / +0.1 vs +0.8 CPU-s/GiB: ×0.125",
+		"CPU above the crypto floor ≤ 0.05 × reverse-proxy's (download)": met + " / +0.1 vs +2 CPU-s/GiB: ×0.05",
+		"idle tunnel ≤ 16 KiB heap, no pipe held":                        "see idle.md / [idle.md](idle.md)",
+	} {
+		if got[goal] != want {
+			t.Errorf("goal %q:\n got %q\nwant %q", goal, got[goal], want)
+		}
+	}
+}
+
+// A fast path that copied its payload through userspace misses the goal.
+func TestGoalPayloadCopied(t *testing.T) {
+	r := loadFixture(t)
+	for i := range r.Results {
+		if res := &r.Results[i]; res.Contender == "ktls" && res.Shape == "download" {
+			res.Structural.UserspaceBytesPerGiB = 1 << 30
+		}
+	}
+	for _, g := range goals(r.tables()) {
+		if g.goal == "fast path: 0 payload bytes through userspace per GiB (download)" && g.status != missed {
+			t.Errorf("1 GiB/GiB through userspace: %q, %q", g.status, g.measured)
+		}
+	}
+}
+
+func TestResultsMarkdown(t *testing.T) {
+	r := loadFixture(t)
+	md := string(renderResultsMarkdown(r))
+	for _, want := range []string{
+		"- Mode: vm-icount: qemu TCG with `-icount shift=0`",
+		"| `bulk_bytes` | 67108864 (64 MiB) |",
+		"SYNTHETIC TEST DATA",
+		"`TlsRxSw` 11, `TlsTxSw` 12",
+		"## Shape `upload`: bulk transfer, client → sandbox",
+		// Every column of ktls on upload, computed from the fixture.
+		"| `ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.45 | 6.67 % | +0.05 | ×0.321 | ×0.155 | ×0.05 | ×0.02 | 40 | 0 B | 0.05 |",
+		// A contender with nothing measured renders dashes, not zeros.
+		"| `haproxy` | — | — | — | — | — | — | — | — | — | — | — | — |",
+		"| `ktls` | kernel TX+RX | 3 (3 SHA ok) | 10000 | 15 % | ×2 | — | 80 | 200 | 4.5 |",
+		"## What this measures and what it cannot",
+		"**The harness reported failures**",
+		"- `haproxy-lts`: synthetic: not installed",
+		"system calls of the forwarder in the traced transfer (synthetic):",
+		"- `ktls`, 16 MiB traced: splice 32, epoll_pwait 8",
+		// The floors are the reference: no ratio of their overhead.
+		"| `floor-ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.4 | 5 % | 0 | ×0.286 | ×0.138 | — | — | 40 | 0 B | 0.05 |",
+		"- `nginx`: synthetic: tls_stat TlsTxSw +1",
+	} {
+		if !strings.Contains(md, want) {
+			t.Errorf("markdown lacks %q", want)
+		}
+	}
+	if again := string(renderResultsMarkdown(loadFixture(t))); again != md {
+		t.Error("the same input rendered two different markdown files")
+	}
+}
+
+func TestChart(t *testing.T) {
+	r := loadFixture(t)
+	var a, b bytes.Buffer
+	if err := renderChart(&a, r); err != nil {
+		t.Fatal(err)
+	}
+	if err := renderChart(&b, loadFixture(t)); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(a.Bytes(), b.Bytes()) {
+		t.Error("the same input rendered two different PNGs")
+	}
+	img, err := png.Decode(bytes.NewReader(a.Bytes()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Title 44 + legend 24 + margin 16; upload: header 26 + 8 rows of 22 +
+	// axis 28 + gap 12; download: 26 + 4×22 + 28 + 12.
+	if got, want := img.Bounds(), image.Rect(0, 0, 960, 84+242+154); got != want {
+		t.Fatalf("chart is %v, want %v", got, want)
+	}
+	// The ktls bar of the first panel (upload, first row) is drawn in this
+	// project's colour just right of the labels.
+	x, y := chartMargin+labelW+2, chartTitleH+panelHeaderH+barRowH/2
+	if got, want := pixelAt(img, x, y), [4]uint8{colorThis.R, colorThis.G, colorThis.B, colorThis.A}; got != want {
+		t.Errorf("pixel (%d,%d) = %v, want the ktls bar %v", x, y, got, colorThis)
+	}
+}
+
+func pixelAt(img image.Image, x, y int) [4]uint8 {
+	r, g, b, a := img.At(x, y).RGBA()
+	return [4]uint8{uint8(r >> 8), uint8(g >> 8), uint8(b >> 8), uint8(a >> 8)}
+}
+
+func TestHostReport(t *testing.T) {
+	data, err := os.ReadFile("testdata/synthetic-host.txt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := parseHostBench(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := len(h.Bench["BenchmarkRelay/splice"].Samples); got != 3 {
+		t.Fatalf("%d splice samples, want 3", got)
+	}
+	md := string(renderHostMarkdown(h))
+	for _, want := range []string{
+		"- rounds: 3",
+		"| `Relay/splice` | 0.8 (0.7–0.9) | 100 | 1000 |",
+		// Own CPU per round: splice 0.40, 0.40, 0.30; io.Copy 1.00, 0.80, 1.00.
+		"| splice relay's own CPU/GiB ÷ io.CopyBuffer relay's | 0.4 (0.3–0.5) | ≤ 0.5 | **met** |",
+		// +5 %, +20 %, 0 %.
+		"| handshake + offload setup over a plain crypto/tls handshake (CPU per handshake) | +5 % (0 – +20 %) | ≤ +10 % | **met** |",
+	} {
+		if !strings.Contains(md, want) {
+			t.Errorf("host markdown lacks %q\n%s", want, md)
+		}
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	if _, err := parseResults([]byte(`{"schema": 2, "results": [{}]}`)); err == nil {
+		t.Error("schema 2 accepted")
+	}
+	if _, err := parseResults([]byte(`{"schema": 1, "results": []}`)); err == nil {
+		t.Error("no results accepted")
+	}
+	if _, err := parseHostBench([]byte("BenchmarkX-2 10 abc ns/op\n")); err == nil {
+		t.Error("a malformed benchmark line accepted")
+	}
+}
+
+// TestRun drives the command as bench.sh and bench-host.sh do.
+func TestRun(t *testing.T) {
+	dir := t.TempDir()
+	md, png := filepath.Join(dir, "results.md"), filepath.Join(dir, "chart.png")
+	if err := run([]string{"results", "-in", "testdata/synthetic-results.json", "-md", md, "-png", png}); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{md, png} {
+		if st, err := os.Stat(f); err != nil || st.Size() == 0 {
+			t.Errorf("%s not written: %v", f, err)
+		}
+	}
+	if err := run([]string{"host", "-in", "testdata/synthetic-host.txt", "-md", filepath.Join(dir, "host.md")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := run([]string{"nonsense", "-in", "x", "-md", "y"}); err == nil {
+		t.Error("an unknown report accepted")
+	}
+}

@@ -1,0 +1,78 @@
+// Command benchreport renders the benchmark reports of issue 7 from
+// measurements, deterministically (the same input gives byte-identical
+// output):
+//
+//	benchreport results -in docs/bench/results.json -md docs/bench/results.md -png docs/bench/chart.png
+//	benchreport host -in raw.txt -md docs/bench/host.md
+//
+// "results" reads the VM harness's results.json (integration/bench.sh) and
+// writes the contender tables, the goals with met/missed, and a bar chart of
+// CPU seconds per GiB. "host" reads the output of the host Go benchmarks as
+// integration/bench-host.sh collects it (go test -bench lines plus "# key:
+// value" header lines) and writes their table with the ratios the goals ask
+// for.
+package main
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "benchreport:", err)
+		os.Exit(2)
+	}
+}
+
+func run(args []string) error {
+	if len(args) == 0 {
+		return errors.New("usage: benchreport results|host -in FILE -md FILE [-png FILE]")
+	}
+	fs := flag.NewFlagSet("benchreport "+args[0], flag.ContinueOnError)
+	in := fs.String("in", "", "input file")
+	md := fs.String("md", "", "markdown output file")
+	png := fs.String("png", "", "PNG chart output file (results only)")
+	if err := fs.Parse(args[1:]); err != nil {
+		return err
+	}
+	if *in == "" || *md == "" {
+		return errors.New("-in and -md are required")
+	}
+	data, err := os.ReadFile(*in)
+	if err != nil {
+		return err
+	}
+	switch args[0] {
+	case "results":
+		r, err := parseResults(data)
+		if err != nil {
+			return fmt.Errorf("%s: %w", *in, err)
+		}
+		if err := os.WriteFile(*md, renderResultsMarkdown(r), 0o644); err != nil {
+			return err
+		}
+		if *png != "" {
+			var buf bytes.Buffer
+			if err := renderChart(&buf, r); err != nil {
+				return err
+			}
+			return os.WriteFile(*png, buf.Bytes(), 0o644)
+		}
+		return nil
+	case "host":
+		if *png != "" {
+			return errors.New("host: no chart")
+		}
+		h, err := parseHostBench(data)
+		if err != nil {
+			return fmt.Errorf("%s: %w", *in, err)
+		}
+		return os.WriteFile(*md, renderHostMarkdown(h), 0o644)
+	default:
+		return fmt.Errorf("unknown report %q: want results or host", args[0])
+	}
+}

@@ -17,15 +17,20 @@ CADDY_L4_VERSION = v0.1.2
 # Transfer size (MiB) of the kernel tests in the VM; empty = each test's default.
 export KTLS_TEST_MIB
 
-.PHONY: help build xcaddy demo test vet hosttest fuzz vmtest clean
+.PHONY: help build xcaddy demo test vet hosttest fuzz fuzz-smoke vmtest bench bench-smoke bench-host bench-report clean
 
 help:
 	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
 	@echo 'make xcaddy       bin/caddy-xcaddy with xcaddy $(XCADDY_VERSION), and check it carries this module'
 	@echo 'make demo         a sandbox tunnel end to end on this host, then in a VM on kernel $(DEMO_KERNEL)'
-	@echo 'make test         go vet, host tests ($(HOST_TEST_FLAGS)), kernel tests in VMs on: $(KERNELS)'
+	@echo 'make test         go vet, host tests ($(HOST_TEST_FLAGS)), kernel tests in VMs on: $(KERNELS), bench smoke'
 	@echo 'make fuzz         every fuzz target for $(FUZZTIME) (FUZZTIME=10m for a real run)'
+	@echo 'make fuzz-smoke   the network-facing parsers only, as make test runs them'
 	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
+	@echo 'make bench        every forwarder contender in a 7.3 VM under qemu -icount: docs/bench/results.json'
+	@echo 'make bench-smoke  the same at a tiny size, once each: fails unless every contender moves the exact bytes'
+	@echo 'make bench-host   native Go benchmarks (relay, handshake, preamble) on this host: docs/bench/host.md'
+	@echo 'make bench-report docs/bench/results.md and chart.png from docs/bench/results.json'
 	@echo 'make clean        remove bin/ and the harness build dir'
 
 build:
@@ -50,8 +55,9 @@ demo: build
 	@echo '=== the same in a VM on kernel $(DEMO_KERNEL), which has kTLS'
 	integration/vm.sh $(DEMO_KERNEL) 'DEMO_PREBUILT=1 DEMO_MIB=$(DEMO_VM_MIB) examples/demo.sh'
 
-test: vet hosttest fuzz build
+test: vet hosttest fuzz-smoke build
 	integration/vmtest.sh $(KERNELS)
+	integration/bench.sh --smoke
 
 vet:
 	$(GO) vet ./...
@@ -59,18 +65,39 @@ vet:
 hosttest:
 	integration/hosttest.sh $(HOST_TEST_FLAGS)
 
-# A short run of every fuzz target (the parsers that face the network);
-# FUZZTIME=10m for a real run.
+# Fuzz targets. The network-facing parsers run briefly in `make test`. The
+# Caddyfile target needs a coverage-instrumented build of all of Caddy (a
+# cold one took ~19 min on the 2-core CI machine), so CI only runs its seed
+# corpus and regression inputs (testdata/fuzz), as a plain test in every
+# host run; `make fuzz` fuzzes it too. FUZZTIME=10m for a real run.
 FUZZTIME ?= 10s
-FUZZ_TARGETS = ./ktls:FuzzRecordReader ./ktls:FuzzRecordOpen ./preamble:FuzzParse
+FUZZ_NETWORK = ./ktls:FuzzRecordReader ./ktls:FuzzRecordOpen ./ktls:FuzzControlRecord ./preamble:FuzzParse
+FUZZ_CONFIG = .:FuzzCaddyfile
 fuzz:
-	@for t in $(FUZZ_TARGETS); do \
+	@$(MAKE) --no-print-directory fuzz-smoke FUZZ_NETWORK="$(FUZZ_NETWORK) $(FUZZ_CONFIG)"
+
+fuzz-smoke:
+	@for t in $(FUZZ_NETWORK); do \
 		echo "=== fuzz $${t#*:} in $${t%%:*} for $(FUZZTIME)"; \
 		$(GO) test -run '^$$' -fuzz "^$${t#*:}$$" -fuzztime $(FUZZTIME) $${t%%:*} || exit 1; \
 	done
 
 vmtest: build
 	integration/vmtest.sh $(KERNEL)
+
+# The benchmark harness (integration/bench.sh builds its own Caddy and the
+# driver). Sizes of the full run: BENCH_BULK_MIB=64 BENCH_REPS=3.
+bench:
+	integration/bench.sh
+
+bench-smoke:
+	integration/bench.sh --smoke
+
+bench-host:
+	integration/bench-host.sh
+
+bench-report:
+	$(GO) run ./integration/benchreport results -in docs/bench/results.json -md docs/bench/results.md -png docs/bench/chart.png
 
 clean:
 	rm -rf bin integration/.build

@@ -3,7 +3,8 @@
 # qemu (TCG, no KVM needed), a static busybox for the guest's init, cpio for
 # the initramfs, kmod (depmod/modprobe --show-depends), xz/zstd for compressed
 # kernel modules, the Debian keyring that verifies the kernel packages, and
-# the client tools the kernel tests run (openssl, curl, strace).
+# the client tools the kernel tests run (openssl, curl, strace, python3), and the
+# benchmark's HAProxy and nginx.
 set -euo pipefail
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
@@ -23,16 +24,29 @@ have depmod || need+=(kmod)
 have dpkg-deb || need+=(dpkg)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
 # Tools the kernel tests and the demo run inside the VM (over the 9p root
-# share): a real OpenSSL client, curl for HTTP/1.1 and HTTP/2 downloads, and
-# strace to count the sendfile(2) calls of the listener wrapper.
+# share): a real OpenSSL client, curl for HTTP/1.1 and HTTP/2 downloads,
+# strace to count the sendfile(2) calls of the listener wrapper, and python3
+# for the OpenSSL gateway (testdata/ossl_gateway.py: libssl through ctypes).
 have openssl || need+=(openssl)
 have curl || need+=(curl)
 have strace || need+=(strace)
+have python3 || need+=(python3)
+# The contenders of the benchmark harness (integration/bench.sh): HAProxy and
+# nginx with its stream module (TLS termination in front of a TCP upstream).
+[ -x /usr/sbin/haproxy ] || need+=(haproxy)
+[ -x /usr/sbin/nginx ] || need+=(nginx)
+[ -f /usr/lib/nginx/modules/ngx_stream_module.so ] || need+=(libnginx-mod-stream)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
 [ "$(id -u)" -eq 0 ] || { echo "ERROR: missing host packages (${need[*]}); run as root or: apt-get install ${need[*]}" >&2; exit 1; }
 echo "setup-host: apt-get install ${need[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
+# Packages such as nginx start their service on install; the harness starts
+# its own instances, so a policy-rc.d forbids that while apt runs.
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

@@ -484,7 +484,17 @@ func TestSandboxClientNotInAllowlist(t *testing.T) {
 
 // Every refusal: the connection is closed without a byte, ONE log line
 // names the reason and the peer, the reason is counted, nothing is dialed.
-func TestSandboxRejections(t *testing.T) {
+func TestSandboxRejections(t *testing.T) { sandboxRejections(t, false) }
+
+// TestKernelSandboxRejections is TestSandboxRejections on a kTLS kernel,
+// where the preamble is read through kTLS RX (tls_stat proves each
+// connection was offloaded before it was refused).
+func TestKernelSandboxRejections(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxRejections(t, true)
+}
+
+func sandboxRejections(t *testing.T, kernel bool) {
 	up := forwardtest.NewUpstream(t, 0)
 	closed := netip.MustParseAddrPort(loopbackAddr(t)) // nothing listens here any more
 	e := newSandboxEnv(t, map[string]any{"preamble_timeout": "300ms",
@@ -492,6 +502,7 @@ func TestSandboxRejections(t *testing.T) {
 	// After Caddy started: what Caddy itself keeps (logs, admin) is not a
 	// tunnel leak; everything the tunnels open must be gone again.
 	forwardtest.CheckLeaks(t)
+	since := dataPathDelta(t, kernel)
 	denied := netip.AddrPortFrom(up.Addr().Addr(), 1) // a port outside allow_ports
 	other := forwardtest.NewGateway(t, "gw-1")
 	unknown := forwardtest.NewGateway(t, "gw-2")
@@ -539,6 +550,10 @@ func TestSandboxRejections(t *testing.T) {
 	}
 	if up.Accepted() != 0 {
 		t.Errorf("upstream accepted %d connections for refused tunnels", up.Accepted())
+	}
+	if stat, dp := since(); kernel && (stat["TlsRxSw"] < int64(len(cases)) || stat["TlsTxSw"] < int64(len(cases)) ||
+		stat["TlsDecryptError"] != 0 || dp.SpliceBytes+dp.CopyBytes != 0) {
+		t.Errorf("tls_stat delta %v, data path %+v: want every refused connection offloaded TX and RX, no decrypt error, no byte relayed", stat, dp)
 	}
 	got := map[string]int{}
 	for _, l := range e.logLines(t, "sandbox tunnel rejected") {

@@ -502,13 +502,7 @@ func TestSandboxDrainManyTunnels(t *testing.T) {
 	if n := len(finite.Results()); n != finishing {
 		t.Errorf("upstream saw %d finishing tunnels, want %d (a late tunnel was dialed?)", n, finishing)
 	}
-	matched := 0
-	for _, r := range finite.Results() {
-		if n, ok := sent[r.RecvSum]; ok && n == r.Received {
-			matched++
-		}
-	}
-	if matched != finishing {
+	if matched := matchSent(finite, sent); matched != finishing {
 		t.Errorf("%d of %d finishing tunnels delivered exactly what their client sent", matched, finishing)
 	}
 }

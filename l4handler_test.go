@@ -704,13 +704,7 @@ func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
 		t.Errorf("%d bytes spliced, want all %d the tunnels moved", spliced, moved)
 	}
 	up.Close()
-	matched := 0
-	for _, r := range up.Results() {
-		if n, ok := sent[r.RecvSum]; ok && n == r.Received {
-			matched++
-		}
-	}
-	if matched != tunnelsN {
+	if matched := matchSent(up, sent); matched != tunnelsN {
 		t.Errorf("%d of %d tunnels delivered exactly what their client sent", matched, tunnelsN)
 	}
 	heapAfter := liveHeap()
@@ -1230,4 +1224,17 @@ func TestSandboxDrainOnExit(t *testing.T) {
 	if up.Accepted() != 1 {
 		t.Errorf("upstream accepted %d connections, want the one tunnel's", up.Accepted())
 	}
+}
+
+// matchSent counts the connections the upstream received that carried
+// exactly what one client sent: the same byte count and SHA-256 (sent maps
+// each client's hash to its byte count).
+func matchSent(up *forwardtest.Upstream, sent map[[32]byte]int64) int {
+	matched := 0
+	for _, r := range up.Results() {
+		if n, ok := sent[r.RecvSum]; ok && n == r.Received {
+			matched++
+		}
+	}
+	return matched
 }

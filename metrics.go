@@ -3,6 +3,7 @@ package caddyktls
 import (
 	"errors"
 	"maps"
+	"slices"
 	"sync"
 
 	"github.com/caddyserver/caddy/v2"
@@ -117,8 +118,12 @@ var connCloses = func() *closeCounts {
 	return c
 }()
 
-// count records ev for module when it is a close event.
+// count records ev for module when it is a close event. Every handshake
+// reports an event too: those return before taking the lock.
 func (c *closeCounts) count(module string, ev ktls.EventKind) {
+	if !slices.Contains(closeEvents, ev) {
+		return
+	}
 	k := closeKey{module, ev}
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -8,12 +8,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -203,14 +205,44 @@ func connectable(addr string) bool {
 	return err == nil
 }
 
+// settledFDs waits until the number of the process's descriptors below
+// limit holds still for 100 ms (connections being closed are gone) and
+// returns it.
+func (p *caddyProcess) settledFDs(t *testing.T, limit int) int {
+	t.Helper()
+	n, still := p.fdsBelow(t, limit), 0
+	for deadline := time.Now().Add(5 * time.Second); still < 5 && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+		if m := p.fdsBelow(t, limit); m == n {
+			still++
+		} else {
+			n, still = m, 0
+		}
+	}
+	return n
+}
+
 // openFDs counts the process's open file descriptors.
 func (p *caddyProcess) openFDs(t *testing.T) int {
+	t.Helper()
+	return p.fdsBelow(t, math.MaxInt)
+}
+
+// fdsBelow counts the process's open descriptors numbered below limit: the
+// room RLIMIT_NOFILE leaves is limit minus this count.
+func (p *caddyProcess) fdsBelow(t *testing.T, limit int) int {
 	t.Helper()
 	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p.cmd.Process.Pid))
 	if err != nil {
 		t.Fatalf("count caddy's fds: %v", err)
 	}
-	return len(ents)
+	n := 0
+	for _, e := range ents {
+		if fd, err := strconv.Atoi(e.Name()); err == nil && fd < limit {
+			n++
+		}
+	}
+	return n
 }
 
 // syncBuffer is an io.Writer for a subprocess's output that the test may
@@ -260,55 +292,84 @@ func TestSandboxFDExhaustion(t *testing.T) {
 	fdsAtStart := p.openFDs(t)
 	t.Logf("caddy holds %d fds at start, limit %d", fdsAtStart, limit)
 
-	// Open tunnels until one fails: with every descriptor in use, the
-	// forwarder cannot open the upstream socket.
+	// Open tunnels until one descriptor is left, so that the next tunnel's
+	// accept(2) takes the last one and its dial fails. Each tunnel holds two
+	// (gateway and upstream sockets), so the parity of the count at start
+	// decides whether accept or dial runs out first: when two are left, a bare
+	// TCP connection held in its TLS handshake (handshake_timeout, 10 s) takes
+	// one. Counts are read once they settle, after transient descriptors (the
+	// readiness probe's connection) are gone, and only below the limit: a
+	// descriptor the process inherited above it (a test runner's pipe)
+	// takes no room.
 	var open []*tls.Conn
+	var held []net.Conn // connections that hold or queue for descriptors
 	defer func() {
 		for _, c := range open {
 			c.Close()
 		}
-	}()
-	failed := false
-	for i := 0; i < limit && !failed; i++ {
-		accepted := up.Accepted()
-		c, err := e.openTunnel(fmt.Sprintf("sbx-fd-%d", i), up.Addr(), 5*time.Second)
-		if err != nil {
-			t.Fatalf("tunnel %d: the TLS handshake failed (%v): the listener should still accept here", i, err)
+		for _, c := range held {
+			c.Close()
 		}
-		// Dialed, or refused (logged): whichever comes first.
+	}()
+	for free := limit - p.settledFDs(t, limit); free > 1; free = limit - p.settledFDs(t, limit) {
+		if free == 2 {
+			c, err := net.Dial("tcp", e.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			held = append(held, c)
+			deadline := time.Now().Add(10 * time.Second)
+			for p.fdsBelow(t, limit) != limit-1 {
+				if time.Now().After(deadline) {
+					t.Fatalf("the filler connection was not accepted: caddy holds %d fds", p.fdsBelow(t, limit))
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			continue
+		}
+		accepted := up.Accepted()
+		c, err := e.openTunnel(fmt.Sprintf("sbx-fd-%d", len(open)), up.Addr(), 5*time.Second)
+		if err != nil {
+			t.Fatalf("tunnel %d with %d fds free: the TLS handshake failed (%v)", len(open), free, err)
+		}
+		open = append(open, c)
 		deadline := time.Now().Add(10 * time.Second)
-		for up.Accepted() == accepted && len(e.logLines(t, "sandbox tunnel rejected")) == 0 {
-			if time.Now().After(deadline) {
-				t.Fatalf("tunnel %d: neither dialed nor refused", i)
+		for up.Accepted() == accepted {
+			if time.Now().After(deadline) || len(e.logLines(t, "sandbox tunnel rejected")) != 0 {
+				t.Fatalf("tunnel %d with %d fds free was not dialed", len(open)-1, free)
 			}
 			time.Sleep(5 * time.Millisecond)
 		}
-		if up.Accepted() > accepted {
-			open = append(open, c)
-			continue
-		}
-		// Refused: closed without a byte.
-		c.SetReadDeadline(time.Now().Add(10 * time.Second))
-		if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
-			t.Errorf("refused tunnel: read %d bytes, err %v; want a clean close", n, err)
-		}
-		c.Close()
-		failed = true
 	}
-	if !failed {
-		t.Fatalf("%d tunnels opened under a limit of %d fds", len(open), limit)
+	// One descriptor left: accepted, then refused (dial-failed), closed
+	// without a byte.
+	c, err := e.openTunnel("sbx-fd-refused", up.Addr(), 5*time.Second)
+	if err != nil {
+		t.Fatalf("the tunnel on the last descriptor: the TLS handshake failed (%v)", err)
 	}
-	t.Logf("%d tunnels open, then dial-failed; caddy holds %d fds", len(open), p.openFDs(t))
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
+		t.Errorf("refused tunnel: read %d bytes, err %v; want a clean close", n, err)
+	}
+	c.Close()
+	rejected := e.logLines(t, "sandbox tunnel rejected")
+	for deadline := time.Now().Add(5 * time.Second); len(rejected) == 0 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+		rejected = e.logLines(t, "sandbox tunnel rejected")
+	}
+	if len(rejected) != 1 || rejected[0]["reason"] != "dial-failed" {
+		t.Fatalf("rejections logged %v, want one dial-failed", rejected)
+	}
+	t.Logf("%d tunnels open (%d filler connections), then dial-failed; caddy holds %d fds", len(open), len(held), p.openFDs(t))
 
 	// Hold the last descriptors with bare TCP connections that never
 	// start a handshake: the next accept(2) fails with EMFILE.
-	var stalled []net.Conn
 	for range 4 {
 		c, err := net.Dial("tcp", e.addr)
 		if err != nil {
 			t.Fatal(err)
 		}
-		stalled = append(stalled, c)
+		held = append(held, c)
 	}
 	const retrying = "accept failed for lack of resources; retrying"
 	deadline := time.Now().Add(10 * time.Second)
@@ -341,17 +402,16 @@ func TestSandboxFDExhaustion(t *testing.T) {
 			t.Errorf("open tunnel %d while out of fds: err %v, reply hash matches: %v", i, err, sums[i] == forwardtest.PatternSum(2, reply))
 		}
 	}
-	for _, c := range stalled {
+	for _, c := range held {
 		c.Close()
 	}
+	held = nil
 
 	// Recovery: descriptors are free again, new tunnels work.
 	var n int64
 	var sum [32]byte
-	var err error
 	deadline = time.Now().Add(10 * time.Second)
 	for {
-		var c *tls.Conn
 		if c, err = e.openTunnel("sbx-fd-after", up.Addr(), 3*time.Second); err == nil {
 			if n, sum, err = transfer(c, 1000, 5); err == nil {
 				break

@@ -324,6 +324,68 @@ func sandboxBadRecord(t *testing.T, kernel bool) {
 	}
 }
 
+// internalErrorAlert is the alert description the gateway sends in the
+// peer-alert tests (internal_error).
+const internalErrorAlert = 80
+
+// TestSandboxPeerAlert: after a block, the gateway sends a fatal alert
+// (internal_error) in the middle of the tunnel. The tunnel ends with an
+// error that names the alert, the sandbox sees its connection close after
+// exactly the block, the gateway's connection is closed, nothing leaks.
+func TestSandboxPeerAlert(t *testing.T) { sandboxPeerAlert(t, false) }
+
+// TestKernelSandboxPeerAlert is TestSandboxPeerAlert on a kTLS kernel:
+// splice(2) stops at the alert record, the relay hands it to the conn's
+// userspace read, which reports it: caddy_ktls_connections_closed_total
+// {event="alert"} counts it.
+func TestKernelSandboxPeerAlert(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxPeerAlert(t, true)
+}
+
+func sandboxPeerAlert(t *testing.T, kernel bool) {
+	const alertSeries = `caddy_ktls_connections_closed_total{event="alert",module="layer4.handlers.ktls"}`
+	target, echoed := echoUpstream(t)
+	sandbox := uniqueSandbox("sbx-peer-alert")
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	since := dataPathDelta(t, kernel)
+	alerts0 := e.metric(t, alertSeries)
+	steps := []string{"data:" + strconv.Itoa(keyUpdateBlock), "alert:" + strconv.Itoa(internalErrorAlert), "wait"}
+	gw := e.opensslGateway(t, sandbox, target, steps...)
+	up := <-echoed
+	waitIdle(t)
+	stat, dp := since()
+	t.Logf("tls_stat delta %v; data path %+v", stat, dp)
+	if gw.Error != "" || gw.StepsDone != len(steps) || gw.Received != keyUpdateBlock || gw.SentSHA256 != gw.ReceivedSHA256 {
+		t.Errorf("gateway %+v: want the block echoed, the alert sent, then the connection closed", gw)
+	}
+	if up.err != nil || up.n != keyUpdateBlock || up.sum != gw.ReceivedSHA256 {
+		t.Errorf("upstream echoed %d bytes (%v): want exactly the block before the alert", up.n, up.err)
+	}
+	if gw.End == "" {
+		t.Errorf("the gateway's last read did not end: the forwarder kept the connection open")
+	}
+	// crypto/tls (the userspace path here) and the kernel path word it
+	// differently; both name the alert.
+	want := "remote error: tls: internal error"
+	if kernel {
+		want = ktls.AlertError(internalErrorAlert).Error()
+	}
+	if got := e.tunnelEndError(t, sandbox); !strings.Contains(got, want) {
+		t.Errorf("tunnel end logged with error %q, want %q", got, want)
+	}
+	if !kernel {
+		return
+	}
+	if got := e.metric(t, alertSeries) - alerts0; got != 1 {
+		t.Errorf("%s rose by %d, want 1", alertSeries, got)
+	}
+	if dp.ControlRecords < 1 || stat["TlsDecryptError"] != 0 || dp.SpliceBytes == 0 {
+		t.Errorf("data path %+v, tls_stat delta %v: want the block spliced, the alert handed to userspace, no decrypt error", dp, stat)
+	}
+}
+
 // TestKernelSandboxKeyUpdateFlood: OpenSSL sends 1,000 KeyUpdates back to
 // back, far above the default limit (10/s, burst 20). With rekey the
 // forwarder installs the burst's keys, then closes the tunnel with

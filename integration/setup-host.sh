@@ -26,11 +26,13 @@ have dpkg-deb || need+=(dpkg)
 # Tools the kernel tests and the demo run inside the VM (over the 9p root
 # share): a real OpenSSL client, curl for HTTP/1.1 and HTTP/2 downloads,
 # strace to count the sendfile(2) calls of the listener wrapper, and python3
-# for the OpenSSL gateway (testdata/ossl_gateway.py: libssl through ctypes).
+# for the OpenSSL gateway (testdata/ossl_gateway.py: libssl through ctypes,
+# and python3-cryptography to seal the alert it sends behind libssl's back).
 have openssl || need+=(openssl)
 have curl || need+=(curl)
 have strace || need+=(strace)
 have python3 || need+=(python3)
+/usr/bin/python3 -c 'import cryptography' 2>/dev/null || need+=(python3-cryptography)
 # The contenders of the benchmark harness (integration/bench.sh): HAProxy and
 # nginx with its stream module (TLS termination in front of a TCP upstream).
 [ -x /usr/sbin/haproxy ] || need+=(haproxy)

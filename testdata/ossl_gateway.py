@@ -22,6 +22,10 @@ reported, the connection is closed):
   kuflood:N    send N KeyUpdate(update_not_requested) back to back
   badrecord    write one application_data record with a wrong tag straight
                on the socket, behind OpenSSL's back (the peer cannot decrypt it)
+  alert:D      write a fatal alert with description D (e.g. 80, internal_error),
+               sealed under the client's application key behind OpenSSL's
+               back: libssl has no call that sends an alert mid-stream. Only
+               before any KeyUpdate (the key log holds the first secret only)
   close        send close_notify, then wait
   wait         read to the end: the peer's close_notify, a TCP EOF, or an
                error (an alert, a reset)
@@ -41,6 +45,10 @@ import socket
 import struct
 import sys
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
+
 SSL_FILETYPE_PEM = 1
 SSL_VERIFY_PEER = 1
 SSL_CTRL_SET_TLSEXT_HOSTNAME = 55
@@ -57,6 +65,15 @@ SSL_ERROR_ZERO_RETURN = 6
 # make the blocking read(2)/write(2) under libssl fail with EAGAIN).
 IO_TIMEOUT_S = 120
 
+# TLS 1.3 suite -> (hash, AEAD, key length), for sealing the alert step's record.
+SUITES = {
+    "TLS_AES_128_GCM_SHA256": (hashes.SHA256, AESGCM, 16),
+    "TLS_AES_256_GCM_SHA384": (hashes.SHA384, AESGCM, 32),
+    "TLS_CHACHA20_POLY1305_SHA256": (hashes.SHA256, ChaCha20Poly1305, 32),
+}
+RECORD_ALERT, RECORD_APPLICATION_DATA, ALERT_FATAL = 21, 23, 2
+KEYLOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
+
 ssl = ctypes.CDLL("libssl.so.3", use_errno=True)
 crypto = ctypes.CDLL("libcrypto.so.3")
 P, I, L, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_char_p
@@ -68,6 +85,7 @@ for name, res, args in [
     ("SSL_CTX_set_verify", None, [P, I, P]),
     ("SSL_CTX_use_certificate_chain_file", I, [P, S]),
     ("SSL_CTX_use_PrivateKey_file", I, [P, S, I]),
+    ("SSL_CTX_set_keylog_callback", None, [P, KEYLOG_CALLBACK]),
     ("SSL_CTX_free", None, [P]),
     ("SSL_new", P, [P]),
     ("SSL_ctrl", L, [P, I, L, P]),
@@ -113,6 +131,13 @@ def ssl_failure(what, s=None, ret=0):
     return Failure(f"{what}: SSL_get_error {kind}: {'; '.join(msgs) or 'no detail'}")
 
 
+def hkdf_expand_label(hash_alg, secret, label, length):
+    """RFC 8446 section 7.1, with an empty context."""
+    full = b"tls13 " + label.encode()
+    info = struct.pack("!HB", length, len(full)) + full + b"\x00"
+    return HKDFExpand(hash_alg(), length, info).derive(secret)
+
+
 class Gateway:
     def __init__(self, addr, ca, cert, key):
         host, port = addr.rsplit(":", 1)
@@ -130,6 +155,11 @@ class Gateway:
             raise ssl_failure("load client certificate")
         if ssl.SSL_CTX_use_PrivateKey_file(self.ctx, key.encode(), SSL_FILETYPE_PEM) != 1:
             raise ssl_failure("load client key")
+        # The key log hands over the client's first application traffic
+        # secret, which the alert step seals its record with.
+        self.secrets = {}
+        self.keylog = KEYLOG_CALLBACK(self.log_secret)
+        ssl.SSL_CTX_set_keylog_callback(self.ctx, self.keylog)
         self.ssl = ssl.SSL_new(self.ctx)
         ssl.SSL_ctrl(self.ssl, SSL_CTRL_SET_TLSEXT_HOSTNAME, TLSEXT_NAMETYPE_host_name, S(b"localhost"))
         ssl.SSL_set1_host(self.ssl, b"localhost")
@@ -142,6 +172,13 @@ class Gateway:
         self.sent_hash, self.recv_hash = hashlib.sha256(), hashlib.sha256()
         self.buf = ctypes.create_string_buffer(64 << 10)
         self.end = ""
+        # Records written under the first application key: the sequence
+        # number of the next one.
+        self.records = 0
+
+    def log_secret(self, _ssl, line):
+        label, _, secret = line.decode().split(" ")
+        self.secrets[label] = bytes.fromhex(secret)
 
     def write(self, data, hashed=True):
         view = memoryview(data)
@@ -150,6 +187,8 @@ class Gateway:
             ret = ssl.SSL_write(self.ssl, chunk, len(chunk))
             if ret <= 0:
                 raise ssl_failure(f"write after {self.sent} bytes", self.ssl, ret)
+            # One record per call: a chunk fits libssl's 16 KiB fragment.
+            self.records += 1
             view = view[ret:]
             if hashed:
                 self.sent += ret
@@ -195,6 +234,21 @@ class Gateway:
         body = bytes(range(64))
         self.sock.sendall(struct.pack("!BHH", 23, 0x0303, len(body)) + body)
 
+    def alert(self, description):
+        if self.key_updates:
+            raise SystemExit("alert step after a KeyUpdate: its key is not in the key log")
+        name = ssl.SSL_CIPHER_get_name(ssl.SSL_get_current_cipher(self.ssl)).decode()
+        hash_alg, aead, key_len = SUITES[name]
+        secret = self.secrets["CLIENT_TRAFFIC_SECRET_0"]
+        key = hkdf_expand_label(hash_alg, secret, "key", key_len)
+        iv = hkdf_expand_label(hash_alg, secret, "iv", 12)
+        nonce = bytes(a ^ b for a, b in zip(iv, self.records.to_bytes(12, "big")))
+        # TLSInnerPlaintext: the alert, then its real content type.
+        inner = bytes([ALERT_FATAL, description, RECORD_ALERT])
+        header = struct.pack("!BHH", RECORD_APPLICATION_DATA, 0x0303, len(inner) + 16)
+        self.sock.sendall(header + aead(key).encrypt(nonce, inner, header))
+        self.records += 1
+
     def close(self):
         ret = ssl.SSL_shutdown(self.ssl)
         if ret < 0:
@@ -216,6 +270,8 @@ class Gateway:
                 self.key_update(SSL_KEY_UPDATE_NOT_REQUESTED)
         elif op == "badrecord":
             self.bad_record()
+        elif op == "alert":
+            self.alert(int(arg))
         elif op == "close":
             self.close()
         elif op == "wait":

@@ -7,9 +7,12 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -392,6 +395,56 @@ func TestReasonsListed(t *testing.T) {
 	}
 	if ReasonOf(nil) != "" || ReasonOf(errors.New("x")) != "other" {
 		t.Fatal("ReasonOf of nil or a foreign error")
+	}
+}
+
+// specSection returns the text of section n of docs/preamble.md, from its
+// "## n." heading to the next heading of that level.
+func specSection(t *testing.T, n int) string {
+	t.Helper()
+	doc, err := os.ReadFile(filepath.Join("..", "docs", "preamble.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(doc), fmt.Sprintf("\n## %d. ", n))
+	if !ok {
+		t.Fatalf("docs/preamble.md has no section %d", n)
+	}
+	section, _, _ := strings.Cut(rest, "\n## ")
+	return section
+}
+
+// TestReasonsMatchSpec ties Reasons() to the reason table of
+// docs/preamble.md §7 (same set, each once) and requires §6, the order of
+// checks, to place every reason, so that code and spec cannot drift apart.
+func TestReasonsMatchSpec(t *testing.T) {
+	code := map[string]bool{}
+	for _, r := range Reasons() {
+		code[string(r)] = true
+	}
+	table := map[string]bool{}
+	for _, line := range strings.Split(specSection(t, 7), "\n") {
+		cell, ok := strings.CutPrefix(line, "| `")
+		if !ok {
+			continue
+		}
+		r, _, ok := strings.Cut(cell, "` |")
+		if !ok || table[r] {
+			t.Fatalf("§7 row %q: want one row per reason, \"| `reason` | meaning |\"", line)
+		}
+		table[r] = true
+		if !code[r] {
+			t.Errorf("§7 lists %q, which Reasons() lacks", r)
+		}
+	}
+	order := specSection(t, 6)
+	for r := range code {
+		if !table[r] {
+			t.Errorf("Reasons() has %q, which the §7 table lacks", r)
+		}
+		if !strings.Contains(order, "`"+r+"`") {
+			t.Errorf("§6 (order of checks) does not place %q", r)
+		}
 	}
 }
 

@@ -168,6 +168,36 @@ func TestReplayCacheBounded(t *testing.T) {
 	}
 }
 
+// TestVerifyAllocs: in steady state the happy path of Verify, on a frame
+// already read into its buffer, allocates nothing, replay-cache insert
+// included. The stream runs at the peak rate its cache is sized for; the
+// warm-up batch takes each of the 16 buckets (80 frames each) to its working
+// size, and the measured batch goes round all of them again, so expired
+// buckets are recycled inside the measurement. The count is exact: with one
+// run AllocsPerRun returns the mallocs of the one measured call, and that
+// call is the whole batch.
+func TestVerifyAllocs(t *testing.T) {
+	const rate, batch = 40, 1400
+	st := newSteadyStream(t, 5*time.Second, 10*time.Second, 10*time.Second, rate, 2*batch)
+	failed := 0
+	allocs := testing.AllocsPerRun(1, func() { // called twice: a warm-up batch, then the measured one
+		for range batch {
+			if st.verifyNext() != nil {
+				failed++
+			}
+		}
+	})
+	if failed != 0 {
+		t.Fatalf("%d of %d steady-state frames rejected", failed, 2*batch)
+	}
+	if capacity := rate * 20; st.v.replay.Len() > capacity || st.next <= capacity {
+		t.Fatalf("cache holds %d nonces after %d frames, capacity %d: the stream did not recycle buckets", st.v.replay.Len(), st.next, capacity)
+	}
+	if allocs != 0 {
+		t.Fatalf("the measured %d verifications made %v allocations, want 0", batch, allocs)
+	}
+}
+
 // TestSharedReplayCache: a frame accepted under one configuration is a
 // replay under the next one when both share the cache.
 func TestSharedReplayCache(t *testing.T) {

@@ -6,8 +6,10 @@ import (
 	"crypto/tls"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -132,6 +134,54 @@ func TestSandboxKeygenSignVerify(t *testing.T) {
 		if _, err := runSandbox(t, strings.NewReader(""), bad...); err == nil {
 			t.Errorf("%v: no error", bad)
 		}
+	}
+}
+
+// TestSandboxBinaryRoundTrip runs keygen → sign → verify with the built
+// binary, as an operator does: the subcommands are registered in the real
+// caddy main, the files pass between the processes, and a rejection exits 1
+// with its stable reason on stderr.
+func TestSandboxBinaryRoundTrip(t *testing.T) {
+	caddy := builtCaddy(t)
+	dir := t.TempDir()
+	key, ring := filepath.Join(dir, "gw.key"), filepath.Join(dir, "gateways.pem")
+	run := func(stdin string, args ...string) (string, string, error) {
+		cmd := exec.Command(caddy, append([]string{"sandbox"}, args...)...)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdin, cmd.Stdout, cmd.Stderr = strings.NewReader(stdin), &stdout, &stderr
+		err := cmd.Run()
+		return stdout.String(), stderr.String(), err
+	}
+	if _, stderr, err := run("", "keygen", "--key-out", key, "--pub-out", ring, "--key-id", "gw-bin"); err != nil {
+		t.Fatalf("keygen: %v\n%s", err, stderr)
+	}
+	frame, stderr, err := run("", "sign", "--key", key, "--key-id", "gw-bin", "--sandbox", "sbx-bin", "--target", "10.1.2.3:8080")
+	if err != nil {
+		t.Fatalf("sign: %v\n%s", err, stderr)
+	}
+	out, stderr, err := run(frame, "verify", "--keyring", ring)
+	if err != nil {
+		t.Fatalf("verify: %v\n%s", err, stderr)
+	}
+	var got verifiedClaims
+	if err := json.Unmarshal([]byte(out), &got); err != nil {
+		t.Fatalf("verify printed %q: %v", out, err)
+	}
+	if got.KeyID != "gw-bin" || got.SandboxID != "sbx-bin" || got.Target != "10.1.2.3:8080" ||
+		got.ExpiresAt.Sub(got.IssuedAt) != preamble.DefaultTTL || len(got.Nonce) != 2*preamble.NonceLen {
+		t.Fatalf("claims %+v", got)
+	}
+
+	// The last hex digit is in the signature.
+	frame = strings.TrimSpace(frame)
+	last := "0"
+	if strings.HasSuffix(frame, "0") {
+		last = "1"
+	}
+	_, stderr, err = run(frame[:len(frame)-1]+last, "verify", "--keyring", ring)
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 || !strings.Contains(stderr, "rejected: bad-signature") {
+		t.Fatalf("tampered frame: %v, stderr %q", err, stderr)
 	}
 }
 

@@ -48,6 +48,7 @@ type rawFrame struct {
 	iat, exp   uint64
 	nonce      []byte
 	sandboxID  string
+	sidLen     int // when non-zero, written as the sandbox_id length instead of the true one
 	family     byte
 	addr       []byte
 	port       uint16
@@ -68,6 +69,16 @@ func exampleFrame() rawFrame {
 	}
 }
 
+// target sets the address fields to ip in the family its text form names:
+// an IPv4-mapped IPv6 address stays 16 bytes in family 6.
+func (f *rawFrame) target(ip string) {
+	a := netip.MustParseAddr(ip)
+	f.family, f.addr = 6, a.AsSlice()
+	if a.Is4() {
+		f.family = 4
+	}
+}
+
 func tlv(typ uint16, value string) []byte {
 	b := binary.BigEndian.AppendUint16(nil, typ)
 	b = binary.BigEndian.AppendUint16(b, uint16(len(value)))
@@ -81,7 +92,11 @@ func buildFrame(f rawFrame) []byte {
 	body = binary.BigEndian.AppendUint64(body, f.iat)
 	body = binary.BigEndian.AppendUint64(body, f.exp)
 	body = append(body, f.nonce...)
-	body = append(body, byte(len(f.sandboxID)))
+	sidLen := len(f.sandboxID)
+	if f.sidLen != 0 {
+		sidLen = f.sidLen
+	}
+	body = append(body, byte(sidLen))
 	body = append(body, f.sandboxID...)
 	body = append(body, f.family)
 	body = append(body, f.addr...)
@@ -115,7 +130,8 @@ type goldenCase struct {
 var goldenCases = []goldenCase{
 	{"valid-ipv4", "", false, func(f *rawFrame) {}},
 	{"valid-ipv6-bound", "", true, func(f *rawFrame) {
-		f.family, f.addr, f.port = 6, netip.MustParseAddr("fd00::1234").AsSlice(), 443
+		f.target("fd00::1234")
+		f.port = 443
 		f.binding = exampleBinding
 	}},
 	{"valid-noncritical-extension", "", false, func(f *rawFrame) {
@@ -130,6 +146,13 @@ var goldenCases = []goldenCase{
 	{"reject-bad-key-id", ReasonBadKeyID, false, func(f *rawFrame) { f.keyID = "example 1" }},
 	{"reject-bad-sandbox-id", ReasonBadSandboxID, false, func(f *rawFrame) { f.sandboxID = "sbx/../etc" }},
 	{"reject-bad-target", ReasonBadTarget, false, func(f *rawFrame) { f.port = 0 }},
+	{"reject-bad-target-family", ReasonBadTarget, false, func(f *rawFrame) { f.family = 5 }},
+	{"reject-bad-target-unspecified-ipv4", ReasonBadTarget, false, func(f *rawFrame) { f.target("0.0.0.0") }},
+	{"reject-bad-target-unspecified-ipv6", ReasonBadTarget, false, func(f *rawFrame) { f.target("::") }},
+	{"reject-bad-target-multicast-ipv4", ReasonBadTarget, false, func(f *rawFrame) { f.target("224.0.0.1") }},
+	{"reject-bad-target-multicast-ipv6", ReasonBadTarget, false, func(f *rawFrame) { f.target("ff02::1") }},
+	{"reject-bad-target-broadcast", ReasonBadTarget, false, func(f *rawFrame) { f.target("255.255.255.255") }},
+	{"reject-bad-target-ipv4-mapped", ReasonBadTarget, false, func(f *rawFrame) { f.target("::ffff:10.1.2.3") }},
 	{"reject-bad-extension", ReasonBadExtension, false, func(f *rawFrame) {
 		f.extensions = append(tlv(0x0002, "b"), tlv(0x0001, "a")...)
 	}},
@@ -233,7 +256,9 @@ func TestSignerMatchesGolden(t *testing.T) {
 
 // specVerdict is an independent implementation of docs/preamble.md, section
 // "Verification", written from the spec alone: it shares no code with the
-// package. It returns the claims it decoded or the reason string.
+// package and runs the checks in the order of §6, steps 2 to 8 (step 1 is
+// reading from a connection, step 9 needs the replay cache's state). It
+// returns the claims it decoded or the reason string.
 type specClaims struct {
 	keyID, sandboxID string
 	target           netip.AddrPort
@@ -416,4 +441,95 @@ func TestIndependentDecoderAgrees(t *testing.T) {
 			t.Errorf("%s: spec decoder claims %+v, package claims %+v", gc.name, sc, c)
 		}
 	}
+}
+
+// TestCheckOrder: a frame with two faults is rejected for the one that
+// docs/preamble.md §6 checks first, by the package and by the spec-only
+// decoder alike, so that every implementation names the same reason. Each
+// fault is also judged alone, which proves that both are real.
+func TestCheckOrder(t *testing.T) {
+	type fault struct {
+		reason Reason
+		edit   func(f *rawFrame)
+	}
+	var (
+		badMagic    = fault{ReasonBadMagic, func(f *rawFrame) { f.magic = "PROX" }}
+		badVersion  = fault{ReasonBadVersion, func(f *rawFrame) { f.version = 2 }}
+		reserved    = fault{ReasonMalformed, func(f *rawFrame) { f.reserved = 1 }}
+		oversized   = fault{ReasonOversized, func(f *rawFrame) { f.extensions = tlv(0x0001, strings.Repeat("x", 900)) }}
+		cut         = fault{ReasonTruncated, func(f *rawFrame) { f.cut = 10 }}
+		sidOverrun  = fault{ReasonTruncated, func(f *rawFrame) { f.sidLen = 255 }}
+		family      = fault{ReasonBadTarget, func(f *rawFrame) { f.family = 5 }}
+		gap         = fault{ReasonTrailingBytes, func(f *rawFrame) { f.gap = []byte{0} }}
+		keyID       = fault{ReasonBadKeyID, func(f *rawFrame) { f.keyID = "example 1" }}
+		sandboxID   = fault{ReasonBadSandboxID, func(f *rawFrame) { f.sandboxID = "sbx/../etc" }}
+		port0       = fault{ReasonBadTarget, func(f *rawFrame) { f.port = 0 }}
+		bindingLen  = fault{ReasonMalformed, func(f *rawFrame) { f.binding = []byte{1, 2, 3, 4, 5} }}
+		window      = fault{ReasonMalformed, func(f *rawFrame) { f.exp = f.iat }}
+		extOrder    = fault{ReasonBadExtension, func(f *rawFrame) { f.extensions = append(tlv(0x0002, ""), tlv(0x0001, "")...) }}
+		critical    = fault{ReasonUnknownCriticalExtension, func(f *rawFrame) { f.extensions = tlv(0x8001, "") }}
+		unknownKey  = fault{ReasonUnknownKey, func(f *rawFrame) { f.keyID = "example-9" }}
+		badSig      = fault{ReasonBadSignature, func(f *rawFrame) { f.flipSig = true }}
+		notYet      = fault{ReasonNotYetValid, func(f *rawFrame) { f.iat, f.exp = f.iat+100, f.exp+100 }}
+		expired     = fault{ReasonExpired, func(f *rawFrame) { f.iat, f.exp = f.iat-200, f.exp-200 }}
+		ttlByExpiry = fault{ReasonTTLTooLong, func(f *rawFrame) { f.exp += 600 }}
+		ttlByIssue  = fault{ReasonTTLTooLong, func(f *rawFrame) { f.iat -= 600 }}
+		mismatch    = fault{ReasonBindingMismatch, func(f *rawFrame) { f.binding = bytes.Repeat([]byte{0x43}, 32) }}
+	)
+	keys := map[string]ed25519.PublicKey{exampleKeyID: examplePub}
+	judge := func(t *testing.T, want Reason, faults ...fault) {
+		t.Helper()
+		f := exampleFrame()
+		for _, x := range faults {
+			x.edit(&f)
+		}
+		frame := buildFrame(f)
+		_, err := goldenVerifier(t, false).Verify(frame, exampleBinding)
+		_, spec := specVerdict(frame, keys, exampleNow.Unix(), 30, 120, exampleBinding, false)
+		if ReasonOf(err) != string(want) || spec != string(want) {
+			t.Errorf("%d fault(s): package says %q, spec decoder %q, want %q (err: %v)", len(faults), ReasonOf(err), spec, want, err)
+		}
+	}
+	for _, tc := range []struct {
+		name          string
+		first, second fault
+	}{
+		{"magic-before-version", badMagic, badVersion},
+		{"reserved-before-cap", reserved, oversized},
+		{"cap-before-frame-length", oversized, cut},
+		{"frame-length-before-fields", cut, family},
+		{"field-overrun-before-family", sidOverrun, family},
+		{"family-before-trailing-bytes", family, gap},
+		{"family-before-key-id", family, keyID},
+		{"trailing-bytes-before-key-id", gap, keyID},
+		{"key-id-before-sandbox-id", keyID, sandboxID},
+		{"sandbox-id-before-target", sandboxID, port0},
+		{"target-before-binding-length", port0, bindingLen},
+		{"target-before-window", port0, window},
+		{"binding-length-before-extensions", bindingLen, extOrder},
+		{"window-before-extensions", window, critical},
+		{"extensions-before-key-lookup", critical, unknownKey},
+		{"key-lookup-before-signature", unknownKey, badSig},
+		{"signature-before-time", badSig, expired},
+		{"not-yet-valid-before-ttl", notYet, ttlByExpiry},
+		{"expired-before-ttl", expired, ttlByIssue},
+		{"time-before-binding", ttlByExpiry, mismatch},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			judge(t, tc.first.reason, tc.first)
+			judge(t, tc.second.reason, tc.second)
+			judge(t, tc.first.reason, tc.first, tc.second)
+		})
+	}
+	// Inside the extension area the first faulty TLV decides.
+	t.Run("critical-tlv-before-misordered-tlv", func(t *testing.T) {
+		judge(t, ReasonUnknownCriticalExtension, fault{edit: func(f *rawFrame) {
+			f.extensions = append(tlv(0x8001, ""), tlv(0x0001, "")...)
+		}})
+	})
+	t.Run("misordered-tlv-before-critical-tlv", func(t *testing.T) {
+		judge(t, ReasonBadExtension, fault{edit: func(f *rawFrame) {
+			f.extensions = append(append(tlv(0x0002, ""), tlv(0x0001, "")...), tlv(0x8001, "")...)
+		}})
+	})
 }

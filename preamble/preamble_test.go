@@ -7,9 +7,12 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -162,6 +165,36 @@ func TestReplayCacheBounded(t *testing.T) {
 	// frame must pass.
 	if accepted != 5000 {
 		t.Fatalf("%d of 5000 frames accepted after expiry reclaim, want all", accepted)
+	}
+}
+
+// TestVerifyAllocs: in steady state the happy path of Verify, on a frame
+// already read into its buffer, allocates nothing, replay-cache insert
+// included. The stream runs at the peak rate its cache is sized for; the
+// warm-up batch takes each of the 16 buckets (80 frames each) to its working
+// size, and the measured batch goes round all of them again, so expired
+// buckets are recycled inside the measurement. The count is exact: with one
+// run AllocsPerRun returns the mallocs of the one measured call, and that
+// call is the whole batch.
+func TestVerifyAllocs(t *testing.T) {
+	const rate, batch = 40, 1400
+	st := newSteadyStream(t, 5*time.Second, 10*time.Second, 10*time.Second, rate, 2*batch)
+	failed := 0
+	allocs := testing.AllocsPerRun(1, func() { // called twice: a warm-up batch, then the measured one
+		for range batch {
+			if st.verifyNext() != nil {
+				failed++
+			}
+		}
+	})
+	if failed != 0 {
+		t.Fatalf("%d of %d steady-state frames rejected", failed, 2*batch)
+	}
+	if capacity := rate * 20; st.v.replay.Len() > capacity || st.next <= capacity {
+		t.Fatalf("cache holds %d nonces after %d frames, capacity %d: the stream did not recycle buckets", st.v.replay.Len(), st.next, capacity)
+	}
+	if allocs != 0 {
+		t.Fatalf("the measured %d verifications made %v allocations, want 0", batch, allocs)
 	}
 }
 
@@ -392,6 +425,56 @@ func TestReasonsListed(t *testing.T) {
 	}
 	if ReasonOf(nil) != "" || ReasonOf(errors.New("x")) != "other" {
 		t.Fatal("ReasonOf of nil or a foreign error")
+	}
+}
+
+// specSection returns the text of section n of docs/preamble.md, from its
+// "## n." heading to the next heading of that level.
+func specSection(t *testing.T, n int) string {
+	t.Helper()
+	doc, err := os.ReadFile(filepath.Join("..", "docs", "preamble.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(doc), fmt.Sprintf("\n## %d. ", n))
+	if !ok {
+		t.Fatalf("docs/preamble.md has no section %d", n)
+	}
+	section, _, _ := strings.Cut(rest, "\n## ")
+	return section
+}
+
+// TestReasonsMatchSpec ties Reasons() to the reason table of
+// docs/preamble.md §7 (same set, each once) and requires §6, the order of
+// checks, to place every reason, so that code and spec cannot drift apart.
+func TestReasonsMatchSpec(t *testing.T) {
+	code := map[string]bool{}
+	for _, r := range Reasons() {
+		code[string(r)] = true
+	}
+	table := map[string]bool{}
+	for _, line := range strings.Split(specSection(t, 7), "\n") {
+		cell, ok := strings.CutPrefix(line, "| `")
+		if !ok {
+			continue
+		}
+		r, _, ok := strings.Cut(cell, "` |")
+		if !ok || table[r] {
+			t.Fatalf("§7 row %q: want one row per reason, \"| `reason` | meaning |\"", line)
+		}
+		table[r] = true
+		if !code[r] {
+			t.Errorf("§7 lists %q, which Reasons() lacks", r)
+		}
+	}
+	order := specSection(t, 6)
+	for r := range code {
+		if !table[r] {
+			t.Errorf("Reasons() has %q, which the §7 table lacks", r)
+		}
+		if !strings.Contains(order, "`"+r+"`") {
+			t.Errorf("§6 (order of checks) does not place %q", r)
+		}
 	}
 }
 

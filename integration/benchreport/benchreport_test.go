@@ -209,10 +209,27 @@ func TestHostReport(t *testing.T) {
 		"| splice relay's own CPU/GiB ÷ io.CopyBuffer relay's | 0.4 (0.3–0.5) | ≤ 0.5 | **met** |",
 		// +5 %, +20 %, 0 %.
 		"| handshake + offload setup over a plain crypto/tls handshake (CPU per handshake) | +5 % (0 – +20 %) | ≤ +10 % | **met** |",
+		"| preamble verify per frame: ns/op; allocs/op, B/op | 55000 (50000–70000); 0, 0 | < 60 µs; 0, 0 | **met** |",
+		// 2000, 3000, 4000 ns per round.
+		"| preamble verify above a bare Ed25519 verify (ns per frame) | 3000 (2000–4000) | — | — |",
 	} {
 		if !strings.Contains(md, want) {
 			t.Errorf("host markdown lacks %q\n%s", want, md)
 		}
+	}
+
+	// A loaded host where Ed25519 alone is over the goal, and a benchmark
+	// whose allocations allocs/op rounds down to 0 but B/op shows.
+	h, err = parseHostBench([]byte("pkg: example/preamble\n" +
+		"BenchmarkVerify-2 10 130000 ns/op 55 B/op 0 allocs/op\n" +
+		"BenchmarkEd25519Verify-2 10 128000 ns/op 0 B/op 0 allocs/op\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "| preamble verify per frame: ns/op; allocs/op, B/op | 130000; 0, 55 | < 60 µs; 0, 0 | " +
+		"**missed**: ns/op (a bare Ed25519 verify alone: 128000, same rounds); allocates |"
+	if md := string(renderHostMarkdown(h)); !strings.Contains(md, want) {
+		t.Errorf("host markdown lacks %q\n%s", want, md)
 	}
 }
 

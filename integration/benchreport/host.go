@@ -221,6 +221,7 @@ func hostGoals(h *HostBench) []hostGoalRow {
 	}
 	out = append(out, row)
 
+	out = append(out, verifyGoal(h))
 	if r := paired(h.series(verifyFrame, "ns/op"), h.series(verifyEd25519, "ns/op"), minus); len(r) > 0 {
 		out = append(out, hostGoalRow{
 			figure: "preamble verify above a bare Ed25519 verify (ns per frame)",
@@ -228,6 +229,38 @@ func hostGoals(h *HostBench) []hostGoalRow {
 		})
 	}
 	return slices.Clip(out)
+}
+
+// verifyGoal judges issue 4's goal for the preamble: Verify under 60 µs and
+// free of allocations. go test rounds allocs/op down, so B/op must be zero
+// too. A miss on time names the bare Ed25519 verify of the same rounds: when
+// that alone is over the goal, the host (its load), not the package, missed.
+func verifyGoal(h *HostBench) hostGoalRow {
+	row := hostGoalRow{figure: "preamble verify per frame: ns/op; allocs/op, B/op", value: dash, goal: "< 60 µs; 0, 0", status: notMeasured}
+	ns, allocs, bytesPerOp := h.series(verifyFrame, "ns/op"), h.series(verifyFrame, "allocs/op"), h.series(verifyFrame, "B/op")
+	if len(ns) == 0 {
+		return row
+	}
+	row.value = fmt.Sprintf("%s; %s, %s", summaryCell(ns), summaryCell(allocs), summaryCell(bytesPerOp))
+	var why []string
+	if summarize(ns).Median >= 60_000 {
+		miss := "ns/op"
+		if ed := h.series(verifyEd25519, "ns/op"); len(ed) > 0 {
+			miss = fmt.Sprintf("ns/op (a bare Ed25519 verify alone: %s, same rounds)", num(summarize(ed).Median))
+		}
+		why = append(why, miss)
+	}
+	switch {
+	case len(allocs) == 0 || len(bytesPerOp) == 0:
+		why = append(why, "allocations not measured")
+	case summarize(allocs).Max > 0 || summarize(bytesPerOp).Max > 0:
+		why = append(why, "allocates")
+	}
+	row.status = met
+	if len(why) > 0 {
+		row.status = missed + ": " + strings.Join(why, "; ")
+	}
+	return row
 }
 
 const hostLimitsText = `
@@ -246,8 +279,13 @@ const hostLimitsText = `
   refuses the ` + "`tls`" + ` ULP, so the ` + "`ktls`" + ` arm measures the engine's userspace
   work (key capture, record-bounded reads, the offload decision) and not the
   setsockopt calls that install the keys (a few µs of kernel time).
-- **Preamble** (` + "`preamble`" + `): verification of a bound frame with a fresh
-  nonce against a bare ` + "`ed25519.Verify`" + ` of the same message.
+- **Preamble** (` + "`preamble`" + `): verification of a bound frame already read
+  into its buffer, with a fresh nonce, in steady state (the clock advances,
+  so the replay cache recycles its buckets), against a bare
+  ` + "`ed25519.Verify`" + ` of a frame of the same size in the same round. The goal
+  (< 60 µs, no allocation) is for an unloaded core, and Ed25519 verification
+  dominates it: the package's own cost is the row "above a bare Ed25519
+  verify". On a loaded host both ns/op figures grow with the queue.
 - It cannot show kTLS record crypto or splice from a kTLS socket (no kTLS
   here; see [results.md](results.md) for the VM figures) nor NIC offload.
 `

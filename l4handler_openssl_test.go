@@ -117,17 +117,44 @@ func echoUpstream(t *testing.T) (netip.AddrPort, <-chan echoResult) {
 // the admin endpoint's /metrics.
 func (e *sandboxEnv) metric(t *testing.T, series string) int64 {
 	t.Helper()
+	v, ok := e.metrics(t)[series]
+	if !ok {
+		t.Fatalf("/metrics has no %s", series)
+	}
+	return v
+}
+
+// metrics scrapes the admin endpoint's /metrics: every series (name and
+// labels, as the text format writes them) with its value, cut to an
+// integer (the series the tests read are counts).
+func (e *sandboxEnv) metrics(t *testing.T) map[string]int64 {
+	t.Helper()
+	out := map[string]int64{}
 	for line := range strings.Lines(string(e.adminBody(t, "/metrics"))) {
-		if v, ok := strings.CutPrefix(line, series+" "); ok {
-			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
-			if err != nil {
-				t.Fatalf("/metrics: %q: %v", line, err)
-			}
-			return int64(f)
+		if strings.TrimSpace(line) == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		f, err := strconv.ParseFloat(strings.TrimSpace(line[i+1:]), 64)
+		if i < 0 || err != nil {
+			t.Fatalf("/metrics: %q: %v", line, err)
+		}
+		out[line[:i]] = int64(f)
+	}
+	return out
+}
+
+// checkMetricDeltas checks that each series in want moved by exactly its
+// value from the scrape before to the scrape after.
+func checkMetricDeltas(t *testing.T, before, after, want map[string]int64) {
+	t.Helper()
+	for series, d := range want {
+		if _, ok := after[series]; !ok {
+			t.Errorf("/metrics has no %s", series)
+		} else if got := after[series] - before[series]; got != d {
+			t.Errorf("%s moved by %d, want %d", series, got, d)
 		}
 	}
-	t.Fatalf("/metrics has no %s", series)
-	return 0
 }
 
 const (

@@ -1,10 +1,12 @@
 package caddyktls
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/base64"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -50,7 +52,13 @@ type sandboxEnv struct {
 
 func loopbackAddr(t testing.TB) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	return freeAddr(t, "127.0.0.1")
+}
+
+// freeAddr returns an ip:port where nothing listens (any more).
+func freeAddr(t testing.TB, ip string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -159,6 +167,27 @@ func (e *sandboxEnv) load(t testing.TB) {
 	if err := caddy.Load(raw, true); err != nil {
 		t.Fatalf("caddy.Load: %v", err)
 	}
+}
+
+// postLoad POSTs e.cfg to the admin API's /load, as an operator reloads
+// the configuration.
+func (e *sandboxEnv) postLoad() error {
+	body, err := json.Marshal(e.cfg)
+	if err != nil {
+		return err
+	}
+	// No keep-alive: an idle admin connection would count as a leak.
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	resp, err := client.Post("http://"+e.adminAddr+"/load", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	msg, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("POST /load: %s: %s", resp.Status, msg)
+	}
+	return nil
 }
 
 // rawTunnel opens the mTLS session and writes payload as the "preamble",
@@ -275,6 +304,35 @@ func (e *sandboxEnv) logLines(t testing.TB, msg string) []map[string]any {
 	return out
 }
 
+// waitLogLine waits until the log holds more than n entries whose message
+// is msg and returns entry n (counted from 0): the first logged after the
+// n that were there.
+func (e *sandboxEnv) waitLogLine(t testing.TB, msg string, n int) map[string]any {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if lines := e.logLines(t, msg); len(lines) > n {
+			return lines[n]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no log line %q after the %d there were", msg, n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// emptyTunnel carries one tunnel for frame that moves no byte: the
+// upstream accepts, the gateway half-closes at once and reads to the end.
+func (e *sandboxEnv) emptyTunnel(t *testing.T, frame []byte) {
+	t.Helper()
+	c := e.rawTunnel(t, frame, true)
+	defer c.Close()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
+		t.Fatalf("tunnel for the frame's first use: read %d bytes, err %v; want a clean empty tunnel", n, err)
+	}
+}
+
 // checkTunnelTransfer waits for the tunnel to end, closes up and checks
 // both directions of a transfer: the upstream received the client's size
 // pattern bytes (seed), and the client received the upstream's size+3
@@ -354,6 +412,129 @@ func activityOf(t testing.TB, e *sandboxEnv, sandbox string) sandboxTotals {
 		}
 	}
 	return sandboxTotals{Sandbox: sandbox}
+}
+
+// The /metrics series of the tunnel registry.
+const (
+	tunnelsActiveSeries = "caddy_ktls_sandbox_tunnels_active"
+	tunnelsTotalSeries  = "caddy_ktls_sandbox_tunnels_total"
+	toSandboxSeries     = `caddy_ktls_sandbox_bytes_total{direction="to_sandbox"}`
+	fromSandboxSeries   = `caddy_ktls_sandbox_bytes_total{direction="from_sandbox"}`
+	splicedSeries       = `caddy_ktls_relay_bytes_total{path="splice"}`
+	copiedSeries        = `caddy_ktls_relay_bytes_total{path="copy"}`
+)
+
+// An open tunnel is visible while it runs: GET /sandbox/tunnels lists it
+// with its sandbox, target, peer, the exact bytes moved each way and its
+// opened and last-activity times (the latter advancing as bytes move), GET
+// /sandbox/activity has its sandbox's totals, /metrics counts it active.
+// An admin-API reload in the middle resets none of it: the same tunnel
+// keeps counting. Once it ended, every counter has moved by exactly the
+// bytes moved, under the data path that moved them (copy without kTLS).
+func TestSandboxTunnelObservability(t *testing.T) { sandboxTunnelObservability(t, false) }
+
+// TestKernelSandboxTunnelObservability is TestSandboxTunnelObservability on
+// a kTLS kernel, where every byte is counted as spliced.
+func TestKernelSandboxTunnelObservability(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxTunnelObservability(t, true)
+}
+
+func sandboxTunnelObservability(t *testing.T, kernel bool) {
+	const reply, first, second = 48 << 10, 32 << 10, 16 << 10
+	up := forwardtest.NewUpstream(t, reply) // sends its reply at once, then reads to the end
+	sandbox := uniqueSandbox("sbx-observed")
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	waitIdle(t) // the active gauge starts at 0
+	metrics0 := e.metrics(t)
+	checkDataPath := dataPathCheck(t, kernel, 1)
+	start := time.Now()
+	c := e.dial(t, sandbox, up.Addr())
+	defer c.Close()
+	src := forwardtest.NewPattern(12)
+	send := func(n int64) {
+		t.Helper()
+		if _, err := io.Copy(c, io.LimitReader(src, n)); err != nil {
+			t.Fatalf("gateway write: %v", err)
+		}
+	}
+	// While open, the relay bytes (counted per closed tunnel) stay put.
+	whileOpen := func(to int64) map[string]int64 {
+		return map[string]int64{tunnelsActiveSeries: 1, tunnelsTotalSeries: 1, toSandboxSeries: to, fromSandboxSeries: reply,
+			splicedSeries: 0, copiedSeries: 0}
+	}
+
+	send(first)
+	if _, err := io.ReadFull(c, make([]byte, reply)); err != nil {
+		t.Fatalf("gateway read: %v", err)
+	}
+	opened := e.waitTunnel(t, sandbox, first, reply)
+	if opened.Target != up.Addr().String() || opened.Peer != c.LocalAddr().String() ||
+		opened.Opened.Before(start) || opened.Opened.After(time.Now()) || opened.LastActivity.Before(opened.Opened) {
+		t.Errorf("GET /sandbox/tunnels: %+v; want target %s, peer %s, opened after %v, last activity since", opened, up.Addr(), c.LocalAddr(), start)
+	}
+	if a := activityOf(t, e, sandbox); a != (sandboxTotals{Sandbox: sandbox, BytesToSandbox: first, BytesFromSandbox: reply, OpenTunnels: 1, TotalTunnels: 1}) {
+		t.Errorf("GET /sandbox/activity while open: %+v", a)
+	}
+	checkMetricDeltas(t, metrics0, e.metrics(t), whileOpen(first))
+
+	e.sandboxHandler()["preamble_timeout"] = "4s" // a changed configuration
+	if err := e.postLoad(); err != nil {
+		t.Fatalf("reload: %v", err)
+	}
+	send(second)
+	moved := e.waitTunnel(t, sandbox, first+second, reply)
+	if moved.ID != opened.ID || !moved.Opened.Equal(opened.Opened) || !moved.LastActivity.After(opened.LastActivity) {
+		t.Errorf("after the reload and %d more bytes: %+v; want tunnel %d, opened %v, last activity after %v",
+			second, moved, opened.ID, opened.Opened, opened.LastActivity)
+	}
+	checkMetricDeltas(t, metrics0, e.metrics(t), whileOpen(first+second))
+
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
+		t.Errorf("gateway read %d bytes more (err %v), want the end", n, err)
+	}
+	waitIdle(t)
+	checkDataPath()
+	up.Close()
+	if r := up.Results()[0]; r.Received != first+second || r.RecvSum != forwardtest.PatternSum(12, first+second) {
+		t.Errorf("upstream received %d bytes, want the gateway's %d", r.Received, first+second)
+	}
+	spliced, copied := int64(0), int64(first+second+reply)
+	if kernel {
+		spliced, copied = copied, 0
+	}
+	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{tunnelsActiveSeries: 0, tunnelsTotalSeries: 1,
+		toSandboxSeries: first + second, fromSandboxSeries: reply, splicedSeries: spliced, copiedSeries: copied})
+	if a := activityOf(t, e, sandbox); a != (sandboxTotals{Sandbox: sandbox, BytesToSandbox: first + second, BytesFromSandbox: reply, TotalTunnels: 1}) {
+		t.Errorf("GET /sandbox/activity after the end: %+v", a)
+	}
+}
+
+// waitTunnel polls GET /sandbox/tunnels until sandbox's only open tunnel
+// shows exactly toSandbox and fromSandbox bytes moved, and returns it.
+func (e *sandboxEnv) waitTunnel(t *testing.T, sandbox string, toSandbox, fromSandbox int64) forward.TunnelInfo {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var all, mine []forward.TunnelInfo
+		e.adminGet(t, "/sandbox/tunnels", &all)
+		for _, ti := range all {
+			if ti.Sandbox == sandbox {
+				mine = append(mine, ti)
+			}
+		}
+		if len(mine) == 1 && mine[0].BytesToSandbox == toSandbox && mine[0].BytesFromSandbox == fromSandbox {
+			return mine[0]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("GET /sandbox/tunnels: %+v; want one tunnel of %s with %d/%d bytes", mine, sandbox, toSandbox, fromSandbox)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // Many tunnels at once, of mixed sizes, with half-close each way.
@@ -482,8 +663,13 @@ func TestSandboxClientNotInAllowlist(t *testing.T) {
 	}
 }
 
-// Every refusal: the connection is closed without a byte, ONE log line
-// names the reason and the peer, the reason is counted, nothing is dialed.
+// Every refusal: the connection is closed without a byte, ONE WARN log
+// line names the reason, the peer and the cause, the reason's Prometheus
+// series rises by one, nothing is dialed. The cases cover every preamble
+// reason a gateway can cause (the spec's golden vectors for the wire
+// rules, signed frames for validity, binding and replay) and every target
+// the allowlist refuses (link-local, loopback in both families, this host's
+// own address, a port), then dial failures (refused, blackholed).
 func TestSandboxRejections(t *testing.T) { sandboxRejections(t, false) }
 
 // TestKernelSandboxRejections is TestSandboxRejections on a kTLS kernel,
@@ -494,49 +680,110 @@ func TestKernelSandboxRejections(t *testing.T) {
 	sandboxRejections(t, true)
 }
 
+const rejectedMsg = "sandbox tunnel rejected"
+
 func sandboxRejections(t *testing.T, kernel bool) {
-	up := forwardtest.NewUpstream(t, 0)
-	closed := netip.MustParseAddrPort(loopbackAddr(t)) // nothing listens here any more
-	e := newSandboxEnv(t, map[string]any{"preamble_timeout": "300ms",
-		"allow_ports": []string{fmt.Sprint(up.Addr().Port()), fmt.Sprint(closed.Port())}})
+	// The allowlist holds every address, and opens loopback only for
+	// 127.0.0.2, named exactly: there is what must be dialed (the replayed
+	// frame's first use, the closed port, the blackhole), and up, which
+	// refused tunnels name but must never reach. trap listens on every
+	// local address: a dial to 127.0.0.1, ::1 or this host's own address
+	// would land there.
+	const opened = "127.0.0.2"
+	up := forwardtest.NewUpstreamOn(t, opened+":0", 0)
+	trap := forwardtest.NewUpstreamOn(t, ":0", 0)
+	replayed := forwardtest.NewUpstreamOn(t, opened+":0", 0)
+	closed := netip.MustParseAddrPort(freeAddr(t, opened))
+	blackhole := forwardtest.Blackhole(t, netip.MustParseAddr(opened))
+	var ports []string
+	for _, a := range []netip.AddrPort{up.Addr(), trap.Addr(), replayed.Addr(), closed, blackhole} {
+		ports = append(ports, fmt.Sprint(a.Port()))
+	}
+	e := newSandboxEnv(t, map[string]any{"preamble_timeout": "300ms", "dial_timeout": "1s",
+		"allow_cidrs": []string{"0.0.0.0/0", "::/0", opened + "/32"}, "allow_ports": ports})
 	// After Caddy started: what Caddy itself keeps (logs, admin) is not a
 	// tunnel leak; everything the tunnels open must be gone again.
 	forwardtest.CheckLeaks(t)
+	metrics0 := e.metrics(t)
 	since := dataPathDelta(t, kernel)
-	denied := netip.AddrPortFrom(up.Addr().Addr(), 1) // a port outside allow_ports
 	other := forwardtest.NewGateway(t, "gw-1")
 	unknown := forwardtest.NewGateway(t, "gw-2")
-	mtls := e.rawTunnel
+	sessions := 0 // mTLS sessions opened
+	mtls := func(t *testing.T, payload []byte, halfClose bool) *tls.Conn {
+		sessions++
+		return e.rawTunnel(t, payload, halfClose)
+	}
+	to := func(target netip.AddrPort) func(t *testing.T) *tls.Conn {
+		return func(t *testing.T) *tls.Conn { return mtls(t, e.gw.Frame(t, "sbx", target), false) }
+	}
+	trapped := func(addr func(testing.TB) netip.Addr) func(t *testing.T) *tls.Conn {
+		return func(t *testing.T) *tls.Conn { return to(netip.AddrPortFrom(addr(t), trap.Addr().Port()))(t) }
+	}
+	ip := func(s string) func(testing.TB) netip.Addr {
+		return func(testing.TB) netip.Addr { return netip.MustParseAddr(s) }
+	}
+	signed := func(c preamble.Claims) func(t *testing.T) *tls.Conn {
+		return func(t *testing.T) *tls.Conn {
+			c.SandboxID, c.Target = "sbx", up.Addr()
+			return mtls(t, e.gw.Sign(t, c), false)
+		}
+	}
+	golden := func(name string) func(t *testing.T) *tls.Conn {
+		return func(t *testing.T) *tls.Conn { return mtls(t, goldenFrame(t, name), false) }
+	}
+	now := time.Now()
 	cases := []struct {
-		reason string
-		open   func(t *testing.T) *tls.Conn
+		reason, what string
+		cause        string // in the logged error
+		open         func(t *testing.T) *tls.Conn
 	}{
-		{"bad-signature", func(t *testing.T) *tls.Conn { return mtls(t, other.Frame(t, "sbx", up.Addr()), false) }},
-		{"unknown-key", func(t *testing.T) *tls.Conn { return mtls(t, unknown.Frame(t, "sbx", up.Addr()), false) }},
-		{"bad-magic", func(t *testing.T) *tls.Conn { return mtls(t, []byte("SSH-2.0-OpenSSH_9.6\r\n"), false) }},
-		{"timeout", func(t *testing.T) *tls.Conn { return mtls(t, e.gw.Frame(t, "sbx", up.Addr())[:12], false) }},
-		{"truncated", func(t *testing.T) *tls.Conn { return mtls(t, e.gw.Frame(t, "sbx", up.Addr())[:12], true) }},
-		{"target-denied", func(t *testing.T) *tls.Conn {
-			return mtls(t, e.gw.Frame(t, "sbx", netip.MustParseAddrPort("169.254.169.254:80")), false)
+		{"bad-signature", "", "", func(t *testing.T) *tls.Conn { return mtls(t, other.Frame(t, "sbx", up.Addr()), false) }},
+		{"unknown-key", "", "", func(t *testing.T) *tls.Conn { return mtls(t, unknown.Frame(t, "sbx", up.Addr()), false) }},
+		{"bad-magic", "", "", func(t *testing.T) *tls.Conn { return mtls(t, []byte("SSH-2.0-OpenSSH_9.6\r\n"), false) }},
+		{"timeout", "", "", func(t *testing.T) *tls.Conn { return mtls(t, e.gw.Frame(t, "sbx", up.Addr())[:12], false) }},
+		{"truncated", "", "", func(t *testing.T) *tls.Conn { return mtls(t, e.gw.Frame(t, "sbx", up.Addr())[:12], true) }},
+		{"bad-version", "", "", golden("reject-bad-version")},
+		{"oversized", "", "", golden("reject-oversized")},
+		{"malformed", "", "", golden("reject-malformed")},
+		{"trailing-bytes", "", "", golden("reject-trailing-bytes")},
+		{"bad-key-id", "", "", golden("reject-bad-key-id")},
+		{"bad-sandbox-id", "", "", golden("reject-bad-sandbox-id")},
+		{"bad-target", "", "", golden("reject-bad-target")},
+		{"bad-extension", "", "", golden("reject-bad-extension")},
+		{"unknown-critical-extension", "", "", golden("reject-unknown-critical-extension")},
+		{"expired", "", "", signed(preamble.Claims{IssuedAt: now.Add(-10 * time.Minute), ExpiresAt: now.Add(-9 * time.Minute)})},
+		{"not-yet-valid", "", "", signed(preamble.Claims{IssuedAt: now.Add(9 * time.Minute), ExpiresAt: now.Add(10 * time.Minute)})},
+		{"ttl-too-long", "", "", signed(preamble.Claims{ExpiresAt: now.Add(time.Hour)})},
+		{"binding-mismatch", "", "", signed(preamble.Claims{Binding: make([]byte, preamble.BindingLen)})},
+		{"replayed-nonce", "", "", func(t *testing.T) *tls.Conn {
+			frame := e.gw.Frame(t, "sbx", replayed.Addr())
+			sessions++
+			e.emptyTunnel(t, frame) // accepted: its nonce is now known
+			return mtls(t, frame, false)
 		}},
-		{"target-denied", func(t *testing.T) *tls.Conn { // port outside allow_ports
-			return mtls(t, e.gw.Frame(t, "sbx", denied), false)
-		}},
-		{"dial-failed", func(t *testing.T) *tls.Conn {
-			return mtls(t, e.gw.Frame(t, "sbx", closed), false)
-		}},
-		{"binding-mismatch", func(t *testing.T) *tls.Conn {
-			f, err := e.gw.Signer.Sign(preamble.Claims{SandboxID: "sbx", Target: up.Addr(), Binding: make([]byte, preamble.BindingLen)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			return mtls(t, f, false)
+		{"target-denied", "metadata", "is link-local", trapped(ip("169.254.169.254"))},
+		{"target-denied", "loopback", "is loopback", trapped(ip("127.0.0.1"))},
+		{"target-denied", "loopback6", "is loopback", trapped(ip("::1"))},
+		{"target-denied", "host-address", "is host interface address", trapped(forwardtest.HostAddress)},
+		{"target-denied", "port", "not in the allowed ports", to(netip.AddrPortFrom(up.Addr().Addr(), 1))},
+		{"dial-failed", "refused", "connection refused", to(closed)},
+		{"dial-failed", "blackhole", "i/o timeout", to(blackhole)},
+		{"binding-required", "", "", func(t *testing.T) *tls.Conn {
+			// Last: from here on the configuration requires channel binding.
+			e.sandboxHandler()["require_channel_binding"] = true
+			e.load(t)
+			return to(up.Addr())(t)
 		}},
 	}
 	want := map[string]int{}
 	for i, tc := range cases {
-		t.Run(fmt.Sprintf("%d-%s", i, tc.reason), func(t *testing.T) {
+		name := fmt.Sprintf("%d-%s", i, tc.reason)
+		if tc.what != "" {
+			name += "-" + tc.what
+		}
+		t.Run(name, func(t *testing.T) {
 			before := tunnels.Rejections()[tc.reason]
+			logged := len(e.logLines(t, rejectedMsg))
 			c := tc.open(t)
 			defer c.Close()
 			c.SetReadDeadline(time.Now().Add(10 * time.Second))
@@ -546,39 +793,63 @@ func sandboxRejections(t *testing.T, kernel bool) {
 			}
 			waitRejections(t, tc.reason, before+1)
 			want[tc.reason]++
+			l := e.waitLogLine(t, rejectedMsg, logged)
+			if l["level"] != "warn" || l["reason"] != tc.reason || l["peer"] != c.LocalAddr().String() ||
+				!strings.Contains(fmt.Sprint(l["error"]), tc.cause) {
+				t.Errorf("log line %v: want a WARN with reason %q, peer %s and an error saying %q", l, tc.reason, c.LocalAddr(), tc.cause)
+			}
 		})
 	}
-	if up.Accepted() != 0 {
-		t.Errorf("upstream accepted %d connections for refused tunnels", up.Accepted())
+	if up.Accepted() != 0 || trap.Accepted() != 0 || replayed.Accepted() != 1 {
+		t.Errorf("refused tunnels dialed: upstream %d times, trap %d times, replayed frame's target %d times (want 0, 0, 1: its first use)",
+			up.Accepted(), trap.Accepted(), replayed.Accepted())
 	}
-	if stat, dp := since(); kernel && (stat["TlsRxSw"] < int64(len(cases)) || stat["TlsTxSw"] < int64(len(cases)) ||
+	if stat, dp := since(); kernel && (stat["TlsRxSw"] < int64(sessions) || stat["TlsTxSw"] < int64(sessions) ||
 		stat["TlsDecryptError"] != 0 || dp.SpliceBytes+dp.CopyBytes != 0) {
-		t.Errorf("tls_stat delta %v, data path %+v: want every refused connection offloaded TX and RX, no decrypt error, no byte relayed", stat, dp)
+		t.Errorf("tls_stat delta %v, data path %+v: want all %d sessions offloaded TX and RX, no decrypt error, no byte relayed", stat, dp, sessions)
 	}
+	// One line per refusal, none for anything else.
 	got := map[string]int{}
-	for _, l := range e.logLines(t, "sandbox tunnel rejected") {
+	for _, l := range e.logLines(t, rejectedMsg) {
 		reason, _ := l["reason"].(string)
-		if peer, _ := l["peer"].(string); !strings.HasPrefix(peer, "127.0.0.1:") {
-			t.Errorf("log line without the peer: %v", l)
-		}
 		got[reason]++
 	}
+	if !maps.Equal(got, want) {
+		t.Errorf("log lines by reason %v, want %v", got, want)
+	}
+	// Prometheus, through the admin endpoint: every reason has a series
+	// from the start, and each rose by its refusals.
+	for _, r := range rejectReasons() {
+		if _, ok := metrics0[rejectSeries(r)]; !ok {
+			t.Errorf("/metrics has no series %s before any refusal for it", rejectSeries(r))
+		}
+	}
+	deltas := map[string]int64{}
 	for r, n := range want {
-		if got[r] != n {
-			t.Errorf("log lines for %q: %d, want %d (all: %v)", r, got[r], n, got)
+		deltas[rejectSeries(r)] = int64(n)
+	}
+	checkMetricDeltas(t, metrics0, e.metrics(t), deltas)
+}
+
+func rejectSeries(reason string) string {
+	return fmt.Sprintf("caddy_ktls_sandbox_rejects_total{reason=%q}", reason)
+}
+
+// goldenFrame is one of the preamble spec's vectors (preamble/testdata,
+// docs/preamble.md). Each reject vector breaks one rule; the wire rules are
+// checked before the key is looked up, so the vectors' example key, unknown
+// here, does not change their reason.
+func goldenFrame(t *testing.T, name string) []byte {
+	t.Helper()
+	text, err := os.ReadFile(filepath.Join("preamble", "testdata", name+".hex"))
+	if err == nil {
+		var frame []byte
+		if frame, err = hex.DecodeString(strings.TrimSpace(string(text))); err == nil {
+			return frame
 		}
 	}
-	// Prometheus, through the admin endpoint, shows the registry's counts.
-	body := e.adminBody(t, "/metrics")
-	for r := range want {
-		line := fmt.Sprintf("caddy_ktls_sandbox_rejects_total{reason=%q} %d\n", r, tunnels.Rejections()[r])
-		if !strings.Contains(string(body), line) {
-			t.Errorf("/metrics lacks %q", line)
-		}
-	}
-	if !strings.Contains(string(body), `caddy_ktls_sandbox_rejects_total{reason="replayed-nonce"} `) {
-		t.Errorf("/metrics has no zero series for reasons not seen yet")
-	}
+	t.Fatalf("golden vector %s: %v", name, err)
+	return nil
 }
 
 // TestKernelSandboxEndToEnd is TestSandboxEndToEnd on a kTLS kernel: the
@@ -659,23 +930,12 @@ func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 	sandbox := e.sandboxHandler()
 	reloadsStart := time.Now()
 	for i := range reloadsN {
 		sandbox["preamble_timeout"] = fmt.Sprintf("%dms", 5000+i)
-		body, err := json.Marshal(e.cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp, err := client.Post("http://"+e.adminAddr+"/load", "application/json", strings.NewReader(string(body)))
-		if err != nil {
+		if err := e.postLoad(); err != nil {
 			t.Fatalf("reload %d: %v", i, err)
-		}
-		msg, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("reload %d: %s: %s", i, resp.Status, msg)
 		}
 		if open, _ := tunnels.Counts(); open != tunnelsN {
 			t.Fatalf("after reload %d: %d tunnels open, want %d", i, open, tunnelsN)
@@ -748,11 +1008,7 @@ func TestSandboxReplayCacheSurvivesReload(t *testing.T) {
 	e := newSandboxEnv(t, nil)
 	forwardtest.CheckLeaks(t)
 	frame := e.gw.Frame(t, "sbx-replay", up.Addr())
-	c := e.rawTunnel(t, frame, true)
-	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
-		t.Fatalf("first use of the frame: read %d bytes, err %v; want a clean empty tunnel", n, err)
-	}
-	c.Close()
+	e.emptyTunnel(t, frame)
 	waitIdle(t)
 	if up.Accepted() != 1 {
 		t.Fatalf("upstream accepted %d connections for the first use, want 1", up.Accepted())
@@ -766,7 +1022,7 @@ func TestSandboxReplayCacheSurvivesReload(t *testing.T) {
 	}
 
 	before := tunnels.Rejections()[string(preamble.ReasonReplayedNonce)]
-	c = e.rawTunnel(t, frame, false)
+	c := e.rawTunnel(t, frame, false)
 	defer c.Close()
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if n, _ := io.Copy(io.Discard, c); n != 0 {
@@ -1081,13 +1337,16 @@ func TestSandboxEventsEmitted(t *testing.T) {
 }
 
 // activity_push configured through Caddy POSTs reports whose deltas for a
-// sandbox sum to exactly the bytes its tunnel moved.
+// sandbox sum to exactly the bytes its tunnels moved, one tunnel before an
+// admin-API reload that changes the push interval and one after, and
+// caddy_ktls_activity_reports_total counts every report delivered, those of
+// the retired configuration's pusher included.
 func TestSandboxActivityPush(t *testing.T) {
-	size := forwardtest.TransferMiB(t, 8) << 20
+	sizes := []int64{forwardtest.TransferMiB(t, 8) << 20, 64 << 10}
 	sandbox := uniqueSandbox("sbx-push")
 	var mu sync.Mutex
 	var to, from int64
-	var reports int
+	var reports int64
 	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var rep forward.ActivityReport
 		if err := json.NewDecoder(r.Body).Decode(&rep); err != nil || r.Method != http.MethodPost || rep.SentAt.IsZero() {
@@ -1106,31 +1365,50 @@ func TestSandboxActivityPush(t *testing.T) {
 		w.Header().Set("Connection", "close")
 	}))
 	t.Cleanup(push.Close)
-	up := forwardtest.NewUpstream(t, size+3)
-	e := newSandboxEnv(t, map[string]any{"activity_push": map[string]any{"url": push.URL, "interval": "50ms"}})
+	pushCfg := map[string]any{"url": push.URL, "interval": "50ms"}
+	e := newSandboxEnv(t, map[string]any{"activity_push": pushCfg})
 	forwardtest.CheckLeaks(t)
-	n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, 10)
-	if err != nil {
-		t.Fatal(err)
+	metrics0 := e.metrics(t)
+	var movedTo, movedFrom int64
+	for i, size := range sizes {
+		if i > 0 {
+			pushCfg["interval"] = "60ms"
+			if err := e.postLoad(); err != nil {
+				t.Fatalf("reload: %v", err)
+			}
+		}
+		up := forwardtest.NewUpstream(t, size+3)
+		n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, uint64(10+i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkTunnelTransfer(t, up, size, uint64(10+i), n, sum)
+		movedTo, movedFrom = movedTo+size, movedFrom+size+3
 	}
-	checkTunnelTransfer(t, up, size, 10, n, sum)
+	const sent = `caddy_ktls_activity_reports_total{outcome="sent"}`
 	deadline := time.Now().Add(10 * time.Second)
 	for {
+		counted := e.metric(t, sent) - metrics0[sent]
 		mu.Lock()
 		gotTo, gotFrom, gotReports := to, from, reports
 		mu.Unlock()
-		if gotTo > size || gotFrom > size+3 {
-			t.Fatalf("pushed deltas sum to %d/%d, more than the %d/%d bytes moved", gotTo, gotFrom, size, size+3)
+		if gotTo > movedTo || gotFrom > movedFrom {
+			t.Fatalf("pushed deltas sum to %d/%d, more than the %d/%d bytes moved", gotTo, gotFrom, movedTo, movedFrom)
 		}
-		if gotTo == size && gotFrom == size+3 {
+		if gotTo == movedTo && gotFrom == movedFrom && counted == gotReports {
 			t.Logf("%d reports", gotReports)
-			return
+			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("pushed deltas sum to %d/%d after %d reports, want %d/%d", gotTo, gotFrom, gotReports, size, size+3)
+			t.Fatalf("pushed deltas sum to %d/%d after %d reports (%d counted as sent), want %d/%d",
+				gotTo, gotFrom, gotReports, counted, movedTo, movedFrom)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{
+		`caddy_ktls_activity_reports_total{outcome="retried"}`: 0,
+		`caddy_ktls_activity_reports_total{outcome="dropped"}`: 0,
+	})
 }
 
 // builtCaddy returns the real Caddy binary for subprocess tests:

@@ -270,7 +270,7 @@ func TestRejections(t *testing.T) {
 		{"unknown-key", func(c *net.TCPConn) { c.Write(unknown.Frame(t, "sbx", up.Addr())) }, "unknown-key"},
 		{"bad-magic", func(c *net.TCPConn) { c.Write([]byte("GET / HTTP/1.1\r\n\r\n")) }, "bad-magic"},
 		{"timeout", func(c *net.TCPConn) { c.Write(f.gw.Frame(t, "sbx", up.Addr())[:10]) }, "timeout"},
-		{"read-failed", func(c *net.TCPConn) { c.Write(f.gw.Frame(t, "sbx", up.Addr())[:10]); c.CloseWrite() }, "truncated"},
+		{"truncated", func(c *net.TCPConn) { c.Write(f.gw.Frame(t, "sbx", up.Addr())[:10]); c.CloseWrite() }, "truncated"},
 		{"target-denied", func(c *net.TCPConn) {
 			c.Write(f.gw.Frame(t, "sbx", netip.MustParseAddrPort("169.254.169.254:80")))
 		}, "target-denied"},

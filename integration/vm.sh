@@ -12,6 +12,8 @@
 #                     checkout under /tmp or /root is visible too)
 #   /tmp /run /root   fresh tmpfs (t.TempDir() works)
 #   /run/vm-out       $VM_OUT on the host, read-write: results come back here
+#   network           loopback only, which also holds 192.0.2.1/32: an
+#                     address of the guest's own that is not loopback
 # The command runs with the checkout as working directory and a clean
 # environment (HOME, PATH, VM_OUT); pass variables in the command itself.
 #
@@ -85,6 +87,10 @@ boot=$(cut -d' ' -f1 /proc/uptime)
 echo "VM: init start, uptime ${boot}s, kernel $(uname -r)"
 for m in $(cat /order); do insmod "/mods/$m" || echo "VM: insmod $m failed"; done
 ip link set lo up
+# The guest has no NIC (-nic none). An address of its own besides loopback
+# lets the tests of the forwarder's refusal of the host's own addresses run
+# (forwardtest.HostAddress fails without one under KTLS_REQUIRE=1).
+ip addr add 192.0.2.1/32 dev lo
 fail() { echo "VM: $*"; sync; poweroff -f; }
 repo=$(cat /checkout-path)
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=524288,cache=loose hostroot /host || fail "9p mount of host root failed"

@@ -8,6 +8,7 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/sha256"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -15,6 +16,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -46,7 +48,14 @@ func NewGateway(t testing.TB, keyID string) *Gateway {
 // Frame signs an unbound preamble for sandbox and target.
 func (g *Gateway) Frame(t testing.TB, sandbox string, target netip.AddrPort) []byte {
 	t.Helper()
-	f, err := g.Signer.Sign(preamble.Claims{SandboxID: sandbox, Target: target})
+	return g.Sign(t, preamble.Claims{SandboxID: sandbox, Target: target})
+}
+
+// Sign signs c as it is (validity, binding, extensions): for frames that
+// are authentic but must be refused for what they claim.
+func (g *Gateway) Sign(t testing.TB, c preamble.Claims) []byte {
+	t.Helper()
+	f, err := g.Signer.Sign(c)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -79,10 +88,19 @@ type Result struct {
 // (pattern seeded by the connection's order). It stops at test cleanup.
 func NewUpstream(t testing.TB, send int64) *Upstream {
 	t.Helper()
-	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	return NewUpstreamOn(t, "127.0.0.1:0", send)
+}
+
+// NewUpstreamOn is NewUpstream listening on addr: another loopback address,
+// or ":0" (every local address) for a trap that counts the dials a
+// forwarder must never make.
+func NewUpstreamOn(t testing.TB, addr string, send int64) *Upstream {
+	t.Helper()
+	l, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
+	ln := l.(*net.TCPListener)
 	u := &Upstream{ln: ln, send: send}
 	u.wg.Add(1)
 	go func() {
@@ -228,4 +246,66 @@ func CheckLeaks(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	})
+}
+
+// Blackhole returns an address on ip (IPv4) of a listener whose accept
+// queue is full, so that the kernel drops further SYNs: a connect there
+// hangs until the dialer gives up, like a firewall that drops packets.
+func Blackhole(t testing.TB, ip netip.Addr) netip.AddrPort {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := os.NewFile(uintptr(fd), "blackhole")
+	t.Cleanup(func() { ln.Close() })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: ip.As4()}); err != nil {
+		t.Fatal(err)
+	}
+	// Backlog 0: the queue holds one connection, never accepted.
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := netip.AddrPortFrom(ip, uint16(sa.(*syscall.SockaddrInet4).Port))
+	for range 2 {
+		c, err := net.DialTimeout("tcp", addr.String(), time.Second)
+		if err != nil {
+			break // already full
+		}
+		t.Cleanup(func() { c.Close() })
+	}
+	return addr
+}
+
+// HostAddress returns an address of this host's interfaces that is neither
+// loopback nor link-local: the forwarder must refuse it as a target. A host
+// without one cannot run the test: it is skipped loudly ("SKIP: ..." on
+// stderr), and fails where kernel tests are required (the VM harness gives
+// its guest such an address).
+func HostAddress(t testing.TB) netip.Addr {
+	t.Helper()
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatalf("list interface addresses: %v", err)
+	}
+	for _, a := range addrs {
+		ipn, ok := a.(*net.IPNet)
+		if !ok {
+			continue
+		}
+		if ip, ok := netip.AddrFromSlice(ipn.IP); ok && !ip.Unmap().IsLoopback() && !ip.Unmap().IsLinkLocalUnicast() {
+			return ip.Unmap()
+		}
+	}
+	const why = "this host has no interface address besides loopback and link-local: the refusal of the host's own address is not tested"
+	if kerneltest.Required() {
+		t.Fatalf("FAIL: %s=1 but %s", kerneltest.RequireEnv, why)
+	}
+	fmt.Fprintf(os.Stderr, "SKIP: %s: %s\n", t.Name(), why)
+	t.Skip("SKIP: " + why)
+	return netip.Addr{}
 }

@@ -54,8 +54,8 @@ func runCase(t *testing.T, p *testPKI, cc connCase, opts Options, n int, want Re
 		t.Fatalf("server DidResume = %v, want %v", got, cc.resume)
 	}
 	off := pr.server.Offload()
-	if off.Reason != want || off.Version != cc.version {
-		t.Fatalf("Offload() = %+v, want reason %q version %#x", off, want, cc.version)
+	if off.Reason != want || off.Version != cc.version || cc.suite != 0 && off.CipherSuite != cc.suite {
+		t.Fatalf("Offload() = %+v, want reason %q version %#x suite %#x", off, want, cc.version, cc.suite)
 	}
 	if cc.mutualAuth && len(pr.server.ConnectionState().PeerCertificates) == 0 {
 		t.Fatal("server saw no client certificate")
@@ -409,6 +409,17 @@ func TestCryptoInfoLayout(t *testing.T) {
 	info, err = cryptoInfo(tls.VersionTLS13, tls.TLS_CHACHA20_POLY1305_SHA256, key32, iv, 1)
 	if err != nil || len(info) != 4+12+32+8 || !bytes.Equal(info[4:16], iv) || info[len(info)-1] != 1 {
 		t.Fatalf("ChaCha20: %x, %v", info, err)
+	}
+	// TLS 1.2 ChaCha20-Poly1305 (RFC 7905): the same struct, whole 12-byte
+	// IV, no explicit nonce.
+	info, err = cryptoInfo(tls.VersionTLS12, tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, key32, iv, 5)
+	if err != nil || len(info) != 4+12+32+8 || binary.NativeEndian.Uint16(info[0:2]) != 0x0303 ||
+		binary.NativeEndian.Uint16(info[2:4]) != 54 || !bytes.Equal(info[4:16], iv) || !bytes.Equal(info[16:48], key32) ||
+		!bytes.Equal(info[48:], []byte{0, 0, 0, 0, 0, 0, 0, 5}) {
+		t.Fatalf("ChaCha20 TLS 1.2: %x, %v", info, err)
+	}
+	if _, err := cryptoInfo(tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256, key32, iv[:4], 0); err == nil {
+		t.Fatal("a 4-byte IV for TLS 1.2 ChaCha20 was accepted")
 	}
 	salt := []byte{9, 9, 9, 9}
 	info, err = cryptoInfo(tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384, key32, salt, 1)

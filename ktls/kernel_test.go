@@ -74,7 +74,7 @@ func TestKernelDisableRX(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
 	n := transferSize(t, defaultKernelBytes)
-	for _, cc := range []connCase{connCases[0], connCases[2], connCases[5]} {
+	for _, cc := range []connCase{connCases[0], connCases[2], connCases[5], connCases[9]} {
 		t.Run(cc.name, func(t *testing.T) {
 			var pr *pair
 			d := statDelta(t, func() { pr = runCase(t, p, cc, Options{DisableRX: true}, n, ReasonRXDisabled) })
@@ -189,7 +189,7 @@ var tls13Shapes = []opensslShape{
 // TestKernelOpenSSLSuites: a real OpenSSL client forces the suites a Go
 // client cannot (AES-256-GCM, ChaCha20 in TLS 1.3), each TLS 1.3 suite
 // across tickets on/off × client auth × resumption (-sess_out/-sess_in), and
-// TLS 1.2 AES-GCM. The first connection of each suite moves KTLS_TEST_MIB;
+// TLS 1.2 AES-GCM and ChaCha20-Poly1305. The first connection of each suite moves KTLS_TEST_MIB;
 // the others are about the handshake and move 64 KiB unless KTLS_TEST_MIB
 // is set.
 func TestKernelOpenSSLSuites(t *testing.T) {
@@ -208,6 +208,7 @@ func TestKernelOpenSSLSuites(t *testing.T) {
 		{"tls13-aes128", tls.TLS_AES_128_GCM_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256"}, tls13Shapes},
 		{"tls12-aes256", tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"}, []opensslShape{{tickets: true}}},
 		{"tls12-aes128", tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"}, []opensslShape{{tickets: true}}},
+		{"tls12-chacha20", tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-CHACHA20-POLY1305"}, []opensslShape{{tickets: true}}},
 	}
 	for _, su := range suites {
 		for i, shape := range su.shapes {

@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -15,13 +16,15 @@ import (
 
 // wantProbeSuites are the version/suite pairs every kernel of the test
 // matrix (Debian 6.1, 6.12, 7.3, all CONFIG_TLS=m) accepts in both
-// directions once tls and the AEAD modules are loaded.
+// directions once tls and the AEAD modules are loaded (ChaCha20-Poly1305
+// since Linux 5.11, for TLS 1.2 and 1.3 alike).
 var wantProbeSuites = []struct{ version, suite uint16 }{
 	{tls.VersionTLS13, tls.TLS_AES_128_GCM_SHA256},
 	{tls.VersionTLS13, tls.TLS_AES_256_GCM_SHA384},
 	{tls.VersionTLS13, tls.TLS_CHACHA20_POLY1305_SHA256},
 	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256},
 	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384},
+	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256},
 }
 
 // unameRelease is the running kernel's release string.
@@ -142,8 +145,14 @@ func TestKernelProbe(t *testing.T) {
 	}
 	for _, w := range wantProbeSuites {
 		name := fmt.Sprintf("%s %s", tls.VersionName(w.version), tls.CipherSuiteName(w.suite))
+		i := slices.IndexFunc(caps.Ciphers, func(c CipherSupport) bool { return c.Version == w.version && c.CipherSuite == w.suite })
+		if i < 0 {
+			t.Errorf("%s: not probed: %+v", name, caps.Ciphers)
+		} else if c := caps.Ciphers[i]; !c.TX || !c.RX || c.Name != tls.CipherSuiteName(w.suite) {
+			t.Errorf("%s: probe entry %+v, want TX and RX accepted", name, c)
+		}
 		if !caps.Supports(w.version, w.suite, true) {
-			t.Errorf("%s: TX and RX not both accepted: %+v", name, caps.Ciphers)
+			t.Errorf("%s: Supports = false: %+v", name, caps.Ciphers)
 		}
 	}
 	var txOK, rxOK int64

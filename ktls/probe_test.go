@@ -4,6 +4,8 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -84,6 +86,81 @@ func TestProbeAgreesWithKernelTest(t *testing.T) {
 	}
 }
 
+// capEffNetAdmin reads the CAP_NET_ADMIN bit of the CapEff line of a /proc
+// status file: the kernel's own account of the effective set, read without
+// capget(2), which hasNetAdmin uses.
+func capEffNetAdmin(path string) (bool, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return false, err
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			mask, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			if err != nil {
+				return false, fmt.Errorf("%s: CapEff %q: %w", path, v, err)
+			}
+			return mask&(1<<unix.CAP_NET_ADMIN) != 0, nil
+		}
+	}
+	return false, fmt.Errorf("%s has no CapEff line", path)
+}
+
+// TestNetAdminMatchesCapEff: hasNetAdmin and Probe().NetAdmin agree with
+// the CapEff bit of /proc/self/status, on every host. Where the process
+// holds CAP_NET_ADMIN, one OS thread also drops it from its effective set,
+// and hasNetAdmin on that thread must say false, as /proc/thread-self does.
+func TestNetAdminMatchesCapEff(t *testing.T) {
+	want, err := capEffNetAdmin("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := hasNetAdmin(); got != want {
+		t.Errorf("hasNetAdmin() = %v, CapEff says %v", got, want)
+	}
+	if got := Probe().NetAdmin; got != want {
+		t.Errorf("Probe().NetAdmin = %v, CapEff says %v", got, want)
+	}
+	if !want {
+		t.Log("no CAP_NET_ADMIN in this process: the dropped-capability case needs it to start with")
+		return
+	}
+	errc := make(chan error, 1)
+	go func() {
+		// Never unlocked: the thread, with its reduced capabilities, exits
+		// with this goroutine instead of going back to the scheduler.
+		runtime.LockOSThread()
+		errc <- dropNetAdminAndCheck()
+	}()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if !hasNetAdmin() {
+		t.Fatal("hasNetAdmin() = false on another thread after one thread dropped CAP_NET_ADMIN")
+	}
+}
+
+// dropNetAdminAndCheck clears CAP_NET_ADMIN from the calling thread's
+// effective set and checks what hasNetAdmin and /proc/thread-self report.
+func dropNetAdminAndCheck() error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capget: %w", err)
+	}
+	data[unix.CAP_NET_ADMIN/32].Effective &^= 1 << (unix.CAP_NET_ADMIN % 32)
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capset: %w", err)
+	}
+	if hasNetAdmin() {
+		return errors.New("hasNetAdmin() = true on a thread without CAP_NET_ADMIN in its effective set")
+	}
+	if has, err := capEffNetAdmin("/proc/thread-self/status"); err != nil || has {
+		return fmt.Errorf("/proc/thread-self/status CapEff has CAP_NET_ADMIN %v (%v) after capset dropped it", has, err)
+	}
+	return nil
+}
+
 // TestProbeWithoutKernelTLS checks what Probe reports on a kernel without
 // kTLS (this project's dev and CI hosts): the ULP error, nothing else.
 func TestProbeWithoutKernelTLS(t *testing.T) {
@@ -142,6 +219,9 @@ func TestKernelProbe(t *testing.T) {
 	}
 	if caps.Kernel != release {
 		t.Errorf("Kernel = %q, want %q", caps.Kernel, release)
+	}
+	if netAdmin, err := capEffNetAdmin("/proc/self/status"); err != nil || caps.NetAdmin != netAdmin {
+		t.Errorf("NetAdmin = %v, CapEff of /proc/self/status says %v (%v)", caps.NetAdmin, netAdmin, err)
 	}
 	for _, w := range wantProbeSuites {
 		name := fmt.Sprintf("%s %s", tls.VersionName(w.version), tls.CipherSuiteName(w.suite))

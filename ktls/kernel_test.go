@@ -390,32 +390,113 @@ func TestKernelKeyUpdate(t *testing.T) {
 	}
 }
 
-// TestKernelKeyUpdateFlood: KeyUpdates above the limit close the connection.
+// kernelPeers connects a Client to a Server over loopback TCP, completes
+// both handshakes and requires both to run fully in the kernel.
+func kernelPeers(t *testing.T, scfg, ccfg *tls.Config, sopts Options) (server, client *Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	raw, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	srvRaw, err := ln.Accept()
+	if err != nil {
+		raw.Close()
+		t.Fatal(err)
+	}
+	server, client = Server(srvRaw, scfg, sopts), Client(raw, ccfg, Options{})
+	t.Cleanup(func() { client.Close(); server.Close() })
+	server.SetDeadline(time.Now().Add(time.Minute))
+	client.SetDeadline(time.Now().Add(time.Minute))
+	errc := make(chan error, 1)
+	go func() { errc <- client.Handshake() }()
+	if err := server.Handshake(); err != nil {
+		t.Fatalf("server handshake: %v", err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatalf("client handshake: %v", err)
+	}
+	for _, c := range []*Conn{server, client} {
+		if off := c.Offload(); off.Reason != ReasonNone {
+			t.Fatalf("Offload() = %+v, want both directions in the kernel", off)
+		}
+	}
+	return server, client
+}
+
+// TestKernelKeyUpdateFlood: a peer that sends KeyUpdates back to back (a
+// ktls Client rekeying its TX without pause) against the default limit is
+// disconnected once the burst is spent, with ErrKeyUpdateRateLimited, and
+// every KeyUpdate accepted until then was a real kernel rekey (tls_stat).
+// Without kernel rekey (< 6.14) the first KeyUpdate closes the connection
+// with ErrRekeyUnsupported, before any limit.
 func TestKernelKeyUpdateFlood(t *testing.T) {
 	kerneltest.Require(t)
-	if !Probe().Rekey {
-		t.Log("kernel cannot rekey: the first KeyUpdate already closes the connection (TestKernelKeyUpdate)")
-	}
 	p := newTestPKI(t)
-	scfg, _ := p.configs(connCase{})
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
 	var events []EventKind
-	opts := Options{KeyUpdateLimit: Rate{PerSecond: 0.01, Burst: 2}, Observer: func(e Event) { events = append(events, e.Kind) }}
-	r := startOpenSSL(t, p, scfg, opts, "-tls1_3", "-brief")
-	before := Stats().RateLimitedClose
-	var err error
-	for i := 0; i < 4 && err == nil; i++ {
-		r.command(t, "k")
-		err = r.sendAndExpect(t, hexLine(200))
+	opts := Options{Observer: func(e Event) { events = append(events, e.Kind) }}
+	server, client := kernelPeers(t, scfg, ccfg, opts)
+	if _, err := client.Write([]byte("before")); err != nil {
+		t.Fatal(err)
 	}
-	want := ErrKeyUpdateRateLimited
+	b := make([]byte, 6)
+	if _, err := io.ReadFull(server, b); err != nil || string(b) != "before" {
+		t.Fatalf("server read %q (%v) before the flood", b, err)
+	}
+	// At the default 10/s refill, the limit stays unreached only if the
+	// server took more than 18 s for these.
+	const flood = 200
+	before := Stats()
+	var rekeyed int
+	var readErr error
+	d := statDelta(t, func() {
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			// Each updateTX sends a KeyUpdate under the current key, then
+			// installs the next TX key; it fails once the server is gone
+			// (or, before 6.14, at the first install).
+			for rekeyed < flood && client.updateTX() == nil {
+				rekeyed++
+			}
+		}()
+		_, readErr = io.Copy(io.Discard, server)
+		<-done
+	})
+	accepted := Stats().KeyUpdates - before.KeyUpdates
+	limited := Stats().RateLimitedClose - before.RateLimitedClose
+	countEvents := func(k EventKind) int {
+		return len(slices.DeleteFunc(slices.Clone(events), func(e EventKind) bool { return e != k }))
+	}
 	if !Probe().Rekey {
-		want = ErrRekeyUnsupported
+		if !errors.Is(readErr, ErrRekeyUnsupported) || accepted != 0 || limited != 0 || rekeyed != 0 {
+			t.Fatalf("without kernel rekey: Read %v, %d KeyUpdates applied, %d rate-limited closes, client rekeyed %d; "+
+				"want ErrRekeyUnsupported at the first, 0, 0, 0", readErr, accepted, limited, rekeyed)
+		}
+	} else {
+		burst := uint64(DefaultKeyUpdateLimit.Burst)
+		if !errors.Is(readErr, ErrKeyUpdateRateLimited) || limited != 1 || accepted < burst || accepted >= flood {
+			t.Fatalf("flood of %d: Read %v, %d applied, %d rate-limited closes; want ErrKeyUpdateRateLimited after %d to %d applied, 1 close",
+				flood, readErr, accepted, limited, burst, flood-1)
+		}
+		// The server's RX rekeys are the KeyUpdates it applied; the TX
+		// rekeys are the client's (tls_stat counts the whole namespace).
+		wantStat(t, d, "TlsRxRekeyOk", int64(accepted))
+		wantStat(t, d, "TlsTxRekeyOk", int64(rekeyed))
+		wantStat(t, d, "TlsRxRekeyError", 0)
+		wantStat(t, d, "TlsTxRekeyError", 0)
+		if uint64(rekeyed) < accepted || countEvents(EventKeyUpdate) != int(accepted) || countEvents(EventRateLimited) != 1 {
+			t.Fatalf("client rekeyed %d times, events %v: want at least the %d applied, that many key-update events and one rate-limited", rekeyed, events, accepted)
+		}
+		t.Logf("flood: %d KeyUpdates applied, then the rate-limited close (client rekeyed %d times)", accepted, rekeyed)
 	}
-	if !errors.Is(err, want) {
-		t.Fatalf("flood ended with %v, want %v", err, want)
-	}
-	if Probe().Rekey && Stats().RateLimitedClose-before != 1 {
-		t.Fatalf("RateLimitedClose grew by %d, want 1 (events %v)", Stats().RateLimitedClose-before, events)
+	if _, err := server.Write([]byte("x")); err == nil {
+		t.Fatal("server connection still writable after the clean close")
 	}
 }
 
@@ -425,39 +506,19 @@ func TestKernelPeerAlert(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
 	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
+	s, c := kernelPeers(t, scfg, ccfg, Options{})
 	go func() {
-		raw, err := net.Dial("tcp", ln.Addr().String())
-		if err != nil {
-			return
-		}
-		c := Client(raw, ccfg, Options{})
-		defer c.Close()
-		if c.Handshake() != nil || c.Offload().Reason != ReasonNone {
-			return
-		}
 		c.Write([]byte("hello"))
 		c.writeMu.Lock()
 		c.sendControlLocked(recordAlert, []byte{2, 40}) // fatal handshake_failure
 		c.writeMu.Unlock()
 		io.Copy(io.Discard, c)
 	}()
-	raw, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := Server(raw, scfg, Options{})
-	defer s.Close()
-	s.SetDeadline(time.Now().Add(time.Minute))
 	buf := make([]byte, 5)
 	if _, err := io.ReadFull(s, buf); err != nil || string(buf) != "hello" {
 		t.Fatalf("read %q, %v", buf, err)
 	}
-	_, err = s.Read(buf)
+	_, err := s.Read(buf)
 	var alert AlertError
 	if !errors.As(err, &alert) || alert != 40 || !strings.Contains(err.Error(), "handshake_failure") {
 		t.Fatalf("Read after a fatal alert: %v, want AlertError handshake_failure", err)

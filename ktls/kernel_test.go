@@ -639,3 +639,154 @@ func TestKernelClient(t *testing.T) {
 		t.Fatalf("no NewSessionTicket record went through Read (handshake records %d)", got)
 	}
 }
+
+// TestKernelCloseNotifyOnTheWire: after the server's Close or CloseWrite
+// the peer receives a real close_notify record sealed by the kernel, not
+// only a FIN (crypto/tls reads a FIN at a record boundary as io.EOF too, so
+// the client's EOF alone proves nothing). The client's raw bytes after the
+// handshake are recorded and opened with the server's TX keys: the
+// application data, then one alert record 01 00, then the end of the
+// stream. After CloseWrite the server still reads what the client sends.
+func TestKernelCloseNotifyOnTheWire(t *testing.T) {
+	kerneltest.Require(t)
+	p := newTestPKI(t)
+	n := transferSize(t, 256<<10)
+	for _, tc := range []struct {
+		name       string
+		version    uint16
+		closeWrite bool
+	}{
+		{"tls13-close", tls.VersionTLS13, false},
+		{"tls13-closewrite", tls.VersionTLS13, true},
+		{"tls12-close", tls.VersionTLS12, false},
+		{"tls12-closewrite", tls.VersionTLS12, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// No tickets: nothing from the server is in flight when the
+			// handshake ends, so every byte the client reads from here on is
+			// sealed under the server's application key, from tx.seq on.
+			scfg, ccfg := p.configs(connCase{version: tc.version})
+			pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if off := pr.server.Offload(); off.Reason != ReasonNone {
+				t.Fatalf("Offload() = %+v, want both directions in the kernel", off)
+			}
+			rec := &recordingConn{Conn: pr.held.Conn}
+			pr.held.Conn = rec
+			state := pr.server.ConnectionState()
+			tx, _, err := pr.server.directionKeys(state)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pr.client.SetDeadline(time.Now().Add(time.Minute))
+			sent := make(chan error, 1)
+			go func() {
+				_, err := io.Copy(pr.server, payload(11, n))
+				if tc.closeWrite {
+					sent <- errors.Join(err, pr.server.CloseWrite())
+				} else {
+					sent <- errors.Join(err, pr.server.Close())
+				}
+			}()
+			got, err := io.ReadAll(pr.client)
+			if err != nil {
+				t.Fatalf("client read: %v", err)
+			}
+			if err := <-sent; err != nil {
+				t.Fatal(err)
+			}
+			opener, err := newRecordOpener(state.Version, state.CipherSuite, tx.key, tx.iv, tx.seq)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rec.mu.Lock()
+			wire := bytes.Clone(rec.in.Bytes())
+			rec.mu.Unlock()
+			appData, types, alert := openAll(t, opener, splitRecords(t, wire))
+			want, _, _ := sum256(payload(11, n))
+			if sum, _, _ := sum256(bytes.NewReader(got)); len(got) != n || sum != want || !bytes.Equal(appData, got) {
+				t.Fatalf("opened %d bytes of application data (client read %d), want the %d sent", len(appData), len(got), n)
+			}
+			if last := len(types) - 1; types[last] != recordAlert || slices.Index(types, recordAlert) != last || !bytes.Equal(alert, closeNotify) {
+				t.Fatalf("record types %v, last alert %x: want data records, then one close_notify (01 00) last", types, alert)
+			}
+			t.Logf("%s: %d records after the handshake, the last a close_notify sealed by the kernel", tls.VersionName(state.Version), len(types))
+			if !tc.closeWrite {
+				return
+			}
+			go func() {
+				_, err := io.Copy(pr.client, payload(12, n))
+				sent <- errors.Join(err, pr.client.CloseWrite())
+			}()
+			pr.server.SetReadDeadline(time.Now().Add(time.Minute))
+			back, m, err := sum256(pr.server)
+			if want, _, _ := sum256(payload(12, n)); err != nil || m != int64(n) || back != want {
+				t.Fatalf("server read after its CloseWrite: %d bytes, %v, sha ok %v", m, err, back == want)
+			}
+			if err := <-sent; err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// TestKernelWriteAfterPeerCloseNotify: the peer's close_notify ends our
+// reads with io.EOF (every Read after it too), and our write side keeps
+// working until we close: in this order, not concurrently.
+func TestKernelWriteAfterPeerCloseNotify(t *testing.T) {
+	kerneltest.Require(t)
+	p := newTestPKI(t)
+	n := transferSize(t, 256<<10)
+	for _, tc := range []struct {
+		name    string
+		version uint16
+		opts    Options
+		reason  Reason
+	}{
+		{"tls13", tls.VersionTLS13, Options{}, ReasonNone},
+		{"tls13-rx-off", tls.VersionTLS13, Options{DisableRX: true}, ReasonRXDisabled},
+		{"tls12", tls.VersionTLS12, Options{}, ReasonNone},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			scfg, ccfg := p.configs(connCase{version: tc.version, tickets: true})
+			pr, err := dialPair(t, scfg, ccfg, tc.opts, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if off := pr.server.Offload(); off.Reason != tc.reason || off.TX != ModeSW {
+				t.Fatalf("Offload() = %+v, want reason %q with TX in the kernel", off, tc.reason)
+			}
+			pr.server.SetDeadline(time.Now().Add(time.Minute))
+			pr.client.SetDeadline(time.Now().Add(time.Minute))
+			sent := make(chan error, 1)
+			go func() {
+				_, err := io.Copy(pr.client, payload(13, n))
+				sent <- errors.Join(err, pr.client.CloseWrite())
+			}()
+			got, m, err := sum256(pr.server)
+			if want, _, _ := sum256(payload(13, n)); err != nil || m != int64(n) || got != want {
+				t.Fatalf("server read until close_notify: %d bytes, %v, sha ok %v", m, err, got == want)
+			}
+			if err := <-sent; err != nil {
+				t.Fatal(err)
+			}
+			if k, err := pr.server.Read(make([]byte, 10)); k != 0 || err != io.EOF {
+				t.Fatalf("Read after close_notify: %d, %v; want 0, io.EOF again", k, err)
+			}
+			// The client has closed its write side only: it still reads.
+			go func() {
+				_, err := io.Copy(pr.server, payload(14, n))
+				sent <- errors.Join(err, pr.server.Close())
+			}()
+			back, m, err := sum256(pr.client)
+			if want, _, _ := sum256(payload(14, n)); err != nil || m != int64(n) || back != want {
+				t.Fatalf("client read after its close_notify: %d bytes, %v, sha ok %v", m, err, back == want)
+			}
+			if err := <-sent; err != nil {
+				t.Fatalf("server write after the peer's close_notify: %v", err)
+			}
+		})
+	}
+}

@@ -22,9 +22,10 @@ import (
 
 // Tests named TestKernel… need kernel TLS: they SKIP on a host without it
 // and FAIL in the VM harness (KTLS_REQUIRE=1). KTLS_TEST_MIB sets the
-// transfer size each way (default 4 MiB, so the package runs in a couple of
-// minutes under TCG emulation, where AES runs ~250x slower; the issue's
-// 64 MiB runs set KTLS_TEST_MIB=64).
+// transfer size each way (default defaultKernelBytes, 1 MiB, for the bulk
+// transfers; smaller for handshake-shape and close tests; so the package
+// runs in a couple of minutes under TCG emulation, where AES runs ~250x
+// slower; the 64 MiB runs set KTLS_TEST_MIB=64).
 
 const defaultKernelBytes = 1 << 20
 

@@ -217,15 +217,18 @@ func TestGetConfigForClient(t *testing.T) {
 // TestClientFallback runs Client against a crypto/tls server.
 func TestClientFallback(t *testing.T) {
 	checkNoFDLeak(t, kerneltest.OpenFDs)
-	runClient(t, newTestPKI(t), 256<<10)
+	c := runClient(t, newTestPKI(t), tls.VersionTLS13, 256<<10, 1)[0]
+	if c.Offload().Reason != expectedReason() {
+		t.Fatalf("client reason %q, want %q", c.Offload().Reason, expectedReason())
+	}
 }
 
-// runClient reads n bytes and close_notify from a crypto/tls server that
-// also sends a session ticket (the client has a session cache), with client
-// auth. With RX in the kernel the ticket arrives as a handshake record that
-// Read must drop.
-func runClient(t *testing.T, p *testPKI, n int) *Conn {
-	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13, tickets: true, mutualAuth: true, resume: true})
+// runClient makes conns connections, one after the other, from Client to
+// one crypto/tls server, with client auth, tickets and a client session
+// cache, and reads n bytes and close_notify on each. With RX in the kernel
+// a TLS 1.3 ticket arrives as a handshake record that Read must drop.
+func runClient(t *testing.T, p *testPKI, version uint16, n, conns int) []*Conn {
+	scfg, ccfg := p.configs(connCase{version: version, tickets: true, mutualAuth: true, resume: true})
 	ln, err := tls.Listen("tcp", "127.0.0.1:0", scfg)
 	if err != nil {
 		t.Fatal(err)
@@ -234,35 +237,53 @@ func runClient(t *testing.T, p *testPKI, n int) *Conn {
 	want, _, _ := sum256(payload(3, n))
 	srvErr := make(chan error, 1)
 	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			srvErr <- err
-			return
+		for range conns {
+			c, err := ln.Accept()
+			if err != nil {
+				srvErr <- err
+				return
+			}
+			if _, err := io.Copy(c, payload(3, n)); err != nil {
+				c.Close()
+				srvErr <- err
+				return
+			}
+			// Wait for the client's close_notify before the FIN: a TLS 1.2
+			// server finishes its handshake first, and a FIN that arrived
+			// before the client installs kTLS makes TCP_ULP fail (the socket
+			// is no longer ESTABLISHED; seen on 6.1).
+			err = c.(*tls.Conn).CloseWrite()
+			if err == nil {
+				_, err = io.Copy(io.Discard, c)
+			}
+			c.Close()
+			if err != nil {
+				srvErr <- err
+				return
+			}
 		}
-		defer c.Close()
-		if _, err := io.Copy(c, payload(3, n)); err != nil {
-			srvErr <- err
-			return
-		}
-		srvErr <- c.(*tls.Conn).CloseWrite()
+		srvErr <- nil
 	}()
-	raw, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := Client(raw, ccfg, Options{})
-	defer c.Close()
-	got, m, err := sum256(c)
-	if err != nil || m != int64(n) || got != want {
-		t.Fatalf("client read %d bytes, err %v, sha match %v", m, err, got == want)
+	var out []*Conn
+	for i := range conns {
+		raw, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := Client(raw, ccfg, Options{})
+		t.Cleanup(func() { c.Close() })
+		c.SetDeadline(time.Now().Add(time.Minute))
+		got, m, err := sum256(c)
+		if err != nil || m != int64(n) || got != want {
+			t.Fatalf("connection %d: client read %d bytes, err %v, sha match %v", i, m, err, got == want)
+		}
+		c.Close()
+		out = append(out, c)
 	}
 	if err := <-srvErr; err != nil {
 		t.Fatal(err)
 	}
-	if c.Offload().Reason != expectedReason() {
-		t.Fatalf("client reason %q", c.Offload().Reason)
-	}
-	return c
+	return out
 }
 
 // TestReadFromFlattensLimitedReaders: two nested LimitedReaders around a

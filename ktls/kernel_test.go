@@ -723,22 +723,12 @@ func TestKernelCloseNotifyOnTheWire(t *testing.T) {
 				t.Fatal(err)
 			}
 			pr.client.SetDeadline(time.Now().Add(time.Minute))
-			sent := make(chan error, 1)
-			go func() {
-				_, err := io.Copy(pr.server, payload(11, n))
-				if tc.closeWrite {
-					sent <- errors.Join(err, pr.server.CloseWrite())
-				} else {
-					sent <- errors.Join(err, pr.server.Close())
-				}
-			}()
-			got, err := io.ReadAll(pr.client)
-			if err != nil {
-				t.Fatalf("client read: %v", err)
+			pr.server.SetReadDeadline(time.Now().Add(time.Minute))
+			closeServer := pr.server.Close
+			if tc.closeWrite {
+				closeServer = pr.server.CloseWrite
 			}
-			if err := <-sent; err != nil {
-				t.Fatal(err)
-			}
+			streamAndCheck(t, "server → client", pr.server, closeServer, pr.client, 11, n)
 			opener, err := newRecordOpener(state.Version, state.CipherSuite, tx.key, tx.iv, tx.seq)
 			if err != nil {
 				t.Fatal(err)
@@ -748,29 +738,36 @@ func TestKernelCloseNotifyOnTheWire(t *testing.T) {
 			rec.mu.Unlock()
 			appData, types, alert := openAll(t, opener, splitRecords(t, wire))
 			want, _, _ := sum256(payload(11, n))
-			if sum, _, _ := sum256(bytes.NewReader(got)); len(got) != n || sum != want || !bytes.Equal(appData, got) {
-				t.Fatalf("opened %d bytes of application data (client read %d), want the %d sent", len(appData), len(got), n)
+			if sum, _, _ := sum256(bytes.NewReader(appData)); sum != want || len(appData) != n {
+				t.Fatalf("opened %d bytes of application data, want the %d sent", len(appData), n)
 			}
 			if last := len(types) - 1; types[last] != recordAlert || slices.Index(types, recordAlert) != last || !bytes.Equal(alert, closeNotify) {
 				t.Fatalf("record types %v, last alert %x: want data records, then one close_notify (01 00) last", types, alert)
 			}
 			t.Logf("%s: %d records after the handshake, the last a close_notify sealed by the kernel", tls.VersionName(state.Version), len(types))
-			if !tc.closeWrite {
-				return
-			}
-			go func() {
-				_, err := io.Copy(pr.client, payload(12, n))
-				sent <- errors.Join(err, pr.client.CloseWrite())
-			}()
-			pr.server.SetReadDeadline(time.Now().Add(time.Minute))
-			back, m, err := sum256(pr.server)
-			if want, _, _ := sum256(payload(12, n)); err != nil || m != int64(n) || back != want {
-				t.Fatalf("server read after its CloseWrite: %d bytes, %v, sha ok %v", m, err, back == want)
-			}
-			if err := <-sent; err != nil {
-				t.Fatal(err)
+			if tc.closeWrite {
+				streamAndCheck(t, "client → server after the server's CloseWrite", pr.client, pr.client.CloseWrite, pr.server, 12, n)
 			}
 		})
+	}
+}
+
+// streamAndCheck writes payload(seed, n) into w and then calls finish, in
+// a goroutine, while it reads r to its end: r must yield exactly those n
+// bytes, and the writer must succeed.
+func streamAndCheck(t *testing.T, what string, w io.Writer, finish func() error, r io.Reader, seed uint64, n int) {
+	t.Helper()
+	sent := make(chan error, 1)
+	go func() {
+		_, err := io.Copy(w, payload(seed, n))
+		sent <- errors.Join(err, finish())
+	}()
+	got, m, err := sum256(r)
+	if want, _, _ := sum256(payload(seed, n)); err != nil || m != int64(n) || got != want {
+		t.Fatalf("%s: read %d bytes, %v, sha ok %v; want %d bytes, then the end", what, m, err, got == want, n)
+	}
+	if err := <-sent; err != nil {
+		t.Fatalf("%s: writer: %v", what, err)
 	}
 }
 
@@ -802,33 +799,12 @@ func TestKernelWriteAfterPeerCloseNotify(t *testing.T) {
 			}
 			pr.server.SetDeadline(time.Now().Add(time.Minute))
 			pr.client.SetDeadline(time.Now().Add(time.Minute))
-			sent := make(chan error, 1)
-			go func() {
-				_, err := io.Copy(pr.client, payload(13, n))
-				sent <- errors.Join(err, pr.client.CloseWrite())
-			}()
-			got, m, err := sum256(pr.server)
-			if want, _, _ := sum256(payload(13, n)); err != nil || m != int64(n) || got != want {
-				t.Fatalf("server read until close_notify: %d bytes, %v, sha ok %v", m, err, got == want)
-			}
-			if err := <-sent; err != nil {
-				t.Fatal(err)
-			}
+			streamAndCheck(t, "client → server until close_notify", pr.client, pr.client.CloseWrite, pr.server, 13, n)
 			if k, err := pr.server.Read(make([]byte, 10)); k != 0 || err != io.EOF {
 				t.Fatalf("Read after close_notify: %d, %v; want 0, io.EOF again", k, err)
 			}
 			// The client has closed its write side only: it still reads.
-			go func() {
-				_, err := io.Copy(pr.server, payload(14, n))
-				sent <- errors.Join(err, pr.server.Close())
-			}()
-			back, m, err := sum256(pr.client)
-			if want, _, _ := sum256(payload(14, n)); err != nil || m != int64(n) || back != want {
-				t.Fatalf("client read after its close_notify: %d bytes, %v, sha ok %v", m, err, back == want)
-			}
-			if err := <-sent; err != nil {
-				t.Fatalf("server write after the peer's close_notify: %v", err)
-			}
+			streamAndCheck(t, "server → client after the peer's close_notify", pr.server, pr.server.Close, pr.client, 14, n)
 		})
 	}
 }

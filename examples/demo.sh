@@ -4,9 +4,10 @@
 # starts the forwarder (examples/forwarder.Caddyfile) and an echo upstream,
 # then acts as the edge gateway with `caddy sandbox dial`: a greeting, then
 # DEMO_MIB MiB of random bytes through the tunnel and back, checked with
-# SHA-256. It prints the bytes moved, whether the kernel path (kTLS, from
-# /proc/net/tls_stat, and splice, from the metrics) or the userspace fallback
-# carried them, a refused target, the activity endpoint and the metrics.
+# SHA-256. It prints the kernel probe (`caddy ktls probe`), the bytes
+# moved, whether the kernel path (kTLS, from /proc/net/tls_stat, and splice,
+# from the metrics) or the userspace fallback carried them, a refused
+# target, the activity endpoint and the metrics.
 #
 # Usage: examples/demo.sh   (needs openssl and curl; go unless DEMO_PREBUILT=1)
 # env: DEMO_MIB (default 16), DEMO_PREBUILT=1 (use bin/caddy and
@@ -31,7 +32,8 @@ if [ "${DEMO_PREBUILT:-}" != 1 ]; then
 	echo "== build"
 	(cd "$ROOT" && go build -o "$CADDY" ./cmd/caddy && go build -o "$UPSTREAM" ./examples/demo-upstream)
 fi
-echo "== kernel $(uname -r): $("$CADDY" ktls probe | head -1)"
+echo "== kernel $(uname -r): caddy ktls probe"
+"$CADDY" ktls probe
 
 echo "== PKI and gateway signing key in $DEMO_DIR"
 cd "$DEMO_DIR"

@@ -69,6 +69,12 @@ func Server(raw net.Conn, cfg *tls.Config, opts Options) *Conn {
 }
 
 // Client returns a client-side Conn over raw, with the same lazy handshake.
+// Two limits follow from the offload: a TLS 1.3 NewSessionTicket that
+// arrives after the handshake is dropped (kernel RX or DisableRX: it never
+// reaches crypto/tls), so an offloaded client never resumes a TLS 1.3
+// session; and crypto/tls logs no master secret for a resumed TLS 1.2
+// session, so a client that resumes one (its ClientSessionCache holds the
+// session from the handshake) stays in userspace TLS with ReasonKeyCapture.
 func Client(raw net.Conn, cfg *tls.Config, opts Options) *Conn {
 	return newConn(raw, cfg, opts, true)
 }

@@ -3,11 +3,14 @@ package ktls
 import (
 	"bytes"
 	"crypto/tls"
+	"crypto/x509"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -54,8 +57,8 @@ func runCase(t *testing.T, p *testPKI, cc connCase, opts Options, n int, want Re
 		t.Fatalf("server DidResume = %v, want %v", got, cc.resume)
 	}
 	off := pr.server.Offload()
-	if off.Reason != want || off.Version != cc.version {
-		t.Fatalf("Offload() = %+v, want reason %q version %#x", off, want, cc.version)
+	if off.Reason != want || off.Version != cc.version || cc.suite != 0 && off.CipherSuite != cc.suite {
+		t.Fatalf("Offload() = %+v, want reason %q version %#x suite %#x", off, want, cc.version, cc.suite)
 	}
 	if cc.mutualAuth && len(pr.server.ConnectionState().PeerCertificates) == 0 {
 		t.Fatal("server saw no client certificate")
@@ -217,15 +220,18 @@ func TestGetConfigForClient(t *testing.T) {
 // TestClientFallback runs Client against a crypto/tls server.
 func TestClientFallback(t *testing.T) {
 	checkNoFDLeak(t, kerneltest.OpenFDs)
-	runClient(t, newTestPKI(t), 256<<10)
+	c := runClient(t, newTestPKI(t), tls.VersionTLS13, 256<<10, 1)[0]
+	if c.Offload().Reason != expectedReason() {
+		t.Fatalf("client reason %q, want %q", c.Offload().Reason, expectedReason())
+	}
 }
 
-// runClient reads n bytes and close_notify from a crypto/tls server that
-// also sends a session ticket (the client has a session cache), with client
-// auth. With RX in the kernel the ticket arrives as a handshake record that
-// Read must drop.
-func runClient(t *testing.T, p *testPKI, n int) *Conn {
-	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13, tickets: true, mutualAuth: true, resume: true})
+// runClient makes conns connections, one after the other, from Client to
+// one crypto/tls server, with client auth, tickets and a client session
+// cache, and reads n bytes and close_notify on each. With RX in the kernel
+// a TLS 1.3 ticket arrives as a handshake record that Read must drop.
+func runClient(t *testing.T, p *testPKI, version uint16, n, conns int) []*Conn {
+	scfg, ccfg := p.configs(connCase{version: version, tickets: true, mutualAuth: true, resume: true})
 	ln, err := tls.Listen("tcp", "127.0.0.1:0", scfg)
 	if err != nil {
 		t.Fatal(err)
@@ -234,35 +240,53 @@ func runClient(t *testing.T, p *testPKI, n int) *Conn {
 	want, _, _ := sum256(payload(3, n))
 	srvErr := make(chan error, 1)
 	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			srvErr <- err
-			return
+		for range conns {
+			c, err := ln.Accept()
+			if err != nil {
+				srvErr <- err
+				return
+			}
+			if _, err := io.Copy(c, payload(3, n)); err != nil {
+				c.Close()
+				srvErr <- err
+				return
+			}
+			// Wait for the client's close_notify before the FIN: a TLS 1.2
+			// server finishes its handshake first, and a FIN that arrived
+			// before the client installs kTLS makes TCP_ULP fail (the socket
+			// is no longer ESTABLISHED; seen on 6.1).
+			err = c.(*tls.Conn).CloseWrite()
+			if err == nil {
+				_, err = io.Copy(io.Discard, c)
+			}
+			c.Close()
+			if err != nil {
+				srvErr <- err
+				return
+			}
 		}
-		defer c.Close()
-		if _, err := io.Copy(c, payload(3, n)); err != nil {
-			srvErr <- err
-			return
-		}
-		srvErr <- c.(*tls.Conn).CloseWrite()
+		srvErr <- nil
 	}()
-	raw, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := Client(raw, ccfg, Options{})
-	defer c.Close()
-	got, m, err := sum256(c)
-	if err != nil || m != int64(n) || got != want {
-		t.Fatalf("client read %d bytes, err %v, sha match %v", m, err, got == want)
+	var out []*Conn
+	for i := range conns {
+		raw, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := Client(raw, ccfg, Options{})
+		t.Cleanup(func() { c.Close() })
+		c.SetDeadline(time.Now().Add(time.Minute))
+		got, m, err := sum256(c)
+		if err != nil || m != int64(n) || got != want {
+			t.Fatalf("connection %d: client read %d bytes, err %v, sha match %v", i, m, err, got == want)
+		}
+		c.Close()
+		out = append(out, c)
 	}
 	if err := <-srvErr; err != nil {
 		t.Fatal(err)
 	}
-	if c.Offload().Reason != expectedReason() {
-		t.Fatalf("client reason %q", c.Offload().Reason)
-	}
-	return c
+	return out
 }
 
 // TestReadFromFlattensLimitedReaders: two nested LimitedReaders around a
@@ -410,6 +434,17 @@ func TestCryptoInfoLayout(t *testing.T) {
 	if err != nil || len(info) != 4+12+32+8 || !bytes.Equal(info[4:16], iv) || info[len(info)-1] != 1 {
 		t.Fatalf("ChaCha20: %x, %v", info, err)
 	}
+	// TLS 1.2 ChaCha20-Poly1305 (RFC 7905): the same struct, whole 12-byte
+	// IV, no explicit nonce.
+	info, err = cryptoInfo(tls.VersionTLS12, tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, key32, iv, 5)
+	if err != nil || len(info) != 4+12+32+8 || binary.NativeEndian.Uint16(info[0:2]) != 0x0303 ||
+		binary.NativeEndian.Uint16(info[2:4]) != 54 || !bytes.Equal(info[4:16], iv) || !bytes.Equal(info[16:48], key32) ||
+		!bytes.Equal(info[48:], []byte{0, 0, 0, 0, 0, 0, 0, 5}) {
+		t.Fatalf("ChaCha20 TLS 1.2: %x, %v", info, err)
+	}
+	if _, err := cryptoInfo(tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256, key32, iv[:4], 0); err == nil {
+		t.Fatal("a 4-byte IV for TLS 1.2 ChaCha20 was accepted")
+	}
 	salt := []byte{9, 9, 9, 9}
 	info, err = cryptoInfo(tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384, key32, salt, 1)
 	// TLS 1.2: the explicit nonce ("iv") starts at rec_seq.
@@ -433,51 +468,115 @@ func processCPU(b *testing.B) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// BenchmarkHandshake compares a plain crypto/tls server handshake with the
-// engine's (key capture, record-bounded reads, offload decision; on a host
-// without kTLS no kernel call is made, so this is the userspace overhead).
-// Both arms accept a fresh loopback TCP connection per iteration: over
-// net.Pipe every small record-bounded read would be a goroutine rendezvous,
-// a cost no kernel socket has.
+// benchClientEnv makes the test binary, started by BenchmarkHandshake, the
+// benchmark's TLS client (TestMain): it handshakes with the address in the
+// variable, one connection after the other, until it is killed. In its own
+// process the client's CPU stays out of the server's getrusage figure.
+// benchCAEnv names the PEM file of the CA that signed the server's
+// certificate.
+const (
+	benchClientEnv = "KTLS_BENCH_HANDSHAKE_CLIENT"
+	benchCAEnv     = "KTLS_BENCH_HANDSHAKE_CA"
+)
+
+func TestMain(m *testing.M) {
+	if addr := os.Getenv(benchClientEnv); addr != "" {
+		err := handshakeClient(addr, os.Getenv(benchCAEnv))
+		fmt.Fprintf(os.Stderr, "handshake client: %v\n", err)
+		os.Exit(1)
+	}
+	os.Exit(m.Run())
+}
+
+// handshakeClient completes TLS 1.3 handshakes with addr until one fails.
+func handshakeClient(addr, caFile string) error {
+	pem, err := os.ReadFile(caFile)
+	if err != nil {
+		return err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return fmt.Errorf("no certificate in %s", caFile)
+	}
+	cfg := &tls.Config{RootCAs: pool, ServerName: "localhost", MinVersion: tls.VersionTLS13}
+	for {
+		c, err := tls.Dial("tcp", addr, cfg)
+		if err != nil {
+			return err
+		}
+		c.Close()
+	}
+}
+
+// BenchmarkHandshake compares the server's CPU for a plain crypto/tls
+// handshake with the engine's handshake plus offload setup: key capture
+// through the per-connection config clone, record-bounded reads, and the
+// TX and RX keys derived and laid out as the kernel's crypto_info, the
+// same functions offload calls. The kernel calls are left out (TCP_ULP,
+// TLS_TX, TLS_RX, the sock_diag query: a few µs of kernel time): the
+// engine runs with Options.Disable, which stops before them on any kernel,
+// and the benchmark derives the keys itself. The client runs in another
+// process (benchClientEnv), so cpu-ns/op (getrusage of this process) is
+// the server's alone. Both arms accept a fresh loopback TCP connection per
+// iteration: over net.Pipe every small record-bounded read would be a
+// goroutine rendezvous, a cost no kernel socket has.
 func BenchmarkHandshake(b *testing.B) {
 	p := newTestPKI(b)
-	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
-	run := func(b *testing.B, server func(net.Conn) interface{ Handshake() error }) {
+	scfg, _ := p.configs(connCase{version: tls.VersionTLS13})
+	caFile := p.ca.WriteFile(b, b.TempDir(), "ca")
+	run := func(b *testing.B, handshake func(net.Conn) error) {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			b.Fatal(err)
 		}
 		defer ln.Close()
-		clientErrs := make(chan error, 1)
+		client := exec.Command(os.Args[0])
+		client.Env = append(os.Environ(), benchClientEnv+"="+ln.Addr().String(), benchCAEnv+"="+caFile)
+		client.Stderr = os.Stderr
+		if err := client.Start(); err != nil {
+			b.Fatal(err)
+		}
+		defer func() {
+			client.Process.Kill()
+			client.Wait()
+		}()
 		cpuBefore := processCPU(b)
 		for b.Loop() {
-			go func() {
-				c, err := tls.Dial("tcp", ln.Addr().String(), ccfg)
-				if err == nil {
-					err = c.Close()
-				}
-				clientErrs <- err
-			}()
 			raw, err := ln.Accept()
 			if err != nil {
 				b.Fatal(err)
 			}
-			if err := server(raw).Handshake(); err != nil {
-				b.Fatal(err)
-			}
-			if err := <-clientErrs; err != nil {
-				b.Fatal(err)
-			}
+			raw.SetDeadline(time.Now().Add(time.Minute))
+			err = handshake(raw)
 			raw.Close()
+			if err != nil {
+				b.Fatalf("server handshake: %v", err)
+			}
 		}
 		// CPU time, unlike ns/op, barely moves with the load of other
 		// processes on a shared machine.
 		b.ReportMetric(float64(processCPU(b)-cpuBefore)/float64(b.N), "cpu-ns/op")
 	}
 	b.Run("crypto-tls", func(b *testing.B) {
-		run(b, func(c net.Conn) interface{ Handshake() error } { return tls.Server(c, scfg) })
+		run(b, func(c net.Conn) error { return tls.Server(c, scfg).Handshake() })
 	})
 	b.Run("ktls", func(b *testing.B) {
-		run(b, func(c net.Conn) interface{ Handshake() error } { return Server(c, scfg, Options{}) })
+		run(b, func(c net.Conn) error {
+			s := Server(c, scfg, Options{Disable: true})
+			if err := s.Handshake(); err != nil {
+				return err
+			}
+			state := s.ConnectionState()
+			tx, rx, err := s.directionKeys(state)
+			if err != nil {
+				return err
+			}
+			for _, d := range []directionState{tx, rx} {
+				if _, err := cryptoInfo(state.Version, state.CipherSuite, d.key, d.iv, d.seq); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
 	})
 }

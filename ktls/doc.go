@@ -23,7 +23,9 @@
 //     (Finished).
 //   - TLS_TX/TLS_RX take host-endian u16 header fields but a big-endian
 //     rec_seq; for TLS 1.2 AES-GCM the "iv" field is the explicit nonce
-//     and must start at rec_seq (kernel.go).
+//     and must start at rec_seq, while TLS 1.2 ChaCha20-Poly1305 has no
+//     explicit nonce and takes the whole 12-byte IV, as in TLS 1.3
+//     (kernel.go).
 //   - TCP_ULP fails with ENOTCONN before ESTABLISHED and ENOENT without the
 //     module; only a CAP_NET_ADMIN caller makes the kernel autoload it
 //     (Probe).

@@ -36,7 +36,8 @@ type connCase struct {
 	version    uint16 // tls.VersionTLS12 or tls.VersionTLS13
 	tickets    bool
 	mutualAuth bool
-	resume     bool // handshake twice and transfer over the resumed one
+	resume     bool   // handshake twice and transfer over the resumed one
+	suite      uint16 // the only suite the client offers (TLS 1.2); 0: crypto/tls's defaults
 }
 
 var connCases = []connCase{
@@ -49,6 +50,8 @@ var connCases = []connCase{
 	{name: "tls12-no-tickets", version: tls.VersionTLS12},
 	{name: "tls12-mtls", version: tls.VersionTLS12, mutualAuth: true},
 	{name: "tls12-resumed", version: tls.VersionTLS12, tickets: true, resume: true},
+	{name: "tls12-chacha20", version: tls.VersionTLS12, tickets: true, suite: tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256},
+	{name: "tls12-chacha20-resumed", version: tls.VersionTLS12, tickets: true, resume: true, suite: tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256},
 }
 
 func (p *testPKI) configs(cc connCase) (server, client *tls.Config) {
@@ -67,6 +70,9 @@ func (p *testPKI) configs(cc connCase) (server, client *tls.Config) {
 		server.ClientAuth = tls.RequireAndVerifyClientCert
 		server.ClientCAs = p.ca.Pool
 		client.Certificates = []tls.Certificate{p.client.TLS}
+	}
+	if cc.suite != 0 {
+		client.CipherSuites = []uint16{cc.suite}
 	}
 	if cc.resume {
 		client.ClientSessionCache = tls.NewLRUClientSessionCache(4)

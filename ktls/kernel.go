@@ -51,6 +51,8 @@ func kernelCipher(version, suite uint16) (cipherType uint16, keyLen int, ok bool
 			return kernelAESGCM128, 16, true
 		case tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384, tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384:
 			return kernelAESGCM256, 32, true
+		case tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256, tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256:
+			return kernelChaCha20P130, 32, true
 		}
 	}
 	return 0, 0, false
@@ -60,8 +62,10 @@ func kernelCipher(version, suite uint16) (cipherType uint16, keyLen int, ok bool
 // tls12_crypto_info_chacha20_poly1305. The header fields are host-endian
 // __u16; rec_seq is big endian like on the wire.
 //
-// For TLS 1.3 and ChaCha20 the kernel XORs the sequence number into the
-// 12-byte IV, so iv carries the whole static IV (salt = its first 4 bytes).
+// For TLS 1.3 and for ChaCha20-Poly1305 in either version (RFC 7905: no
+// explicit nonce in TLS 1.2 either) the kernel XORs the sequence number into
+// the 12-byte IV, so iv carries the whole static IV (for TLS 1.3 AES-GCM the
+// salt field takes its first 4 bytes; the ChaCha20 struct has no salt).
 // For TLS 1.2 AES-GCM, iv is the 4-byte implicit salt and the kernel uses
 // the 8-byte "iv" field as the explicit nonce, incrementing it per record:
 // it must start at rec_seq, which is what crypto/tls sends as explicit nonce.

@@ -22,9 +22,10 @@ import (
 
 // Tests named TestKernel… need kernel TLS: they SKIP on a host without it
 // and FAIL in the VM harness (KTLS_REQUIRE=1). KTLS_TEST_MIB sets the
-// transfer size each way (default 4 MiB, so the package runs in a couple of
-// minutes under TCG emulation, where AES runs ~250x slower; the issue's
-// 64 MiB runs set KTLS_TEST_MIB=64).
+// transfer size each way (default defaultKernelBytes, 1 MiB, for the bulk
+// transfers; smaller for handshake-shape and close tests; so the package
+// runs in a couple of minutes under TCG emulation, where AES runs ~250x
+// slower; the 64 MiB runs set KTLS_TEST_MIB=64).
 
 const defaultKernelBytes = 1 << 20
 
@@ -74,7 +75,7 @@ func TestKernelDisableRX(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
 	n := transferSize(t, defaultKernelBytes)
-	for _, cc := range []connCase{connCases[0], connCases[2], connCases[5]} {
+	for _, cc := range []connCase{connCases[0], connCases[2], connCases[5], connCases[9]} {
 		t.Run(cc.name, func(t *testing.T) {
 			var pr *pair
 			d := statDelta(t, func() { pr = runCase(t, p, cc, Options{DisableRX: true}, n, ReasonRXDisabled) })
@@ -189,7 +190,7 @@ var tls13Shapes = []opensslShape{
 // TestKernelOpenSSLSuites: a real OpenSSL client forces the suites a Go
 // client cannot (AES-256-GCM, ChaCha20 in TLS 1.3), each TLS 1.3 suite
 // across tickets on/off × client auth × resumption (-sess_out/-sess_in), and
-// TLS 1.2 AES-GCM. The first connection of each suite moves KTLS_TEST_MIB;
+// TLS 1.2 AES-GCM and ChaCha20-Poly1305. The first connection of each suite moves KTLS_TEST_MIB;
 // the others are about the handshake and move 64 KiB unless KTLS_TEST_MIB
 // is set.
 func TestKernelOpenSSLSuites(t *testing.T) {
@@ -208,6 +209,7 @@ func TestKernelOpenSSLSuites(t *testing.T) {
 		{"tls13-aes128", tls.TLS_AES_128_GCM_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256"}, tls13Shapes},
 		{"tls12-aes256", tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"}, []opensslShape{{tickets: true}}},
 		{"tls12-aes128", tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"}, []opensslShape{{tickets: true}}},
+		{"tls12-chacha20", tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-CHACHA20-POLY1305"}, []opensslShape{{tickets: true}}},
 	}
 	for _, su := range suites {
 		for i, shape := range su.shapes {
@@ -389,32 +391,113 @@ func TestKernelKeyUpdate(t *testing.T) {
 	}
 }
 
-// TestKernelKeyUpdateFlood: KeyUpdates above the limit close the connection.
+// kernelPeers connects a Client to a Server over loopback TCP, completes
+// both handshakes and requires both to run fully in the kernel.
+func kernelPeers(t *testing.T, scfg, ccfg *tls.Config, sopts Options) (server, client *Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	raw, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	srvRaw, err := ln.Accept()
+	if err != nil {
+		raw.Close()
+		t.Fatal(err)
+	}
+	server, client = Server(srvRaw, scfg, sopts), Client(raw, ccfg, Options{})
+	t.Cleanup(func() { client.Close(); server.Close() })
+	server.SetDeadline(time.Now().Add(time.Minute))
+	client.SetDeadline(time.Now().Add(time.Minute))
+	errc := make(chan error, 1)
+	go func() { errc <- client.Handshake() }()
+	if err := server.Handshake(); err != nil {
+		t.Fatalf("server handshake: %v", err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatalf("client handshake: %v", err)
+	}
+	for _, c := range []*Conn{server, client} {
+		if off := c.Offload(); off.Reason != ReasonNone {
+			t.Fatalf("Offload() = %+v, want both directions in the kernel", off)
+		}
+	}
+	return server, client
+}
+
+// TestKernelKeyUpdateFlood: a peer that sends KeyUpdates back to back (a
+// ktls Client rekeying its TX without pause) against the default limit is
+// disconnected once the burst is spent, with ErrKeyUpdateRateLimited, and
+// every KeyUpdate accepted until then was a real kernel rekey (tls_stat).
+// Without kernel rekey (< 6.14) the first KeyUpdate closes the connection
+// with ErrRekeyUnsupported, before any limit.
 func TestKernelKeyUpdateFlood(t *testing.T) {
 	kerneltest.Require(t)
-	if !Probe().Rekey {
-		t.Log("kernel cannot rekey: the first KeyUpdate already closes the connection (TestKernelKeyUpdate)")
-	}
 	p := newTestPKI(t)
-	scfg, _ := p.configs(connCase{})
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
 	var events []EventKind
-	opts := Options{KeyUpdateLimit: Rate{PerSecond: 0.01, Burst: 2}, Observer: func(e Event) { events = append(events, e.Kind) }}
-	r := startOpenSSL(t, p, scfg, opts, "-tls1_3", "-brief")
-	before := Stats().RateLimitedClose
-	var err error
-	for i := 0; i < 4 && err == nil; i++ {
-		r.command(t, "k")
-		err = r.sendAndExpect(t, hexLine(200))
+	opts := Options{Observer: func(e Event) { events = append(events, e.Kind) }}
+	server, client := kernelPeers(t, scfg, ccfg, opts)
+	if _, err := client.Write([]byte("before")); err != nil {
+		t.Fatal(err)
 	}
-	want := ErrKeyUpdateRateLimited
+	b := make([]byte, 6)
+	if _, err := io.ReadFull(server, b); err != nil || string(b) != "before" {
+		t.Fatalf("server read %q (%v) before the flood", b, err)
+	}
+	// At the default 10/s refill, the limit stays unreached only if the
+	// server took more than 18 s for these.
+	const flood = 200
+	before := Stats()
+	var rekeyed int
+	var readErr error
+	d := statDelta(t, func() {
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			// Each updateTX sends a KeyUpdate under the current key, then
+			// installs the next TX key; it fails once the server is gone
+			// (or, before 6.14, at the first install).
+			for rekeyed < flood && client.updateTX() == nil {
+				rekeyed++
+			}
+		}()
+		_, readErr = io.Copy(io.Discard, server)
+		<-done
+	})
+	accepted := Stats().KeyUpdates - before.KeyUpdates
+	limited := Stats().RateLimitedClose - before.RateLimitedClose
+	countEvents := func(k EventKind) int {
+		return len(slices.DeleteFunc(slices.Clone(events), func(e EventKind) bool { return e != k }))
+	}
 	if !Probe().Rekey {
-		want = ErrRekeyUnsupported
+		if !errors.Is(readErr, ErrRekeyUnsupported) || accepted != 0 || limited != 0 || rekeyed != 0 {
+			t.Fatalf("without kernel rekey: Read %v, %d KeyUpdates applied, %d rate-limited closes, client rekeyed %d; "+
+				"want ErrRekeyUnsupported at the first, 0, 0, 0", readErr, accepted, limited, rekeyed)
+		}
+	} else {
+		burst := uint64(DefaultKeyUpdateLimit.Burst)
+		if !errors.Is(readErr, ErrKeyUpdateRateLimited) || limited != 1 || accepted < burst || accepted >= flood {
+			t.Fatalf("flood of %d: Read %v, %d applied, %d rate-limited closes; want ErrKeyUpdateRateLimited after %d to %d applied, 1 close",
+				flood, readErr, accepted, limited, burst, flood-1)
+		}
+		// The server's RX rekeys are the KeyUpdates it applied; the TX
+		// rekeys are the client's (tls_stat counts the whole namespace).
+		wantStat(t, d, "TlsRxRekeyOk", int64(accepted))
+		wantStat(t, d, "TlsTxRekeyOk", int64(rekeyed))
+		wantStat(t, d, "TlsRxRekeyError", 0)
+		wantStat(t, d, "TlsTxRekeyError", 0)
+		if uint64(rekeyed) < accepted || countEvents(EventKeyUpdate) != int(accepted) || countEvents(EventRateLimited) != 1 {
+			t.Fatalf("client rekeyed %d times, events %v: want at least the %d applied, that many key-update events and one rate-limited", rekeyed, events, accepted)
+		}
+		t.Logf("flood: %d KeyUpdates applied, then the rate-limited close (client rekeyed %d times)", accepted, rekeyed)
 	}
-	if !errors.Is(err, want) {
-		t.Fatalf("flood ended with %v, want %v", err, want)
-	}
-	if Probe().Rekey && Stats().RateLimitedClose-before != 1 {
-		t.Fatalf("RateLimitedClose grew by %d, want 1 (events %v)", Stats().RateLimitedClose-before, events)
+	if _, err := server.Write([]byte("x")); err == nil {
+		t.Fatal("server connection still writable after the clean close")
 	}
 }
 
@@ -424,39 +507,19 @@ func TestKernelPeerAlert(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
 	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
+	s, c := kernelPeers(t, scfg, ccfg, Options{})
 	go func() {
-		raw, err := net.Dial("tcp", ln.Addr().String())
-		if err != nil {
-			return
-		}
-		c := Client(raw, ccfg, Options{})
-		defer c.Close()
-		if c.Handshake() != nil || c.Offload().Reason != ReasonNone {
-			return
-		}
 		c.Write([]byte("hello"))
 		c.writeMu.Lock()
 		c.sendControlLocked(recordAlert, []byte{2, 40}) // fatal handshake_failure
 		c.writeMu.Unlock()
 		io.Copy(io.Discard, c)
 	}()
-	raw, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := Server(raw, scfg, Options{})
-	defer s.Close()
-	s.SetDeadline(time.Now().Add(time.Minute))
 	buf := make([]byte, 5)
 	if _, err := io.ReadFull(s, buf); err != nil || string(buf) != "hello" {
 		t.Fatalf("read %q, %v", buf, err)
 	}
-	_, err = s.Read(buf)
+	_, err := s.Read(buf)
 	var alert AlertError
 	if !errors.As(err, &alert) || alert != 40 || !strings.Contains(err.Error(), "handshake_failure") {
 		t.Fatalf("Read after a fatal alert: %v, want AlertError handshake_failure", err)
@@ -570,10 +633,178 @@ func TestKernelClient(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
 	before := Stats().ControlRecords["handshake"]
-	d := statDelta(t, func() { runClient(t, p, transferSize(t, defaultKernelBytes)) })
+	var c *Conn
+	d := statDelta(t, func() { c = runClient(t, p, tls.VersionTLS13, transferSize(t, defaultKernelBytes), 1)[0] })
 	wantStat(t, d, "TlsTxSw", 1)
 	wantStat(t, d, "TlsRxSw", 1)
+	if c.Offload().Reason != ReasonNone {
+		t.Fatalf("client reason %q, want none", c.Offload().Reason)
+	}
 	if got := Stats().ControlRecords["handshake"] - before; got < 1 {
 		t.Fatalf("no NewSessionTicket record went through Read (handshake records %d)", got)
+	}
+}
+
+// TestKernelClientResumption pins the limits of Client documented on it:
+// an offloaded TLS 1.3 client drops its tickets, so the next connection is
+// a full handshake again, fully offloaded; a TLS 1.2 client keeps the
+// session from the handshake and resumes, but crypto/tls logs no master
+// secret for a resumed TLS 1.2 client, so that connection stays in
+// userspace TLS with reason key-capture and still moves the data.
+func TestKernelClientResumption(t *testing.T) {
+	kerneltest.Require(t)
+	p := newTestPKI(t)
+	for _, tc := range []struct {
+		name    string
+		version uint16
+		resumed bool
+		reason  Reason
+		kernel  int64 // connections in the kernel, both directions
+	}{
+		{"tls13", tls.VersionTLS13, false, ReasonNone, 2},
+		{"tls12", tls.VersionTLS12, true, ReasonKeyCapture, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var conns []*Conn
+			d := statDelta(t, func() { conns = runClient(t, p, tc.version, 64<<10, 2) })
+			first, second := conns[0], conns[1]
+			if first.ConnectionState().DidResume || first.Offload().Reason != ReasonNone {
+				t.Fatalf("first connection: resumed %v, reason %q; want a full, offloaded handshake",
+					first.ConnectionState().DidResume, first.Offload().Reason)
+			}
+			if second.ConnectionState().DidResume != tc.resumed || second.Offload().Reason != tc.reason {
+				t.Fatalf("second connection: resumed %v, reason %q; want %v, %q",
+					second.ConnectionState().DidResume, second.Offload().Reason, tc.resumed, tc.reason)
+			}
+			wantStat(t, d, "TlsTxSw", tc.kernel)
+			wantStat(t, d, "TlsRxSw", tc.kernel)
+		})
+	}
+}
+
+// TestKernelCloseNotifyOnTheWire: after the server's Close or CloseWrite
+// the peer receives a real close_notify record sealed by the kernel, not
+// only a FIN (crypto/tls reads a FIN at a record boundary as io.EOF too, so
+// the client's EOF alone proves nothing). The client's raw bytes after the
+// handshake are recorded and opened with the server's TX keys: the
+// application data, then one alert record 01 00, then the end of the
+// stream. After CloseWrite the server still reads what the client sends.
+func TestKernelCloseNotifyOnTheWire(t *testing.T) {
+	kerneltest.Require(t)
+	p := newTestPKI(t)
+	n := transferSize(t, 256<<10)
+	for _, tc := range []struct {
+		name       string
+		version    uint16
+		closeWrite bool
+	}{
+		{"tls13-close", tls.VersionTLS13, false},
+		{"tls13-closewrite", tls.VersionTLS13, true},
+		{"tls12-close", tls.VersionTLS12, false},
+		{"tls12-closewrite", tls.VersionTLS12, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// No tickets: nothing from the server is in flight when the
+			// handshake ends, so every byte the client reads from here on is
+			// sealed under the server's application key, from tx.seq on.
+			scfg, ccfg := p.configs(connCase{version: tc.version})
+			pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if off := pr.server.Offload(); off.Reason != ReasonNone {
+				t.Fatalf("Offload() = %+v, want both directions in the kernel", off)
+			}
+			rec := &recordingConn{Conn: pr.held.Conn}
+			pr.held.Conn = rec
+			state := pr.server.ConnectionState()
+			tx, _, err := pr.server.directionKeys(state)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pr.client.SetDeadline(time.Now().Add(time.Minute))
+			pr.server.SetReadDeadline(time.Now().Add(time.Minute))
+			closeServer := pr.server.Close
+			if tc.closeWrite {
+				closeServer = pr.server.CloseWrite
+			}
+			streamAndCheck(t, "server → client", pr.server, closeServer, pr.client, 11, n)
+			opener, err := newRecordOpener(state.Version, state.CipherSuite, tx.key, tx.iv, tx.seq)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rec.mu.Lock()
+			wire := bytes.Clone(rec.in.Bytes())
+			rec.mu.Unlock()
+			appData, types, alert := openAll(t, opener, splitRecords(t, wire))
+			want, _, _ := sum256(payload(11, n))
+			if sum, _, _ := sum256(bytes.NewReader(appData)); sum != want || len(appData) != n {
+				t.Fatalf("opened %d bytes of application data, want the %d sent", len(appData), n)
+			}
+			if last := len(types) - 1; types[last] != recordAlert || slices.Index(types, recordAlert) != last || !bytes.Equal(alert, closeNotify) {
+				t.Fatalf("record types %v, last alert %x: want data records, then one close_notify (01 00) last", types, alert)
+			}
+			t.Logf("%s: %d records after the handshake, the last a close_notify sealed by the kernel", tls.VersionName(state.Version), len(types))
+			if tc.closeWrite {
+				streamAndCheck(t, "client → server after the server's CloseWrite", pr.client, pr.client.CloseWrite, pr.server, 12, n)
+			}
+		})
+	}
+}
+
+// streamAndCheck writes payload(seed, n) into w and then calls finish, in
+// a goroutine, while it reads r to its end: r must yield exactly those n
+// bytes, and the writer must succeed.
+func streamAndCheck(t *testing.T, what string, w io.Writer, finish func() error, r io.Reader, seed uint64, n int) {
+	t.Helper()
+	sent := make(chan error, 1)
+	go func() {
+		_, err := io.Copy(w, payload(seed, n))
+		sent <- errors.Join(err, finish())
+	}()
+	got, m, err := sum256(r)
+	if want, _, _ := sum256(payload(seed, n)); err != nil || m != int64(n) || got != want {
+		t.Fatalf("%s: read %d bytes, %v, sha ok %v; want %d bytes, then the end", what, m, err, got == want, n)
+	}
+	if err := <-sent; err != nil {
+		t.Fatalf("%s: writer: %v", what, err)
+	}
+}
+
+// TestKernelWriteAfterPeerCloseNotify: the peer's close_notify ends our
+// reads with io.EOF (every Read after it too), and our write side keeps
+// working until we close: in this order, not concurrently.
+func TestKernelWriteAfterPeerCloseNotify(t *testing.T) {
+	kerneltest.Require(t)
+	p := newTestPKI(t)
+	n := transferSize(t, 256<<10)
+	for _, tc := range []struct {
+		name    string
+		version uint16
+		opts    Options
+		reason  Reason
+	}{
+		{"tls13", tls.VersionTLS13, Options{}, ReasonNone},
+		{"tls13-rx-off", tls.VersionTLS13, Options{DisableRX: true}, ReasonRXDisabled},
+		{"tls12", tls.VersionTLS12, Options{}, ReasonNone},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			scfg, ccfg := p.configs(connCase{version: tc.version, tickets: true})
+			pr, err := dialPair(t, scfg, ccfg, tc.opts, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if off := pr.server.Offload(); off.Reason != tc.reason || off.TX != ModeSW {
+				t.Fatalf("Offload() = %+v, want reason %q with TX in the kernel", off, tc.reason)
+			}
+			pr.server.SetDeadline(time.Now().Add(time.Minute))
+			pr.client.SetDeadline(time.Now().Add(time.Minute))
+			streamAndCheck(t, "client → server until close_notify", pr.client, pr.client.CloseWrite, pr.server, 13, n)
+			if k, err := pr.server.Read(make([]byte, 10)); k != 0 || err != io.EOF {
+				t.Fatalf("Read after close_notify: %d, %v; want 0, io.EOF again", k, err)
+			}
+			// The client has closed its write side only: it still reads.
+			streamAndCheck(t, "server → client after the peer's close_notify", pr.server, pr.server.Close, pr.client, 14, n)
+		})
 	}
 }

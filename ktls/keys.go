@@ -52,6 +52,17 @@ func tls12KeyParams(suite uint16) (suiteKeyParams, error) {
 	return suiteKeyParams{}, fmt.Errorf("ktls: %s (%#04x) is not a supported TLS 1.2 cipher suite", tls.CipherSuiteName(suite), suite)
 }
 
+// keyParams returns the parameters of a suite negotiated in version.
+func keyParams(version, suite uint16) (suiteKeyParams, error) {
+	switch version {
+	case tls.VersionTLS13:
+		return tls13KeyParams(suite)
+	case tls.VersionTLS12:
+		return tls12KeyParams(suite)
+	}
+	return suiteKeyParams{}, fmt.Errorf("ktls: unsupported TLS version %#04x", version)
+}
+
 // hkdfExpandLabel is HKDF-Expand-Label (RFC 8446 section 7.1) with an empty
 // context, the only form the record keys and KeyUpdate need.
 func hkdfExpandLabel(h func() hash.Hash, secret []byte, label string, length int) ([]byte, error) {

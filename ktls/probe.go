@@ -76,7 +76,7 @@ func (c Capabilities) String() string {
 	}
 	b.WriteString("tls ULP:          ok\n")
 	for _, s := range c.Ciphers {
-		fmt.Fprintf(&b, "%-17s %-30s TX %-3s RX %s\n", tls.VersionName(s.Version)+":", s.Name, yesNo(s.TX), yesNo(s.RX))
+		fmt.Fprintf(&b, "%-17s %-43s TX %-3s RX %s\n", tls.VersionName(s.Version)+":", s.Name, yesNo(s.TX), yesNo(s.RX))
 	}
 	fmt.Fprintf(&b, "RX expect no pad: %s\n", yesNo(c.ExpectNoPad))
 	fmt.Fprintf(&b, "TX zerocopy RO:   %s\n", yesNo(c.TXZeroCopyRO))
@@ -112,6 +112,7 @@ var probeSuites = []struct {
 	{tls.VersionTLS13, tls.TLS_CHACHA20_POLY1305_SHA256},
 	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256},
 	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384},
+	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256},
 }
 
 func probe() Capabilities {
@@ -146,12 +147,11 @@ func probe() Capabilities {
 // installProbeKey installs an all-zero key: the kernel checks only the
 // struct, not the key, and no record is ever sent.
 func installProbeKey(fd, opt int, version, suite uint16) error {
-	_, keyLen, _ := kernelCipher(version, suite)
-	ivLen := 12
-	if version == tls.VersionTLS12 {
-		ivLen = 4
+	p, err := keyParams(version, suite)
+	if err != nil {
+		return err
 	}
-	info, err := cryptoInfo(version, suite, make([]byte, keyLen), make([]byte, ivLen), 0)
+	info, err := cryptoInfo(version, suite, make([]byte, p.keyLen), make([]byte, p.ivLen), 0)
 	if err != nil {
 		return err
 	}

@@ -4,6 +4,10 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"os"
+	"reflect"
+	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -15,13 +19,15 @@ import (
 
 // wantProbeSuites are the version/suite pairs every kernel of the test
 // matrix (Debian 6.1, 6.12, 7.3, all CONFIG_TLS=m) accepts in both
-// directions once tls and the AEAD modules are loaded.
+// directions once tls and the AEAD modules are loaded (ChaCha20-Poly1305
+// since Linux 5.11, for TLS 1.2 and 1.3 alike).
 var wantProbeSuites = []struct{ version, suite uint16 }{
 	{tls.VersionTLS13, tls.TLS_AES_128_GCM_SHA256},
 	{tls.VersionTLS13, tls.TLS_AES_256_GCM_SHA384},
 	{tls.VersionTLS13, tls.TLS_CHACHA20_POLY1305_SHA256},
 	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256},
 	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384},
+	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256},
 }
 
 // unameRelease is the running kernel's release string.
@@ -76,9 +82,94 @@ func TestProbeAgreesWithKernelTest(t *testing.T) {
 	if got, want := Probe().ULP == nil, kerneltest.Available() == nil; got != want {
 		t.Fatalf("Probe().ULP = %v, kerneltest.Available() = %v", Probe().ULP, kerneltest.Available())
 	}
-	if Probe().ULP != Probe().ULP || Probe().Kernel != unameRelease(t) {
-		t.Fatal("Probe() is not cached, or reports another kernel release")
+	// The cached answer is what the kernel says now (errors compared by
+	// text: a fresh probe makes a new error value).
+	cached, fresh := Probe(), probe()
+	if fmt.Sprint(cached.ULP) != fmt.Sprint(fresh.ULP) {
+		t.Errorf("cached ULP %v, fresh probe %v", cached.ULP, fresh.ULP)
 	}
+	cached.ULP, fresh.ULP = nil, nil
+	if !reflect.DeepEqual(cached, fresh) {
+		t.Errorf("cached probe %+v, fresh probe %+v", cached, fresh)
+	}
+	if cached.Kernel != unameRelease(t) {
+		t.Errorf("Probe().Kernel = %q, want the uname release %q", cached.Kernel, unameRelease(t))
+	}
+}
+
+// capEffNetAdmin reads the CAP_NET_ADMIN bit of the CapEff line of a /proc
+// status file: the kernel's own account of the effective set, read without
+// capget(2), which hasNetAdmin uses.
+func capEffNetAdmin(path string) (bool, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return false, err
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			mask, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			if err != nil {
+				return false, fmt.Errorf("%s: CapEff %q: %w", path, v, err)
+			}
+			return mask&(1<<unix.CAP_NET_ADMIN) != 0, nil
+		}
+	}
+	return false, fmt.Errorf("%s has no CapEff line", path)
+}
+
+// TestNetAdminMatchesCapEff: hasNetAdmin and Probe().NetAdmin agree with
+// the CapEff bit of /proc/self/status, on every host. Where the process
+// holds CAP_NET_ADMIN, one OS thread also drops it from its effective set,
+// and hasNetAdmin on that thread must say false, as /proc/thread-self does.
+func TestNetAdminMatchesCapEff(t *testing.T) {
+	want, err := capEffNetAdmin("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := hasNetAdmin(); got != want {
+		t.Errorf("hasNetAdmin() = %v, CapEff says %v", got, want)
+	}
+	if got := Probe().NetAdmin; got != want {
+		t.Errorf("Probe().NetAdmin = %v, CapEff says %v", got, want)
+	}
+	if !want {
+		t.Log("no CAP_NET_ADMIN in this process: the dropped-capability case needs it to start with")
+		return
+	}
+	errc := make(chan error, 1)
+	go func() {
+		// Never unlocked: the thread, with its reduced capabilities, exits
+		// with this goroutine instead of going back to the scheduler.
+		runtime.LockOSThread()
+		errc <- dropNetAdminAndCheck()
+	}()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if !hasNetAdmin() {
+		t.Fatal("hasNetAdmin() = false on another thread after one thread dropped CAP_NET_ADMIN")
+	}
+}
+
+// dropNetAdminAndCheck clears CAP_NET_ADMIN from the calling thread's
+// effective set and checks what hasNetAdmin and /proc/thread-self report.
+func dropNetAdminAndCheck() error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capget: %w", err)
+	}
+	data[unix.CAP_NET_ADMIN/32].Effective &^= 1 << (unix.CAP_NET_ADMIN % 32)
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capset: %w", err)
+	}
+	if hasNetAdmin() {
+		return errors.New("hasNetAdmin() = true on a thread without CAP_NET_ADMIN in its effective set")
+	}
+	if has, err := capEffNetAdmin("/proc/thread-self/status"); err != nil || has {
+		return fmt.Errorf("/proc/thread-self/status CapEff has CAP_NET_ADMIN %v (%v) after capset dropped it", has, err)
+	}
+	return nil
 }
 
 // TestProbeWithoutKernelTLS checks what Probe reports on a kernel without
@@ -140,10 +231,19 @@ func TestKernelProbe(t *testing.T) {
 	if caps.Kernel != release {
 		t.Errorf("Kernel = %q, want %q", caps.Kernel, release)
 	}
+	if netAdmin, err := capEffNetAdmin("/proc/self/status"); err != nil || caps.NetAdmin != netAdmin {
+		t.Errorf("NetAdmin = %v, CapEff of /proc/self/status says %v (%v)", caps.NetAdmin, netAdmin, err)
+	}
 	for _, w := range wantProbeSuites {
 		name := fmt.Sprintf("%s %s", tls.VersionName(w.version), tls.CipherSuiteName(w.suite))
+		i := slices.IndexFunc(caps.Ciphers, func(c CipherSupport) bool { return c.Version == w.version && c.CipherSuite == w.suite })
+		if i < 0 {
+			t.Errorf("%s: not probed: %+v", name, caps.Ciphers)
+		} else if c := caps.Ciphers[i]; !c.TX || !c.RX || c.Name != tls.CipherSuiteName(w.suite) {
+			t.Errorf("%s: probe entry %+v, want TX and RX accepted", name, c)
+		}
 		if !caps.Supports(w.version, w.suite, true) {
-			t.Errorf("%s: TX and RX not both accepted: %+v", name, caps.Ciphers)
+			t.Errorf("%s: Supports = false: %+v", name, caps.Ciphers)
 		}
 	}
 	var txOK, rxOK int64

@@ -105,18 +105,9 @@ type recordOpener struct {
 // (as returned by trafficKeys for TLS 1.3 or tls12Keys for TLS 1.2), the
 // first of which has sequence number seq.
 func newRecordOpener(version, suite uint16, key, iv []byte, seq uint64) (*recordOpener, error) {
-	var p suiteKeyParams
-	var err error
-	switch version {
-	case tls.VersionTLS13:
-		p, err = tls13KeyParams(suite)
-	case tls.VersionTLS12:
-		p, err = tls12KeyParams(suite)
-	default:
-		return nil, fmt.Errorf("ktls: record opener: unsupported TLS version %#04x", version)
-	}
+	p, err := keyParams(version, suite)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("ktls: record opener: %w", err)
 	}
 	o := &recordOpener{version: version, suite: suite}
 	if err := o.setKey(p, key, iv); err != nil {

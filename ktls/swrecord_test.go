@@ -530,13 +530,7 @@ func TestKernelTXRecordsOpenInGo(t *testing.T) {
 	kerneltest.Require(t)
 	n := transferSize(t, 4<<20)
 	caps := Probe()
-	for _, s := range []struct{ version, suite uint16 }{
-		{tls.VersionTLS13, tls.TLS_AES_128_GCM_SHA256},
-		{tls.VersionTLS13, tls.TLS_AES_256_GCM_SHA384},
-		{tls.VersionTLS13, tls.TLS_CHACHA20_POLY1305_SHA256},
-		{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256},
-		{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384},
-	} {
+	for _, s := range probeSuites {
 		name := tls.VersionName(s.version) + "/" + tls.CipherSuiteName(s.suite)
 		if !caps.Supports(s.version, s.suite, false) {
 			t.Logf("%s: this kernel does not take it as TX key (probe), not tried", name)

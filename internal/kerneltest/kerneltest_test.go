@@ -1,0 +1,92 @@
+package kerneltest
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// childEnv makes TestRequire, re-executed in a subprocess, play the kTLS
+// test that calls Require.
+const childEnv = "KERNELTEST_REQUIRE_CHILD"
+
+// pastRequire is what the child logs once Require let it through.
+const pastRequire = "ran past Require"
+
+// runChild runs TestRequire as a child in a subprocess with KTLS_REQUIRE
+// set to require ("" removes it) and returns its stdout, stderr and exit
+// code.
+func runChild(t *testing.T, require string) (stdout, stderr string, code int) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run", "^TestRequire$", "-test.v", "-test.count=1")
+	cmd.Env = slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, RequireEnv+"=") })
+	cmd.Env = append(cmd.Env, childEnv+"=1")
+	if require != "" {
+		cmd.Env = append(cmd.Env, RequireEnv+"="+require)
+	}
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	var exit *exec.ExitError
+	switch {
+	case err == nil:
+	case errors.As(err, &exit):
+		code = exit.ExitCode()
+	default:
+		t.Fatalf("run %s: %v", os.Args[0], err)
+	}
+	return out.String(), errOut.String(), code
+}
+
+// hasLinePrefix reports whether a line of s starts with prefix.
+func hasLinePrefix(s, prefix string) bool {
+	for line := range strings.Lines(s) {
+		if strings.HasPrefix(line, prefix) {
+			return true
+		}
+	}
+	return false
+}
+
+// TestRequire: without kTLS a kernel test skips loudly (a stderr line
+// starting "SKIP: <test>: <reason>", go test's "--- SKIP", never PASS), and
+// with KTLS_REQUIRE=1 it fails; with kTLS it runs in both modes. The kernel
+// test is this test itself, re-executed as a child.
+func TestRequire(t *testing.T) {
+	if os.Getenv(childEnv) == "1" {
+		Require(t)
+		t.Log(pastRequire)
+		return
+	}
+	avail := Available()
+	for _, require := range []string{"", "0", "1"} {
+		t.Run("KTLS_REQUIRE="+require, func(t *testing.T) {
+			stdout, stderr, code := runChild(t, require)
+			report := "exit " + strconv.Itoa(code) + "\nstdout:\n" + stdout + "\nstderr:\n" + stderr
+			switch {
+			case avail == nil:
+				if code != 0 || !strings.Contains(stdout, "--- PASS: TestRequire") || !strings.Contains(stdout, pastRequire) ||
+					strings.Contains(stdout+stderr, "SKIP") {
+					t.Fatalf("kTLS available: want the test to run and pass\n%s", report)
+				}
+			case require == "1":
+				if code != 1 || !strings.Contains(stdout, "--- FAIL: TestRequire") ||
+					!strings.Contains(stdout, "FAIL: kTLS required ("+RequireEnv+"=1) but "+avail.Error()) ||
+					strings.Contains(stdout, pastRequire) || strings.Contains(stdout, "--- SKIP") {
+					t.Fatalf("no kTLS, %s=1: want a failure naming the reason\n%s", RequireEnv, report)
+				}
+			default:
+				if code != 0 || !hasLinePrefix(stderr, "SKIP: TestRequire: "+avail.Error()) ||
+					!strings.Contains(stdout, "--- SKIP: TestRequire") || !strings.Contains(stdout, "SKIP: "+avail.Error()) ||
+					strings.Contains(stdout, "--- PASS") || strings.Contains(stdout, pastRequire) {
+					t.Fatalf("no kTLS, %s=%q: want a loud skip\n%s", RequireEnv, require, report)
+				}
+			}
+		})
+	}
+}

@@ -20,6 +20,7 @@ import (
 //				verifier leaf pem <cert_pem>
 //			}
 //		}
+//		offload           on|off        # default on; off keeps the whole session in userspace TLS
 //		rx                on|off        # default on; off keeps decryption in Go (kTLS RX is where CVEs cluster)
 //		fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
 //		expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted peers only)

@@ -1,7 +1,10 @@
 package caddyktls
 
 import (
+	"encoding/json"
 	"flag"
+	"os"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -32,5 +35,50 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: error %v, want it to contain %q", tc.body, err, tc.want)
 		}
+	}
+}
+
+// examples/forwarder.Caddyfile (what `make demo` runs) adapts to a layer4
+// server on a tcp-retry listener whose one route terminates mutual TLS with
+// the gateway-certificate allowlist and hands the tunnel to the sandbox
+// handler, with the demo's environment substituted.
+func TestSandboxExampleAdapt(t *testing.T) {
+	t.Setenv("DEMO_DIR", "/demo")
+	t.Setenv("DEMO_LISTEN", "127.0.0.1:19443")
+	t.Setenv("DEMO_UPSTREAM_PORT", "19000")
+	raw, err := os.ReadFile("examples/forwarder.Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := adaptCaddyfile(t, string(raw))
+	if err != nil {
+		t.Fatalf("adapt: %v", err)
+	}
+	var cfg struct {
+		Apps struct {
+			Layer4 any `json:"layer4"`
+		} `json:"apps"`
+	}
+	if err := json.Unmarshal(out, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	var want any
+	if err := json.Unmarshal([]byte(`{"servers": {"srv0": {
+		"listen": ["tcp-retry/127.0.0.1:19443"],
+		"routes": [{"handle": [
+			{"handler": "ktls", "connection_policies": [{"client_authentication": {
+				"ca": {"provider": "file", "pem_files": ["/demo/ca.pem"]},
+				"mode": "require_and_verify",
+				"verifiers": [{"verifier": "leaf", "leaf_certs_loaders": [{"loader": "file", "files": ["/demo/gateway.pem"]}]}]
+			}}]},
+			{"handler": "sandbox", "key_files": ["/demo/gateways.pem"], "require_channel_binding": true,
+				"allow_cidrs": ["127.0.0.1"], "allow_ports": ["19000"]}
+		]}]
+	}}}`), &want); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(cfg.Apps.Layer4, want) {
+		got, _ := json.MarshalIndent(cfg.Apps.Layer4, "", "\t")
+		t.Errorf("examples/forwarder.Caddyfile adapts to this layer4 app:\n%s", got)
 	}
 }

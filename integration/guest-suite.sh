@@ -5,8 +5,9 @@
 # missing kernel feature fails instead of skipping.
 #
 # usage: guest-suite.sh MANIFEST   (lines: "<import path> <package dir> <test binary>")
-# env: KTLS_TEST_MIB (passed on to the tests), VM_TEST_TIMEOUT (seconds per
-#      binary, default 600), VM_OUT (results dir, set by vm.sh)
+# env: KTLS_TEST_MIB, KTLS_LOAD_TUNNELS, KTLS_LOAD_RELOADS (passed on to the
+#      tests), VM_TEST_TIMEOUT (seconds per binary, default 600), VM_OUT
+#      (results dir, set by vm.sh)
 # Prints go-test-style closing lines ("ok  <pkg> <time>s" / "FAIL <pkg> ...")
 # and exits non-zero if any binary failed, printed "--- FAIL" or "--- SKIP",
 # or timed out. Copies /proc/net/tls_stat to $VM_OUT/tls_stat at the end.
@@ -16,9 +17,12 @@ repo=$(pwd)
 limit=${VM_TEST_TIMEOUT:-600}
 export KTLS_REQUIRE=1
 [ -n "${KTLS_TEST_MIB:-}" ] && export KTLS_TEST_MIB
+[ -n "${KTLS_LOAD_TUNNELS:-}" ] && export KTLS_LOAD_TUNNELS
+[ -n "${KTLS_LOAD_RELOADS:-}" ] && export KTLS_LOAD_RELOADS
 failed=0
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
-echo "guest: kernel $(uname -r), KTLS_TEST_MIB=${KTLS_TEST_MIB:-default}"
+echo "guest: kernel $(uname -r), KTLS_TEST_MIB=${KTLS_TEST_MIB:-default}," \
+  "KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-default} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-default}"
 while read -r pkg dir bin; do
   [ -n "$pkg" ] || continue
   log=$VM_OUT/$(basename "$bin").log

@@ -58,7 +58,12 @@ func startNetpoll() {
 
 // newTestPool returns a private pipe pool closed when the test ends.
 func newTestPool(t *testing.T, maxIdle int) *PipePool {
-	pool := NewPipePool(DefaultPipeSize, maxIdle)
+	return newSizedTestPool(t, DefaultPipeSize, maxIdle)
+}
+
+// newSizedTestPool is newTestPool with pipes that ask for size bytes.
+func newSizedTestPool(t *testing.T, size, maxIdle int) *PipePool {
+	pool := NewPipePool(size, maxIdle)
 	t.Cleanup(func() {
 		if st := pool.Stats(); st.InUse != 0 {
 			t.Errorf("pipes still in use at the end: %+v", st)

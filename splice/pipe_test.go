@@ -1,6 +1,7 @@
 package splice
 
 import (
+	"errors"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -51,4 +52,38 @@ func TestPipePoolBoundsIdle(t *testing.T) {
 	if st := pool.Stats(); st.Idle != 0 || st.Created != st.Destroyed {
 		t.Errorf("after Close: %+v, want every pipe closed", st)
 	}
+}
+
+// A pipe size the kernel refuses leaves pipes at the kernel's default
+// capacity, and the relay still splices every byte through them. Root may
+// exceed /proc/sys/fs/pipe-max-size, so the pool asks for a size that even
+// root is refused: above 2^31 bytes, F_SETPIPE_SZ fails with EINVAL.
+func TestPipePoolSizeRefused(t *testing.T) {
+	checkLeaks(t)
+	const refused = 1<<31 + 4096
+	var fds [2]int
+	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	def, getErr := unix.FcntlInt(uintptr(fds[1]), unix.F_GETPIPE_SZ, 0)
+	_, setErr := unix.FcntlInt(uintptr(fds[1]), unix.F_SETPIPE_SZ, refused)
+	unix.Close(fds[0])
+	unix.Close(fds[1])
+	if getErr != nil {
+		t.Fatal(getErr)
+	}
+	if !errors.Is(setErr, unix.EINVAL) {
+		t.Fatalf("F_SETPIPE_SZ %d on a fresh pipe: %v, want EINVAL: this kernel cannot make the test fall back", refused, setErr)
+	}
+	pool := newSizedTestPool(t, refused, 4)
+	p, err := pool.get()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.size != def {
+		t.Errorf("pipe size %d, want the kernel's default %d", p.size, def)
+	}
+	pool.put(p)
+	size := echoBig(t, pool, false, 3)
+	t.Logf("%d MiB each way through %d-byte pipes; pool %+v", size/MiB, def, pool.Stats())
 }

@@ -16,6 +16,14 @@
 // source may hold decrypted bytes no socket readiness would announce: a
 // copying direction holds one pooled 32 KiB buffer while blocked in Read.)
 //
+// Pipes ask for DefaultPipeSize (F_SETPIPE_SZ); where the kernel refuses,
+// they keep its default capacity and a burst takes more calls. Every splice
+// call passes SPLICE_F_MOVE|SPLICE_F_NONBLOCK and deliberately never
+// SPLICE_F_MORE: the sink would see it as MSG_MORE, and a kTLS socket then
+// holds its record open (a TCP socket its segment) for a next write that a
+// quiet source may never make; a call that drains a full pipe already yields
+// full records.
+//
 // A kTLS connection must have finished its handshake before it is given to
 // a Tunnel: its SpliceSource/SpliceSink answer ok only after the offload.
 //

@@ -63,11 +63,11 @@ func (g *Gateway) Sign(t testing.TB, c preamble.Claims) []byte {
 }
 
 // Upstream is a sandbox service: for each connection it hashes everything
-// it receives until EOF while sending Send pattern bytes, then half-closes
-// and closes. It records each connection's results.
+// it receives until EOF while sending its reply, then half-closes and
+// closes. It records each connection's results.
 type Upstream struct {
 	ln       *net.TCPListener
-	send     int64
+	reply    func(conn int, clientDone <-chan struct{}) io.Reader
 	mu       sync.Mutex
 	accepted int
 	results  []Result
@@ -84,8 +84,8 @@ type Result struct {
 	WriteErr error
 }
 
-// NewUpstream listens on 127.0.0.1 and sends send bytes on each connection
-// (pattern seeded by the connection's order). It stops at test cleanup.
+// NewUpstream listens on 127.0.0.1 and sends the first send bytes of
+// NewPattern(2) on each connection. It stops at test cleanup.
 func NewUpstream(t testing.TB, send int64) *Upstream {
 	t.Helper()
 	return NewUpstreamOn(t, "127.0.0.1:0", send)
@@ -96,12 +96,76 @@ func NewUpstream(t testing.TB, send int64) *Upstream {
 // forwarder must never make.
 func NewUpstreamOn(t testing.TB, addr string, send int64) *Upstream {
 	t.Helper()
+	return newUpstream(t, addr, func(int, <-chan struct{}) io.Reader { return io.LimitReader(NewPattern(2), send) })
+}
+
+// NewSizedUpstream is an Upstream whose replies differ: the conn-th
+// connection accepted (from 0) gets size(conn) bytes of its own pattern, so
+// a reply delivered to the wrong tunnel cannot hash right. Results tell what
+// each connection sent.
+func NewSizedUpstream(t testing.TB, size func(conn int) int64) *Upstream {
+	t.Helper()
+	return newUpstream(t, "127.0.0.1:0", func(conn int, _ <-chan struct{}) io.Reader {
+		return io.LimitReader(NewPattern(replySeed(conn)), size(conn))
+	})
+}
+
+// NewPacedUpstream is an Upstream that streams: on each connection it sends
+// chunk bytes of that connection's own pattern at once and then every pace,
+// until the client's side ends (EOF or an error), so a reply lasts as long
+// as the client keeps its tunnel open. Results tell what each connection
+// sent.
+func NewPacedUpstream(t testing.TB, chunk int, pace time.Duration) *Upstream {
+	t.Helper()
+	return newUpstream(t, "127.0.0.1:0", func(conn int, clientDone <-chan struct{}) io.Reader {
+		return &pacedReader{src: NewPattern(replySeed(conn)), chunk: chunk, pace: pace, stop: clientDone}
+	})
+}
+
+// replySeed is the pattern seed of the conn-th connection's reply: far from
+// the small seeds clients use, so that a tunnel echoing its client's bytes
+// back does not look like the reply.
+func replySeed(conn int) uint64 { return 1<<32 + uint64(conn) }
+
+// pacedReader yields chunk bytes of src at once and then every pace, and
+// io.EOF once stop is closed.
+type pacedReader struct {
+	src   io.Reader
+	chunk int
+	pace  time.Duration
+	stop  <-chan struct{}
+	left  int // bytes of the current chunk not read yet
+	timer *time.Timer
+}
+
+func (p *pacedReader) Read(b []byte) (int, error) {
+	if p.left == 0 {
+		if p.timer != nil {
+			select {
+			case <-p.stop:
+				p.timer.Stop()
+				return 0, io.EOF
+			case <-p.timer.C:
+			}
+		}
+		p.timer = time.NewTimer(p.pace)
+		p.left = p.chunk
+	}
+	n, _ := p.src.Read(b[:min(len(b), p.left)])
+	p.left -= n
+	return n, nil
+}
+
+// newUpstream listens on addr and answers the conn-th connection it
+// accepts with what reply(conn, ...) yields.
+func newUpstream(t testing.TB, addr string, reply func(conn int, clientDone <-chan struct{}) io.Reader) *Upstream {
+	t.Helper()
 	l, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ln := l.(*net.TCPListener)
-	u := &Upstream{ln: ln, send: send}
+	u := &Upstream{ln: ln, reply: reply}
 	u.wg.Add(1)
 	go func() {
 		defer u.wg.Done()
@@ -111,12 +175,13 @@ func NewUpstreamOn(t testing.TB, addr string, send int64) *Upstream {
 				return
 			}
 			u.mu.Lock()
+			conn := u.accepted
 			u.accepted++
 			u.mu.Unlock()
 			u.wg.Add(1)
 			go func() {
 				defer u.wg.Done()
-				u.serve(c)
+				u.serve(c, conn)
 			}()
 		}
 	}()
@@ -124,21 +189,24 @@ func NewUpstreamOn(t testing.TB, addr string, send int64) *Upstream {
 	return u
 }
 
-func (u *Upstream) serve(c *net.TCPConn) {
+func (u *Upstream) serve(c *net.TCPConn, conn int) {
 	defer c.Close()
 	var res Result
 	var wg sync.WaitGroup
+	clientDone := make(chan struct{})
+	reply := u.reply(conn, clientDone)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		h := sha256.New()
-		res.Sent, res.WriteErr = io.Copy(io.MultiWriter(c, h), io.LimitReader(NewPattern(2), u.send))
+		res.Sent, res.WriteErr = io.Copy(io.MultiWriter(c, h), reply)
 		copy(res.SentSum[:], h.Sum(nil))
 		c.CloseWrite()
 	}()
 	h := sha256.New()
 	res.Received, res.ReadErr = io.Copy(h, c)
 	copy(res.RecvSum[:], h.Sum(nil))
+	close(clientDone)
 	wg.Wait()
 	u.mu.Lock()
 	u.results = append(u.results, res)

@@ -232,9 +232,17 @@ func (lw *ListenerWrapper) start() {
 	caps := ktls.Probe()
 	fields := []zap.Field{
 		zap.String("kernel", caps.Kernel),
-		zap.Bool("rx_in_kernel", !lw.DisableRX),
+		zap.Bool("rx_in_kernel", !lw.DisableRX && !lw.DisableOffload),
 		zap.Bool("fallback", !lw.RequireOffload),
 		zap.Bool("sendfile", lw.sendfile),
+	}
+	if lw.DisableOffload {
+		// Whatever the kernel can do, no connection is offloaded; the
+		// probe result still says whether turning offload on would help.
+		fields = append(fields, zap.String("offload", "off"), zap.String("why", "disabled by configuration (offload off)"),
+			zap.Bool("kernel_tls_available", caps.ULP == nil))
+		lw.logger.Info("kernel TLS offload disabled: connections use userspace TLS", fields...)
+		return
 	}
 	if caps.ULP != nil {
 		fields = append(fields, zap.String("offload", "off"), zap.NamedError("why", caps.ULP),

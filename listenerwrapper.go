@@ -380,6 +380,9 @@ func (c *httpConn) SetReadDeadline(t time.Time) error { return c.kc.SetReadDeadl
 // SetWriteDeadline sets the write deadline.
 func (c *httpConn) SetWriteDeadline(t time.Time) error { return c.kc.SetWriteDeadline(t) }
 
+// session returns c under the variant that embeds it (for ktls_session).
+func (c *httpConn) session() *httpConn { return c }
+
 // tlsState returns the connection's TLS state for Caddy's r.TLS.
 func (c *httpConn) tlsState() *tls.ConnectionState {
 	st := c.kc.ConnectionState()

@@ -391,7 +391,14 @@ func (s *lwSite) exercise(t *testing.T) (conns int) {
 // logLines returns the JSON log entries whose message contains substr.
 func (s *lwSite) logLines(t *testing.T, substr string) []map[string]any {
 	t.Helper()
-	f, err := os.Open(s.logFile)
+	return jsonLogLines(t, s.logFile, substr)
+}
+
+// jsonLogLines returns the entries of a JSON log file whose message
+// contains substr.
+func jsonLogLines(t *testing.T, logFile, substr string) []map[string]any {
+	t.Helper()
+	f, err := os.Open(logFile)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -117,17 +117,34 @@ func echoUpstream(t *testing.T) (netip.AddrPort, <-chan echoResult) {
 // the admin endpoint's /metrics.
 func (e *sandboxEnv) metric(t *testing.T, series string) int64 {
 	t.Helper()
-	for line := range strings.Lines(string(e.adminBody(t, "/metrics"))) {
-		if v, ok := strings.CutPrefix(line, series+" "); ok {
-			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
-			if err != nil {
-				t.Fatalf("/metrics: %q: %v", line, err)
-			}
-			return int64(f)
-		}
+	v, ok := parseMetrics(t, e.adminBody(t, "/metrics"))[series]
+	if !ok {
+		t.Fatalf("/metrics has no %s", series)
 	}
-	t.Fatalf("/metrics has no %s", series)
-	return 0
+	return int64(v)
+}
+
+// parseMetrics reads a Prometheus text exposition (/metrics) into its
+// values by series: the name and labels exactly as written.
+func parseMetrics(t testing.TB, body []byte) map[string]float64 {
+	t.Helper()
+	out := map[string]float64{}
+	for line := range strings.Lines(string(body)) {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			t.Fatalf("/metrics: %q has no value", line)
+		}
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err != nil {
+			t.Fatalf("/metrics: %q: %v", line, err)
+		}
+		out[line[:i]] = v
+	}
+	return out
 }
 
 const (

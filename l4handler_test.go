@@ -239,9 +239,16 @@ func (e *sandboxEnv) adminGet(t testing.TB, path string, v any) {
 // adminBody GETs path from the admin endpoint.
 func (e *sandboxEnv) adminBody(t testing.TB, path string) []byte {
 	t.Helper()
+	return adminGet(t, e.adminAddr, path)
+}
+
+// adminGet GETs path from the admin endpoint at adminAddr and fails t
+// unless it answers 200.
+func adminGet(t testing.TB, adminAddr, path string) []byte {
+	t.Helper()
 	// No keep-alive: an idle admin connection would count as a leak.
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
-	resp, err := client.Get("http://" + e.adminAddr + path)
+	resp, err := client.Get("http://" + adminAddr + path)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -577,17 +577,7 @@ func lwReload(t *testing.T) {
 	if _, err := io.ReadFull(resp.Body, head); err != nil {
 		t.Fatal(err)
 	}
-	root := filepath.Join(filepath.Dir(s.logFile), "www")
-	admin := &http.Client{Timeout: 30 * time.Second}
-	lr, err := admin.Post("http://"+s.adminAddr+"/load", "application/json", bytes.NewReader(s.config(t, root, "v2")))
-	if err != nil {
-		t.Fatalf("POST /load: %v", err)
-	}
-	msg, _ := io.ReadAll(lr.Body)
-	lr.Body.Close()
-	if lr.StatusCode != http.StatusOK {
-		t.Fatalf("POST /load: %s %s", lr.Status, msg)
-	}
+	s.reload(t, "v2")
 	rest, err := io.ReadAll(resp.Body)
 	if err != nil {
 		t.Fatalf("in-flight download after reload: %v", err)
@@ -599,6 +589,23 @@ func lwReload(t *testing.T) {
 	defer fresh.CloseIdleConnections()
 	if got := string(lwGet(t, fresh, s.url("localhost", "/tls"), 2)); !strings.HasPrefix(got, "v2 https ") {
 		t.Errorf("new connection after reload: %q, want the v2 config", got)
+	}
+}
+
+// reload loads the site's configuration tagged version through the admin
+// API (POST /load), as an operator would.
+func (s *lwSite) reload(t *testing.T, version string) {
+	t.Helper()
+	root := filepath.Join(filepath.Dir(s.logFile), "www")
+	admin := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	lr, err := admin.Post("http://"+s.adminAddr+"/load", "application/json", bytes.NewReader(s.config(t, root, version)))
+	if err != nil {
+		t.Fatalf("POST /load: %v", err)
+	}
+	msg, _ := io.ReadAll(lr.Body)
+	lr.Body.Close()
+	if lr.StatusCode != http.StatusOK {
+		t.Fatalf("POST /load: %s %s", lr.Status, msg)
 	}
 }
 

@@ -19,12 +19,14 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 	"golang.org/x/net/http2"
+	"golang.org/x/sys/unix"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
@@ -537,58 +539,161 @@ func TestKernelListenerWrapper(t *testing.T) {
 }
 
 // TestListenerWrapperReload reloads the configuration through the admin
-// API in the middle of a download: the download completes intact on the
-// old configuration, and a new connection gets the new one.
+// API while an HTTP/1.1 and an HTTP/2 download are in the middle of their
+// responses: both complete intact on the old configuration, and new
+// connections get the new one.
 func TestListenerWrapperReload(t *testing.T) { lwReload(t) }
 
 // TestKernelListenerWrapperReload is the reload on a kTLS kernel: the
-// in-flight download runs on an offloaded connection.
+// in-flight downloads run on offloaded connections (the HTTP/1.1 one with
+// sendfile).
 func TestKernelListenerWrapperReload(t *testing.T) {
 	kerneltest.Require(t)
 	before := ktls.Stats().Outcomes[ktls.ReasonNone]
 	lwReload(t)
-	// The probe, the in-flight download and the connection after reload.
-	if got := ktls.Stats().Outcomes[ktls.ReasonNone] - before; got < 3 {
-		t.Errorf("%d fully offloaded connections, want >= 3", got)
+	// The probe, the two in-flight downloads, the two connections after
+	// the reload.
+	if got := ktls.Stats().Outcomes[ktls.ReasonNone] - before; got != 5 {
+		t.Errorf("%d fully offloaded connections, want 5", got)
 	}
+}
+
+// lwPausedDownload is a download whose client stopped reading after the
+// first bytes of the body.
+type lwPausedDownload struct {
+	name   string
+	client *http.Client
+	tcp    *net.TCPConn // the client's socket
+	resp   *http.Response
+	head   []byte
+}
+
+// startDownload GETs url over a new connection (h2 or HTTP/1.1 with a
+// 32 KiB receive buffer), reads the first 64 KiB of the body and stops.
+func (s *lwSite) startDownload(t *testing.T, name, url string, h2 bool) *lwPausedDownload {
+	t.Helper()
+	d := &lwPausedDownload{name: name}
+	tr := s.transport(s.tlsConfig(nil, false), h2)
+	dial := tr.DialContext
+	tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		d.tcp = c.(*net.TCPConn)
+		if !h2 {
+			err = d.tcp.SetReadBuffer(32 << 10)
+		}
+		return c, err
+	}
+	d.client = &http.Client{Transport: tr, Timeout: 2 * time.Minute}
+	t.Cleanup(d.client.CloseIdleConnections)
+	var err error
+	if d.resp, err = d.client.Get(url); err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	t.Cleanup(func() { d.resp.Body.Close() })
+	if major := map[bool]int{false: 1, true: 2}[h2]; d.resp.ProtoMajor != major {
+		t.Fatalf("%s: HTTP/%d, want HTTP/%d", name, d.resp.ProtoMajor, major)
+	}
+	d.head = make([]byte, 64<<10)
+	if _, err := io.ReadFull(d.resp.Body, d.head); err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	return d
+}
+
+// received is what the client's kernel has received on the connection so
+// far (TCP_INFO tcpi_bytes_received): TLS records, so at least the
+// plaintext bytes they carry.
+func (d *lwPausedDownload) received(t *testing.T) uint64 {
+	t.Helper()
+	rc, err := d.tcp.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var info *unix.TCPInfo
+	var ierr error
+	if err := rc.Control(func(fd uintptr) { info, ierr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO) }); err != nil || ierr != nil {
+		t.Fatalf("%s: TCP_INFO: %v %v", d.name, err, ierr)
+	}
+	return info.Bytes_received
+}
+
+// finish reads the rest of the body and returns the whole of it.
+func (d *lwPausedDownload) finish() ([]byte, error) {
+	rest, err := io.ReadAll(d.resp.Body)
+	return append(d.head, rest...), err
+}
+
+// lwTCPSendBufferMax is the most payload the kernel lets a TCP socket
+// queue without an explicit SO_SNDBUF (neither Go nor Caddy sets one): the
+// autotuning limit tcp_wmem[2].
+func lwTCPSendBufferMax(t *testing.T) uint64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/sys/net/ipv4/tcp_wmem")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 3 {
+		t.Fatalf("tcp_wmem: %q", b)
+	}
+	n, err := strconv.ParseUint(f[2], 10, 64)
+	if err != nil {
+		t.Fatalf("tcp_wmem: %q: %v", b, err)
+	}
+	return n
 }
 
 func lwReload(t *testing.T) {
 	s := lwStartSite(t, map[string]any{"sendfile": true})
-	// A small receive buffer keeps the server inside the response (the
-	// file does not fit in the socket buffers) while the reload happens.
-	tr := s.transport(s.tlsConfig(nil, false), false)
-	dial := tr.DialContext
-	tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := dial(ctx, network, addr)
-		if err == nil {
-			err = c.(*net.TCPConn).SetReadBuffer(32 << 10)
-		}
-		return c, err
-	}
-	c := &http.Client{Transport: tr, Timeout: 2 * time.Minute}
-	defer c.CloseIdleConnections()
-	resp, err := c.Get(s.url("localhost", "/files/blob.bin"))
-	if err != nil {
+	// A body the server cannot have handed to the kernel whole while the
+	// clients pause: more than the server socket's largest send buffer
+	// plus what a paused client takes in (an HTTP/2 client keeps reading
+	// into its stream window, up to 4 MiB).
+	sndbufMax := lwTCPSendBufferMax(t)
+	big := make([]byte, max(lwTestMiB(t)<<20, int(2*sndbufMax)+2<<20)+45)
+	rand.Read(big)
+	if err := os.WriteFile(filepath.Join(filepath.Dir(s.logFile), "www", "files", "big.bin"), big, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
-	head := make([]byte, 64<<10)
-	if _, err := io.ReadFull(resp.Body, head); err != nil {
-		t.Fatal(err)
-	}
+	url := s.url("localhost", "/files/big.bin")
+	downloads := []*lwPausedDownload{s.startDownload(t, "HTTP/1.1 download", url, false), s.startDownload(t, "HTTP/2 download", url, true)}
+
 	s.reload(t, "v2")
-	rest, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("in-flight download after reload: %v", err)
+
+	// Mid-response at the reload: everything the server had written by
+	// then is at most what the client has received now plus a full send
+	// buffer, and that is less than the body.
+	for _, d := range downloads {
+		if got := d.received(t); got+sndbufMax >= uint64(len(big)) {
+			t.Fatalf("%s: the client received %d bytes; with a %d-byte send buffer the server may have written all %d: not provably mid-response",
+				d.name, got, sndbufMax, len(big))
+		}
 	}
-	if got := append(head, rest...); lwSHA(got) != lwSHA(s.file) {
-		t.Fatalf("in-flight download: %d bytes, sha mismatch (want %d)", len(got), len(s.file))
+	errs := make([]error, len(downloads))
+	bodies := make([][]byte, len(downloads))
+	var wg sync.WaitGroup
+	for i, d := range downloads {
+		wg.Go(func() { bodies[i], errs[i] = d.finish() })
 	}
-	fresh := s.h2(nil)
-	defer fresh.CloseIdleConnections()
-	if got := string(lwGet(t, fresh, s.url("localhost", "/tls"), 2)); !strings.HasPrefix(got, "v2 https ") {
-		t.Errorf("new connection after reload: %q, want the v2 config", got)
+	wg.Wait()
+	for i, d := range downloads {
+		if errs[i] != nil {
+			t.Errorf("%s after the reload: %v", d.name, errs[i])
+		} else if lwSHA(bodies[i]) != lwSHA(big) || len(bodies[i]) != len(big) {
+			t.Errorf("%s after the reload: %d bytes, SHA-256 %s; want %d bytes, %s", d.name, len(bodies[i]), lwSHA(bodies[i]), len(big), lwSHA(big))
+		}
+	}
+	for _, fresh := range []struct {
+		client *http.Client
+		major  int
+	}{{s.h1(nil), 1}, {s.h2(nil), 2}} {
+		if got := string(lwGet(t, fresh.client, s.url("localhost", "/tls"), fresh.major)); !strings.HasPrefix(got, "v2 https ") {
+			t.Errorf("new HTTP/%d connection after the reload: %q, want the v2 config", fresh.major, got)
+		}
+		fresh.client.CloseIdleConnections()
 	}
 }
 

@@ -45,11 +45,16 @@ func TestKernelListenerWrapperSandboxShape(t *testing.T) {
 // through ktls_session first: without it caddy-l4 hands HTTP connections
 // that do not report their TLS state, and Caddy logs its WARN for every one
 // (requests still see r.TLS, through the wrapper's connection context).
+// The wrapper warns about the missing route once, at provision.
 func TestListenerWrapperSandboxShapeNeedsSession(t *testing.T) {
 	if forwardtest.RaceEnabled {
 		t.Skip("race detector on: without ktls_session, HTTP through caddy-l4 v0.1.2's listener wrapper races with caddy-l4's own connection bookkeeping (layer4/listener.go)")
 	}
 	f := lwStartForwarder(t, netip.MustParseAddrPort("127.0.0.1:9"), false)
+	// The wrapper says so once, when the configuration loads.
+	if n := len(jsonLogLines(t, f.logFile, layer4WithoutSessionWarning)); n != 1 {
+		t.Errorf("%d provision warnings about the missing ktls_session, want 1", n)
+	}
 	conns := f.checkHTTPS(t)
 	if warns := len(jsonLogLines(t, f.logFile, lwStaterWarning)); warns != conns {
 		t.Errorf("%d connectionStater WARN lines for %d HTTPS connections without ktls_session, want one each: have Caddy or caddy-l4 changed?", warns, conns)
@@ -193,6 +198,9 @@ func lwSandboxShape(t *testing.T, kernel bool) {
 	f.checkHTTPS(t)
 	if warns := jsonLogLines(t, f.logFile, lwStaterWarning); len(warns) != 0 {
 		t.Errorf("Caddy logged %d connectionStater WARN lines through ktls_session: %v", len(warns), warns)
+	}
+	if n := len(jsonLogLines(t, f.logFile, layer4WithoutSessionWarning)); n != 0 {
+		t.Errorf("%d provision warnings about a missing ktls_session, although the example has the route", n)
 	}
 	if n := len(jsonLogLines(t, f.logFile, "server running")); n != 1 {
 		t.Errorf("%d \"server running\" lines in the log: is it the right log?", n)

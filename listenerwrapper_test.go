@@ -10,6 +10,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -760,22 +761,42 @@ func lwWaitReleased(t *testing.T, fds, goroutines int) {
 	}
 }
 
-// TestListenerWrapperRejectsBadPlacement: before `tls` the wrapper would see
-// raw TCP connections; loading must fail and say why.
+// TestListenerWrapperRejectsBadPlacement: ktls must come right after `tls`.
+// Before it the wrapper would see raw TCP connections; after another
+// wrapper (or a second ktls) it would see that wrapper's connections, never
+// Caddy's *tls.Conn, and offload none. Loading must fail and say why; a
+// wrapper before `tls` is fine.
 func TestListenerWrapperRejectsBadPlacement(t *testing.T) {
 	t.Setenv("XDG_DATA_HOME", t.TempDir())
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	cfg := fmt.Sprintf(`{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{
-		"listen":["127.0.0.1:%d"],
-		"listener_wrappers":[{"wrapper":"ktls"},{"wrapper":"tls"}],
-		"routes":[]}}}}}`, lwFreePort(t))
-	err := caddy.Load([]byte(cfg), true)
-	if err == nil {
-		caddy.Stop()
-		t.Fatal("ktls before tls was accepted")
-	}
-	if !strings.Contains(err.Error(), "must come after tls") {
-		t.Fatalf("error does not explain the placement: %v", err)
+	for name, tc := range map[string]struct{ wrappers, want string }{
+		"before tls": {`{"wrapper":"ktls"},{"wrapper":"tls"}`, "must come after tls"},
+		"after another wrapper": {`{"wrapper":"proxy_protocol"},{"wrapper":"tls"},{"wrapper":"layer4"},{"wrapper":"ktls"}`,
+			`position 3 of listener_wrappers, after "layer4" at 2; it must come right after tls`},
+		"after another wrapper, tls implied": {`{"wrapper":"layer4"},{"wrapper":"ktls"}`,
+			`position 1 of listener_wrappers, after "layer4" at 0; it must come right after tls`},
+		"twice":              {`{"wrapper":"ktls"},{"wrapper":"ktls"}`, `after "ktls" at 0; it must come right after tls`},
+		"wrapper before tls": {`{"wrapper":"proxy_protocol"},{"wrapper":"tls"},{"wrapper":"ktls"}`, ""},
+		"layer4 after ktls":  {`{"wrapper":"ktls"},{"wrapper":"layer4"}`, ""},
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := fmt.Sprintf(`{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{
+				"listen":["127.0.0.1:%d"],"listener_wrappers":[%s],"routes":[]}}}}}`, lwFreePort(t), tc.wrappers)
+			err := caddy.Load([]byte(cfg), true)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tc.want == "":
+				if err := caddy.Load([]byte(unloadConfig), true); err != nil {
+					t.Errorf("unload: %v", err)
+				}
+			case err == nil:
+				caddy.Stop()
+				t.Fatal("accepted")
+			case !strings.Contains(err.Error(), tc.want):
+				t.Fatalf("error does not explain the placement: %v (want %q)", err, tc.want)
+			}
+		})
 	}
 }
 
@@ -807,5 +828,46 @@ func TestListenerWrapperRejectsBadOptions(t *testing.T) {
 				t.Fatalf("error %q does not contain %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestListenerWrapperHandshakeTimeout: a client that connects and sends
+// nothing is closed once handshake_timeout has passed (not before it, and
+// well before the 10 s default), and the wrapper counts and logs the
+// failed handshake.
+func TestListenerWrapperHandshakeTimeout(t *testing.T) {
+	const timeout = 500 * time.Millisecond
+	s := lwStartSite(t, map[string]any{"handshake_timeout": timeout.String()})
+	before := ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed]
+	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", s.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	defer c.Close()
+	c.SetReadDeadline(start.Add(time.Minute))
+	n, err := c.Read(make([]byte, 1))
+	elapsed := time.Since(start)
+	if n != 0 || err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a silent client: read %d bytes, %v after %v; want the server to close", n, err, elapsed)
+	}
+	if elapsed < timeout || elapsed >= defaultHandshakeTimeout {
+		t.Errorf("a silent client was closed after %v; want handshake_timeout %v (default %v)", elapsed, timeout, defaultHandshakeTimeout)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed]-before != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("handshake-failed outcomes +%d, want +1", ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed]-before)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	var lines []map[string]any
+	for _, l := range s.logLines(t, "kernel TLS handshake") {
+		if l["remote"] == c.LocalAddr().String() {
+			lines = append(lines, l)
+		}
+	}
+	if len(lines) != 1 || lines[0]["reason"] != string(ktls.ReasonHandshakeFailed) || !strings.Contains(fmt.Sprint(lines[0]["error"]), "deadline exceeded") {
+		t.Errorf("handshake log lines for the silent client: %v; want one, handshake-failed, deadline exceeded", lines)
 	}
 }

@@ -196,12 +196,18 @@ func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
 
 // UnmarshalCaddyfile sets up the matcher: `sandbox`, no arguments.
 func (m *MatchSandbox) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the matcher name
+	return noArgsOrBlock(d, "sandbox matcher")
+}
+
+// noArgsOrBlock reads a directive (what, in messages) that takes neither
+// arguments nor a block.
+func noArgsOrBlock(d *caddyfile.Dispenser, what string) error {
+	d.Next() // the directive's name
 	if d.NextArg() {
 		return d.ArgErr()
 	}
 	if d.NextBlock(d.Nesting()) {
-		return d.Errf("the sandbox matcher takes no block")
+		return d.Errf("the %s takes no block", what)
 	}
 	return nil
 }

@@ -63,6 +63,7 @@ func fuzzModules(t testing.TB) []caddyfileModule {
 				"automatic_https":   map[string]any{"disable": true},
 			}}}}}
 		}},
+		{"ktls_session", func() caddyfile.Unmarshaler { return new(KTLSSession) }, withHandler("ktls_session")},
 	}
 }
 

@@ -153,7 +153,6 @@ func (p *caddyProcess) exitedAfterDrain(t *testing.T, e *sandboxEnv, forced int)
 // listener accepts, and kills the process at cleanup if it still runs.
 func startCaddy(t *testing.T, e *sandboxEnv, prelude string) *caddyProcess {
 	t.Helper()
-	caddyBin := builtCaddy(t)
 	cfg, err := json.Marshal(e.cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -162,9 +161,19 @@ func startCaddy(t *testing.T, e *sandboxEnv, prelude string) *caddyProcess {
 	if err := os.WriteFile(cfgFile, cfg, 0o600); err != nil {
 		t.Fatal(err)
 	}
+	return runCaddy(t, prelude, e.addr, e.logFile, "--config", cfgFile)
+}
+
+// runCaddy runs `bin/caddy run` with args (the configuration) after the
+// shell commands in prelude, waits until addr accepts TCP connections, and
+// kills the process at cleanup if it still runs. When t fails, the
+// process's output and the tail of logFile (its configured log) are logged.
+func runCaddy(t *testing.T, prelude, addr, logFile string, args ...string) *caddyProcess {
+	t.Helper()
+	caddyBin := builtCaddy(t)
 	output := new(syncBuffer)
-	cmd := exec.Command("/bin/sh", "-c", prelude+`
-exec "$0" run --config "$1"`, caddyBin, cfgFile)
+	cmd := exec.Command("/bin/sh", append([]string{"-c", prelude + `
+exec "$0" run "$@"`, caddyBin}, args...)...)
 	cmd.Stdout, cmd.Stderr = output, output
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -182,12 +191,12 @@ exec "$0" run --config "$1"`, caddyBin, cfgFile)
 			<-p.exited
 		}
 		if t.Failed() {
-			log, _ := os.ReadFile(e.logFile)
+			log, _ := os.ReadFile(logFile)
 			t.Logf("caddy output:\n%s\ncaddy log (tail):\n%s", output.String(), tail(log, 64<<10))
 		}
 	})
 	deadline := time.Now().Add(15 * time.Second)
-	for !connectable(e.addr) {
+	for !connectable(addr) {
 		if time.Now().After(deadline) {
 			t.Fatal("caddy never listened")
 		}

@@ -124,22 +124,36 @@ func (e *sandboxEnv) metric(t *testing.T, series string) int64 {
 	return v
 }
 
-// metrics scrapes the admin endpoint's /metrics: every series (name and
-// labels, as the text format writes them) with its value, cut to an
-// integer (the series the tests read are counts).
+// metrics scrapes the admin endpoint's /metrics: every series with its
+// value, cut to an integer (the series the tests read are counts).
 func (e *sandboxEnv) metrics(t *testing.T) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}
-	for line := range strings.Lines(string(e.adminBody(t, "/metrics"))) {
-		if strings.TrimSpace(line) == "" || strings.HasPrefix(line, "#") {
+	for series, v := range parseMetrics(t, e.adminBody(t, "/metrics")) {
+		out[series] = int64(v)
+	}
+	return out
+}
+
+// parseMetrics reads a Prometheus text exposition (/metrics) into its
+// values by series: the name and labels exactly as written.
+func parseMetrics(t testing.TB, body []byte) map[string]float64 {
+	t.Helper()
+	out := map[string]float64{}
+	for line := range strings.Lines(string(body)) {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
 			continue
 		}
 		i := strings.LastIndexByte(line, ' ')
-		f, err := strconv.ParseFloat(strings.TrimSpace(line[i+1:]), 64)
-		if i < 0 || err != nil {
+		if i < 0 {
+			t.Fatalf("/metrics: %q has no value", line)
+		}
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err != nil {
 			t.Fatalf("/metrics: %q: %v", line, err)
 		}
-		out[line[:i]] = int64(f)
+		out[line[:i]] = v
 	}
 	return out
 }

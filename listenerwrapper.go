@@ -99,6 +99,9 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	if err := checkWrapperOrder(srv.ListenerWrappersRaw); err != nil {
 		return err
 	}
+	if layer4WithoutSession(srv.ListenerWrappersRaw) {
+		lw.logger.Warn(layer4WithoutSessionWarning)
+	}
 	if err := lw.OffloadOptions.provision(); err != nil {
 		return fmt.Errorf("ktls listener wrapper: %w", err)
 	}
@@ -145,36 +148,87 @@ func connTLSState(ctx context.Context, c net.Conn) context.Context {
 	return ctx
 }
 
+// layer4WithoutSessionWarning is logged at provision for a layer4 listener
+// wrapper after ktls without ktls_session.
+const layer4WithoutSessionWarning = "a layer4 listener wrapper follows ktls without a ktls_session route: " +
+	"Caddy will log a WARN for every HTTP connection layer4 passes on, and caddy-l4 v0.1.2 races with HTTP on them; " +
+	"make `route { ktls_session }` the first of its routes"
+
 // tlsConnectionStateFuncKey is the context key under which Caddy looks up a
 // func() *tls.ConnectionState for connections that are not *tls.Conn.
 const tlsConnectionStateFuncKey caddy.CtxKey = "tls_connection_state_func"
 
-// checkWrapperOrder rejects a ktls wrapper placed before the `tls`
-// placeholder: there it would receive raw TCP connections and Caddy's
-// *tls.Conn would later run the record layer in userspace on top of it.
-// Without an explicit `tls`, Caddy puts it first, so every wrapper is after.
+// checkWrapperOrder rejects a ktls wrapper that is not right after the
+// `tls` placeholder (which Caddy puts first when it is not listed). Before
+// it, ktls would receive raw TCP connections and Caddy's *tls.Conn would
+// later run the record layer in userspace on top of it. After another
+// wrapper (or a second ktls), it would receive that wrapper's connections
+// instead of Caddy's *tls.Conn and could offload none of them.
 func checkWrapperOrder(raws []json.RawMessage) error {
-	tlsAt, ktlsAt := -1, -1
+	names, err := wrapperNames(raws)
+	if err != nil {
+		return err
+	}
+	tlsAt := slices.Index(names, "tls")
+	for at, name := range names {
+		switch {
+		case name != "ktls":
+		case at < tlsAt:
+			return fmt.Errorf("ktls listener wrapper: it is at position %d of listener_wrappers, before the tls wrapper at %d; it must come after tls (it takes over the connections Caddy's TLS listener accepted), e.g. list it without tls", at, tlsAt)
+		case at > tlsAt+1:
+			return fmt.Errorf("ktls listener wrapper: it is at position %d of listener_wrappers, after %q at %d; it must come right after tls (listed, or implied first): %q hands it its own connections instead of Caddy's TLS connections, so none could be offloaded", at, names[at-1], at-1, names[at-1])
+		}
+	}
+	return nil
+}
+
+// wrapperNames returns the module names of a server's listener wrappers.
+func wrapperNames(raws []json.RawMessage) ([]string, error) {
+	names := make([]string, len(raws))
 	for i, raw := range raws {
 		var w struct {
 			Wrapper string `json:"wrapper"`
 		}
 		if err := json.Unmarshal(raw, &w); err != nil {
-			return fmt.Errorf("ktls listener wrapper: reading listener_wrappers[%d]: %v", i, err)
+			return nil, fmt.Errorf("ktls listener wrapper: reading listener_wrappers[%d]: %v", i, err)
 		}
-		switch w.Wrapper {
-		case "tls":
-			tlsAt = i
-		case "ktls":
-			if ktlsAt < 0 {
-				ktlsAt = i
+		names[i] = w.Wrapper
+	}
+	return names, nil
+}
+
+// layer4WithoutSession reports whether a layer4 listener wrapper follows
+// ktls with no route that handles with ktls_session (see KTLSSession).
+// Routes it cannot read are left to caddy-l4 to report.
+func layer4WithoutSession(raws []json.RawMessage) bool {
+	afterKTLS := false
+	for _, raw := range raws {
+		var w struct {
+			Wrapper string `json:"wrapper"`
+			Routes  []struct {
+				Handle []struct {
+					Handler string `json:"handler"`
+				} `json:"handle"`
+			} `json:"routes"`
+		}
+		if json.Unmarshal(raw, &w) != nil {
+			continue
+		}
+		afterKTLS = afterKTLS || w.Wrapper == "ktls"
+		if !afterKTLS || w.Wrapper != "layer4" {
+			continue
+		}
+		session := false
+		for _, r := range w.Routes {
+			for _, h := range r.Handle {
+				session = session || h.Handler == "ktls_session"
 			}
 		}
+		if !session {
+			return true
+		}
 	}
-	if tlsAt >= 0 && ktlsAt >= 0 && ktlsAt < tlsAt {
-		return fmt.Errorf("ktls listener wrapper: it is at position %d of listener_wrappers, before the tls wrapper at %d; it must come after tls (it takes over the connections Caddy's TLS listener accepted), e.g. list it without tls", ktlsAt, tlsAt)
-	}
-	return nil
+	return false
 }
 
 // servesH1AndH2 reports whether every listener of srv serves HTTP/1.1 and
@@ -232,9 +286,17 @@ func (lw *ListenerWrapper) start() {
 	caps := ktls.Probe()
 	fields := []zap.Field{
 		zap.String("kernel", caps.Kernel),
-		zap.Bool("rx_in_kernel", !lw.DisableRX),
+		zap.Bool("rx_in_kernel", !lw.DisableRX && !lw.DisableOffload),
 		zap.Bool("fallback", !lw.RequireOffload),
 		zap.Bool("sendfile", lw.sendfile),
+	}
+	if lw.DisableOffload {
+		// Whatever the kernel can do, no connection is offloaded; the
+		// probe result still says whether turning offload on would help.
+		fields = append(fields, zap.String("offload", "off"), zap.String("why", "disabled by configuration (offload off)"),
+			zap.Bool("kernel_tls_available", caps.ULP == nil))
+		lw.logger.Info("kernel TLS offload disabled: connections use userspace TLS", fields...)
+		return
 	}
 	if caps.ULP != nil {
 		fields = append(fields, zap.String("offload", "off"), zap.NamedError("why", caps.ULP),
@@ -371,6 +433,9 @@ func (c *httpConn) SetReadDeadline(t time.Time) error { return c.kc.SetReadDeadl
 
 // SetWriteDeadline sets the write deadline.
 func (c *httpConn) SetWriteDeadline(t time.Time) error { return c.kc.SetWriteDeadline(t) }
+
+// session returns c under the variant that embeds it (for ktls_session).
+func (c *httpConn) session() *httpConn { return c }
 
 // tlsState returns the connection's TLS state for Caddy's r.TLS.
 func (c *httpConn) tlsState() *tls.ConnectionState {

@@ -13,7 +13,7 @@ import (
 	_ "github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 )
 
-var updateGolden = flag.Bool("update-listener-golden", false, "rewrite the expected JSON of testdata/caddyfile_adapt/listener_*.caddytest")
+var updateGolden = flag.Bool("update-listener-golden", false, "rewrite the expected JSON of testdata/caddyfile_adapt/listener_*.caddytest and example_http_forwarder.json")
 
 // adaptCaddyfile runs the Caddyfile adapter in-process, as `caddy adapt` does.
 func adaptCaddyfile(t *testing.T, caddyfile string) ([]byte, error) {
@@ -48,28 +48,73 @@ func checkAdaptGolden(t *testing.T, pattern string, update bool) {
 			if !ok {
 				t.Fatalf("%s: no ---------- separator line", file)
 			}
-			got, err := adaptCaddyfile(t, caddyfile)
-			if err != nil {
-				t.Fatalf("adapt: %v", err)
-			}
-			var gotBuf, wantBuf bytes.Buffer
-			if err := json.Indent(&gotBuf, got, "", "\t"); err != nil {
-				t.Fatal(err)
-			}
+			got := adaptIndented(t, caddyfile)
 			if update {
-				if err := os.WriteFile(file, []byte(caddyfile+"\n----------\n"+gotBuf.String()+"\n"), 0o644); err != nil {
+				if err := os.WriteFile(file, []byte(caddyfile+"\n----------\n"+got+"\n"), 0o644); err != nil {
 					t.Fatal(err)
 				}
 				return
 			}
-			if err := json.Indent(&wantBuf, []byte(strings.TrimSpace(wantJSON)), "", "\t"); err != nil {
-				t.Fatalf("expected JSON in %s: %v", file, err)
-			}
-			if gotBuf.String() != wantBuf.String() {
-				t.Errorf("adapted JSON differs from %s.\ngot:\n%s\nwant:\n%s", file, gotBuf.String(), wantBuf.String())
-			}
+			checkSameJSON(t, file, got, wantJSON)
 		})
 	}
+}
+
+// adaptIndented adapts caddyfile and returns the JSON indented with tabs.
+func adaptIndented(t *testing.T, caddyfile string) string {
+	t.Helper()
+	got, err := adaptCaddyfile(t, caddyfile)
+	if err != nil {
+		t.Fatalf("adapt: %v", err)
+	}
+	var buf bytes.Buffer
+	if err := json.Indent(&buf, got, "", "\t"); err != nil {
+		t.Fatal(err)
+	}
+	return buf.String()
+}
+
+// checkSameJSON fails t when got (indented by adaptIndented) differs from
+// the expected JSON of golden.
+func checkSameJSON(t *testing.T, golden, got, wantJSON string) {
+	t.Helper()
+	var want bytes.Buffer
+	if err := json.Indent(&want, []byte(strings.TrimSpace(wantJSON)), "", "\t"); err != nil {
+		t.Fatalf("expected JSON in %s: %v", golden, err)
+	}
+	if got != want.String() {
+		t.Errorf("adapted JSON differs from %s.\ngot:\n%s\nwant:\n%s", golden, got, want.String())
+	}
+}
+
+// TestListenerWrapperForwarderExampleAdapt checks what `caddy adapt` makes
+// of examples/http-forwarder.Caddyfile (the forwarder shape: ktls, then
+// layer4 with ktls_session and the sandbox route) against
+// testdata/caddyfile_adapt/example_http_forwarder.json, with FWD_DIR set
+// and the example's other variables at their defaults.
+func TestListenerWrapperForwarderExampleAdapt(t *testing.T) {
+	t.Setenv("FWD_DIR", "/etc/caddy/forwarder")
+	for _, name := range []string{"FWD_ADMIN", "FWD_PORT", "FWD_ALLOW", "FWD_ALLOW_PORTS"} {
+		t.Setenv(name, "") // restored at cleanup
+		os.Unsetenv(name)
+	}
+	example, err := os.ReadFile("examples/http-forwarder.Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const golden = "testdata/caddyfile_adapt/example_http_forwarder.json"
+	got := adaptIndented(t, string(example))
+	if *updateGolden {
+		if err := os.WriteFile(golden, []byte(got+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	want, err := os.ReadFile(golden)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkSameJSON(t, golden, got, string(want))
 }
 
 // TestListenerWrapperCaddyfileErrors: bad options fail adaptation with a

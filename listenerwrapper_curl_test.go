@@ -2,6 +2,7 @@ package caddyktls
 
 import (
 	"bufio"
+	"crypto/rand"
 	"fmt"
 	"io"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -67,20 +69,29 @@ func lwLookCurl(t *testing.T) string {
 	return curl
 }
 
+// lwCurlRun runs curl with args over proto (--http1.1, --http2) for path on
+// the site (trusting caFile) and returns its output.
+func lwCurlRun(t *testing.T, s *lwSite, curl, caFile, proto, path string, args ...string) string {
+	t.Helper()
+	cmd := exec.Command(curl, append(append([]string{"--silent", "--show-error", "--fail", proto, "--cacert", caFile,
+		"--resolve", fmt.Sprintf("localhost:%d:127.0.0.1", s.port)}, args...), s.url("localhost", path))...)
+	got, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("curl %s %s: %v: %s", proto, path, err, got)
+	}
+	return string(got)
+}
+
+// lwCurlVersion is how curl's %{http_version} names proto.
+var lwCurlVersion = map[string]string{"--http1.1": "1.1", "--http2": "2"}
+
 // lwCurlDownload downloads the site's file with curl over proto
 // (--http1.1, --http2) and checks the protocol, size and SHA-256.
 func lwCurlDownload(t *testing.T, s *lwSite, curl, caFile, proto string) {
 	t.Helper()
 	out := filepath.Join(t.TempDir(), "blob")
-	cmd := exec.Command(curl, "--silent", "--show-error", "--fail", proto, "--cacert", caFile,
-		"--resolve", fmt.Sprintf("localhost:%d:127.0.0.1", s.port),
-		"--output", out, "--write-out", "%{http_version} %{size_download}", s.url("localhost", "/files/blob.bin"))
-	got, err := cmd.CombinedOutput()
-	if err != nil {
-		t.Fatalf("curl: %v: %s", err, got)
-	}
-	wantVersion := map[string]string{"--http1.1": "1.1", "--http2": "2"}[proto]
-	if want := fmt.Sprintf("%s %d", wantVersion, len(s.file)); string(got) != want {
+	got := lwCurlRun(t, s, curl, caFile, proto, "/files/blob.bin", "--output", out, "--write-out", "%{http_version} %{size_download}")
+	if want := fmt.Sprintf("%s %d", lwCurlVersion[proto], len(s.file)); got != want {
 		t.Errorf("curl reports %q, want %q", got, want)
 	}
 	body, err := os.ReadFile(out)
@@ -244,4 +255,117 @@ func (c lwIOCounters) add(o lwIOCounters) lwIOCounters {
 
 func (c lwIOCounters) sub(o lwIOCounters) lwIOCounters {
 	return lwIOCounters{c.rchar - o.rchar, c.wchar - o.wchar, c.syscr - o.syscr, c.syscw - o.syscw}
+}
+
+// TestListenerWrapperBinary runs the real binary (cmd/caddy) with a
+// Caddyfile that turns the wrapper on with `listener_wrappers { ktls }`:
+// curl downloads a file_server file and uploads it through reverse_proxy,
+// over HTTP/1.1 and HTTP/2 (SHA-256 both ways), and the binary's /metrics
+// count exactly those four connections and the HTTP/1.1 body's ReadFrom
+// calls. On this kernel they fall back to userspace TLS.
+func TestListenerWrapperBinary(t *testing.T) {
+	if kerneltest.Available() == nil {
+		t.Skip("kTLS is available here: TestKernelListenerWrapperBinary covers this kernel")
+	}
+	lwBinary(t, false)
+}
+
+// TestKernelListenerWrapperBinary is the same on a kTLS kernel: the four
+// connections get TX and RX keys in the kernel (tls_stat) and the
+// HTTP/1.1 body goes out with sendfile.
+func TestKernelListenerWrapperBinary(t *testing.T) {
+	kerneltest.Require(t)
+	lwBinary(t, true)
+}
+
+func lwBinary(t *testing.T, kernel bool) {
+	curl := lwLookCurl(t)
+	dir := t.TempDir()
+	t.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data"))
+	t.Setenv("XDG_CONFIG_HOME", filepath.Join(dir, "config"))
+	ca := testpki.NewCA(t, "binary test CA")
+	certFile, keyFile := ca.Server(t).WriteFiles(t, dir, "server")
+	caFile := ca.WriteFile(t, dir, "ca")
+	s := &lwSite{port: lwFreePort(t), adminAddr: fmt.Sprintf("127.0.0.1:%d", lwFreePort(t)),
+		logFile: filepath.Join(dir, "caddy.log"), file: make([]byte, lwTestMiB(t)<<20+123)}
+	rand.Read(s.file)
+	upload := filepath.Join(dir, "www", "files", "blob.bin")
+	if err := os.MkdirAll(filepath.Dir(upload), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(upload, s.file, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	caddyfile := filepath.Join(dir, "Caddyfile")
+	if err := os.WriteFile(caddyfile, fmt.Appendf(nil, `{
+	admin %s
+	persist_config off
+	storage file_system %s
+	auto_https disable_redirects
+	log {
+		output file %s {
+			roll_disabled
+		}
+		format json
+	}
+	servers {
+		listener_wrappers {
+			ktls {
+				sendfile
+			}
+		}
+	}
+}
+
+https://localhost:%d {
+	tls %s %s
+	root * %s
+	file_server /files/*
+	reverse_proxy /upload %s
+}
+`, s.adminAddr, filepath.Join(dir, "storage"), s.logFile, s.port, certFile, keyFile, filepath.Join(dir, "www"), lwHashUpstream(t)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	runCaddy(t, "", fmt.Sprintf("127.0.0.1:%d", s.port), s.logFile, "--config", caddyfile, "--adapter", "caddyfile")
+
+	metrics := func() map[string]float64 { return parseMetrics(t, adminGet(t, s.adminAddr, "/metrics")) }
+	protos := []string{"--http1.1", "--http2"}
+	exchange := func() {
+		for _, proto := range protos {
+			lwCurlDownload(t, s, curl, caFile, proto)
+			got := lwCurlRun(t, s, curl, caFile, proto, "/upload", "--data-binary", "@"+upload, "--write-out", " %{http_version}")
+			if want := fmt.Sprintf("%s %d %s", lwSHA(s.file), len(s.file), lwCurlVersion[proto]); got != want {
+				t.Errorf("curl %s upload: %q, want %q (SHA-256, length, HTTP version)", proto, got, want)
+			}
+		}
+	}
+	before := metrics()
+	if kernel {
+		// The binary's kernel TLS installs show up in the shared tls_stat.
+		delta := kerneltest.StatDelta(t, exchange)
+		if conns := int64(2 * len(protos)); delta["TlsTxSw"] != conns || delta["TlsRxSw"] != conns {
+			t.Errorf("tls_stat TlsTxSw +%d TlsRxSw +%d, want +%d each (one per curl connection)", delta["TlsTxSw"], delta["TlsRxSw"], conns)
+		}
+	} else {
+		exchange()
+	}
+	after := metrics()
+	reason, path, summary := "no-kernel-support", "copy", "kernel TLS unavailable"
+	if kernel {
+		reason, path, summary = "none", "sendfile", "kernel TLS available"
+	}
+	for series, want := range map[string]float64{
+		`caddy_ktls_handshakes_total{reason="` + reason + `"}`: float64(2 * len(protos)),
+		// Only the HTTP/1.1 download: once per Caddy chunk, less the 512
+		// bytes net/http sniffs.
+		`caddy_ktls_http_readfrom_total{path="` + path + `"}`:       float64((len(s.file) + caddyMaxWriteChunk - 1) / caddyMaxWriteChunk),
+		`caddy_ktls_http_readfrom_bytes_total{path="` + path + `"}`: float64(len(s.file) - 512),
+	} {
+		if got := after[series] - before[series]; got != want {
+			t.Errorf("binary's /metrics: %s moved by %v, want %v", series, got, want)
+		}
+	}
+	if n := len(jsonLogLines(t, s.logFile, summary)); n != 1 {
+		t.Errorf("%d %q start summaries in the binary's log, want 1", n, summary)
+	}
 }

@@ -1,6 +1,7 @@
 package caddyktls
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
@@ -10,7 +11,12 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -91,5 +97,57 @@ localhost:%d {
 	}
 	if served < 1 {
 		t.Errorf("no handshake went through the ktls wrapper (outcomes before %v, after %v)", before, after)
+	}
+}
+
+// TestListenerWrapperStartSummary checks the info line the wrapper logs at
+// start: with `offload off` it says offload is off because of the
+// configuration (never "kernel TLS available ... offload on", whatever the
+// kernel can do), and otherwise it reports the kernel's probe.
+func TestListenerWrapperStartSummary(t *testing.T) {
+	kernelOK := kerneltest.Available() == nil
+	probed, offload := "kernel TLS unavailable: connections use userspace TLS", "off"
+	if kernelOK {
+		probed, offload = "kernel TLS available", "on"
+	}
+	for name, tc := range map[string]struct {
+		opts               OffloadOptions
+		msg, offload, why  string
+		rxInKernel         bool
+		kernelTLSAvailable any // logged only when offload is off by configuration
+	}{
+		"default":     {OffloadOptions{}, probed, offload, "", true, nil},
+		"offload off": {OffloadOptions{DisableOffload: true}, "kernel TLS offload disabled: connections use userspace TLS", "off", "disabled by configuration (offload off)", false, kernelOK},
+		// expect_no_pad would warn on a kernel without it; with offload off
+		// there is nothing to warn about.
+		"offload off, expect_no_pad": {OffloadOptions{DisableOffload: true, ExpectNoPad: true}, "kernel TLS offload disabled: connections use userspace TLS", "off", "disabled by configuration (offload off)", false, kernelOK},
+	} {
+		t.Run(name, func(t *testing.T) {
+			core, logs := observer.New(zapcore.DebugLevel)
+			lw := &ListenerWrapper{OffloadOptions: tc.opts, ctx: caddy.Context{Context: context.Background()},
+				srv: new(caddyhttp.Server), logger: zap.New(core)}
+			lw.start()
+			if lw.base == nil {
+				t.Error("no base TLS configuration")
+			}
+			entries := logs.All()
+			if len(entries) != 1 {
+				t.Fatalf("%d log lines, want exactly the summary: %v", len(entries), entries)
+			}
+			e := entries[0]
+			fields := e.ContextMap()
+			if e.Level != zapcore.InfoLevel || e.Message != tc.msg {
+				t.Errorf("summary %s %q, want INFO %q", e.Level, e.Message, tc.msg)
+			}
+			if fields["offload"] != tc.offload || fields["rx_in_kernel"] != tc.rxInKernel {
+				t.Errorf("summary fields %v: want offload %q, rx_in_kernel %v", fields, tc.offload, tc.rxInKernel)
+			}
+			if tc.why != "" && fields["why"] != tc.why {
+				t.Errorf("summary why %q, want %q", fields["why"], tc.why)
+			}
+			if fields["kernel_tls_available"] != tc.kernelTLSAvailable {
+				t.Errorf("summary kernel_tls_available %v, want %v", fields["kernel_tls_available"], tc.kernelTLSAvailable)
+			}
+		})
 	}
 }

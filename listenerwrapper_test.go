@@ -10,6 +10,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -19,12 +20,14 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 	"golang.org/x/net/http2"
+	"golang.org/x/sys/unix"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
@@ -391,7 +394,14 @@ func (s *lwSite) exercise(t *testing.T) (conns int) {
 // logLines returns the JSON log entries whose message contains substr.
 func (s *lwSite) logLines(t *testing.T, substr string) []map[string]any {
 	t.Helper()
-	f, err := os.Open(s.logFile)
+	return jsonLogLines(t, s.logFile, substr)
+}
+
+// jsonLogLines returns the entries of a JSON log file whose message
+// contains substr.
+func jsonLogLines(t *testing.T, logFile, substr string) []map[string]any {
+	t.Helper()
+	f, err := os.Open(logFile)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -530,49 +540,171 @@ func TestKernelListenerWrapper(t *testing.T) {
 }
 
 // TestListenerWrapperReload reloads the configuration through the admin
-// API in the middle of a download: the download completes intact on the
-// old configuration, and a new connection gets the new one.
+// API while an HTTP/1.1 and an HTTP/2 download are in the middle of their
+// responses: both complete intact on the old configuration, and new
+// connections get the new one.
 func TestListenerWrapperReload(t *testing.T) { lwReload(t) }
 
 // TestKernelListenerWrapperReload is the reload on a kTLS kernel: the
-// in-flight download runs on an offloaded connection.
+// in-flight downloads run on offloaded connections (the HTTP/1.1 one with
+// sendfile).
 func TestKernelListenerWrapperReload(t *testing.T) {
 	kerneltest.Require(t)
 	before := ktls.Stats().Outcomes[ktls.ReasonNone]
 	lwReload(t)
-	// The probe, the in-flight download and the connection after reload.
-	if got := ktls.Stats().Outcomes[ktls.ReasonNone] - before; got < 3 {
-		t.Errorf("%d fully offloaded connections, want >= 3", got)
+	// The probe, the two in-flight downloads, the two connections after
+	// the reload.
+	if got := ktls.Stats().Outcomes[ktls.ReasonNone] - before; got != 5 {
+		t.Errorf("%d fully offloaded connections, want 5", got)
 	}
+}
+
+// lwPausedDownload is a download whose client stopped reading after the
+// first bytes of the body.
+type lwPausedDownload struct {
+	name   string
+	client *http.Client
+	tcp    *net.TCPConn // the client's socket
+	resp   *http.Response
+	head   []byte
+}
+
+// startDownload GETs url over a new connection (h2 or HTTP/1.1 with a
+// 32 KiB receive buffer), reads the first 64 KiB of the body and stops.
+func (s *lwSite) startDownload(t *testing.T, name, url string, h2 bool) *lwPausedDownload {
+	t.Helper()
+	d := &lwPausedDownload{name: name}
+	tr := s.transport(s.tlsConfig(nil, false), h2)
+	dial := tr.DialContext
+	tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		d.tcp = c.(*net.TCPConn)
+		if !h2 {
+			err = d.tcp.SetReadBuffer(32 << 10)
+		}
+		return c, err
+	}
+	d.client = &http.Client{Transport: tr, Timeout: 2 * time.Minute}
+	t.Cleanup(d.client.CloseIdleConnections)
+	var err error
+	if d.resp, err = d.client.Get(url); err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	t.Cleanup(func() { d.resp.Body.Close() })
+	if major := map[bool]int{false: 1, true: 2}[h2]; d.resp.ProtoMajor != major {
+		t.Fatalf("%s: HTTP/%d, want HTTP/%d", name, d.resp.ProtoMajor, major)
+	}
+	d.head = make([]byte, 64<<10)
+	if _, err := io.ReadFull(d.resp.Body, d.head); err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	return d
+}
+
+// received is what the client's kernel has received on the connection so
+// far (TCP_INFO tcpi_bytes_received): TLS records, so at least the
+// plaintext bytes they carry.
+func (d *lwPausedDownload) received(t *testing.T) uint64 {
+	t.Helper()
+	rc, err := d.tcp.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var info *unix.TCPInfo
+	var ierr error
+	if err := rc.Control(func(fd uintptr) { info, ierr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO) }); err != nil || ierr != nil {
+		t.Fatalf("%s: TCP_INFO: %v %v", d.name, err, ierr)
+	}
+	return info.Bytes_received
+}
+
+// finish reads the rest of the body and returns the whole of it.
+func (d *lwPausedDownload) finish() ([]byte, error) {
+	rest, err := io.ReadAll(d.resp.Body)
+	return append(d.head, rest...), err
+}
+
+// lwTCPSendBufferMax is the most payload the kernel lets a TCP socket
+// queue without an explicit SO_SNDBUF (neither Go nor Caddy sets one): the
+// autotuning limit tcp_wmem[2].
+func lwTCPSendBufferMax(t *testing.T) uint64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/sys/net/ipv4/tcp_wmem")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 3 {
+		t.Fatalf("tcp_wmem: %q", b)
+	}
+	n, err := strconv.ParseUint(f[2], 10, 64)
+	if err != nil {
+		t.Fatalf("tcp_wmem: %q: %v", b, err)
+	}
+	return n
 }
 
 func lwReload(t *testing.T) {
 	s := lwStartSite(t, map[string]any{"sendfile": true})
-	// A small receive buffer keeps the server inside the response (the
-	// file does not fit in the socket buffers) while the reload happens.
-	tr := s.transport(s.tlsConfig(nil, false), false)
-	dial := tr.DialContext
-	tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := dial(ctx, network, addr)
-		if err == nil {
-			err = c.(*net.TCPConn).SetReadBuffer(32 << 10)
+	// A body the server cannot have handed to the kernel whole while the
+	// clients pause: more than the server socket's largest send buffer
+	// plus what a paused client takes in (an HTTP/2 client keeps reading
+	// into its stream window, up to 4 MiB).
+	sndbufMax := lwTCPSendBufferMax(t)
+	big := make([]byte, max(lwTestMiB(t)<<20, int(2*sndbufMax)+2<<20)+45)
+	rand.Read(big)
+	if err := os.WriteFile(filepath.Join(filepath.Dir(s.logFile), "www", "files", "big.bin"), big, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	url := s.url("localhost", "/files/big.bin")
+	downloads := []*lwPausedDownload{s.startDownload(t, "HTTP/1.1 download", url, false), s.startDownload(t, "HTTP/2 download", url, true)}
+
+	s.reload(t, "v2")
+
+	// Mid-response at the reload: everything the server had written by
+	// then is at most what the client has received now plus a full send
+	// buffer, and that is less than the body.
+	for _, d := range downloads {
+		if got := d.received(t); got+sndbufMax >= uint64(len(big)) {
+			t.Fatalf("%s: the client received %d bytes; with a %d-byte send buffer the server may have written all %d: not provably mid-response",
+				d.name, got, sndbufMax, len(big))
 		}
-		return c, err
 	}
-	c := &http.Client{Transport: tr, Timeout: 2 * time.Minute}
-	defer c.CloseIdleConnections()
-	resp, err := c.Get(s.url("localhost", "/files/blob.bin"))
-	if err != nil {
-		t.Fatal(err)
+	errs := make([]error, len(downloads))
+	bodies := make([][]byte, len(downloads))
+	var wg sync.WaitGroup
+	for i, d := range downloads {
+		wg.Go(func() { bodies[i], errs[i] = d.finish() })
 	}
-	defer resp.Body.Close()
-	head := make([]byte, 64<<10)
-	if _, err := io.ReadFull(resp.Body, head); err != nil {
-		t.Fatal(err)
+	wg.Wait()
+	for i, d := range downloads {
+		if errs[i] != nil {
+			t.Errorf("%s after the reload: %v", d.name, errs[i])
+		} else if lwSHA(bodies[i]) != lwSHA(big) || len(bodies[i]) != len(big) {
+			t.Errorf("%s after the reload: %d bytes, SHA-256 %s; want %d bytes, %s", d.name, len(bodies[i]), lwSHA(bodies[i]), len(big), lwSHA(big))
+		}
 	}
+	for _, fresh := range []struct {
+		client *http.Client
+		major  int
+	}{{s.h1(nil), 1}, {s.h2(nil), 2}} {
+		if got := string(lwGet(t, fresh.client, s.url("localhost", "/tls"), fresh.major)); !strings.HasPrefix(got, "v2 https ") {
+			t.Errorf("new HTTP/%d connection after the reload: %q, want the v2 config", fresh.major, got)
+		}
+		fresh.client.CloseIdleConnections()
+	}
+}
+
+// reload loads the site's configuration tagged version through the admin
+// API (POST /load), as an operator would.
+func (s *lwSite) reload(t *testing.T, version string) {
+	t.Helper()
 	root := filepath.Join(filepath.Dir(s.logFile), "www")
-	admin := &http.Client{Timeout: 30 * time.Second}
-	lr, err := admin.Post("http://"+s.adminAddr+"/load", "application/json", bytes.NewReader(s.config(t, root, "v2")))
+	admin := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	lr, err := admin.Post("http://"+s.adminAddr+"/load", "application/json", bytes.NewReader(s.config(t, root, version)))
 	if err != nil {
 		t.Fatalf("POST /load: %v", err)
 	}
@@ -580,18 +712,6 @@ func lwReload(t *testing.T) {
 	lr.Body.Close()
 	if lr.StatusCode != http.StatusOK {
 		t.Fatalf("POST /load: %s %s", lr.Status, msg)
-	}
-	rest, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("in-flight download after reload: %v", err)
-	}
-	if got := append(head, rest...); lwSHA(got) != lwSHA(s.file) {
-		t.Fatalf("in-flight download: %d bytes, sha mismatch (want %d)", len(got), len(s.file))
-	}
-	fresh := s.h2(nil)
-	defer fresh.CloseIdleConnections()
-	if got := string(lwGet(t, fresh, s.url("localhost", "/tls"), 2)); !strings.HasPrefix(got, "v2 https ") {
-		t.Errorf("new connection after reload: %q, want the v2 config", got)
 	}
 }
 
@@ -641,22 +761,42 @@ func lwWaitReleased(t *testing.T, fds, goroutines int) {
 	}
 }
 
-// TestListenerWrapperRejectsBadPlacement: before `tls` the wrapper would see
-// raw TCP connections; loading must fail and say why.
+// TestListenerWrapperRejectsBadPlacement: ktls must come right after `tls`.
+// Before it the wrapper would see raw TCP connections; after another
+// wrapper (or a second ktls) it would see that wrapper's connections, never
+// Caddy's *tls.Conn, and offload none. Loading must fail and say why; a
+// wrapper before `tls` is fine.
 func TestListenerWrapperRejectsBadPlacement(t *testing.T) {
 	t.Setenv("XDG_DATA_HOME", t.TempDir())
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	cfg := fmt.Sprintf(`{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{
-		"listen":["127.0.0.1:%d"],
-		"listener_wrappers":[{"wrapper":"ktls"},{"wrapper":"tls"}],
-		"routes":[]}}}}}`, lwFreePort(t))
-	err := caddy.Load([]byte(cfg), true)
-	if err == nil {
-		caddy.Stop()
-		t.Fatal("ktls before tls was accepted")
-	}
-	if !strings.Contains(err.Error(), "must come after tls") {
-		t.Fatalf("error does not explain the placement: %v", err)
+	for name, tc := range map[string]struct{ wrappers, want string }{
+		"before tls": {`{"wrapper":"ktls"},{"wrapper":"tls"}`, "must come after tls"},
+		"after another wrapper": {`{"wrapper":"proxy_protocol"},{"wrapper":"tls"},{"wrapper":"layer4"},{"wrapper":"ktls"}`,
+			`position 3 of listener_wrappers, after "layer4" at 2; it must come right after tls`},
+		"after another wrapper, tls implied": {`{"wrapper":"layer4"},{"wrapper":"ktls"}`,
+			`position 1 of listener_wrappers, after "layer4" at 0; it must come right after tls`},
+		"twice":              {`{"wrapper":"ktls"},{"wrapper":"ktls"}`, `after "ktls" at 0; it must come right after tls`},
+		"wrapper before tls": {`{"wrapper":"proxy_protocol"},{"wrapper":"tls"},{"wrapper":"ktls"}`, ""},
+		"layer4 after ktls":  {`{"wrapper":"ktls"},{"wrapper":"layer4"}`, ""},
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := fmt.Sprintf(`{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{
+				"listen":["127.0.0.1:%d"],"listener_wrappers":[%s],"routes":[]}}}}}`, lwFreePort(t), tc.wrappers)
+			err := caddy.Load([]byte(cfg), true)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tc.want == "":
+				if err := caddy.Load([]byte(unloadConfig), true); err != nil {
+					t.Errorf("unload: %v", err)
+				}
+			case err == nil:
+				caddy.Stop()
+				t.Fatal("accepted")
+			case !strings.Contains(err.Error(), tc.want):
+				t.Fatalf("error does not explain the placement: %v (want %q)", err, tc.want)
+			}
+		})
 	}
 }
 
@@ -688,5 +828,46 @@ func TestListenerWrapperRejectsBadOptions(t *testing.T) {
 				t.Fatalf("error %q does not contain %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestListenerWrapperHandshakeTimeout: a client that connects and sends
+// nothing is closed once handshake_timeout has passed (not before it, and
+// well before the 10 s default), and the wrapper counts and logs the
+// failed handshake.
+func TestListenerWrapperHandshakeTimeout(t *testing.T) {
+	const timeout = 500 * time.Millisecond
+	s := lwStartSite(t, map[string]any{"handshake_timeout": timeout.String()})
+	before := ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed]
+	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", s.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	defer c.Close()
+	c.SetReadDeadline(start.Add(time.Minute))
+	n, err := c.Read(make([]byte, 1))
+	elapsed := time.Since(start)
+	if n != 0 || err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a silent client: read %d bytes, %v after %v; want the server to close", n, err, elapsed)
+	}
+	if elapsed < timeout || elapsed >= defaultHandshakeTimeout {
+		t.Errorf("a silent client was closed after %v; want handshake_timeout %v (default %v)", elapsed, timeout, defaultHandshakeTimeout)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed]-before != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("handshake-failed outcomes +%d, want +1", ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed]-before)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	var lines []map[string]any
+	for _, l := range s.logLines(t, "kernel TLS handshake") {
+		if l["remote"] == c.LocalAddr().String() {
+			lines = append(lines, l)
+		}
+	}
+	if len(lines) != 1 || lines[0]["reason"] != string(ktls.ReasonHandshakeFailed) || !strings.Contains(fmt.Sprint(lines[0]["error"]), "deadline exceeded") {
+		t.Errorf("handshake log lines for the silent client: %v; want one, handshake-failed, deadline exceeded", lines)
 	}
 }

@@ -30,6 +30,8 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},
 		{"ktls {\n\tkeyupdate_rate fast\n}", "not a positive number"},
 		{"ktls {\n\tfrobnicate\n}", `unknown ktls handler option "frobnicate"`},
+		{"ktls_session on", "wrong argument count"},
+		{"ktls_session {\n\trx off\n}", "the ktls_session handler takes no block"},
 	} {
 		_, err := adaptCaddyfile(t, "{\n\tlayer4 {\n\t\t:9443 {\n\t\t\troute {\n"+tc.body+"\n\t\t\t}\n\t\t}\n\t}\n}\n")
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

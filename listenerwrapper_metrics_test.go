@@ -1,0 +1,110 @@
+package caddyktls
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// TestListenerWrapperMetrics scrapes Caddy's /metrics (admin API) around
+// traffic through the ktls wrapper, with only the wrapper configured (no
+// layer4): every kTLS series moves by exactly what the connections did,
+// and an admin-API reload (POST /load) neither resets nor drops a series.
+// On this kernel every connection falls back to userspace TLS.
+func TestListenerWrapperMetrics(t *testing.T) {
+	if kerneltest.Available() == nil {
+		t.Skip("kTLS is available here: TestKernelListenerWrapperMetrics covers this kernel")
+	}
+	lwMetrics(t, false)
+}
+
+// TestKernelListenerWrapperMetrics is the same on a kTLS kernel: the
+// handshakes are offloaded (reason none, TX and RX in the kernel's
+// software mode) and the HTTP/1.1 file body goes out with sendfile.
+func TestKernelListenerWrapperMetrics(t *testing.T) {
+	kerneltest.Require(t)
+	lwMetrics(t, true)
+}
+
+// caddyMaxWriteChunk is the size of the chunks in which Caddy's
+// IdleTimeoutWriter (modules/caddyhttp/idletimeout.go, MaxWriteChunk)
+// hands a response body to the connection's ReadFrom.
+const caddyMaxWriteChunk = 64 << 10
+
+// lwKTLSSeries are the metric families whose every series the metrics test
+// accounts for.
+var lwKTLSSeries = []string{"caddy_ktls_handshakes_total{", "caddy_ktls_offload_directions_total{", "caddy_ktls_http_readfrom_"}
+
+func lwMetrics(t *testing.T, kernel bool) {
+	s := lwStartSite(t, map[string]any{"sendfile": true})
+	scrape := func() map[string]float64 { return parseMetrics(t, adminGet(t, s.adminAddr, "/metrics")) }
+	reason, mode, path := "no-kernel-support", "userspace", "copy"
+	if kernel {
+		reason, mode, path = "none", "sw", "sendfile"
+	}
+	// Two connections: an HTTP/1.1 download (ReadFrom: once per Caddy
+	// chunk; net/http writes the first 512 bytes itself to sniff the
+	// content type) and an HTTP/2 request (never ReadFrom).
+	want := map[string]float64{
+		`caddy_ktls_handshakes_total{reason="` + reason + `"}`:                    2,
+		`caddy_ktls_offload_directions_total{direction="tx",mode="` + mode + `"}`: 2,
+		`caddy_ktls_offload_directions_total{direction="rx",mode="` + mode + `"}`: 2,
+		`caddy_ktls_http_readfrom_total{path="` + path + `"}`:                     float64((len(s.file) + caddyMaxWriteChunk - 1) / caddyMaxWriteChunk),
+		`caddy_ktls_http_readfrom_bytes_total{path="` + path + `"}`:               float64(len(s.file) - 512),
+	}
+	traffic := func(version string) {
+		t.Helper()
+		h1, h2 := s.h1(nil), s.h2(nil)
+		defer h1.CloseIdleConnections()
+		defer h2.CloseIdleConnections()
+		if got := lwGet(t, h1, s.url("localhost", "/files/blob.bin"), 1); lwSHA(got) != lwSHA(s.file) {
+			t.Fatalf("download: %d bytes, not the file's SHA-256", len(got))
+		}
+		if got := string(lwGet(t, h2, s.url("localhost", "/tls"), 2)); !strings.HasPrefix(got, version+" https ") {
+			t.Fatalf("HTTP/2 request: %q, want the %s config", got, version)
+		}
+	}
+	check := func(stage string, before, after, want map[string]float64) {
+		t.Helper()
+		for series := range want {
+			if _, ok := after[series]; !ok {
+				t.Errorf("%s: /metrics has no %s", stage, series)
+			}
+		}
+		for series, v := range after {
+			if !lwIsKTLSSeries(series) {
+				continue
+			}
+			if d := v - before[series]; d != want[series] {
+				t.Errorf("%s: %s moved by %v, want %v", stage, series, d, want[series])
+			}
+		}
+		for series := range before {
+			if _, ok := after[series]; lwIsKTLSSeries(series) && !ok {
+				t.Errorf("%s: %s disappeared from /metrics", stage, series)
+			}
+		}
+	}
+	m0 := scrape()
+	traffic("v1")
+	m1 := scrape()
+	check("traffic", m0, m1, want)
+
+	// A reload builds a new metrics registry; the collectors are
+	// registered into it again and carry on from the same process counts.
+	s.reload(t, "v2")
+	m2 := scrape()
+	check("reload", m1, m2, nil)
+	traffic("v2")
+	check("traffic after the reload", m2, scrape(), want)
+}
+
+func lwIsKTLSSeries(series string) bool {
+	for _, p := range lwKTLSSeries {
+		if strings.HasPrefix(series, p) {
+			return true
+		}
+	}
+	return false
+}

@@ -65,39 +65,43 @@ func lwMetrics(t *testing.T, kernel bool) {
 			t.Fatalf("HTTP/2 request: %q, want the %s config", got, version)
 		}
 	}
-	check := func(stage string, before, after, want map[string]float64) {
-		t.Helper()
-		for series := range want {
-			if _, ok := after[series]; !ok {
-				t.Errorf("%s: /metrics has no %s", stage, series)
-			}
-		}
-		for series, v := range after {
-			if !lwIsKTLSSeries(series) {
-				continue
-			}
-			if d := v - before[series]; d != want[series] {
-				t.Errorf("%s: %s moved by %v, want %v", stage, series, d, want[series])
-			}
-		}
-		for series := range before {
-			if _, ok := after[series]; lwIsKTLSSeries(series) && !ok {
-				t.Errorf("%s: %s disappeared from /metrics", stage, series)
-			}
-		}
-	}
 	m0 := scrape()
 	traffic("v1")
 	m1 := scrape()
-	check("traffic", m0, m1, want)
+	lwCheckSeries(t, "traffic", m0, m1, want)
 
 	// A reload builds a new metrics registry; the collectors are
 	// registered into it again and carry on from the same process counts.
 	s.reload(t, "v2")
 	m2 := scrape()
-	check("reload", m1, m2, nil)
+	lwCheckSeries(t, "reload", m1, m2, nil)
 	traffic("v2")
-	check("traffic after the reload", m2, scrape(), want)
+	lwCheckSeries(t, "traffic after the reload", m2, scrape(), want)
+}
+
+// lwCheckSeries checks that every kTLS series of after moved from before
+// by exactly want (absent: 0), that want's series exist, and that none of
+// before's disappeared.
+func lwCheckSeries(t *testing.T, stage string, before, after, want map[string]float64) {
+	t.Helper()
+	for series := range want {
+		if _, ok := after[series]; !ok {
+			t.Errorf("%s: /metrics has no %s", stage, series)
+		}
+	}
+	for series, v := range after {
+		if !lwIsKTLSSeries(series) {
+			continue
+		}
+		if d := v - before[series]; d != want[series] {
+			t.Errorf("%s: %s moved by %v, want %v", stage, series, d, want[series])
+		}
+	}
+	for series := range before {
+		if _, ok := after[series]; lwIsKTLSSeries(series) && !ok {
+			t.Errorf("%s: %s disappeared from /metrics", stage, series)
+		}
+	}
 }
 
 func lwIsKTLSSeries(series string) bool {

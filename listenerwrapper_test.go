@@ -71,24 +71,29 @@ type lwSite struct {
 	wrapper            map[string]any
 	upstream           string
 	protocols          []string // of the HTTPS server; empty is Caddy's default
+	// cipherSuites, when set, are the cipher_suites of the policy for
+	// every SNI but mtls.localhost.
+	cipherSuites []string
 }
 
 // lwStartSite loads the configuration and waits until HTTPS answers.
 // protocols, when given, are the HTTPS server's `protocols`.
 func lwStartSite(t *testing.T, wrapper map[string]any, protocols ...string) *lwSite {
 	t.Helper()
+	return lwStart(t, &lwSite{wrapper: wrapper, protocols: protocols})
+}
+
+// lwStart is lwStartSite for a site whose wrapper, protocols and
+// cipherSuites are set in s; it fills in the rest of s.
+func lwStart(t *testing.T, s *lwSite) *lwSite {
+	t.Helper()
 	dir := t.TempDir()
 	t.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data"))
 	t.Setenv("XDG_CONFIG_HOME", filepath.Join(dir, "config"))
-	s := &lwSite{
-		ca:        testpki.NewCA(t, "ktls wrapper test CA"),
-		port:      lwFreePort(t),
-		plainPort: lwFreePort(t),
-		adminAddr: fmt.Sprintf("127.0.0.1:%d", lwFreePort(t)),
-		logFile:   filepath.Join(dir, "caddy.log"),
-		wrapper:   wrapper,
-		protocols: protocols,
-	}
+	s.ca = testpki.NewCA(t, "ktls wrapper test CA")
+	s.port, s.plainPort = lwFreePort(t), lwFreePort(t)
+	s.adminAddr = fmt.Sprintf("127.0.0.1:%d", lwFreePort(t))
+	s.logFile = filepath.Join(dir, "caddy.log")
 	s.client = s.ca.Client(t, "gateway-7")
 	s.file = make([]byte, lwTestMiB(t)<<20+123) // not a multiple of a record
 	rand.Read(s.file)
@@ -149,6 +154,10 @@ func (s *lwSite) config(t *testing.T, root, version string) []byte {
 		map[string]any{"match": []any{map[string]any{"path": []string{"/upload"}}},
 			"handle": []any{map[string]any{"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": s.upstream}}}}},
 	}
+	defaultPolicy := map[string]any{}
+	if len(s.cipherSuites) > 0 {
+		defaultPolicy["cipher_suites"] = s.cipherSuites
+	}
 	tlsServer := map[string]any{
 		"listen":            []string{fmt.Sprintf("127.0.0.1:%d", s.port)},
 		"listener_wrappers": []any{wrapper},
@@ -162,7 +171,7 @@ func (s *lwSite) config(t *testing.T, root, version string) []byte {
 					"mode": "require_and_verify",
 				},
 			},
-			map[string]any{},
+			defaultPolicy,
 		},
 		"routes": routes,
 	}

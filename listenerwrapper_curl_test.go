@@ -3,6 +3,9 @@ package caddyktls
 import (
 	"bufio"
 	"crypto/rand"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/hex"
 	"fmt"
 	"io"
 	"os"
@@ -12,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
@@ -86,7 +90,9 @@ func lwCurlRun(t *testing.T, s *lwSite, curl, caFile, proto, path string, args .
 var lwCurlVersion = map[string]string{"--http1.1": "1.1", "--http2": "2"}
 
 // lwCurlDownload downloads the site's file with curl over proto
-// (--http1.1, --http2) and checks the protocol, size and SHA-256.
+// (--http1.1, --http2) and checks the protocol, size and SHA-256. The
+// copy is hashed as it is read and removed, so a full-size (256 MiB) run
+// keeps one copy of the file in the VM's memory besides the site's.
 func lwCurlDownload(t *testing.T, s *lwSite, curl, caFile, proto string) {
 	t.Helper()
 	out := filepath.Join(t.TempDir(), "blob")
@@ -94,12 +100,19 @@ func lwCurlDownload(t *testing.T, s *lwSite, curl, caFile, proto string) {
 	if want := fmt.Sprintf("%s %d", lwCurlVersion[proto], len(s.file)); got != want {
 		t.Errorf("curl reports %q, want %q", got, want)
 	}
-	body, err := os.ReadFile(out)
+	f, err := os.Open(out)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if lwSHA(body) != lwSHA(s.file) {
-		t.Fatalf("curl downloaded %d bytes with a different SHA-256 (want %d bytes)", len(body), len(s.file))
+	defer os.Remove(out)
+	defer f.Close()
+	h := sha256.New()
+	n, err := io.Copy(h, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if hex.EncodeToString(h.Sum(nil)) != lwSHA(s.file) {
+		t.Fatalf("curl downloaded %d bytes with a different SHA-256 (want %d bytes)", n, len(s.file))
 	}
 }
 
@@ -259,10 +272,14 @@ func (c lwIOCounters) sub(o lwIOCounters) lwIOCounters {
 
 // TestListenerWrapperBinary runs the real binary (cmd/caddy) with a
 // Caddyfile that turns the wrapper on with `listener_wrappers { ktls }`:
-// curl downloads a file_server file and uploads it through reverse_proxy,
-// over HTTP/1.1 and HTTP/2 (SHA-256 both ways), and the binary's /metrics
-// count exactly those four connections and the HTTP/1.1 body's ReadFrom
-// calls. On this kernel they fall back to userspace TLS.
+// curl downloads a file_server file and uploads a body through
+// reverse_proxy, over HTTP/1.1 and HTTP/2 (SHA-256 both ways); a Go client
+// resumes its TLS session on a second connection; on a site with
+// client_auth a client with a certificate gets its CN from a placeholder
+// and one without is refused. The binary's /metrics count exactly those
+// connections and the HTTP/1.1 body's ReadFrom calls. On this kernel they
+// fall back to userspace TLS. KTLS_BINARY_DOWNLOAD_MIB sets the download's
+// size (default KTLS_TEST_MIB, 2); the upload stays KTLS_TEST_MIB.
 func TestListenerWrapperBinary(t *testing.T) {
 	if kerneltest.Available() == nil {
 		t.Skip("kTLS is available here: TestKernelListenerWrapperBinary covers this kernel")
@@ -270,9 +287,11 @@ func TestListenerWrapperBinary(t *testing.T) {
 	lwBinary(t, false)
 }
 
-// TestKernelListenerWrapperBinary is the same on a kTLS kernel: the four
-// connections get TX and RX keys in the kernel (tls_stat) and the
-// HTTP/1.1 body goes out with sendfile.
+// TestKernelListenerWrapperBinary is the same on a kTLS kernel: every
+// connection that completes its handshake gets TX and RX keys in the
+// kernel (tls_stat), the resumed one too, and the HTTP/1.1 body goes out
+// with sendfile. KTLS_BINARY_DOWNLOAD_MIB=256 is the issue's full-size
+// download.
 func TestKernelListenerWrapperBinary(t *testing.T) {
 	kerneltest.Require(t)
 	lwBinary(t, true)
@@ -284,26 +303,32 @@ func lwBinary(t *testing.T, kernel bool) {
 	t.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data"))
 	t.Setenv("XDG_CONFIG_HOME", filepath.Join(dir, "config"))
 	ca := testpki.NewCA(t, "binary test CA")
-	certFile, keyFile := ca.Server(t).WriteFiles(t, dir, "server")
+	certFile, keyFile := ca.Server(t, "mtls.localhost").WriteFiles(t, dir, "server")
 	caFile := ca.WriteFile(t, dir, "ca")
-	s := &lwSite{port: lwFreePort(t), adminAddr: fmt.Sprintf("127.0.0.1:%d", lwFreePort(t)),
-		logFile: filepath.Join(dir, "caddy.log"), file: make([]byte, lwTestMiB(t)<<20+123)}
+	s := &lwSite{ca: ca, client: ca.Client(t, "binary-gateway"), port: lwFreePort(t), adminAddr: fmt.Sprintf("127.0.0.1:%d", lwFreePort(t)),
+		logFile: filepath.Join(dir, "caddy.log"), file: make([]byte, lwEnvMiB(t, "KTLS_BINARY_DOWNLOAD_MIB", lwTestMiB(t))<<20+123)}
 	rand.Read(s.file)
-	upload := filepath.Join(dir, "www", "files", "blob.bin")
-	if err := os.MkdirAll(filepath.Dir(upload), 0o755); err != nil {
+	download := filepath.Join(dir, "www", "files", "blob.bin")
+	if err := os.MkdirAll(filepath.Dir(download), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(upload, s.file, 0o644); err != nil {
+	if err := os.WriteFile(download, s.file, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	uploadBody := make([]byte, lwTestMiB(t)<<20+45)
+	rand.Read(uploadBody)
+	upload := filepath.Join(dir, "upload.bin")
+	if err := os.WriteFile(upload, uploadBody, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	caddyfile := filepath.Join(dir, "Caddyfile")
 	if err := os.WriteFile(caddyfile, fmt.Appendf(nil, `{
-	admin %s
+	admin %[1]s
 	persist_config off
-	storage file_system %s
+	storage file_system %[2]s
 	auto_https disable_redirects
 	log {
-		output file %s {
+		output file %[3]s {
 			roll_disabled
 		}
 		format json
@@ -317,45 +342,77 @@ func lwBinary(t *testing.T, kernel bool) {
 	}
 }
 
-https://localhost:%d {
-	tls %s %s
-	root * %s
+https://localhost:%[4]d {
+	tls %[5]s %[6]s
+	root * %[7]s
 	file_server /files/*
-	reverse_proxy /upload %s
+	reverse_proxy /upload %[8]s
+	respond /tls "{http.request.tls.version} resumed={http.request.tls.resumed}"
 }
-`, s.adminAddr, filepath.Join(dir, "storage"), s.logFile, s.port, certFile, keyFile, filepath.Join(dir, "www"), lwHashUpstream(t)), 0o600); err != nil {
+
+https://mtls.localhost:%[4]d {
+	tls %[5]s %[6]s {
+		client_auth {
+			mode require_and_verify
+			trust_pool file %[9]s
+		}
+	}
+	respond "cn={http.request.tls.client.subject}"
+}
+`, s.adminAddr, filepath.Join(dir, "storage"), s.logFile, s.port, certFile, keyFile, filepath.Join(dir, "www"), lwHashUpstream(t), caFile), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	runCaddy(t, "", fmt.Sprintf("127.0.0.1:%d", s.port), s.logFile, "--config", caddyfile, "--adapter", "caddyfile")
 
 	metrics := func() map[string]float64 { return parseMetrics(t, adminGet(t, s.adminAddr, "/metrics")) }
 	protos := []string{"--http1.1", "--http2"}
+	// Connections that complete their handshake: a download and an upload
+	// per protocol, two for resumption, one with a client certificate.
+	const goConns = 3
+	conns := 2*len(protos) + goConns
+	var downloadTime time.Duration
 	exchange := func() {
 		for _, proto := range protos {
+			start := time.Now()
 			lwCurlDownload(t, s, curl, caFile, proto)
+			downloadTime += time.Since(start)
 			got := lwCurlRun(t, s, curl, caFile, proto, "/upload", "--data-binary", "@"+upload, "--write-out", " %{http_version}")
-			if want := fmt.Sprintf("%s %d %s", lwSHA(s.file), len(s.file), lwCurlVersion[proto]); got != want {
+			if want := fmt.Sprintf("%s %d %s", lwSHA(uploadBody), len(uploadBody), lwCurlVersion[proto]); got != want {
 				t.Errorf("curl %s upload: %q, want %q (SHA-256, length, HTTP version)", proto, got, want)
 			}
 		}
+		lwResumeAndClientAuth(t, s)
 	}
+	// runCaddy's readiness probe connected and closed without a
+	// handshake: wait until the binary has counted it, so that it is
+	// outside the deltas.
+	const failed = `caddy_ktls_handshakes_total{reason="handshake-failed"}`
 	before := metrics()
+	for deadline := time.Now().Add(15 * time.Second); before[failed] < 1; before = metrics() {
+		if time.Now().After(deadline) {
+			t.Fatalf("the readiness probe's connection was never counted: %s = %v", failed, before[failed])
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	if kernel {
 		// The binary's kernel TLS installs show up in the shared tls_stat.
 		delta := kerneltest.StatDelta(t, exchange)
-		if conns := int64(2 * len(protos)); delta["TlsTxSw"] != conns || delta["TlsRxSw"] != conns {
-			t.Errorf("tls_stat TlsTxSw +%d TlsRxSw +%d, want +%d each (one per curl connection)", delta["TlsTxSw"], delta["TlsRxSw"], conns)
+		if delta["TlsTxSw"] != int64(conns) || delta["TlsRxSw"] != int64(conns) {
+			t.Errorf("tls_stat TlsTxSw +%d TlsRxSw +%d, want +%d each (one per connection past its handshake)", delta["TlsTxSw"], delta["TlsRxSw"], conns)
 		}
+		t.Logf("tls_stat delta: %v", delta)
 	} else {
 		exchange()
 	}
 	after := metrics()
+	t.Logf("%d-byte download with curl over %v: %v in all", len(s.file), protos, downloadTime)
 	reason, path, summary := "no-kernel-support", "copy", "kernel TLS unavailable"
 	if kernel {
 		reason, path, summary = "none", "sendfile", "kernel TLS available"
 	}
 	for series, want := range map[string]float64{
-		`caddy_ktls_handshakes_total{reason="` + reason + `"}`: float64(2 * len(protos)),
+		`caddy_ktls_handshakes_total{reason="` + reason + `"}`: float64(conns),
+		failed: 1, // the client without a certificate
 		// Only the HTTP/1.1 download: once per Caddy chunk, less the 512
 		// bytes net/http sniffs.
 		`caddy_ktls_http_readfrom_total{path="` + path + `"}`:       float64((len(s.file) + caddyMaxWriteChunk - 1) / caddyMaxWriteChunk),
@@ -363,9 +420,39 @@ https://localhost:%d {
 	} {
 		if got := after[series] - before[series]; got != want {
 			t.Errorf("binary's /metrics: %s moved by %v, want %v", series, got, want)
+		} else {
+			t.Logf("binary's /metrics: %s +%.0f", series, got)
 		}
 	}
 	if n := len(jsonLogLines(t, s.logFile, summary)); n != 1 {
 		t.Errorf("%d %q start summaries in the binary's log, want 1", n, summary)
+	}
+}
+
+// lwResumeAndClientAuth makes the binary test's Go-client connections
+// (HTTP/1.1): two sharing a session cache, the second of which must
+// resume the first's TLS 1.3 session, then on mtls.localhost one with the
+// site's client certificate, which must see its CN in the response, and
+// one without, which must be refused.
+func lwResumeAndClientAuth(t *testing.T, s *lwSite) {
+	t.Helper()
+	cache := tls.NewLRUClientSessionCache(4)
+	for i, want := range []string{"tls1.3 resumed=false", "tls1.3 resumed=true"} {
+		c := s.h1(s.tlsConfig(cache, false))
+		if got := string(lwGet(t, c, s.url("localhost", "/tls"), 1)); got != want {
+			t.Errorf("Go client, connection %d with a session cache: %q, want %q", i+1, got, want)
+		}
+		c.CloseIdleConnections()
+	}
+	withCert := s.h1(s.tlsConfig(nil, true))
+	defer withCert.CloseIdleConnections()
+	if got, want := string(lwGet(t, withCert, s.url("mtls.localhost", "/"), 1)), "cn=CN=binary-gateway"; got != want {
+		t.Errorf("client_auth site with a client certificate: %q, want %q", got, want)
+	}
+	noCert := s.h1(nil)
+	defer noCert.CloseIdleConnections()
+	if resp, err := noCert.Get(s.url("mtls.localhost", "/")); err == nil {
+		resp.Body.Close()
+		t.Errorf("client_auth site without a client certificate: %s, want the handshake refused", resp.Status)
 	}
 }

@@ -16,6 +16,8 @@ CADDY_VERSION = v2.11.9
 CADDY_L4_VERSION = v0.1.2
 # Transfer size (MiB) of the kernel tests in the VM; empty = each test's default.
 export KTLS_TEST_MIB
+# Size (MiB) of the real-binary test's curl download; empty = KTLS_TEST_MIB's.
+export KTLS_BINARY_DOWNLOAD_MIB
 
 .PHONY: help build xcaddy demo test vet hosttest fuzz vmtest bench bench-smoke bench-host bench-report clean
 

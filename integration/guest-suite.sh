@@ -5,7 +5,7 @@
 # missing kernel feature fails instead of skipping.
 #
 # usage: guest-suite.sh MANIFEST   (lines: "<import path> <package dir> <test binary>")
-# env: KTLS_TEST_MIB, KTLS_LOAD_TUNNELS, KTLS_LOAD_RELOADS (passed on to the
+# env: KTLS_TEST_MIB, KTLS_LOAD_TUNNELS, KTLS_LOAD_RELOADS, KTLS_BINARY_DOWNLOAD_MIB (passed on to the
 #      tests), VM_TEST_TIMEOUT (seconds per binary, default 600), VM_OUT
 #      (results dir, set by vm.sh)
 # Prints go-test-style closing lines ("ok  <pkg> <time>s" / "FAIL <pkg> ...")
@@ -19,6 +19,7 @@ export KTLS_REQUIRE=1
 [ -n "${KTLS_TEST_MIB:-}" ] && export KTLS_TEST_MIB
 [ -n "${KTLS_LOAD_TUNNELS:-}" ] && export KTLS_LOAD_TUNNELS
 [ -n "${KTLS_LOAD_RELOADS:-}" ] && export KTLS_LOAD_RELOADS
+[ -n "${KTLS_BINARY_DOWNLOAD_MIB:-}" ] && export KTLS_BINARY_DOWNLOAD_MIB
 failed=0
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
 echo "guest: kernel $(uname -r), KTLS_TEST_MIB=${KTLS_TEST_MIB:-default}," \

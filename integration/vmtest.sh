@@ -6,6 +6,7 @@
 # usage: vmtest.sh [KERNEL...]     (default: $KERNELS, or "6.1 7.3")
 # env: KTLS_TEST_MIB (transfer size of the kernel tests, default theirs),
 #      KTLS_LOAD_TUNNELS, KTLS_LOAD_RELOADS (size of the reload test, default its),
+#      KTLS_BINARY_DOWNLOAD_MIB (the real-binary test's download, default KTLS_TEST_MIB),
 #      VM_TEST_TIMEOUT (seconds per test binary, default 600),
 #      VM_TIMEOUT (seconds per kernel, boot included, default 1200), VM_* (see vm.sh)
 # exit: 0 only if every kernel passed.
@@ -47,7 +48,7 @@ for k in "${kernels[@]}"; do
   log "=== vmtest: kernel $k"
   rc=0
   VM_OUT=$out VM_TIMEOUT=${VM_TIMEOUT:-1200} "$REPO/integration/vm.sh" "$k" \
-    "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-600} integration/guest-suite.sh ${manifest#"$REPO"/}" || rc=$?
+    "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} KTLS_BINARY_DOWNLOAD_MIB=${KTLS_BINARY_DOWNLOAD_MIB:-} VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-600} integration/guest-suite.sh ${manifest#"$REPO"/}" || rc=$?
   verdict=PASS
   [ $rc -eq 0 ] || verdict="FAIL (exit $rc)"
   # The kernel's own counters: a suite that never reached TLS_SW in the

@@ -1,7 +1,6 @@
 package caddyktls
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"fmt"
@@ -156,22 +155,6 @@ func lwOption(t *testing.T, tc lwOptionCase, kernel bool) {
 	if len(lines) != 1 || lines[0]["reason"] != "cipher" || lines[0]["cipher_suite"] != tls.CipherSuiteName(lwCBCSuite) || lines[0]["tx"] != "userspace" {
 		t.Errorf("handshake log lines of the CBC connection %s: %v; want one, reason cipher, %s, tx userspace", cbcAddr, lines, tls.CipherSuiteName(lwCBCSuite))
 	}
-}
-
-// lwPost POSTs body to url and returns the response body, failing t on
-// any error or non-200.
-func lwPost(t *testing.T, c *http.Client, url string, body []byte, wantProto int) []byte {
-	t.Helper()
-	resp, err := c.Post(url, "application/octet-stream", bytes.NewReader(body))
-	if err != nil {
-		t.Fatalf("POST %s: %v", url, err)
-	}
-	defer resp.Body.Close()
-	got, err := io.ReadAll(resp.Body)
-	if err != nil || resp.StatusCode != http.StatusOK || resp.ProtoMajor != wantProto {
-		t.Fatalf("POST %s: %s over HTTP/%d (%v), want 200 over HTTP/%d: %q", url, resp.Status, resp.ProtoMajor, err, wantProto, got)
-	}
-	return got
 }
 
 // lwCBCRequest makes one HTTP/1.1 request over TLS 1.2 with lwCBCSuite

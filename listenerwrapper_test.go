@@ -302,6 +302,22 @@ func lwGet(t *testing.T, c *http.Client, url string, wantProto int) []byte {
 	return body
 }
 
+// lwPost POSTs body to url and returns the response body, failing t on
+// any error or non-200.
+func lwPost(t *testing.T, c *http.Client, url string, body []byte, wantProto int) []byte {
+	t.Helper()
+	resp, err := c.Post(url, "application/octet-stream", bytes.NewReader(body))
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	got, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK || resp.ProtoMajor != wantProto {
+		t.Fatalf("POST %s: %s over HTTP/%d (%v), want 200 over HTTP/%d: %q", url, resp.Status, resp.ProtoMajor, err, wantProto, got)
+	}
+	return got
+}
+
 // lwHashUpstream is a reverse_proxy upstream that answers with the
 // SHA-256 and length of the request body.
 func lwHashUpstream(t *testing.T) string {
@@ -342,12 +358,7 @@ func (s *lwSite) exercise(t *testing.T) (conns int) {
 				t.Fatalf("download: %d bytes sha %s, want %d bytes sha %s", len(got), lwSHA(got), len(s.file), lwSHA(s.file))
 			}
 			// Upload through reverse_proxy.
-			resp, err := c.Post(s.url("localhost", "/upload"), "application/octet-stream", bytes.NewReader(s.file))
-			if err != nil {
-				t.Fatalf("upload: %v", err)
-			}
-			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
+			body := lwPost(t, c, s.url("localhost", "/upload"), s.file, proto.major)
 			if want := fmt.Sprintf("%s %d", lwSHA(s.file), len(s.file)); string(body) != want {
 				t.Fatalf("upload: upstream saw %q, want %q", body, want)
 			}

@@ -77,6 +77,19 @@ func (e *sandboxEnv) checkHandshakes(t *testing.T, before map[string]int64, want
 	}
 }
 
+// startRouted starts a sandboxEnv whose route configure changed, with an
+// upstream for one routingTunnelSize tunnel, and scrapes /metrics before
+// any connection.
+func startRouted(t *testing.T, configure func(e *sandboxEnv)) (*sandboxEnv, *forwardtest.Upstream, map[string]int64) {
+	t.Helper()
+	up := forwardtest.NewUpstream(t, routingTunnelSize+3)
+	e := newSandboxConfig(t, nil)
+	configure(e)
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	return e, up, e.metrics(t)
+}
+
 // TestSandboxPrefetchedClientHello: a caddy-l4 `tls` matcher (sni) before
 // `ktls` prefetches the ClientHello into the layer4 connection's buffer to
 // match it; the ktls handshake must read it from there (the socket no longer
@@ -97,12 +110,9 @@ func TestKernelSandboxPrefetchedClientHello(t *testing.T) {
 }
 
 func sandboxPrefetchedClientHello(t *testing.T, kernel bool) {
-	up := forwardtest.NewUpstream(t, routingTunnelSize+3)
-	e := newSandboxConfig(t, nil)
-	e.route()["match"] = []any{map[string]any{"tls": map[string]any{"sni": []string{"localhost"}}}}
-	e.start(t)
-	forwardtest.CheckLeaks(t)
-	before := e.metrics(t)
+	e, up, before := startRouted(t, func(e *sandboxEnv) {
+		e.route()["match"] = []any{map[string]any{"tls": map[string]any{"sni": []string{"localhost"}}}}
+	})
 	splicedSince := dataPathCheck(t, kernel, 1)
 
 	other := e.tlsConfig(e.client)
@@ -187,15 +197,12 @@ func TestKernelSandboxUserspaceLayerFallback(t *testing.T) {
 
 func sandboxUserspaceLayerFallback(t *testing.T, kernel bool) {
 	const sandbox, peer = "sbx-proxy-protocol", "192.0.2.7:40000"
-	up := forwardtest.NewUpstream(t, routingTunnelSize+3)
-	e := newSandboxConfig(t, nil)
-	e.recordTunnelEvents()
-	route := e.route()
-	route["handle"] = append([]any{map[string]any{"handler": "proxy_protocol", "allow": []string{"127.0.0.0/8"}}},
-		route["handle"].([]any)...)
-	e.start(t)
-	forwardtest.CheckLeaks(t)
-	before := e.metrics(t)
+	e, up, before := startRouted(t, func(e *sandboxEnv) {
+		e.recordTunnelEvents()
+		route := e.route()
+		route["handle"] = append([]any{map[string]any{"handler": "proxy_protocol", "allow": []string{"127.0.0.0/8"}}},
+			route["handle"].([]any)...)
+	})
 	// The kernel probe installs keys of its own on its first call: not in
 	// this test's tls_stat delta.
 	ktls.Probe()
@@ -272,27 +279,24 @@ func TestKernelSandboxRoutesOnSession(t *testing.T) {
 }
 
 func sandboxRoutesOnSession(t *testing.T, kernel bool) {
-	up := forwardtest.NewUpstream(t, routingTunnelSize+3)
-	e := newSandboxConfig(t, nil)
-	route := e.route()
-	handlers := route["handle"].([]any)
-	ktlsHandler, sandboxHandler := handlers[0].(map[string]any), handlers[1]
-	ktlsHandler["connection_policies"].([]any)[0].(map[string]any)["alpn"] = []string{"sandbox/1", "echo/1"}
 	onProto := func(proto string) []any {
 		return []any{map[string]any{"vars": map[string]any{"{l4.tls.proto}": []string{proto}}}}
 	}
-	route["handle"] = []any{ktlsHandler, map[string]any{
-		"handler": "subroute",
-		"routes": []any{
-			map[string]any{"match": []any{map[string]any{"tls": map[string]any{"sni": []string{"localhost"}}}},
-				"handle": []any{map[string]any{"handler": "close"}}},
-			map[string]any{"match": onProto("sandbox/1"), "handle": []any{sandboxHandler}},
-			map[string]any{"match": onProto("echo/1"), "handle": []any{map[string]any{"handler": "echo"}}},
-		},
-	}}
-	e.start(t)
-	forwardtest.CheckLeaks(t)
-	before := e.metrics(t)
+	e, up, before := startRouted(t, func(e *sandboxEnv) {
+		route := e.route()
+		handlers := route["handle"].([]any)
+		ktlsHandler, sandboxHandler := handlers[0].(map[string]any), handlers[1]
+		ktlsHandler["connection_policies"].([]any)[0].(map[string]any)["alpn"] = []string{"sandbox/1", "echo/1"}
+		route["handle"] = []any{ktlsHandler, map[string]any{
+			"handler": "subroute",
+			"routes": []any{
+				map[string]any{"match": []any{map[string]any{"tls": map[string]any{"sni": []string{"localhost"}}}},
+					"handle": []any{map[string]any{"handler": "close"}}},
+				map[string]any{"match": onProto("sandbox/1"), "handle": []any{sandboxHandler}},
+				map[string]any{"match": onProto("echo/1"), "handle": []any{map[string]any{"handler": "echo"}}},
+			},
+		}}
+	})
 	rejected := tunnels.Rejections()
 	splicedSince := dataPathCheck(t, kernel, 1)
 

@@ -54,7 +54,7 @@ demo: build
 	@echo '=== the sandbox data path on this host ($(shell uname -r))'
 	DEMO_PREBUILT=1 examples/demo.sh
 	@echo '=== the same in a VM on kernel $(DEMO_KERNEL), which has kTLS'
-	integration/vm.sh $(DEMO_KERNEL) 'DEMO_PREBUILT=1 DEMO_MIB=$(DEMO_VM_MIB) examples/demo.sh'
+	integration/vm.sh $(DEMO_KERNEL) 'DEMO_PREBUILT=1 DEMO_REQUIRE_KERNEL=1 DEMO_MIB=$(DEMO_VM_MIB) examples/demo.sh'
 
 test: vet hosttest fuzz build
 	integration/vmtest.sh $(KERNELS)

@@ -42,8 +42,12 @@ var tunnels = forward.NewRegistry()
 // the shape of caddy-l4's `tls` handler (connection policies with client
 // authentication for mutual TLS) plus the offload options.
 //
-// It sets the same connection variables as caddy-l4's `tls` handler, so the
-// `tls` matcher, `{l4.tls.*}` placeholders and later handlers see the session.
+// It sets the same connection variables as caddy-l4's `tls` handler, so
+// `{l4.tls.*}` placeholders (and `vars` matchers on them), the `http`
+// matcher's request TLS state and later handlers see the session. caddy-l4's
+// `tls` matcher does not route after it (nor after caddy-l4's `tls`
+// handler): it parses a ClientHello from the connection's bytes, which are
+// then the decrypted stream.
 //
 // SECURITY: kernel receive (RX) is on by default because it is what lets the
 // data path splice decrypted bytes without a copy. The kernel's TLS receive
@@ -159,7 +163,15 @@ func (l layeredConn) SetDeadline(t time.Time) error      { return l.cx.SetDeadli
 func (l layeredConn) SetReadDeadline(t time.Time) error  { return l.cx.SetReadDeadline(t) }
 func (l layeredConn) SetWriteDeadline(t time.Time) error { return l.cx.SetWriteDeadline(t) }
 
-// Socket implements ktls.Layered.
+// Socket implements ktls.Layered. It refuses (the session then stays in
+// userspace with reason buffered-bytes) while caddy-l4's prefetch buffer
+// still holds bytes, and when a handler before `ktls` put a userspace layer
+// over the socket (the proxy_protocol handler's buffered reader), whose
+// buffer the kernel would never see. The first is a guard: no route of
+// caddy-l4 v0.1.2 leaves bytes there after a successful handshake, as its
+// matchers prefetch only before the server's first flight, and the
+// handshake reads all that up to the client's Finished
+// (TestSandboxUserspaceLayerFallback explains it in full).
 func (l layeredConn) Socket() (*net.TCPConn, error) {
 	if n := len(l.cx.MatchingBytes()); n > 0 {
 		return nil, fmt.Errorf("%d bytes past the handshake are buffered in caddy-l4", n)
@@ -172,13 +184,23 @@ func (l layeredConn) Socket() (*net.TCPConn, error) {
 }
 
 // SyscallConn exposes the socket for socket options (keepalive) even when
-// the session stayed in userspace.
+// the session stayed in userspace, also from under the userspace layers a
+// handler before `ktls` may have put on it (caddy-l4's proxy_protocol
+// handler: a go-proxyproto Conn over the Connection). Options only: nothing
+// is read or written past those layers.
 func (l layeredConn) SyscallConn() (syscall.RawConn, error) {
-	sc, ok := l.cx.Conn.(syscall.Conn)
-	if !ok {
-		return nil, fmt.Errorf("caddy-l4 connection wraps %T, which has no socket", l.cx.Conn)
+	for c := l.cx.Conn; ; {
+		switch v := c.(type) {
+		case syscall.Conn:
+			return v.SyscallConn()
+		case *layer4.Connection:
+			c = v.Conn
+		case interface{ Raw() net.Conn }: // go-proxyproto
+			c = v.Raw()
+		default:
+			return nil, fmt.Errorf("caddy-l4 connection wraps %T, which has no socket", c)
+		}
 	}
-	return sc.SyscallConn()
 }
 
 // SandboxHandler is a terminal handler that carries sandbox tunnels: it

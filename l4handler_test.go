@@ -237,9 +237,15 @@ func (e *sandboxEnv) tlsConfig(leaf *testpki.Leaf) *tls.Config {
 // dial opens a tunnel to target with a bound, signed preamble.
 func (e *sandboxEnv) dial(t testing.TB, sandbox string, target netip.AddrPort) *tls.Conn {
 	t.Helper()
+	return e.dialWith(t, e.tlsConfig(e.client), sandbox, target)
+}
+
+// dialWith is dial with the gateway's TLS configuration cfg.
+func (e *sandboxEnv) dialWith(t testing.TB, cfg *tls.Config, sandbox string, target netip.AddrPort) *tls.Conn {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := preamble.Dial(ctx, "tcp", e.addr, e.tlsConfig(e.client), e.gw.Signer, preamble.Claims{SandboxID: sandbox, Target: target})
+	c, err := preamble.Dial(ctx, "tcp", e.addr, cfg, e.gw.Signer, preamble.Claims{SandboxID: sandbox, Target: target})
 	if err != nil {
 		t.Fatalf("preamble.Dial: %v", err)
 	}
@@ -1403,6 +1409,15 @@ func recordedEvent(t *testing.T, name, sandbox string) map[string]any {
 	}
 }
 
+// recordTunnelEvents subscribes the test's event recorder to the tunnel
+// events in e.cfg (recordedEvent reads them).
+func (e *sandboxEnv) recordTunnelEvents() {
+	e.cfg["apps"].(map[string]any)["events"] = map[string]any{"subscriptions": []any{map[string]any{
+		"events":   []string{"sandbox_tunnel_opened", "sandbox_tunnel_closed"},
+		"handlers": []any{map[string]any{"handler": "sandbox_test_recorder"}},
+	}}}
+}
+
 // The handler emits sandbox_tunnel_opened and sandbox_tunnel_closed Caddy
 // events that an events-app subscription receives.
 func TestSandboxEventsEmitted(t *testing.T) {
@@ -1410,10 +1425,7 @@ func TestSandboxEventsEmitted(t *testing.T) {
 	up := forwardtest.NewUpstream(t, size+3)
 	sandbox := uniqueSandbox("sbx-events")
 	e := newSandboxConfig(t, nil)
-	e.cfg["apps"].(map[string]any)["events"] = map[string]any{"subscriptions": []any{map[string]any{
-		"events":   []string{"sandbox_tunnel_opened", "sandbox_tunnel_closed"},
-		"handlers": []any{map[string]any{"handler": "sandbox_test_recorder"}},
-	}}}
+	e.recordTunnelEvents()
 	e.start(t)
 	forwardtest.CheckLeaks(t)
 	n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, 9)

@@ -12,7 +12,9 @@
 # Usage: examples/demo.sh   (needs openssl and curl; go unless DEMO_PREBUILT=1)
 # env: DEMO_MIB (default 16), DEMO_PREBUILT=1 (use bin/caddy and
 #      bin/demo-upstream as they are: `make demo` builds them on the host and
-#      runs this script again inside a kTLS VM)
+#      runs this script again inside a kTLS VM), DEMO_REQUIRE_KERNEL=1 (exit 1
+#      when the fallback carried the tunnel: `make demo` sets it in the VM,
+#      whose kernel has kTLS; a host without kTLS falls back legitimately)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MIB=${DEMO_MIB:-16}
@@ -100,7 +102,12 @@ echo "== data path: tls_stat TlsTxSw +$tx TlsRxSw +$rx; relay bytes: $spliced sp
 if [ "$tx" -gt 0 ] && [ "$rx" -gt 0 ] && [ "$spliced" -gt 0 ] && [ "$copied" = 0 ]; then
 	echo "KERNEL PATH: kTLS (TLS_TX + TLS_RX in the kernel) and splice(2); no tenant byte entered userspace"
 else
-	echo "FALLBACK: userspace TLS and copy (this kernel has no kTLS: $("$CADDY" ktls probe | head -1))"
+	echo "FALLBACK: userspace TLS and copy (kernel probe: $("$CADDY" ktls probe | head -1))"
+	if [ "${DEMO_REQUIRE_KERNEL:-}" = 1 ]; then
+		echo "FAIL: DEMO_REQUIRE_KERNEL=1 but the kernel path did not carry the tunnel"
+		tail -20 caddy.log
+		exit 1
+	fi
 fi
 
 echo "== a tunnel to a refused target (cloud metadata) is closed without a word"

@@ -92,21 +92,27 @@ func TestConnectionCloseEventsCounted(t *testing.T) {
 		observe(ktls.Event{Kind: ktls.EventKeyUpdate, Remote: peer}) // applied: not a close
 	}
 	h.observe(ktls.Event{Kind: ktls.EventAlert, Remote: peer, Err: ktls.AlertError(20)})
+	lw.observe(ktls.Event{Kind: ktls.EventRekeyUnsupported, Remote: peer, Err: ktls.ErrRekeyUnsupported})
 
 	after := closesMetric(t)
 	for key, want := range map[string]float64{
-		moduleL4Handler + " rate-limited":       2,
-		moduleListenerWrapper + " rate-limited": 2,
-		moduleL4Handler + " alert":              1,
-		moduleListenerWrapper + " alert":        0,
-		moduleL4Handler + " closed-after-tx":    0,
+		moduleL4Handler + " rate-limited":            2,
+		moduleListenerWrapper + " rate-limited":      2,
+		moduleL4Handler + " alert":                   1,
+		moduleListenerWrapper + " alert":             0,
+		moduleL4Handler + " closed-after-tx":         0,
+		moduleListenerWrapper + " rekey-unsupported": 1,
+		moduleL4Handler + " rekey-unsupported":       0,
 	} {
 		if got := after[key] - before[key]; got != want {
 			t.Errorf("%s: counted %v, want %v", key, got, want)
 		}
 	}
-	if len(after) != 2*len(closeEvents) {
-		t.Errorf("series %v, want exactly modules x close events", after)
+	if len(after) != 2*len(closeEvents)+1 {
+		t.Errorf("series %v, want exactly modules x close events, and bad-record for layer4", after)
+	}
+	if _, ok := before[moduleL4Handler+" "+string(eventBadRecord)]; !ok {
+		t.Errorf("no layer4 bad-record series before any close")
 	}
 	warned := 0
 	for _, e := range logs.FilterLevelExact(zapcore.WarnLevel).All() {

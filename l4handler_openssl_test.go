@@ -172,8 +172,10 @@ func checkMetricDeltas(t *testing.T, before, after, want map[string]int64) {
 }
 
 const (
-	controlRecordsSeries = "caddy_ktls_relay_control_records_total"
-	rateLimitedSeries    = `caddy_ktls_connections_closed_total{event="rate-limited",module="layer4.handlers.ktls"}`
+	controlRecordsSeries   = "caddy_ktls_relay_control_records_total"
+	rateLimitedSeries      = `caddy_ktls_connections_closed_total{event="rate-limited",module="layer4.handlers.ktls"}`
+	rekeyUnsupportedSeries = `caddy_ktls_connections_closed_total{event="rekey-unsupported",module="layer4.handlers.ktls"}`
+	badRecordSeries        = `caddy_ktls_connections_closed_total{event="bad-record",module="layer4.handlers.ktls"}`
 )
 
 // tunnelEndError returns the error the handler logged when sandbox's tunnel
@@ -342,10 +344,14 @@ func sandboxBadRecord(t *testing.T, kernel bool) {
 	e := newSandboxEnv(t, nil)
 	forwardtest.CheckLeaks(t)
 	since := dataPathDelta(t, kernel)
+	before := e.metrics(t)
 	gw := e.opensslGateway(t, sandbox, target, "data:"+strconv.Itoa(keyUpdateBlock), "badrecord", "wait")
 	up := <-echoed
 	waitIdle(t)
 	stat, dp := since()
+	// Counted once, as a bad record and nothing else.
+	checkMetricDeltas(t, before, e.metrics(t), map[string]int64{badRecordSeries: 1, rekeyUnsupportedSeries: 0,
+		`caddy_ktls_connections_closed_total{event="alert",module="layer4.handlers.ktls"}`: 0})
 	t.Logf("tls_stat delta %v; data path %+v", stat, dp)
 	if gw.Received != keyUpdateBlock || up.err != nil || up.n != keyUpdateBlock || up.sum != gw.ReceivedSHA256 {
 		t.Errorf("gateway %+v, upstream echoed %d bytes (%v): want the block before the bad record, and no more, both ways", gw, up.n, up.err)
@@ -443,7 +449,7 @@ func TestKernelSandboxKeyUpdateFlood(t *testing.T) {
 	e := newSandboxEnv(t, nil)
 	forwardtest.CheckLeaks(t)
 	since := dataPathDelta(t, true)
-	rateLimited0 := e.metric(t, rateLimitedSeries)
+	before := e.metrics(t)
 	gw := e.opensslGateway(t, sandbox, target, "data:"+strconv.Itoa(keyUpdateBlock), "kuflood:"+strconv.Itoa(flood), "wait")
 	up := <-echoed
 	waitIdle(t)
@@ -455,16 +461,15 @@ func TestKernelSandboxKeyUpdateFlood(t *testing.T) {
 	if gw.End == "close_notify" || gw.KeyUpdates == 0 {
 		t.Errorf("gateway %+v: want KeyUpdates sent and the tunnel failed", gw)
 	}
-	want := ktls.ErrRekeyUnsupported
+	// The close is counted once, under its cause.
+	want, closes := ktls.ErrRekeyUnsupported, map[string]int64{rateLimitedSeries: 0, rekeyUnsupportedSeries: 1, badRecordSeries: 0}
 	if rekey {
-		want = ktls.ErrKeyUpdateRateLimited
+		want, closes[rateLimitedSeries], closes[rekeyUnsupportedSeries] = ktls.ErrKeyUpdateRateLimited, 1, 0
 		if stat["TlsRxRekeyOk"] < burst || stat["TlsRxRekeyOk"] >= flood || stat["TlsDecryptError"] != 0 {
 			t.Errorf("tls_stat delta %v: want TlsRxRekeyOk from the burst (%d) to fewer than the %d sent, TlsDecryptError 0", stat, burst, flood)
 		}
-		if got := e.metric(t, rateLimitedSeries) - rateLimited0; got != 1 {
-			t.Errorf("%s rose by %d, want 1", rateLimitedSeries, got)
-		}
 	}
+	checkMetricDeltas(t, before, e.metrics(t), closes)
 	if got := e.tunnelEndError(t, sandbox); !strings.Contains(got, want.Error()) {
 		t.Errorf("tunnel end logged with error %q, want %q", got, want)
 	}

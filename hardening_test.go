@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"net/netip"
 	"os"
@@ -28,10 +27,13 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
 // closesMetric gathers caddy_ktls_connections_closed_total through a
@@ -92,21 +94,27 @@ func TestConnectionCloseEventsCounted(t *testing.T) {
 		observe(ktls.Event{Kind: ktls.EventKeyUpdate, Remote: peer}) // applied: not a close
 	}
 	h.observe(ktls.Event{Kind: ktls.EventAlert, Remote: peer, Err: ktls.AlertError(20)})
+	lw.observe(ktls.Event{Kind: ktls.EventRekeyUnsupported, Remote: peer, Err: ktls.ErrRekeyUnsupported})
 
 	after := closesMetric(t)
 	for key, want := range map[string]float64{
-		moduleL4Handler + " rate-limited":       2,
-		moduleListenerWrapper + " rate-limited": 2,
-		moduleL4Handler + " alert":              1,
-		moduleListenerWrapper + " alert":        0,
-		moduleL4Handler + " closed-after-tx":    0,
+		moduleL4Handler + " rate-limited":            2,
+		moduleListenerWrapper + " rate-limited":      2,
+		moduleL4Handler + " alert":                   1,
+		moduleListenerWrapper + " alert":             0,
+		moduleL4Handler + " closed-after-tx":         0,
+		moduleListenerWrapper + " rekey-unsupported": 1,
+		moduleL4Handler + " rekey-unsupported":       0,
 	} {
 		if got := after[key] - before[key]; got != want {
 			t.Errorf("%s: counted %v, want %v", key, got, want)
 		}
 	}
-	if len(after) != 2*len(closeEvents) {
-		t.Errorf("series %v, want exactly modules x close events", after)
+	if len(after) != 2*len(closeEvents)+1 {
+		t.Errorf("series %v, want exactly modules x close events, and bad-record for layer4", after)
+	}
+	if _, ok := before[moduleL4Handler+" "+string(eventBadRecord)]; !ok {
+		t.Errorf("no layer4 bad-record series before any close")
 	}
 	warned := 0
 	for _, e := range logs.FilterLevelExact(zapcore.WarnLevel).All() {
@@ -231,10 +239,25 @@ func (p *caddyProcess) settledFDs(t *testing.T, limit int) int {
 	return n
 }
 
-// openFDs counts the process's open file descriptors.
-func (p *caddyProcess) openFDs(t *testing.T) int {
+// openFDs counts the process's open file descriptors, and those of them
+// that are pipe ends.
+func (p *caddyProcess) openFDs(t *testing.T) (fds, pipes int) {
 	t.Helper()
-	return p.fdsBelow(t, math.MaxInt)
+	dir := fmt.Sprintf("/proc/%d/fd", p.cmd.Process.Pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatalf("count caddy's fds: %v", err)
+	}
+	for _, e := range ents {
+		// A descriptor closed since ReadDir counts as neither.
+		if target, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil {
+			fds++
+			if strings.HasPrefix(target, "pipe:") {
+				pipes++
+			}
+		}
+	}
+	return fds, pipes
 }
 
 // fdsBelow counts the process's open descriptors numbered below limit: the
@@ -290,7 +313,20 @@ func (e *sandboxEnv) openTunnel(sandbox string, target netip.AddrPort, timeout t
 // byte), the tunnels already open keep moving exact bytes, and once
 // descriptors are free again new tunnels work: the accept loop survived
 // EMFILE.
-func TestSandboxFDExhaustion(t *testing.T) {
+func TestSandboxFDExhaustion(t *testing.T) { sandboxFDExhaustion(t, false) }
+
+// TestKernelSandboxFDExhaustion is TestSandboxFDExhaustion on a kTLS
+// kernel, where a direction moving bytes also needs a pipe (2 fds) unless
+// one is idle in the pool: an open tunnel that finds none while the process
+// is out of fds ends with an error naming EMFILE (README, Limits), never
+// with wrong bytes; the others are unaffected. Recovery and the refusal are
+// as on the host.
+func TestKernelSandboxFDExhaustion(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxFDExhaustion(t, true)
+}
+
+func sandboxFDExhaustion(t *testing.T, kernel bool) {
 	const limit = 64
 	reply := int64(256 << 10)
 	up := forwardtest.NewUpstream(t, reply)
@@ -298,8 +334,8 @@ func TestSandboxFDExhaustion(t *testing.T) {
 	server := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["tunnels"].(map[string]any)
 	server["listen"] = []string{acceptRetryNetwork + "/" + e.addr}
 	p := startCaddy(t, e, fmt.Sprintf("ulimit -n %d", limit))
-	fdsAtStart := p.openFDs(t)
-	t.Logf("caddy holds %d fds at start, limit %d", fdsAtStart, limit)
+	fdsAtStart, pipesAtStart := p.openFDs(t)
+	t.Logf("caddy holds %d fds (%d pipe ends) at start, limit %d", fdsAtStart, pipesAtStart, limit)
 
 	// Open tunnels until one descriptor is left, so that the next tunnel's
 	// accept(2) takes the last one and its dial fails. Each tunnel holds two
@@ -369,7 +405,8 @@ func TestSandboxFDExhaustion(t *testing.T) {
 	if len(rejected) != 1 || rejected[0]["reason"] != "dial-failed" {
 		t.Fatalf("rejections logged %v, want one dial-failed", rejected)
 	}
-	t.Logf("%d tunnels open (%d filler connections), then dial-failed; caddy holds %d fds", len(open), len(held), p.openFDs(t))
+	fds, pipes := p.openFDs(t)
+	t.Logf("%d tunnels open (%d filler connections), then dial-failed; caddy holds %d fds (%d pipe ends)", len(open), len(held), fds, pipes)
 
 	// Hold the last descriptors with bare TCP connections that never
 	// start a handshake: the next accept(2) fails with EMFILE.
@@ -406,11 +443,29 @@ func TestSandboxFDExhaustion(t *testing.T) {
 	}
 	wg.Wait()
 	open = nil
+	cut := map[string]bool{} // sandboxes of the kernel path's tunnels that found no pipe
 	for i, err := range errs {
-		if err != nil || sums[i] != forwardtest.PatternSum(2, reply) {
+		if kernel && err != nil {
+			cut[fmt.Sprintf("sbx-fd-%d", i)] = true
+		} else if err != nil || sums[i] != forwardtest.PatternSum(2, reply) {
 			t.Errorf("open tunnel %d while out of fds: err %v, reply hash matches: %v", i, err, sums[i] == forwardtest.PatternSum(2, reply))
 		}
 	}
+	ended := 0
+	for _, l := range e.logLines(t, "sandbox tunnel ended with an error") {
+		sandbox, _ := l["sandbox"].(string)
+		if !cut[sandbox] {
+			t.Errorf("tunnel %s ended with an error %v while out of fds", sandbox, l["error"])
+		} else if err, _ := l["error"].(string); !strings.Contains(err, "pipe") || !strings.Contains(err, syscall.EMFILE.Error()) {
+			t.Errorf("tunnel %s ended with %q while out of fds, want a pipe refused with EMFILE", sandbox, err)
+		} else {
+			ended++
+		}
+	}
+	if ended != len(cut) {
+		t.Errorf("%d tunnels failed at the gateway, %d logged a pipe shortage", len(cut), ended)
+	}
+	t.Logf("%d of %d open tunnels ended for want of a pipe", len(cut), len(errs))
 	for _, c := range held {
 		c.Close()
 	}
@@ -442,10 +497,12 @@ func TestSandboxFDExhaustion(t *testing.T) {
 			t.Errorf("/metrics does not match %s", re)
 		}
 	}
+	// Besides the splice pool's idle pipes (at most DefaultMaxIdlePipes,
+	// two ends each, kept for reuse).
 	deadline = time.Now().Add(5 * time.Second)
-	for p.openFDs(t) > fdsAtStart {
+	for fds, pipes := p.openFDs(t); fds-pipes > fdsAtStart-pipesAtStart || pipes > pipesAtStart+2*splice.DefaultMaxIdlePipes; fds, pipes = p.openFDs(t) {
 		if time.Now().After(deadline) {
-			t.Fatalf("caddy holds %d fds after the tunnels closed, %d at start", p.openFDs(t), fdsAtStart)
+			t.Fatalf("caddy holds %d fds (%d pipe ends) after the tunnels closed, %d (%d) at start", fds, pipes, fdsAtStart, pipesAtStart)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -455,7 +512,7 @@ func TestSandboxFDExhaustion(t *testing.T) {
 		got[r.RecvSum] = r.Received
 	}
 	for i := range errs {
-		if got[forwardtest.PatternSum(uint64(1000+i), 64<<10)] != 64<<10 {
+		if !cut[fmt.Sprintf("sbx-fd-%d", i)] && got[forwardtest.PatternSum(uint64(1000+i), 64<<10)] != 64<<10 {
 			t.Errorf("upstream did not receive tunnel %d's bytes", i)
 		}
 	}
@@ -467,18 +524,32 @@ func TestSandboxFDExhaustion(t *testing.T) {
 // SIGTERM with 100 tunnels moving data: the real binary stops accepting at
 // once, lets the tunnels that finish within drain_grace_period finish with
 // every byte intact, closes the rest after it, and exits 0.
-func TestSandboxDrainManyTunnels(t *testing.T) {
+func TestSandboxDrainManyTunnels(t *testing.T) { sandboxDrainManyTunnels(t, false) }
+
+// TestKernelSandboxDrainManyTunnels is TestSandboxDrainManyTunnels on a
+// kTLS kernel (every tunnel offloaded: tls_stat), with 20 tunnels: the VM
+// emulates the CPU, and 100 paced tunnels would starve it past the grace
+// period's checks.
+func TestKernelSandboxDrainManyTunnels(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxDrainManyTunnels(t, true)
+}
+
+func sandboxDrainManyTunnels(t *testing.T, kernel bool) {
 	const (
-		grace     = 6 * time.Second
-		finishing = 50      // end their transfer shortly after SIGTERM
-		streaming = 50      // would stream forever: closed by the drain
-		chunk     = 1 << 10 // every 20ms per tunnel: 100 tunnels must not starve 2 cores
-		reply     = 256 << 10
+		grace = 6 * time.Second
+		chunk = 1 << 10 // every 20ms per tunnel: 100 tunnels must not starve 2 cores
+		reply = 256 << 10
 	)
+	finishing, streaming := 50, 50 // end their transfer shortly after SIGTERM; would stream forever: closed by the drain
+	if kernel {
+		finishing, streaming = 10, 10
+	}
 	finite := forwardtest.NewUpstream(t, reply)
 	endless := tricklingUpstream(t, chunk, 20*time.Millisecond)
 	e := newSandboxConfig(t, map[string]any{"drain_grace_period": grace.String()})
 	p := startCaddy(t, e, "")
+	since := dataPathDelta(t, kernel) // tls_stat counts the binary's installs too: one network namespace
 
 	finish := make(chan struct{}) // closed shortly after SIGTERM: the finishing tunnels end
 	var finished []<-chan streamOutcome
@@ -512,7 +583,7 @@ func TestSandboxDrainManyTunnels(t *testing.T) {
 	deadline := time.Now().Add(60 * time.Second)
 	// Every tunnel is open (a preamble still in flight at SIGTERM would be
 	// refused as "draining").
-	for streamers.Load() < streaming || finite.Accepted() < finishing {
+	for streamers.Load() < int64(streaming) || finite.Accepted() < finishing {
 		if time.Now().After(deadline) {
 			t.Fatalf("tunnels did not start moving: %d streaming, %d finishing tunnels dialed", streamers.Load(), finite.Accepted())
 		}
@@ -572,6 +643,10 @@ func TestSandboxDrainManyTunnels(t *testing.T) {
 		t.Errorf("upstream saw %d finishing tunnels, want %d (a late tunnel was dialed?)", n, finishing)
 	}
 	checkBothWays(t, finite, outcomes)
+	// At least: the binary's own capability probe installs keys too.
+	if stat, _ := since(); kernel && (stat["TlsTxSw"] < int64(finishing+streaming) || stat["TlsRxSw"] < int64(finishing+streaming) || stat["TlsDecryptError"] != 0) {
+		t.Errorf("tls_stat delta %v: want TlsTxSw and TlsRxSw >= %d (every tunnel offloaded), TlsDecryptError 0", stat, finishing+streaming)
+	}
 }
 
 // Slowloris at scale: hundreds of gateways' sessions each dribble a valid
@@ -579,9 +654,24 @@ func TestSandboxDrainManyTunnels(t *testing.T) {
 // reason "timeout" (logged with the peer, counted), nothing is dialed for
 // them, a normal tunnel opened during the attack works, and every fd and
 // goroutine is released after.
-func TestSandboxSlowlorisPreambles(t *testing.T) {
+func TestSandboxSlowlorisPreambles(t *testing.T) { sandboxSlowlorisPreambles(t, false) }
+
+// TestKernelSandboxSlowlorisPreambles is TestSandboxSlowlorisPreambles on a
+// kTLS kernel, where the dribbled preamble is read through kTLS RX: every
+// slow session was offloaded (tls_stat) before it was cut.
+func TestKernelSandboxSlowlorisPreambles(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxSlowlorisPreambles(t, true)
+}
+
+func sandboxSlowlorisPreambles(t *testing.T, kernel bool) {
 	slow := 500
-	if forwardtest.RaceEnabled {
+	switch {
+	case kernel:
+		// The VM emulates the CPU (handshakes and AES ~250x slower); the
+		// kernel facts (offloaded, then cut) do not need the scale.
+		slow = 40
+	case forwardtest.RaceEnabled:
 		slow = 200 // the race detector makes each handshake ~10x dearer
 	}
 	size := int64(1 << 20)
@@ -589,6 +679,7 @@ func TestSandboxSlowlorisPreambles(t *testing.T) {
 	e := newSandboxEnv(t, map[string]any{"preamble_timeout": "2s"})
 	forwardtest.CheckLeaks(t)
 	before := tunnels.Rejections()["timeout"]
+	since := dataPathDelta(t, kernel)
 
 	frame := e.gw.Frame(t, "sbx-slow", up.Addr())
 	var wg sync.WaitGroup
@@ -659,6 +750,9 @@ func TestSandboxSlowlorisPreambles(t *testing.T) {
 	if logged != slow {
 		t.Errorf("%d timeout log lines with a peer, want %d", logged, slow)
 	}
+	if stat, _ := since(); kernel && (stat["TlsTxSw"] != int64(slow)+1 || stat["TlsRxSw"] != int64(slow)+1 || stat["TlsDecryptError"] != 0) {
+		t.Errorf("tls_stat delta %v: want TlsTxSw and TlsRxSw %d (every slow session and the normal tunnel offloaded), TlsDecryptError 0", stat, slow+1)
+	}
 }
 
 // Peers that fail mutual TLS never reach the preamble parser: non-TLS
@@ -666,10 +760,22 @@ func TestSandboxSlowlorisPreambles(t *testing.T) {
 // the right CA that is not on the leaf allowlist. Each connection is
 // closed without a tunnel byte, logged with the peer, counted as
 // handshake-failed, and nothing is dialed.
-func TestSandboxHandshakeRefusals(t *testing.T) {
+func TestSandboxHandshakeRefusals(t *testing.T) { sandboxHandshakeRefusals(t, false) }
+
+// TestKernelSandboxHandshakeRefusals is TestSandboxHandshakeRefusals on a
+// kTLS kernel: a refused handshake installs nothing (tls_stat: no TX, no
+// RX, no ULP error).
+func TestKernelSandboxHandshakeRefusals(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxHandshakeRefusals(t, true)
+}
+
+func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 	up := forwardtest.NewUpstream(t, 0)
 	e := newSandboxEnv(t, nil)
 	forwardtest.CheckLeaks(t)
+	since := dataPathDelta(t, kernel)
+	outcomes0 := ktls.Stats().Outcomes
 	stranger := e.ca.Client(t, "not-allowed")
 	otherCA := testpki.NewCA(t, "other CA").Client(t, "gateway-1")
 	tlsCase := func(leaf *testpki.Leaf) func(t *testing.T) {
@@ -737,6 +843,27 @@ func TestSandboxHandshakeRefusals(t *testing.T) {
 	metrics := string(e.adminBody(t, "/metrics"))
 	if line := fmt.Sprintf("caddy_ktls_handshakes_total{reason=%q} %d\n", ktls.ReasonHandshakeFailed, failed()); !strings.Contains(metrics, line) {
 		t.Errorf("/metrics lacks %q", line)
+	}
+	// No refused peer got an offload outcome of its own.
+	for r, n := range ktls.Stats().Outcomes {
+		want := outcomes0[r]
+		if r == ktls.ReasonHandshakeFailed {
+			want += uint64(len(cases))
+		}
+		if n != want {
+			t.Errorf("handshakes with reason %s: %d -> %d, want %d", r, outcomes0[r], n, want)
+		}
+	}
+	stat, dp := since()
+	if dp != (forward.DataPath{}) {
+		t.Errorf("data path %+v for refused peers, want nothing relayed", dp)
+	}
+	if kernel {
+		for _, k := range []string{"TlsTxSw", "TlsRxSw", "TlsTxDevice", "TlsRxDevice", "TlsDecryptError"} {
+			if stat[k] != 0 {
+				t.Errorf("tls_stat delta %v: want %s 0 (a refused handshake installs nothing)", stat, k)
+			}
+		}
 	}
 }
 

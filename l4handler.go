@@ -566,6 +566,9 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		zap.String("peer", peer), zap.Int64("bytes_to_sandbox", ti.BytesToSandbox), zap.Int64("bytes_from_sandbox", ti.BytesFromSandbox),
 		zap.Bool("spliced_to_sandbox", res.Relay.AToB.Spliced), zap.Bool("spliced_from_sandbox", res.Relay.BToA.Spliced)}
 	if err != nil && !errors.Is(err, io.EOF) {
+		if ktls.IsBadRecord(err) {
+			connCloses.add(closeKey{moduleL4Handler, eventBadRecord})
+		}
 		h.logger.Info("sandbox tunnel ended with an error", append(fields, zap.Error(err))...)
 		return nil
 	}

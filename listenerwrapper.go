@@ -262,7 +262,7 @@ func (lw *ListenerWrapper) observe(ev ktls.Event) {
 				zap.String("cipher_suite", tls.CipherSuiteName(ev.Offload.CipherSuite)),
 				zap.Error(ev.Err))
 		}
-	case ktls.EventRateLimited, ktls.EventClosed:
+	case ktls.EventRateLimited, ktls.EventClosed, ktls.EventRekeyUnsupported:
 		lw.logger.Warn("kernel TLS connection closed", zap.String("event", string(ev.Kind)),
 			zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
 	default:

@@ -36,7 +36,7 @@ var metrics = &collector{
 	offloads:       prometheus.NewDesc("caddy_ktls_handshakes_total", "kTLS handshakes by offload outcome reason (none = fully offloaded).", []string{"reason"}, nil),
 	offloadModes:   prometheus.NewDesc("caddy_ktls_offload_directions_total", "Offloaded connections by direction (tx, rx) and mode (userspace, sw, hw).", []string{"direction", "mode"}, nil),
 	connCloses: prometheus.NewDesc("caddy_ktls_connections_closed_total",
-		"Offloaded connections the ktls engine closed, by module and event (rate-limited: KeyUpdates above keyupdate_rate; alert: the peer's fatal alert; closed-after-tx: a step after installing TLS_TX failed).",
+		"Offloaded connections the ktls engine closed, by module and event (rate-limited: KeyUpdates above keyupdate_rate; alert: the peer's fatal alert; closed-after-tx: a step after installing TLS_TX failed; rekey-unsupported: a KeyUpdate on a kernel without rekey; bad-record, layer4 tunnels only: a record that failed authentication).",
 		[]string{"module", "event"}, nil),
 	acceptRetries: prometheus.NewDesc("caddy_ktls_accept_retries_total",
 		"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil),
@@ -92,7 +92,14 @@ const (
 )
 
 // closeEvents are the ktls events that end a connection.
-var closeEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.EventClosed}
+var closeEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.EventClosed, ktls.EventRekeyUnsupported}
+
+// eventBadRecord counts the tunnels that a received record failing
+// authentication ended (ktls.IsBadRecord). It is not a ktls event: on the
+// kernel path the splice relay, not the conn, meets the record (EBADMSG), so
+// the layer4 handler counts it from the tunnel's end error; the listener
+// wrapper never sees its connections' read errors and has no such series.
+const eventBadRecord ktls.EventKind = "bad-record"
 
 type closeKey struct {
 	module string
@@ -115,6 +122,7 @@ var connCloses = func() *closeCounts {
 			c.n[closeKey{m, ev}] = 0
 		}
 	}
+	c.n[closeKey{moduleL4Handler, eventBadRecord}] = 0
 	return c
 }()
 
@@ -124,7 +132,11 @@ func (c *closeCounts) count(module string, ev ktls.EventKind) {
 	if !slices.Contains(closeEvents, ev) {
 		return
 	}
-	k := closeKey{module, ev}
+	c.add(closeKey{module, ev})
+}
+
+// add counts one close of k, when k has a series.
+func (c *closeCounts) add(k closeKey) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if _, ok := c.n[k]; ok {

@@ -475,9 +475,9 @@ func TestKernelKeyUpdateFlood(t *testing.T) {
 		return len(slices.DeleteFunc(slices.Clone(events), func(e EventKind) bool { return e != k }))
 	}
 	if !Probe().Rekey {
-		if !errors.Is(readErr, ErrRekeyUnsupported) || accepted != 0 || limited != 0 || rekeyed != 0 {
-			t.Fatalf("without kernel rekey: Read %v, %d KeyUpdates applied, %d rate-limited closes, client rekeyed %d; "+
-				"want ErrRekeyUnsupported at the first, 0, 0, 0", readErr, accepted, limited, rekeyed)
+		if !errors.Is(readErr, ErrRekeyUnsupported) || accepted != 0 || limited != 0 || rekeyed != 0 || countEvents(EventRekeyUnsupported) != 1 {
+			t.Fatalf("without kernel rekey: Read %v, %d KeyUpdates applied, %d rate-limited closes, client rekeyed %d, events %v; "+
+				"want ErrRekeyUnsupported at the first, 0, 0, 0, one rekey-unsupported event", readErr, accepted, limited, rekeyed, events)
 		}
 	} else {
 		burst := uint64(DefaultKeyUpdateLimit.Burst)
@@ -491,7 +491,7 @@ func TestKernelKeyUpdateFlood(t *testing.T) {
 		wantStat(t, d, "TlsTxRekeyOk", int64(rekeyed))
 		wantStat(t, d, "TlsRxRekeyError", 0)
 		wantStat(t, d, "TlsTxRekeyError", 0)
-		if uint64(rekeyed) < accepted || countEvents(EventKeyUpdate) != int(accepted) || countEvents(EventRateLimited) != 1 {
+		if uint64(rekeyed) < accepted || countEvents(EventKeyUpdate) != int(accepted) || countEvents(EventRateLimited) != 1 || countEvents(EventRekeyUnsupported) != 0 {
 			t.Fatalf("client rekeyed %d times, events %v: want at least the %d applied, that many key-update events and one rate-limited", rekeyed, events, accepted)
 		}
 		t.Logf("flood: %d KeyUpdates applied, then the rate-limited close (client rekeyed %d times)", accepted, rekeyed)

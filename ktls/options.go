@@ -114,6 +114,9 @@ const (
 	EventRateLimited EventKind = "rate-limited"    // closed: control records above Options.KeyUpdateLimit
 	EventAlert       EventKind = "alert"           // the peer sent a fatal alert
 	EventClosed      EventKind = "closed-after-tx" // closed because a step after installing TX failed
+	// closed: the peer sent a KeyUpdate and this kernel cannot install a
+	// second key (ErrRekeyUnsupported, Linux < 6.14)
+	EventRekeyUnsupported EventKind = "rekey-unsupported"
 )
 
 // Event is passed to Options.Observer.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"syscall"
 	"time"
 
@@ -45,6 +46,19 @@ var (
 	// install a second key (Linux < 6.14).
 	ErrRekeyUnsupported = errors.New("ktls: peer sent KeyUpdate, but this kernel cannot rekey kTLS (needs Linux >= 6.14)")
 )
+
+// IsBadRecord reports whether err ended a connection because a received
+// record failed authentication: EBADMSG from kernel RX (read(2), recvmsg(2)
+// or splice(2)), bad_record_mac from the Go opener (Options.DisableRX), or
+// crypto/tls's bad_record_mac on the userspace fallback. The splice relay,
+// not the Conn, meets the record on the kernel path, so the caller that sees
+// a tunnel's end error classifies it.
+func IsBadRecord(err error) bool {
+	var op *net.OpError
+	return errors.Is(err, syscall.EBADMSG) || errors.Is(err, errBadRecordMAC) ||
+		// crypto/tls's alert type is unexported; its text is AlertError's.
+		errors.As(err, &op) && op.Op == "local error" && op.Err != nil && op.Err.Error() == tls.AlertError(alertBadRecordMAC).Error()
+}
 
 // protocolError is a fatal error together with the alert that reports it.
 type protocolError struct {
@@ -297,6 +311,7 @@ func (c *Conn) keyUpdate(updateRequested bool) error {
 		return &protocolError{alertUnexpectedMessage, ErrKeyUpdateRateLimited}
 	}
 	if !Probe().Rekey {
+		c.report(Event{Kind: EventRekeyUnsupported, Offload: c.off, Err: ErrRekeyUnsupported})
 		return &protocolError{alertInternalError, ErrRekeyUnsupported}
 	}
 	suite := c.off.CipherSuite

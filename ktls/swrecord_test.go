@@ -6,9 +6,12 @@ import (
 	"crypto/tls"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
+	"syscall"
 	"testing"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
@@ -290,8 +293,37 @@ func TestRecordOpenRejects(t *testing.T) {
 			if opener.seq != c.openSeq {
 				t.Fatalf("sequence moved to %d on a failed Open", opener.seq)
 			}
+			if got := IsBadRecord(fmt.Errorf("read: %w", err)); got != (c.want == errBadRecordMAC) {
+				t.Errorf("IsBadRecord(%v) = %v", err, got)
+			}
 			t.Logf("%v", err)
 		})
+	}
+}
+
+// IsBadRecord takes the kernel's EBADMSG however the read, recvmsg or
+// splice that met it wraps it, and crypto/tls's own bad_record_mac, but not
+// the peer's alert of that name (a record we sent failed at the peer) nor
+// other read errors. (The opener's errors: TestRecordOpenRejects; crypto/tls's
+// real error through a tunnel: TestSandboxBadRecord.)
+func TestIsBadRecord(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{fmt.Errorf("source: %w", os.NewSyscallError("splice source", syscall.EBADMSG)), true},
+		{&net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.EBADMSG)}, true},
+		{&net.OpError{Op: "local error", Err: tls.AlertError(alertBadRecordMAC)}, true},
+		{&net.OpError{Op: "remote error", Err: tls.AlertError(alertBadRecordMAC)}, false},
+		{&net.OpError{Op: "local error", Err: tls.AlertError(alertDecodeError)}, false},
+		{AlertError(alertBadRecordMAC), false},
+		{os.NewSyscallError("splice source", syscall.EIO), false},
+		{io.EOF, false},
+		{nil, false},
+	} {
+		if got := IsBadRecord(c.err); got != c.want {
+			t.Errorf("IsBadRecord(%v) = %v, want %v", c.err, got, c.want)
+		}
 	}
 }
 

@@ -322,6 +322,8 @@ func lwBinary(t *testing.T, kernel bool) {
 		t.Fatal(err)
 	}
 	caddyfile := filepath.Join(dir, "Caddyfile")
+	// The client_auth site's access log: r.TLS as Caddy logs it.
+	accessLog := filepath.Join(dir, "access.log")
 	if err := os.WriteFile(caddyfile, fmt.Appendf(nil, `{
 	admin %[1]s
 	persist_config off
@@ -357,9 +359,17 @@ https://mtls.localhost:%[4]d {
 			trust_pool file %[9]s
 		}
 	}
-	respond "cn={http.request.tls.client.subject}"
+	log {
+		output file %[10]s {
+			roll_disabled
+		}
+		format json
+	}
+	@gateway expression {http.request.tls.client.subject} == "CN=binary-gateway"
+	respond @gateway "cn={http.request.tls.client.subject}"
+	respond "not the gateway" 403
 }
-`, s.adminAddr, filepath.Join(dir, "storage"), s.logFile, s.port, certFile, keyFile, filepath.Join(dir, "www"), lwHashUpstream(t), caFile), 0o600); err != nil {
+`, s.adminAddr, filepath.Join(dir, "storage"), s.logFile, s.port, certFile, keyFile, filepath.Join(dir, "www"), lwHashUpstream(t), caFile, accessLog), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	runCaddy(t, "", fmt.Sprintf("127.0.0.1:%d", s.port), s.logFile, "--config", caddyfile, "--adapter", "caddyfile")
@@ -426,6 +436,33 @@ https://mtls.localhost:%[4]d {
 	}
 	if n := len(jsonLogLines(t, s.logFile, summary)); n != 1 {
 		t.Errorf("%d %q start summaries in the binary's log, want 1", n, summary)
+	}
+	checkAccessLogTLS(t, accessLog)
+}
+
+// checkAccessLogTLS checks the client_auth site's access log: one request,
+// matched by the client-certificate expression (status 200, not the 403
+// fallback), logged with the TLS state of the kernel-TLS connection: TLS
+// 1.3, its SNI and the client certificate's common name.
+func checkAccessLogTLS(t *testing.T, accessLog string) {
+	t.Helper()
+	entries := jsonLogLines(t, accessLog, "handled request")
+	if len(entries) != 1 {
+		t.Fatalf("%d access log entries on the client_auth site, want 1: %v", len(entries), entries)
+	}
+	request, _ := entries[0]["request"].(map[string]any)
+	state, _ := request["tls"].(map[string]any)
+	for field, want := range map[string]any{
+		"version":            float64(tls.VersionTLS13),
+		"server_name":        "mtls.localhost",
+		"client_common_name": "binary-gateway",
+	} {
+		if state[field] != want {
+			t.Errorf("access log request.tls.%s = %v, want %v (entry %v)", field, state[field], want, entries[0])
+		}
+	}
+	if entries[0]["status"] != float64(200) {
+		t.Errorf("access log status %v, want 200: the client-certificate matcher did not match", entries[0]["status"])
 	}
 }
 

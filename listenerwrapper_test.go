@@ -31,18 +31,11 @@ import (
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
-// lwTestMiB is the download and upload size: KTLS_TEST_MIB, default 4.
+// lwTestMiB is the download and upload size: kerneltest.BulkMiB
+// (KTLS_TEST_MIB), default 2.
 func lwTestMiB(t testing.TB) int {
 	t.Helper()
-	s := os.Getenv("KTLS_TEST_MIB")
-	if s == "" {
-		return 2
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 {
-		t.Fatalf("KTLS_TEST_MIB=%q is not a positive integer", s)
-	}
-	return n
+	return kerneltest.BulkMiB(t, 2)
 }
 
 func lwFreePort(t testing.TB) int {

@@ -9,12 +9,12 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
-	"os"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 )
 
@@ -208,16 +208,11 @@ func (p *pair) close() {
 	p.server.Close()
 }
 
-// transferSize is the bytes moved each way: KTLS_TEST_MIB MiB, else def.
-func transferSize(t testing.TB, def int) int {
-	if v := os.Getenv("KTLS_TEST_MIB"); v != "" {
-		mib, err := strconv.Atoi(v)
-		if err != nil || mib <= 0 {
-			t.Fatalf("KTLS_TEST_MIB=%q: want a positive integer", v)
-		}
-		return mib << 20
-	}
-	return def
+// bulkSize is the bytes a bulk transfer moves each way: KTLS_TEST_MIB MiB
+// (kerneltest.BulkMiB), else defMiB.
+func bulkSize(t testing.TB, defMiB int) int {
+	t.Helper()
+	return kerneltest.BulkMiB(t, defMiB) << 20
 }
 
 // payload returns a deterministic pseudo-random stream of n bytes.

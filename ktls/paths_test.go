@@ -77,7 +77,7 @@ func TestKernelLayered(t *testing.T) {
 	kerneltest.Require(t)
 	checkNoFDLeak(t, kerneltest.OpenFDs)
 	p := newTestPKI(t)
-	n := transferSize(t, defaultKernelBytes)
+	n := bulkSize(t, defaultBulkMiB)
 	scfg, ccfg := p.configs(connCases[0])
 	for _, tc := range []struct {
 		name      string
@@ -116,7 +116,7 @@ func TestKernelTXZeroCopyRO(t *testing.T) {
 		t.Fatalf("kernel refuses TLS_TX_ZEROCOPY_RO:\n%v", Probe())
 	}
 	p := newTestPKI(t)
-	n := transferSize(t, defaultKernelBytes)
+	n := bulkSize(t, defaultBulkMiB)
 	scfg, ccfg := p.configs(connCases[0])
 	var pr *pair
 	d := statDelta(t, func() {

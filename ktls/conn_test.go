@@ -36,6 +36,9 @@ func expectedReason() Reason {
 func runCase(t *testing.T, p *testPKI, cc connCase, opts Options, n int, want Reason) *pair {
 	t.Helper()
 	scfg, ccfg := p.configs(cc)
+	if cc.suite != 0 && cc.version == tls.VersionTLS13 {
+		onlyTLS13Suite(t, cc.suite)
+	}
 	if cc.resume {
 		first, err := dialPair(t, scfg, ccfg, opts, nil)
 		if err != nil {
@@ -57,8 +60,12 @@ func runCase(t *testing.T, p *testPKI, cc connCase, opts Options, n int, want Re
 		t.Fatalf("server DidResume = %v, want %v", got, cc.resume)
 	}
 	off := pr.server.Offload()
-	if off.Reason != want || off.Version != cc.version || cc.suite != 0 && off.CipherSuite != cc.suite {
-		t.Fatalf("Offload() = %+v, want reason %q version %#x suite %#x", off, want, cc.version, cc.suite)
+	wantSuite := cc.suite
+	if wantSuite == 0 {
+		wantSuite = map[uint16]uint16{tls.VersionTLS13: tls.TLS_AES_128_GCM_SHA256, tls.VersionTLS12: tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256}[cc.version]
+	}
+	if off.Reason != want || off.Version != cc.version || off.CipherSuite != wantSuite {
+		t.Fatalf("Offload() = %+v, want reason %q version %#x suite %s", off, want, cc.version, tls.CipherSuiteName(wantSuite))
 	}
 	if cc.mutualAuth && len(pr.server.ConnectionState().PeerCertificates) == 0 {
 		t.Fatal("server saw no client certificate")

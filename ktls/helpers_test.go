@@ -13,6 +13,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	_ "unsafe" // go:linkname
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
@@ -37,21 +38,51 @@ type connCase struct {
 	tickets    bool
 	mutualAuth bool
 	resume     bool   // handshake twice and transfer over the resumed one
-	suite      uint16 // the only suite the client offers (TLS 1.2); 0: crypto/tls's defaults
+	suite      uint16 // the only suite the client offers (TLS 1.3: onlyTLS13Suite); 0: crypto/tls's defaults
 }
 
+// connCases is the Go client's matrix: the default suite (AES-128-GCM)
+// across tickets on/off × client auth × resumed for both versions, and
+// each other suite full and resumed.
 var connCases = []connCase{
 	{name: "tls13", version: tls.VersionTLS13, tickets: true},
 	{name: "tls13-no-tickets", version: tls.VersionTLS13},
 	{name: "tls13-mtls", version: tls.VersionTLS13, tickets: true, mutualAuth: true},
 	{name: "tls13-resumed", version: tls.VersionTLS13, tickets: true, resume: true},
 	{name: "tls13-resumed-mtls", version: tls.VersionTLS13, tickets: true, mutualAuth: true, resume: true},
+	{name: "tls13-aes256", version: tls.VersionTLS13, tickets: true, suite: tls.TLS_AES_256_GCM_SHA384},
+	{name: "tls13-aes256-resumed", version: tls.VersionTLS13, tickets: true, resume: true, suite: tls.TLS_AES_256_GCM_SHA384},
+	{name: "tls13-chacha20", version: tls.VersionTLS13, tickets: true, suite: tls.TLS_CHACHA20_POLY1305_SHA256},
+	{name: "tls13-chacha20-resumed", version: tls.VersionTLS13, tickets: true, resume: true, suite: tls.TLS_CHACHA20_POLY1305_SHA256},
 	{name: "tls12", version: tls.VersionTLS12, tickets: true},
 	{name: "tls12-no-tickets", version: tls.VersionTLS12},
 	{name: "tls12-mtls", version: tls.VersionTLS12, mutualAuth: true},
 	{name: "tls12-resumed", version: tls.VersionTLS12, tickets: true, resume: true},
+	{name: "tls12-resumed-mtls", version: tls.VersionTLS12, tickets: true, mutualAuth: true, resume: true},
+	{name: "tls12-aes256", version: tls.VersionTLS12, tickets: true, suite: tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384},
+	{name: "tls12-aes256-resumed", version: tls.VersionTLS12, tickets: true, resume: true, suite: tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384},
 	{name: "tls12-chacha20", version: tls.VersionTLS12, tickets: true, suite: tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256},
 	{name: "tls12-chacha20-resumed", version: tls.VersionTLS12, tickets: true, resume: true, suite: tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256},
+}
+
+// tls13Suites is crypto/tls's TLS 1.3 suite list: what a client offers and,
+// with AES hardware, the server's preference order. Config.CipherSuites
+// does not apply to TLS 1.3 and Go picks AES-128-GCM whenever both sides
+// have AES hardware, so a Go client negotiates AES-256-GCM or
+// ChaCha20-Poly1305 only with this list narrowed. crypto/tls keeps the
+// variable reachable by linkname for such callers (defaults.go).
+//
+//go:linkname tls13Suites crypto/tls.defaultCipherSuitesTLS13
+var tls13Suites []uint16
+
+// onlyTLS13Suite makes every crypto/tls handshake of this process offer,
+// and so agree on, only suite in TLS 1.3 until t ends (a client that
+// offers no AES-GCM first gets the server's ChaCha20-first order). No test
+// of this package runs in parallel.
+func onlyTLS13Suite(t testing.TB, suite uint16) {
+	saved := tls13Suites
+	tls13Suites = []uint16{suite}
+	t.Cleanup(func() { tls13Suites = saved })
 }
 
 func (p *testPKI) configs(cc connCase) (server, client *tls.Config) {
@@ -71,7 +102,7 @@ func (p *testPKI) configs(cc connCase) (server, client *tls.Config) {
 		server.ClientCAs = p.ca.Pool
 		client.Certificates = []tls.Certificate{p.client.TLS}
 	}
-	if cc.suite != 0 {
+	if cc.suite != 0 && cc.version == tls.VersionTLS12 {
 		client.CipherSuites = []uint16{cc.suite}
 	}
 	if cc.resume {

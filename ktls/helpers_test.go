@@ -85,6 +85,15 @@ func onlyTLS13Suite(t testing.TB, suite uint16) {
 	t.Cleanup(func() { tls13Suites = saved })
 }
 
+// connections is how many connections the case makes: two when it
+// resumes the first one's session.
+func (cc connCase) connections() int64 {
+	if cc.resume {
+		return 2
+	}
+	return 1
+}
+
 func (p *testPKI) configs(cc connCase) (server, client *tls.Config) {
 	server = &tls.Config{
 		Certificates:           []tls.Certificate{p.server.TLS},

@@ -60,12 +60,8 @@ func TestKernelMatrix(t *testing.T) {
 		t.Run(cc.name, func(t *testing.T) {
 			var pr *pair
 			d := statDelta(t, func() { pr = runCase(t, p, cc, Options{}, n, ReasonNone) })
-			conns := int64(1)
-			if cc.resume {
-				conns = 2
-			}
-			wantStat(t, d, "TlsTxSw", conns)
-			wantStat(t, d, "TlsRxSw", conns)
+			wantStat(t, d, "TlsTxSw", cc.connections())
+			wantStat(t, d, "TlsRxSw", cc.connections())
 			wantStat(t, d, "TlsDecryptError", 0)
 			if off := pr.server.Offload(); off.TX != ModeSW || off.RX != ModeSW {
 				t.Errorf("modes TX %v RX %v, want sw/sw", off.TX, off.RX)
@@ -74,16 +70,20 @@ func TestKernelMatrix(t *testing.T) {
 	}
 }
 
-// TestKernelDisableRX: the kernel seals, Go opens.
+// TestKernelDisableRX: the kernel seals, Go opens, over the whole Go
+// client matrix and one OpenSSL shape (ChaCha20, client auth, resumed):
+// the same bulk transfers, SHA-256 checked, and tls_stat shows a TX
+// install per connection and no RX install.
 func TestKernelDisableRX(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
 	n := bulkSize(t, defaultBulkMiB)
-	for _, cc := range []connCase{connCases[0], connCases[2], connCases[5], connCases[9]} {
+	opts := Options{DisableRX: true}
+	for _, cc := range connCases {
 		t.Run(cc.name, func(t *testing.T) {
 			var pr *pair
-			d := statDelta(t, func() { pr = runCase(t, p, cc, Options{DisableRX: true}, n, ReasonRXDisabled) })
-			wantStat(t, d, "TlsTxSw", 1)
+			d := statDelta(t, func() { pr = runCase(t, p, cc, opts, n, ReasonRXDisabled) })
+			wantStat(t, d, "TlsTxSw", cc.connections())
 			wantStat(t, d, "TlsRxSw", 0)
 			if off := pr.server.Offload(); off.TX != ModeSW || off.RX != ModeUserspace {
 				t.Errorf("modes TX %v RX %v, want sw/userspace", off.TX, off.RX)
@@ -93,6 +93,12 @@ func TestKernelDisableRX(t *testing.T) {
 			}
 		})
 	}
+	su, shape := opensslSuites[1], opensslShapes[1]
+	t.Run("openssl-"+su.name+"/"+shape.String(), func(t *testing.T) {
+		conns, d := runOpenSSLShape(t, p, su, shape, opts, n)
+		wantStat(t, d, "TlsTxSw", conns)
+		wantStat(t, d, "TlsRxSw", 0)
+	})
 }
 
 // TestKernelExpectNoPad: TLS_RX_EXPECT_NO_PAD against a peer that does not pad.
@@ -192,6 +198,23 @@ var opensslShapes = []opensslShape{
 	{tickets: true, resume: true}, {tickets: true, mutualAuth: true, resume: true}, {}, {mutualAuth: true},
 }
 
+// opensslSuite is a suite of the OpenSSL matrix and the s_client
+// arguments that force it.
+type opensslSuite struct {
+	name  string
+	suite uint16
+	args  []string
+}
+
+var opensslSuites = []opensslSuite{
+	{"tls13-aes256", tls.TLS_AES_256_GCM_SHA384, []string{"-tls1_3", "-ciphersuites", "TLS_AES_256_GCM_SHA384"}},
+	{"tls13-chacha20", tls.TLS_CHACHA20_POLY1305_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_CHACHA20_POLY1305_SHA256"}},
+	{"tls13-aes128", tls.TLS_AES_128_GCM_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256"}},
+	{"tls12-aes256", tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"}},
+	{"tls12-aes128", tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"}},
+	{"tls12-chacha20", tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-CHACHA20-POLY1305"}},
+}
+
 // TestKernelOpenSSLSuites: a real OpenSSL client, each suite of both
 // versions (TLS 1.3 AES-128/256-GCM and ChaCha20-Poly1305, TLS 1.2 ECDHE
 // AES-128/256-GCM and ChaCha20-Poly1305) across tickets on/off × client
@@ -200,45 +223,11 @@ var opensslShapes = []opensslShape{
 func TestKernelOpenSSLSuites(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
-	certFile, keyFile := p.client.WriteFiles(t, t.TempDir(), "client")
 	n := bulkSize(t, defaultBulkMiB)
-	suites := []struct {
-		name  string
-		suite uint16
-		args  []string
-	}{
-		{"tls13-aes256", tls.TLS_AES_256_GCM_SHA384, []string{"-tls1_3", "-ciphersuites", "TLS_AES_256_GCM_SHA384"}},
-		{"tls13-chacha20", tls.TLS_CHACHA20_POLY1305_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_CHACHA20_POLY1305_SHA256"}},
-		{"tls13-aes128", tls.TLS_AES_128_GCM_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256"}},
-		{"tls12-aes256", tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"}},
-		{"tls12-aes128", tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"}},
-		{"tls12-chacha20", tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-CHACHA20-POLY1305"}},
-	}
-	for _, su := range suites {
+	for _, su := range opensslSuites {
 		for _, shape := range opensslShapes {
 			t.Run(su.name+"/"+shape.String(), func(t *testing.T) {
-				scfg, _ := p.configs(connCase{tickets: shape.tickets, mutualAuth: shape.mutualAuth})
-				args := append(slices.Clone(su.args), "-quiet")
-				if shape.mutualAuth {
-					args = append(args, "-cert", certFile, "-key", keyFile)
-				}
-				conns := int64(1)
-				d := statDelta(t, func() {
-					if shape.resume {
-						session := filepath.Join(t.TempDir(), "session.pem")
-						first := startOpenSSL(t, p, scfg, Options{}, append(args, "-sess_out", session)...)
-						first.check(t, su.suite, shape, false)
-						first.exchange(t, n)
-						if st, err := os.Stat(session); err != nil || st.Size() == 0 {
-							t.Fatalf("openssl saved no session: %v\n%s", err, first.stderr.String())
-						}
-						args = append(args, "-sess_in", session)
-						conns = 2
-					}
-					r := startOpenSSL(t, p, scfg, Options{}, args...)
-					r.check(t, su.suite, shape, shape.resume)
-					r.exchange(t, n)
-				})
+				conns, d := runOpenSSLShape(t, p, su, shape, Options{}, n)
 				wantStat(t, d, "TlsTxSw", conns)
 				wantStat(t, d, "TlsRxSw", conns)
 				wantStat(t, d, "TlsDecryptError", 0)
@@ -247,14 +236,49 @@ func TestKernelOpenSSLSuites(t *testing.T) {
 	}
 }
 
-// check verifies the server's view of an openssl handshake: fully
-// offloaded with the suite asked for, resumed or not, with or without a
-// client certificate.
+// runOpenSSLShape runs one shape with s_client: a full handshake, and with
+// resume a second connection resuming its saved session; each moves n
+// bytes both ways. It returns the connections made and the tls_stat delta.
+func runOpenSSLShape(t *testing.T, p *testPKI, su opensslSuite, shape opensslShape, opts Options, n int) (int64, kerneltest.Stat) {
+	t.Helper()
+	scfg, _ := p.configs(connCase{tickets: shape.tickets, mutualAuth: shape.mutualAuth})
+	args := append(slices.Clone(su.args), "-quiet")
+	if shape.mutualAuth {
+		certFile, keyFile := p.client.WriteFiles(t, t.TempDir(), "client")
+		args = append(args, "-cert", certFile, "-key", keyFile)
+	}
+	conns := int64(1)
+	d := statDelta(t, func() {
+		if shape.resume {
+			session := filepath.Join(t.TempDir(), "session.pem")
+			first := startOpenSSL(t, p, scfg, opts, append(args, "-sess_out", session)...)
+			first.check(t, su.suite, shape, false)
+			first.exchange(t, n)
+			if st, err := os.Stat(session); err != nil || st.Size() == 0 {
+				t.Fatalf("openssl saved no session: %v\n%s", err, first.stderr.String())
+			}
+			args = append(args, "-sess_in", session)
+			conns = 2
+		}
+		r := startOpenSSL(t, p, scfg, opts, args...)
+		r.check(t, su.suite, shape, shape.resume)
+		r.exchange(t, n)
+	})
+	return conns, d
+}
+
+// check verifies the server's view of an openssl handshake: offloaded as
+// its options ask (TX and RX, or TX only) with the suite asked for, resumed
+// or not, with or without a client certificate.
 func (r *opensslRun) check(t *testing.T, suite uint16, shape opensslShape, resumed bool) {
 	t.Helper()
 	off := r.server.Offload()
-	if off.Reason != ReasonNone || off.CipherSuite != suite {
-		t.Fatalf("Offload() = %+v, want none with suite %s", off, tls.CipherSuiteName(suite))
+	want, rx := ReasonNone, ModeSW
+	if r.server.opts.DisableRX {
+		want, rx = ReasonRXDisabled, ModeUserspace
+	}
+	if off.Reason != want || off.CipherSuite != suite || off.TX != ModeSW || off.RX != rx {
+		t.Fatalf("Offload() = %+v, want %s with suite %s, TX sw, RX %v", off, want, tls.CipherSuiteName(suite), rx)
 	}
 	state := r.server.ConnectionState()
 	if state.DidResume != resumed {
@@ -339,53 +363,72 @@ func (r *opensslRun) command(t *testing.T, letter string) {
 
 // TestKernelKeyUpdate: the peer's KeyUpdate rekeys RX (and TX when it asks
 // for an update) on kernels that can (>= 6.14); elsewhere the connection is
-// closed with ErrRekeyUnsupported.
+// closed with ErrRekeyUnsupported. With RX in userspace the opener rekeys
+// on any kernel, so there only a requested update (a second TLS_TX)
+// closes it.
 func TestKernelKeyUpdate(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
 	scfg, _ := p.configs(connCase{})
-	r := startOpenSSL(t, p, scfg, Options{}, "-tls1_3", "-brief")
-	if err := r.sendAndExpect(t, hexLine(2000)); err != nil {
-		t.Fatal(err)
-	}
-	before := Stats().KeyUpdates
-	var d kerneltest.Stat
-	var err error
-	d = statDelta(t, func() {
-		r.command(t, "k") // KeyUpdate, update_not_requested
-		err = r.sendAndExpect(t, hexLine(2000))
-		if err == nil {
-			r.command(t, "K") // update_requested: we answer and move TX
-			err = r.sendAndExpect(t, hexLine(2000))
-		}
-		if err == nil {
-			// Data from us under the new TX key must reach openssl.
-			line := hexLine(100)
-			if _, werr := r.server.Write(line); werr != nil {
-				t.Fatal(werr)
+	for _, tc := range []struct {
+		name     string
+		opts     Options
+		rxRekeys int64 // TLS_RX installs by the two KeyUpdates (tls_stat)
+	}{
+		{"rx-kernel", Options{}, 2},
+		{"rx-off", Options{DisableRX: true}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := startOpenSSL(t, p, scfg, tc.opts, "-tls1_3", "-brief")
+			if err := r.sendAndExpect(t, hexLine(2000)); err != nil {
+				t.Fatal(err)
 			}
-			got, rerr := r.stdout.ReadBytes('\n')
-			if rerr != nil || !bytes.Equal(got, line) {
-				t.Fatalf("openssl read %q (%v) after our KeyUpdate, want %q\n%s", got, rerr, line, r.stderr.String())
+			before := Stats().KeyUpdates
+			var notRequested, requested error
+			d := statDelta(t, func() {
+				r.command(t, "k") // KeyUpdate, update_not_requested
+				if notRequested = r.sendAndExpect(t, hexLine(2000)); notRequested != nil {
+					return
+				}
+				r.command(t, "K") // update_requested: we answer and move TX
+				if requested = r.sendAndExpect(t, hexLine(2000)); requested != nil {
+					return
+				}
+				// Data from us under the new TX key must reach openssl.
+				line := hexLine(100)
+				if _, err := r.server.Write(line); err != nil {
+					t.Fatal(err)
+				}
+				got, err := r.stdout.ReadBytes('\n')
+				if err != nil || !bytes.Equal(got, line) {
+					t.Fatalf("openssl read %q (%v) after our KeyUpdate, want %q\n%s", got, err, line, r.stderr.String())
+				}
+			})
+			applied := Stats().KeyUpdates - before
+			switch {
+			case Probe().Rekey:
+				if notRequested != nil || requested != nil || applied != 2 {
+					t.Fatalf("after KeyUpdates: %v, %v; %d applied, want both, no error\n%s", notRequested, requested, applied, r.stderr.String())
+				}
+				wantStat(t, d, "TlsRxRekeyOk", tc.rxRekeys)
+				wantStat(t, d, "TlsTxRekeyOk", 1)
+				return
+			case tc.opts.DisableRX:
+				if notRequested != nil || !errors.Is(requested, ErrRekeyUnsupported) || applied != 1 {
+					t.Fatalf("without kernel rekey, RX in userspace: %v, then %v; %d applied; "+
+						"want the first applied by the opener, ErrRekeyUnsupported at the requested one", notRequested, requested, applied)
+				}
+				wantStat(t, d, "TlsRxRekeyOk", 0)
+				wantStat(t, d, "TlsTxRekeyOk", 0)
+			default:
+				if !errors.Is(notRequested, ErrRekeyUnsupported) || applied != 0 {
+					t.Fatalf("Read after KeyUpdate on a kernel without rekey: %v, %d applied; want ErrRekeyUnsupported", notRequested, applied)
+				}
 			}
-		}
-	})
-	if !Probe().Rekey {
-		if !errors.Is(err, ErrRekeyUnsupported) {
-			t.Fatalf("Read after KeyUpdate on a kernel without rekey: %v, want ErrRekeyUnsupported", err)
-		}
-		if _, werr := r.server.Write([]byte("x")); werr == nil {
-			t.Fatal("connection still writable after the clean close")
-		}
-		return
-	}
-	if err != nil {
-		t.Fatalf("after KeyUpdate: %v\n%s", err, r.stderr.String())
-	}
-	wantStat(t, d, "TlsRxRekeyOk", 2)
-	wantStat(t, d, "TlsTxRekeyOk", 1)
-	if got := Stats().KeyUpdates - before; got < 2 {
-		t.Fatalf("Stats().KeyUpdates grew by %d, want 2", got)
+			if _, err := r.server.Write([]byte("x")); err == nil {
+				t.Fatal("connection still writable after the clean close")
+			}
+		})
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"path/filepath"
 	"strconv"
 	"sync"
 	"testing"
@@ -174,7 +175,18 @@ type pair struct {
 // completes both handshakes. wrap may replace the accepted conn.
 func dialPair(t testing.TB, scfg, ccfg *tls.Config, opts Options, wrap func(net.Conn) net.Conn) (*pair, error) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	return dialPairOn(t, "tcp", scfg, ccfg, opts, wrap)
+}
+
+// dialPairOn is dialPair over network: "tcp" (loopback) or "unix" (a
+// socket in a temporary directory).
+func dialPairOn(t testing.TB, network string, scfg, ccfg *tls.Config, opts Options, wrap func(net.Conn) net.Conn) (*pair, error) {
+	t.Helper()
+	addr := "127.0.0.1:0"
+	if network == "unix" {
+		addr = filepath.Join(t.TempDir(), "sock")
+	}
+	ln, err := net.Listen(network, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +200,7 @@ func dialPair(t testing.TB, scfg, ccfg *tls.Config, opts Options, wrap func(net.
 		}
 		accepted <- c
 	}()
-	raw, err := net.Dial("tcp", ln.Addr().String())
+	raw, err := net.Dial(network, ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}

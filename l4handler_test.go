@@ -19,7 +19,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -899,7 +898,7 @@ func TestKernelSandboxReloadsKeepTunnels(t *testing.T) {
 }
 
 func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
-	tunnelsN, reloadsN := envCount(t, "KTLS_LOAD_TUNNELS", 50), envCount(t, "KTLS_LOAD_RELOADS", 20)
+	tunnelsN, reloadsN := kerneltest.PositiveEnv(t, "KTLS_LOAD_TUNNELS", 50), kerneltest.PositiveEnv(t, "KTLS_LOAD_RELOADS", 20)
 	// What the upstream replies, and the chunks each client writes, one
 	// every pace, until the reloads are done; pace grows with the number
 	// of tunnels so that all of them together write about 4 MB/s. In the
@@ -907,7 +906,7 @@ func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
 	// moved (and the time the VM's slow AES spends on them) small.
 	reply, chunk, pace := int64(1<<20), 16<<10, time.Duration(tunnelsN)*4*time.Millisecond
 	if kernel {
-		tunnelsN = envCount(t, "KTLS_LOAD_TUNNELS", 8)
+		tunnelsN = kerneltest.PositiveEnv(t, "KTLS_LOAD_TUNNELS", 8)
 		reply, chunk, pace = 256<<10, 4<<10, time.Duration(tunnelsN)*6250*time.Microsecond
 	}
 	up := forwardtest.NewUpstream(t, reply)
@@ -983,21 +982,6 @@ func liveHeap() uint64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
-}
-
-// envCount reads a positive count from the environment variable name, or
-// returns def when it is unset.
-func envCount(t testing.TB, name string, def int) int {
-	t.Helper()
-	s := os.Getenv(name)
-	if s == "" {
-		return def
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 {
-		t.Fatalf("%s=%q: want a positive integer", name, s)
-	}
-	return n
 }
 
 // A preamble accepted before a configuration reload is still known after

@@ -14,7 +14,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -174,22 +173,15 @@ func TestRequireOffload(t *testing.T) {
 	cc := connCase{name: "cbc", version: tls.VersionTLS12}
 	scfg, ccfg := p.configs(cc)
 	ccfg.CipherSuites = []uint16{tls.TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA}
-	var mu sync.Mutex
-	var events []Event
-	opts := Options{RequireOffload: true, Observer: func(e Event) {
-		mu.Lock()
-		events = append(events, e)
-		mu.Unlock()
-	}}
+	var rec eventRecorder
+	opts := Options{RequireOffload: true, Observer: rec.observe}
 	before := Stats()
 	_, err := dialPair(t, scfg, ccfg, opts, nil)
 	var oe *OffloadError
 	if !errors.As(err, &oe) || oe.Reason != ReasonCipher || !strings.Contains(err.Error(), "cipher") {
 		t.Fatalf("handshake error %v, want an OffloadError naming %q", err, ReasonCipher)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != ReasonCipher || events[0].Remote == nil {
+	if events := rec.seen(); len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != ReasonCipher || events[0].Remote == nil {
 		t.Fatalf("observer events %+v, want one handshake event with reason cipher", events)
 	}
 	if d := Stats().Outcomes[ReasonCipher] - before.Outcomes[ReasonCipher]; d != 1 {

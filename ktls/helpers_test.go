@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -343,6 +344,25 @@ func exchange(t testing.TB, p *pair, n int) {
 			t.Error(err)
 		}
 	}
+}
+
+// eventRecorder collects what Options.Observer reports, from any goroutine.
+type eventRecorder struct {
+	mu     sync.Mutex
+	events []Event
+}
+
+func (r *eventRecorder) observe(e Event) {
+	r.mu.Lock()
+	r.events = append(r.events, e)
+	r.mu.Unlock()
+}
+
+// seen returns the events so far.
+func (r *eventRecorder) seen() []Event {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.events)
 }
 
 // checkNoFDLeak fails t if the fd count grew over the test.

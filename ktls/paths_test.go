@@ -9,7 +9,6 @@ import (
 	"regexp"
 	"runtime"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 	"unsafe"
@@ -213,14 +212,8 @@ func TestKernelClosedAfterTX(t *testing.T) {
 	scfg, ccfg := p.configs(connCases[0])
 	Probe() // before the filter, which would make it report RX unsupported
 	denySetsockopt(t, unix.SOL_TLS, optTLSRX)
-
-	var mu sync.Mutex
-	var events []Event
-	opts := Options{Observer: func(e Event) {
-		mu.Lock()
-		events = append(events, e)
-		mu.Unlock()
-	}}
+	var rec eventRecorder
+	opts := Options{Observer: rec.observe}
 	before := Stats()
 	clientRead := make(chan error, 1)
 	go func() {
@@ -265,9 +258,7 @@ func TestKernelClosedAfterTX(t *testing.T) {
 	if got := after.Outcomes[ReasonSetsockoptRX] - before.Outcomes[ReasonSetsockoptRX]; got != 1 {
 		t.Errorf("Stats().Outcomes[setsockopt-rx] grew by %d, want 1", got)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if len(events) != 2 || events[0].Kind != EventHandshake || events[1].Kind != EventClosed ||
+	if events := rec.seen(); len(events) != 2 || events[0].Kind != EventHandshake || events[1].Kind != EventClosed ||
 		events[0].Offload.Reason != ReasonSetsockoptRX || events[0].Offload.TX != ModeSW || !errors.Is(events[1].Err, unix.EPERM) {
 		t.Fatalf("observer events %+v, want handshake (setsockopt-rx, TX sw) then closed-after-tx", events)
 	}
@@ -299,13 +290,8 @@ func TestKernelSetsockoptFallback(t *testing.T) {
 			scfg, ccfg := p.configs(connCases[0])
 			Probe() // before the filter, which would make it fail
 			denySetsockopt(t, tc.level, tc.opt)
-			var mu sync.Mutex
-			var events []Event
-			opts := Options{Observer: func(e Event) {
-				mu.Lock()
-				events = append(events, e)
-				mu.Unlock()
-			}}
+			var rec eventRecorder
+			opts := Options{Observer: rec.observe}
 			before := Stats()
 			d := statDelta(t, func() {
 				pr, err := dialPair(t, scfg, ccfg, opts, nil)
@@ -336,9 +322,7 @@ func TestKernelSetsockoptFallback(t *testing.T) {
 				t.Errorf("Stats(): outcomes[%s] grew by %d, closed-after-tx by %d; want 1, 0",
 					tc.reason, got, after.ClosedAfterTX-before.ClosedAfterTX)
 			}
-			mu.Lock()
-			defer mu.Unlock()
-			if len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != tc.reason || !errors.Is(events[0].Err, unix.EPERM) {
+			if events := rec.seen(); len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != tc.reason || !errors.Is(events[0].Err, unix.EPERM) {
 				t.Fatalf("observer events %+v, want one handshake event with %q and the filter's EPERM", events, tc.reason)
 			}
 		})

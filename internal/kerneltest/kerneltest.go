@@ -77,16 +77,22 @@ func Require(t testing.TB) {
 const BulkEnv = "KTLS_TEST_MIB"
 
 // BulkMiB is the size in MiB of a bulk transfer: BulkEnv when set, else def.
-// It fails t when BulkEnv is not a positive integer.
 func BulkMiB(t testing.TB, def int) int {
 	t.Helper()
-	v := os.Getenv(BulkEnv)
+	return PositiveEnv(t, BulkEnv, def)
+}
+
+// PositiveEnv reads a positive integer from the environment variable name,
+// or returns def when it is unset. It fails t on anything else.
+func PositiveEnv(t testing.TB, name string, def int) int {
+	t.Helper()
+	v := os.Getenv(name)
 	if v == "" {
 		return def
 	}
 	n, err := strconv.Atoi(v)
 	if err != nil || n <= 0 {
-		t.Fatalf("%s=%q: want a positive integer", BulkEnv, v)
+		t.Fatalf("%s=%q: want a positive integer", name, v)
 	}
 	return n
 }

@@ -101,8 +101,9 @@ type fatalRecorder struct {
 
 func (f *fatalRecorder) Fatalf(format string, args ...any) { f.fatal = fmt.Sprintf(format, args...) }
 
-// TestBulkMiB: the default when KTLS_TEST_MIB is unset, its value when
-// set, and a failure naming it when it is not a positive integer.
+// TestBulkMiB (and PositiveEnv under it): the default when KTLS_TEST_MIB
+// is unset, its value when set, and a failure naming it when it is not a
+// positive integer.
 func TestBulkMiB(t *testing.T) {
 	t.Setenv(BulkEnv, "")
 	os.Unsetenv(BulkEnv)

@@ -176,10 +176,7 @@ func (l layeredConn) Socket() (*net.TCPConn, error) {
 	if n := len(l.cx.MatchingBytes()); n > 0 {
 		return nil, fmt.Errorf("%d bytes past the handshake are buffered in caddy-l4", n)
 	}
-	tcp, ok := l.cx.Conn.(*net.TCPConn)
-	if !ok {
-		return nil, fmt.Errorf("caddy-l4 connection wraps %T, not a TCP socket", l.cx.Conn)
-	}
+	tcp, _ := l.cx.Conn.(*net.TCPConn) // nil: not a TCP socket (ktls reports not-tcp)
 	return tcp, nil
 }
 

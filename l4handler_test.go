@@ -19,7 +19,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -925,7 +924,7 @@ func TestKernelSandboxReloadsKeepTunnels(t *testing.T) {
 }
 
 func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
-	tunnelsN, reloadsN := envCount(t, "KTLS_LOAD_TUNNELS", 50), envCount(t, "KTLS_LOAD_RELOADS", 20)
+	tunnelsN, reloadsN := kerneltest.PositiveEnv(t, "KTLS_LOAD_TUNNELS", 50), kerneltest.PositiveEnv(t, "KTLS_LOAD_RELOADS", 20)
 	// Each client and each upstream connection writes chunk bytes every
 	// pace, the client until the reloads are done, the upstream until its
 	// client half-closes; pace grows with the number of tunnels so that all
@@ -935,7 +934,7 @@ func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
 	// keep the bytes moved small.
 	chunk, pace := 4<<10, time.Duration(tunnelsN)*4*time.Millisecond
 	if kernel {
-		tunnelsN = envCount(t, "KTLS_LOAD_TUNNELS", 8)
+		tunnelsN = kerneltest.PositiveEnv(t, "KTLS_LOAD_TUNNELS", 8)
 		pace = time.Duration(tunnelsN) * 12500 * time.Microsecond
 	}
 	// Per tunnel, this process holds four sockets (gateway, forwarder's two,
@@ -1081,21 +1080,6 @@ func liveHeap() uint64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
-}
-
-// envCount reads a positive count from the environment variable name, or
-// returns def when it is unset.
-func envCount(t testing.TB, name string, def int) int {
-	t.Helper()
-	s := os.Getenv(name)
-	if s == "" {
-		return def
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 {
-		t.Fatalf("%s=%q: want a positive integer", name, s)
-	}
-	return n
 }
 
 // A preamble accepted before a configuration reload is still known after

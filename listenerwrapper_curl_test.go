@@ -306,7 +306,7 @@ func lwBinary(t *testing.T, kernel bool) {
 	certFile, keyFile := ca.Server(t, "mtls.localhost").WriteFiles(t, dir, "server")
 	caFile := ca.WriteFile(t, dir, "ca")
 	s := &lwSite{ca: ca, client: ca.Client(t, "binary-gateway"), port: lwFreePort(t), adminAddr: fmt.Sprintf("127.0.0.1:%d", lwFreePort(t)),
-		logFile: filepath.Join(dir, "caddy.log"), file: make([]byte, lwEnvMiB(t, "KTLS_BINARY_DOWNLOAD_MIB", lwTestMiB(t))<<20+123)}
+		logFile: filepath.Join(dir, "caddy.log"), file: make([]byte, kerneltest.PositiveEnv(t, "KTLS_BINARY_DOWNLOAD_MIB", lwTestMiB(t))<<20+123)}
 	rand.Read(s.file)
 	download := filepath.Join(dir, "www", "files", "blob.bin")
 	if err := os.MkdirAll(filepath.Dir(download), 0o755); err != nil {

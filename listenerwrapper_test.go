@@ -34,25 +34,11 @@ import (
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
-// lwTestMiB is the download and upload size: KTLS_TEST_MIB, default 2.
+// lwTestMiB is the download and upload size: kerneltest.BulkMiB
+// (KTLS_TEST_MIB), default 2.
 func lwTestMiB(t testing.TB) int {
 	t.Helper()
-	return lwEnvMiB(t, "KTLS_TEST_MIB", 2)
-}
-
-// lwEnvMiB is the positive number of MiB in the environment variable name,
-// or def when it is unset.
-func lwEnvMiB(t testing.TB, name string, def int) int {
-	t.Helper()
-	s := os.Getenv(name)
-	if s == "" {
-		return def
-	}
-	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 {
-		t.Fatalf("%s=%q is not a positive integer", name, s)
-	}
-	return n
+	return kerneltest.BulkMiB(t, 2)
 }
 
 func lwFreePort(t testing.TB) int {

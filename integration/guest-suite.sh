@@ -6,8 +6,9 @@
 #
 # usage: guest-suite.sh MANIFEST   (lines: "<import path> <package dir> <test binary>")
 # env: KTLS_TEST_MIB, KTLS_LOAD_TUNNELS, KTLS_LOAD_RELOADS, KTLS_BINARY_DOWNLOAD_MIB (passed on to the
-#      tests), VM_TEST_TIMEOUT (seconds per binary, default 600), VM_OUT
-#      (results dir, set by vm.sh)
+#      tests), VM_TEST_RUN (-test.run pattern, default ^TestKernel),
+#      VM_TEST_TIMEOUT (seconds per binary, default 600), VM_OUT (results
+#      dir, set by vm.sh)
 # Prints go-test-style closing lines ("ok  <pkg> <time>s" / "FAIL <pkg> ...")
 # and exits non-zero if any binary failed, printed "--- FAIL" or "--- SKIP",
 # or timed out. Copies /proc/net/tls_stat to $VM_OUT/tls_stat at the end.
@@ -15,6 +16,7 @@ set -u
 manifest=${1:?usage: guest-suite.sh MANIFEST}
 repo=$(pwd)
 limit=${VM_TEST_TIMEOUT:-600}
+run=${VM_TEST_RUN:-^TestKernel}
 export KTLS_REQUIRE=1
 [ -n "${KTLS_TEST_MIB:-}" ] && export KTLS_TEST_MIB
 [ -n "${KTLS_LOAD_TUNNELS:-}" ] && export KTLS_LOAD_TUNNELS
@@ -23,13 +25,13 @@ export KTLS_REQUIRE=1
 failed=0
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
 echo "guest: kernel $(uname -r), KTLS_TEST_MIB=${KTLS_TEST_MIB:-default}," \
-  "KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-default} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-default}"
+  "KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-default} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-default}, tests $run"
 while read -r pkg dir bin; do
   [ -n "$pkg" ] || continue
   log=$VM_OUT/$(basename "$bin").log
   t0=$(uptime_s)
   # -test.timeout panics with goroutine dumps before the outer timeout kills.
-  (cd "$repo/$dir" && timeout -k 10 "$limit" "$repo/$bin" -test.run '^TestKernel' -test.v \
+  (cd "$repo/$dir" && timeout -k 10 "$limit" "$repo/$bin" -test.run "$run" -test.v \
       -test.timeout "$((limit - 15))s" 2>&1; echo "exit $?" >"$log.rc") | tee "$log"
   rc=$(sed 's/^exit //' "$log.rc"); rm -f "$log.rc"
   secs=$(awk -v a="$t0" -v b="$(uptime_s)" 'BEGIN { printf "%.3f", b - a }')

@@ -4,9 +4,11 @@
 # /proc/net/tls_stat to prove that the kernel's software kTLS path ran.
 #
 # usage: vmtest.sh [KERNEL...]     (default: $KERNELS, or "6.1 7.3")
-# env: KTLS_TEST_MIB (transfer size of the kernel tests, default theirs),
+# env: KTLS_TEST_MIB (bulk transfer size of the kernel tests, default theirs),
 #      KTLS_LOAD_TUNNELS, KTLS_LOAD_RELOADS (size of the reload test, default its),
 #      KTLS_BINARY_DOWNLOAD_MIB (the real-binary test's download, default KTLS_TEST_MIB),
+#      VM_TEST_RUN (which tests, a -test.run pattern; default ^TestKernel:
+#      all; packages without a top-level match are left out),
 #      VM_TEST_TIMEOUT (seconds per test binary, default 600),
 #      VM_TIMEOUT (seconds per kernel, boot included, default 1200), VM_* (see vm.sh)
 # exit: 0 only if every kernel passed.
@@ -30,8 +32,8 @@ while read -r pkg dir; do
   [ "$dir" = "$REPO" ] && rel=.
   bin=$tests/$(echo "${rel}" | tr / _ | sed 's/^\.$/root/').test
   go test -c -o "$bin" "$pkg"
-  # Only packages that have kernel tests go into the VM.
-  if [ -n "$("$bin" -test.list '^TestKernel')" ]; then
+  # Only packages that have kernel tests (of the selection) go into the VM.
+  if [ -n "$("$bin" -test.list "${VM_TEST_RUN:-^TestKernel}" | grep '^TestKernel')" ]; then
     echo "$pkg $rel ${bin#"$REPO"/}" >>"$manifest"
   fi
 done < <(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}} {{.Dir}}{{end}}' ./...)
@@ -48,7 +50,7 @@ for k in "${kernels[@]}"; do
   log "=== vmtest: kernel $k"
   rc=0
   VM_OUT=$out VM_TIMEOUT=${VM_TIMEOUT:-1200} "$REPO/integration/vm.sh" "$k" \
-    "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} KTLS_BINARY_DOWNLOAD_MIB=${KTLS_BINARY_DOWNLOAD_MIB:-} VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-600} integration/guest-suite.sh ${manifest#"$REPO"/}" || rc=$?
+    "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} KTLS_BINARY_DOWNLOAD_MIB=${KTLS_BINARY_DOWNLOAD_MIB:-} VM_TEST_RUN='${VM_TEST_RUN:-^TestKernel}' VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-600} integration/guest-suite.sh ${manifest#"$REPO"/}" || rc=$?
   verdict=PASS
   [ $rc -eq 0 ] || verdict="FAIL (exit $rc)"
   # The kernel's own counters: a suite that never reached TLS_SW in the

@@ -23,7 +23,8 @@ type Layered interface {
 	net.Conn
 	// Socket returns the kernel TCP socket under the layer once the layer
 	// holds no unread bytes; an error otherwise (the connection then falls
-	// back with ReasonBufferedBytes).
+	// back with ReasonBufferedBytes). Nil and no error: there is no TCP
+	// socket under the layer (ReasonNotTCP).
 	Socket() (*net.TCPConn, error)
 }
 
@@ -312,7 +313,10 @@ func (c *Conn) report(ev Event) {
 }
 
 // offload installs what it can and returns the reason for what it did not.
-// Before TLS_TX succeeds every failure leaves the tls.Conn in charge.
+// Before TLS_TX succeeds every failure leaves the tls.Conn in charge. What
+// the connection itself rules out (version, suite, buffered bytes, socket,
+// keys) is checked before the kernel is asked, so its reason is reported on
+// any kernel, not hidden behind no-kernel-support.
 func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
 	if c.opts.Disable {
 		return ReasonDisabled, errors.New("offload disabled by configuration")
@@ -322,11 +326,6 @@ func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
 	}
 	if _, _, ok := kernelCipher(state.Version, state.CipherSuite); !ok {
 		return ReasonCipher, fmt.Errorf("cipher %s", tls.CipherSuiteName(state.CipherSuite))
-	}
-	if caps := Probe(); caps.ULP != nil {
-		return ReasonNoKernelSupport, caps.ULP
-	} else if !caps.Supports(state.Version, state.CipherSuite, !c.opts.DisableRX) {
-		return ReasonCipher, fmt.Errorf("kernel refused cipher %s", tls.CipherSuiteName(state.CipherSuite))
 	}
 	if !c.record.atRecordBoundary() {
 		return ReasonBufferedBytes, errors.New("handshake ended inside a record")
@@ -342,6 +341,11 @@ func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
 	tx, rx, err := c.directionKeys(state)
 	if err != nil {
 		return ReasonKeyCapture, err
+	}
+	if caps := Probe(); caps.ULP != nil {
+		return ReasonNoKernelSupport, caps.ULP
+	} else if !caps.Supports(state.Version, state.CipherSuite, !c.opts.DisableRX) {
+		return ReasonCipher, fmt.Errorf("kernel refused cipher %s", tls.CipherSuiteName(state.CipherSuite))
 	}
 	if err := controlFD(rawSock, func(fd int) error {
 		return unix.SetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_ULP, "tls")
@@ -402,8 +406,11 @@ func kernelSocket(raw net.Conn) (*net.TCPConn, Reason, error) {
 		return r, ReasonNone, nil
 	case Layered:
 		sock, err := r.Socket()
-		if err != nil {
+		switch {
+		case err != nil:
 			return nil, ReasonBufferedBytes, err
+		case sock == nil:
+			return nil, ReasonNotTCP, fmt.Errorf("no TCP socket under %T", raw)
 		}
 		return sock, ReasonNone, nil
 	}

@@ -2,6 +2,7 @@ package ktls
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/binary"
@@ -13,7 +14,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -36,6 +36,9 @@ func expectedReason() Reason {
 func runCase(t *testing.T, p *testPKI, cc connCase, opts Options, n int, want Reason) *pair {
 	t.Helper()
 	scfg, ccfg := p.configs(cc)
+	if cc.suite != 0 && cc.version == tls.VersionTLS13 {
+		onlyTLS13Suite(t, cc.suite)
+	}
 	if cc.resume {
 		first, err := dialPair(t, scfg, ccfg, opts, nil)
 		if err != nil {
@@ -57,8 +60,12 @@ func runCase(t *testing.T, p *testPKI, cc connCase, opts Options, n int, want Re
 		t.Fatalf("server DidResume = %v, want %v", got, cc.resume)
 	}
 	off := pr.server.Offload()
-	if off.Reason != want || off.Version != cc.version || cc.suite != 0 && off.CipherSuite != cc.suite {
-		t.Fatalf("Offload() = %+v, want reason %q version %#x suite %#x", off, want, cc.version, cc.suite)
+	wantSuite := cc.suite
+	if wantSuite == 0 {
+		wantSuite = map[uint16]uint16{tls.VersionTLS13: tls.TLS_AES_128_GCM_SHA256, tls.VersionTLS12: tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256}[cc.version]
+	}
+	if off.Reason != want || off.Version != cc.version || off.CipherSuite != wantSuite {
+		t.Fatalf("Offload() = %+v, want reason %q version %#x suite %s", off, want, cc.version, tls.CipherSuiteName(wantSuite))
 	}
 	if cc.mutualAuth && len(pr.server.ConnectionState().PeerCertificates) == 0 {
 		t.Fatal("server saw no client certificate")
@@ -90,20 +97,19 @@ func TestFallbackMatrix(t *testing.T) {
 	}
 }
 
-// TestFallbackReasons checks the reasons decided before the kernel is asked.
+// TestFallbackReasons checks the reasons decided before the kernel is
+// asked, on any kernel: each connection stays in userspace TLS, moves its
+// data intact and is counted under its reason.
 func TestFallbackReasons(t *testing.T) {
 	p := newTestPKI(t)
-	notTCP := ReasonNotTCP
-	if Probe().ULP != nil {
-		notTCP = ReasonNoKernelSupport // the kernel is asked before the socket is looked for
-	}
 	for _, tc := range []struct {
-		desc  string
-		cc    connCase
-		tweak func(scfg, ccfg *tls.Config)
-		wrap  func(net.Conn) net.Conn
-		opts  Options
-		want  Reason
+		desc    string
+		cc      connCase
+		network string // "tcp" unless set
+		tweak   func(scfg, ccfg *tls.Config)
+		wrap    func(net.Conn) net.Conn
+		opts    Options
+		want    Reason
 	}{
 		{
 			desc: "offload switched off", cc: connCase{name: "disabled", version: tls.VersionTLS13},
@@ -125,7 +131,17 @@ func TestFallbackReasons(t *testing.T) {
 		{
 			desc: "hidden TCP conn", cc: connCase{name: "not-tcp", version: tls.VersionTLS13},
 			wrap: func(c net.Conn) net.Conn { return struct{ net.Conn }{c} },
-			want: notTCP,
+			want: ReasonNotTCP,
+		},
+		{
+			desc: "unix socket", cc: connCase{name: "not-tcp-unix", version: tls.VersionTLS13},
+			network: "unix",
+			want:    ReasonNotTCP,
+		},
+		{
+			desc: "layer still buffering", cc: connCase{name: "buffered-bytes", version: tls.VersionTLS12},
+			wrap: layer(errLayerBuffered),
+			want: ReasonBufferedBytes,
 		},
 	} {
 		t.Run(tc.cc.name, func(t *testing.T) {
@@ -133,12 +149,16 @@ func TestFallbackReasons(t *testing.T) {
 			if tc.tweak != nil {
 				tc.tweak(scfg, ccfg)
 			}
-			pr, err := dialPair(t, scfg, ccfg, tc.opts, tc.wrap)
+			before := Stats().Outcomes[tc.want]
+			pr, err := dialPairOn(t, cmp.Or(tc.network, "tcp"), scfg, ccfg, tc.opts, tc.wrap)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := pr.server.Offload().Reason; got != tc.want {
-				t.Errorf("%s: reason %q, want %q", tc.desc, got, tc.want)
+			if off := pr.server.Offload(); off.Reason != tc.want || off.TX != ModeUserspace || off.RX != ModeUserspace {
+				t.Errorf("%s: Offload() = %+v, want reason %q, both directions in userspace", tc.desc, off, tc.want)
+			}
+			if got := Stats().Outcomes[tc.want] - before; got != 1 {
+				t.Errorf("%s: Stats().Outcomes[%s] grew by %d, want 1", tc.desc, tc.want, got)
 			}
 			exchange(t, pr, 64<<10)
 			pr.close()
@@ -153,22 +173,15 @@ func TestRequireOffload(t *testing.T) {
 	cc := connCase{name: "cbc", version: tls.VersionTLS12}
 	scfg, ccfg := p.configs(cc)
 	ccfg.CipherSuites = []uint16{tls.TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA}
-	var mu sync.Mutex
-	var events []Event
-	opts := Options{RequireOffload: true, Observer: func(e Event) {
-		mu.Lock()
-		events = append(events, e)
-		mu.Unlock()
-	}}
+	var rec eventRecorder
+	opts := Options{RequireOffload: true, Observer: rec.observe}
 	before := Stats()
 	_, err := dialPair(t, scfg, ccfg, opts, nil)
 	var oe *OffloadError
 	if !errors.As(err, &oe) || oe.Reason != ReasonCipher || !strings.Contains(err.Error(), "cipher") {
 		t.Fatalf("handshake error %v, want an OffloadError naming %q", err, ReasonCipher)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != ReasonCipher || events[0].Remote == nil {
+	if events := rec.seen(); len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != ReasonCipher || events[0].Remote == nil {
 		t.Fatalf("observer events %+v, want one handshake event with reason cipher", events)
 	}
 	if d := Stats().Outcomes[ReasonCipher] - before.Outcomes[ReasonCipher]; d != 1 {
@@ -224,6 +237,48 @@ func TestClientFallback(t *testing.T) {
 	if c.Offload().Reason != expectedReason() {
 		t.Fatalf("client reason %q, want %q", c.Offload().Reason, expectedReason())
 	}
+}
+
+// TestClientResumption pins the limits of Client documented on it: an
+// offloaded TLS 1.3 client drops its tickets, so the next connection is a
+// full handshake again (in userspace TLS the ticket reaches crypto/tls and
+// it resumes); a TLS 1.2 client keeps the session from the handshake and
+// resumes, but crypto/tls logs no master secret for a resumed TLS 1.2
+// client, so that connection stays in userspace TLS with reason
+// key-capture, on any kernel, and still moves the data.
+func TestClientResumption(t *testing.T) {
+	p := newTestPKI(t)
+	for _, version := range []uint16{tls.VersionTLS13, tls.VersionTLS12} {
+		t.Run(tls.VersionName(version), func(t *testing.T) { clientResumption(t, p, version) })
+	}
+}
+
+// clientResumption makes two Client connections of version, checks their
+// outcomes and returns how many ran in the kernel (both directions).
+func clientResumption(t *testing.T, p *testPKI, version uint16) (offloaded int64) {
+	t.Helper()
+	conns := runClient(t, p, version, 64<<10, 2)
+	first, second := conns[0], conns[1]
+	if first.ConnectionState().DidResume || first.Offload().Reason != expectedReason() {
+		t.Fatalf("first connection: resumed %v, reason %q; want a full handshake, reason %q",
+			first.ConnectionState().DidResume, first.Offload().Reason, expectedReason())
+	}
+	resumes, want := first.Offload().RX == ModeUserspace, expectedReason()
+	if version == tls.VersionTLS12 {
+		resumes, want = true, ReasonKeyCapture
+	}
+	off := second.Offload()
+	if second.ConnectionState().DidResume != resumes || off.Reason != want ||
+		want == ReasonKeyCapture && (off.TX != ModeUserspace || off.RX != ModeUserspace) {
+		t.Fatalf("second connection: resumed %v, %+v; want resumed %v, reason %q",
+			second.ConnectionState().DidResume, off, resumes, want)
+	}
+	for _, c := range conns {
+		if c.Offload().Reason == ReasonNone {
+			offloaded++
+		}
+	}
+	return offloaded
 }
 
 // runClient makes conns connections, one after the other, from Client to

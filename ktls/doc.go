@@ -39,8 +39,9 @@
 //     under its lock, before any kernel read.
 //   - A second TLS_TX/TLS_RX (KeyUpdate) works only on Linux >= 6.14; on
 //     older kernels a peer's KeyUpdate closes the connection with
-//     ErrRekeyUnsupported. KeyUpdates are rate limited per connection
-//     (HAProxy saw KeyUpdate storms).
+//     ErrRekeyUnsupported (with RX in userspace only one that requests
+//     our update: the Go opener rekeys on any kernel). KeyUpdates are rate
+//     limited per connection (HAProxy saw KeyUpdate storms).
 //   - Once TLS_TX is in, crypto/tls can no longer write on the socket: a
 //     later failure (TLS_RX, an option) closes the connection instead of
 //     leaving it half-working.

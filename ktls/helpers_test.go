@@ -9,12 +9,15 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
-	"os"
+	"path/filepath"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
+	_ "unsafe" // go:linkname
 
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 )
 
@@ -37,21 +40,60 @@ type connCase struct {
 	tickets    bool
 	mutualAuth bool
 	resume     bool   // handshake twice and transfer over the resumed one
-	suite      uint16 // the only suite the client offers (TLS 1.2); 0: crypto/tls's defaults
+	suite      uint16 // the only suite the client offers (TLS 1.3: onlyTLS13Suite); 0: crypto/tls's defaults
 }
 
+// connCases is the Go client's matrix: the default suite (AES-128-GCM)
+// across tickets on/off × client auth × resumed for both versions, and
+// each other suite full and resumed.
 var connCases = []connCase{
 	{name: "tls13", version: tls.VersionTLS13, tickets: true},
 	{name: "tls13-no-tickets", version: tls.VersionTLS13},
 	{name: "tls13-mtls", version: tls.VersionTLS13, tickets: true, mutualAuth: true},
 	{name: "tls13-resumed", version: tls.VersionTLS13, tickets: true, resume: true},
 	{name: "tls13-resumed-mtls", version: tls.VersionTLS13, tickets: true, mutualAuth: true, resume: true},
+	{name: "tls13-aes256", version: tls.VersionTLS13, tickets: true, suite: tls.TLS_AES_256_GCM_SHA384},
+	{name: "tls13-aes256-resumed", version: tls.VersionTLS13, tickets: true, resume: true, suite: tls.TLS_AES_256_GCM_SHA384},
+	{name: "tls13-chacha20", version: tls.VersionTLS13, tickets: true, suite: tls.TLS_CHACHA20_POLY1305_SHA256},
+	{name: "tls13-chacha20-resumed", version: tls.VersionTLS13, tickets: true, resume: true, suite: tls.TLS_CHACHA20_POLY1305_SHA256},
 	{name: "tls12", version: tls.VersionTLS12, tickets: true},
 	{name: "tls12-no-tickets", version: tls.VersionTLS12},
 	{name: "tls12-mtls", version: tls.VersionTLS12, mutualAuth: true},
 	{name: "tls12-resumed", version: tls.VersionTLS12, tickets: true, resume: true},
+	{name: "tls12-resumed-mtls", version: tls.VersionTLS12, tickets: true, mutualAuth: true, resume: true},
+	{name: "tls12-aes256", version: tls.VersionTLS12, tickets: true, suite: tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384},
+	{name: "tls12-aes256-resumed", version: tls.VersionTLS12, tickets: true, resume: true, suite: tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384},
 	{name: "tls12-chacha20", version: tls.VersionTLS12, tickets: true, suite: tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256},
 	{name: "tls12-chacha20-resumed", version: tls.VersionTLS12, tickets: true, resume: true, suite: tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256},
+}
+
+// tls13Suites is crypto/tls's TLS 1.3 suite list: what a client offers and,
+// with AES hardware, the server's preference order. Config.CipherSuites
+// does not apply to TLS 1.3 and Go picks AES-128-GCM whenever both sides
+// have AES hardware, so a Go client negotiates AES-256-GCM or
+// ChaCha20-Poly1305 only with this list narrowed. crypto/tls keeps the
+// variable reachable by linkname for such callers (defaults.go).
+//
+//go:linkname tls13Suites crypto/tls.defaultCipherSuitesTLS13
+var tls13Suites []uint16
+
+// onlyTLS13Suite makes every crypto/tls handshake of this process offer,
+// and so agree on, only suite in TLS 1.3 until t ends (a client that
+// offers no AES-GCM first gets the server's ChaCha20-first order). No test
+// of this package runs in parallel.
+func onlyTLS13Suite(t testing.TB, suite uint16) {
+	saved := tls13Suites
+	tls13Suites = []uint16{suite}
+	t.Cleanup(func() { tls13Suites = saved })
+}
+
+// connections is how many connections the case makes: two when it
+// resumes the first one's session.
+func (cc connCase) connections() int64 {
+	if cc.resume {
+		return 2
+	}
+	return 1
 }
 
 func (p *testPKI) configs(cc connCase) (server, client *tls.Config) {
@@ -71,7 +113,7 @@ func (p *testPKI) configs(cc connCase) (server, client *tls.Config) {
 		server.ClientCAs = p.ca.Pool
 		client.Certificates = []tls.Certificate{p.client.TLS}
 	}
-	if cc.suite != 0 {
+	if cc.suite != 0 && cc.version == tls.VersionTLS12 {
 		client.CipherSuites = []uint16{cc.suite}
 	}
 	if cc.resume {
@@ -134,7 +176,18 @@ type pair struct {
 // completes both handshakes. wrap may replace the accepted conn.
 func dialPair(t testing.TB, scfg, ccfg *tls.Config, opts Options, wrap func(net.Conn) net.Conn) (*pair, error) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	return dialPairOn(t, "tcp", scfg, ccfg, opts, wrap)
+}
+
+// dialPairOn is dialPair over network: "tcp" (loopback) or "unix" (a
+// socket in a temporary directory).
+func dialPairOn(t testing.TB, network string, scfg, ccfg *tls.Config, opts Options, wrap func(net.Conn) net.Conn) (*pair, error) {
+	t.Helper()
+	addr := "127.0.0.1:0"
+	if network == "unix" {
+		addr = filepath.Join(t.TempDir(), "sock")
+	}
+	ln, err := net.Listen(network, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -148,7 +201,7 @@ func dialPair(t testing.TB, scfg, ccfg *tls.Config, opts Options, wrap func(net.
 		}
 		accepted <- c
 	}()
-	raw, err := net.Dial("tcp", ln.Addr().String())
+	raw, err := net.Dial(network, ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -208,16 +261,11 @@ func (p *pair) close() {
 	p.server.Close()
 }
 
-// transferSize is the bytes moved each way: KTLS_TEST_MIB MiB, else def.
-func transferSize(t testing.TB, def int) int {
-	if v := os.Getenv("KTLS_TEST_MIB"); v != "" {
-		mib, err := strconv.Atoi(v)
-		if err != nil || mib <= 0 {
-			t.Fatalf("KTLS_TEST_MIB=%q: want a positive integer", v)
-		}
-		return mib << 20
-	}
-	return def
+// bulkSize is the bytes a bulk transfer moves each way: KTLS_TEST_MIB MiB
+// (kerneltest.BulkMiB), else defMiB.
+func bulkSize(t testing.TB, defMiB int) int {
+	t.Helper()
+	return kerneltest.BulkMiB(t, defMiB) << 20
 }
 
 // payload returns a deterministic pseudo-random stream of n bytes.
@@ -296,6 +344,25 @@ func exchange(t testing.TB, p *pair, n int) {
 			t.Error(err)
 		}
 	}
+}
+
+// eventRecorder collects what Options.Observer reports, from any goroutine.
+type eventRecorder struct {
+	mu     sync.Mutex
+	events []Event
+}
+
+func (r *eventRecorder) observe(e Event) {
+	r.mu.Lock()
+	r.events = append(r.events, e)
+	r.mu.Unlock()
+}
+
+// seen returns the events so far.
+func (r *eventRecorder) seen() []Event {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.events)
 }
 
 // checkNoFDLeak fails t if the fd count grew over the test.

@@ -21,13 +21,17 @@ import (
 )
 
 // Tests named TestKernel… need kernel TLS: they SKIP on a host without it
-// and FAIL in the VM harness (KTLS_REQUIRE=1). KTLS_TEST_MIB sets the
-// transfer size each way (default defaultKernelBytes, 1 MiB, for the bulk
-// transfers; smaller for handshake-shape and close tests; so the package
-// runs in a couple of minutes under TCG emulation, where AES runs ~250x
-// slower; the 64 MiB runs set KTLS_TEST_MIB=64).
+// and FAIL in the VM harness (KTLS_REQUIRE=1). KTLS_TEST_MIB sets the bulk
+// transfer each way (bulkSize): every connection of the matrices (Go and
+// OpenSSL clients, RX in the kernel and in userspace) and of the data-path
+// tests; default defaultBulkMiB, so the package runs in minutes under TCG
+// emulation. The full-size runs set 64. Close, alert and KeyUpdate
+// tests move fixed small amounts (smallBytes), whatever it says.
 
-const defaultKernelBytes = 1 << 20
+const (
+	defaultBulkMiB = 1
+	smallBytes     = 256 << 10
+)
 
 // statDelta is kerneltest.StatDelta after a first Probe, whose throwaway
 // sockets would otherwise show up in the first delta.
@@ -51,17 +55,13 @@ func TestKernelMatrix(t *testing.T) {
 	kerneltest.Require(t)
 	checkNoFDLeak(t, kerneltest.OpenFDs)
 	p := newTestPKI(t)
-	n := transferSize(t, defaultKernelBytes)
+	n := bulkSize(t, defaultBulkMiB)
 	for _, cc := range connCases {
 		t.Run(cc.name, func(t *testing.T) {
 			var pr *pair
 			d := statDelta(t, func() { pr = runCase(t, p, cc, Options{}, n, ReasonNone) })
-			conns := int64(1)
-			if cc.resume {
-				conns = 2
-			}
-			wantStat(t, d, "TlsTxSw", conns)
-			wantStat(t, d, "TlsRxSw", conns)
+			wantStat(t, d, "TlsTxSw", cc.connections())
+			wantStat(t, d, "TlsRxSw", cc.connections())
 			wantStat(t, d, "TlsDecryptError", 0)
 			if off := pr.server.Offload(); off.TX != ModeSW || off.RX != ModeSW {
 				t.Errorf("modes TX %v RX %v, want sw/sw", off.TX, off.RX)
@@ -70,16 +70,20 @@ func TestKernelMatrix(t *testing.T) {
 	}
 }
 
-// TestKernelDisableRX: the kernel seals, Go opens.
+// TestKernelDisableRX: the kernel seals, Go opens, over the whole Go
+// client matrix and one OpenSSL shape (ChaCha20, client auth, resumed):
+// the same bulk transfers, SHA-256 checked, and tls_stat shows a TX
+// install per connection and no RX install.
 func TestKernelDisableRX(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
-	n := transferSize(t, defaultKernelBytes)
-	for _, cc := range []connCase{connCases[0], connCases[2], connCases[5], connCases[9]} {
+	n := bulkSize(t, defaultBulkMiB)
+	opts := Options{DisableRX: true}
+	for _, cc := range connCases {
 		t.Run(cc.name, func(t *testing.T) {
 			var pr *pair
-			d := statDelta(t, func() { pr = runCase(t, p, cc, Options{DisableRX: true}, n, ReasonRXDisabled) })
-			wantStat(t, d, "TlsTxSw", 1)
+			d := statDelta(t, func() { pr = runCase(t, p, cc, opts, n, ReasonRXDisabled) })
+			wantStat(t, d, "TlsTxSw", cc.connections())
 			wantStat(t, d, "TlsRxSw", 0)
 			if off := pr.server.Offload(); off.TX != ModeSW || off.RX != ModeUserspace {
 				t.Errorf("modes TX %v RX %v, want sw/userspace", off.TX, off.RX)
@@ -89,6 +93,12 @@ func TestKernelDisableRX(t *testing.T) {
 			}
 		})
 	}
+	su, shape := opensslSuites[1], opensslShapes[1]
+	t.Run("openssl-"+su.name+"/"+shape.String(), func(t *testing.T) {
+		conns, d := runOpenSSLShape(t, p, su, shape, opts, n)
+		wantStat(t, d, "TlsTxSw", conns)
+		wantStat(t, d, "TlsRxSw", 0)
+	})
 }
 
 // TestKernelExpectNoPad: TLS_RX_EXPECT_NO_PAD against a peer that does not pad.
@@ -99,7 +109,7 @@ func TestKernelExpectNoPad(t *testing.T) {
 	}
 	p := newTestPKI(t)
 	d := statDelta(t, func() {
-		runCase(t, p, connCases[0], Options{ExpectNoPad: true}, transferSize(t, defaultKernelBytes), ReasonNone)
+		runCase(t, p, connCases[0], Options{ExpectNoPad: true}, bulkSize(t, defaultBulkMiB), ReasonNone)
 	})
 	wantStat(t, d, "TlsRxNoPadViolation", 0)
 	wantStat(t, d, "TlsRxSw", 1)
@@ -181,66 +191,43 @@ func (s opensslShape) String() string {
 	return name
 }
 
-// tls13Shapes is tickets on/off × client auth × resumed (which needs a
-// ticket; the full handshake before it covers the fresh one with tickets).
-var tls13Shapes = []opensslShape{
+// opensslShapes is tickets on/off × client auth × resumed (which needs a
+// ticket: Go's server keeps no session-ID cache, for TLS 1.2 either; the
+// full handshake before it covers the fresh one with tickets).
+var opensslShapes = []opensslShape{
 	{tickets: true, resume: true}, {tickets: true, mutualAuth: true, resume: true}, {}, {mutualAuth: true},
 }
 
-// TestKernelOpenSSLSuites: a real OpenSSL client forces the suites a Go
-// client cannot (AES-256-GCM, ChaCha20 in TLS 1.3), each TLS 1.3 suite
-// across tickets on/off × client auth × resumption (-sess_out/-sess_in), and
-// TLS 1.2 AES-GCM and ChaCha20-Poly1305. The first connection of each suite moves KTLS_TEST_MIB;
-// the others are about the handshake and move 64 KiB unless KTLS_TEST_MIB
-// is set.
+// opensslSuite is a suite of the OpenSSL matrix and the s_client
+// arguments that force it.
+type opensslSuite struct {
+	name  string
+	suite uint16
+	args  []string
+}
+
+var opensslSuites = []opensslSuite{
+	{"tls13-aes256", tls.TLS_AES_256_GCM_SHA384, []string{"-tls1_3", "-ciphersuites", "TLS_AES_256_GCM_SHA384"}},
+	{"tls13-chacha20", tls.TLS_CHACHA20_POLY1305_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_CHACHA20_POLY1305_SHA256"}},
+	{"tls13-aes128", tls.TLS_AES_128_GCM_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256"}},
+	{"tls12-aes256", tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"}},
+	{"tls12-aes128", tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"}},
+	{"tls12-chacha20", tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-CHACHA20-POLY1305"}},
+}
+
+// TestKernelOpenSSLSuites: a real OpenSSL client, each suite of both
+// versions (TLS 1.3 AES-128/256-GCM and ChaCha20-Poly1305, TLS 1.2 ECDHE
+// AES-128/256-GCM and ChaCha20-Poly1305) across tickets on/off × client
+// auth × resumption (-sess_out/-sess_in). Every connection, the full
+// handshake before a resumed one included, moves the bulk size each way.
 func TestKernelOpenSSLSuites(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
-	certFile, keyFile := p.client.WriteFiles(t, t.TempDir(), "client")
-	bulk, small := transferSize(t, defaultKernelBytes), transferSize(t, 64<<10)
-	suites := []struct {
-		name   string
-		suite  uint16
-		args   []string
-		shapes []opensslShape
-	}{
-		{"tls13-aes256", tls.TLS_AES_256_GCM_SHA384, []string{"-tls1_3", "-ciphersuites", "TLS_AES_256_GCM_SHA384"}, tls13Shapes},
-		{"tls13-chacha20", tls.TLS_CHACHA20_POLY1305_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_CHACHA20_POLY1305_SHA256"}, tls13Shapes},
-		{"tls13-aes128", tls.TLS_AES_128_GCM_SHA256, []string{"-tls1_3", "-ciphersuites", "TLS_AES_128_GCM_SHA256"}, tls13Shapes},
-		{"tls12-aes256", tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES256-GCM-SHA384"}, []opensslShape{{tickets: true}}},
-		{"tls12-aes128", tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-AES128-GCM-SHA256"}, []opensslShape{{tickets: true}}},
-		{"tls12-chacha20", tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, []string{"-tls1_2", "-cipher", "ECDHE-ECDSA-CHACHA20-POLY1305"}, []opensslShape{{tickets: true}}},
-	}
-	for _, su := range suites {
-		for i, shape := range su.shapes {
+	n := bulkSize(t, defaultBulkMiB)
+	for _, su := range opensslSuites {
+		for _, shape := range opensslShapes {
 			t.Run(su.name+"/"+shape.String(), func(t *testing.T) {
-				n := small
-				if i == 0 {
-					n = bulk
-				}
-				scfg, _ := p.configs(connCase{tickets: shape.tickets, mutualAuth: shape.mutualAuth})
-				args := append(slices.Clone(su.args), "-quiet")
-				if shape.mutualAuth {
-					args = append(args, "-cert", certFile, "-key", keyFile)
-				}
-				conns := int64(1)
-				d := statDelta(t, func() {
-					if shape.resume {
-						session := filepath.Join(t.TempDir(), "session.pem")
-						first := startOpenSSL(t, p, scfg, Options{}, append(args, "-sess_out", session)...)
-						first.check(t, su.suite, shape, false)
-						first.exchange(t, n)
-						n = small
-						if st, err := os.Stat(session); err != nil || st.Size() == 0 {
-							t.Fatalf("openssl saved no session: %v\n%s", err, first.stderr.String())
-						}
-						args = append(args, "-sess_in", session)
-						conns = 2
-					}
-					r := startOpenSSL(t, p, scfg, Options{}, args...)
-					r.check(t, su.suite, shape, shape.resume)
-					r.exchange(t, n)
-				})
+				conns, d := runOpenSSLShape(t, p, su, shape, Options{}, n)
 				wantStat(t, d, "TlsTxSw", conns)
 				wantStat(t, d, "TlsRxSw", conns)
 				wantStat(t, d, "TlsDecryptError", 0)
@@ -249,14 +236,49 @@ func TestKernelOpenSSLSuites(t *testing.T) {
 	}
 }
 
-// check verifies the server's view of an openssl handshake: fully
-// offloaded with the suite asked for, resumed or not, with or without a
-// client certificate.
+// runOpenSSLShape runs one shape with s_client: a full handshake, and with
+// resume a second connection resuming its saved session; each moves n
+// bytes both ways. It returns the connections made and the tls_stat delta.
+func runOpenSSLShape(t *testing.T, p *testPKI, su opensslSuite, shape opensslShape, opts Options, n int) (int64, kerneltest.Stat) {
+	t.Helper()
+	scfg, _ := p.configs(connCase{tickets: shape.tickets, mutualAuth: shape.mutualAuth})
+	args := append(slices.Clone(su.args), "-quiet")
+	if shape.mutualAuth {
+		certFile, keyFile := p.client.WriteFiles(t, t.TempDir(), "client")
+		args = append(args, "-cert", certFile, "-key", keyFile)
+	}
+	conns := int64(1)
+	d := statDelta(t, func() {
+		if shape.resume {
+			session := filepath.Join(t.TempDir(), "session.pem")
+			first := startOpenSSL(t, p, scfg, opts, append(args, "-sess_out", session)...)
+			first.check(t, su.suite, shape, false)
+			first.exchange(t, n)
+			if st, err := os.Stat(session); err != nil || st.Size() == 0 {
+				t.Fatalf("openssl saved no session: %v\n%s", err, first.stderr.String())
+			}
+			args = append(args, "-sess_in", session)
+			conns = 2
+		}
+		r := startOpenSSL(t, p, scfg, opts, args...)
+		r.check(t, su.suite, shape, shape.resume)
+		r.exchange(t, n)
+	})
+	return conns, d
+}
+
+// check verifies the server's view of an openssl handshake: offloaded as
+// its options ask (TX and RX, or TX only) with the suite asked for, resumed
+// or not, with or without a client certificate.
 func (r *opensslRun) check(t *testing.T, suite uint16, shape opensslShape, resumed bool) {
 	t.Helper()
 	off := r.server.Offload()
-	if off.Reason != ReasonNone || off.CipherSuite != suite {
-		t.Fatalf("Offload() = %+v, want none with suite %s", off, tls.CipherSuiteName(suite))
+	want, rx := ReasonNone, ModeSW
+	if r.server.opts.DisableRX {
+		want, rx = ReasonRXDisabled, ModeUserspace
+	}
+	if off.Reason != want || off.CipherSuite != suite || off.TX != ModeSW || off.RX != rx {
+		t.Fatalf("Offload() = %+v, want %s with suite %s, TX sw, RX %v", off, want, tls.CipherSuiteName(suite), rx)
 	}
 	state := r.server.ConnectionState()
 	if state.DidResume != resumed {
@@ -341,53 +363,72 @@ func (r *opensslRun) command(t *testing.T, letter string) {
 
 // TestKernelKeyUpdate: the peer's KeyUpdate rekeys RX (and TX when it asks
 // for an update) on kernels that can (>= 6.14); elsewhere the connection is
-// closed with ErrRekeyUnsupported.
+// closed with ErrRekeyUnsupported. With RX in userspace the opener rekeys
+// on any kernel, so there only a requested update (a second TLS_TX)
+// closes it.
 func TestKernelKeyUpdate(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
 	scfg, _ := p.configs(connCase{})
-	r := startOpenSSL(t, p, scfg, Options{}, "-tls1_3", "-brief")
-	if err := r.sendAndExpect(t, hexLine(2000)); err != nil {
-		t.Fatal(err)
-	}
-	before := Stats().KeyUpdates
-	var d kerneltest.Stat
-	var err error
-	d = statDelta(t, func() {
-		r.command(t, "k") // KeyUpdate, update_not_requested
-		err = r.sendAndExpect(t, hexLine(2000))
-		if err == nil {
-			r.command(t, "K") // update_requested: we answer and move TX
-			err = r.sendAndExpect(t, hexLine(2000))
-		}
-		if err == nil {
-			// Data from us under the new TX key must reach openssl.
-			line := hexLine(100)
-			if _, werr := r.server.Write(line); werr != nil {
-				t.Fatal(werr)
+	for _, tc := range []struct {
+		name     string
+		opts     Options
+		rxRekeys int64 // TLS_RX installs by the two KeyUpdates (tls_stat)
+	}{
+		{"rx-kernel", Options{}, 2},
+		{"rx-off", Options{DisableRX: true}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := startOpenSSL(t, p, scfg, tc.opts, "-tls1_3", "-brief")
+			if err := r.sendAndExpect(t, hexLine(2000)); err != nil {
+				t.Fatal(err)
 			}
-			got, rerr := r.stdout.ReadBytes('\n')
-			if rerr != nil || !bytes.Equal(got, line) {
-				t.Fatalf("openssl read %q (%v) after our KeyUpdate, want %q\n%s", got, rerr, line, r.stderr.String())
+			before := Stats().KeyUpdates
+			var notRequested, requested error
+			d := statDelta(t, func() {
+				r.command(t, "k") // KeyUpdate, update_not_requested
+				if notRequested = r.sendAndExpect(t, hexLine(2000)); notRequested != nil {
+					return
+				}
+				r.command(t, "K") // update_requested: we answer and move TX
+				if requested = r.sendAndExpect(t, hexLine(2000)); requested != nil {
+					return
+				}
+				// Data from us under the new TX key must reach openssl.
+				line := hexLine(100)
+				if _, err := r.server.Write(line); err != nil {
+					t.Fatal(err)
+				}
+				got, err := r.stdout.ReadBytes('\n')
+				if err != nil || !bytes.Equal(got, line) {
+					t.Fatalf("openssl read %q (%v) after our KeyUpdate, want %q\n%s", got, err, line, r.stderr.String())
+				}
+			})
+			applied := Stats().KeyUpdates - before
+			switch {
+			case Probe().Rekey:
+				if notRequested != nil || requested != nil || applied != 2 {
+					t.Fatalf("after KeyUpdates: %v, %v; %d applied, want both, no error\n%s", notRequested, requested, applied, r.stderr.String())
+				}
+				wantStat(t, d, "TlsRxRekeyOk", tc.rxRekeys)
+				wantStat(t, d, "TlsTxRekeyOk", 1)
+				return
+			case tc.opts.DisableRX:
+				if notRequested != nil || !errors.Is(requested, ErrRekeyUnsupported) || applied != 1 {
+					t.Fatalf("without kernel rekey, RX in userspace: %v, then %v; %d applied; "+
+						"want the first applied by the opener, ErrRekeyUnsupported at the requested one", notRequested, requested, applied)
+				}
+				wantStat(t, d, "TlsRxRekeyOk", 0)
+				wantStat(t, d, "TlsTxRekeyOk", 0)
+			default:
+				if !errors.Is(notRequested, ErrRekeyUnsupported) || applied != 0 {
+					t.Fatalf("Read after KeyUpdate on a kernel without rekey: %v, %d applied; want ErrRekeyUnsupported", notRequested, applied)
+				}
 			}
-		}
-	})
-	if !Probe().Rekey {
-		if !errors.Is(err, ErrRekeyUnsupported) {
-			t.Fatalf("Read after KeyUpdate on a kernel without rekey: %v, want ErrRekeyUnsupported", err)
-		}
-		if _, werr := r.server.Write([]byte("x")); werr == nil {
-			t.Fatal("connection still writable after the clean close")
-		}
-		return
-	}
-	if err != nil {
-		t.Fatalf("after KeyUpdate: %v\n%s", err, r.stderr.String())
-	}
-	wantStat(t, d, "TlsRxRekeyOk", 2)
-	wantStat(t, d, "TlsTxRekeyOk", 1)
-	if got := Stats().KeyUpdates - before; got < 2 {
-		t.Fatalf("Stats().KeyUpdates grew by %d, want 2", got)
+			if _, err := r.server.Write([]byte("x")); err == nil {
+				t.Fatal("connection still writable after the clean close")
+			}
+		})
 	}
 }
 
@@ -556,7 +597,7 @@ func TestKernelGarbageRecord(t *testing.T) {
 func TestKernelReadFromWriteTo(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
-	n := transferSize(t, defaultKernelBytes)
+	n := bulkSize(t, defaultBulkMiB)
 	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
 	pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
 	if err != nil {
@@ -634,7 +675,7 @@ func TestKernelClient(t *testing.T) {
 	p := newTestPKI(t)
 	before := Stats().ControlRecords["handshake"]
 	var c *Conn
-	d := statDelta(t, func() { c = runClient(t, p, tls.VersionTLS13, transferSize(t, defaultKernelBytes), 1)[0] })
+	d := statDelta(t, func() { c = runClient(t, p, tls.VersionTLS13, bulkSize(t, defaultBulkMiB), 1)[0] })
 	wantStat(t, d, "TlsTxSw", 1)
 	wantStat(t, d, "TlsRxSw", 1)
 	if c.Offload().Reason != ReasonNone {
@@ -645,39 +686,20 @@ func TestKernelClient(t *testing.T) {
 	}
 }
 
-// TestKernelClientResumption pins the limits of Client documented on it:
-// an offloaded TLS 1.3 client drops its tickets, so the next connection is
-// a full handshake again, fully offloaded; a TLS 1.2 client keeps the
-// session from the handshake and resumes, but crypto/tls logs no master
-// secret for a resumed TLS 1.2 client, so that connection stays in
-// userspace TLS with reason key-capture and still moves the data.
+// TestKernelClientResumption is TestClientResumption on a kTLS kernel,
+// with tls_stat proving which connections ran in the kernel.
 func TestKernelClientResumption(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
-	for _, tc := range []struct {
-		name    string
-		version uint16
-		resumed bool
-		reason  Reason
-		kernel  int64 // connections in the kernel, both directions
-	}{
-		{"tls13", tls.VersionTLS13, false, ReasonNone, 2},
-		{"tls12", tls.VersionTLS12, true, ReasonKeyCapture, 1},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var conns []*Conn
-			d := statDelta(t, func() { conns = runClient(t, p, tc.version, 64<<10, 2) })
-			first, second := conns[0], conns[1]
-			if first.ConnectionState().DidResume || first.Offload().Reason != ReasonNone {
-				t.Fatalf("first connection: resumed %v, reason %q; want a full, offloaded handshake",
-					first.ConnectionState().DidResume, first.Offload().Reason)
+	for _, version := range []uint16{tls.VersionTLS13, tls.VersionTLS12} {
+		t.Run(tls.VersionName(version), func(t *testing.T) {
+			var offloaded int64
+			d := statDelta(t, func() { offloaded = clientResumption(t, p, version) })
+			if want := map[uint16]int64{tls.VersionTLS13: 2, tls.VersionTLS12: 1}[version]; offloaded != want {
+				t.Fatalf("%d connections fully offloaded, want %d", offloaded, want)
 			}
-			if second.ConnectionState().DidResume != tc.resumed || second.Offload().Reason != tc.reason {
-				t.Fatalf("second connection: resumed %v, reason %q; want %v, %q",
-					second.ConnectionState().DidResume, second.Offload().Reason, tc.resumed, tc.reason)
-			}
-			wantStat(t, d, "TlsTxSw", tc.kernel)
-			wantStat(t, d, "TlsRxSw", tc.kernel)
+			wantStat(t, d, "TlsTxSw", offloaded)
+			wantStat(t, d, "TlsRxSw", offloaded)
 		})
 	}
 }
@@ -692,7 +714,7 @@ func TestKernelClientResumption(t *testing.T) {
 func TestKernelCloseNotifyOnTheWire(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
-	n := transferSize(t, 256<<10)
+	n := smallBytes
 	for _, tc := range []struct {
 		name       string
 		version    uint16
@@ -777,7 +799,7 @@ func streamAndCheck(t *testing.T, what string, w io.Writer, finish func() error,
 func TestKernelWriteAfterPeerCloseNotify(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
-	n := transferSize(t, 256<<10)
+	n := smallBytes
 	for _, tc := range []struct {
 		name    string
 		version uint16

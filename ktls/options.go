@@ -51,6 +51,10 @@ type Rate struct {
 var DefaultKeyUpdateLimit = Rate{PerSecond: 10, Burst: 20}
 
 // Reason says why a connection is not (fully) offloaded. The set is fixed.
+// When several apply, the first in this order is reported: disabled,
+// version, cipher, buffered-bytes, not-tcp, key-capture (the connection's
+// own), then no-kernel-support, cipher (refused by this kernel),
+// setsockopt-ulp, setsockopt-tx, setsockopt-rx (the kernel's answers).
 type Reason string
 
 // The reasons.

@@ -6,9 +6,9 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"regexp"
 	"runtime"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 	"unsafe"
@@ -45,7 +45,8 @@ var errLayerBuffered = errors.New("layer still holds 7 unread bytes")
 
 // TestLayeredSocket: kernelSocket takes the socket from an empty
 // layer and refuses a layer that still buffers bytes (the kernel would
-// never see them) with ReasonBufferedBytes and the layer's own error.
+// never see them) with ReasonBufferedBytes and the layer's own error, and
+// a layer over no TCP socket with ReasonNotTCP.
 func TestLayeredSocket(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -68,6 +69,9 @@ func TestLayeredSocket(t *testing.T) {
 	if _, reason, err := kernelSocket(struct{ net.Conn }{tcp}); reason != ReasonNotTCP || err == nil {
 		t.Fatalf("hidden TCP conn: %q, %v; want %q", reason, err, ReasonNotTCP)
 	}
+	if sock, reason, err := kernelSocket(&layeredConn{Conn: tcp}); sock != nil || reason != ReasonNotTCP || err == nil {
+		t.Fatalf("layer over no TCP socket: %v, %q, %v; want %q", sock, reason, err, ReasonNotTCP)
+	}
 }
 
 // TestKernelLayered: a connection under a Layered conn is offloaded through
@@ -77,7 +81,7 @@ func TestKernelLayered(t *testing.T) {
 	kerneltest.Require(t)
 	checkNoFDLeak(t, kerneltest.OpenFDs)
 	p := newTestPKI(t)
-	n := transferSize(t, defaultKernelBytes)
+	n := bulkSize(t, defaultBulkMiB)
 	scfg, ccfg := p.configs(connCases[0])
 	for _, tc := range []struct {
 		name      string
@@ -116,7 +120,7 @@ func TestKernelTXZeroCopyRO(t *testing.T) {
 		t.Fatalf("kernel refuses TLS_TX_ZEROCOPY_RO:\n%v", Probe())
 	}
 	p := newTestPKI(t)
-	n := transferSize(t, defaultKernelBytes)
+	n := bulkSize(t, defaultBulkMiB)
 	scfg, ccfg := p.configs(connCases[0])
 	var pr *pair
 	d := statDelta(t, func() {
@@ -148,34 +152,56 @@ func TestKernelTXZeroCopyRO(t *testing.T) {
 	wantStat(t, d, "TlsDecryptError", 0)
 }
 
-// closedAfterTXChild names the environment variable that makes
-// TestKernelClosedAfterTX run its scenario instead of re-executing itself.
-const closedAfterTXChild = "KTLS_TEST_CLOSED_AFTER_TX_CHILD"
+// childEnv names the environment variable that makes the test binary,
+// re-executed by inChild, run the scenario of the test it names.
+const childEnv = "KTLS_TEST_CHILD"
+
+// inChild reports whether this process is the child that runs t's
+// scenario. In the parent it re-executes this test binary for t alone,
+// requires it to pass, logs its output and returns false. Tests that
+// install a seccomp filter run their scenario in the child: the filter
+// cannot be lifted and covers every thread of the process.
+func inChild(t *testing.T) bool {
+	t.Helper()
+	if os.Getenv(childEnv) == t.Name() {
+		// The netpoller's epoll and wakeup fds open at this fresh
+		// process's first network use and stay: open them before any leak
+		// check counts.
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ln.Close()
+		return true
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	parts := strings.Split(t.Name(), "/")
+	for i, part := range parts {
+		parts[i] = "^" + regexp.QuoteMeta(part) + "$"
+	}
+	cmd := exec.Command(exe, "-test.run", strings.Join(parts, "/"), "-test.v")
+	cmd.Env = append(os.Environ(), childEnv+"="+t.Name())
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: "+t.Name()+" ") {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	t.Logf("child:\n%s", out)
+	return false
+}
 
 // TestKernelClosedAfterTX: TLS_RX fails after TLS_TX went in, so crypto/tls
 // cannot write any more: the connection is closed, reported and counted.
 // No kernel refuses TLS_RX for a suite it took for TLS_TX and passed in
 // Probe, so a seccomp filter makes setsockopt(SOL_TLS, TLS_RX) fail with
-// EPERM. The filter cannot be lifted and covers every thread, so the
-// scenario runs in a child process: this test binary, re-executed.
+// EPERM, in a child process (inChild).
 func TestKernelClosedAfterTX(t *testing.T) {
 	kerneltest.Require(t)
-	if os.Getenv(closedAfterTXChild) == "" {
-		exe, err := os.Executable()
-		if err != nil {
-			t.Fatal(err)
-		}
-		cmd := exec.Command(exe, "-test.run", "^TestKernelClosedAfterTX$", "-test.v")
-		cmd.Env = append(os.Environ(), closedAfterTXChild+"=1")
-		out, err := cmd.CombinedOutput()
-		if err != nil || !strings.Contains(string(out), "--- PASS: TestKernelClosedAfterTX") {
-			t.Fatalf("child: %v\n%s", err, out)
-		}
-		t.Logf("child:\n%s", out)
+	if !inChild(t) {
 		return
 	}
-	// The listener comes first: in this fresh process it also starts the
-	// netpoller, whose epoll and wakeup fds stay open for good.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -185,15 +211,9 @@ func TestKernelClosedAfterTX(t *testing.T) {
 	p := newTestPKI(t)
 	scfg, ccfg := p.configs(connCases[0])
 	Probe() // before the filter, which would make it report RX unsupported
-	denyTLSRX(t)
-
-	var mu sync.Mutex
-	var events []Event
-	opts := Options{Observer: func(e Event) {
-		mu.Lock()
-		events = append(events, e)
-		mu.Unlock()
-	}}
+	denySetsockopt(t, unix.SOL_TLS, optTLSRX)
+	var rec eventRecorder
+	opts := Options{Observer: rec.observe}
 	before := Stats()
 	clientRead := make(chan error, 1)
 	go func() {
@@ -238,18 +258,82 @@ func TestKernelClosedAfterTX(t *testing.T) {
 	if got := after.Outcomes[ReasonSetsockoptRX] - before.Outcomes[ReasonSetsockoptRX]; got != 1 {
 		t.Errorf("Stats().Outcomes[setsockopt-rx] grew by %d, want 1", got)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if len(events) != 2 || events[0].Kind != EventHandshake || events[1].Kind != EventClosed ||
+	if events := rec.seen(); len(events) != 2 || events[0].Kind != EventHandshake || events[1].Kind != EventClosed ||
 		events[0].Offload.Reason != ReasonSetsockoptRX || events[0].Offload.TX != ModeSW || !errors.Is(events[1].Err, unix.EPERM) {
 		t.Fatalf("observer events %+v, want handshake (setsockopt-rx, TX sw) then closed-after-tx", events)
 	}
 }
 
-// denyTLSRX installs, on every thread of this process, a seccomp filter
-// under which setsockopt(fd, SOL_TLS, TLS_RX, …) fails with EPERM and every
-// other system call runs as usual. Irreversible: child processes only.
-func denyTLSRX(t *testing.T) {
+// TestKernelSetsockoptFallback: TCP_ULP or TLS_TX fails before anything is
+// installed (a seccomp filter makes the call return EPERM, in a child
+// process: no kernel that passed Probe refuses them on an established
+// socket), so the connection carries on as userspace TLS with that reason:
+// it moves the bulk data intact both ways, and the observer and counters
+// see the reason and the errno. After a TLS_TX failure the socket keeps
+// the "tls" ULP without keys, which passes plain bytes.
+func TestKernelSetsockoptFallback(t *testing.T) {
+	kerneltest.Require(t)
+	for _, tc := range []struct {
+		reason     Reason
+		level, opt uint32
+		ulp        string // getsockopt(TCP_ULP) afterwards
+	}{
+		{ReasonSetsockoptULP, unix.IPPROTO_TCP, unix.TCP_ULP, ""},
+		{ReasonSetsockoptTX, unix.SOL_TLS, optTLSTX, "tls"},
+	} {
+		t.Run(string(tc.reason), func(t *testing.T) {
+			if !inChild(t) {
+				return
+			}
+			checkNoFDLeak(t, kerneltest.OpenFDs)
+			p := newTestPKI(t)
+			scfg, ccfg := p.configs(connCases[0])
+			Probe() // before the filter, which would make it fail
+			denySetsockopt(t, tc.level, tc.opt)
+			var rec eventRecorder
+			opts := Options{Observer: rec.observe}
+			before := Stats()
+			d := statDelta(t, func() {
+				pr, err := dialPair(t, scfg, ccfg, opts, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if off := pr.server.Offload(); off.Reason != tc.reason || off.TX != ModeUserspace || off.RX != ModeUserspace {
+					t.Fatalf("Offload() = %+v, want %q with both directions in userspace", off, tc.reason)
+				}
+				rc, err := pr.server.SyscallConn()
+				if err != nil {
+					t.Fatal(err)
+				}
+				var ulp string
+				if err := controlFD(rc, func(fd int) (err error) {
+					ulp, err = unix.GetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_ULP)
+					return err
+				}); err != nil || ulp != tc.ulp {
+					t.Fatalf("getsockopt(TCP_ULP) = %q, %v; want %q", ulp, err, tc.ulp)
+				}
+				exchange(t, pr, bulkSize(t, defaultBulkMiB))
+				pr.close()
+			})
+			wantStat(t, d, "TlsTxSw", 0)
+			wantStat(t, d, "TlsRxSw", 0)
+			after := Stats()
+			if got := after.Outcomes[tc.reason] - before.Outcomes[tc.reason]; got != 1 || after.ClosedAfterTX != before.ClosedAfterTX {
+				t.Errorf("Stats(): outcomes[%s] grew by %d, closed-after-tx by %d; want 1, 0",
+					tc.reason, got, after.ClosedAfterTX-before.ClosedAfterTX)
+			}
+			if events := rec.seen(); len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != tc.reason || !errors.Is(events[0].Err, unix.EPERM) {
+				t.Fatalf("observer events %+v, want one handshake event with %q and the filter's EPERM", events, tc.reason)
+			}
+		})
+	}
+}
+
+// denySetsockopt installs, on every thread of this process, a seccomp
+// filter under which setsockopt(fd, level, opt, …) fails with EPERM and
+// every other system call runs as usual. Irreversible: child processes
+// only (inChild).
+func denySetsockopt(t *testing.T, level, opt uint32) {
 	arch := map[string]uint32{"amd64": unix.AUDIT_ARCH_X86_64, "arm64": unix.AUDIT_ARCH_AARCH64}[runtime.GOARCH]
 	if arch == 0 {
 		t.Fatalf("no seccomp audit arch known for %s", runtime.GOARCH)
@@ -265,9 +349,9 @@ func denyTLSRX(t *testing.T) {
 		{Code: load, K: 0},
 		{Code: jeq, K: unix.SYS_SETSOCKOPT, Jf: 5},
 		{Code: load, K: 16 + 8*1},
-		{Code: jeq, K: unix.SOL_TLS, Jf: 3},
+		{Code: jeq, K: level, Jf: 3},
 		{Code: load, K: 16 + 8*2},
-		{Code: jeq, K: optTLSRX, Jf: 1},
+		{Code: jeq, K: opt, Jf: 1},
 		{Code: unix.BPF_RET | unix.BPF_K, K: unix.SECCOMP_RET_ERRNO | uint32(unix.EPERM)},
 		{Code: unix.BPF_RET | unix.BPF_K, K: unix.SECCOMP_RET_ALLOW},
 	}

@@ -42,8 +42,9 @@ var alertNames = map[uint8]string{
 var (
 	// ErrKeyUpdateRateLimited: the peer sent KeyUpdates faster than Options.KeyUpdateLimit.
 	ErrKeyUpdateRateLimited = errors.New("ktls: peer exceeded the KeyUpdate rate limit")
-	// ErrRekeyUnsupported: the peer sent a KeyUpdate and this kernel cannot
-	// install a second key (Linux < 6.14).
+	// ErrRekeyUnsupported: the peer sent a KeyUpdate that needs a second key
+	// in the kernel (RX, or TX when the peer requests our update), and this
+	// kernel cannot install one (Linux < 6.14).
 	ErrRekeyUnsupported = errors.New("ktls: peer sent KeyUpdate, but this kernel cannot rekey kTLS (needs Linux >= 6.14)")
 )
 
@@ -310,7 +311,10 @@ func (c *Conn) keyUpdate(updateRequested bool) error {
 		c.report(Event{Kind: EventRateLimited, Offload: c.off, Err: ErrKeyUpdateRateLimited})
 		return &protocolError{alertUnexpectedMessage, ErrKeyUpdateRateLimited}
 	}
-	if !Probe().Rekey {
+	// A second kernel key needs Linux >= 6.14. With RX in userspace the
+	// opener rekeys on any kernel: only our answer to a requested update
+	// needs a second TLS_TX.
+	if !Probe().Rekey && (c.opener == nil || updateRequested) {
 		c.report(Event{Kind: EventRekeyUnsupported, Offload: c.off, Err: ErrRekeyUnsupported})
 		return &protocolError{alertInternalError, ErrRekeyUnsupported}
 	}

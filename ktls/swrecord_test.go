@@ -560,7 +560,7 @@ func FuzzRecordOpen(f *testing.F) {
 // offers is tried; KTLS_TEST_MIB sets the payload size (default 4 MiB).
 func TestKernelTXRecordsOpenInGo(t *testing.T) {
 	kerneltest.Require(t)
-	n := transferSize(t, 4<<20)
+	n := bulkSize(t, 4)
 	caps := Probe()
 	for _, s := range probeSuites {
 		name := tls.VersionName(s.version) + "/" + tls.CipherSuiteName(s.suite)

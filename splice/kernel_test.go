@@ -7,9 +7,7 @@ import (
 	"errors"
 	"io"
 	"net"
-	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -19,20 +17,6 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
-
-// kernelTestSize is the per-direction transfer of the kernel tests:
-// KTLS_TEST_MIB MiB (default 4, small because the VM emulates AES slowly).
-func kernelTestSize(t *testing.T) int64 {
-	v := os.Getenv("KTLS_TEST_MIB")
-	if v == "" {
-		return 4 * MiB
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n <= 0 {
-		t.Fatalf("KTLS_TEST_MIB=%q: want a positive integer", v)
-	}
-	return int64(n) * MiB
-}
 
 // ktlsTopology is gateway (Go TLS client) → kTLS server conn (tunnel side a)
 // → tunnel → relayB → upstream, all on loopback.
@@ -73,7 +57,7 @@ func newKTLSTopology(t *testing.T, version uint16, opts ktls.Options) ktlsTopolo
 // The gateway's close_notify reaches the relay as a control record.
 func TestKernelRelayEcho(t *testing.T) {
 	kerneltest.Require(t)
-	size := kernelTestSize(t)
+	size := int64(kerneltest.BulkMiB(t, 4)) * MiB // KTLS_TEST_MIB
 	// The first offload probes the kernel on throwaway sockets (cached for
 	// the process); keep those installs out of the counted deltas.
 	ktls.Probe()

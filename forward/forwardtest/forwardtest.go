@@ -14,7 +14,6 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
-	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -263,20 +262,15 @@ func PatternSum(seed uint64, n int64) [32]byte {
 	return s
 }
 
-// TransferMiB is the per-direction size of big transfer tests: KTLS_TEST_MIB
-// when set, else def (def/8 under the race detector, at least 1).
+// TransferMiB is the per-direction size of big transfer tests:
+// kerneltest.BulkMiB (KTLS_TEST_MIB when set), else def (def/8 under the
+// race detector, at least 1).
 func TransferMiB(t testing.TB, def int64) int64 {
-	if s := os.Getenv("KTLS_TEST_MIB"); s != "" {
-		n, err := strconv.ParseInt(s, 10, 64)
-		if err != nil || n <= 0 {
-			t.Fatalf("KTLS_TEST_MIB=%q: want a positive integer", s)
-		}
-		return n
-	}
+	t.Helper()
 	if RaceEnabled {
-		return max(def/8, 1)
+		def = max(def/8, 1)
 	}
-	return def
+	return int64(kerneltest.BulkMiB(t, int(def)))
 }
 
 // fdTargets lists what this process's fds point at, for leak reports.

@@ -3,6 +3,7 @@ package kerneltest
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"slices"
@@ -88,5 +89,37 @@ func TestRequire(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// fatalRecorder is a testing.TB whose Fatalf records the message instead
+// of stopping the test.
+type fatalRecorder struct {
+	testing.TB
+	fatal string
+}
+
+func (f *fatalRecorder) Fatalf(format string, args ...any) { f.fatal = fmt.Sprintf(format, args...) }
+
+// TestBulkMiB (and PositiveEnv under it): the default when KTLS_TEST_MIB
+// is unset, its value when set, and a failure naming it when it is not a
+// positive integer.
+func TestBulkMiB(t *testing.T) {
+	t.Setenv(BulkEnv, "")
+	os.Unsetenv(BulkEnv)
+	if got := BulkMiB(t, 3); got != 3 {
+		t.Fatalf("unset: %d, want the default 3", got)
+	}
+	t.Setenv(BulkEnv, "64")
+	if got := BulkMiB(t, 3); got != 64 {
+		t.Fatalf("%s=64: %d", BulkEnv, got)
+	}
+	for _, bad := range []string{"0", "-1", "1.5", "lots"} {
+		t.Setenv(BulkEnv, bad)
+		rec := &fatalRecorder{TB: t}
+		BulkMiB(rec, 3)
+		if !strings.Contains(rec.fatal, BulkEnv+"=\""+bad+"\"") {
+			t.Errorf("%s=%q: failure %q, want one naming the variable and value", BulkEnv, bad, rec.fatal)
+		}
 	}
 }

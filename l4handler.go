@@ -176,8 +176,14 @@ func (l layeredConn) Socket() (*net.TCPConn, error) {
 	if n := len(l.cx.MatchingBytes()); n > 0 {
 		return nil, fmt.Errorf("%d bytes past the handshake are buffered in caddy-l4", n)
 	}
-	tcp, _ := l.cx.Conn.(*net.TCPConn) // nil: not a TCP socket (ktls reports not-tcp)
-	return tcp, nil
+	switch c := l.cx.Conn.(type) {
+	case *net.TCPConn:
+		return c, nil
+	case interface{ Raw() net.Conn }: // go-proxyproto: a buffered reader over the socket
+		return nil, fmt.Errorf("%T reads the socket through a userspace buffer", c)
+	default:
+		return nil, nil // not a TCP socket: ktls reports not-tcp
+	}
 }
 
 // SyscallConn exposes the socket for socket options (keepalive) even when

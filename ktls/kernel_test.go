@@ -48,9 +48,10 @@ func wantStat(t *testing.T, d kerneltest.Stat, counter string, want int64) {
 	}
 }
 
-// TestKernelMatrix: TLS 1.2/1.3 × tickets on/off × resumed × client auth,
-// both directions in the kernel, data checked by SHA-256, close_notify both
-// ways, and tls_stat proving one TX and one RX install per connection.
+// TestKernelMatrix: the Go client's matrix (connCases: every suite of TLS
+// 1.2 and 1.3; tickets on/off × resumed × client auth), both directions in
+// the kernel, data checked by SHA-256, close_notify both ways, and tls_stat
+// proving one TX and one RX install per connection.
 func TestKernelMatrix(t *testing.T) {
 	kerneltest.Require(t)
 	checkNoFDLeak(t, kerneltest.OpenFDs)

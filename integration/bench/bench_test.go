@@ -42,6 +42,11 @@ epoll_pwait(4<anon_inode:[eventpoll]>,  <detached ...>
 	if s.Syscalls != 8 {
 		t.Errorf("syscalls = %d, want 8 (%+v)", s.Syscalls, s.Top)
 	}
+	// The TCP read, write and recvfrom (its EAGAIN was entered too), the
+	// socket sendmsg and the splice; not the file read, connect or epoll.
+	if s.DataSyscalls != 5 {
+		t.Errorf("data syscalls = %d, want 5", s.DataSyscalls)
+	}
 	if want := int64(16406 + 16384 + 5); s.UserspaceBytes != want {
 		t.Errorf("userspace bytes = %d, want %d", s.UserspaceBytes, want)
 	}

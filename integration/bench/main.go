@@ -284,6 +284,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 				s.Bytes, s.Calls = tr.bytes, tr.calls
 				s.SyscallsPerGiB = round(float64(s.Syscalls)*gib/float64(tr.bytes), 0)
 				s.UserspaceBytesPerGiB = round(float64(s.UserspaceBytes)*gib/float64(tr.bytes), 0)
+				s.DataSyscallsPerGiB = round(float64(s.DataSyscalls)*gib/float64(tr.bytes), 0)
 				if tr.calls > 0 {
 					s.SyscallsPerCall = round(float64(s.Syscalls)/float64(tr.calls), 2)
 				}
@@ -414,7 +415,7 @@ func notes(mode string) []string {
 	n := []string{
 		"cpu_s: user+system CPU of the forwarder process (all its threads; every contender is one process) while one run of the shape ran; from the sum of /proc/<pid>/task/*/schedstat run times (ns) when no thread exited during the run (cpu_source schedstat), else /proc/<pid>/stat utime+stime (10 ms ticks, cpu_source stat). user_s/sys_s always come from the ticks. CPU pass: no tracing.",
 		"cpu_s_per_gib: cpu_s scaled to one GiB of payload (both directions of a small call count). The overhead above the crypto floor is ktls minus floor-ktls in the same run.",
-		"structural: a separate pass at params.structural_bytes / structural_calls with strace attached to the forwarder (see structural.source); syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB. Tracing slows the forwarder; only counts come from this pass.",
+		"structural: a separate pass at params.structural_bytes / structural_calls with strace attached to the forwarder (see structural.source); syscalls_per_gib, data_syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB. Tracing slows the forwarder; only counts come from this pass.",
 		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs); small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption). calls_per_cpu_s = calls / forwarder cpu_s.",
 		"Every contender terminates TLS 1.3 with TLS_AES_128_GCM_SHA256 and X25519 (checked on every connection) with the same ECDSA P-256 certificate, without client authentication; floor-plain speaks plain TCP. ktls* contenders also verify a signed, channel-bound preamble per connection.",
 		"offload: TX/RX placement from /proc/net/tls_stat deltas over the cell (TlsTxSw/TlsRxSw count sockets that installed a kernel key); a contender on the wrong path fails the run.",

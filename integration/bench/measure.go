@@ -82,7 +82,9 @@ type structural struct {
 	Calls                int     `json:"calls,omitempty"`
 	Syscalls             int64   `json:"syscalls"`
 	UserspaceBytes       int64   `json:"userspace_bytes"`
+	DataSyscalls         int64   `json:"data_syscalls"`
 	SyscallsPerGiB       float64 `json:"syscalls_per_gib"`
+	DataSyscallsPerGiB   float64 `json:"data_syscalls_per_gib"`
 	UserspaceBytesPerGiB float64 `json:"userspace_bytes_per_gib"`
 	SyscallsPerCall      float64 `json:"syscalls_per_call,omitempty"`
 	Top                  []count `json:"top_syscalls"`
@@ -94,7 +96,7 @@ type count struct {
 	Count int64  `json:"count"`
 }
 
-const straceSource = "strace -f -ff -yy -s 0 -e signal=none -p <forwarder pid>, attached for this pass only: syscalls = every syscall entered by any forwarder thread; userspace bytes = sum of positive returns of read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets"
+const straceSource = "strace -f -ff -yy -s 0 -e signal=none -p <forwarder pid>, attached for this pass only: syscalls = every syscall entered by any forwarder thread; data syscalls = those that move payload (read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets, and every splice/sendfile); userspace bytes = sum of positive returns of read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets"
 
 // userspaceIO are the calls whose return value counts bytes copied between
 // a socket and a userspace buffer (splice and sendfile move none).
@@ -102,6 +104,9 @@ var userspaceIO = map[string]bool{
 	"read": true, "readv": true, "recvfrom": true, "recvmsg": true,
 	"write": true, "writev": true, "sendto": true, "sendmsg": true,
 }
+
+// kernelIO are the calls that move payload without a userspace buffer.
+var kernelIO = map[string]bool{"splice": true, "sendfile": true}
 
 // straceCall matches the start of a syscall line of strace -ff -yy output:
 // the name and the first argument (with its fd decoration). A line cut by
@@ -177,8 +182,12 @@ func parseStrace(prefix string) (structural, error) {
 				continue // "+++ exited", "--- SIG", "[ Process ... ]"
 			}
 			counts[m[1]]++
+			onSocket := strings.Contains(m[2], "<TCP") || strings.Contains(m[2], "<socket:")
+			if kernelIO[m[1]] || userspaceIO[m[1]] && onSocket {
+				s.DataSyscalls++
+			}
 			i := strings.LastIndex(line, ") = ")
-			if i < 0 || !userspaceIO[m[1]] || !(strings.Contains(m[2], "<TCP") || strings.Contains(m[2], "<socket:")) {
+			if i < 0 || !userspaceIO[m[1]] || !onSocket {
 				continue
 			}
 			ret, _, _ := strings.Cut(line[i+len(") = "):], " ")

@@ -19,7 +19,7 @@ export KTLS_TEST_MIB
 # Size (MiB) of the real-binary test's curl download; empty = KTLS_TEST_MIB's.
 export KTLS_BINARY_DOWNLOAD_MIB
 
-.PHONY: help build xcaddy demo test vet hosttest fuzz vmtest bench bench-smoke bench-host bench-report clean
+.PHONY: help build xcaddy demo test vet hosttest fuzz vmtest bench bench-smoke bench-bulk bench-host bench-report clean
 
 help:
 	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
@@ -30,8 +30,9 @@ help:
 	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
 	@echo 'make bench        every forwarder contender in a 7.3 VM under qemu -icount: docs/bench/results.json'
 	@echo 'make bench-smoke  the same at a tiny size, once each: fails unless every contender moves the exact bytes'
+	@echo 'make bench-bulk   1 GiB upload and download per contender, two VMs side by side: docs/bench/bulk-1gib.md'
 	@echo 'make bench-host   native Go benchmarks (relay, handshake, preamble) on this host: docs/bench/host.md'
-	@echo 'make bench-report docs/bench/results.md and chart.png from docs/bench/results.json'
+	@echo 'make bench-report docs/bench/results.md, chart.png and bulk-1gib.md, .png from their JSON'
 	@echo 'make clean        remove bin/ and the harness build dir'
 
 build:
@@ -56,9 +57,16 @@ demo: build
 	@echo '=== the same in a VM on kernel $(DEMO_KERNEL), which has kTLS'
 	integration/vm.sh $(DEMO_KERNEL) 'DEMO_PREBUILT=1 DEMO_REQUIRE_KERNEL=1 DEMO_MIB=$(DEMO_VM_MIB) examples/demo.sh'
 
+# The bench smoke runs its contenders in two VMs side by side, so the split
+# and the merged report (what bench-bulk uses) run in CI too.
+BENCH_SMOKE_SPLIT = ktls,ktls-rx-off,ktls-off,floor-ktls,floor-plain l4-proxy,reverse-proxy,haproxy,nginx
+# bench-bulk: 1 GiB each way. The headline contenders share one VM (their
+# ratios come from one run), the others run beside it.
+BENCH_BULK_SPLIT = ktls,floor-ktls,l4-proxy,reverse-proxy ktls-rx-off,ktls-off,haproxy,nginx,floor-plain
+
 test: vet hosttest fuzz build
 	integration/vmtest.sh $(KERNELS)
-	integration/bench.sh --smoke
+	BENCH_SPLIT='$(BENCH_SMOKE_SPLIT)' integration/bench.sh --smoke
 
 vet:
 	$(GO) vet ./...
@@ -90,13 +98,19 @@ bench:
 	integration/bench.sh
 
 bench-smoke:
-	integration/bench.sh --smoke
+	BENCH_SPLIT='$(BENCH_SMOKE_SPLIT)' integration/bench.sh --smoke
+
+bench-bulk:
+	BENCH_BULK_MIB=1024 BENCH_SPLIT='$(BENCH_BULK_SPLIT)' BENCH_OUT=docs/bench/bulk-1gib.json \
+		integration/bench.sh -shapes upload,download
 
 bench-host:
 	integration/bench-host.sh
 
 bench-report:
 	$(GO) run ./integration/benchreport results -in docs/bench/results.json -md docs/bench/results.md -png docs/bench/chart.png
+	$(GO) run ./integration/benchreport results -in docs/bench/bulk-1gib-1.json,docs/bench/bulk-1gib-2.json \
+		-md docs/bench/bulk-1gib.md -png docs/bench/bulk-1gib.png
 
 clean:
 	rm -rf bin integration/.build

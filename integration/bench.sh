@@ -4,6 +4,7 @@
 # upstream and writes one JSON document.
 #
 # usage: integration/bench.sh [--smoke|--native] [driver flags...]
+#        BENCH_SPLIT='A,B C,D' integration/bench.sh ... (see env)
 #
 #   (default)  in a VM on kernel $BENCH_KERNEL under qemu -icount (guest time
 #              counts instructions: deterministic, blind to host load) at the
@@ -21,7 +22,12 @@
 # env: BENCH_KERNEL (default 7.3), BENCH_BULK_MIB (64), BENCH_REPS (3),
 #      BENCH_OUT (the JSON's destination), CADDY (a prebuilt Caddy binary
 #      inside the checkout instead of building one), VM_TIMEOUT
-#      (default 14400 s for the full run, 1800 s for the smoke run).
+#      (default 14400 s for the full run, 1800 s for the smoke run),
+#      BENCH_SPLIT (VM modes): groups of contenders separated by spaces,
+#      e.g. "ktls,floor-ktls l4-proxy,nginx": one VM per group, side by side
+#      (one host core each; under icount a guest's figures do not depend on
+#      the host's load), each writing ${BENCH_OUT%.json}-N.json for group N;
+#      their merged report goes to ${BENCH_OUT%.json}.md and .png.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 MODE=full
@@ -56,17 +62,51 @@ if [ $MODE = native ]; then
   rc=0
   "$OUT/bench" run -mode native -caddy "$CADDY" -out "$DEST" "${SIZES[@]}" "$@" || rc=$?
 else
-  VM_OUT=$OUT/vm-out-$MODE
-  rm -rf "$VM_OUT"
-  mkdir -p "$VM_OUT"
   [ $MODE = smoke ] && timeout=1800 || timeout=14400
-  # The command line is one string the guest's sh runs: quote every word.
-  cmd=$(printf '%q ' "$OUT/bench" run -mode vm-icount -caddy "$CADDY" -out /run/vm-out/results.json "${SIZES[@]}" "$@")
+  read -ra groups <<<"${BENCH_SPLIT:-}"
+  # Group N's VM writes VM_OUT-N and its JSON to DEST-N; without a split,
+  # the one VM writes DEST itself.
+  vm_run() { # N [contender flags...]
+    local n=$1 vm_out=$OUT/vm-out-$MODE${1:+-$1} dest=$DEST; shift
+    [ -n "$n" ] && dest=${DEST%.json}-$n.json
+    rm -rf "$vm_out"
+    mkdir -p "$vm_out"
+    # The command line is one string the guest's sh runs: quote every word.
+    local cmd vrc=0
+    cmd=$(printf '%q ' "$OUT/bench" run -mode vm-icount -caddy "$CADDY" -out /run/vm-out/results.json "${SIZES[@]}" "$@")
+    VM_ICOUNT=1 VM_OUT=$vm_out VM_TIMEOUT=${VM_TIMEOUT:-$timeout} \
+      "$(dirname "$0")/vm.sh" "${BENCH_KERNEL:-7.3}" "$cmd" || vrc=$?
+    # The JSON comes back even from a failing run: its errors say what failed.
+    if [ -f "$vm_out/results.json" ]; then cp "$vm_out/results.json" "$dest"; else log "bench: the guest of ${n:-the run} wrote no results.json"; fi
+    return $vrc
+  }
   rc=0
-  VM_ICOUNT=1 VM_OUT=$VM_OUT VM_TIMEOUT=${VM_TIMEOUT:-$timeout} \
-    "$(dirname "$0")/vm.sh" "${BENCH_KERNEL:-7.3}" "$cmd" || rc=$?
-  # The JSON comes back even from a failing run: its errors say what failed.
-  if [ -f "$VM_OUT/results.json" ]; then cp "$VM_OUT/results.json" "$DEST"; else DEST="none (the guest wrote no results.json)"; fi
+  if [ ${#groups[@]} -eq 0 ]; then
+    vm_run "" "$@" || rc=$?
+  else
+    pids=()
+    for i in "${!groups[@]}"; do
+      vm_run $((i + 1)) "$@" -contenders "${groups[$i]}" > "$OUT/split-$((i + 1)).log" 2>&1 &
+      pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+      grc=0
+      wait "${pids[$i]}" || grc=$?
+      log "bench: group $((i + 1)) (${groups[$i]}): exit $grc, log $OUT/split-$((i + 1)).log"
+      [ $grc -eq 0 ] || rc=$grc
+    done
+    ins=()
+    for i in "${!groups[@]}"; do
+      [ -f "${DEST%.json}-$((i + 1)).json" ] && ins+=("${DEST%.json}-$((i + 1)).json")
+    done
+    if [ ${#ins[@]} -eq ${#groups[@]} ]; then
+      go run ./integration/benchreport results -in "$(IFS=,; echo "${ins[*]}")" -md "${DEST%.json}.md" -png "${DEST%.json}.png" || rc=1
+      DEST="${ins[*]} (report ${DEST%.json}.md)"
+    else
+      DEST="${ins[*]:-none} (not every group wrote its JSON)"
+      rc=1
+    fi
+  fi
 fi
 log "bench ($MODE): exit $rc, wall $(elapsed "$start")s, results in $DEST"
 exit $rc

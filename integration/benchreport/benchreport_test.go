@@ -94,9 +94,11 @@ func TestGoals(t *testing.T) {
 		"fast path: 0 payload bytes through userspace per GiB (upload)": met + " / ktls 0 B/GiB − floor-ktls 0 B/GiB (handshakes) = 0 B/GiB (preambles); l4-proxy 2 GiB/GiB",
 		// 4 KiB/GiB beyond the floor: a preamble, not payload.
 		"fast path: 0 payload bytes through userspace per GiB (download)": met + " / ktls 4 KiB/GiB − floor-ktls 0 B/GiB (handshakes) = 4 KiB/GiB (preambles); l4-proxy 2 GiB/GiB",
-		"syscalls/GiB ≤ 0.1 × l4-proxy's (upload)":                        met + " / 40 vs 65536: ×0.00061",
-		"CPU above the crypto floor ≤ 0.1 × l4-proxy's (upload)":          met + " / +0.05 vs +1 CPU-s/GiB: ×0.05",
-		"CPU above the crypto floor ≤ 0.05 × reverse-proxy's (upload)":    met + " / +0.05 vs +2.5 CPU-s/GiB: ×0.02",
+		"syscalls/GiB ≤ 0.1 × l4-proxy's (upload)":                        met + " / 40 vs 65536: ×0.00061; data syscalls alone 32 vs 32768: ×0.000977",
+		// No data syscall counts on download: the total alone.
+		"syscalls/GiB ≤ 0.1 × l4-proxy's (download)":                   met + " / 50 vs 65536: ×0.000763",
+		"CPU above the crypto floor ≤ 0.1 × l4-proxy's (upload)":       met + " / +0.05 vs +1 CPU-s/GiB: ×0.05",
+		"CPU above the crypto floor ≤ 0.05 × reverse-proxy's (upload)": met + " / +0.05 vs +2.5 CPU-s/GiB: ×0.02",
 		// 0.10 above the floor against l4-proxy's 0.80: ×0.125.
 		"CPU above the crypto floor ≤ 0.1 × l4-proxy's (download)":       missed + " / +0.1 vs +0.8 CPU-s/GiB: ×0.125",
 		"CPU above the crypto floor ≤ 0.05 × reverse-proxy's (download)": met + " / +0.1 vs +2 CPU-s/GiB: ×0.05",
@@ -125,7 +127,7 @@ func TestGoalPayloadCopied(t *testing.T) {
 
 func TestResultsMarkdown(t *testing.T) {
 	r := loadFixture(t)
-	md := string(renderResultsMarkdown(r))
+	md := string(renderResultsMarkdown(r, []string{"testdata/synthetic-results.json"}, "chart.png"))
 	for _, want := range []string{
 		"- Mode: vm-icount: qemu TCG with `-icount shift=0`",
 		"| `bulk_bytes` | 67108864 (64 MiB) |",
@@ -133,9 +135,10 @@ func TestResultsMarkdown(t *testing.T) {
 		"`TlsRxSw` 11, `TlsTxSw` 12",
 		"## Shape `upload`: bulk transfer, client → sandbox",
 		// Every column of ktls on upload, computed from the fixture.
-		"| `ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.45 | 6.67 % | +0.05 | ×0.321 | ×0.155 | ×0.05 | ×0.02 | 40 | 0 B | 0.05 |",
+		"| `ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.45 | 6.67 % | +0.05 | ×0.321 | ×0.155 | ×0.05 | ×0.02 | 40 | 32 | 0 B | 0.05 |",
 		// A contender with nothing measured renders dashes, not zeros.
-		"| `haproxy` | — | — | — | — | — | — | — | — | — | — | — | — |",
+		"| `haproxy` | — | — | — | — | — | — | — | — | — | — | — | — | — |",
+		"Rendered by `integration/benchreport` from `testdata/synthetic-results.json` (written by `integration/bench.sh`); do not edit by hand. Chart: [chart.png](chart.png).",
 		"| `ktls` | kernel TX+RX | 3 (3 SHA ok) | 10000 | 15 % | ×2 | — | 80 | 200 | 4.5 |",
 		"## What this measures and what it cannot",
 		"**The harness reported failures**",
@@ -143,15 +146,95 @@ func TestResultsMarkdown(t *testing.T) {
 		"system calls of the forwarder in the traced transfer (synthetic):",
 		"- `ktls`, 16 MiB traced: splice 32, epoll_pwait 8",
 		// The floors are the reference: no ratio of their overhead.
-		"| `floor-ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.4 | 5 % | 0 | ×0.286 | ×0.138 | — | — | 40 | 0 B | 0.05 |",
+		"| `floor-ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.4 | 5 % | 0 | ×0.286 | ×0.138 | — | — | 40 | — | 0 B | 0.05 |",
 		"- `nginx`: synthetic: tls_stat TlsTxSw +1",
 	} {
 		if !strings.Contains(md, want) {
 			t.Errorf("markdown lacks %q", want)
 		}
 	}
-	if again := string(renderResultsMarkdown(loadFixture(t))); again != md {
+	if again := string(renderResultsMarkdown(loadFixture(t), []string{"testdata/synthetic-results.json"}, "chart.png")); again != md {
 		t.Error("the same input rendered two different markdown files")
+	}
+}
+
+// splitFixture returns the fixture as two runs of one setup: ktls-family
+// contenders and the floors in the first, the peers in the second.
+func splitFixture(t *testing.T) (*Results, *Results) {
+	a, b := loadFixture(t), loadFixture(t)
+	a.Results, b.Results = nil, nil
+	for _, res := range loadFixture(t).Results {
+		if strings.HasPrefix(res.Contender, "ktls") || strings.HasPrefix(res.Contender, "floor-") {
+			a.Results = append(a.Results, res)
+		} else {
+			b.Results = append(b.Results, res)
+		}
+	}
+	b.Date = "2000-01-02T00:00:00Z"
+	return a, b
+}
+
+// Two runs of one setup merge into the report of the whole: every derived
+// figure is the one-run fixture's, the tls_stat deltas add up, and the
+// report names both files and what each run measured.
+func TestMerge(t *testing.T) {
+	a, b := splitFixture(t)
+	m, err := mergeResults([]*Results{a, b})
+	if err != nil {
+		t.Fatal(err)
+	}
+	whole := loadFixture(t)
+	got, want := goals(m.tables()), goals(whole.tables())
+	if len(got) != len(want) {
+		t.Fatalf("%d goals merged, %d from one run", len(got), len(want))
+	}
+	for i := range got {
+		if got[i] != want[i] {
+			t.Errorf("merged goal %q: %q, one run: %q", got[i].goal, got[i].measured, want[i].measured)
+		}
+	}
+	if m.TLSStatDelta["TlsTxSw"] != 24 || m.TLSStatDelta["TlsRxSw"] != 22 {
+		t.Errorf("tls_stat deltas %v, want the two runs' sum (TlsTxSw 24, TlsRxSw 22)", m.TLSStatDelta)
+	}
+	yes, no := true, false
+	for _, c := range []struct {
+		a, b, want *bool
+	}{{&yes, &yes, &yes}, {&yes, &no, &no}, {nil, &no, &no}, {&yes, nil, nil}} {
+		got := allOK([]*Results{{OK: c.a}, {OK: c.b}})
+		if (got == nil) != (c.want == nil) || got != nil && *got != *c.want {
+			t.Errorf("ok of runs %v, %v: %v, want %v", c.a, c.b, got, c.want)
+		}
+	}
+	md := string(renderResultsMarkdown(m, []string{"a.json", "b.json"}, ""))
+	for _, want := range []string{
+		"from `a.json` and `b.json` (written by `integration/bench.sh`); do not edit by hand.\n",
+		"- Date: 2000-01-01T00:00:00Z, 2000-01-02T00:00:00Z",
+		"The cells come from 2 runs of the harness",
+		"1. 2000-01-01T00:00:00Z: `floor-plain`, `floor-ktls`, `ktls`, `ktls-off`",
+		"2. 2000-01-02T00:00:00Z: `l4-proxy`, `reverse-proxy`, `haproxy`, `nginx`",
+		"| `ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.45 | 6.67 % | +0.05 | ×0.321 | ×0.155 | ×0.05 | ×0.02 | 40 | 32 | 0 B | 0.05 |",
+	} {
+		if !strings.Contains(md, want) {
+			t.Errorf("merged markdown lacks %q", want)
+		}
+	}
+}
+
+// Runs of different setups, or a cell measured in both, do not merge.
+func TestMergeRefused(t *testing.T) {
+	for name, spoil := range map[string]func(a, b *Results){
+		"kernel":       func(a, b *Results) { b.Kernel = "6.1" },
+		"mode":         func(a, b *Results) { b.Mode = "native" },
+		"parameters":   func(a, b *Results) { b.Params["bulk_bytes"] = []byte("1073741824") },
+		"a cell twice": func(a, b *Results) { b.Results = append(b.Results, a.Results[0]) },
+	} {
+		a, b := splitFixture(t)
+		spoil(a, b)
+		if _, err := mergeResults([]*Results{a, b}); err == nil {
+			t.Errorf("%s: merged", name)
+		} else {
+			t.Logf("%s: %v", name, err)
+		}
 	}
 }
 
@@ -259,6 +342,10 @@ func TestRun(t *testing.T) {
 	}
 	if err := run([]string{"host", "-in", "testdata/synthetic-host.txt", "-md", filepath.Join(dir, "host.md")}); err != nil {
 		t.Fatal(err)
+	}
+	twice := "testdata/synthetic-results.json,testdata/synthetic-results.json"
+	if err := run([]string{"results", "-in", twice, "-md", md}); err == nil || !strings.Contains(err.Error(), "is in run 1 and run 2") {
+		t.Errorf("the same run merged with itself: %v", err)
 	}
 	if err := run([]string{"nonsense", "-in", "x", "-md", "y"}); err == nil {
 		t.Error("an unknown report accepted")

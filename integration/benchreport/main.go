@@ -5,7 +5,8 @@
 //	benchreport results -in docs/bench/results.json -md docs/bench/results.md -png docs/bench/chart.png
 //	benchreport host -in raw.txt -md docs/bench/host.md
 //
-// "results" reads the VM harness's results.json (integration/bench.sh) and
+// "results" reads the VM harness's results.json (integration/bench.sh), or
+// several of them from runs of one setup merged into one report, and
 // writes the contender tables, the goals with met/missed, and a bar chart of
 // CPU seconds per GiB. "host" reads the output of the host Go benchmarks as
 // integration/bench-host.sh collects it (go test -bench lines plus "# key:
@@ -19,6 +20,8 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strings"
 )
 
 func main() {
@@ -30,10 +33,10 @@ func main() {
 
 func run(args []string) error {
 	if len(args) == 0 {
-		return errors.New("usage: benchreport results|host -in FILE -md FILE [-png FILE]")
+		return errors.New("usage: benchreport results|host -in FILE[,FILE...] -md FILE [-png FILE]")
 	}
 	fs := flag.NewFlagSet("benchreport "+args[0], flag.ContinueOnError)
-	in := fs.String("in", "", "input file")
+	in := fs.String("in", "", "input file; for results, several comma-separated ones merge into one report (runs of one setup)")
 	md := fs.String("md", "", "markdown output file")
 	png := fs.String("png", "", "PNG chart output file (results only)")
 	if err := fs.Parse(args[1:]); err != nil {
@@ -42,17 +45,30 @@ func run(args []string) error {
 	if *in == "" || *md == "" {
 		return errors.New("-in and -md are required")
 	}
-	data, err := os.ReadFile(*in)
-	if err != nil {
-		return err
-	}
 	switch args[0] {
 	case "results":
-		r, err := parseResults(data)
-		if err != nil {
-			return fmt.Errorf("%s: %w", *in, err)
+		names := strings.Split(*in, ",")
+		docs := make([]*Results, len(names))
+		for i, name := range names {
+			data, err := os.ReadFile(name)
+			if err != nil {
+				return err
+			}
+			if docs[i], err = parseResults(data); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
 		}
-		if err := os.WriteFile(*md, renderResultsMarkdown(r), 0o644); err != nil {
+		r, err := mergeResults(docs)
+		if err != nil {
+			return fmt.Errorf("merging %s: %w", *in, err)
+		}
+		chart := ""
+		if *png != "" {
+			if chart, err = filepath.Rel(filepath.Dir(*md), *png); err != nil {
+				return err
+			}
+		}
+		if err := os.WriteFile(*md, renderResultsMarkdown(r, names, chart), 0o644); err != nil {
 			return err
 		}
 		if *png != "" {
@@ -66,6 +82,10 @@ func run(args []string) error {
 	case "host":
 		if *png != "" {
 			return errors.New("host: no chart")
+		}
+		data, err := os.ReadFile(*in)
+		if err != nil {
+			return err
 		}
 		h, err := parseHostBench(data)
 		if err != nil {

@@ -29,7 +29,7 @@ help:
 	@echo 'make fuzz         every fuzz target for $(FUZZTIME) executions (FUZZTIME=10m for a real run)'
 	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
 	@echo 'make bench        every forwarder contender in a 7.3 VM under qemu -icount: docs/bench/results.json'
-	@echo 'make bench-smoke  the same at a tiny size, once each: fails unless every contender moves the exact bytes'
+	@echo 'make bench-smoke  the same at a tiny size, once each, in VMs and natively: fails on any wrong byte or data path'
 	@echo 'make bench-bulk   1 GiB upload and download per contender, two VMs side by side: docs/bench/bulk-1gib.md'
 	@echo 'make bench-host   native Go benchmarks (relay, handshake, preamble) on this host: docs/bench/host.md'
 	@echo 'make bench-report docs/bench/results.md, chart.png and bulk-1gib.md, .png from their JSON'
@@ -58,7 +58,8 @@ demo: build
 	integration/vm.sh $(DEMO_KERNEL) 'DEMO_PREBUILT=1 DEMO_REQUIRE_KERNEL=1 DEMO_MIB=$(DEMO_VM_MIB) examples/demo.sh'
 
 # The bench smoke runs its contenders in two VMs side by side, so the split
-# and the merged report (what bench-bulk uses) run in CI too.
+# and the merged report (what bench-bulk uses) run in CI too; then natively,
+# so the harness's --native mode (item 9 of issue 7) does not rot either.
 BENCH_SMOKE_SPLIT = ktls,ktls-rx-off,ktls-off,floor-ktls,floor-plain l4-proxy,reverse-proxy,haproxy,nginx
 # bench-bulk: 1 GiB each way. The headline contenders share one VM (their
 # ratios come from one run), the others run beside it.
@@ -67,6 +68,7 @@ BENCH_BULK_SPLIT = ktls,floor-ktls,l4-proxy,reverse-proxy ktls-rx-off,ktls-off,h
 test: vet hosttest fuzz build
 	integration/vmtest.sh $(KERNELS)
 	BENCH_SPLIT='$(BENCH_SMOKE_SPLIT)' integration/bench.sh --smoke
+	integration/bench.sh --native --smoke
 
 vet:
 	$(GO) vet ./...
@@ -99,6 +101,7 @@ bench:
 
 bench-smoke:
 	BENCH_SPLIT='$(BENCH_SMOKE_SPLIT)' integration/bench.sh --smoke
+	integration/bench.sh --native --smoke
 
 bench-bulk:
 	BENCH_BULK_MIB=1024 BENCH_SPLIT='$(BENCH_BULK_SPLIT)' BENCH_OUT=docs/bench/bulk-1gib.json \

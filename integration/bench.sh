@@ -3,19 +3,21 @@
 # driver (integration/bench), then runs every contender against the same
 # upstream and writes one JSON document.
 #
-# usage: integration/bench.sh [--smoke|--native] [driver flags...]
+# usage: integration/bench.sh [--native] [--smoke] [driver flags...]
 #        BENCH_SPLIT='A,B C,D' integration/bench.sh ... (see env)
 #
 #   (default)  in a VM on kernel $BENCH_KERNEL under qemu -icount (guest time
 #              counts instructions: deterministic, blind to host load) at the
 #              full size; writes docs/bench/results.json
-#   --smoke    the same at a tiny size, every contender once; fails if any
+#   --smoke    at a tiny size, every contender once; fails if any
 #              contender did not move the exact bytes (SHA-256 both ways) or
 #              ran on the wrong data path; writes $BUILD/bench/smoke/results.json
 #   --native   on this host's own kernel, wall-clock figures; contenders that
-#              need kTLS are refused when the kernel has none. The strace pass
-#              needs root (or kernel.yama.ptrace_scope=0); pass -no-structural
-#              otherwise. Writes $BUILD/bench/native/results.json
+#              need kTLS are refused (REFUSED, in the log and the JSON's
+#              "skipped") when the kernel has none. The strace pass needs root
+#              (or kernel.yama.ptrace_scope=0); pass -no-structural otherwise.
+#              Writes $BUILD/bench/native/results.json, with --smoke
+#              $BUILD/bench/native-smoke/results.json
 #
 # Driver flags (integration/.build/bench/bench run -h) override the sizes,
 # e.g. -contenders ktls,floor-ktls -shapes upload.
@@ -30,11 +32,14 @@
 #      their merged report goes to ${BENCH_OUT%.json}.md and .png.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
-MODE=full
-case "${1:-}" in
-  --smoke) MODE=smoke; shift ;;
-  --native) MODE=native; shift ;;
-esac
+WHERE=vm SIZE=full
+while [ $# -gt 0 ]; do
+  case $1 in
+    --smoke) SIZE=smoke; shift ;;
+    --native) WHERE=native; shift ;;
+    *) break ;;
+  esac
+done
 cd "$REPO"
 OUT=$BUILD/bench
 mkdir -p "$OUT"
@@ -46,28 +51,31 @@ if [ -z "${CADDY:-}" ]; then
 fi
 go build -o "$OUT/bench" ./integration/bench
 
-case $MODE in
-  smoke)
-    SIZES=(-bulk-bytes $((1 << 20)) -reps 1 -small-conns 4 -small-calls 40 -small-per-call-calls 8
-      -structural-bytes $((256 << 10)) -structural-calls 20)
-    DEST=${BENCH_OUT:-$OUT/smoke/results.json} ;;
-  *)
-    SIZES=(-bulk-bytes $((${BENCH_BULK_MIB:-64} << 20)) -reps "${BENCH_REPS:-3}")
-    if [ $MODE = full ]; then DEST=${BENCH_OUT:-docs/bench/results.json}; else DEST=${BENCH_OUT:-$OUT/native/results.json}; fi ;;
+if [ $SIZE = smoke ]; then
+  SIZES=(-bulk-bytes $((1 << 20)) -reps 1 -small-conns 4 -small-calls 40 -small-per-call-calls 8
+    -structural-bytes $((256 << 10)) -structural-calls 20)
+else
+  SIZES=(-bulk-bytes $((${BENCH_BULK_MIB:-64} << 20)) -reps "${BENCH_REPS:-3}")
+fi
+case $WHERE-$SIZE in
+  vm-full) DEST=${BENCH_OUT:-docs/bench/results.json} ;;
+  vm-smoke) DEST=${BENCH_OUT:-$OUT/smoke/results.json} ;;
+  native-full) DEST=${BENCH_OUT:-$OUT/native/results.json} ;;
+  native-smoke) DEST=${BENCH_OUT:-$OUT/native-smoke/results.json} ;;
 esac
 mkdir -p "$(dirname "$DEST")"
 start=$(now)
-if [ $MODE = native ]; then
+if [ $WHERE = native ]; then
   "$(dirname "$0")/setup-host.sh"
   rc=0
   "$OUT/bench" run -mode native -caddy "$CADDY" -out "$DEST" "${SIZES[@]}" "$@" || rc=$?
 else
-  [ $MODE = smoke ] && timeout=1800 || timeout=14400
+  [ $SIZE = smoke ] && timeout=1800 || timeout=14400
   read -ra groups <<<"${BENCH_SPLIT:-}"
   # Group N's VM writes VM_OUT-N and its JSON to DEST-N; without a split,
   # the one VM writes DEST itself.
   vm_run() { # N [contender flags...]
-    local n=$1 vm_out=$OUT/vm-out-$MODE${1:+-$1} dest=$DEST; shift
+    local n=$1 vm_out=$OUT/vm-out-$SIZE${1:+-$1} dest=$DEST; shift
     [ -n "$n" ] && dest=${DEST%.json}-$n.json
     rm -rf "$vm_out"
     mkdir -p "$vm_out"
@@ -108,5 +116,5 @@ else
     fi
   fi
 fi
-log "bench ($MODE): exit $rc, wall $(elapsed "$start")s, results in $DEST"
+log "bench ($WHERE, $SIZE): exit $rc, wall $(elapsed "$start")s, results in $DEST"
 exit $rc

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"io"
 	"net"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -215,5 +217,145 @@ func TestPlainSourceSpliceErrorIsFatal(t *testing.T) {
 	res, err := wait()
 	if !errors.Is(err, unix.EINVAL) || res.AToB.End != EndError || res.AToB.ControlRecords != 0 {
 		t.Fatalf("relay: %v, %+v; want EINVAL as a fatal a->b error", err, res.AToB)
+	}
+}
+
+// recordSplicer stands in for splice(2) on a kTLS source: each call from the
+// source moves at most one record (maxRecordPlaintext bytes), as the
+// kernel's tls_sw_splice_read does. Once controlAt bytes have come from
+// the source (-1: never) it fails as at a control record, which stays at
+// the head of the stream until the connection's Read takes it
+// (recordSource). It counts the calls either way.
+type recordSplicer struct {
+	src, sink    int
+	controlAt    int64
+	delivered    int64 // bytes moved from the source, by the relay's one reader
+	controlTaken atomic.Bool
+	srcCalls     atomic.Int64
+	sinkCalls    atomic.Int64
+}
+
+// recordSource is the kTLS connection over a recordSplicer: its Read
+// consumes the control record.
+type recordSource struct {
+	*controlSource
+	rs *recordSplicer
+}
+
+func (c recordSource) Read(p []byte) (int, error) {
+	c.rs.controlTaken.Store(true)
+	return c.controlSource.Read(p)
+}
+
+func newRecordSplicer(t *testing.T, src, sink *net.TCPConn, controlAt int64) *recordSplicer {
+	rs := &recordSplicer{controlAt: controlAt}
+	for _, c := range []struct {
+		conn *net.TCPConn
+		fd   *int
+	}{{src, &rs.src}, {sink, &rs.sink}} {
+		rc, err := c.conn.SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		rc.Control(func(fd uintptr) { *c.fd = int(fd) })
+	}
+	return rs
+}
+
+func (rs *recordSplicer) splice(rfd, wfd, n, flags int) (int64, error) {
+	switch {
+	case rfd == rs.src:
+		rs.srcCalls.Add(1)
+		if rs.delivered == rs.controlAt && !rs.controlTaken.Load() {
+			return 0, unix.EINVAL
+		}
+		n = min(n, maxRecordPlaintext)
+		if rs.delivered < rs.controlAt {
+			n = min(n, int(rs.controlAt-rs.delivered)) // a record ends at the control record
+		}
+		m, err := spliceSyscall(rfd, wfd, n, flags)
+		rs.delivered += max(m, 0)
+		return m, err
+	case wfd == rs.sink:
+		rs.sinkCalls.Add(1)
+	}
+	return spliceSyscall(rfd, wfd, n, flags)
+}
+
+// recordTunnel is controlTunnel with a recordSplicer, the whole stream
+// written by the client before the relay starts, so every record is ready.
+func recordTunnel(t *testing.T, stream []byte, controlAt int64) (topology, *controlSource, *recordSplicer, func() (Result, error)) {
+	tp := newTopology(t)
+	go func() {
+		tp.client.Write(stream)
+		tp.client.CloseWrite()
+	}()
+	src := &controlSource{TCPConn: tp.relayA, reads: make(chan readResult, 16)}
+	rs := newRecordSplicer(t, tp.relayA, tp.relayB, controlAt)
+	tun := newTunnel(recordSource{src, rs}, tp.relayB, Options{Pipes: newTestPool(t, 2)}, rs.splice)
+	return tp, src, rs, runRelay(t.Context(), tun)
+}
+
+// TestRecordBatching: from a source that yields one full record per
+// splice(2), the relay gathers records in the pipe before it drains it, so
+// the sink sees one splice(2) per batch (recordBatch), not one per record.
+func TestRecordBatching(t *testing.T) {
+	checkLeaks(t)
+	const records = 16 * recordBatch / maxRecordPlaintext // sixteen batches
+	stream := bytes.Repeat([]byte("0123456789abcdef"), records*maxRecordPlaintext/16)
+	tp, _, rs, wait := recordTunnel(t, stream, -1)
+	tp.upstream.CloseWrite()
+	got, err := io.ReadAll(tp.upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, stream) || res.AToB.SpliceBytes != int64(len(stream)) {
+		t.Fatalf("upstream got %d bytes (equal: %v), %d spliced; want the %d sent", len(got), bytes.Equal(got, stream), res.AToB.SpliceBytes, len(stream))
+	}
+	src, sink := rs.srcCalls.Load(), rs.sinkCalls.Load()
+	t.Logf("%d records: %d source splices, %d sink splices", records, src, sink)
+	if src < records {
+		t.Fatalf("%d source splices for %d records: the fake does not bound them", src, records)
+	}
+	// Records arrive as the client's writes land, so a batch can end early
+	// at EAGAIN; one drain per record would be `records` sink splices, full
+	// batches records/16.
+	if sink > records/4 {
+		t.Errorf("%d sink splices for %d records: the relay drains record by record", sink, records)
+	}
+}
+
+// TestControlRecordMidBatch: a control record met while records are being
+// gathered in the pipe: the records before it are written first, then its
+// data, then the rest.
+func TestControlRecordMidBatch(t *testing.T) {
+	checkLeaks(t)
+	const before = 3 // records spliced before the control record
+	stream := make([]byte, 8*maxRecordPlaintext)
+	for i := range stream {
+		stream[i] = byte(i / maxRecordPlaintext)
+	}
+	cut := before * maxRecordPlaintext
+	tp, src, rs, wait := recordTunnel(t, stream, int64(cut))
+	src.reads <- readResult{data: []byte("CONTROL")}
+	tp.upstream.CloseWrite()
+	got, err := io.ReadAll(tp.upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	want := append(append(slices.Clone(stream[:cut]), "CONTROL"...), stream[cut:]...)
+	if !bytes.Equal(got, want) {
+		i := 0
+		for i < min(len(got), len(want)) && got[i] == want[i] {
+			i++
+		}
+		t.Fatalf("upstream got %d bytes, want %d: first difference at byte %d (the control data belongs at %d); %d source splices", len(got), len(want), i, cut, rs.srcCalls.Load())
 	}
 }

@@ -168,6 +168,16 @@ func (r Result) Dir(d Direction) DirectionStats {
 	return r.BToA
 }
 
+// maxRecordPlaintext is the most a TLS record carries (2^14 bytes): what
+// one splice(2) from a kTLS socket returns while records are full.
+const maxRecordPlaintext = 1 << 14
+
+// recordBatch bounds how much a kTLS source's records are gathered in the
+// pipe before it is drained (see spliceLoop): 16 full records, so a drain
+// per 16 records instead of one each, while the first of them waits for at
+// most 15 more records' decryption.
+const recordBatch = 16 * maxRecordPlaintext
+
 // spliceFunc is splice(2) between two file descriptors without offsets.
 type spliceFunc func(rfd, wfd, n, flags int) (int64, error)
 
@@ -443,7 +453,10 @@ func sinkRawConn(c net.Conn) syscall.RawConn {
 //
 // Each burst: wait for src to be readable holding no pipe; take a pipe;
 // splice src → pipe (up to the pipe's size), then pipe → dst until the pipe
-// is empty; repeat until src would block; give the empty pipe back. Because
+// is empty; repeat until src would block; give the empty pipe back. A kTLS
+// source yields at most one record per splice(2) (tls_sw_splice_read), so
+// while full records are ready they are gathered, up to recordBatch, before
+// the pipe is drained. Because
 // the pipe is always drained before the next read from src, it is empty
 // whenever src fails, so a control record's data (from src.Read) is written
 // after every byte that preceded it: order is preserved.
@@ -473,6 +486,17 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcRC syscall.RawConn, ha
 				t.pipes.put(p)
 				p = nil
 				return false
+			}
+			// Gather full records. Whatever ends the batch (a short record,
+			// EAGAIN, a control record, EOF) is met again by the next call,
+			// after the drain.
+			batch := min(p.size, recordBatch)
+			for hasControl && serr == nil && n > 0 && n%maxRecordPlaintext == 0 && int(n)+maxRecordPlaintext <= batch {
+				m, err := t.splice(int(fd), p.wfd, batch-int(n), spliceFlags)
+				if err != nil || m == 0 {
+					break
+				}
+				n += m
 			}
 			return true
 		})

@@ -2,7 +2,7 @@
 // measurements, deterministically (the same input gives byte-identical
 // output):
 //
-//	benchreport results -in docs/bench/results.json -md docs/bench/results.md -png docs/bench/chart.png
+//	benchreport results -in docs/bench/results-1.json,docs/bench/results-2.json -md docs/bench/results.md -png docs/bench/results.png
 //	benchreport host -in raw.txt -md docs/bench/host.md
 //
 // "results" reads the VM harness's results.json (integration/bench.sh), or

@@ -110,6 +110,24 @@ func TestGoals(t *testing.T) {
 	}
 }
 
+// A contender under the floor's median has no overhead ratio to show, and
+// meets the overhead goals.
+func TestUnderTheFloor(t *testing.T) {
+	r := loadFixture(t)
+	for i := range r.Results {
+		if res := &r.Results[i]; res.Contender == "ktls" && res.Shape == "upload" {
+			res.CPUPerGiB.Median = 0.39 // the floor's is 0.40
+		}
+	}
+	for _, g := range goals(r.tables()) {
+		if g.goal == "CPU above the crypto floor ≤ 0.1 × l4-proxy's (upload)" {
+			if want := "-0.01 vs +1 CPU-s/GiB: ≤ 0 (under the floor's median)"; g.status != met || g.measured != want {
+				t.Errorf("under the floor: %q, %q; want met, %q", g.status, g.measured, want)
+			}
+		}
+	}
+}
+
 // A fast path that copied its payload through userspace misses the goal.
 func TestGoalPayloadCopied(t *testing.T) {
 	r := loadFixture(t)

@@ -320,6 +320,16 @@ func pct(v float64) string { return num(v) + " %" }
 
 func times(v float64) string { return "×" + num(v) }
 
+// overheadTimes formats a ratio of two overheads above the crypto floor. A
+// contender measured under the floor's median (within the spreads) has no
+// overhead to compare: its ratio is negative and shown as ≤ 0.
+func overheadTimes(v float64) string {
+	if v < 0 {
+		return "≤ 0 (under the floor's median)"
+	}
+	return times(v)
+}
+
 func signed(v float64) string {
 	if v > 0 {
 		return "+" + num(v)
@@ -566,7 +576,7 @@ func (st shapeTable) bulkTable(b *bytes.Buffer) {
 		}
 		mdRow(b, "`"+res.Contender+"`", offload(res), runsOK(res),
 			opt(cpu.Median, cpu.Median > 0, num), opt(sp, spok, pct), opt(above, aok, signed),
-			opt(rl4, rl4ok, times), opt(rrp, rrpok, times), opt(al4, al4ok, times), opt(arp, arpok, times),
+			opt(rl4, rl4ok, times), opt(rrp, rrpok, times), opt(al4, al4ok, overheadTimes), opt(arp, arpok, overheadTimes),
 			sys, data, ub, opt(res.GiBPerS.Median, res.GiBPerS.Median > 0, num))
 	}
 }
@@ -718,7 +728,7 @@ func goals(tables []shapeTable) []goalRow {
 				a, aok := st.aboveFloor(k)
 				b, bok := st.aboveFloor(other)
 				if r, ok := st.aboveFloorRatio(k, ref.name); ok {
-					g.measured = fmt.Sprintf("%s vs %s CPU-s/GiB: %s", signed(a), signed(b), times(r))
+					g.measured = fmt.Sprintf("%s vs %s CPU-s/GiB: %s", signed(a), signed(b), overheadTimes(r))
 					g.status = verdict(r <= ref.limit)
 				} else if aok && bok {
 					g.measured = fmt.Sprintf("%s vs %s CPU-s/GiB", signed(a), signed(b))

@@ -443,27 +443,47 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 	}
 	wg.Wait()
 	open = nil
+	// On the kernel path a tunnel can end for want of a pipe (see the
+	// README's Limits). The gateway does not always see it: when the cut
+	// direction is its upload, the reply can still arrive whole and the
+	// relay closes both ends as it would after a clean end. So the tunnels
+	// cut are those whose end the forwarder logged as a pipe refused with
+	// EMFILE, once every tunnel has ended and its line is written.
+	deadline = time.Now().Add(10 * time.Second)
+	for {
+		var all []forward.TunnelInfo
+		e.adminGet(t, "/sandbox/tunnels", &all)
+		if len(all) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d tunnels still open after their gateways closed: %+v", len(all), all)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	ended := e.logLines(t, "sandbox tunnel ended with an error")
+	for settled := time.Now().Add(300 * time.Millisecond); time.Now().Before(settled); time.Sleep(20 * time.Millisecond) {
+		if again := e.logLines(t, "sandbox tunnel ended with an error"); len(again) != len(ended) {
+			ended, settled = again, time.Now().Add(300*time.Millisecond)
+		}
+	}
 	cut := map[string]bool{} // sandboxes of the kernel path's tunnels that found no pipe
+	for _, l := range ended {
+		sandbox, _ := l["sandbox"].(string)
+		if err, _ := l["error"].(string); !kernel || !strings.Contains(err, "pipe") || !strings.Contains(err, syscall.EMFILE.Error()) {
+			t.Errorf("tunnel %s ended with %q while out of fds, want (on the kernel path only) a pipe refused with EMFILE", sandbox, err)
+		} else {
+			cut[sandbox] = true
+		}
+	}
 	for i, err := range errs {
-		if kernel && err != nil {
-			cut[fmt.Sprintf("sbx-fd-%d", i)] = true
-		} else if err != nil || sums[i] != forwardtest.PatternSum(2, reply) {
+		switch name := fmt.Sprintf("sbx-fd-%d", i); {
+		case cut[name]:
+		case err != nil && kernel:
+			t.Errorf("open tunnel %d failed at the gateway (%v) but the forwarder logged no pipe shortage", i, err)
+		case err != nil || sums[i] != forwardtest.PatternSum(2, reply):
 			t.Errorf("open tunnel %d while out of fds: err %v, reply hash matches: %v", i, err, sums[i] == forwardtest.PatternSum(2, reply))
 		}
-	}
-	ended := 0
-	for _, l := range e.logLines(t, "sandbox tunnel ended with an error") {
-		sandbox, _ := l["sandbox"].(string)
-		if !cut[sandbox] {
-			t.Errorf("tunnel %s ended with an error %v while out of fds", sandbox, l["error"])
-		} else if err, _ := l["error"].(string); !strings.Contains(err, "pipe") || !strings.Contains(err, syscall.EMFILE.Error()) {
-			t.Errorf("tunnel %s ended with %q while out of fds, want a pipe refused with EMFILE", sandbox, err)
-		} else {
-			ended++
-		}
-	}
-	if ended != len(cut) {
-		t.Errorf("%d tunnels failed at the gateway, %d logged a pipe shortage", len(cut), ended)
 	}
 	t.Logf("%d of %d open tunnels ended for want of a pipe", len(cut), len(errs))
 	for _, c := range held {

@@ -76,6 +76,7 @@ func (s *KTLSSession) Handle(cx *layer4.Connection, next layer4.Handler) error {
 		return next.Handle(cx)
 	}
 	hc := w.session()
+	hc.layer4.Store(true)
 	if err := hc.handshake(); err != nil {
 		// The wrapper's handshake line (debug) and the handshake metrics
 		// already report it; returning nil closes the connection quietly,

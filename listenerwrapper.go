@@ -356,7 +356,17 @@ type httpConn struct {
 	kc        *ktls.Conn
 	timeout   time.Duration
 	handshook atomic.Bool
+	// layer4 is set when ktls_session hands the connection to layer4
+	// routes: a tunnel's end is the sandbox handler's to manage, so Close
+	// does not linger there.
+	layer4 atomic.Bool
+	close  sync.Once
 }
+
+// httpLingerTimeout bounds how long Close waits for the client to close
+// after close_notify (ktls.Conn.CloseLingering): enough for a client to
+// drain a response the kernel still holds (a few MiB), even a slow one.
+const httpLingerTimeout = 5 * time.Second
 
 // handshake runs the TLS handshake once, bounded by the timeout. The ktls
 // connection would otherwise run it unbounded on the first Read or Write.
@@ -416,8 +426,18 @@ func (c *httpConn) SpliceSource() (syscall.RawConn, bool) { return c.kc.SpliceSo
 // splice data path writes bytes that the kernel encrypts.
 func (c *httpConn) SpliceSink() (syscall.RawConn, bool) { return c.kc.SpliceSink() }
 
-// Close sends close_notify (after a completed handshake) and closes.
-func (c *httpConn) Close() error { return c.kc.Close() }
+// Close sends close_notify (after a completed handshake) and closes. An
+// HTTP connection closes in the background once the client closed too or
+// httpLingerTimeout passed, so that the end of a response still in the
+// kernel reaches the client, while the caller (net/http closes idle
+// connections holding its server's lock) does not wait for it.
+func (c *httpConn) Close() error {
+	if c.layer4.Load() {
+		return c.kc.Close()
+	}
+	c.close.Do(func() { go c.kc.CloseLingering(httpLingerTimeout) })
+	return nil
+}
 
 // LocalAddr returns the local address.
 func (c *httpConn) LocalAddr() net.Addr { return c.kc.LocalAddr() }

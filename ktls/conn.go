@@ -607,6 +607,32 @@ func (c *Conn) Close() error {
 	return c.closeErr
 }
 
+// CloseLingering closes c without losing what is queued for the peer, as
+// nginx's lingering_close does. A socket closed with unread bytes in its
+// receive queue, or that receives bytes after close(2), answers with a
+// RST, and a RST discards whatever the peer had not yet acknowledged: the
+// end of a response. An HTTP/2 server closes one second after its last
+// stream ended while the client, still draining that stream, keeps sending
+// flow-control updates. So: send close_notify and, on the kernel path, a
+// FIN after the queued data; read and discard until the peer closes or
+// timeout passes; then close. Before a completed handshake it is Close.
+func (c *Conn) CloseLingering(timeout time.Duration) error {
+	if c.hsDone.Load() {
+		deadline := time.Now().Add(timeout)
+		c.SetWriteDeadline(deadline)
+		if c.CloseWrite() == nil {
+			c.SetReadDeadline(deadline)
+			buf := make([]byte, 4096)
+			for {
+				if _, err := c.Read(buf); err != nil {
+					break
+				}
+			}
+		}
+	}
+	return c.Close()
+}
+
 // closeIfDifferent closes a layer over the socket too. Either may already
 // be closed (a fatal read error closes the socket), which is not an error
 // of Close.

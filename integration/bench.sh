@@ -8,7 +8,8 @@
 #
 #   (default)  in a VM on kernel $BENCH_KERNEL under qemu -icount (guest time
 #              counts instructions: deterministic, blind to host load) at the
-#              full size; writes docs/bench/results.json
+#              full size; writes docs/bench/results.json (make bench: split
+#              in two, results-1.json, results-2.json and results.md)
 #   --smoke    at a tiny size, every contender once; fails if any
 #              contender did not move the exact bytes (SHA-256 both ways) or
 #              ran on the wrong data path; writes $BUILD/bench/smoke/results.json

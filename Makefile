@@ -67,8 +67,7 @@ BENCH_VM_SPLIT = ktls,floor-ktls,l4-proxy,reverse-proxy ktls-rx-off,ktls-off,hap
 
 test: vet hosttest fuzz build
 	integration/vmtest.sh $(KERNELS)
-	BENCH_SPLIT='$(BENCH_SMOKE_SPLIT)' integration/bench.sh --smoke
-	integration/bench.sh --native --smoke
+	$(MAKE) --no-print-directory bench-smoke
 
 vet:
 	$(GO) vet ./...

@@ -29,6 +29,14 @@ func loadFixture(t *testing.T) *Results {
 
 func near(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
 
+// requireIn fails t unless the report md (named what) contains want.
+func requireIn(t *testing.T, what, md, want string) {
+	t.Helper()
+	if !strings.Contains(md, want) {
+		t.Errorf("%s lacks %q\n%s", what, want, md)
+	}
+}
+
 func shapeOf(t *testing.T, r *Results, shape string) shapeTable {
 	t.Helper()
 	for _, st := range r.tables() {
@@ -167,9 +175,7 @@ func TestResultsMarkdown(t *testing.T) {
 		"| `floor-ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.4 | 5 % | 0 | ×0.286 | ×0.138 | — | — | 40 | — | 0 B | 0.05 |",
 		"- `nginx`: synthetic: tls_stat TlsTxSw +1",
 	} {
-		if !strings.Contains(md, want) {
-			t.Errorf("markdown lacks %q", want)
-		}
+		requireIn(t, "markdown", md, want)
 	}
 	if again := string(renderResultsMarkdown(loadFixture(t), []string{"testdata/synthetic-results.json"}, "chart.png")); again != md {
 		t.Error("the same input rendered two different markdown files")
@@ -232,9 +238,7 @@ func TestMerge(t *testing.T) {
 		"2. 2000-01-02T00:00:00Z: `l4-proxy`, `reverse-proxy`, `haproxy`, `nginx`",
 		"| `ktls` | kernel TX+RX | 3 (3 SHA ok) | 0.45 | 6.67 % | +0.05 | ×0.321 | ×0.155 | ×0.05 | ×0.02 | 40 | 32 | 0 B | 0.05 |",
 	} {
-		if !strings.Contains(md, want) {
-			t.Errorf("merged markdown lacks %q", want)
-		}
+		requireIn(t, "merged markdown", md, want)
 	}
 }
 
@@ -314,9 +318,7 @@ func TestHostReport(t *testing.T) {
 		// 2000, 3000, 4000 ns per round.
 		"| preamble verify above a bare Ed25519 verify (ns per frame) | 3000 (2000–4000) | — | — |",
 	} {
-		if !strings.Contains(md, want) {
-			t.Errorf("host markdown lacks %q\n%s", want, md)
-		}
+		requireIn(t, "host markdown", md, want)
 	}
 
 	// A loaded host where Ed25519 alone is over the goal, and a benchmark
@@ -329,9 +331,7 @@ func TestHostReport(t *testing.T) {
 	}
 	want := "| preamble verify per frame: ns/op; allocs/op, B/op | 130000; 0, 55 | < 60 µs; 0, 0 | " +
 		"**missed**: ns/op (a bare Ed25519 verify alone: 128000, same rounds); allocates |"
-	if md := string(renderHostMarkdown(h)); !strings.Contains(md, want) {
-		t.Errorf("host markdown lacks %q\n%s", want, md)
-	}
+	requireIn(t, "host markdown", string(renderHostMarkdown(h)), want)
 }
 
 func TestBadInput(t *testing.T) {

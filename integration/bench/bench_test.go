@@ -3,11 +3,16 @@ package main
 import (
 	"bytes"
 	"crypto/sha256"
+	"errors"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -168,5 +173,57 @@ func TestSmallCallRejectsWrongBytes(t *testing.T) {
 	c.Write([]byte("nope"))
 	if n, err := io.ReadFull(c, make([]byte, 8)); err == nil {
 		t.Fatalf("upstream answered %d bytes to a wrong request", n)
+	}
+}
+
+// The untraced count sees every syscall of the process, on the threads it
+// had and on threads started meanwhile: 20,000 getppid calls on the test's
+// thread, then as many spread over more locked threads than the process had,
+// all held at once, so that some of them are new.
+func TestUntracedSyscalls(t *testing.T) {
+	const calls = 20000
+	before, err := threads(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	workers := len(before) + 2
+	var newThreads atomic.Int32
+	n, err := untracedSyscalls(os.Getpid(), func() error {
+		for range calls {
+			syscall.Getppid()
+		}
+		var held, done sync.WaitGroup
+		held.Add(workers)
+		done.Add(workers)
+		for range workers {
+			go func() {
+				defer done.Done()
+				runtime.LockOSThread() // the thread exits with the goroutine
+				if !slices.Contains(before, syscall.Gettid()) {
+					newThreads.Add(1)
+				}
+				for range calls / workers {
+					syscall.Getppid()
+				}
+				held.Done()
+				held.Wait() // every worker on its own thread at once
+			}()
+		}
+		done.Wait()
+		return nil
+	})
+	if errors.Is(err, errCounter) {
+		t.Skipf("SKIP: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if newThreads.Load() == 0 {
+		t.Fatalf("no worker ran on a thread started during the count")
+	}
+	// The runtime adds its own (clone, futex, nanosleep, gettid): a few hundred.
+	want := int64(calls + calls/workers*workers)
+	if n < want || n > want+3000 {
+		t.Errorf("counted %d syscalls, want %d plus the runtime's few", n, want)
 	}
 }

@@ -135,7 +135,7 @@ func runDriver(args []string) error {
 	shapeList := fs.String("shapes", strings.Join(shapes, ","), "shapes to run")
 	caddyBin := fs.String("caddy", "bin/caddy", "Caddy binary with caddy-l4 and this module")
 	out := fs.String("out", "results.json", "JSON output file")
-	noTrace := fs.Bool("no-structural", false, "skip the strace pass")
+	noTrace := fs.Bool("no-structural", false, "skip the structural passes (untraced count and strace)")
 	timeout := fs.Duration("run-timeout", 30*time.Minute, "bound on one run of one shape")
 	fs.Parse(args)
 	if p.Repetitions < 1 || p.SmallConns < 1 || p.BulkBytes < 1 || p.SmallReq < 1 || p.SmallResp < 1 ||
@@ -271,6 +271,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			log.Printf("   %s run %d: %d bytes, %d calls, forwarder cpu %.3fs, wall %.3fs %s", shape, i+1, run.Bytes, run.Calls, run.CPUs, run.Walls, run.Error)
 		}
 		if trace {
+			untraced, untracedErr := countSyscalls(cmd.Process.Pid, do, timeout)
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
 			var tr transfer
 			s, err := traceSyscalls(cmd.Process.Pid, filepath.Join(env.dir, "strace."+c.name+"."+shape), func() (err error) {
@@ -288,8 +289,22 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 				if tr.calls > 0 {
 					s.SyscallsPerCall = round(float64(s.Syscalls)/float64(tr.calls), 2)
 				}
+				switch {
+				case errors.Is(untracedErr, errCounter):
+					s.UntracedError = untracedErr.Error()
+					log.Printf("   %s: %v", shape, untracedErr)
+				case untracedErr != nil:
+					r.Errors = append(r.Errors, "untraced structural pass: "+untracedErr.Error())
+				default:
+					s.UntracedSyscalls, s.UntracedSource = untraced.syscalls, countSource
+					s.UntracedSyscallsPerGiB = round(float64(untraced.syscalls)*gib/float64(untraced.bytes), 0)
+					if untraced.calls > 0 {
+						s.UntracedSyscallsPerCall = round(float64(untraced.syscalls)/float64(untraced.calls), 2)
+					}
+				}
 				r.Structural = &s
-				log.Printf("   %s traced: %d syscalls, %d userspace bytes for %d bytes", shape, s.Syscalls, s.UserspaceBytes, s.Bytes)
+				log.Printf("   %s traced: %d syscalls, %d userspace bytes for %d bytes; untraced: %d syscalls for %d bytes",
+					shape, s.Syscalls, s.UserspaceBytes, s.Bytes, untraced.syscalls, untraced.bytes)
 			}
 		}
 		if statErr == nil {
@@ -415,7 +430,7 @@ func notes(mode string) []string {
 	n := []string{
 		"cpu_s: user+system CPU of the forwarder process (all its threads; every contender is one process) while one run of the shape ran; from the sum of /proc/<pid>/task/*/schedstat run times (ns) when no thread exited during the run (cpu_source schedstat), else /proc/<pid>/stat utime+stime (10 ms ticks, cpu_source stat). user_s/sys_s always come from the ticks. CPU pass: no tracing.",
 		"cpu_s_per_gib: cpu_s scaled to one GiB of payload (both directions of a small call count). The overhead above the crypto floor is ktls minus floor-ktls in the same run.",
-		"structural: a separate pass at params.structural_bytes / structural_calls with strace attached to the forwarder (see structural.source); syscalls_per_gib, data_syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB. Tracing slows the forwarder; only counts come from this pass.",
+		"structural: two separate passes at params.structural_bytes / structural_calls: one with strace attached to the forwarder (see structural.source; syscalls_per_gib, data_syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB; tracing slows the forwarder, so only counts come from it), and one untraced, with the forwarder's syscalls counted in the kernel (structural.untraced_source; untraced_syscalls_per_gib and untraced_syscalls_per_call, or untraced_error where the kernel offers no counter).",
 		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs); small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption). calls_per_cpu_s = calls / forwarder cpu_s.",
 		"Every contender terminates TLS 1.3 with TLS_AES_128_GCM_SHA256 and X25519 (checked on every connection) with the same ECDSA P-256 certificate, without client authentication; floor-plain speaks plain TCP. ktls* contenders also verify a signed, channel-bound preamble per connection.",
 		"offload: TX/RX placement from /proc/net/tls_stat deltas over the cell (TlsTxSw/TlsRxSw count sockets that installed a kernel key); a contender on the wrong path fails the run.",

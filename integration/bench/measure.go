@@ -75,8 +75,9 @@ func cpuUsed(a, b cpuSample) (cpu, user, sys float64, source string) {
 	return float64(ns) / 1e9, user, sys, "schedstat"
 }
 
-// structural is the syscall pass: the forwarder traced with strace while
-// one shape runs at a smaller size.
+// structural is the syscall pass: one shape at a smaller size, run twice,
+// once with the forwarder's syscalls counted in the kernel (untraced) and once
+// with strace attached, which names every call and its fd.
 type structural struct {
 	Bytes                int64   `json:"bytes"`
 	Calls                int     `json:"calls,omitempty"`
@@ -89,6 +90,12 @@ type structural struct {
 	SyscallsPerCall      float64 `json:"syscalls_per_call,omitempty"`
 	Top                  []count `json:"top_syscalls"`
 	Source               string  `json:"source"`
+	// The untraced run of the same size: the goal's syscall count.
+	UntracedSyscalls        int64   `json:"untraced_syscalls,omitempty"`
+	UntracedSyscallsPerGiB  float64 `json:"untraced_syscalls_per_gib,omitempty"`
+	UntracedSyscallsPerCall float64 `json:"untraced_syscalls_per_call,omitempty"`
+	UntracedSource          string  `json:"untraced_source,omitempty"`
+	UntracedError           string  `json:"untraced_error,omitempty"`
 }
 
 type count struct {

@@ -14,13 +14,13 @@
 # load than ns/op.
 #
 # usage: bench-host.sh            (writes docs/bench/host.md)
-# env: BENCH_ROUNDS (rounds, default 7, at least 3; about 15 s each),
+# env: BENCH_ROUNDS (rounds, default 15, at least 3; about 9 s each),
 #      BENCH_HOST_OUT (the markdown file, default docs/bench/host.md)
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 cd "$REPO"
 
-rounds=${BENCH_ROUNDS:-7}
+rounds=${BENCH_ROUNDS:-15}
 [ "$rounds" -ge 3 ] || die "BENCH_ROUNDS=$rounds: medians and spreads need at least 3 rounds"
 md=${BENCH_HOST_OUT:-docs/bench/host.md}
 work=$BUILD/bench-host

@@ -42,11 +42,14 @@ func countSyscalls(pid int, do func(context.Context, bool) (transfer, error), ti
 // perf_event_open) as opposed to a failed transfer.
 var errCounter = errors.New("untraced syscall count unavailable")
 
-// tracefsDirs are where tracefs may be mounted; the first is mounted when
-// neither is (the VM's init mounts only proc, sysfs and devtmpfs).
+// tracefsDirs are where tracefs may be mounted; the first is mounted for a
+// moment when neither is (the VM's init mounts only proc, sysfs and
+// devtmpfs, and many hosts mount it on demand).
 var tracefsDirs = []string{"/sys/kernel/tracing", "/sys/kernel/debug/tracing"}
 
-// sysEnterID is the perf tracepoint id of raw_syscalls:sys_enter.
+// sysEnterID is the perf tracepoint id of raw_syscalls:sys_enter. Only
+// reading it needs tracefs: a counter opened with it does not, so a tracefs
+// mounted here is unmounted again at once.
 func sysEnterID() (uint64, error) {
 	const event = "/events/raw_syscalls/sys_enter/id"
 	for _, dir := range tracefsDirs {
@@ -57,6 +60,7 @@ func sysEnterID() (uint64, error) {
 	if err := unix.Mount("nodev", tracefsDirs[0], "tracefs", 0, ""); err != nil {
 		return 0, fmt.Errorf("no tracefs at %s and mounting it failed: %w", strings.Join(tracefsDirs, " or "), err)
 	}
+	defer unix.Unmount(tracefsDirs[0], 0)
 	b, err := os.ReadFile(tracefsDirs[0] + event)
 	if err != nil {
 		return 0, fmt.Errorf("raw_syscalls:sys_enter: %w (kernel without CONFIG_FTRACE_SYSCALLS?)", err)

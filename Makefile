@@ -99,7 +99,7 @@ vmtest: build
 # the structural passes at the driver's 16 MiB, as in bench-bulk.
 bench:
 	BENCH_BULK_MIB=16 BENCH_SPLIT='$(BENCH_VM_SPLIT)' integration/bench.sh \
-		-small-calls 500 -small-per-call-calls 100 -structural-calls 100
+		-small-calls 2000 -small-per-call-calls 100 -structural-calls 100
 
 bench-smoke:
 	BENCH_SPLIT='$(BENCH_SMOKE_SPLIT)' integration/bench.sh --smoke

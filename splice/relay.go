@@ -352,7 +352,12 @@ func (t *Tunnel) runDirection(d Direction) {
 // finish records how direction d ended; err == nil means its source ended.
 func (t *Tunnel) finish(d Direction, dst net.Conn, err error) {
 	s := &t.dirs[d]
-	if err == nil && !t.dirs[1-d].sinkClosing.Load() && wasReset(t.conns[d]) {
+	// The state is read before the other direction's sinkClosing. That
+	// direction sets sinkClosing just before it half-closes this socket, and
+	// once the peer has sent its FIN, our FIN leaves the socket in TCP_CLOSE
+	// as soon as the peer acknowledges it, like a reset: read after a
+	// sinkClosing that was still false, the state could show that orderly end.
+	if err == nil && wasReset(t.conns[d]) && !t.dirs[1-d].sinkClosing.Load() {
 		// A kTLS source can report the end of a reset connection as a plain
 		// end of stream (seen on 6.1), and the kernel then lets splice keep
 		// "writing" into the dead socket: half-closing would leave the other

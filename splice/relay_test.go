@@ -348,6 +348,28 @@ func TestRelayIdleHoldsNoPipe(t *testing.T) {
 	}
 }
 
+// Both peers half-close at once, many times over: each direction's end must
+// read as an orderly EOF, never as a reset. The direction that ends second
+// sees its source in TCP_CLOSE when the first one's FIN has already been
+// acknowledged, which a reset looks like too (a race that failed about one
+// run in 400 before finish read the socket's state first).
+func TestBothEndsCloseTogether(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	for i := range 500 {
+		tp := newTopology(t)
+		tp.client.CloseWrite()
+		tp.upstream.CloseWrite()
+		res, err := New(tp.relayA, tp.relayB, Options{Pipes: pool}).Run(t.Context())
+		for _, c := range []*net.TCPConn{tp.client, tp.relayA, tp.relayB, tp.upstream} {
+			c.Close()
+		}
+		if err != nil || res.AToB.End != EndEOF || res.BToA.End != EndEOF {
+			t.Fatalf("run %d: %v, ends %v / %v; want two orderly ends", i, err, res.AToB.End, res.BToA.End)
+		}
+	}
+}
+
 func TestRunTwice(t *testing.T) {
 	checkLeaks(t)
 	tp := newTopology(t)

@@ -226,6 +226,25 @@ type Tunnel struct {
 
 	abortOnce   sync.Once
 	abortReason atomic.Uint32 // EndReason given to directions stopped by abort
+	// peerGone aborts the tunnel peerGoneGrace after a direction found its
+	// sink's peer gone, unless Run has ended by then (see finish).
+	peerGone atomic.Pointer[time.Timer]
+}
+
+// peerGoneGrace bounds how long the other direction may go on delivering
+// what a vanished peer sent before it went (see finish).
+const peerGoneGrace = 5 * time.Second
+
+// sinkError is a direction's failure to write its sink.
+type sinkError struct{ error }
+
+func (e sinkError) Unwrap() error { return e.error }
+
+// sinkPeerGone reports whether err says that the sink's peer is gone: it
+// reset the connection, or closed it with our bytes unread.
+func sinkPeerGone(err error) bool {
+	var se sinkError
+	return errors.As(err, &se) && (errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET))
 }
 
 type dirState struct {
@@ -265,7 +284,10 @@ func Relay(ctx context.Context, a, b net.Conn, opts Options) (Result, error) {
 
 // Run relays until both directions have ended, closes both connections and
 // returns the final counters. A source's EOF half-closes the other side and
-// the other direction keeps going; a failure in either direction stops both.
+// the other direction keeps going; a failure in either direction stops both,
+// except that when a sink's peer is gone (EPIPE, ECONNRESET) the other
+// direction first delivers what that peer sent before it went, for up to
+// peerGoneGrace.
 // The error is nil when both directions ended with EOF (or, with CloseOnEOF,
 // one did); otherwise it names the failed direction, or wraps the context's
 // cause when ctx was canceled. Run may be called once.
@@ -282,6 +304,9 @@ func (t *Tunnel) Run(ctx context.Context) (Result, error) {
 	t.runDirection(AToB)
 	wg.Wait()
 	stop()
+	if grace := t.peerGone.Load(); grace != nil {
+		grace.Stop()
+	}
 	for _, c := range t.conns {
 		c.Close()
 	}
@@ -389,6 +414,16 @@ func (t *Tunnel) finish(d Direction, dst net.Conn, err error) {
 	s.err = err
 	s.mu.Unlock()
 	s.end.Store(uint32(EndError))
+	if sinkPeerGone(err) && EndReason(t.dirs[1-d].end.Load()) == EndRunning {
+		// The sink's peer reset the connection or closed it with our bytes
+		// unread, but what it sent before that is still queued on the
+		// socket the other direction reads: let it deliver those bytes and
+		// meet the reset (or EOF) itself, which comes right after them. An
+		// abort now would drop them (a target's last answer before it
+		// hangs up). The timer bounds a sink on the other side that stalls.
+		t.peerGone.CompareAndSwap(nil, time.AfterFunc(peerGoneGrace, func() { t.abort(EndAborted) }))
+		return
+	}
 	t.abort(EndAborted)
 }
 
@@ -547,10 +582,10 @@ func (t *Tunnel) drain(d Direction, p *pipe, dstRC syscall.RawConn) error {
 			return serr != unix.EAGAIN
 		})
 		if err != nil {
-			return fmt.Errorf("sink: %w", err)
+			return sinkError{fmt.Errorf("sink: %w", err)}
 		}
 		if serr != nil {
-			return os.NewSyscallError("splice sink", serr)
+			return sinkError{os.NewSyscallError("splice sink", serr)}
 		}
 		if m == 0 {
 			return errors.New("splice sink: moved 0 bytes from a non-empty pipe")
@@ -610,7 +645,7 @@ func (t *Tunnel) write(d Direction, dst net.Conn, b []byte) error {
 		t.count(d, int64(n), false)
 	}
 	if err != nil {
-		return fmt.Errorf("sink: %w", err)
+		return sinkError{fmt.Errorf("sink: %w", err)}
 	}
 	return nil
 }

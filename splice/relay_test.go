@@ -348,6 +348,45 @@ func TestRelayIdleHoldsNoPipe(t *testing.T) {
 	}
 }
 
+// The upstream answers and then resets while the client is still sending:
+// the client's direction fails on the dead sink, and the answer, already
+// queued on the relay's socket, must still reach the client before the end.
+// Run 200 times over both paths: when the first failure aborted the tunnel
+// at once, the answer was lost within the first few dozen runs.
+func TestRelayDeliversBeforePeerReset(t *testing.T) {
+	for _, copyPath := range []bool{false, true} {
+		t.Run(pathName(copyPath), func(t *testing.T) {
+			checkLeaks(t)
+			pool := newTestPool(t, 4)
+			for i := range 200 {
+				tp := newTopology(t)
+				wait := runRelay(t.Context(), New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool}))
+				go io.Copy(tp.client, io.LimitReader(zeros{}, 64<<20)) // until the reset stops it
+				if _, err := io.ReadFull(tp.upstream, make([]byte, 1)); err != nil {
+					t.Fatal(err)
+				}
+				tp.upstream.Write([]byte("bye"))
+				resetClose(t, tp.upstream)
+				tp.client.SetReadDeadline(time.Now().Add(10 * time.Second))
+				got, err := io.ReadAll(tp.client)
+				res, rerr := wait()
+				for _, c := range []*net.TCPConn{tp.client, tp.relayA, tp.relayB} {
+					c.Close()
+				}
+				if string(got) != "bye" || (err != nil && !isResetOrPipe(err)) {
+					t.Fatalf("run %d: client read %q, %v; want \"bye\" then the end (relay: %v, %+v)", i, got, err, rerr, res)
+				}
+				checkResetResult(t, res, rerr)
+			}
+		})
+	}
+}
+
+// zeros reads as an endless stream of zero bytes.
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
+
 // Both peers half-close at once, many times over: each direction's end must
 // read as an orderly EOF, never as a reset. The direction that ends second
 // sees its source in TCP_CLOSE when the first one's FIN has already been

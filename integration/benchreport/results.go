@@ -624,10 +624,20 @@ func (st shapeTable) smallTable(b *bytes.Buffer) {
 // details lists, under a shape's table, the traced transfers' most frequent
 // system calls and any error the harness recorded.
 func (st shapeTable) details(b *bytes.Buffer) {
-	var top, errs, sources []string
+	var top, errs, sources, untraced, uncounted []string
 	for _, res := range st.rows {
-		if s := res.Structural; s != nil && s.Source != "" && !slices.Contains(sources, s.Source) {
+		s := res.Structural
+		if s == nil {
+			continue
+		}
+		if s.Source != "" && !slices.Contains(sources, s.Source) {
 			sources = append(sources, s.Source)
+		}
+		switch {
+		case s.UntracedError != "":
+			uncounted = append(uncounted, fmt.Sprintf("- `%s`: %s", res.Contender, s.UntracedError))
+		case s.UntracedSource != "" && !slices.Contains(untraced, s.UntracedSource):
+			untraced = append(untraced, s.UntracedSource)
 		}
 	}
 	for _, res := range st.rows {
@@ -653,17 +663,6 @@ func (st shapeTable) details(b *bytes.Buffer) {
 		}
 		b.WriteString(":\n\n")
 		b.WriteString(strings.Join(top, "\n") + "\n")
-	}
-	var untraced, uncounted []string
-	for _, res := range st.rows {
-		s := res.Structural
-		switch {
-		case s == nil:
-		case s.UntracedError != "":
-			uncounted = append(uncounted, fmt.Sprintf("- `%s`: %s", res.Contender, s.UntracedError))
-		case s.UntracedSource != "" && !slices.Contains(untraced, s.UntracedSource):
-			untraced = append(untraced, s.UntracedSource)
-		}
 	}
 	if len(untraced) > 0 {
 		b.WriteString("\nUntraced syscall counts: a second transfer of the traced size, counted by " + strings.Join(untraced, "; ") + ".\n")

@@ -421,7 +421,9 @@ func (t *Tunnel) finish(d Direction, dst net.Conn, err error) {
 		// meet the reset (or EOF) itself, which comes right after them. An
 		// abort now would drop them (a target's last answer before it
 		// hangs up). The timer bounds a sink on the other side that stalls.
-		t.peerGone.CompareAndSwap(nil, time.AfterFunc(peerGoneGrace, func() { t.abort(EndAborted) }))
+		// Only one direction gets here: each stores its end above before it
+		// looks at the other's.
+		t.peerGone.Store(time.AfterFunc(peerGoneGrace, func() { t.abort(EndAborted) }))
 		return
 	}
 	t.abort(EndAborted)

@@ -359,3 +359,73 @@ func TestControlRecordMidBatch(t *testing.T) {
 		t.Fatalf("upstream got %d bytes, want %d: first difference at byte %d (the control data belongs at %d); %d source splices", len(got), len(want), i, cut, rs.srcCalls.Load())
 	}
 }
+
+// sealingSink poses as a kTLS connection whose TX runs in the kernel: it
+// offers its TCP socket for splicing.
+type sealingSink struct{ *net.TCPConn }
+
+func (c sealingSink) SpliceSink() (syscall.RawConn, bool) {
+	rc, err := c.SyscallConn()
+	return rc, err == nil
+}
+
+// TestSealingSinkCallsBounded: a splice(2) into a kTLS sink asks for at most
+// maxSealPerCall bytes even when the pipe holds more, while a plain TCP
+// sink is drained in calls as large as the pipe's content.
+func TestSealingSinkCallsBounded(t *testing.T) {
+	for _, kernelTX := range []bool{true, false} {
+		t.Run(map[bool]string{true: "ktls", false: "tcp"}[kernelTX], func(t *testing.T) {
+			checkLeaks(t)
+			tp := newTopology(t)
+			stream := bytes.Repeat([]byte("sealed records. "), 8<<20/16)
+			go func() {
+				tp.client.Write(stream)
+				tp.client.CloseWrite()
+			}()
+			var sinkFD int
+			rc, err := tp.relayB.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			rc.Control(func(fd uintptr) { sinkFD = int(fd) })
+			var largestFill, largestAsk atomic.Int64
+			splice := func(rfd, wfd, n, flags int) (int64, error) {
+				m, err := spliceSyscall(rfd, wfd, n, flags)
+				if wfd == sinkFD {
+					largestAsk.Store(max(largestAsk.Load(), int64(n)))
+				} else {
+					largestFill.Store(max(largestFill.Load(), m))
+				}
+				return m, err
+			}
+			var sink net.Conn = tp.relayB
+			if kernelTX {
+				sink = sealingSink{tp.relayB}
+			}
+			wait := runRelay(t.Context(), newTunnel(tp.relayA, sink, Options{Pipes: newTestPool(t, 2)}, splice))
+			tp.upstream.CloseWrite()
+			got, err := io.ReadAll(tp.upstream)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := wait()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, stream) || res.AToB.SpliceBytes != int64(len(stream)) {
+				t.Fatalf("upstream got %d bytes (equal: %v), %d spliced; want the %d sent", len(got), bytes.Equal(got, stream), res.AToB.SpliceBytes, len(stream))
+			}
+			fill, ask := largestFill.Load(), largestAsk.Load()
+			t.Logf("largest pipe fill %d bytes, largest sink call %d bytes", fill, ask)
+			if fill <= maxSealPerCall {
+				t.Fatalf("the pipe never held more than %d bytes: nothing to bound", maxSealPerCall)
+			}
+			if kernelTX && ask > maxSealPerCall {
+				t.Errorf("a kTLS sink was asked for %d bytes in one call, more than %d", ask, maxSealPerCall)
+			}
+			if !kernelTX && ask != fill {
+				t.Errorf("a TCP sink was asked for at most %d bytes in one call, the pipe held %d", ask, fill)
+			}
+		})
+	}
+}

@@ -178,11 +178,35 @@ const maxRecordPlaintext = 1 << 14
 // most 15 more records' decryption.
 const recordBatch = 16 * maxRecordPlaintext
 
+// maxSealPerCall bounds what one splice(2) into a kTLS sink carries: the
+// kernel seals it into records inside the call, which keeps its P (see
+// spliceSyscall), so one call is kept to about a read batch's work.
+const maxSealPerCall = recordBatch
+
 // spliceFunc is splice(2) between two file descriptors without offsets.
 type spliceFunc func(rfd, wfd, n, flags int) (int64, error)
 
+// spliceSyscall enters splice(2) with RawSyscall6, which, unlike
+// unix.Splice, does not tell the scheduler, so the goroutine keeps its P
+// through the call. Every call here is non-blocking (the sockets are, and
+// SPLICE_F_NONBLOCK covers the pipe): its time is the kernel working on one
+// bounded batch (opening a record, sealing up to maxSealPerCall, moving
+// page references), CPU this thread spends either way; it can sleep only
+// on a socket lock that the other direction holds for its own bounded call.
+// A syscall the scheduler knows of that outlasts sysmon's 20 µs tick has
+// its P taken when no other P is idle (a busy host, or one CPU): another
+// thread is woken to run it, finds nothing to do and parks again, and the
+// call, returning, must win a P back. Under the bench harness (one vCPU)
+// those hand-offs, and sysmon polling every 20 µs for them, were about
+// half of the relay's syscalls and 10 % of its upload CPU (docs/bench). Go's runtime
+// developers make the same case for long non-blocking calls
+// (golang/go#29734). The price: a stop-the-world waits for the call to end.
 func spliceSyscall(rfd, wfd, n, flags int) (int64, error) {
-	return unix.Splice(rfd, nil, wfd, nil, n, flags)
+	r, _, errno := unix.RawSyscall6(unix.SYS_SPLICE, uintptr(rfd), 0, uintptr(wfd), 0, uintptr(n), uintptr(flags))
+	if errno != 0 {
+		return 0, errno
+	}
+	return int64(r), nil
 }
 
 // spliceFlags: SPLICE_F_MOVE is a hint, SPLICE_F_NONBLOCK keeps the pipe side
@@ -363,11 +387,11 @@ func (t *Tunnel) abort(reason EndReason) {
 func (t *Tunnel) runDirection(d Direction) {
 	src, dst := t.conns[d], t.conns[1-d]
 	var err error
-	srcRC, srcHasControl := sourceRawConn(src)
-	dstRC := sinkRawConn(dst)
-	if srcRC != nil && dstRC != nil {
+	srcEnd, srcOK := sourceEnd(src)
+	dstEnd, dstOK := sinkEnd(dst)
+	if srcOK && dstOK {
 		t.dirs[d].spliced.Store(true)
-		err = t.spliceLoop(d, src, srcRC, srcHasControl, dst, dstRC)
+		err = t.spliceLoop(d, src, srcEnd, dst, dstEnd)
 	} else {
 		err = t.copyLoop(d, src, dst)
 	}
@@ -458,37 +482,42 @@ func wasReset(c net.Conn) bool {
 	return state == tcpStateClose
 }
 
-// sourceRawConn returns the socket to splice from, and whether the source is
-// a kTLS Source whose splice failures are control records for its Read.
-func sourceRawConn(c net.Conn) (syscall.RawConn, bool) {
-	if s, ok := c.(Source); ok {
-		if rc, ok := s.SpliceSource(); ok {
-			return rc, true
-		}
-		return nil, false
-	}
-	if tc, ok := c.(*net.TCPConn); ok {
-		if rc, err := tc.SyscallConn(); err == nil {
-			return rc, false
-		}
-	}
-	return nil, false
+// spliceEnd is a connection's socket as one end of a spliced direction.
+type spliceEnd struct {
+	rc syscall.RawConn
+	// ktls: the kernel opens (source) or seals (sink) TLS records inside
+	// each splice(2) on rc. A kTLS source's splice failures are control
+	// records for its Read.
+	ktls bool
 }
 
-// sinkRawConn returns the socket to splice into, or nil.
-func sinkRawConn(c net.Conn) syscall.RawConn {
-	if s, ok := c.(Sink); ok {
-		if rc, ok := s.SpliceSink(); ok {
-			return rc
-		}
-		return nil
+// sourceEnd returns the socket to splice from; ok is false when c must be
+// read through its Read method.
+func sourceEnd(c net.Conn) (end spliceEnd, ok bool) {
+	if s, isSource := c.(Source); isSource {
+		rc, ok := s.SpliceSource()
+		return spliceEnd{rc: rc, ktls: true}, ok
 	}
+	return tcpEnd(c)
+}
+
+// sinkEnd returns the socket to splice into; ok is false when c must be
+// written through its Write method.
+func sinkEnd(c net.Conn) (end spliceEnd, ok bool) {
+	if s, isSink := c.(Sink); isSink {
+		rc, ok := s.SpliceSink()
+		return spliceEnd{rc: rc, ktls: true}, ok
+	}
+	return tcpEnd(c)
+}
+
+func tcpEnd(c net.Conn) (spliceEnd, bool) {
 	if tc, ok := c.(*net.TCPConn); ok {
 		if rc, err := tc.SyscallConn(); err == nil {
-			return rc
+			return spliceEnd{rc: rc}, true
 		}
 	}
-	return nil
+	return spliceEnd{}, false
 }
 
 // spliceLoop moves src → pipe → dst until src ends (nil) or fails.
@@ -502,7 +531,7 @@ func sinkRawConn(c net.Conn) syscall.RawConn {
 // the pipe is always drained before the next read from src, it is empty
 // whenever src fails, so a control record's data (from src.Read) is written
 // after every byte that preceded it: order is preserved.
-func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcRC syscall.RawConn, hasControl bool, dst net.Conn, dstRC syscall.RawConn) error {
+func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.Conn, dstEnd spliceEnd) error {
 	var p *pipe
 	defer func() {
 		if p != nil {
@@ -515,7 +544,7 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcRC syscall.RawConn, ha
 			n          int64
 			serr, perr error
 		)
-		err := srcRC.Read(func(fd uintptr) bool {
+		err := srcEnd.rc.Read(func(fd uintptr) bool {
 			if p == nil {
 				if p, perr = t.pipes.get(); perr != nil {
 					return true
@@ -533,7 +562,7 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcRC syscall.RawConn, ha
 			// EAGAIN, a control record, EOF) is met again by the next call,
 			// after the drain.
 			batch := min(p.size, recordBatch)
-			for hasControl && serr == nil && n > 0 && n%maxRecordPlaintext == 0 && int(n)+maxRecordPlaintext <= batch {
+			for srcEnd.ktls && serr == nil && n > 0 && n%maxRecordPlaintext == 0 && int(n)+maxRecordPlaintext <= batch {
 				m, err := t.splice(int(fd), p.wfd, batch-int(n), spliceFlags)
 				if err != nil || m == 0 {
 					break
@@ -547,7 +576,7 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcRC syscall.RawConn, ha
 			return fmt.Errorf("source: %w", err)
 		case perr != nil:
 			return perr
-		case serr != nil && hasControl && serr != unix.EBADMSG:
+		case serr != nil && srcEnd.ktls && serr != unix.EBADMSG:
 			if controlInARow++; controlInARow > maxControlRecordsInARow {
 				return fmt.Errorf("source: %d control records in a row without data (last splice error: %w)", controlInARow-1, serr)
 			}
@@ -565,22 +594,26 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcRC syscall.RawConn, ha
 		}
 		controlInARow = 0
 		p.buffered = int(n)
-		if err := t.drain(d, p, dstRC); err != nil {
+		if err := t.drain(d, p, dstEnd); err != nil {
 			return err
 		}
 	}
 }
 
 // drain splices everything buffered in p into the sink, counting after
-// every call.
-func (t *Tunnel) drain(d Direction, p *pipe, dstRC syscall.RawConn) error {
+// every call. A call into a kTLS sink carries at most maxSealPerCall.
+func (t *Tunnel) drain(d Direction, p *pipe, dst spliceEnd) error {
 	for p.buffered > 0 {
 		var (
 			m    int64
 			serr error
 		)
-		err := dstRC.Write(func(fd uintptr) bool {
-			m, serr = t.splice(p.rfd, int(fd), p.buffered, spliceFlags)
+		n := p.buffered
+		if dst.ktls {
+			n = min(n, maxSealPerCall)
+		}
+		err := dst.rc.Write(func(fd uintptr) bool {
+			m, serr = t.splice(p.rfd, int(fd), n, spliceFlags)
 			return serr != unix.EAGAIN
 		})
 		if err != nil {

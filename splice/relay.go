@@ -198,8 +198,8 @@ type spliceFunc func(rfd, wfd, n, flags int) (int64, error)
 // thread is woken to run it, finds nothing to do and parks again, and the
 // call, returning, must win a P back. Under the bench harness (one vCPU)
 // those hand-offs, and sysmon polling every 20 µs for them, were about
-// half of the relay's syscalls and 10 % of its upload CPU (docs/bench). Go's runtime
-// developers make the same case for long non-blocking calls
+// half of the relay's syscalls and 10 % of its upload CPU (docs/bench).
+// Go's runtime developers make the same case for long non-blocking calls
 // (golang/go#29734). The price: a stop-the-world waits for the call to end.
 func spliceSyscall(rfd, wfd, n, flags int) (int64, error) {
 	r, _, errno := unix.RawSyscall6(unix.SYS_SPLICE, uintptr(rfd), 0, uintptr(wfd), 0, uintptr(n), uintptr(flags))

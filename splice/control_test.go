@@ -54,13 +54,19 @@ type injector struct {
 }
 
 func newInjector(t *testing.T, c *net.TCPConn) *injector {
+	return &injector{fd: socketFD(t, c), errs: make(chan error, 1024)}
+}
+
+// socketFD returns the file descriptor under c, to recognise it in a
+// tunnel's splice calls.
+func socketFD(t *testing.T, c *net.TCPConn) int {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
-	inj := &injector{errs: make(chan error, 1024)}
-	rc.Control(func(fd uintptr) { inj.fd = int(fd) })
-	return inj
+	var sfd int
+	rc.Control(func(fd uintptr) { sfd = int(fd) })
+	return sfd
 }
 
 func (inj *injector) splice(rfd, wfd, n, flags int) (int64, error) {
@@ -248,18 +254,7 @@ func (c recordSource) Read(p []byte) (int, error) {
 }
 
 func newRecordSplicer(t *testing.T, src, sink *net.TCPConn, controlAt int64) *recordSplicer {
-	rs := &recordSplicer{controlAt: controlAt}
-	for _, c := range []struct {
-		conn *net.TCPConn
-		fd   *int
-	}{{src, &rs.src}, {sink, &rs.sink}} {
-		rc, err := c.conn.SyscallConn()
-		if err != nil {
-			t.Fatal(err)
-		}
-		rc.Control(func(fd uintptr) { *c.fd = int(fd) })
-	}
-	return rs
+	return &recordSplicer{src: socketFD(t, src), sink: socketFD(t, sink), controlAt: controlAt}
 }
 
 func (rs *recordSplicer) splice(rfd, wfd, n, flags int) (int64, error) {
@@ -286,24 +281,24 @@ func (rs *recordSplicer) splice(rfd, wfd, n, flags int) (int64, error) {
 // written by the client before the relay starts, so every record is ready.
 func recordTunnel(t *testing.T, stream []byte, controlAt int64) (topology, *controlSource, *recordSplicer, func() (Result, error)) {
 	tp := newTopology(t)
-	go func() {
-		tp.client.Write(stream)
-		tp.client.CloseWrite()
-	}()
+	go sendAndClose(tp.client, stream)
 	src := &controlSource{TCPConn: tp.relayA, reads: make(chan readResult, 16)}
 	rs := newRecordSplicer(t, tp.relayA, tp.relayB, controlAt)
 	tun := newTunnel(recordSource{src, rs}, tp.relayB, Options{Pipes: newTestPool(t, 2)}, rs.splice)
 	return tp, src, rs, runRelay(t.Context(), tun)
 }
 
-// TestRecordBatching: from a source that yields one full record per
-// splice(2), the relay gathers records in the pipe before it drains it, so
-// the sink sees one splice(2) per batch (recordBatch), not one per record.
-func TestRecordBatching(t *testing.T) {
-	checkLeaks(t)
-	const records = 16 * recordBatch / maxRecordPlaintext // sixteen batches
-	stream := bytes.Repeat([]byte("0123456789abcdef"), records*maxRecordPlaintext/16)
-	tp, _, rs, wait := recordTunnel(t, stream, -1)
+// sendAndClose writes stream to c, then half-closes it.
+func sendAndClose(c *net.TCPConn, stream []byte) {
+	c.Write(stream)
+	c.CloseWrite()
+}
+
+// expectSplicedWhole half-closes the upstream, reads all the tunnel
+// delivers to it and waits for the tunnel: stream must have arrived whole,
+// every byte of it spliced.
+func expectSplicedWhole(t *testing.T, tp topology, wait func() (Result, error), stream []byte) {
+	t.Helper()
 	tp.upstream.CloseWrite()
 	got, err := io.ReadAll(tp.upstream)
 	if err != nil {
@@ -316,6 +311,17 @@ func TestRecordBatching(t *testing.T) {
 	if !bytes.Equal(got, stream) || res.AToB.SpliceBytes != int64(len(stream)) {
 		t.Fatalf("upstream got %d bytes (equal: %v), %d spliced; want the %d sent", len(got), bytes.Equal(got, stream), res.AToB.SpliceBytes, len(stream))
 	}
+}
+
+// TestRecordBatching: from a source that yields one full record per
+// splice(2), the relay gathers records in the pipe before it drains it, so
+// the sink sees one splice(2) per batch (recordBatch), not one per record.
+func TestRecordBatching(t *testing.T) {
+	checkLeaks(t)
+	const records = 16 * recordBatch / maxRecordPlaintext // sixteen batches
+	stream := bytes.Repeat([]byte("0123456789abcdef"), records*maxRecordPlaintext/16)
+	tp, _, rs, wait := recordTunnel(t, stream, -1)
+	expectSplicedWhole(t, tp, wait, stream)
 	src, sink := rs.srcCalls.Load(), rs.sinkCalls.Load()
 	t.Logf("%d records: %d source splices, %d sink splices", records, src, sink)
 	if src < records {
@@ -378,16 +384,8 @@ func TestSealingSinkCallsBounded(t *testing.T) {
 			checkLeaks(t)
 			tp := newTopology(t)
 			stream := bytes.Repeat([]byte("sealed records. "), 8<<20/16)
-			go func() {
-				tp.client.Write(stream)
-				tp.client.CloseWrite()
-			}()
-			var sinkFD int
-			rc, err := tp.relayB.SyscallConn()
-			if err != nil {
-				t.Fatal(err)
-			}
-			rc.Control(func(fd uintptr) { sinkFD = int(fd) })
+			go sendAndClose(tp.client, stream)
+			sinkFD := socketFD(t, tp.relayB)
 			var largestFill, largestAsk atomic.Int64
 			splice := func(rfd, wfd, n, flags int) (int64, error) {
 				m, err := spliceSyscall(rfd, wfd, n, flags)
@@ -403,18 +401,7 @@ func TestSealingSinkCallsBounded(t *testing.T) {
 				sink = sealingSink{tp.relayB}
 			}
 			wait := runRelay(t.Context(), newTunnel(tp.relayA, sink, Options{Pipes: newTestPool(t, 2)}, splice))
-			tp.upstream.CloseWrite()
-			got, err := io.ReadAll(tp.upstream)
-			if err != nil {
-				t.Fatal(err)
-			}
-			res, err := wait()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !bytes.Equal(got, stream) || res.AToB.SpliceBytes != int64(len(stream)) {
-				t.Fatalf("upstream got %d bytes (equal: %v), %d spliced; want the %d sent", len(got), bytes.Equal(got, stream), res.AToB.SpliceBytes, len(stream))
-			}
+			expectSplicedWhole(t, tp, wait, stream)
 			fill, ask := largestFill.Load(), largestAsk.Load()
 			t.Logf("largest pipe fill %d bytes, largest sink call %d bytes", fill, ask)
 			if fill <= maxSealPerCall {

@@ -227,18 +227,24 @@ func TestPlainSourceSpliceErrorIsFatal(t *testing.T) {
 }
 
 // recordSplicer stands in for splice(2) on a kTLS source: each call from the
-// source moves at most one record (maxRecordPlaintext bytes), as the
-// kernel's tls_sw_splice_read does. Once controlAt bytes have come from
-// the source (-1: never) it fails as at a control record, which stays at
-// the head of the stream until the connection's Read takes it
-// (recordSource). It counts the calls either way.
+// source moves at most perCall bytes: one record (maxRecordPlaintext), as
+// the kernel's tls_sw_splice_read does, or several, as a kernel that gathers
+// the records ready would. Once controlAt bytes have come from the source
+// (-1: never) it fails as at a control record, which stays at the head of
+// the stream until the connection's Read takes it (recordSource). It counts
+// the calls either way.
 type recordSplicer struct {
 	src, sink    int
 	controlAt    int64
+	perCall      int
 	delivered    int64 // bytes moved from the source, by the relay's one reader
 	controlTaken atomic.Bool
 	srcCalls     atomic.Int64
 	sinkCalls    atomic.Int64
+	// Kept by the relay's one reader: the largest source call asked for, the
+	// bytes of the source calls since the last sink call, and the source
+	// calls made after one that moved more than a record, before a drain.
+	largestSrcAsk, sinceDrain, askedAfterGathered int64
 }
 
 // recordSource is the kTLS connection over a recordSplicer: its Read
@@ -253,37 +259,43 @@ func (c recordSource) Read(p []byte) (int, error) {
 	return c.controlSource.Read(p)
 }
 
-func newRecordSplicer(t *testing.T, src, sink *net.TCPConn, controlAt int64) *recordSplicer {
-	return &recordSplicer{src: socketFD(t, src), sink: socketFD(t, sink), controlAt: controlAt}
+func newRecordSplicer(t *testing.T, src, sink *net.TCPConn, controlAt int64, perCall int) *recordSplicer {
+	return &recordSplicer{src: socketFD(t, src), sink: socketFD(t, sink), controlAt: controlAt, perCall: perCall}
 }
 
 func (rs *recordSplicer) splice(rfd, wfd, n, flags int) (int64, error) {
 	switch {
 	case rfd == rs.src:
 		rs.srcCalls.Add(1)
+		rs.largestSrcAsk = max(rs.largestSrcAsk, int64(n))
+		if rs.sinceDrain > maxRecordPlaintext {
+			rs.askedAfterGathered++
+		}
 		if rs.delivered == rs.controlAt && !rs.controlTaken.Load() {
 			return 0, unix.EINVAL
 		}
-		n = min(n, maxRecordPlaintext)
+		n = min(n, rs.perCall)
 		if rs.delivered < rs.controlAt {
 			n = min(n, int(rs.controlAt-rs.delivered)) // a record ends at the control record
 		}
 		m, err := spliceSyscall(rfd, wfd, n, flags)
 		rs.delivered += max(m, 0)
+		rs.sinceDrain += max(m, 0)
 		return m, err
 	case wfd == rs.sink:
 		rs.sinkCalls.Add(1)
+		rs.sinceDrain = 0
 	}
 	return spliceSyscall(rfd, wfd, n, flags)
 }
 
 // recordTunnel is controlTunnel with a recordSplicer, the whole stream
 // written by the client before the relay starts, so every record is ready.
-func recordTunnel(t *testing.T, stream []byte, controlAt int64) (topology, *controlSource, *recordSplicer, func() (Result, error)) {
+func recordTunnel(t *testing.T, stream []byte, controlAt int64, perCall int) (topology, *controlSource, *recordSplicer, func() (Result, error)) {
 	tp := newTopology(t)
 	go sendAndClose(tp.client, stream)
 	src := &controlSource{TCPConn: tp.relayA, reads: make(chan readResult, 16)}
-	rs := newRecordSplicer(t, tp.relayA, tp.relayB, controlAt)
+	rs := newRecordSplicer(t, tp.relayA, tp.relayB, controlAt, perCall)
 	tun := newTunnel(recordSource{src, rs}, tp.relayB, Options{Pipes: newTestPool(t, 2)}, rs.splice)
 	return tp, src, rs, runRelay(t.Context(), tun)
 }
@@ -320,7 +332,7 @@ func TestRecordBatching(t *testing.T) {
 	checkLeaks(t)
 	const records = 16 * recordBatch / maxRecordPlaintext // sixteen batches
 	stream := bytes.Repeat([]byte("0123456789abcdef"), records*maxRecordPlaintext/16)
-	tp, _, rs, wait := recordTunnel(t, stream, -1)
+	tp, _, rs, wait := recordTunnel(t, stream, -1, maxRecordPlaintext)
 	expectSplicedWhole(t, tp, wait, stream)
 	src, sink := rs.srcCalls.Load(), rs.sinkCalls.Load()
 	t.Logf("%d records: %d source splices, %d sink splices", records, src, sink)
@@ -335,6 +347,25 @@ func TestRecordBatching(t *testing.T) {
 	}
 }
 
+// TestGatheringKernelSource: from a kernel whose splice_read moves several
+// records per call, a call asks for at most a batch (it opens them while
+// it keeps its P), and once a call has moved more than one record the
+// relay drains the pipe instead of asking again: that kernel took all that
+// was ready.
+func TestGatheringKernelSource(t *testing.T) {
+	checkLeaks(t)
+	stream := bytes.Repeat([]byte("gathered record "), 64*maxRecordPlaintext/16)
+	tp, _, rs, wait := recordTunnel(t, stream, -1, 3*maxRecordPlaintext)
+	expectSplicedWhole(t, tp, wait, stream)
+	t.Logf("%d records: %d source splices (largest ask %d bytes), %d sink splices", len(stream)/maxRecordPlaintext, rs.srcCalls.Load(), rs.largestSrcAsk, rs.sinkCalls.Load())
+	if rs.largestSrcAsk > recordBatch {
+		t.Errorf("a kTLS source was asked for %d bytes in one call, more than %d", rs.largestSrcAsk, recordBatch)
+	}
+	if rs.askedAfterGathered != 0 {
+		t.Errorf("%d source splices followed one that moved several records, before the drain", rs.askedAfterGathered)
+	}
+}
+
 // TestControlRecordMidBatch: a control record met while records are being
 // gathered in the pipe: the records before it are written first, then its
 // data, then the rest.
@@ -346,7 +377,7 @@ func TestControlRecordMidBatch(t *testing.T) {
 		stream[i] = byte(i / maxRecordPlaintext)
 	}
 	cut := before * maxRecordPlaintext
-	tp, src, rs, wait := recordTunnel(t, stream, int64(cut))
+	tp, src, rs, wait := recordTunnel(t, stream, int64(cut), maxRecordPlaintext)
 	src.reads <- readResult{data: []byte("CONTROL")}
 	tp.upstream.CloseWrite()
 	got, err := io.ReadAll(tp.upstream)

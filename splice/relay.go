@@ -525,9 +525,10 @@ func tcpEnd(c net.Conn) (spliceEnd, bool) {
 // Each burst: wait for src to be readable holding no pipe; take a pipe;
 // splice src → pipe (up to the pipe's size), then pipe → dst until the pipe
 // is empty; repeat until src would block; give the empty pipe back. A kTLS
-// source yields at most one record per splice(2) (tls_sw_splice_read), so
-// while full records are ready they are gathered, up to recordBatch, before
-// the pipe is drained. Because
+// source yields at most one record per splice(2) (tls_sw_splice_read, in
+// every kernel up to 7.3 at least; docs/kernel has a patch that gathers
+// them), so while full records are ready they are gathered, up to
+// recordBatch, before the pipe is drained. Because
 // the pipe is always drained before the next read from src, it is empty
 // whenever src fails, so a control record's data (from src.Read) is written
 // after every byte that preceded it: order is preserved.
@@ -550,7 +551,13 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net
 					return true
 				}
 			}
-			n, serr = t.splice(int(fd), p.wfd, p.size, spliceFlags)
+			// A call from a kTLS source opens records inside the call,
+			// which keeps its P (spliceSyscall): it asks for at most a batch.
+			ask := p.size
+			if srcEnd.ktls {
+				ask = min(p.size, recordBatch)
+			}
+			n, serr = t.splice(int(fd), p.wfd, ask, spliceFlags)
 			if serr == unix.EAGAIN {
 				// The burst is over and the pipe is empty: give it back
 				// before parking, so an idle tunnel holds no pipe.
@@ -558,16 +565,17 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net
 				p = nil
 				return false
 			}
-			// Gather full records. Whatever ends the batch (a short record,
-			// EAGAIN, a control record, EOF) is met again by the next call,
-			// after the drain.
-			batch := min(p.size, recordBatch)
-			for srcEnd.ktls && serr == nil && n > 0 && n%maxRecordPlaintext == 0 && int(n)+maxRecordPlaintext <= batch {
-				m, err := t.splice(int(fd), p.wfd, batch-int(n), spliceFlags)
+			// Gather full records while the kernel hands them out one per
+			// call. A call that moved more came from a kernel that gathers
+			// them itself, and it took all that were ready. Whatever ends
+			// the batch (a short record, EAGAIN, a control record, EOF) is
+			// met again by the next call, after the drain.
+			for last := n; srcEnd.ktls && serr == nil && last == maxRecordPlaintext && int(n)+maxRecordPlaintext <= ask; {
+				m, err := t.splice(int(fd), p.wfd, ask-int(n), spliceFlags)
 				if err != nil || m == 0 {
 					break
 				}
-				n += m
+				n, last = n+m, m
 			}
 			return true
 		})

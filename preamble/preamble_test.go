@@ -654,6 +654,53 @@ func TestDialEcho(t *testing.T) {
 	}
 }
 
+// TestSendOwnConnection: a gateway that makes its own TLS connection (here
+// over a TCP connection it dialed itself) writes a bound preamble with Send,
+// which the forwarder accepts with binding required; a canceled context
+// writes nothing and says why.
+func TestSendOwnConnection(t *testing.T) {
+	ca, sc, cc := mtlsConfigs(t, 0)
+	k := newKey(t)
+	v := mustVerifier(t, VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw": k.Public().(ed25519.PublicKey)}, RequireBinding: true})
+	f := startForwarder(t, ca, sc, v)
+	signer := mustSigner(t, "gw", k, nil)
+	dial := func() *tls.Conn {
+		raw, err := net.Dial("tcp", f.ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		conn := tls.Client(raw, cc)
+		if err := conn.Handshake(); err != nil {
+			t.Fatal(err)
+		}
+		return conn
+	}
+
+	conn := dial()
+	if err := Send(context.Background(), conn, signer, sampleClaims()); err != nil {
+		t.Fatal(err)
+	}
+	if c := <-f.claims; c.SandboxID != "sbx-1" || len(c.Binding) != BindingLen {
+		t.Fatalf("forwarder saw claims %+v", c)
+	}
+	conn.Close()
+	if err := <-f.results; err != nil {
+		t.Fatalf("forwarder: %v", err)
+	}
+
+	conn = dial()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := Send(ctx, conn, signer, sampleClaims()); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Send with a canceled context: %v, want context.Canceled", err)
+	}
+	if err := Send(context.Background(), conn, nil, sampleClaims()); err == nil {
+		t.Fatal("Send without a Signer succeeded")
+	}
+	conn.Close()
+	<-f.results // the session ended without a frame
+}
+
 // TestDialTLS12Unbound: on TLS 1.2 Dial sends an unbound frame, which a
 // forwarder that requires binding rejects.
 func TestDialTLS12Unbound(t *testing.T) {

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"time"
 )
 
@@ -91,10 +92,8 @@ func ChannelBinding(cs tls.ConnectionState) (binding []byte, ok bool) {
 
 // Dial connects to the forwarder at addr with TLS (tlsConfig carries the
 // gateway's client certificate for mutual TLS), completes the handshake,
-// binds claims to the session with ChannelBinding when it is TLS 1.3, signs
-// and writes the preamble, and returns the connection ready for tenant bytes.
-// On TLS 1.2 the frame goes unbound; a forwarder that requires binding then
-// rejects it. ctx bounds the dial, the handshake and the write.
+// writes the preamble with Send, and returns the connection ready for tenant
+// bytes. ctx bounds the dial, the handshake and the write.
 func Dial(ctx context.Context, network, addr string, tlsConfig *tls.Config, signer *Signer, claims Claims) (*tls.Conn, error) {
 	if signer == nil {
 		return nil, errors.New("preamble: Dial needs a Signer")
@@ -105,14 +104,39 @@ func Dial(ctx context.Context, network, addr string, tlsConfig *tls.Config, sign
 		return nil, err
 	}
 	conn := nc.(*tls.Conn)
+	if err := Send(ctx, conn, signer, claims); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return conn, nil
+}
+
+// Conn is a TLS connection whose handshake is complete: a *tls.Conn, or a
+// ktls.Conn whose records the kernel seals.
+type Conn interface {
+	net.Conn
+	ConnectionState() tls.ConnectionState
+}
+
+// Send binds claims to conn's session with ChannelBinding when it is TLS
+// 1.3, signs them and writes the preamble: for a gateway that makes its own
+// connection (kernel TLS, a custom dialer). On TLS 1.2 the frame goes
+// unbound; a forwarder that requires binding then rejects it. ctx bounds
+// the write. The caller keeps conn, and closes it when Send fails.
+func Send(ctx context.Context, conn Conn, signer *Signer, claims Claims) error {
+	if signer == nil {
+		return errors.New("preamble: Send needs a Signer")
+	}
 	claims.Binding = nil
 	if b, ok := ChannelBinding(conn.ConnectionState()); ok {
 		claims.Binding = b
 	}
 	frame, err := signer.Sign(claims)
 	if err != nil {
-		conn.Close()
-		return nil, err
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("preamble: writing the frame: %w", err)
 	}
 	if deadline, ok := ctx.Deadline(); ok {
 		conn.SetWriteDeadline(deadline)
@@ -120,12 +144,11 @@ func Dial(ctx context.Context, network, addr string, tlsConfig *tls.Config, sign
 	stop := context.AfterFunc(ctx, func() { conn.SetWriteDeadline(time.Unix(1, 0)) })
 	_, err = conn.Write(frame)
 	if !stop() || err != nil {
-		conn.Close()
 		if err == nil {
 			err = ctx.Err()
 		}
-		return nil, fmt.Errorf("preamble: writing the frame: %w", err)
+		return fmt.Errorf("preamble: writing the frame: %w", err)
 	}
 	conn.SetWriteDeadline(time.Time{})
-	return conn, nil
+	return nil
 }

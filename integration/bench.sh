@@ -21,7 +21,9 @@
 #              $BUILD/bench/native-smoke/results.json
 #
 # Driver flags (integration/.build/bench/bench run -h) override the sizes,
-# e.g. -contenders ktls,floor-ktls -shapes upload.
+# e.g. -contenders ktls,floor-ktls -shapes upload; -gateway-ktls makes the
+# gateway seal its records in its kernel. A kTLS change is measured with
+# VM_TLS_KO (vm.sh; docs/kernel).
 # env: BENCH_KERNEL (default 7.3), BENCH_BULK_MIB (64), BENCH_REPS (3),
 #      BENCH_OUT (the JSON's destination), CADDY (a prebuilt Caddy binary
 #      inside the checkout instead of building one), VM_TIMEOUT

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
 // The structural figures come from this parser: every entered syscall
@@ -225,5 +226,32 @@ func TestUntracedSyscalls(t *testing.T) {
 	want := int64(calls + calls/workers*workers)
 	if n < want || n > want+3000 {
 		t.Errorf("counted %d syscalls, want %d plus the runtime's few", n, want)
+	}
+}
+
+// The offload check reads the contender's data path from tls_stat, which
+// also counts the TX keys of a gateway that seals in its kernel: those are
+// taken off, and a contender whose own keys disagree with its claim fails.
+func TestOffloadLeavesOutGatewayKeys(t *testing.T) {
+	l4, _ := findContender("l4-proxy")
+	forwarder, _ := findContender("ktls")
+	for _, tc := range []struct {
+		name      string
+		c         contender
+		tx, rx    int64
+		gatewayTX int64
+		wantErr   bool
+	}{
+		{"userspace contender, gateway keys only", l4, 5, 0, 5, false},
+		{"userspace contender with keys of its own", l4, 6, 0, 5, true},
+		{"the same keys without a sealing gateway", l4, 5, 0, 0, true},
+		{"kernel contender beside a sealing gateway", forwarder, 10, 5, 5, false},
+		{"kernel contender whose TX stayed in userspace", forwarder, 5, 5, 5, true},
+	} {
+		r := &result{TLSStat: kerneltest.Stat{"TlsTxSw": tc.tx, "TlsRxSw": tc.rx}, GatewayTX: tc.gatewayTX}
+		got := offloadOf(r, tc.c)
+		if (len(r.Errors) > 0) != tc.wantErr {
+			t.Errorf("%s: offload %q, errors %v; want an error: %v", tc.name, got, r.Errors, tc.wantErr)
+		}
 	}
 }

@@ -36,6 +36,8 @@ type runEnv struct {
 	// so there a structural pass without its untraced count is a failure;
 	// natively the host's kernel may lack it, and the count is left out.
 	countRequired bool
+	// gatewayKTLS: the gateway seals its records in its kernel (-gateway-ktls).
+	gatewayKTLS bool
 }
 
 var contenders = []contender{
@@ -218,19 +220,23 @@ func floor(sub string) func(*runEnv) (*exec.Cmd, error) {
 }
 
 func (c contender) gateway(env *runEnv) *gateway {
-	cfg := gatewayTLS(env.pki)
+	g := &gateway{tls: gatewayTLS(env.pki), kernelTX: env.gatewayKTLS && c.dialKind != "plain"}
 	switch c.dialKind {
 	case "preamble":
 		target := env.up.raw.Addr().(*net.TCPAddr).AddrPort()
-		return &gateway{dial: preambleDialer(env.listen, cfg, env.pki.signer, target)}
+		g.dial = g.preambleDialer(env.listen, env.pki.signer, target)
+		return g
 	case "tls":
-		return &gateway{dial: tlsDialer(env.listen, cfg)}
+		g.dial = g.tlsDialer(env.listen)
+		return g
 	case "https":
 		// The address, not "localhost": no resolver and no ::1 attempt
 		// first; the TLS config names the server.
-		return &gateway{base: "https://" + env.listen, tls: cfg}
+		g.base = "https://" + env.listen
+		return g
 	case "plain":
-		return &gateway{dial: plainDialer(env.listen)}
+		g.dial = plainDialer(env.listen)
+		return g
 	}
 	panic(fmt.Sprintf("contender %s: unknown dial kind %q", c.name, c.dialKind))
 }

@@ -14,8 +14,10 @@ import (
 	"net/netip"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -28,6 +30,14 @@ type gateway struct {
 	// base is the HTTPS origin of the HTTP contender ("" for L4 contenders).
 	base string
 	tls  *tls.Config
+	// kernelTX: the gateway seals its records in its own kernel (kTLS TX,
+	// RX in userspace), as an edge gateway built on this project's ktls
+	// package would. Its writes then hand the kernel many records at once,
+	// where crypto/tls writes each record on its own, and that decides how
+	// many records the forwarder finds per wake-up. sealed counts the
+	// connections it offloaded: their keys show in tls_stat too.
+	kernelTX bool
+	sealed   atomic.Int64
 }
 
 // pinnedSuite is the one cipher suite of every TLS contender: equal crypto
@@ -55,6 +65,31 @@ func gatewayTLS(roots *pki) *tls.Config {
 	}
 }
 
+// dialTLS opens the gateway's TLS connection to addr, its records sealed by
+// crypto/tls or, with kernelTX, by its kernel.
+func (g *gateway) dialTLS(ctx context.Context, addr string) (preamble.Conn, error) {
+	if !g.kernelTX {
+		d := tls.Dialer{Config: g.tls}
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err != nil {
+			return nil, err
+		}
+		return c.(*tls.Conn), nil
+	}
+	var d net.Dialer
+	raw, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	c := ktls.Client(raw, g.tls, ktls.Options{DisableRX: true, RequireOffload: true})
+	if err := c.HandshakeContext(ctx); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("gateway kTLS: %w", err)
+	}
+	g.sealed.Add(1)
+	return c, nil
+}
+
 func plainDialer(addr string) func(context.Context) (net.Conn, error) {
 	return func(ctx context.Context) (net.Conn, error) {
 		var d net.Dialer
@@ -62,14 +97,13 @@ func plainDialer(addr string) func(context.Context) (net.Conn, error) {
 	}
 }
 
-func tlsDialer(addr string, cfg *tls.Config) func(context.Context) (net.Conn, error) {
+func (g *gateway) tlsDialer(addr string) func(context.Context) (net.Conn, error) {
 	return func(ctx context.Context) (net.Conn, error) {
-		d := tls.Dialer{Config: cfg}
-		c, err := d.DialContext(ctx, "tcp", addr)
+		c, err := g.dialTLS(ctx, addr)
 		if err != nil {
 			return nil, err
 		}
-		if err := checkSuite(c.(*tls.Conn).ConnectionState()); err != nil {
+		if err := checkSuite(c.ConnectionState()); err != nil {
 			c.Close()
 			return nil, err
 		}
@@ -79,13 +113,17 @@ func tlsDialer(addr string, cfg *tls.Config) func(context.Context) (net.Conn, er
 
 // preambleDialer is the real gateway: mutual TLS is left out (no contender
 // authenticates clients), the preamble is bound to the session and signed.
-func preambleDialer(addr string, cfg *tls.Config, signer *preamble.Signer, target netip.AddrPort) func(context.Context) (net.Conn, error) {
+func (g *gateway) preambleDialer(addr string, signer *preamble.Signer, target netip.AddrPort) func(context.Context) (net.Conn, error) {
 	return func(ctx context.Context) (net.Conn, error) {
-		c, err := preamble.Dial(ctx, "tcp", addr, cfg, signer, preamble.Claims{SandboxID: "bench", Target: target})
+		c, err := g.dialTLS(ctx, addr)
 		if err != nil {
 			return nil, err
 		}
-		if err := checkSuite(c.ConnectionState()); err != nil {
+		err = checkSuite(c.ConnectionState())
+		if err == nil {
+			err = preamble.Send(ctx, c, signer, preamble.Claims{SandboxID: "bench", Target: target})
+		}
+		if err != nil {
 			c.Close()
 			return nil, err
 		}
@@ -108,7 +146,7 @@ func (g *gateway) upload(ctx context.Context, n int64) (transfer, error) {
 			return transfer{}, err
 		}
 		req.ContentLength = n
-		body, err := g.httpDo(newTransport(g.tls, 1, true), req, 64)
+		body, err := g.httpDo(g.transport(1, true), req, 64)
 		if err != nil {
 			return transfer{}, err
 		}
@@ -145,7 +183,7 @@ func (g *gateway) download(ctx context.Context, n int64) (transfer, error) {
 		if err != nil {
 			return transfer{}, err
 		}
-		resp, err := newTransport(g.tls, 1, true).RoundTrip(req)
+		resp, err := g.transport(1, true).RoundTrip(req)
 		if err != nil {
 			return transfer{}, err
 		}
@@ -188,7 +226,7 @@ func (g *gateway) small(ctx context.Context, conns, calls, reqLen, respLen int, 
 	errs := make([]error, conns)
 	var tr *http.Transport
 	if g.dial == nil {
-		tr = newTransport(g.tls, conns, !reuse)
+		tr = g.transport(conns, !reuse)
 		defer tr.CloseIdleConnections()
 	}
 	for w := range conns {
@@ -280,15 +318,19 @@ func (g *gateway) httpCalls(ctx context.Context, tr *http.Transport, n, reqLen, 
 	return lat, nil
 }
 
-// newTransport is an HTTP/1.1-only client transport (reverse_proxy's shape:
+// transport is an HTTP/1.1-only client transport (reverse_proxy's shape:
 // HTTPS in, HTTP/1.1 out) without session resumption.
-func newTransport(cfg *tls.Config, conns int, perCall bool) *http.Transport {
-	return &http.Transport{
-		TLSClientConfig:     cfg,
+func (g *gateway) transport(conns int, perCall bool) *http.Transport {
+	tr := &http.Transport{
+		TLSClientConfig:     g.tls,
 		MaxIdleConnsPerHost: conns,
 		DisableKeepAlives:   perCall,
 		DisableCompression:  true,
 	}
+	if g.kernelTX {
+		tr.DialTLSContext = func(ctx context.Context, _, addr string) (net.Conn, error) { return g.dialTLS(ctx, addr) }
+	}
+	return tr
 }
 
 func (g *gateway) httpDo(tr *http.Transport, req *http.Request, limit int) ([]byte, error) {

@@ -25,6 +25,8 @@
 #                    7.x kernels sometimes oops in early boot under TCG
 #   VM_SMP, VM_MEM   vCPUs (default 1: SMP=2 makes that oops likelier) and MiB (default 2048)
 #   VM_LOG           serial log file (default $VM_OUT/serial.log)
+#   VM_TLS_KO        a tls.ko built for this kernel, loaded in its own's
+#                    place: to measure a change to kTLS (build-tls-ko.sh)
 #   VM_ICOUNT=1      deterministic guest time for cost measurements: one
 #                    vCPU, single-threaded TCG and `-icount shift=0,sleep=off`,
 #                    so guest time counts executed instructions (1 ns each)
@@ -77,6 +79,11 @@ done | awk '!seen[$0]++' | while read -r ko; do
   esac
   echo "$n"
 done >"$R/order"
+if [ -n "${VM_TLS_KO:-}" ]; then
+  grep -qx tls.ko "$R/order" || die "VM_TLS_KO: kernel $KVER loads no tls.ko to replace"
+  cp "$VM_TLS_KO" "$R/mods/tls.ko"
+  log "vm: tls.ko replaced by $VM_TLS_KO"
+fi
 printf '%s\n' "$CMD" >"$R/cmd"
 printf "%s\n" "$REPO" >"$R/checkout-path"
 cat >"$R/init" <<'INIT'

@@ -178,9 +178,10 @@ func TestSmallCallRejectsWrongBytes(t *testing.T) {
 }
 
 // The untraced count sees every syscall of the process, on the threads it
-// had and on threads started meanwhile: 20,000 getppid calls on the test's
+// had and on threads started meanwhile: 20,000 getpid calls on the test's
 // thread, then as many spread over more locked threads than the process had,
-// all held at once, so that some of them are new.
+// all held at once, so that some of them are new. The breakdown counts them
+// as getpid, within the total.
 func TestUntracedSyscalls(t *testing.T) {
 	const calls = 20000
 	before, err := threads(os.Getpid())
@@ -189,9 +190,9 @@ func TestUntracedSyscalls(t *testing.T) {
 	}
 	workers := len(before) + 2
 	var newThreads atomic.Int32
-	n, err := untracedSyscalls(os.Getpid(), func() error {
+	n, top, err := untracedSyscalls(os.Getpid(), func() error {
 		for range calls {
-			syscall.Getppid()
+			syscall.Getpid()
 		}
 		var held, done sync.WaitGroup
 		held.Add(workers)
@@ -204,7 +205,7 @@ func TestUntracedSyscalls(t *testing.T) {
 					newThreads.Add(1)
 				}
 				for range calls / workers {
-					syscall.Getppid()
+					syscall.Getpid()
 				}
 				held.Done()
 				held.Wait() // every worker on its own thread at once
@@ -226,6 +227,17 @@ func TestUntracedSyscalls(t *testing.T) {
 	want := int64(calls + calls/workers*workers)
 	if n < want || n > want+3000 {
 		t.Errorf("counted %d syscalls, want %d plus the runtime's few", n, want)
+	}
+	t.Logf("counted %d syscalls, breakdown %+v", n, top)
+	var inTop, getpid int64
+	for _, c := range top {
+		inTop += c.Count
+		if c.Name == "getpid" {
+			getpid = c.Count
+		}
+	}
+	if getpid < want || getpid > want+100 || inTop > n || top[0].Name != "getpid" {
+		t.Errorf("breakdown %+v: want getpid first with %d (plus the runtime's few), all within the %d counted", top, want, n)
 	}
 }
 

@@ -302,15 +302,15 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 				case untracedErr != nil:
 					r.Errors = append(r.Errors, "untraced structural pass: "+untracedErr.Error())
 				default:
-					s.UntracedSyscalls, s.UntracedSource = untraced.syscalls, countSource
+					s.UntracedSyscalls, s.UntracedTop, s.UntracedSource = untraced.syscalls, untraced.top, countSource
 					s.UntracedSyscallsPerGiB = round(float64(untraced.syscalls)*gib/float64(untraced.bytes), 0)
 					if untraced.calls > 0 {
 						s.UntracedSyscallsPerCall = round(float64(untraced.syscalls)/float64(untraced.calls), 2)
 					}
 				}
 				r.Structural = &s
-				log.Printf("   %s traced: %d syscalls, %d userspace bytes for %d bytes; untraced: %d syscalls for %d bytes",
-					shape, s.Syscalls, s.UserspaceBytes, s.Bytes, untraced.syscalls, untraced.bytes)
+				log.Printf("   %s traced: %d syscalls, %d userspace bytes for %d bytes; untraced: %d syscalls for %d bytes %v",
+					shape, s.Syscalls, s.UserspaceBytes, s.Bytes, untraced.syscalls, untraced.bytes, untraced.top)
 			}
 		}
 		if statErr == nil {

@@ -94,6 +94,7 @@ type structural struct {
 	UntracedSyscalls        int64   `json:"untraced_syscalls,omitempty"`
 	UntracedSyscallsPerGiB  float64 `json:"untraced_syscalls_per_gib,omitempty"`
 	UntracedSyscallsPerCall float64 `json:"untraced_syscalls_per_call,omitempty"`
+	UntracedTop             []count `json:"untraced_top_syscalls,omitempty"`
 	UntracedSource          string  `json:"untraced_source,omitempty"`
 	UntracedError           string  `json:"untraced_error,omitempty"`
 }

@@ -61,6 +61,9 @@ demo: build
 # and the merged report (what bench-bulk uses) run in CI too; then natively,
 # so the harness's --native mode (item 9 of issue 7) does not rot either.
 BENCH_SMOKE_SPLIT = ktls,ktls-rx-off,ktls-off,floor-ktls,floor-plain l4-proxy,reverse-proxy,haproxy,nginx
+# Then once more with a gateway that seals in its kernel (-gateway-ktls),
+# through one contender of each way the gateway dials: preamble, TLS, HTTPS.
+BENCH_SMOKE_GATEWAY_KTLS = ktls,l4-proxy,reverse-proxy
 # bench and bench-bulk run two VMs side by side: the headline contenders
 # share one (the goals' ratios come from one run), the others the second.
 BENCH_VM_SPLIT = ktls,floor-ktls,l4-proxy,reverse-proxy ktls-rx-off,ktls-off,haproxy,nginx,floor-plain
@@ -103,6 +106,8 @@ bench:
 
 bench-smoke:
 	BENCH_SPLIT='$(BENCH_SMOKE_SPLIT)' integration/bench.sh --smoke
+	BENCH_OUT=$${KTLS_BUILD_DIR:-integration/.build}/bench/smoke-gateway-ktls/results.json \
+		integration/bench.sh --smoke -gateway-ktls -contenders $(BENCH_SMOKE_GATEWAY_KTLS)
 	integration/bench.sh --native --smoke
 
 bench-bulk:

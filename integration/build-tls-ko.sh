@@ -1,52 +1,100 @@
 #!/usr/bin/env bash
-# Builds the kernel's tls module for the 6.1 VM kernel from Debian's own
-# source, twice: as Debian ships it (stock) and with a patch applied, for
-# vm.sh's VM_TLS_KO. Building both the same way makes a side-by-side run
-# differ in the patch alone.
+# Builds a VM kernel's tls module from Debian's own source, twice: as Debian
+# ships the source (stock) and with a patch applied (patched), for vm.sh's
+# VM_TLS_KO. Both are built the same way, so a side-by-side run of the two
+# differs in the patch alone; compare them with each other, not with the
+# kernel's own module (another compiler and build).
 #
-# usage: build-tls-ko.sh [PATCH]   (default docs/kernel/tls-splice-read-records.patch)
+# usage: build-tls-ko.sh 6.1|7.3 [PATCH]
+#        (default PATCH: docs/kernel/tls-splice-read-records-KERNEL.patch)
 # prints: TLS_KO_STOCK=<path> and TLS_KO_PATCHED=<path>
 #
-# Only 6.1: Debian builds bookworm's kernel with this host's compiler (gcc
-# 12), and bookworm's kbuild tools run on this host; later kernels are built
-# with newer compilers than the host has. The exact source, headers and
-# kbuild of the cached kernel's Debian version are downloaded into the
-# kernel cache (nothing is installed) and the module is built out of tree
-# against the headers, so it loads into the VM's kernel unsigned (the guest
-# logs a taint) with the same vermagic and symbol versions as Debian's own.
+# The source, headers and kbuild of the cached kernel's exact Debian version
+# are downloaded into the kernel cache (nothing is installed), and the
+# module is built out of tree against the headers: same vermagic (and, on
+# 6.1, symbol versions) as Debian's, unsigned (the guest logs a taint).
+#   6.1  Debian builds it with this host's gcc 12, and bookworm's kbuild
+#        tools run here: a plain out-of-tree build.
+#   7.3  Built with gcc 14, whose -fmin-function-alignment gcc 12 lacks (the
+#        copy of the headers here drops it for -falign-functions), and
+#        trixie's modpost and objtool need a newer glibc: modpost is built
+#        from the same source, and objtool, which only annotates the object
+#        (return thunks, ORC unwind tables; under TCG nothing needs them), is
+#        left out, as is BTF (no pahole). So the two modules cost a little
+#        more per call than Debian's: another reason to compare only them.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
-PATCH=$(realpath "${1:-$REPO/docs/kernel/tls-splice-read-records.patch}")
-eval "$("$(dirname "$0")/fetch-kernel.sh" 6.1)"
-deb=$(ls "$KERNEL_CACHE"/debs/linux-image-"$KVER"_*.deb | head -1)
+NAME=${1:?usage: build-tls-ko.sh 6.1|7.3 [PATCH]}
+case $NAME in
+  6.1) SERIES=6.1 ;;
+  7.3) SERIES=7.3 ;;
+  *) die "build-tls-ko.sh: kernel $NAME: only 6.1 and 7.3" ;;
+esac
+PATCH=$(realpath "${2:-$REPO/docs/kernel/tls-splice-read-records-$NAME.patch}")
+eval "$("$(dirname "$0")/fetch-kernel.sh" "$NAME")"
+SUITE=$(suite_of "$NAME")
+deb=
+for f in "$KERNEL_CACHE"/debs/linux-{image,modules}-"$KVER"_*.deb; do
+  [ -f "$f" ] && { deb=$f; break; }
+done
+[ -n "$deb" ] || die "no package of kernel $KVER in $KERNEL_CACHE/debs"
 VERSION=$(dpkg-deb -f "$deb" Version)
 W=$KERNEL_CACHE/tls-ko-$KVER
 mkdir -p "$W/debs"
 
-A=$KERNEL_CACHE/apt-bookworm
+A=$KERNEL_CACHE/apt-$SUITE
 APTO=()
 [ -f "$A/sources.list" ] && APTO=(-o "Dir::Etc::sourcelist=$A/sources.list" -o Dir::Etc::sourceparts=/nonexistent
   -o "Dir::State::Lists=$A/lists" -o "Dir::Cache=$A/cache")
-PKGS=("linux-headers-$KVER=$VERSION" "linux-headers-${KVER%-amd64}-common=$VERSION"
-      "linux-kbuild-6.1=$VERSION" "linux-source-6.1=$VERSION")
+COMMON=linux-headers-${KVER%-amd64}-common
+KBUILD=linux-kbuild-$SERIES
+[ "$NAME" = 6.1 ] || KBUILD=linux-kbuild-${KVER%-amd64}
+H=$W/root/usr/src
 if [ ! -f "$W/root/.done" ]; then
-  log "build-tls-ko: apt-get download ${PKGS[*]}"
-  (cd "$W/debs" && apt-get "${APTO[@]}" download "${PKGS[@]}" >&2)
+  log "build-tls-ko: apt-get download the $VERSION source, headers and kbuild"
+  (cd "$W/debs" && apt-get "${APTO[@]}" download "linux-headers-$KVER=$VERSION" "$COMMON=$VERSION" \
+    "$KBUILD=$VERSION" "linux-source-$SERIES=$VERSION" >&2)
   rm -rf "$W/root"
   for d in "$W"/debs/*.deb; do dpkg-deb -x "$d" "$W/root"; done
-  tar -xJf "$W/root/usr/src/linux-source-6.1.tar.xz" -C "$W/root/usr/src" linux-source-6.1/net/tls
+  parts=(net/tls)
+  [ "$NAME" = 6.1 ] || parts+=(scripts/mod scripts/include include)
+  tar -xJf "$H/linux-source-$SERIES.tar.xz" -C "$H" "${parts[@]/#/linux-source-$SERIES/}"
+  if [ "$NAME" != 6.1 ]; then
+    sed -i '/^CONFIG_CC_HAS_MIN_FUNCTION_ALIGNMENT=/d' "$H/linux-headers-$KVER/include/config/auto.conf"
+    # modpost from its source, as scripts/mod/Makefile builds it.
+    m=$H/linux-source-$SERIES/scripts/mod
+    gcc -c -o "$m/empty.o" "$m/empty.c"
+    gcc -o "$m/mk_elfconfig" "$m/mk_elfconfig.c"
+    "$m/mk_elfconfig" <"$m/empty.o" >"$m/elfconfig.h"
+    inc=()
+    for d in "$H/$COMMON" "$H/linux-headers-$KVER"; do
+      inc+=(-I"$d/include" -I"$d/arch/x86/include" -I"$d/arch/x86/include/generated" -I"$d/arch/x86/include/uapi"
+        -I"$d/arch/x86/include/generated/uapi" -I"$d/include/uapi" -I"$d/include/generated/uapi")
+    done
+    gcc -S -o "$m/devicetable-offsets.s" "$m/devicetable-offsets.c" -D__KERNEL__ -nostdinc "${inc[@]}" \
+      -include "$H/$COMMON/include/linux/compiler-version.h" -include "$H/$COMMON/include/linux/kconfig.h" \
+      -include "$H/$COMMON/include/linux/compiler_types.h"
+    { echo "#ifndef __DEVICETABLE_OFFSETS_H__"; echo "#define __DEVICETABLE_OFFSETS_H__"
+      sed -ne 's:^[[:space:]]*\.ascii[[:space:]]*"\(.*\)".*:\1:; /^->/{s:->#\(.*\):/* \1 */:; s:^->\([^ ]*\) [\$#]*\([^ ]*\) \(.*\):#define \1 \2 /* \3 */:; s:->::; p;}' \
+        <"$m/devicetable-offsets.s"
+      echo "#endif"; } >"$m/devicetable-offsets.h"
+    gcc -O2 -o "$W/root/usr/lib/$KBUILD/scripts/mod/modpost" "$m"/{modpost,file2alias,sumversion,symsearch}.c \
+      -I"$m" -I"$m/../include" -I"$m/../../include/uapi"
+  fi
   touch "$W/root/.done"
 fi
 
 # The arch headers' Makefile includes the common one by its installed path;
 # building from the common tree with O= the arch tree needs neither.
-H=$W/root/usr/src
+MAKEFLAGS_KO=(CONFIG_TLS=m)
+[ "$NAME" = 6.1 ] || MAKEFLAGS_KO+=(CC=gcc CROSS_COMPILE= objtool=/bin/true CONFIG_DEBUG_INFO_BTF_MODULES=)
 build() { # NAME [PATCH]
   local dir=$W/$1
   rm -rf "$dir"
-  cp -r "$H/linux-source-6.1/net/tls" "$dir"
+  cp -r "$H/linux-source-$SERIES/net/tls" "$dir"
   [ -z "${2:-}" ] || patch -d "$dir" -p3 --quiet <"$2"
-  make -s -C "$H/linux-headers-${KVER%-amd64}-common" O="$H/linux-headers-$KVER" M="$dir" CONFIG_TLS=m modules >&2
+  make -s -C "$H/$COMMON" O="$H/linux-headers-$KVER" KBUILD_OUTPUT="$H/linux-headers-$KVER" M="$dir" \
+    "${MAKEFLAGS_KO[@]}" modules >&2
   strip --strip-debug -o "$W/tls-$1.ko" "$dir/tls.ko"
 }
 build stock

@@ -187,7 +187,7 @@ func (g *gateway) download(ctx context.Context, n int64) (transfer, error) {
 		if err != nil {
 			return transfer{}, err
 		}
-		if err := checkResponse(resp); err != nil {
+		if err := g.checkResponse(resp); err != nil {
 			return transfer{}, err
 		}
 		body = resp.Body
@@ -328,7 +328,7 @@ func (g *gateway) transport(conns int, perCall bool) *http.Transport {
 		DisableCompression:  true,
 	}
 	if g.kernelTX {
-		tr.DialTLSContext = func(ctx context.Context, _, addr string) (net.Conn, error) { return g.dialTLS(ctx, addr) }
+		tr.DialTLSContext = func(ctx context.Context, _, addr string) (net.Conn, error) { return g.tlsDialer(addr)(ctx) }
 	}
 	return tr
 }
@@ -339,20 +339,25 @@ func (g *gateway) httpDo(tr *http.Transport, req *http.Request, limit int) ([]by
 		return nil, err
 	}
 	defer resp.Body.Close()
-	if err := checkResponse(resp); err != nil {
+	if err := g.checkResponse(resp); err != nil {
 		return nil, err
 	}
 	return io.ReadAll(io.LimitReader(resp.Body, int64(limit)+1))
 }
 
-func checkResponse(resp *http.Response) error {
+func (g *gateway) checkResponse(resp *http.Response) error {
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		resp.Body.Close()
 		return fmt.Errorf("HTTP %s: %s", resp.Status, msg)
 	}
-	if resp.TLS == nil {
-		return errors.New("HTTP response without TLS")
+	switch {
+	case resp.TLS != nil:
+		return checkSuite(*resp.TLS)
+	case g.kernelTX:
+		// net/http keeps no TLS state of a connection it did not make
+		// itself; the gateway's dialer checked this one's suite.
+		return nil
 	}
-	return checkSuite(*resp.TLS)
+	return errors.New("HTTP response without TLS")
 }

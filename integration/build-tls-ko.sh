@@ -7,7 +7,15 @@
 #
 # usage: build-tls-ko.sh 6.1|7.3 [PATCH]
 #        (default PATCH: docs/kernel/tls-splice-read-records-KERNEL.patch)
-# prints: TLS_KO_STOCK=<path> and TLS_KO_PATCHED=<path>
+# prints: TLS_KO_STOCK=<path>, TLS_KO_PATCHED=<path> and, for 7.3,
+#         TLS_SELFTEST=<path>
+#
+# TLS_SELFTEST is the kernel's own TLS selftest (tools/testing/selftests/
+# net/tls.c of the same source, with the patch's hunks for it), built in
+# the build dir so that the guest sees it: `VM_TLS_KO=... vm.sh 7.3
+# "$TLS_SELFTEST"` runs it against either module. Not for 6.1: the tls.c
+# of Debian's 6.1.192 does not compile (a backported test calls
+# tls_crypto_info_init with an argument that version lacks).
 #
 # The source, headers and kbuild of the cached kernel's exact Debian version
 # are downloaded into the kernel cache (nothing is installed), and the
@@ -50,13 +58,14 @@ COMMON=linux-headers-${KVER%-amd64}-common
 KBUILD=linux-kbuild-$SERIES
 [ "$NAME" = 6.1 ] || KBUILD=linux-kbuild-${KVER%-amd64}
 H=$W/root/usr/src
-if [ ! -f "$W/root/.done" ]; then
+if [ ! -f "$W/root/.done" ] || [ ! -f "$H/linux-source-$SERIES/tools/testing/selftests/net/tls.c" ]; then
   log "build-tls-ko: apt-get download the $VERSION source, headers and kbuild"
   (cd "$W/debs" && apt-get "${APTO[@]}" download "linux-headers-$KVER=$VERSION" "$COMMON=$VERSION" \
     "$KBUILD=$VERSION" "linux-source-$SERIES=$VERSION" >&2)
   rm -rf "$W/root"
   for d in "$W"/debs/*.deb; do dpkg-deb -x "$d" "$W/root"; done
-  parts=(net/tls)
+  parts=(net/tls tools/testing/selftests/kselftest_harness.h tools/testing/selftests/kselftest.h
+    tools/testing/selftests/net/tls.c)
   [ "$NAME" = 6.1 ] || parts+=(scripts/mod scripts/include include)
   tar -xJf "$H/linux-source-$SERIES.tar.xz" -C "$H" "${parts[@]/#/linux-source-$SERIES/}"
   if [ "$NAME" != 6.1 ]; then
@@ -88,16 +97,32 @@ fi
 # building from the common tree with O= the arch tree needs neither.
 MAKEFLAGS_KO=(CONFIG_TLS=m)
 [ "$NAME" = 6.1 ] || MAKEFLAGS_KO+=(CC=gcc CROSS_COMPILE= objtool=/bin/true CONFIG_DEBUG_INFO_BTF_MODULES=)
-build() { # NAME [PATCH]
-  local dir=$W/$1
-  rm -rf "$dir"
-  cp -r "$H/linux-source-$SERIES/net/tls" "$dir"
-  [ -z "${2:-}" ] || patch -d "$dir" -p3 --quiet <"$2"
-  make -s -C "$H/$COMMON" O="$H/linux-headers-$KVER" KBUILD_OUTPUT="$H/linux-headers-$KVER" M="$dir" \
-    "${MAKEFLAGS_KO[@]}" modules >&2
-  strip --strip-debug -o "$W/tls-$1.ko" "$dir/tls.ko"
+# The source tree's parts, patched or not, in $W/NAME.
+tree() { # NAME [PATCH]
+  local t=$W/$1
+  rm -rf "$t"
+  mkdir -p "$t"
+  (cd "$H/linux-source-$SERIES" && cp -r --parents net/tls tools "$t")
+  [ -z "${2:-}" ] || patch -d "$t" -p1 --quiet <"$2"
 }
+build() { # NAME
+  make -s -C "$H/$COMMON" O="$H/linux-headers-$KVER" KBUILD_OUTPUT="$H/linux-headers-$KVER" M="$W/$1/net/tls" \
+    "${MAKEFLAGS_KO[@]}" modules >&2
+  strip --strip-debug -o "$W/tls-$1.ko" "$W/$1/net/tls/tls.ko"
+}
+tree stock
+tree patched "$PATCH"
 build stock
-build patched "$PATCH"
+build patched
 echo "TLS_KO_STOCK=$W/tls-stock.ko"
 echo "TLS_KO_PATCHED=$W/tls-patched.ko"
+[ "$NAME" != 6.1 ] || exit 0
+# The selftest wants this kernel's <linux/tls.h> (newer than the host's);
+# the rest of its headers are the host's.
+mkdir -p "$W/selftest-include/linux"
+cp "$H/$COMMON/include/uapi/linux/tls.h" "$W/selftest-include/linux/"
+SELFTEST=$BUILD/kernel/tls-selftest-$KVER
+mkdir -p "$(dirname "$SELFTEST")"
+gcc -O2 -o "$SELFTEST" -I"$W/patched/tools/testing/selftests" -I"$W/selftest-include" \
+  "$W/patched/tools/testing/selftests/net/tls.c" -lpthread
+echo "TLS_SELFTEST=$SELFTEST"

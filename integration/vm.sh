@@ -64,8 +64,9 @@ trap cleanup EXIT
 R=$W/root
 mkdir -p "$R/bin" "$R/mods" "$R/proc" "$R/sys" "$R/dev" "$R/host"
 cp /bin/busybox "$R/bin/busybox"
-# inet_diag/tcp_diag serve sock_diag queries (ss, the ULP diagnostics).
-MODULES="virtio_pci 9pnet_virtio 9p tls gcm ctr ghash_generic ghash_clmulni_intel aesni_intel
+# inet_diag/tcp_diag serve sock_diag queries (ss, the ULP diagnostics);
+# ccm, the kernel TLS selftest's AES-CCM cases (docs/kernel).
+MODULES="virtio_pci 9pnet_virtio 9p tls gcm ctr ccm ghash_generic ghash_clmulni_intel aesni_intel
   chacha20poly1305 chacha_x86_64 poly1305_x86_64 libchacha chacha chacha_generic libpoly1305 poly1305_generic
   inet_diag tcp_diag"
 for m in $MODULES; do

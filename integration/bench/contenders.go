@@ -225,18 +225,16 @@ func (c contender) gateway(env *runEnv) *gateway {
 	case "preamble":
 		target := env.up.raw.Addr().(*net.TCPAddr).AddrPort()
 		g.dial = g.preambleDialer(env.listen, env.pki.signer, target)
-		return g
 	case "tls":
 		g.dial = g.tlsDialer(env.listen)
-		return g
 	case "https":
 		// The address, not "localhost": no resolver and no ::1 attempt
 		// first; the TLS config names the server.
 		g.base = "https://" + env.listen
-		return g
 	case "plain":
 		g.dial = plainDialer(env.listen)
-		return g
+	default:
+		panic(fmt.Sprintf("contender %s: unknown dial kind %q", c.name, c.dialKind))
 	}
-	panic(fmt.Sprintf("contender %s: unknown dial kind %q", c.name, c.dialKind))
+	return g
 }

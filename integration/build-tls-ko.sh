@@ -34,8 +34,7 @@ set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 NAME=${1:?usage: build-tls-ko.sh 6.1|7.3 [PATCH]}
 case $NAME in
-  6.1) SERIES=6.1 ;;
-  7.3) SERIES=7.3 ;;
+  6.1 | 7.3) ;;
   *) die "build-tls-ko.sh: kernel $NAME: only 6.1 and 7.3" ;;
 esac
 PATCH=$(realpath "${2:-$REPO/docs/kernel/tls-splice-read-records-$NAME.patch}")
@@ -55,23 +54,23 @@ APTO=()
 [ -f "$A/sources.list" ] && APTO=(-o "Dir::Etc::sourcelist=$A/sources.list" -o Dir::Etc::sourceparts=/nonexistent
   -o "Dir::State::Lists=$A/lists" -o "Dir::Cache=$A/cache")
 COMMON=linux-headers-${KVER%-amd64}-common
-KBUILD=linux-kbuild-$SERIES
+KBUILD=linux-kbuild-$NAME
 [ "$NAME" = 6.1 ] || KBUILD=linux-kbuild-${KVER%-amd64}
 H=$W/root/usr/src
-if [ ! -f "$W/root/.done" ] || [ ! -f "$H/linux-source-$SERIES/tools/testing/selftests/net/tls.c" ]; then
+if [ ! -f "$W/root/.done" ]; then
   log "build-tls-ko: apt-get download the $VERSION source, headers and kbuild"
   (cd "$W/debs" && apt-get "${APTO[@]}" download "linux-headers-$KVER=$VERSION" "$COMMON=$VERSION" \
-    "$KBUILD=$VERSION" "linux-source-$SERIES=$VERSION" >&2)
+    "$KBUILD=$VERSION" "linux-source-$NAME=$VERSION" >&2)
   rm -rf "$W/root"
   for d in "$W"/debs/*.deb; do dpkg-deb -x "$d" "$W/root"; done
   parts=(net/tls tools/testing/selftests/kselftest_harness.h tools/testing/selftests/kselftest.h
     tools/testing/selftests/net/tls.c)
   [ "$NAME" = 6.1 ] || parts+=(scripts/mod scripts/include include)
-  tar -xJf "$H/linux-source-$SERIES.tar.xz" -C "$H" "${parts[@]/#/linux-source-$SERIES/}"
+  tar -xJf "$H/linux-source-$NAME.tar.xz" -C "$H" "${parts[@]/#/linux-source-$NAME/}"
   if [ "$NAME" != 6.1 ]; then
     sed -i '/^CONFIG_CC_HAS_MIN_FUNCTION_ALIGNMENT=/d' "$H/linux-headers-$KVER/include/config/auto.conf"
     # modpost from its source, as scripts/mod/Makefile builds it.
-    m=$H/linux-source-$SERIES/scripts/mod
+    m=$H/linux-source-$NAME/scripts/mod
     gcc -c -o "$m/empty.o" "$m/empty.c"
     gcc -o "$m/mk_elfconfig" "$m/mk_elfconfig.c"
     "$m/mk_elfconfig" <"$m/empty.o" >"$m/elfconfig.h"
@@ -97,15 +96,15 @@ fi
 # building from the common tree with O= the arch tree needs neither.
 MAKEFLAGS_KO=(CONFIG_TLS=m)
 [ "$NAME" = 6.1 ] || MAKEFLAGS_KO+=(CC=gcc CROSS_COMPILE= objtool=/bin/true CONFIG_DEBUG_INFO_BTF_MODULES=)
-# The source tree's parts, patched or not, in $W/NAME.
-tree() { # NAME [PATCH]
+# The source tree's parts, patched or not, in $W/VARIANT.
+tree() { # VARIANT [PATCH]
   local t=$W/$1
   rm -rf "$t"
   mkdir -p "$t"
-  (cd "$H/linux-source-$SERIES" && cp -r --parents net/tls tools "$t")
+  (cd "$H/linux-source-$NAME" && cp -r --parents net/tls tools "$t")
   [ -z "${2:-}" ] || patch -d "$t" -p1 --quiet <"$2"
 }
-build() { # NAME
+build() { # VARIANT
   make -s -C "$H/$COMMON" O="$H/linux-headers-$KVER" KBUILD_OUTPUT="$H/linux-headers-$KVER" M="$W/$1/net/tls" \
     "${MAKEFLAGS_KO[@]}" modules >&2
   strip --strip-debug -o "$W/tls-$1.ko" "$W/$1/net/tls/tls.ko"

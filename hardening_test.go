@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -652,7 +653,12 @@ func sandboxDrainManyTunnels(t *testing.T, kernel bool) {
 	}
 	for range streaming {
 		select {
-		case <-streamEnded:
+		case err := <-streamEnded:
+			// Cut by the drain, the stream is not complete, and the
+			// gateway must not read it as complete (a close_notify).
+			if errors.Is(err, io.EOF) {
+				t.Error("a streaming tunnel cut by the drain ended in order, as if its stream were complete")
+			}
 		case <-time.After(grace + 10*time.Second):
 			t.Fatal("a streaming tunnel is still open long after the grace period")
 		}
@@ -666,6 +672,54 @@ func sandboxDrainManyTunnels(t *testing.T, kernel bool) {
 	// At least: the binary's own capability probe installs keys too.
 	if stat, _ := since(); kernel && (stat["TlsTxSw"] < int64(finishing+streaming) || stat["TlsRxSw"] < int64(finishing+streaming) || stat["TlsDecryptError"] != 0) {
 		t.Errorf("tls_stat delta %v: want TlsTxSw and TlsRxSw >= %d (every tunnel offloaded), TlsDecryptError 0", stat, finishing+streaming)
+	}
+}
+
+// SIGTERM while a gateway has stopped reading a tunnel whose sandbox keeps
+// sending, so every buffer towards the gateway is full: the drain cuts the
+// tunnel at the end of drain_grace_period without waiting on that gateway
+// (a close_notify would wait up to its 5 s write deadline), the process
+// exits, and the gateway reads a reset, not an orderly end.
+func TestSandboxDrainStalledGateway(t *testing.T) { sandboxDrainStalledGateway(t, false) }
+
+// TestKernelSandboxDrainStalledGateway is TestSandboxDrainStalledGateway
+// with the tunnel offloaded: the alert cannot be queued, so a reset.
+func TestKernelSandboxDrainStalledGateway(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxDrainStalledGateway(t, true)
+}
+
+func sandboxDrainStalledGateway(t *testing.T, kernel bool) {
+	const grace = 2 * time.Second
+	up := forwardtest.NewUpstream(t, 1<<40)
+	e := newSandboxConfig(t, map[string]any{"drain_grace_period": grace.String()})
+	p := startCaddy(t, e, "")
+	since := dataPathDelta(t, kernel)
+	c := e.dial(t, "sbx-drain-stalled", up.Addr())
+	defer c.Close()
+	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond) // the sandbox fills every buffer on the way
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	sent := time.Now()
+	// A bound on the exit, not a speed: the 5 s of a blocked close_notify
+	// would take it past grace + 5 s.
+	select {
+	case <-p.exited:
+	case <-time.After(grace + 4*time.Second):
+		t.Fatalf("caddy still runs %v after SIGTERM with drain_grace_period %v: the stalled gateway holds the exit", time.Since(sent).Round(time.Millisecond), grace)
+	}
+	t.Logf("caddy exited %v after SIGTERM (drain_grace_period %v)", time.Since(sent).Round(time.Millisecond), grace)
+	p.exitedAfterDrain(t, e, 1)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.Copy(io.Discard, c); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the stalled gateway's read ended with %v, want a reset", err)
+	}
+	if stat, _ := since(); kernel && (stat["TlsTxSw"] < 1 || stat["TlsRxSw"] < 1) {
+		t.Errorf("tls_stat delta %v: the tunnel was not offloaded", stat)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -1214,16 +1215,34 @@ func TestKernelSandboxUpstreamResetMidTransfer(t *testing.T) {
 	sandboxUpstreamResetMidTransfer(t, true)
 }
 
+// upstreamResetCase is one tunnel to a resetUpstream: its sandbox, the
+// environment (leaks checked) and the data-path check of the kernel tests.
+type upstreamResetCase struct {
+	target       netip.AddrPort
+	upReceived   <-chan int64
+	sandbox      string
+	e            *sandboxEnv
+	splicedSince func() int64
+}
+
+func newUpstreamResetCase(t *testing.T, kernel bool, prefix string, send, atLeast int64) upstreamResetCase {
+	t.Helper()
+	var rc upstreamResetCase
+	rc.target, rc.upReceived = resetUpstream(t, send, atLeast)
+	rc.sandbox = uniqueSandbox(prefix)
+	rc.e = newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	rc.splicedSince = dataPathCheck(t, kernel, 1)
+	return rc
+}
+
 func sandboxUpstreamResetMidTransfer(t *testing.T, kernel bool) {
 	const sent, readBeforeReset = 64 << 10, 256 << 10
-	target, upReceived := resetUpstream(t, sent, readBeforeReset)
-	sandbox := uniqueSandbox("sbx-upstream-rst")
-	e := newSandboxEnv(t, nil)
-	forwardtest.CheckLeaks(t)
-	splicedSince := dataPathCheck(t, kernel, 1)
-	end := <-pumpUntilClosed(e.dial(t, sandbox, target))
+	rc := newUpstreamResetCase(t, kernel, "sbx-upstream-rst", sent, readBeforeReset)
+	e, sandbox, upReceived := rc.e, rc.sandbox, rc.upReceived
+	end := <-pumpUntilClosed(e.dial(t, sandbox, rc.target))
 	waitIdle(t)
-	spliced := splicedSince()
+	spliced := rc.splicedSince()
 	if ne, ok := end.readErr.(net.Error); ok && ne.Timeout() {
 		t.Fatalf("the gateway's connection stayed open after the sandbox reset: %v", end.readErr)
 	}
@@ -1250,6 +1269,53 @@ func sandboxUpstreamResetMidTransfer(t *testing.T, kernel bool) {
 	}
 	checkClosedWithError(t, e, sandbox, a.BytesToSandbox, a.BytesFromSandbox)
 	checkAllSpliced(t, kernel, spliced, a)
+}
+
+// The sandbox answers and then resets its connection while the gateway
+// waits: the gateway reads the whole answer, then an error, where a
+// close_notify would tell it the stream was complete (on the kernel path
+// the fatal internal_error alert, sealed behind the answer; in userspace
+// TLS a reset).
+func TestSandboxUpstreamResetReachesGateway(t *testing.T) {
+	sandboxUpstreamResetReachesGateway(t, false)
+}
+
+// TestKernelSandboxUpstreamResetReachesGateway is
+// TestSandboxUpstreamResetReachesGateway on a kTLS kernel.
+func TestKernelSandboxUpstreamResetReachesGateway(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxUpstreamResetReachesGateway(t, true)
+}
+
+func sandboxUpstreamResetReachesGateway(t *testing.T, kernel bool) {
+	const answer, request = 96 << 10, 4 << 10
+	rc := newUpstreamResetCase(t, kernel, "sbx-upstream-rst-answer", answer, request)
+	e, sandbox := rc.e, rc.sandbox
+	c := e.dial(t, sandbox, rc.target)
+	defer c.Close()
+	if _, err := io.Copy(c, io.LimitReader(forwardtest.NewPattern(6), request)); err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	h := sha256.New()
+	got, err := io.Copy(h, c)
+	if got != answer || [32]byte(h.Sum(nil)) != forwardtest.PatternSum(3, answer) {
+		t.Errorf("the gateway read %d bytes (intact: %v); the sandbox answered %d", got, [32]byte(h.Sum(nil)) == forwardtest.PatternSum(3, answer), answer)
+	}
+	switch {
+	case err == nil:
+		t.Error("the gateway saw a clean end of a tunnel whose sandbox reset it")
+	case kernel && !strings.Contains(err.Error(), "remote error: tls: internal error"):
+		t.Errorf("the gateway's read ended with %v, want the internal_error alert", err)
+	case !kernel && !errors.Is(err, syscall.ECONNRESET):
+		t.Errorf("the gateway's read ended with %v, want a reset", err)
+	}
+	if n := <-rc.upReceived; n != request {
+		t.Errorf("the sandbox read %d bytes, want %d", n, request)
+	}
+	a := activityOf(t, e, sandbox)
+	checkClosedWithError(t, e, sandbox, request, answer)
+	checkAllSpliced(t, kernel, rc.splicedSince(), a)
 }
 
 // checkAllSpliced checks, on a kTLS kernel, that the bytes spliced are

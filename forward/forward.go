@@ -102,7 +102,9 @@ type Result struct {
 // the client connection. A refused tunnel returns a *preamble.Error or a
 // *RejectError (see ReasonOf), is counted in the registry, and has not sent
 // a single byte to any target. A tunnel that ran returns its counters and
-// the relay's error, nil when both directions ended cleanly.
+// the relay's error, nil when both directions ended cleanly; one that
+// failed, before the relay or in it, ends both connections as failures
+// (splice.Abort), so neither peer takes it for complete.
 func (f *Forwarder) Serve(c Client) (Result, error) {
 	upstream, tun, ctx, err := f.open(c)
 	if err != nil {
@@ -119,8 +121,8 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		relay, buffered = c.Unwrap()
 	}
 	if err := f.sock.applyToClient(relay); err != nil {
-		relay.Close()
-		upstream.Close()
+		splice.Abort(relay)
+		splice.Abort(upstream)
 		return Result{Tunnel: tun.Info()}, fmt.Errorf("forward: client socket: %w", err)
 	}
 	if len(buffered) > 0 {
@@ -129,8 +131,8 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		n, werr := upstream.Write(buffered)
 		tun.AddToSandbox(int64(n))
 		if werr != nil {
-			relay.Close()
-			upstream.Close()
+			splice.Abort(relay)
+			splice.Abort(upstream)
 			return Result{Tunnel: tun.Info()}, fmt.Errorf("forward: buffered client bytes to target: %w", werr)
 		}
 	}

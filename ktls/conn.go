@@ -58,7 +58,7 @@ type Conn struct {
 
 	writeMu   sync.Mutex
 	txSecret  []byte // current TLS 1.3 TX secret (for KeyUpdate)
-	wroteEOF  bool   // close_notify sent
+	wroteEOF  bool   // close_notify sent (on the userspace path too, for Abort)
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -607,6 +607,54 @@ func (c *Conn) Close() error {
 	return c.closeErr
 }
 
+// Abort closes c as a failure, so that the peer cannot take the end for an
+// orderly one (a relay whose other side failed: the stream it carried was
+// cut). On the kernel path a fatal internal_error alert follows what is
+// already queued, so the peer reads every byte sent before it and then the
+// error; if the alert cannot be queued at once (the peer stopped reading),
+// or on the userspace path, where crypto/tls sends alerts only from its own
+// failures, the socket is reset instead (SO_LINGER 0), never waited on.
+// After close_notify (CloseWrite) the peer already has an orderly end of
+// what we sent, which a reset could cut short: Abort is then Close.
+func (c *Conn) Abort() error {
+	c.writeMu.Lock()
+	orderly := c.wroteEOF
+	c.writeMu.Unlock()
+	if orderly {
+		return c.Close()
+	}
+	c.closeOnce.Do(func() {
+		if !c.hsDone.Load() || !c.kernelTX() {
+			// Not through tls.Conn.Close: its close_notify would reach the
+			// peer ahead of the reset.
+			if rc, err := c.SyscallConn(); err == nil {
+				setResetOnClose(rc)
+			}
+			c.closeErr = ignoreClosed(c.raw.Close())
+			return
+		}
+		c.writeMu.Lock()
+		c.wroteEOF = true
+		if err := controlFD(c.rawSock, func(fd int) error {
+			_, err := unix.SendmsgN(fd, internalErrorAlert, recordTypeCmsg(recordAlert), nil, unix.MSG_DONTWAIT)
+			return err
+		}); err != nil {
+			setResetOnClose(c.rawSock)
+		}
+		c.writeMu.Unlock()
+		c.closeErr = errors.Join(ignoreClosed(c.sock.Close()), closeIfDifferent(c.raw, c.sock))
+	})
+	return c.closeErr
+}
+
+// setResetOnClose makes close(2) of the socket send a reset and drop what
+// is still queued (SO_LINGER on, timeout 0).
+func setResetOnClose(rc syscall.RawConn) {
+	controlFD(rc, func(fd int) error {
+		return unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
+	})
+}
+
 // CloseLingering closes c without losing what is queued for the peer, as
 // nginx's lingering_close does. A socket closed with unread bytes in its
 // receive queue, or that receives bytes after close(2), answers with a
@@ -650,7 +698,10 @@ func ignoreClosed(err error) error {
 	return err
 }
 
-var closeNotify = []byte{1, 0} // alert level warning, description close_notify
+var (
+	closeNotify        = []byte{1, 0}  // alert level warning, description close_notify
+	internalErrorAlert = []byte{2, 80} // alert level fatal, description internal_error
+)
 
 // CloseWrite sends close_notify and shuts down the write side; reading
 // goes on.
@@ -658,11 +709,13 @@ func (c *Conn) CloseWrite() error {
 	if err := c.Handshake(); err != nil {
 		return err
 	}
-	if !c.kernelTX() {
-		return c.tlsConn.CloseWrite()
-	}
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
+	if !c.kernelTX() {
+		err := c.tlsConn.CloseWrite()
+		c.wroteEOF = err == nil
+		return err
+	}
 	if c.wroteEOF {
 		return nil
 	}

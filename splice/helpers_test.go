@@ -122,6 +122,10 @@ type opaqueConn struct{ net.Conn }
 
 func (c opaqueConn) CloseWrite() error { return c.Conn.(*net.TCPConn).CloseWrite() }
 
+// NetConn exposes the socket as *tls.Conn does: how a failed tunnel reaches
+// the socket to reset it.
+func (c opaqueConn) NetConn() net.Conn { return c.Conn }
+
 // runRelay starts a tunnel; wait returns its outcome.
 func runRelay(ctx context.Context, tun *Tunnel) (wait func() (Result, error)) {
 	type out struct {
@@ -153,6 +157,36 @@ func sendStream(w io.Writer, seed uint64, n int64) ([]byte, error) {
 		return nil, err
 	}
 	return h.Sum(nil), nil
+}
+
+// goSend starts sendStream on w; sent waits for it and returns the SHA-256,
+// failing the test if a write failed.
+func goSend(w io.Writer, n int64, seed uint64) (sent func(t *testing.T) []byte) {
+	done := make(chan struct{})
+	var sum []byte
+	var err error
+	go func() {
+		defer close(done)
+		sum, err = sendStream(w, seed, n)
+	}()
+	return func(t *testing.T) []byte {
+		t.Helper()
+		<-done
+		if err != nil {
+			t.Fatalf("send: %v", err)
+		}
+		return sum
+	}
+}
+
+// readExact reads exactly n bytes from r and returns their SHA-256.
+func readExact(t *testing.T, r io.Reader, n int64) []byte {
+	t.Helper()
+	h := sha256.New()
+	if _, err := io.CopyN(hashWriter{h}, r, n); err != nil {
+		t.Fatalf("read %d bytes: %v", n, err)
+	}
+	return h.Sum(nil)
 }
 
 func seedBytes(seed uint64) (s [32]byte) {

@@ -76,6 +76,15 @@ type Sink interface {
 	SpliceSink() (rc syscall.RawConn, ok bool)
 }
 
+// Aborter is implemented by connections that can end as a failure in a way
+// their peer cannot mistake for an orderly end (*ktls.Conn: a fatal TLS
+// alert after what was sent, or a reset). A tunnel that fails ends each side
+// whose incoming direction did not end in order this way; any other
+// connection gets a TCP reset (SO_LINGER 0) on the socket under it.
+type Aborter interface {
+	Abort() error
+}
+
 // closeWriter is the half-close contract: *net.TCPConn (shutdown(SHUT_WR))
 // and *ktls.Conn (close_notify, then SHUT_WR).
 type closeWriter interface {
@@ -312,6 +321,11 @@ func Relay(ctx context.Context, a, b net.Conn, opts Options) (Result, error) {
 // except that when a sink's peer is gone (EPIPE, ECONNRESET) the other
 // direction first delivers what that peer sent before it went, for up to
 // peerGoneGrace.
+// A tunnel that ends in error or is canceled tells its peers so: each
+// connection whose incoming direction did not end with an orderly EOF is
+// aborted (Aborter, else a TCP reset) instead of closed, so neither peer
+// takes a cut stream for a complete one; a side that already got its
+// orderly end (close_notify or FIN after every byte) is closed as usual.
 // The error is nil when both directions ended with EOF (or, with CloseOnEOF,
 // one did); otherwise it names the failed direction, or wraps the context's
 // cause when ctx was canceled. Run may be called once.
@@ -331,11 +345,42 @@ func (t *Tunnel) Run(ctx context.Context) (Result, error) {
 	if grace := t.peerGone.Load(); grace != nil {
 		grace.Stop()
 	}
-	for _, c := range t.conns {
-		c.Close()
-	}
 	res := t.Stats()
-	return res, t.resultErr(ctx, res)
+	err := t.resultErr(ctx, res)
+	for i, c := range t.conns {
+		// Connection i is the sink of direction 1-i.
+		if err != nil && res.Dir(Direction(1-i)).End != EndEOF {
+			Abort(c)
+		} else {
+			c.Close()
+		}
+	}
+	return res, err
+}
+
+// Abort closes c as a failure, as a failed tunnel closes its sides: c's own
+// Abort where it has one (Aborter), else a reset on the TCP socket under c
+// (reached through NetConn, as *tls.Conn offers it), closed before c itself
+// so that a layer's own goodbye (crypto/tls's close_notify) cannot reach
+// the peer ahead of the reset. Without a TCP socket it is Close.
+func Abort(c net.Conn) {
+	if a, ok := c.(Aborter); ok {
+		a.Abort()
+		return
+	}
+	for inner := c; ; {
+		if tc, ok := inner.(*net.TCPConn); ok {
+			tc.SetLinger(0)
+			tc.Close()
+			break
+		}
+		nc, ok := inner.(interface{ NetConn() net.Conn })
+		if !ok {
+			break
+		}
+		inner = nc.NetConn()
+	}
+	c.Close()
 }
 
 func (t *Tunnel) resultErr(ctx context.Context, res Result) error {

@@ -1,6 +1,7 @@
 package splice
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -342,8 +343,9 @@ func TestRelayIdleHoldsNoPipe(t *testing.T) {
 		if !errors.Is(err, context.Canceled) || res.AToB.End != EndCanceled || res.BToA.End != EndCanceled {
 			t.Errorf("tunnel %d after cancel: %v, %+v", i, err, res)
 		}
-		if n, err := tops[i].client.Read(make([]byte, 1)); n != 0 || err != io.EOF {
-			t.Errorf("tunnel %d: client read after cancel: %d, %v; want EOF", i, n, err)
+		// Canceled mid-stream, the tunnel is cut, not complete: a reset.
+		if n, err := tops[i].client.Read(make([]byte, 1)); n != 0 || !errors.Is(err, syscall.ECONNRESET) {
+			t.Errorf("tunnel %d: client read after cancel: %d, %v; want a reset", i, n, err)
 		}
 	}
 }
@@ -379,6 +381,100 @@ func TestRelayDeliversBeforePeerReset(t *testing.T) {
 				checkResetResult(t, res, rerr)
 			}
 		})
+	}
+}
+
+// A tunnel that fails tells both peers: canceled mid-stream, each reads a
+// reset after every byte relayed before it, not an orderly end. A side
+// whose direction had already ended in order keeps that end: after the
+// client's half-close has reached the upstream, the cancel resets only the
+// client. On the copy path the reset reaches the socket through NetConn (as
+// under a *tls.Conn); a connection with Abort is aborted instead, and only
+// when its direction did not end in order.
+func TestRelayFailureResetsPeers(t *testing.T) {
+	for _, copyPath := range []bool{false, true} {
+		t.Run(pathName(copyPath), func(t *testing.T) {
+			checkLeaks(t)
+			pool := newTestPool(t, 2)
+			for _, halfClosed := range []bool{false, true} {
+				tp := newTopology(t)
+				ctx, cancel := context.WithCancel(t.Context())
+				wait := runRelay(ctx, New(maybeOpaque(tp.relayA, copyPath), tp.relayB, Options{Pipes: pool}))
+				sent := goSend(tp.client, 1*MiB, 40)
+				got := readExact(t, tp.upstream, 1*MiB)
+				if halfClosed {
+					tp.client.CloseWrite()
+				}
+				if !bytes.Equal(got, sent(t)) {
+					t.Fatal("upstream got other bytes than the client sent")
+				}
+				if halfClosed {
+					if n, err := tp.upstream.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+						t.Fatalf("upstream read after the client's half-close: %d, %v; want EOF", n, err)
+					}
+				}
+				answer := goSend(tp.upstream, 1*MiB, 41)
+				if got := readExact(t, tp.client, 1*MiB); !bytes.Equal(got, answer(t)) {
+					t.Fatal("client got other bytes than the upstream sent")
+				}
+				cancel()
+				res, err := wait()
+				if !errors.Is(err, context.Canceled) {
+					t.Fatalf("relay: %v, %+v; want canceled", err, res)
+				}
+				if n, err := tp.client.Read(make([]byte, 1)); n != 0 || !errors.Is(err, syscall.ECONNRESET) {
+					t.Errorf("half-closed %v: client read after cancel: %d, %v; want a reset", halfClosed, n, err)
+				}
+				n, err := tp.upstream.Read(make([]byte, 1))
+				if halfClosed && (n != 0 || err != io.EOF) {
+					t.Errorf("upstream read after its orderly end and the cancel: %d, %v; want EOF still", n, err)
+				}
+				if !halfClosed && (n != 0 || !errors.Is(err, syscall.ECONNRESET)) {
+					t.Errorf("upstream read after cancel: %d, %v; want a reset", n, err)
+				}
+			}
+		})
+	}
+}
+
+// abortRecorder is a copy-path connection with Abort, as *ktls.Conn has.
+type abortRecorder struct {
+	opaqueConn
+	aborted atomic.Bool
+}
+
+func (c *abortRecorder) Abort() error {
+	c.aborted.Store(true)
+	return c.Close()
+}
+
+// A failed tunnel calls Abort on a side that has it (and did not get its
+// orderly end); a tunnel that ended in order never does.
+func TestRelayAbortsAborter(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	for _, fail := range []bool{false, true} {
+		tp := newTopology(t)
+		a := &abortRecorder{opaqueConn: opaqueConn{tp.relayA}}
+		ctx, cancel := context.WithCancel(t.Context())
+		wait := runRelay(ctx, New(a, tp.relayB, Options{Pipes: pool}))
+		sent := goSend(tp.client, 64<<10, 42)
+		if got := readExact(t, tp.upstream, 64<<10); !bytes.Equal(got, sent(t)) {
+			t.Fatal("upstream got other bytes than the client sent")
+		}
+		if fail {
+			cancel()
+		} else {
+			tp.client.CloseWrite()
+			tp.upstream.CloseWrite()
+		}
+		res, err := wait()
+		cancel()
+		if (err != nil) != fail || a.aborted.Load() != fail {
+			t.Errorf("failed %v: relay %v (%+v), Abort called %v", fail, err, res, a.aborted.Load())
+		}
+		tp.client.Close()
+		tp.upstream.Close()
 	}
 }
 

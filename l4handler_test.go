@@ -30,6 +30,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 	_ "github.com/mholt/caddy-l4"
+	"golang.org/x/sys/unix"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
@@ -1127,8 +1128,11 @@ func uniqueSandbox(prefix string) string {
 }
 
 // resetUpstream accepts one connection, sends send pattern bytes, reads
-// until it has received at least atLeast bytes, then resets the connection
-// (SO_LINGER 0: RST, not FIN). It reports how many bytes it received.
+// until it has received at least atLeast bytes, waits until the forwarder
+// has acknowledged all it sent (a reset drops what is still queued on the
+// sender's side, so the bytes would never reach the forwarder), then resets
+// the connection (SO_LINGER 0: RST, not FIN). It reports how many bytes it
+// received.
 func resetUpstream(t *testing.T, send, atLeast int64) (netip.AddrPort, <-chan int64) {
 	t.Helper()
 	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
@@ -1149,11 +1153,36 @@ func resetUpstream(t *testing.T, send, atLeast int64) (netip.AddrPort, <-chan in
 		if werr != nil || rerr != nil {
 			t.Errorf("reset upstream: write %v, read %d bytes: %v", werr, n, rerr)
 		}
+		waitSendQueueEmpty(t, c)
 		c.SetLinger(0)
 		c.Close()
 		received <- n
 	}()
 	return ln.Addr().(*net.TCPAddr).AddrPort(), received
+}
+
+// waitSendQueueEmpty waits, for up to 20 s, until the peer has acknowledged
+// every byte written to c (SIOCOUTQ: sent but unacknowledged plus unsent).
+func waitSendQueueEmpty(t *testing.T, c *net.TCPConn) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(time.Millisecond) {
+		queued, qerr := 0, error(nil)
+		if err := rc.Control(func(fd uintptr) { queued, qerr = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ) }); err != nil || qerr != nil {
+			t.Errorf("SIOCOUTQ: %v %v", err, qerr)
+			return
+		}
+		if queued == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("%d bytes still unacknowledged after 20 s", queued)
+			return
+		}
+	}
 }
 
 // endOfTunnel is how a gateway saw its tunnel end.

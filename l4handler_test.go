@@ -700,7 +700,8 @@ func TestSandboxClientNotInAllowlist(t *testing.T) {
 	}
 }
 
-// Every refusal: the connection is closed without a byte, ONE WARN log
+// Every refusal: the connection is refused without a byte (the gateway
+// reads the refusal: preamble.Refused on kTLS), ONE WARN log
 // line names the reason, the peer and the cause, the reason's Prometheus
 // series rises by one, nothing is dialed. The cases cover every preamble
 // reason a gateway can cause (the spec's golden vectors for the wire
@@ -826,8 +827,9 @@ func sandboxRejections(t *testing.T, kernel bool) {
 			c.SetReadDeadline(time.Now().Add(10 * time.Second))
 			n, err := io.Copy(io.Discard, c)
 			if n != 0 {
-				t.Errorf("refused client read %d bytes (err %v); want a silent close", n, err)
+				t.Errorf("refused client read %d bytes (err %v); want none", n, err)
 			}
+			checkGatewayEnd(t, err, kernel, true)
 			waitRejections(t, tc.reason, before+1)
 			want[tc.reason]++
 			l := e.waitLogLine(t, rejectedMsg, logged)
@@ -866,6 +868,28 @@ func sandboxRejections(t *testing.T, kernel bool) {
 		deltas[rejectSeries(r)] = int64(n)
 	}
 	checkMetricDeltas(t, metrics0, e.metrics(t), deltas)
+}
+
+// checkGatewayEnd fails t unless err, how a gateway's read of a tunnel
+// ended, says what the forwarder meant where TX is in the kernel (kernel):
+// refused (the access_denied alert, preamble.Refused) or failed (the
+// internal_error alert); in userspace TLS, where crypto/tls sends no alert
+// of the forwarder's choosing, a reset either way.
+func checkGatewayEnd(t testing.TB, err error, kernel, refused bool) {
+	t.Helper()
+	var ok bool
+	var want string
+	switch {
+	case !kernel:
+		ok, want = errors.Is(err, syscall.ECONNRESET), "a reset"
+	case refused:
+		ok, want = preamble.Refused(err), "the access_denied alert (preamble.Refused)"
+	default:
+		ok, want = err != nil && strings.Contains(err.Error(), "remote error: tls: internal error"), "the internal_error alert"
+	}
+	if !ok {
+		t.Errorf("the gateway's read ended with %v, want %s", err, want)
+	}
 }
 
 func rejectSeries(reason string) string {
@@ -1123,7 +1147,7 @@ func TestSandboxReplayCacheSurvivesReload(t *testing.T) {
 	defer c.Close()
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if n, _ := io.Copy(io.Discard, c); n != 0 {
-		t.Errorf("replayed frame: the client read %d bytes, want a silent close", n)
+		t.Errorf("replayed frame: the client read %d bytes, want none", n)
 	}
 	waitRejections(t, string(preamble.ReasonReplayedNonce), before+1)
 	if up.Accepted() != 1 {
@@ -1335,35 +1359,38 @@ func TestKernelSandboxUpstreamResetReachesGateway(t *testing.T) {
 	sandboxUpstreamResetReachesGateway(t, true)
 }
 
+// Sizes of a tunnel to a resetUpstream that answers, then resets.
+const resetAnswer, resetRequest = 96 << 10, 4 << 10
+
 func sandboxUpstreamResetReachesGateway(t *testing.T, kernel bool) {
-	const answer, request = 96 << 10, 4 << 10
-	rc := newUpstreamResetCase(t, kernel, "sbx-upstream-rst-answer", answer, request)
+	rc := newUpstreamResetCase(t, kernel, "sbx-upstream-rst-answer", resetAnswer, resetRequest)
 	e, sandbox := rc.e, rc.sandbox
-	c := e.dial(t, sandbox, rc.target)
+	checkAnswerThenFailure(t, e.dial(t, sandbox, rc.target), kernel, rc.upReceived)
+	a := activityOf(t, e, sandbox)
+	checkClosedWithError(t, e, sandbox, resetRequest, resetAnswer)
+	checkAllSpliced(t, kernel, rc.splicedSince(), a)
+}
+
+// checkAnswerThenFailure sends resetRequest bytes on c, a tunnel to a
+// resetUpstream that answers resetAnswer bytes and then resets, and checks
+// that the gateway reads the whole answer, then the tunnel's failure
+// (checkGatewayEnd), and that the sandbox read the request (upReceived).
+func checkAnswerThenFailure(t *testing.T, c *tls.Conn, kernel bool, upReceived <-chan int64) {
+	t.Helper()
 	defer c.Close()
-	if _, err := io.Copy(c, io.LimitReader(forwardtest.NewPattern(6), request)); err != nil {
+	if _, err := io.Copy(c, io.LimitReader(forwardtest.NewPattern(6), resetRequest)); err != nil {
 		t.Fatal(err)
 	}
 	c.SetReadDeadline(time.Now().Add(20 * time.Second))
 	h := sha256.New()
 	got, err := io.Copy(h, c)
-	if got != answer || [32]byte(h.Sum(nil)) != forwardtest.PatternSum(3, answer) {
-		t.Errorf("the gateway read %d bytes (intact: %v); the sandbox answered %d", got, [32]byte(h.Sum(nil)) == forwardtest.PatternSum(3, answer), answer)
+	if intact := [32]byte(h.Sum(nil)) == forwardtest.PatternSum(3, resetAnswer); got != resetAnswer || !intact {
+		t.Errorf("the gateway read %d bytes (intact: %v); the sandbox answered %d", got, intact, resetAnswer)
 	}
-	switch {
-	case err == nil:
-		t.Error("the gateway saw a clean end of a tunnel whose sandbox reset it")
-	case kernel && !strings.Contains(err.Error(), "remote error: tls: internal error"):
-		t.Errorf("the gateway's read ended with %v, want the internal_error alert", err)
-	case !kernel && !errors.Is(err, syscall.ECONNRESET):
-		t.Errorf("the gateway's read ended with %v, want a reset", err)
+	checkGatewayEnd(t, err, kernel, false)
+	if n := <-upReceived; n != resetRequest {
+		t.Errorf("the sandbox read %d bytes, want %d", n, resetRequest)
 	}
-	if n := <-rc.upReceived; n != request {
-		t.Errorf("the sandbox read %d bytes, want %d", n, request)
-	}
-	a := activityOf(t, e, sandbox)
-	checkClosedWithError(t, e, sandbox, request, answer)
-	checkAllSpliced(t, kernel, rc.splicedSince(), a)
 }
 
 // checkAllSpliced checks, on a kTLS kernel, that the bytes spliced are

@@ -439,6 +439,14 @@ func (c *httpConn) Close() error {
 	return nil
 }
 
+// Abort closes the connection as a failure (ktls.Conn.Abort): a sandbox
+// tunnel routed here by a layer4 listener wrapper ends so when it fails.
+func (c *httpConn) Abort() error { return c.kc.Abort() }
+
+// Refuse closes the connection as refused (ktls.Conn.Refuse): a rejected
+// sandbox tunnel routed here ends so.
+func (c *httpConn) Refuse() error { return c.kc.Refuse() }
+
 // LocalAddr returns the local address.
 func (c *httpConn) LocalAddr() net.Addr { return c.kc.LocalAddr() }
 

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/netip"
 	"os"
@@ -59,6 +60,30 @@ func TestListenerWrapperSandboxShapeNeedsSession(t *testing.T) {
 	if warns := len(jsonLogLines(t, f.logFile, lwStaterWarning)); warns != conns {
 		t.Errorf("%d connectionStater WARN lines for %d HTTPS connections without ktls_session, want one each: have Caddy or caddy-l4 changed?", warns, conns)
 	}
+}
+
+// TestListenerWrapperSandboxUpstreamReset: a tunnel whose sandbox resets
+// its connection ends as a failure at the gateway on this route too
+// (httpConn.Abort), after every byte the sandbox answered.
+func TestListenerWrapperSandboxUpstreamReset(t *testing.T) {
+	if kerneltest.Available() == nil {
+		t.Skip("kTLS is available here: TestKernelListenerWrapperSandboxUpstreamReset covers this kernel")
+	}
+	lwSandboxUpstreamReset(t, false)
+}
+
+// TestKernelListenerWrapperSandboxUpstreamReset: the same on a kTLS kernel,
+// where the failure is the internal_error alert.
+func TestKernelListenerWrapperSandboxUpstreamReset(t *testing.T) {
+	kerneltest.Require(t)
+	lwSandboxUpstreamReset(t, true)
+}
+
+func lwSandboxUpstreamReset(t *testing.T, kernel bool) {
+	target, upReceived := resetUpstream(t, resetAnswer, resetRequest)
+	f := lwStartForwarder(t, target, true)
+	forwardtest.CheckLeaks(t)
+	checkAnswerThenFailure(t, f.dial(t, f.gw.Signer, "sbx-http-rst", target), kernel, upReceived)
 }
 
 // lwForwarder is examples/http-forwarder.Caddyfile loaded into this
@@ -142,6 +167,19 @@ func lwStartForwarder(t *testing.T, target netip.AddrPort, session bool) *lwForw
 	return f
 }
 
+// dial opens a tunnel to target for sandbox with a preamble signer signed
+// and bound to the session.
+func (f *lwForwarder) dial(t *testing.T, signer *preamble.Signer, sandbox string, target netip.AddrPort) *tls.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := preamble.Dial(ctx, "tcp", f.addr, f.clientTLS, signer, preamble.Claims{SandboxID: sandbox, Target: target})
+	if err != nil {
+		t.Fatalf("preamble.Dial: %v", err)
+	}
+	return c
+}
+
 // checkHTTPS sends an HTTP/1.1 and an HTTP/2 request over new connections
 // through layer4 to the site, checks that both see the TLS session, and
 // returns the number of connections.
@@ -167,12 +205,7 @@ func lwSandboxShape(t *testing.T, kernel bool) {
 	forwardtest.CheckLeaks(t)
 
 	// The tunnel: a preamble bound to this TLS session, then data both ways.
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	conn, err := preamble.Dial(ctx, "tcp", f.addr, f.clientTLS, f.gw.Signer, preamble.Claims{SandboxID: "sbx-http", Target: up.Addr()})
-	if err != nil {
-		t.Fatalf("dial with a bound preamble: %v", err)
-	}
+	conn := f.dial(t, f.gw.Signer, "sbx-http", up.Addr())
 	dp0 := tunnels.DataPath()
 	n, recvSum, err := transfer(conn, size, 11)
 	if err != nil {
@@ -192,6 +225,17 @@ func lwSandboxShape(t *testing.T, kernel bool) {
 	if !kernel && (copied < moved-prefetch || copied > moved || spliced != 0) {
 		t.Errorf("userspace TLS tunnel: %d bytes copied, %d spliced; want all %d (less a prefetch) copied", copied, spliced, moved)
 	}
+
+	// A refused tunnel (signed with another key under the gateway's key
+	// ID) ends as refused on this route too (httpConn.Refuse).
+	refused := f.dial(t, forwardtest.NewGateway(t, "gw-9").Signer, "sbx-http-refused", up.Addr())
+	refused.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := io.Copy(io.Discard, refused); n != 0 || err == nil {
+		t.Errorf("the refused tunnel read %d bytes, then %v; want none, then the refusal", n, err)
+	} else {
+		checkGatewayEnd(t, err, kernel, true)
+	}
+	refused.Close()
 
 	// HTTPS on the same port falls through layer4 to the HTTP server, and
 	// the requests still see the TLS session; Caddy logs no WARN for them.

@@ -316,7 +316,9 @@ Connects to the forwarder at --addr with mutual TLS (client certificate
 TLS 1.3 session with --signing-key, writes it, then copies stdin to the tunnel
 and the tunnel to stdout, like "openssl s_client -quiet". At the end of stdin
 it half-closes (close_notify); it returns when the forwarder closes its side.
-A forwarder that rejects the preamble closes the connection without a word:
+A forwarder that rejects the preamble (or its target) sends no byte: on
+kernel TLS it refuses with the TLS alert access_denied ("reading from the
+tunnel: remote error: tls: access denied"), in userspace TLS with a reset;
 its log and metrics carry the reason.
 `,
 		Args: cobra.NoArgs,

@@ -110,8 +110,16 @@ else
 	fi
 fi
 
-echo "== a tunnel to a refused target (cloud metadata) is closed without a word"
-printf 'x' | dial 169.254.169.254:80 || true
+echo "== a tunnel to a refused target (cloud metadata) is refused without a byte"
+if refusal=$(printf 'x' | dial 169.254.169.254:80 2>&1 >/dev/null); then
+	echo "FAIL: the tunnel to the refused target ended as if it had run"
+	exit 1
+fi
+echo "gateway: $refusal"
+if [ "${DEMO_REQUIRE_KERNEL:-}" = 1 ] && [[ $refusal != *"tls: access denied"* ]]; then
+	echo "FAIL: DEMO_REQUIRE_KERNEL=1 but the gateway did not read the access_denied refusal"
+	exit 1
+fi
 for _ in $(seq 20); do grep -q 'sandbox tunnel rejected' caddy.log && break; sleep 0.1; done
 grep -o '"msg":"sandbox tunnel rejected"[^}]*' caddy.log || { echo "FAIL: no rejection logged"; exit 1; }
 

@@ -100,15 +100,16 @@ type Result struct {
 
 // Serve carries one tunnel and returns when it has ended; it always closes
 // the client connection. A refused tunnel returns a *preamble.Error or a
-// *RejectError (see ReasonOf), is counted in the registry, and has not sent
-// a single byte to any target. A tunnel that ran returns its counters and
-// the relay's error, nil when both directions ended cleanly; one that
-// failed, before the relay or in it, ends both connections as failures
-// (splice.Abort), so neither peer takes it for complete.
+// *RejectError (see ReasonOf), is counted in the registry, has not sent a
+// single byte to any target, and ends its client connection as refused
+// (see refuse). A tunnel that ran returns its counters and the relay's
+// error, nil when both directions ended cleanly; one that failed, before
+// the relay or in it, ends both connections as failures (splice.Abort), so
+// neither peer takes it for complete.
 func (f *Forwarder) Serve(c Client) (Result, error) {
 	upstream, tun, ctx, err := f.open(c)
 	if err != nil {
-		c.Conn.Close()
+		refuse(c)
 		f.cfg.Registry.Reject(ReasonOf(err))
 		return Result{}, err
 	}
@@ -148,6 +149,30 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 	}).Run(ctx)
 	f.cfg.Registry.addDataPath(res)
 	return Result{Tunnel: tun.Info(), Relay: res}, err
+}
+
+// Refuser is implemented by connections that can tell their peer that
+// what it asked for was refused, distinctly from a failure (*ktls.Conn: the
+// fatal access_denied alert, where Abort sends internal_error).
+type Refuser interface {
+	Refuse() error
+}
+
+// refuse ends a refused tunnel's client connection so that the gateway
+// cannot take it for an empty tunnel that ran: Refuse on the connection
+// under Conn's buffer where it has one, else a failure (splice.Abort: a
+// reset). Nothing was relayed, so nothing is lost by not waiting.
+func refuse(c Client) {
+	conn := c.Conn
+	if c.Unwrap != nil {
+		conn, _ = c.Unwrap()
+	}
+	if r, ok := conn.(Refuser); ok {
+		r.Refuse()
+	} else {
+		splice.Abort(conn)
+	}
+	c.Conn.Close()
 }
 
 // open runs everything up to a connected target: preamble, verification,

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -221,6 +222,35 @@ func TestServeForwardsBufferedBytesFirst(t *testing.T) {
 	}
 }
 
+// refuserConn records that the forwarder refused it through Refuse.
+type refuserConn struct {
+	*net.TCPConn
+	refused atomic.Bool
+}
+
+func (c *refuserConn) Refuse() error {
+	c.refused.Store(true)
+	return c.TCPConn.Close()
+}
+
+// A refused tunnel ends through the Refuser under the client's buffer
+// (Unwrap), which a *ktls.Conn is, not with an orderly close of the wrapper.
+func TestServeRefusesThroughRefuser(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	f := newFixture(t, nil)
+	a, b := tcpPair(t)
+	defer b.Close()
+	under := &refuserConn{TCPConn: a}
+	b.Write([]byte("not a preamble"))
+	_, err := f.fwd.Serve(Client{
+		Conn:   &bufferedConn{Conn: a, r: a},
+		Unwrap: func() (net.Conn, []byte) { return under, nil },
+	})
+	if ReasonOf(err) != string(preamble.ReasonBadMagic) || !under.refused.Load() {
+		t.Errorf("Serve: %v, Refuse called: %v; want bad-magic, refused through Refuse", err, under.refused.Load())
+	}
+}
+
 func tcpPair(t *testing.T) (*net.TCPConn, *net.TCPConn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -281,12 +311,12 @@ func TestRejections(t *testing.T) {
 			c := f.dial(t)
 			defer c.Close()
 			tc.send(c)
-			// The forwarder answers nothing and closes (a reset when it
-			// closed with our bytes unread).
+			// The forwarder answers nothing and refuses: on a plain TCP
+			// client, with a reset, never an orderly end.
 			c.SetReadDeadline(time.Now().Add(10 * time.Second))
 			n, err := io.Copy(io.Discard, c)
-			if n != 0 || (err != nil && !errors.Is(err, syscall.ECONNRESET)) {
-				t.Errorf("client read %d bytes, err %v; want a silent close", n, err)
+			if n != 0 || !errors.Is(err, syscall.ECONNRESET) {
+				t.Errorf("client read %d bytes, err %v; want none, then a reset", n, err)
 			}
 			errs := f.wait(t, i+1)
 			if got := ReasonOf(errs[i]); got != tc.reason {

@@ -616,7 +616,16 @@ func (c *Conn) Close() error {
 // failures, the socket is reset instead (SO_LINGER 0), never waited on.
 // After close_notify (CloseWrite) the peer already has an orderly end of
 // what we sent, which a reset could cut short: Abort is then Close.
-func (c *Conn) Abort() error {
+func (c *Conn) Abort() error { return c.abort(alertInternalError) }
+
+// Refuse closes c as a refused connection: as Abort, but the fatal alert is
+// access_denied, so that the peer can tell a request refused after the
+// handshake (a sandbox forwarder's rejected preamble: nothing reached any
+// target) from a stream cut short (internal_error).
+func (c *Conn) Refuse() error { return c.abort(alertAccessDenied) }
+
+// abort is Abort and Refuse, with the alert description to send.
+func (c *Conn) abort(alert uint8) error {
 	c.writeMu.Lock()
 	orderly := c.wroteEOF
 	c.writeMu.Unlock()
@@ -636,7 +645,7 @@ func (c *Conn) Abort() error {
 		c.writeMu.Lock()
 		c.wroteEOF = true
 		if err := controlFD(c.rawSock, func(fd int) error {
-			_, err := unix.SendmsgN(fd, internalErrorAlert, recordTypeCmsg(recordAlert), nil, unix.MSG_DONTWAIT)
+			_, err := unix.SendmsgN(fd, []byte{alertLevelFatal, alert}, recordTypeCmsg(recordAlert), nil, unix.MSG_DONTWAIT)
 			return err
 		}); err != nil {
 			setResetOnClose(c.rawSock)
@@ -698,10 +707,7 @@ func ignoreClosed(err error) error {
 	return err
 }
 
-var (
-	closeNotify        = []byte{1, 0}  // alert level warning, description close_notify
-	internalErrorAlert = []byte{2, 80} // alert level fatal, description internal_error
-)
+var closeNotify = []byte{1, 0} // alert level warning, description close_notify
 
 // CloseWrite sends close_notify and shuts down the write side; reading
 // goes on.

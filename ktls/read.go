@@ -152,7 +152,7 @@ func (c *Conn) fail(err error) {
 	c.writeMu.Lock()
 	if !c.wroteEOF && !errors.As(err, &peerAlert) {
 		c.sock.SetWriteDeadline(time.Now().Add(time.Second))
-		c.sendControlLocked(recordAlert, []byte{2, alert})
+		c.sendControlLocked(recordAlert, []byte{alertLevelFatal, alert})
 	}
 	c.wroteEOF = true
 	c.writeMu.Unlock()

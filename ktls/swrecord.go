@@ -25,14 +25,19 @@ const (
 	tls12ExplicitNonceLen = 8            // AES-GCM nonce_explicit (RFC 5288)
 )
 
-// TLS alert descriptions a record-layer failure maps to (RFC 8446 section 6.2).
+// TLS alert descriptions a record-layer failure maps to, and
+// access_denied, which Refuse sends (RFC 8446 section 6.2).
 const (
 	alertUnexpectedMessage = 10
 	alertBadRecordMAC      = 20
 	alertRecordOverflow    = 22
+	alertAccessDenied      = 49
 	alertDecodeError       = 50
 	alertInternalError     = 80
 )
+
+// alertLevelFatal is the level byte of every alert but close_notify.
+const alertLevelFatal = 2
 
 // recordError is a record-layer failure. Alert is the alert the connection
 // must be closed with; errors.Is matches any recordError with the same alert

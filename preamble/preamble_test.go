@@ -755,3 +755,27 @@ func TestConcurrentVerify(t *testing.T) {
 		t.Fatalf("replay cache holds %d nonces, want %d", n, workers*perWorker)
 	}
 }
+
+// TestRefused: only the remote access_denied alert, as crypto/tls reports a
+// peer's alert (a *net.OpError "remote error"), is a refusal; the alert a
+// failed tunnel ends with, an orderly end, a reset and our own alerts are
+// not. (The kernel suites check it against a real forwarder's refusal.)
+func TestRefused(t *testing.T) {
+	remote := func(a tls.AlertError) error { return &net.OpError{Op: "remote error", Err: a} }
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{remote(49), true},
+		{fmt.Errorf("reading the tunnel: %w", remote(49)), true},
+		{remote(80), false}, // internal_error: a tunnel that failed
+		{&net.OpError{Op: "local error", Err: tls.AlertError(49)}, false}, // our own alert
+		{io.EOF, false},
+		{&net.OpError{Op: "read", Err: os.NewSyscallError("read", errors.New("connection reset by peer"))}, false},
+		{nil, false},
+	} {
+		if got := Refused(tc.err); got != tc.want {
+			t.Errorf("Refused(%v) = %v, want %v", tc.err, got, tc.want)
+		}
+	}
+}

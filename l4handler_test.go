@@ -804,6 +804,14 @@ func sandboxRejections(t *testing.T, kernel bool) {
 		{"target-denied", "loopback6", "is loopback", trapped(ip("::1"))},
 		{"target-denied", "host-address", "is host interface address", trapped(forwardtest.HostAddress)},
 		{"target-denied", "port", "not in the allowed ports", to(netip.AddrPortFrom(up.Addr().Addr(), 1))},
+		{"target-denied", "pipelined", "not in the allowed ports", func(t *testing.T) *tls.Conn {
+			// A gateway writes its tenant's first bytes right behind the
+			// frame: the forwarder closes with them unread (a reset
+			// follows), and the refusal must still arrive ahead of it.
+			frame := e.gw.Frame(t, "sbx", netip.AddrPortFrom(up.Addr().Addr(), 1))
+			tenant, _ := io.ReadAll(io.LimitReader(forwardtest.NewPattern(12), 48<<10))
+			return mtls(t, append(frame, tenant...), false)
+		}},
 		{"dial-failed", "refused", "connection refused", to(closed)},
 		{"dial-failed", "blackhole", "i/o timeout", to(blackhole)},
 		{"binding-required", "", "", func(t *testing.T) *tls.Conn {

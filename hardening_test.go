@@ -244,40 +244,49 @@ func (p *caddyProcess) settledFDs(t *testing.T, limit int) int {
 // that are pipe ends.
 func (p *caddyProcess) openFDs(t *testing.T) (fds, pipes int) {
 	t.Helper()
-	dir := fmt.Sprintf("/proc/%d/fd", p.cmd.Process.Pid)
-	ents, err := os.ReadDir(dir)
+	targets, err := p.fdTargets()
 	if err != nil {
 		t.Fatalf("count caddy's fds: %v", err)
 	}
-	for _, e := range ents {
-		// A descriptor closed since ReadDir counts as neither.
-		if target, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil {
-			fds++
-			if strings.HasPrefix(target, "pipe:") {
-				pipes++
-			}
+	for _, target := range targets {
+		if strings.HasPrefix(target, "pipe:") {
+			pipes++
 		}
 	}
-	return fds, pipes
+	return len(targets), pipes
 }
 
 // fdSummary lists the process's open descriptors by what they are (socket,
 // pipe, anon_inode:[eventpoll], a file's path), for failure messages.
-func (p *caddyProcess) fdSummary(t *testing.T) string {
-	t.Helper()
-	dir := fmt.Sprintf("/proc/%d/fd", p.cmd.Process.Pid)
-	ents, err := os.ReadDir(dir)
+func (p *caddyProcess) fdSummary() string {
+	targets, err := p.fdTargets()
 	if err != nil {
 		return err.Error()
 	}
 	kinds := map[string]int{}
-	for _, e := range ents {
-		if target, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil {
-			kind, _, _ := strings.Cut(target, ":[")
-			kinds[kind]++
-		}
+	for _, target := range targets {
+		kind, _, _ := strings.Cut(target, ":[")
+		kinds[kind]++
 	}
 	return fmt.Sprint(kinds)
+}
+
+// fdTargets returns what each of the process's open descriptors refers to
+// ("socket:[123]", "pipe:[456]", a path).
+func (p *caddyProcess) fdTargets() ([]string, error) {
+	dir := fmt.Sprintf("/proc/%d/fd", p.cmd.Process.Pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	var targets []string
+	for _, e := range ents {
+		// A descriptor closed since ReadDir is left out.
+		if target, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil {
+			targets = append(targets, target)
+		}
+	}
+	return targets, nil
 }
 
 // fdsBelow counts the process's open descriptors numbered below limit: the
@@ -408,11 +417,11 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 	}
 	// One descriptor left: accepted, then refused (dial-failed) without a
 	// byte.
-	filled := p.fdSummary(t)
+	filled := p.fdSummary()
 	c, err := e.openTunnel("sbx-fd-refused", up.Addr(), 5*time.Second)
 	if err != nil {
 		t.Fatalf("the tunnel on the last descriptor: the TLS handshake failed (%v); caddy held %s, now %d below the limit: %s",
-			err, filled, p.fdsBelow(t, limit), p.fdSummary(t))
+			err, filled, p.fdsBelow(t, limit), p.fdSummary())
 	}
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if n, err := io.Copy(io.Discard, c); n != 0 {

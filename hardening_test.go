@@ -385,8 +385,21 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 			c.Close()
 		}
 	}()
-	for free := limit - p.settledFDs(t, limit); free > 1; free = limit - p.settledFDs(t, limit) {
-		if free == 2 {
+	for free := limit - p.settledFDs(t, limit); free != 1; free = limit - p.settledFDs(t, limit) {
+		switch {
+		case free == 0:
+			// A descriptor appeared after the count that let the last
+			// tunnel or filler in (seen on 7.3: one socket more than the
+			// tunnels and fillers hold): give one back, the latest
+			// filler's, or else the latest tunnel's two.
+			if n := len(held); n > 0 {
+				held[n-1].Close()
+				held = held[:n-1]
+			} else {
+				open[len(open)-1].Close()
+				open = open[:len(open)-1]
+			}
+		case free == 2:
 			c, err := net.Dial("tcp", e.addr)
 			if err != nil {
 				t.Fatal(err)
@@ -399,20 +412,20 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 				}
 				time.Sleep(5 * time.Millisecond)
 			}
-			continue
-		}
-		accepted := up.Accepted()
-		c, err := e.openTunnel(fmt.Sprintf("sbx-fd-%d", len(open)), up.Addr(), 5*time.Second)
-		if err != nil {
-			t.Fatalf("tunnel %d with %d fds free: the TLS handshake failed (%v)", len(open), free, err)
-		}
-		open = append(open, c)
-		deadline := time.Now().Add(10 * time.Second)
-		for up.Accepted() == accepted {
-			if time.Now().After(deadline) || len(e.logLines(t, "sandbox tunnel rejected")) != 0 {
-				t.Fatalf("tunnel %d with %d fds free was not dialed", len(open)-1, free)
+		default:
+			accepted := up.Accepted()
+			c, err := e.openTunnel(fmt.Sprintf("sbx-fd-%d", len(open)), up.Addr(), 5*time.Second)
+			if err != nil {
+				t.Fatalf("tunnel %d with %d fds free: the TLS handshake failed (%v)", len(open), free, err)
 			}
-			time.Sleep(5 * time.Millisecond)
+			open = append(open, c)
+			deadline := time.Now().Add(10 * time.Second)
+			for up.Accepted() == accepted {
+				if time.Now().After(deadline) || len(e.logLines(t, "sandbox tunnel rejected")) != 0 {
+					t.Fatalf("tunnel %d with %d fds free was not dialed", len(open)-1, free)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
 		}
 	}
 	// One descriptor left: accepted, then refused (dial-failed) without a

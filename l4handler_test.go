@@ -57,15 +57,41 @@ func loopbackAddr(t testing.TB) string {
 	return freeAddr(t, "127.0.0.1")
 }
 
-// freeAddr returns an ip:port where nothing listens (any more).
+// loopbackPort is loopbackAddr's port.
+func loopbackPort(t testing.TB) int {
+	t.Helper()
+	return int(netip.MustParseAddrPort(loopbackAddr(t)).Port())
+}
+
+// handedOut are the ports freeAddr returned in this process. Caddy binds
+// its listeners with SO_REUSEPORT, so two of them given one port both
+// bind and the kernel spreads connections over the two: a CI run had a
+// tunnel's ClientHello answered by the admin server's HTTP 400 ("first
+// record does not look like a TLS handshake"). The kernel may pick a
+// port again as soon as its probe is closed, so each one is remembered.
+var handedOut = struct {
+	sync.Mutex
+	ports map[int]bool
+}{ports: map[int]bool{}}
+
+// freeAddr returns an ip:port where nothing listens (any more), with a
+// port no earlier call in this process returned.
 func freeAddr(t testing.TB, ip string) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
-	if err != nil {
-		t.Fatal(err)
+	handedOut.Lock()
+	defer handedOut.Unlock()
+	for {
+		ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := ln.Addr().(*net.TCPAddr)
+		ln.Close()
+		if !handedOut.ports[addr.Port] {
+			handedOut.ports[addr.Port] = true
+			return addr.String()
+		}
 	}
-	defer ln.Close()
-	return ln.Addr().String()
 }
 
 // newSandboxEnv starts Caddy; sandboxOpts are merged into the sandbox
@@ -1786,4 +1812,17 @@ func checkBothWays(t testing.TB, up *forwardtest.Upstream, clients []streamOutco
 		verified += c.sent + c.recv
 	}
 	return verified
+}
+
+// freeAddr never hands out a port twice: 500 bare probes of ~14,000
+// ephemeral ports would repeat one about nine times.
+func TestFreeAddrNeverRepeats(t *testing.T) {
+	seen := map[string]bool{}
+	for range 500 {
+		addr := freeAddr(t, "127.0.0.1")
+		if seen[addr] {
+			t.Fatalf("freeAddr returned %s twice", addr)
+		}
+		seen[addr] = true
+	}
 }

@@ -305,7 +305,7 @@ func lwBinary(t *testing.T, kernel bool) {
 	ca := testpki.NewCA(t, "binary test CA")
 	certFile, keyFile := ca.Server(t, "mtls.localhost").WriteFiles(t, dir, "server")
 	caFile := ca.WriteFile(t, dir, "ca")
-	s := &lwSite{ca: ca, client: ca.Client(t, "binary-gateway"), port: lwFreePort(t), adminAddr: fmt.Sprintf("127.0.0.1:%d", lwFreePort(t)),
+	s := &lwSite{ca: ca, client: ca.Client(t, "binary-gateway"), port: loopbackPort(t), adminAddr: loopbackAddr(t),
 		logFile: filepath.Join(dir, "caddy.log"), file: make([]byte, kerneltest.PositiveEnv(t, "KTLS_BINARY_DOWNLOAD_MIB", lwTestMiB(t))<<20+123)}
 	rand.Read(s.file)
 	download := filepath.Join(dir, "www", "files", "blob.bin")

@@ -27,7 +27,7 @@ func TestListenerWrapperTLSInternal(t *testing.T) {
 	data := t.TempDir()
 	t.Setenv("XDG_DATA_HOME", data)
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	port := lwFreePort(t)
+	port := loopbackPort(t)
 	caddyfile := fmt.Sprintf(`{
 	admin off
 	persist_config off
@@ -46,7 +46,7 @@ localhost:%d {
 	tls internal
 	respond "{http.request.tls.version} {http.request.tls.proto} {http.request.tls.server_name}"
 }
-`, data, lwFreePort(t), port, port)
+`, data, loopbackPort(t), port, port)
 	cfg, err := adaptCaddyfile(t, caddyfile)
 	if err != nil {
 		t.Fatalf("adapt: %v", err)

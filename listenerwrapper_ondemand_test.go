@@ -75,7 +75,7 @@ func lwOnDemandECH(t *testing.T, kernel bool) {
 	defer ask.Close()
 
 	storage := filepath.Join(dir, "storage")
-	port := lwFreePort(t)
+	port := loopbackPort(t)
 	cfg, err := json.Marshal(map[string]any{
 		"admin":   map[string]any{"disabled": true, "config": map[string]any{"persist": false}},
 		"storage": map[string]any{"module": "file_system", "root": storage},
@@ -93,7 +93,7 @@ func lwOnDemandECH(t *testing.T, kernel bool) {
 				"encrypted_client_hello": map[string]any{"configs": []any{map[string]any{"public_name": outer}}},
 			},
 			"http": map[string]any{
-				"http_port":  lwFreePort(t),
+				"http_port":  loopbackPort(t),
 				"https_port": port,
 				"servers": map[string]any{"ondemand": map[string]any{
 					"listen":                  []string{fmt.Sprintf("127.0.0.1:%d", port)},

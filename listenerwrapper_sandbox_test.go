@@ -116,7 +116,7 @@ func lwStartForwarder(t *testing.T, target netip.AddrPort, session bool) *lwForw
 			t.Fatal(err)
 		}
 	}
-	port := lwFreePort(t)
+	port := loopbackPort(t)
 	for k, v := range map[string]string{"FWD_DIR": dir, "FWD_PORT": strconv.Itoa(port),
 		"FWD_ALLOW": target.Addr().String(), "FWD_ALLOW_PORTS": strconv.Itoa(int(target.Port()))} {
 		t.Setenv(k, v)

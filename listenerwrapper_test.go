@@ -41,16 +41,6 @@ func lwTestMiB(t testing.TB) int {
 	return kerneltest.BulkMiB(t, 2)
 }
 
-func lwFreePort(t testing.TB) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
 func lwSHA(b []byte) string { s := sha256.Sum256(b); return hex.EncodeToString(s[:]) }
 
 // lwSite is an in-process Caddy with the ktls wrapper on one HTTPS server,
@@ -84,8 +74,8 @@ func lwStart(t *testing.T, s *lwSite) *lwSite {
 	t.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data"))
 	t.Setenv("XDG_CONFIG_HOME", filepath.Join(dir, "config"))
 	s.ca = testpki.NewCA(t, "ktls wrapper test CA")
-	s.port, s.plainPort = lwFreePort(t), lwFreePort(t)
-	s.adminAddr = fmt.Sprintf("127.0.0.1:%d", lwFreePort(t))
+	s.port, s.plainPort = loopbackPort(t), loopbackPort(t)
+	s.adminAddr = loopbackAddr(t)
 	s.logFile = filepath.Join(dir, "caddy.log")
 	s.client = s.ca.Client(t, "gateway-7")
 	s.file = make([]byte, lwTestMiB(t)<<20+123) // not a multiple of a record
@@ -794,7 +784,7 @@ func TestListenerWrapperRejectsBadPlacement(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := fmt.Sprintf(`{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{
-				"listen":["127.0.0.1:%d"],"listener_wrappers":[%s],"routes":[]}}}}}`, lwFreePort(t), tc.wrappers)
+				"listen":["127.0.0.1:%d"],"listener_wrappers":[%s],"routes":[]}}}}}`, loopbackPort(t), tc.wrappers)
 			err := caddy.Load([]byte(cfg), true)
 			switch {
 			case tc.want == "" && err != nil:
@@ -831,7 +821,7 @@ func TestListenerWrapperRejectsBadOptions(t *testing.T) {
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
 			cfg := fmt.Sprintf(`{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{
-				"listen":["127.0.0.1:%d"],"listener_wrappers":[%s],"routes":[]}}}}}`, lwFreePort(t), tc.wrapper)
+				"listen":["127.0.0.1:%d"],"listener_wrappers":[%s],"routes":[]}}}}}`, loopbackPort(t), tc.wrapper)
 			err := caddy.Load([]byte(cfg), true)
 			if err == nil {
 				caddy.Stop()

@@ -346,10 +346,10 @@ func TestSandboxFDExhaustion(t *testing.T) { sandboxFDExhaustion(t, false) }
 
 // TestKernelSandboxFDExhaustion is TestSandboxFDExhaustion on a kTLS
 // kernel, where a direction moving bytes also needs a pipe (2 fds) unless
-// one is idle in the pool: an open tunnel that finds none while the process
-// is out of fds ends with an error naming EMFILE (README, Limits), never
-// with wrong bytes; the others are unaffected. Recovery and the refusal are
-// as on the host.
+// one is idle in the pool: a burst that finds none while the process is out
+// of fds is copied through userspace instead (logged and counted), so every
+// open tunnel still moves exact bytes. Recovery and the refusal are as on
+// the host.
 func TestKernelSandboxFDExhaustion(t *testing.T) {
 	kerneltest.Require(t)
 	sandboxFDExhaustion(t, true)
@@ -489,12 +489,16 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 	}
 	wg.Wait()
 	open = nil
-	// On the kernel path a tunnel can end for want of a pipe (see the
-	// README's Limits). The gateway does not always see it: when the cut
-	// direction is its upload, the reply can still arrive whole and the
-	// relay closes both ends as it would after a clean end. So the tunnels
-	// cut are those whose end the forwarder logged as a pipe refused with
-	// EMFILE, once every tunnel has ended and its line is written.
+	for i, err := range errs {
+		if err != nil || sums[i] != forwardtest.PatternSum(2, reply) {
+			t.Errorf("open tunnel %d while out of fds: err %v, reply hash matches: %v", i, err, sums[i] == forwardtest.PatternSum(2, reply))
+		}
+	}
+	// Every tunnel ended in order. On the kernel path, bursts that found
+	// no pipe were copied through userspace (the pool's idle pipes serve
+	// many, so how many is up to timing): each tunnel that had any says so
+	// once, with the count that the metric adds up (checked below). The
+	// host path copies anyway and needs no pipe.
 	deadline = time.Now().Add(10 * time.Second)
 	for {
 		var all []forward.TunnelInfo
@@ -507,31 +511,9 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	ended := e.logLines(t, "sandbox tunnel ended with an error")
-	for settled := time.Now().Add(300 * time.Millisecond); time.Now().Before(settled); time.Sleep(20 * time.Millisecond) {
-		if again := e.logLines(t, "sandbox tunnel ended with an error"); len(again) != len(ended) {
-			ended, settled = again, time.Now().Add(300*time.Millisecond)
-		}
+	if ended := e.logLines(t, "sandbox tunnel ended with an error"); len(ended) != 0 {
+		t.Errorf("tunnels ended with an error while out of fds: %v", ended)
 	}
-	cut := map[string]bool{} // sandboxes of the kernel path's tunnels that found no pipe
-	for _, l := range ended {
-		sandbox, _ := l["sandbox"].(string)
-		if err, _ := l["error"].(string); !kernel || !strings.Contains(err, "pipe") || !strings.Contains(err, syscall.EMFILE.Error()) {
-			t.Errorf("tunnel %s ended with %q while out of fds, want (on the kernel path only) a pipe refused with EMFILE", sandbox, err)
-		} else {
-			cut[sandbox] = true
-		}
-	}
-	for i, err := range errs {
-		switch name := fmt.Sprintf("sbx-fd-%d", i); {
-		case cut[name]:
-		case err != nil && kernel:
-			t.Errorf("open tunnel %d failed at the gateway (%v) but the forwarder logged no pipe shortage", i, err)
-		case err != nil || sums[i] != forwardtest.PatternSum(2, reply):
-			t.Errorf("open tunnel %d while out of fds: err %v, reply hash matches: %v", i, err, sums[i] == forwardtest.PatternSum(2, reply))
-		}
-	}
-	t.Logf("%d of %d open tunnels ended for want of a pipe", len(cut), len(errs))
 	for _, c := range held {
 		c.Close()
 	}
@@ -555,10 +537,21 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 	if n != reply || sum != forwardtest.PatternSum(2, reply) {
 		t.Errorf("tunnel after recovery: %d bytes, hash matches: %v", n, sum == forwardtest.PatternSum(2, reply))
 	}
-	// The shortage was counted, the refusal too, and the descriptors are
+	// The shortages were counted, the refusal too, and the descriptors are
 	// back to where they started.
+	var shortages int64
+	short := e.logLines(t, "sandbox tunnel found no file descriptors for pipes; those bursts were copied through userspace")
+	for _, l := range short {
+		n, _ := l["pipe_shortages"].(float64)
+		shortages += int64(n)
+	}
+	if !kernel && len(short) != 0 {
+		t.Errorf("the copy path reported pipe shortages: %v", short)
+	}
+	t.Logf("%d of %d open tunnels copied %d bursts for want of a pipe", len(short), len(errs), shortages)
 	metrics := string(e.adminBody(t, "/metrics"))
-	for _, re := range []string{`(?m)^caddy_ktls_accept_retries_total [1-9]`, `(?m)^caddy_ktls_sandbox_rejects_total\{reason="dial-failed"\} 1$`} {
+	for _, re := range []string{`(?m)^caddy_ktls_accept_retries_total [1-9]`, `(?m)^caddy_ktls_sandbox_rejects_total\{reason="dial-failed"\} 1$`,
+		fmt.Sprintf(`(?m)^caddy_ktls_relay_pipe_shortages_total %d$`, shortages)} {
 		if !regexp.MustCompile(re).MatchString(metrics) {
 			t.Errorf("/metrics does not match %s", re)
 		}
@@ -578,7 +571,7 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 		got[r.RecvSum] = r.Received
 	}
 	for i := range errs {
-		if !cut[fmt.Sprintf("sbx-fd-%d", i)] && got[forwardtest.PatternSum(uint64(1000+i), 64<<10)] != 64<<10 {
+		if got[forwardtest.PatternSum(uint64(1000+i), 64<<10)] != 64<<10 {
 			t.Errorf("upstream did not receive tunnel %d's bytes", i)
 		}
 	}

@@ -568,6 +568,12 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	fields := []zap.Field{zap.Uint64("id", ti.ID), zap.String("sandbox", ti.Sandbox), zap.String("target", ti.Target),
 		zap.String("peer", peer), zap.Int64("bytes_to_sandbox", ti.BytesToSandbox), zap.Int64("bytes_from_sandbox", ti.BytesFromSandbox),
 		zap.Bool("spliced_to_sandbox", res.Relay.AToB.Spliced), zap.Bool("spliced_from_sandbox", res.Relay.BToA.Spliced)}
+	if short := res.Relay.AToB.PipeShortages + res.Relay.BToA.PipeShortages; short > 0 {
+		// Not a failure, every byte moved, but some through userspace:
+		// the process is at its descriptor limit (`ulimit -n`).
+		h.logger.Warn("sandbox tunnel found no file descriptors for pipes; those bursts were copied through userspace",
+			append(fields, zap.Int64("pipe_shortages", short))...)
+	}
 	if err != nil && !errors.Is(err, io.EOF) {
 		if ktls.IsBadRecord(err) {
 			connCloses.add(closeKey{moduleL4Handler, eventBadRecord})

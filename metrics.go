@@ -21,7 +21,7 @@ import (
 // values are read from the process state at scrape time instead of being
 // kept in per-config metric objects.
 type collector struct {
-	tunnelsOpen, tunnelsOpened, bytes, rejects, relayBytes, controlRecords,
+	tunnelsOpen, tunnelsOpened, bytes, rejects, relayBytes, controlRecords, pipeShortages,
 	pushReports, offloads, offloadModes, connCloses, acceptRetries *prometheus.Desc
 }
 
@@ -32,9 +32,11 @@ var metrics = &collector{
 	rejects:        prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil),
 	relayBytes:     prometheus.NewDesc("caddy_ktls_relay_bytes_total", "Bytes of closed tunnels by data path: splice (never in userspace) or copy.", []string{"path"}, nil),
 	controlRecords: prometheus.NewDesc("caddy_ktls_relay_control_records_total", "kTLS control records handled in userspace during relays of closed tunnels.", nil, nil),
-	pushReports:    prometheus.NewDesc("caddy_ktls_activity_reports_total", "Activity reports by outcome (sent, retried, dropped).", []string{"outcome"}, nil),
-	offloads:       prometheus.NewDesc("caddy_ktls_handshakes_total", "kTLS handshakes by offload outcome reason (none = fully offloaded).", []string{"reason"}, nil),
-	offloadModes:   prometheus.NewDesc("caddy_ktls_offload_directions_total", "Offloaded connections by direction (tx, rx) and mode (userspace, sw, hw).", []string{"direction", "mode"}, nil),
+	pipeShortages: prometheus.NewDesc("caddy_ktls_relay_pipe_shortages_total",
+		"Transfer bursts of closed tunnels copied through userspace because no pipe could be opened (the process or system out of file descriptors).", nil, nil),
+	pushReports:  prometheus.NewDesc("caddy_ktls_activity_reports_total", "Activity reports by outcome (sent, retried, dropped).", []string{"outcome"}, nil),
+	offloads:     prometheus.NewDesc("caddy_ktls_handshakes_total", "kTLS handshakes by offload outcome reason (none = fully offloaded).", []string{"reason"}, nil),
+	offloadModes: prometheus.NewDesc("caddy_ktls_offload_directions_total", "Offloaded connections by direction (tx, rx) and mode (userspace, sw, hw).", []string{"direction", "mode"}, nil),
 	connCloses: prometheus.NewDesc("caddy_ktls_connections_closed_total",
 		"Offloaded connections the ktls engine closed, by module and event (rate-limited: KeyUpdates above keyupdate_rate; alert: the peer's fatal alert; closed-after-tx: a step after installing TLS_TX failed; rekey-unsupported: a KeyUpdate on a kernel without rekey; bad-record, layer4 tunnels only: a record that failed authentication).",
 		[]string{"module", "event"}, nil),
@@ -45,7 +47,7 @@ var metrics = &collector{
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.bytes, c.rejects, c.relayBytes,
-		c.controlRecords, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.acceptRetries} {
+		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.acceptRetries} {
 		ch <- d
 	}
 }
@@ -66,6 +68,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.relayBytes, prometheus.CounterValue, float64(dp.SpliceBytes), "splice")
 	ch <- prometheus.MustNewConstMetric(c.relayBytes, prometheus.CounterValue, float64(dp.CopyBytes), "copy")
 	ch <- prometheus.MustNewConstMetric(c.controlRecords, prometheus.CounterValue, float64(dp.ControlRecords))
+	ch <- prometheus.MustNewConstMetric(c.pipeShortages, prometheus.CounterValue, float64(dp.PipeShortages))
 	ps := pushers.stats()
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Sent), "sent")
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Retries), "retried")

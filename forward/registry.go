@@ -30,7 +30,7 @@ type Registry struct {
 	// Bytes of all tunnels ever, by direction (sandbox entries are pruned).
 	toSandbox, fromSandbox atomic.Int64
 	// Data-path totals of closed tunnels' relays (package splice's counters).
-	spliceBytes, copyBytes, controlRecords atomic.Int64
+	spliceBytes, copyBytes, controlRecords, pipeShortages atomic.Int64
 
 	// Retention is how long a sandbox with no open tunnel keeps its entry
 	// (totals and unreported deltas) after its last activity. Zero means one
@@ -235,11 +235,13 @@ type DataPath struct {
 	SpliceBytes    int64 // moved by splice(2), never entering userspace
 	CopyBytes      int64 // copied through userspace (fallback, control-record data)
 	ControlRecords int64 // kTLS control records handled in userspace during relays
+	PipeShortages  int64 // bursts copied through userspace because no pipe could be opened (out of fds)
 }
 
 // DataPath returns the splice/copy totals of the tunnels closed so far.
 func (r *Registry) DataPath() DataPath {
-	return DataPath{SpliceBytes: r.spliceBytes.Load(), CopyBytes: r.copyBytes.Load(), ControlRecords: r.controlRecords.Load()}
+	return DataPath{SpliceBytes: r.spliceBytes.Load(), CopyBytes: r.copyBytes.Load(),
+		ControlRecords: r.controlRecords.Load(), PipeShortages: r.pipeShortages.Load()}
 }
 
 func (r *Registry) addDataPath(res splice.Result) {
@@ -247,6 +249,7 @@ func (r *Registry) addDataPath(res splice.Result) {
 		r.spliceBytes.Add(d.SpliceBytes)
 		r.copyBytes.Add(d.CopyBytes)
 		r.controlRecords.Add(d.ControlRecords)
+		r.pipeShortages.Add(d.PipeShortages)
 	}
 }
 

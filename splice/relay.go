@@ -15,6 +15,10 @@
 // path cannot wait for readability without a buffer, because a userspace TLS
 // source may hold decrypted bytes no socket readiness would announce: a
 // copying direction holds one pooled 32 KiB buffer while blocked in Read.)
+// When no pipe can be opened because the process or the system is out of
+// file descriptors (EMFILE, ENFILE), that burst is copied through userspace
+// instead, and counted (DirectionStats.PipeShortages): a tunnel that is
+// moving bytes does not fail for want of a pipe.
 //
 // Pipes ask for DefaultPipeSize (F_SETPIPE_SZ); where the kernel refuses,
 // they keep its default capacity and a burst takes more calls. Every splice
@@ -159,6 +163,7 @@ type DirectionStats struct {
 	SpliceBytes    int64     // of which moved by splice(2)
 	CopyBytes      int64     // of which copied through userspace (fallback, control-record data)
 	ControlRecords int64     // splice(2) failures handed to the source's Read (kTLS control records)
+	PipeShortages  int64     // bursts copied through userspace because no pipe could be opened (EMFILE, ENFILE)
 	Spliced        bool      // the direction runs on the splice path
 	End            EndReason // EndRunning while the direction runs
 	Err            error     // set when End is EndError
@@ -281,9 +286,9 @@ func sinkPeerGone(err error) bool {
 }
 
 type dirState struct {
-	bytes, spliceBytes, copyBytes, controlRecords atomic.Int64
-	spliced                                       atomic.Bool
-	end                                           atomic.Uint32
+	bytes, spliceBytes, copyBytes, controlRecords, pipeShortages atomic.Int64
+	spliced                                                      atomic.Bool
+	end                                                          atomic.Uint32
 	// sinkClosing is set just before this direction half-closes its sink,
 	// whose FIN makes a later TCP_CLOSE on that socket an orderly end.
 	sinkClosing atomic.Bool
@@ -409,6 +414,7 @@ func (s *dirState) snapshot() DirectionStats {
 		SpliceBytes:    s.spliceBytes.Load(),
 		CopyBytes:      s.copyBytes.Load(),
 		ControlRecords: s.controlRecords.Load(),
+		PipeShortages:  s.pipeShortages.Load(),
 		Spliced:        s.spliced.Load(),
 		End:            EndReason(s.end.Load()),
 		Err:            err,
@@ -576,7 +582,10 @@ func tcpEnd(c net.Conn) (spliceEnd, bool) {
 // recordBatch, before the pipe is drained. Because
 // the pipe is always drained before the next read from src, it is empty
 // whenever src fails, so a control record's data (from src.Read) is written
-// after every byte that preceded it: order is preserved.
+// after every byte that preceded it: order is preserved. A burst that finds
+// no pipe for lack of descriptors is one Read and Write through userspace
+// (copyOnce) with no pipe held, so order is kept there too; the next burst
+// asks for a pipe again.
 func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.Conn, dstEnd spliceEnd) error {
 	var p *pipe
 	defer func() {
@@ -627,6 +636,13 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net
 		switch {
 		case err != nil:
 			return fmt.Errorf("source: %w", err)
+		case pipeShortage(perr):
+			t.dirs[d].pipeShortages.Add(1)
+			if end, err := t.copyOnce(d, src, dst); end {
+				return err
+			}
+			controlInARow = 0
+			continue
 		case perr != nil:
 			return perr
 		case serr != nil && srcEnd.ktls && serr != unix.EBADMSG:
@@ -703,28 +719,44 @@ func (t *Tunnel) controlRecord(d Direction, src, dst net.Conn) error {
 	return err
 }
 
+// pipeShortage reports whether err is a pipe refused for lack of file
+// descriptors, in the process (EMFILE) or the system (ENFILE, which pipe(2)
+// also returns when the user's pipe memory hard limit is reached).
+func pipeShortage(err error) bool {
+	return errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)
+}
+
 // copyLoop is the userspace path: read into a pooled buffer, write it all,
-// until src ends (nil) or fails. The buffer is taken per Read; while blocked
-// in Read a direction holds one buffer, since a userspace TLS source may
-// hold decrypted bytes that no socket readiness would announce.
+// until src ends (nil) or fails.
 func (t *Tunnel) copyLoop(d Direction, src, dst net.Conn) error {
 	for {
-		bufp := copyBuffers.Get().(*[]byte)
-		n, rerr := src.Read(*bufp)
-		var werr error
-		if n > 0 {
-			werr = t.write(d, dst, (*bufp)[:n])
-		}
-		copyBuffers.Put(bufp)
-		switch {
-		case werr != nil:
-			return werr
-		case rerr == io.EOF:
-			return nil
-		case rerr != nil:
-			return fmt.Errorf("source: %w", rerr)
+		if end, err := t.copyOnce(d, src, dst); end {
+			return err
 		}
 	}
+}
+
+// copyOnce reads once from src into a pooled buffer and writes what it got
+// to dst. end is true when src ended (err nil) or a step failed (err). The
+// buffer is taken per Read; while blocked in Read a direction holds one
+// buffer, since a userspace TLS source may hold decrypted bytes that no
+// socket readiness would announce.
+func (t *Tunnel) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
+	bufp := copyBuffers.Get().(*[]byte)
+	defer copyBuffers.Put(bufp)
+	n, rerr := src.Read(*bufp)
+	if n > 0 {
+		if werr := t.write(d, dst, (*bufp)[:n]); werr != nil {
+			return true, werr
+		}
+	}
+	switch {
+	case rerr == io.EOF:
+		return true, nil
+	case rerr != nil:
+		return true, fmt.Errorf("source: %w", rerr)
+	}
+	return false, nil
 }
 
 func (t *Tunnel) write(d Direction, dst net.Conn, b []byte) error {

@@ -15,6 +15,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
@@ -317,8 +318,9 @@ TLS 1.3 session with --signing-key, writes it, then copies stdin to the tunnel
 and the tunnel to stdout, like "openssl s_client -quiet". At the end of stdin
 it half-closes (close_notify); it returns when the forwarder closes its side.
 A forwarder that rejects the preamble (or its target) sends no byte: on
-kernel TLS it refuses with the TLS alert access_denied ("reading from the
-tunnel: remote error: tls: access denied"), in userspace TLS with a reset;
+kernel TLS it refuses with the TLS alert access_denied ("the forwarder
+refused the tunnel, ...: remote error: tls: access denied"), in userspace
+TLS with a reset ("the forwarder reset the tunnel before its first byte");
 its log and metrics carry the reason.
 `,
 		Args: cobra.NoArgs,
@@ -358,8 +360,13 @@ its log and metrics carry the reason.
 				}
 				uploaded <- err
 			}()
-			_, err = io.Copy(cmd.OutOrStdout(), conn)
-			if err != nil {
+			received, err := io.Copy(cmd.OutOrStdout(), conn)
+			switch {
+			case err != nil && received == 0 && preamble.Refused(err):
+				return fmt.Errorf("the forwarder refused the tunnel, nothing reached the target; its log (\"sandbox tunnel rejected\") and metrics name the reason: %w", err)
+			case err != nil && received == 0 && errors.Is(err, syscall.ECONNRESET):
+				return fmt.Errorf("the forwarder reset the tunnel before its first byte: a refusal (a forwarder in userspace TLS refuses this way) or a failure; its log names which: %w", err)
+			case err != nil:
 				return fmt.Errorf("reading from the tunnel: %w", err)
 			}
 			// The forwarder has closed its side. An upload error is worth

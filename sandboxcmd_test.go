@@ -2,16 +2,20 @@ package caddyktls
 
 import (
 	"bytes"
+	"crypto/ed25519"
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -20,6 +24,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -185,32 +190,58 @@ func TestSandboxBinaryRoundTrip(t *testing.T) {
 	}
 }
 
+// dialFixture is what "caddy sandbox dial" and an in-test forwarder need:
+// a CA, the gateway's certificate files and a signing key whose public
+// half the forwarder trusts.
+type dialFixture struct {
+	ca                                   *testpki.CA
+	server                               *testpki.Leaf
+	caFile, certFile, keyFile, signerKey string
+	ring                                 map[string]ed25519.PublicKey
+	verifier                             *preamble.Verifier
+}
+
+func newDialFixture(t *testing.T) *dialFixture {
+	t.Helper()
+	dir := t.TempDir()
+	f := &dialFixture{ca: testpki.NewCA(t, "sandboxcmd-ca"), signerKey: filepath.Join(dir, "signing.key")}
+	f.server = f.ca.Server(t)
+	f.caFile = f.ca.WriteFile(t, dir, "ca")
+	f.certFile, f.keyFile = f.ca.Client(t, "gateway").WriteFiles(t, dir, "gateway")
+	pubPEM, err := runSandbox(t, nil, "keygen", "--key-out", f.signerKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f.ring, err = preamble.ParseKeyring([]byte(pubPEM)); err != nil {
+		t.Fatal(err)
+	}
+	if f.verifier, err = preamble.NewVerifier(preamble.VerifierConfig{Keys: f.ring, RequireBinding: true}); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// serverConfig is the forwarder's TLS: mutual, against the fixture's CA.
+func (f *dialFixture) serverConfig() *tls.Config {
+	return &tls.Config{Certificates: []tls.Certificate{f.server.TLS}, ClientCAs: f.ca.Pool, ClientAuth: tls.RequireAndVerifyClientCert}
+}
+
+// dial runs "caddy sandbox dial" to addr with stdin.
+func (f *dialFixture) dial(t *testing.T, addr string, stdin io.Reader) (string, error) {
+	t.Helper()
+	return runSandbox(t, stdin, "dial", "--addr", addr,
+		"--cert", f.certFile, "--key", f.keyFile, "--ca", f.caFile, "--server-name", "localhost",
+		"--signing-key", f.signerKey, "--sandbox", "sbx-dial", "--target", "192.0.2.10:22")
+}
+
 // TestSandboxDial runs "caddy sandbox dial" against an in-test forwarder that
 // requires a bound preamble and echoes: the bytes piped through stdin come
 // back on stdout intact.
 func TestSandboxDial(t *testing.T) {
 	fdsBefore := kerneltest.OpenFDs(t)
-	dir := t.TempDir()
-	ca := testpki.NewCA(t, "sandboxcmd-ca")
-	serverLeaf, clientLeaf := ca.Server(t), ca.Client(t, "gateway")
-	caFile := ca.WriteFile(t, dir, "ca")
-	certFile, keyFile := clientLeaf.WriteFiles(t, dir, "gateway")
-	signingKey := filepath.Join(dir, "signing.key")
-	pubPEM, err := runSandbox(t, nil, "keygen", "--key-out", signingKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ring, err := preamble.ParseKeyring([]byte(pubPEM))
-	if err != nil {
-		t.Fatal(err)
-	}
-	v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: ring, RequireBinding: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{
-		Certificates: []tls.Certificate{serverLeaf.TLS}, ClientCAs: ca.Pool, ClientAuth: tls.RequireAndVerifyClientCert,
-	})
+	f := newDialFixture(t)
+	v, ring := f.verifier, f.ring
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", f.serverConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,9 +278,7 @@ func TestSandboxDial(t *testing.T) {
 	}()
 
 	payload := bytes.Repeat([]byte("through the tunnel\n"), 256<<10/19)
-	out, err := runSandbox(t, bytes.NewReader(payload), "dial", "--addr", ln.Addr().String(),
-		"--cert", certFile, "--key", keyFile, "--ca", caFile, "--server-name", "localhost",
-		"--signing-key", signingKey, "--sandbox", "sbx-dial", "--target", "192.0.2.10:22")
+	out, err := f.dial(t, ln.Addr().String(), bytes.NewReader(payload))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -264,6 +293,76 @@ func TestSandboxDial(t *testing.T) {
 		c.KeyID != preamble.KeyIDFor(ring[c.KeyID]) || hex.EncodeToString(c.Binding) == strings.Repeat("00", 32) {
 		t.Fatalf("forwarder saw claims %+v", c)
 	}
+	ln.Close()
+	if fds := kerneltest.OpenFDs(t); fds > fdsBefore {
+		t.Fatalf("%d fds open after dial, %d before", fds, fdsBefore)
+	}
+}
+
+// A forwarder that refuses the preamble: "caddy sandbox dial" fails saying
+// so, with nothing on stdout. In userspace TLS the refusal is a reset, and
+// the command says what a reset before the first byte can mean.
+func TestSandboxDialRefused(t *testing.T) {
+	sandboxDialRefused(t, false, "the forwarder reset the tunnel before its first byte", syscall.ECONNRESET.Error())
+}
+
+// TestKernelSandboxDialRefused is TestSandboxDialRefused against a
+// forwarder on kernel TLS TX, whose refusal is the alert access_denied.
+func TestKernelSandboxDialRefused(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxDialRefused(t, true, "the forwarder refused the tunnel, nothing reached the target", "tls: access denied")
+}
+
+func sandboxDialRefused(t *testing.T, kernel bool, want ...string) {
+	fdsBefore := kerneltest.OpenFDs(t)
+	f := newDialFixture(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	// The forwarder reads the frame, finds the wrong sandbox in it and
+	// refuses, as forward.Serve does for any rejection.
+	refused := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			refused <- err
+			return
+		}
+		conn := ktls.Server(c, f.serverConfig(), ktls.Options{RequireOffload: kernel})
+		defer conn.Close()
+		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		frame, err := preamble.ReadFrame(conn, f.verifier.MaxFrameLen())
+		if err != nil {
+			refused <- err
+			return
+		}
+		binding, _ := preamble.ChannelBinding(conn.ConnectionState())
+		if claims, err := f.verifier.Verify(frame, binding); err != nil || claims.SandboxID != "sbx-dial" {
+			refused <- fmt.Errorf("claims %+v, %v", claims, err)
+			return
+		}
+		refused <- conn.Refuse()
+	}()
+	// stdin stays open, so the command writes nothing after the preamble
+	// that could meet the reset first.
+	stdin, stdinW := io.Pipe()
+	defer stdinW.Close()
+	out, err := f.dial(t, ln.Addr().String(), stdin)
+	if rerr := <-refused; rerr != nil {
+		t.Fatalf("forwarder: %v", rerr)
+	}
+	if err == nil || out != "" {
+		t.Fatalf("dial of a refused tunnel: %q on stdout, error %v; want nothing and an error", out, err)
+	}
+	for _, w := range want {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("dial of a refused tunnel: %q, want it to say %q", err, w)
+		}
+	}
+	t.Logf("dial: %v", err)
+	stdinW.Close()
 	ln.Close()
 	if fds := kerneltest.OpenFDs(t); fds > fdsBefore {
 		t.Fatalf("%d fds open after dial, %d before", fds, fdsBefore)

@@ -541,6 +541,7 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		OnOpen: func(ti forward.TunnelInfo) {
 			h.events.Emit(h.ctx, "sandbox_tunnel_opened", map[string]any{
 				"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
+				"client_certificate": ti.Certificate, "key_id": ti.KeyID,
 			})
 		},
 		Unwrap: func() (net.Conn, []byte) {
@@ -552,21 +553,27 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	}
 	if state, ok := tlsStateOf(cx); ok {
 		client.Binding, _ = preamble.ChannelBinding(state)
+		if len(state.PeerCertificates) > 0 {
+			client.Certificate = state.PeerCertificates[0].Subject.String()
+		}
 	}
 	res, err := h.fwd.Serve(client)
 	if res.Tunnel.ID == 0 {
 		reason := forward.ReasonOf(err)
-		h.logger.Warn("sandbox tunnel rejected", zap.String("reason", reason), zap.String("peer", peer), zap.Error(err))
+		h.logger.Warn("sandbox tunnel rejected", zap.String("reason", reason), zap.String("peer", peer),
+			zap.String("client_certificate", client.Certificate), zap.Error(err))
 		return nil
 	}
 	ti := res.Tunnel
 	h.events.Emit(h.ctx, "sandbox_tunnel_closed", map[string]any{
 		"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
+		"client_certificate": ti.Certificate, "key_id": ti.KeyID,
 		"bytes_to_sandbox": ti.BytesToSandbox, "bytes_from_sandbox": ti.BytesFromSandbox,
 		"duration": time.Since(ti.Opened).Seconds(),
 	})
 	fields := []zap.Field{zap.Uint64("id", ti.ID), zap.String("sandbox", ti.Sandbox), zap.String("target", ti.Target),
-		zap.String("peer", peer), zap.Int64("bytes_to_sandbox", ti.BytesToSandbox), zap.Int64("bytes_from_sandbox", ti.BytesFromSandbox),
+		zap.String("peer", peer), zap.String("client_certificate", ti.Certificate), zap.String("key_id", ti.KeyID),
+		zap.Int64("bytes_to_sandbox", ti.BytesToSandbox), zap.Int64("bytes_from_sandbox", ti.BytesFromSandbox),
 		zap.Bool("spliced_to_sandbox", res.Relay.AToB.Spliced), zap.Bool("spliced_from_sandbox", res.Relay.BToA.Spliced)}
 	if short := res.Relay.AToB.PipeShortages + res.Relay.BToA.PipeShortages; short > 0 {
 		// Not a failure, every byte moved, but some through userspace:

@@ -116,19 +116,26 @@ func (e *sandboxEnv) start(t *testing.T) {
 	})
 }
 
+// The sandboxEnv gateway's signing key ID and its client certificate's
+// subject, as the forwarder attributes tunnels.
+const (
+	gatewayKeyID   = "gw-1"
+	gatewaySubject = "CN=gateway-1"
+)
+
 // newSandboxConfig builds the configuration of a sandboxEnv without
 // loading it.
 func newSandboxConfig(t *testing.T, sandboxOpts map[string]any) *sandboxEnv {
 	t.Helper()
 	t.Setenv("XDG_DATA_HOME", t.TempDir())
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	e := &sandboxEnv{ca: testpki.NewCA(t, "test CA"), gw: forwardtest.NewGateway(t, "gw-1"),
+	e := &sandboxEnv{ca: testpki.NewCA(t, "test CA"), gw: forwardtest.NewGateway(t, gatewayKeyID),
 		addr: loopbackAddr(t), adminAddr: loopbackAddr(t), logFile: filepath.Join(t.TempDir(), "caddy.log")}
-	e.client = e.ca.Client(t, "gateway-1")
+	e.client = e.ca.Client(t, "gateway-1") // gatewaySubject
 	server := e.ca.Server(t)
 	sandbox := map[string]any{
 		"handler":     "sandbox",
-		"keys":        []any{map[string]any{"id": "gw-1", "public_key": base64.StdEncoding.EncodeToString(e.gw.Pub)}},
+		"keys":        []any{map[string]any{"id": gatewayKeyID, "public_key": base64.StdEncoding.EncodeToString(e.gw.Pub)}},
 		"allow_cidrs": []string{"127.0.0.0/8"},
 	}
 	for k, v := range sandboxOpts {
@@ -525,9 +532,10 @@ func sandboxTunnelObservability(t *testing.T, kernel bool) {
 		t.Fatalf("gateway read: %v", err)
 	}
 	opened := e.waitTunnel(t, sandbox, first, reply)
-	if opened.Target != up.Addr().String() || opened.Peer != c.LocalAddr().String() ||
+	if opened.Target != up.Addr().String() || opened.Peer != c.LocalAddr().String() || opened.Certificate != gatewaySubject || opened.KeyID != gatewayKeyID ||
 		opened.Opened.Before(start) || opened.Opened.After(time.Now()) || opened.LastActivity.Before(opened.Opened) {
-		t.Errorf("GET /sandbox/tunnels: %+v; want target %s, peer %s, opened after %v, last activity since", opened, up.Addr(), c.LocalAddr(), start)
+		t.Errorf("GET /sandbox/tunnels: %+v; want target %s, peer %s, client certificate %s, key %s, opened after %v, last activity since",
+			opened, up.Addr(), c.LocalAddr(), gatewaySubject, gatewayKeyID, start)
 	}
 	if a := activityOf(t, e, sandbox); a != (sandboxTotals{Sandbox: sandbox, BytesToSandbox: first, BytesFromSandbox: reply, OpenTunnels: 1, TotalTunnels: 1}) {
 		t.Errorf("GET /sandbox/activity while open: %+v", a)
@@ -876,8 +884,9 @@ func sandboxRejections(t *testing.T, kernel bool) {
 			want[tc.reason]++
 			l := e.waitLogLine(t, rejectedMsg, logged)
 			if l["level"] != "warn" || l["reason"] != tc.reason || l["peer"] != c.LocalAddr().String() ||
-				!strings.Contains(fmt.Sprint(l["error"]), tc.cause) {
-				t.Errorf("log line %v: want a WARN with reason %q, peer %s and an error saying %q", l, tc.reason, c.LocalAddr(), tc.cause)
+				l["client_certificate"] != gatewaySubject || !strings.Contains(fmt.Sprint(l["error"]), tc.cause) {
+				t.Errorf("log line %v: want a WARN with reason %q, peer %s, client_certificate %s and an error saying %q",
+					l, tc.reason, c.LocalAddr(), gatewaySubject, tc.cause)
 			}
 		})
 	}
@@ -1602,8 +1611,11 @@ func TestSandboxEventsEmitted(t *testing.T) {
 	checkTunnelTransfer(t, up, size, 9, n, sum)
 	opened := recordedEvent(t, "sandbox_tunnel_opened", sandbox)
 	closed := recordedEvent(t, "sandbox_tunnel_closed", sandbox)
-	if opened["target"] != up.Addr().String() || opened["id"] != closed["id"] || !strings.HasPrefix(opened["peer"].(string), "127.0.0.1:") {
-		t.Errorf("opened event %v does not describe the tunnel (closed: %v)", opened, closed)
+	for _, ev := range []map[string]any{opened, closed} {
+		if ev["target"] != up.Addr().String() || ev["id"] != opened["id"] || !strings.HasPrefix(ev["peer"].(string), "127.0.0.1:") ||
+			ev["client_certificate"] != gatewaySubject || ev["key_id"] != gatewayKeyID {
+			t.Errorf("event %v does not describe the tunnel (opened: %v)", ev, opened)
+		}
 	}
 	if closed["bytes_to_sandbox"] != int64(size) || closed["bytes_from_sandbox"] != int64(size+3) {
 		t.Errorf("closed event %v, want bytes_to_sandbox %d and bytes_from_sandbox %d", closed, size, size+3)

@@ -236,6 +236,15 @@ func lwSandboxShape(t *testing.T, kernel bool) {
 		checkGatewayEnd(t, err, kernel, true)
 	}
 	refused.Close()
+	// It is attributed to the gateway's certificate here too (the session
+	// comes from the wrapped connection, not from caddy-l4).
+	var rejected []map[string]any
+	for deadline := time.Now().Add(5 * time.Second); len(rejected) == 0 && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		rejected = jsonLogLines(t, f.logFile, "sandbox tunnel rejected")
+	}
+	if len(rejected) != 1 || rejected[0]["reason"] != "bad-signature" || rejected[0]["client_certificate"] != "CN=gateway-9" {
+		t.Errorf("rejections logged %v, want one bad-signature from CN=gateway-9", rejected)
+	}
 
 	// HTTPS on the same port falls through layer4 to the HTTP server, and
 	// the requests still see the TLS session; Caddy logs no WARN for them.

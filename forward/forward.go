@@ -87,9 +87,11 @@ type Client struct {
 	// OnOpen, when set, is called once the target is connected and the
 	// tunnel registered, before any byte is relayed.
 	OnOpen func(TunnelInfo)
-	// Peer names the client in logs and the registry (a remote address or
-	// a certificate subject).
+	// Peer names the client in logs and the registry: its remote address.
 	Peer string
+	// Certificate is the subject of the client's TLS certificate, for the
+	// registry (Origin); empty when there is none.
+	Certificate string
 }
 
 // Result describes a tunnel that was carried.
@@ -205,7 +207,7 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	}
 	// Register only once the target answered, so open-tunnel counts never
 	// include dials that fail; a drain that began meanwhile still wins.
-	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, c.Peer)
+	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, Origin{Peer: c.Peer, Certificate: c.Certificate, KeyID: claims.KeyID})
 	if err != nil {
 		up.Close()
 		return nil, nil, nil, err

@@ -61,8 +61,8 @@ type Tunnel struct {
 	ID      uint64
 	Sandbox string
 	Target  string
-	Peer    string
-	Opened  time.Time
+	Origin
+	Opened time.Time
 
 	reg         *Registry
 	sb          *sandboxCounters
@@ -76,10 +76,10 @@ type Tunnel struct {
 
 // TunnelInfo is a snapshot of one tunnel, as served by the admin API.
 type TunnelInfo struct {
-	ID               uint64    `json:"id"`
-	Sandbox          string    `json:"sandbox"`
-	Target           string    `json:"target"`
-	Peer             string    `json:"peer"`
+	ID      uint64 `json:"id"`
+	Sandbox string `json:"sandbox"`
+	Target  string `json:"target"`
+	Origin
 	Opened           time.Time `json:"opened"`
 	LastActivity     time.Time `json:"last_activity"`
 	BytesToSandbox   int64     `json:"bytes_to_sandbox"`
@@ -111,10 +111,22 @@ type drainingError struct{}
 
 func (drainingError) Error() string { return "the forwarder is draining before exit" }
 
+// Origin is who opened a tunnel, as its logs, events and the admin API
+// attribute it.
+type Origin struct {
+	// Peer is the client's remote address.
+	Peer string `json:"peer"`
+	// Certificate is the subject of the client's TLS certificate (for
+	// example "CN=gateway-1"); empty when it presented none.
+	Certificate string `json:"client_certificate,omitempty"`
+	// KeyID names the key that signed the accepted preamble.
+	KeyID string `json:"key_id"`
+}
+
 // Open registers a new tunnel, or refuses it while the registry drains.
 // The tunnel's relay must run under the returned context: Drain cancels it
 // when the grace period is over.
-func (r *Registry) Open(sandbox, target, peer string) (*Tunnel, context.Context, error) {
+func (r *Registry) Open(sandbox, target string, origin Origin) (*Tunnel, context.Context, error) {
 	now := time.Now()
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -132,7 +144,7 @@ func (r *Registry) Open(sandbox, target, peer string) (*Tunnel, context.Context,
 	sb.total.Add(1)
 	sb.lastActivity.Store(now.UnixNano())
 	ctx, cancel := context.WithCancel(context.Background())
-	t := &Tunnel{ID: r.nextID, Sandbox: sandbox, Target: target, Peer: peer, Opened: now, reg: r, sb: sb, cancel: cancel}
+	t := &Tunnel{ID: r.nextID, Sandbox: sandbox, Target: target, Origin: origin, Opened: now, reg: r, sb: sb, cancel: cancel}
 	t.lastActive.Store(now.UnixNano())
 	r.tunnels[t.ID] = t
 	r.opened.Add(1)
@@ -200,7 +212,7 @@ func (t *Tunnel) touch() {
 // Info returns a snapshot of the tunnel.
 func (t *Tunnel) Info() TunnelInfo {
 	return TunnelInfo{
-		ID: t.ID, Sandbox: t.Sandbox, Target: t.Target, Peer: t.Peer, Opened: t.Opened,
+		ID: t.ID, Sandbox: t.Sandbox, Target: t.Target, Origin: t.Origin, Opened: t.Opened,
 		LastActivity:     time.Unix(0, t.lastActive.Load()),
 		BytesToSandbox:   t.toSandbox.Load(),
 		BytesFromSandbox: t.fromSandbox.Load(),

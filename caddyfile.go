@@ -63,6 +63,7 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		max_clock_skew     <duration>
 //		max_preamble_ttl   <duration>
 //		replay_cache_size  <n>
+//		max_tunnels_per_sandbox <n>
 //		preamble_timeout   <duration>
 //		dial_timeout       <duration>
 //		keepalive          <duration>
@@ -117,15 +118,16 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.RequireChannelBinding = true
-		case "replay_cache_size":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			n, err := positiveInt(d, d.Val())
+		case "replay_cache_size", "max_tunnels_per_sandbox":
+			n, err := positiveIntArg(d)
 			if err != nil {
 				return err
 			}
-			h.ReplayCacheSize = n
+			if opt == "replay_cache_size" {
+				h.ReplayCacheSize = n
+			} else {
+				h.MaxTunnelsPerSandbox = n
+			}
 		case "allow":
 			args := d.RemainingArgs()
 			if len(args) == 0 {
@@ -175,10 +177,7 @@ func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
 				p.Backoff = dur
 			}
 		case "attempts", "queue_size":
-			if !d.NextArg() {
-				return nil, d.ArgErr()
-			}
-			n, err := positiveInt(d, d.Val())
+			n, err := positiveIntArg(d)
 			if err != nil {
 				return nil, err
 			}
@@ -220,10 +219,19 @@ func noArgs(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-func positiveInt(d *caddyfile.Dispenser, s string) (int, error) {
-	n, err := strconv.Atoi(s)
+// positiveIntArg reads the one argument of the option d is on, a positive
+// integer.
+func positiveIntArg(d *caddyfile.Dispenser) (int, error) {
+	opt := d.Val()
+	if !d.NextArg() {
+		return 0, d.ArgErr()
+	}
+	n, err := strconv.Atoi(d.Val())
 	if err != nil || n <= 0 {
-		return 0, d.Errf("%q is not a positive integer", s)
+		return 0, d.Errf("%s: %q is not a positive integer", opt, d.Val())
+	}
+	if d.NextArg() {
+		return 0, d.ArgErr()
 	}
 	return n, nil
 }

@@ -242,6 +242,12 @@ type SandboxHandler struct {
 	// this, max_preamble_ttl and max_clock_skew stay the same.
 	ReplayCacheSize int `json:"replay_cache_size,omitempty"`
 
+	// MaxTunnelsPerSandbox caps the tunnels open at once to one sandbox
+	// (counted over the whole process, every configuration's tunnels
+	// included): one more is refused with reason "tunnel-limit" before its
+	// target is dialed. Default: 0, no cap.
+	MaxTunnelsPerSandbox int `json:"max_tunnels_per_sandbox,omitempty"`
+
 	// PreambleTimeout bounds the wait for the whole preamble: the only
 	// deadline a tunnel ever has. Default: 5s.
 	PreambleTimeout caddy.Duration `json:"preamble_timeout,omitempty"`
@@ -353,6 +359,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		DialTimeout:     time.Duration(h.DialTimeout),
 		KeepAlive:       time.Duration(h.KeepAlive),
 		UserTimeout:     time.Duration(h.TCPUserTimeout),
+		MaxPerSandbox:   h.MaxTunnelsPerSandbox,
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)

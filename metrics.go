@@ -160,7 +160,8 @@ func rejectReasons() []string {
 	for _, r := range preamble.Reasons() {
 		rs = append(rs, string(r))
 	}
-	return append(rs, string(forward.ReasonTargetDenied), string(forward.ReasonDialFailed), string(forward.ReasonDraining), "other")
+	return append(rs, string(forward.ReasonTargetDenied), string(forward.ReasonDialFailed), string(forward.ReasonDraining),
+		string(forward.ReasonTunnelLimit), "other")
 }
 
 // registerMetrics adds the process collector to this configuration's

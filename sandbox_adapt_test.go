@@ -25,6 +25,8 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\tkey only-id\n}", "key takes a key ID and a base64"},
 		{"sandbox {\n\tpreamble_timeout soon\n}", "not a positive duration"},
 		{"sandbox {\n\treplay_cache_size -1\n}", "not a positive integer"},
+		{"sandbox {\n\tmax_tunnels_per_sandbox 0\n}", `max_tunnels_per_sandbox: "0" is not a positive integer`},
+		{"sandbox {\n\tmax_tunnels_per_sandbox 8 16\n}", "wrong argument count"},
 		{"sandbox {\n\tactivity_push\n}", "activity_push needs a URL"},
 		{"sandbox {\n\tfrobnicate\n}", `unknown sandbox handler option "frobnicate"`},
 		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},

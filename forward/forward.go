@@ -43,6 +43,11 @@ type Config struct {
 	UserTimeout time.Duration
 	// Pipes supplies splice pipes; nil means splice.DefaultPipePool().
 	Pipes *splice.PipePool
+	// MaxPerSandbox caps the tunnels open at once to one sandbox, as the
+	// Registry counts them (all its Forwarders' tunnels): one more is
+	// refused (ReasonTunnelLimit) before its target is dialed. Zero means
+	// no cap.
+	MaxPerSandbox int
 }
 
 // Forwarder carries tunnels: one Serve call per client connection.
@@ -58,6 +63,9 @@ func New(cfg Config) (*Forwarder, error) {
 	}
 	if cfg.PreambleTimeout < 0 || cfg.DialTimeout < 0 || cfg.KeepAlive < 0 || cfg.UserTimeout < 0 {
 		return nil, errors.New("forward: negative timeout")
+	}
+	if cfg.MaxPerSandbox < 0 {
+		return nil, errors.New("forward: negative MaxPerSandbox")
 	}
 	if cfg.PreambleTimeout == 0 {
 		cfg.PreambleTimeout = DefaultPreambleTimeout
@@ -200,6 +208,11 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	if err := f.cfg.Policy.Check(claims.Target); err != nil {
 		return nil, nil, nil, &RejectError{Reason: ReasonTargetDenied, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}
+	// Checked before the dial, so that a sandbox at its cap costs its
+	// target nothing; Open checks again, for tunnels opening at once.
+	if err := f.cfg.Registry.checkLimit(claims.SandboxID, f.cfg.MaxPerSandbox); err != nil {
+		return nil, nil, nil, err
+	}
 	target := claims.Target.String()
 	up, err := f.sock.dial(context.Background(), target, f.cfg.DialTimeout)
 	if err != nil {
@@ -207,7 +220,7 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	}
 	// Register only once the target answered, so open-tunnel counts never
 	// include dials that fail; a drain that began meanwhile still wins.
-	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, Origin{Peer: c.Peer, Certificate: c.Certificate, KeyID: claims.KeyID})
+	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, Origin{Peer: c.Peer, Certificate: c.Certificate, KeyID: claims.KeyID}, f.cfg.MaxPerSandbox)
 	if err != nil {
 		up.Close()
 		return nil, nil, nil, err

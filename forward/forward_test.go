@@ -380,3 +380,46 @@ func TestDrainRefusesNewAndClosesAfterGrace(t *testing.T) {
 		t.Fatalf("outcomes %v, %v; want one drained (context canceled) and one refused as draining", errs[0], errs[1])
 	}
 }
+
+// MaxPerSandbox caps one sandbox's open tunnels: one more is refused as
+// tunnel-limit before any dial, other sandboxes are not affected, and a
+// tunnel that ends makes room again.
+func TestTunnelLimitPerSandbox(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up := forwardtest.NewUpstream(t, 0)
+	f := newFixture(t, func(c *Config) { c.MaxPerSandbox = 2 })
+	open := func(sandbox string) *net.TCPConn {
+		c := f.dial(t)
+		t.Cleanup(func() { c.Close() })
+		if _, err := c.Write(f.gw.Frame(t, sandbox, up.Addr())); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	waitOpen := func(want int) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			if open, _ := f.reg.Counts(); open == want {
+				return
+			} else if time.Now().After(deadline) {
+				t.Fatalf("%d tunnels open, want %d", open, want)
+			}
+		}
+	}
+	a1 := open("sbx-a")
+	open("sbx-a")
+	waitOpen(2)
+	f.refused(t, 1, string(ReasonTunnelLimit), func(c *net.TCPConn) { c.Write(f.gw.Frame(t, "sbx-a", up.Addr())) })
+	if n := up.Accepted(); n != 2 {
+		t.Errorf("the target was dialed %d times, want 2: the refused tunnel must not dial", n)
+	}
+	open("sbx-b")
+	waitOpen(3)
+	a1.Close()
+	waitOpen(2)
+	open("sbx-a")
+	waitOpen(3)
+	if rej := f.reg.Rejections(); rej[string(ReasonTunnelLimit)] != 1 || len(rej) != 1 {
+		t.Errorf("rejections %v, want one tunnel-limit", rej)
+	}
+}

@@ -40,8 +40,8 @@ func TestPusherDeltasSumToBytesMoved(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.Start()
-	a, _, _ := reg.Open("sbx-a", "10.0.0.1:1", Origin{Peer: "peer"})
-	b, _, _ := reg.Open("sbx-b", "10.0.0.2:1", Origin{Peer: "peer"})
+	a, _, _ := reg.Open("sbx-a", "10.0.0.1:1", Origin{Peer: "peer"}, 0)
+	b, _, _ := reg.Open("sbx-b", "10.0.0.2:1", Origin{Peer: "peer"}, 0)
 	for i := range 200 {
 		a.AddToSandbox(int64(i))
 		a.AddFromSandbox(3)
@@ -84,7 +84,7 @@ func TestPusherRetriesThenDrops(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.Start()
-	tun, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{Peer: "peer"})
+	tun, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{Peer: "peer"}, 0)
 	tun.AddToSandbox(1 << 20)
 	tun.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -108,7 +108,7 @@ func TestPusherQueueBound(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tun, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{Peer: "peer"})
+	tun, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{Peer: "peer"}, 0)
 	defer tun.Close()
 	for range 5 {
 		tun.AddToSandbox(1)

@@ -14,6 +14,9 @@ const (
 	ReasonDialFailed Reason = "dial-failed"
 	// ReasonDraining: the process is exiting and accepts no new tunnels.
 	ReasonDraining Reason = "draining"
+	// ReasonTunnelLimit: the sandbox already has as many open tunnels as
+	// the forwarder allows one sandbox.
+	ReasonTunnelLimit Reason = "tunnel-limit"
 )
 
 // RejectError is returned by Forwarder.Serve when a tunnel is refused before

@@ -2,6 +2,7 @@ package forward
 
 import (
 	"context"
+	"fmt"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -123,15 +124,19 @@ type Origin struct {
 	KeyID string `json:"key_id"`
 }
 
-// Open registers a new tunnel, or refuses it while the registry drains.
-// The tunnel's relay must run under the returned context: Drain cancels it
-// when the grace period is over.
-func (r *Registry) Open(sandbox, target string, origin Origin) (*Tunnel, context.Context, error) {
+// Open registers a new tunnel, or refuses it while the registry drains or
+// when sandbox already has maxOpen tunnels open (zero: no cap). The
+// tunnel's relay must run under the returned context: Drain cancels it when
+// the grace period is over.
+func (r *Registry) Open(sandbox, target string, origin Origin, maxOpen int) (*Tunnel, context.Context, error) {
 	now := time.Now()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.draining {
 		return nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
+	}
+	if err := r.checkLimitLocked(sandbox, maxOpen); err != nil {
+		return nil, nil, err
 	}
 	r.pruneLocked(now)
 	r.nextID++
@@ -149,6 +154,21 @@ func (r *Registry) Open(sandbox, target string, origin Origin) (*Tunnel, context
 	r.tunnels[t.ID] = t
 	r.opened.Add(1)
 	return t, ctx, nil
+}
+
+// checkLimit refuses a tunnel to sandbox when it has maxOpen tunnels open
+// already (zero: no cap).
+func (r *Registry) checkLimit(sandbox string, maxOpen int) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.checkLimitLocked(sandbox, maxOpen)
+}
+
+func (r *Registry) checkLimitLocked(sandbox string, maxOpen int) error {
+	if sb := r.sandboxes[sandbox]; maxOpen > 0 && sb != nil && sb.open.Load() >= int64(maxOpen) {
+		return &RejectError{Reason: ReasonTunnelLimit, Err: fmt.Errorf("sandbox %s has %d tunnels open, the most allowed", sandbox, maxOpen)}
+	}
+	return nil
 }
 
 func (r *Registry) pruneLocked(now time.Time) {

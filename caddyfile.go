@@ -64,6 +64,7 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		max_preamble_ttl   <duration>
 //		replay_cache_size  <n>
 //		max_tunnels_per_sandbox <n>
+//		max_tunnel_lifetime <duration>
 //		preamble_timeout   <duration>
 //		dial_timeout       <duration>
 //		keepalive          <duration>
@@ -88,7 +89,7 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		"max_clock_skew": &h.MaxClockSkew, "max_preamble_ttl": &h.MaxPreambleTTL,
 		"preamble_timeout": &h.PreambleTimeout, "dial_timeout": &h.DialTimeout,
 		"keepalive": &h.KeepAlive, "tcp_user_timeout": &h.TCPUserTimeout,
-		"drain_grace_period": &h.DrainGracePeriod,
+		"drain_grace_period": &h.DrainGracePeriod, "max_tunnel_lifetime": &h.MaxTunnelLifetime,
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()

@@ -1134,3 +1134,44 @@ func sandboxTunnelLimit(t *testing.T, kernel bool) {
 	through(held[1], 4)
 	waitIdle(t)
 }
+
+// max_tunnel_lifetime ends a tunnel still moving bytes at that age as a
+// failure: the gateway reads what the target sent, then the failure (a
+// reset in userspace TLS, internal_error on kTLS), never close_notify; the
+// end is logged with the reason and counted.
+func TestSandboxTunnelLifetime(t *testing.T) { sandboxTunnelLifetime(t, false) }
+
+// TestKernelSandboxTunnelLifetime is TestSandboxTunnelLifetime on a kTLS
+// kernel.
+func TestKernelSandboxTunnelLifetime(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxTunnelLifetime(t, true)
+}
+
+func sandboxTunnelLifetime(t *testing.T, kernel bool) {
+	const lifetime = 500 * time.Millisecond
+	target := tricklingUpstream(t, 1<<10, 20*time.Millisecond)
+	e := newSandboxEnv(t, map[string]any{"max_tunnel_lifetime": lifetime.String()})
+	forwardtest.CheckLeaks(t)
+	expired := tunnels.Expired()
+	c := e.dial(t, uniqueSandbox("sbx-lifetime"), target)
+	defer c.Close()
+	start := time.Now()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	n, err := io.Copy(io.Discard, c)
+	if age := time.Since(start); n == 0 || age < lifetime {
+		t.Errorf("the gateway read %d bytes in %v; want the trickle for the %v lifetime", n, age, lifetime)
+	}
+	checkGatewayEnd(t, err, kernel, false)
+	l := e.waitLogLine(t, "sandbox tunnel ended with an error", 0)
+	if !strings.Contains(fmt.Sprint(l["error"]), "the tunnel reached its lifetime of 500ms") || l["client_certificate"] != gatewaySubject {
+		t.Errorf("log line %v, want the lifetime named as the end of %s's tunnel", l, gatewaySubject)
+	}
+	waitIdle(t)
+	if got := tunnels.Expired() - expired; got != 1 {
+		t.Errorf("%d tunnels counted as expired, want 1", got)
+	}
+	if !regexp.MustCompile(`(?m)^caddy_ktls_sandbox_tunnels_expired_total [1-9]`).Match(e.adminBody(t, "/metrics")) {
+		t.Error("/metrics counts no caddy_ktls_sandbox_tunnels_expired_total")
+	}
+}

@@ -248,6 +248,13 @@ type SandboxHandler struct {
 	// target is dialed. Default: 0, no cap.
 	MaxTunnelsPerSandbox int `json:"max_tunnels_per_sandbox,omitempty"`
 
+	// MaxTunnelLifetime ends a tunnel that has been open this long as a
+	// failure (both sides aborted), whatever it is doing: it bounds how
+	// long a tunnel outlives a key or certificate that a reload revoked.
+	// Counted in caddy_ktls_sandbox_tunnels_expired_total. Default: 0, no
+	// limit.
+	MaxTunnelLifetime caddy.Duration `json:"max_tunnel_lifetime,omitempty"`
+
 	// PreambleTimeout bounds the wait for the whole preamble: the only
 	// deadline a tunnel ever has. Default: 5s.
 	PreambleTimeout caddy.Duration `json:"preamble_timeout,omitempty"`
@@ -360,6 +367,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		KeepAlive:       time.Duration(h.KeepAlive),
 		UserTimeout:     time.Duration(h.TCPUserTimeout),
 		MaxPerSandbox:   h.MaxTunnelsPerSandbox,
+		MaxLifetime:     time.Duration(h.MaxTunnelLifetime),
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)

@@ -27,6 +27,7 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\treplay_cache_size -1\n}", "not a positive integer"},
 		{"sandbox {\n\tmax_tunnels_per_sandbox 0\n}", `max_tunnels_per_sandbox: "0" is not a positive integer`},
 		{"sandbox {\n\tmax_tunnels_per_sandbox 8 16\n}", "wrong argument count"},
+		{"sandbox {\n\tmax_tunnel_lifetime forever\n}", `max_tunnel_lifetime: "forever" is not a positive duration`},
 		{"sandbox {\n\tactivity_push\n}", "activity_push needs a URL"},
 		{"sandbox {\n\tfrobnicate\n}", `unknown sandbox handler option "frobnicate"`},
 		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},

@@ -43,6 +43,11 @@ type Config struct {
 	UserTimeout time.Duration
 	// Pipes supplies splice pipes; nil means splice.DefaultPipePool().
 	Pipes *splice.PipePool
+	// MaxLifetime, when positive, ends a tunnel that has been open that
+	// long as a failure (both sides aborted; the error is a
+	// *LifetimeError), whatever it is doing. It bounds how long a tunnel
+	// outlives a key or certificate revoked by a reload. Zero means none.
+	MaxLifetime time.Duration
 	// MaxPerSandbox caps the tunnels open at once to one sandbox, as the
 	// Registry counts them (all its Forwarders' tunnels): one more is
 	// refused (ReasonTunnelLimit) before its target is dialed. Zero means
@@ -64,8 +69,8 @@ func New(cfg Config) (*Forwarder, error) {
 	if cfg.PreambleTimeout < 0 || cfg.DialTimeout < 0 || cfg.KeepAlive < 0 || cfg.UserTimeout < 0 {
 		return nil, errors.New("forward: negative timeout")
 	}
-	if cfg.MaxPerSandbox < 0 {
-		return nil, errors.New("forward: negative MaxPerSandbox")
+	if cfg.MaxPerSandbox < 0 || cfg.MaxLifetime < 0 {
+		return nil, errors.New("forward: negative MaxPerSandbox or MaxLifetime")
 	}
 	if cfg.PreambleTimeout == 0 {
 		cfg.PreambleTimeout = DefaultPreambleTimeout
@@ -124,6 +129,11 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		return Result{}, err
 	}
 	defer tun.Close()
+	if f.cfg.MaxLifetime > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, f.cfg.MaxLifetime, &LifetimeError{Lifetime: f.cfg.MaxLifetime})
+		defer cancel()
+	}
 	if c.OnOpen != nil {
 		c.OnOpen(tun.Info())
 	}
@@ -158,7 +168,19 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		},
 	}).Run(ctx)
 	f.cfg.Registry.addDataPath(res)
+	if errors.As(err, new(*LifetimeError)) {
+		f.cfg.Registry.expired.Add(1)
+	}
 	return Result{Tunnel: tun.Info(), Relay: res}, err
+}
+
+// LifetimeError ends a tunnel that reached Config.MaxLifetime.
+type LifetimeError struct {
+	Lifetime time.Duration
+}
+
+func (e *LifetimeError) Error() string {
+	return fmt.Sprintf("the tunnel reached its lifetime of %v", e.Lifetime)
 }
 
 // Refuser is implemented by connections that can tell their peer that

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -421,5 +422,60 @@ func TestTunnelLimitPerSandbox(t *testing.T) {
 	waitOpen(3)
 	if rej := f.reg.Rejections(); rej[string(ReasonTunnelLimit)] != 1 || len(rej) != 1 {
 		t.Errorf("rejections %v, want one tunnel-limit", rej)
+	}
+}
+
+// MaxLifetime ends a tunnel that is still open at that age as a failure:
+// both sides reset (plain TCP here), the bytes sent before arrive, Serve
+// returns a *LifetimeError and the registry counts it.
+func TestTunnelLifetime(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	// The target reads and never answers nor closes: neither direction
+	// ends by itself.
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	type upResult struct {
+		n   int64
+		err error
+	}
+	upDone := make(chan upResult, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			upDone <- upResult{err: err}
+			return
+		}
+		defer c.Close()
+		n, err := io.Copy(io.Discard, c)
+		upDone <- upResult{n, err}
+	}()
+	const lifetime = 300 * time.Millisecond
+	f := newFixture(t, func(c *Config) { c.MaxLifetime = lifetime })
+	c := f.dial(t)
+	defer c.Close()
+	payload := bytes.Repeat([]byte("x"), 1000)
+	start := time.Now()
+	if _, err := c.Write(append(f.gw.Frame(t, "sbx-old", ln.Addr().(*net.TCPAddr).AddrPort()), payload...)); err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := io.Copy(io.Discard, c); n != 0 || !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("client read %d bytes, err %v; want the tunnel reset at its lifetime", n, err)
+	}
+	var le *LifetimeError
+	if err := f.wait(t, 1)[0]; !errors.As(err, &le) || le.Lifetime != lifetime || !strings.Contains(err.Error(), "lifetime of 300ms") {
+		t.Fatalf("Serve: %v, want a *LifetimeError of %v", err, lifetime)
+	}
+	if age := time.Since(start); age < lifetime {
+		t.Errorf("the tunnel ended after %v, before its lifetime", age)
+	}
+	if r := <-upDone; r.n != int64(len(payload)) || !errors.Is(r.err, syscall.ECONNRESET) {
+		t.Errorf("target read %d bytes, then %v; want the %d bytes, then a reset", r.n, r.err, len(payload))
+	}
+	if n := f.reg.Expired(); n != 1 {
+		t.Errorf("registry counts %d expired tunnels, want 1", n)
 	}
 }

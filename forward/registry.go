@@ -27,7 +27,8 @@ type Registry struct {
 	idle      chan struct{} // closed and replaced whenever the last open tunnel closes
 	lastPrune time.Time
 
-	opened atomic.Uint64
+	opened  atomic.Uint64
+	expired atomic.Uint64 // tunnels ended at Config.MaxLifetime
 	// Bytes of all tunnels ever, by direction (sandbox entries are pruned).
 	toSandbox, fromSandbox atomic.Int64
 	// Data-path totals of closed tunnels' relays (package splice's counters).
@@ -260,6 +261,12 @@ func (t *Tunnel) Close() {
 // made, towards and from the sandboxes.
 func (r *Registry) Totals() (toSandbox, fromSandbox int64) {
 	return r.toSandbox.Load(), r.fromSandbox.Load()
+}
+
+// Expired returns how many tunnels were ended for reaching their lifetime
+// (Config.MaxLifetime) since the registry was made.
+func (r *Registry) Expired() uint64 {
+	return r.expired.Load()
 }
 
 // DataPath is how the bytes of closed tunnels moved.

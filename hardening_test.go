@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -1174,4 +1175,105 @@ func sandboxTunnelLifetime(t *testing.T, kernel bool) {
 	if !regexp.MustCompile(`(?m)^caddy_ktls_sandbox_tunnels_expired_total [1-9]`).Match(e.adminBody(t, "/metrics")) {
 		t.Error("/metrics counts no caddy_ktls_sandbox_tunnels_expired_total")
 	}
+}
+
+// A reload that stops trusting a gateway key ends that key's open tunnels
+// as failures, logged with the reason and counted, while the tunnels of the
+// keys it still trusts keep moving; the retired key's new tunnels are
+// refused (unknown-key).
+func TestSandboxReloadRevokesKey(t *testing.T) { sandboxReloadRevokesKey(t, false) }
+
+// TestKernelSandboxReloadRevokesKey is TestSandboxReloadRevokesKey on a
+// kTLS kernel, where the revoked tunnel's gateway reads internal_error.
+func TestKernelSandboxReloadRevokesKey(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxReloadRevokesKey(t, true)
+}
+
+func sandboxReloadRevokesKey(t *testing.T, kernel bool) {
+	target := tricklingUpstream(t, 1<<10, 20*time.Millisecond)
+	retired := forwardtest.NewGateway(t, "gw-retired")
+	e := newSandboxConfig(t, nil)
+	trusted := e.sandboxHandler()["keys"].([]any)
+	e.sandboxHandler()["keys"] = append(trusted, map[string]any{"id": "gw-retired", "public_key": base64.StdEncoding.EncodeToString(retired.Pub)})
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	revoked0 := tunnels.Revoked()
+	dial := func(signer *preamble.Signer) *tls.Conn {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c, err := preamble.Dial(ctx, "tcp", e.addr, e.tlsConfig(e.client), signer, preamble.Claims{SandboxID: uniqueSandbox("sbx-revoke"), Target: target})
+		if err != nil {
+			t.Fatalf("preamble.Dial: %v", err)
+		}
+		return c
+	}
+	type reader struct {
+		n   atomic.Int64
+		end chan error
+	}
+	read := func(c *tls.Conn) *reader {
+		r := &reader{end: make(chan error, 1)}
+		go func() {
+			buf := make([]byte, 16<<10)
+			for {
+				n, err := c.Read(buf)
+				r.n.Add(int64(n))
+				if err != nil {
+					r.end <- err
+					return
+				}
+			}
+		}()
+		return r
+	}
+	keptConn, goneConn := dial(e.gw.Signer), dial(retired.Signer)
+	defer keptConn.Close()
+	defer goneConn.Close()
+	kept, gone := read(keptConn), read(goneConn)
+	waitUntil(t, 10*time.Second, func() bool { return kept.n.Load() > 0 && gone.n.Load() > 0 }, "both tunnels to move bytes")
+
+	e.sandboxHandler()["keys"] = trusted
+	e.postLoad(t)
+	select {
+	case err := <-gone.end:
+		checkGatewayEnd(t, err, kernel, false)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the retired key's tunnel is still open after the reload")
+	}
+	l := e.waitLogLine(t, "sandbox tunnel ended with an error", 0)
+	if l["key_id"] != "gw-retired" || !strings.Contains(fmt.Sprint(l["error"]), "the key gw-retired that signed the tunnel's preamble is no longer trusted") {
+		t.Errorf("log line %v, want the retired key named as the end", l)
+	}
+	if w := e.logLines(t, "closed open tunnels whose signing key no loaded configuration trusts any more"); len(w) != 1 || w[0]["tunnels"] != 1.0 {
+		t.Errorf("WARN lines %v, want one closing 1 tunnel", w)
+	}
+	if n := tunnels.Revoked() - revoked0; n != 1 {
+		t.Errorf("%d tunnels counted as revoked, want 1", n)
+	}
+	if !regexp.MustCompile(`(?m)^caddy_ktls_sandbox_tunnels_revoked_total [1-9]`).Match(e.adminBody(t, "/metrics")) {
+		t.Error("/metrics counts no caddy_ktls_sandbox_tunnels_revoked_total")
+	}
+	// The trusted key's tunnel went on through the reload.
+	at := kept.n.Load()
+	waitUntil(t, 10*time.Second, func() bool { return kept.n.Load() > at }, "the trusted key's tunnel to keep moving after the reload")
+	select {
+	case err := <-kept.end:
+		t.Fatalf("the trusted key's tunnel ended: %v", err)
+	default:
+	}
+	// The retired key opens no new tunnel.
+	before := tunnels.Rejections()[string(preamble.ReasonUnknownKey)]
+	c := dial(retired.Signer)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := io.Copy(io.Discard, c); n != 0 {
+		t.Errorf("a tunnel signed by the retired key read %d bytes", n)
+	} else {
+		checkGatewayEnd(t, err, kernel, true)
+	}
+	c.Close()
+	waitRejections(t, string(preamble.ReasonUnknownKey), before+1)
+	keptConn.Close()
+	waitIdle(t)
 }

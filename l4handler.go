@@ -11,6 +11,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"syscall"
 	"time"
 
@@ -34,7 +35,8 @@ func init() {
 
 // tunnels is the process-level tunnel registry: every configuration loaded
 // over the process's lifetime shares it, so tunnels and their counters
-// survive reloads (a reload never closes a tunnel; only process exit drains).
+// survive reloads (only process exit drains; a reload ends only the tunnels
+// of keys it revoked, see keyrings).
 var tunnels = forward.NewRegistry()
 
 // KTLSHandler terminates TLS inside caddy-l4 and moves the session into the
@@ -250,7 +252,8 @@ type SandboxHandler struct {
 
 	// MaxTunnelLifetime ends a tunnel that has been open this long as a
 	// failure (both sides aborted), whatever it is doing: it bounds how
-	// long a tunnel outlives a key or certificate that a reload revoked.
+	// long a tunnel outlives a client certificate that a reload revoked
+	// (a revoked key ends its tunnels at once).
 	// Counted in caddy_ktls_sandbox_tunnels_expired_total. Default: 0, no
 	// limit.
 	MaxTunnelLifetime caddy.Duration `json:"max_tunnel_lifetime,omitempty"`
@@ -286,7 +289,7 @@ type SandboxHandler struct {
 	ActivityPush *ActivityPush `json:"activity_push,omitempty"`
 
 	// DrainGracePeriod is how long open tunnels may keep running when the
-	// process exits before they are closed. Reloads never close tunnels.
+	// process exits before they are closed. Reloads do not drain.
 	// Default: 30s.
 	DrainGracePeriod caddy.Duration `json:"drain_grace_period,omitempty"`
 
@@ -394,7 +397,43 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		pushers.add(h.pusher)
 		h.pusher.Start()
 	}
+	keyrings.add(h, keys)
 	return nil
+}
+
+// keyrings holds the gateway keys of every provisioned sandbox handler, of
+// every loaded configuration: when a reload retires a handler, the open
+// tunnels signed by a key that none of the others trusts (removed, or its
+// ID given to another key) are ended (Cleanup).
+var keyrings = &keyringSet{live: map[*SandboxHandler]map[string]ed25519.PublicKey{}}
+
+type keyringSet struct {
+	mu   sync.Mutex
+	live map[*SandboxHandler]map[string]ed25519.PublicKey
+}
+
+func (s *keyringSet) add(h *SandboxHandler, keys map[string]ed25519.PublicKey) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.live[h] = keys
+}
+
+func (s *keyringSet) remove(h *SandboxHandler) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.live, h)
+}
+
+// trusts reports whether a live handler holds key under id.
+func (s *keyringSet) trusts(id string, key ed25519.PublicKey) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, keys := range s.live {
+		if k, ok := keys[id]; ok && k.Equal(key) {
+			return true
+		}
+	}
+	return false
 }
 
 // replayCaches holds the preamble replay caches in use, one per distinct
@@ -535,6 +574,14 @@ func (h *SandboxHandler) Cleanup() error {
 		cancel()
 		pushers.remove(h.pusher)
 		h.pusher = nil
+	}
+	keyrings.remove(h)
+	if !caddy.Exiting() {
+		// A reload (or a failed load's rollback): the retired handler's
+		// keys may be gone from the configuration that replaced it.
+		if n := tunnels.Revoke(keyrings.trusts); n > 0 {
+			h.logger.Warn("closed open tunnels whose signing key no loaded configuration trusts any more", zap.Int("tunnels", n))
+		}
 	}
 	if caddy.Exiting() && h.fwd != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(h.DrainGracePeriod))

@@ -21,7 +21,7 @@ import (
 // values are read from the process state at scrape time instead of being
 // kept in per-config metric objects.
 type collector struct {
-	tunnelsOpen, tunnelsOpened, tunnelsExpired, bytes, rejects, relayBytes, controlRecords, pipeShortages,
+	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, bytes, rejects, relayBytes, controlRecords, pipeShortages,
 	pushReports, offloads, offloadModes, connCloses, acceptRetries *prometheus.Desc
 }
 
@@ -29,6 +29,7 @@ var metrics = &collector{
 	tunnelsOpen:    prometheus.NewDesc("caddy_ktls_sandbox_tunnels_active", "Sandbox tunnels open now.", nil, nil),
 	tunnelsOpened:  prometheus.NewDesc("caddy_ktls_sandbox_tunnels_total", "Sandbox tunnels opened since the process started.", nil, nil),
 	tunnelsExpired: prometheus.NewDesc("caddy_ktls_sandbox_tunnels_expired_total", "Sandbox tunnels ended for reaching max_tunnel_lifetime.", nil, nil),
+	tunnelsRevoked: prometheus.NewDesc("caddy_ktls_sandbox_tunnels_revoked_total", "Sandbox tunnels ended because a reload left their signing key trusted by no configuration.", nil, nil),
 	bytes:          prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil),
 	rejects:        prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil),
 	relayBytes:     prometheus.NewDesc("caddy_ktls_relay_bytes_total", "Bytes of closed tunnels by data path: splice (never in userspace) or copy.", []string{"path"}, nil),
@@ -47,7 +48,7 @@ var metrics = &collector{
 
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.bytes, c.rejects, c.relayBytes,
+	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.tunnelsRevoked, c.bytes, c.rejects, c.relayBytes,
 		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.acceptRetries} {
 		ch <- d
 	}
@@ -59,6 +60,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.tunnelsOpen, prometheus.GaugeValue, float64(open))
 	ch <- prometheus.MustNewConstMetric(c.tunnelsOpened, prometheus.CounterValue, float64(opened))
 	ch <- prometheus.MustNewConstMetric(c.tunnelsExpired, prometheus.CounterValue, float64(tunnels.Expired()))
+	ch <- prometheus.MustNewConstMetric(c.tunnelsRevoked, prometheus.CounterValue, float64(tunnels.Revoked()))
 	to, from := tunnels.Totals()
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(to), "to_sandbox")
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(from), "from_sandbox")

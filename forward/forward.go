@@ -46,7 +46,7 @@ type Config struct {
 	// MaxLifetime, when positive, ends a tunnel that has been open that
 	// long as a failure (both sides aborted; the error is a
 	// *LifetimeError), whatever it is doing. It bounds how long a tunnel
-	// outlives a key or certificate revoked by a reload. Zero means none.
+	// outlives a client certificate revoked by a reload. Zero means none.
 	MaxLifetime time.Duration
 	// MaxPerSandbox caps the tunnels open at once to one sandbox, as the
 	// Registry counts them (all its Forwarders' tunnels): one more is
@@ -242,7 +242,9 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	}
 	// Register only once the target answered, so open-tunnel counts never
 	// include dials that fail; a drain that began meanwhile still wins.
-	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, Origin{Peer: c.Peer, Certificate: c.Certificate, KeyID: claims.KeyID}, f.cfg.MaxPerSandbox)
+	key, _ := f.cfg.Verifier.Key(claims.KeyID)
+	origin := Origin{Peer: c.Peer, Certificate: c.Certificate, KeyID: claims.KeyID, key: key}
+	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, origin, f.cfg.MaxPerSandbox)
 	if err != nil {
 		up.Close()
 		return nil, nil, nil, err

@@ -479,3 +479,35 @@ func TestTunnelLifetime(t *testing.T) {
 		t.Errorf("registry counts %d expired tunnels, want 1", n)
 	}
 }
+
+// Revoke ends the open tunnels whose key trusted refuses, a key ID now
+// bound to another key included, with a *RevokedError as the cause, and
+// leaves the others running.
+func TestRegistryRevoke(t *testing.T) {
+	reg := NewRegistry()
+	keep, gone, rebound := forwardtest.NewGateway(t, "gw-1"), forwardtest.NewGateway(t, "gw-2"), forwardtest.NewGateway(t, "gw-1")
+	open := func(g *forwardtest.Gateway) (*Tunnel, context.Context) {
+		tun, ctx, err := reg.Open("sbx", "10.0.0.1:1", Origin{Peer: "peer", KeyID: g.Signer.KeyID(), key: g.Pub}, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(tun.Close)
+		return tun, ctx
+	}
+	_, kept := open(keep)
+	_, revoked := open(gone)
+	_, reboundCtx := open(rebound)
+	n := reg.Revoke(func(id string, key ed25519.PublicKey) bool { return id == "gw-1" && key.Equal(keep.Pub) })
+	if n != 2 || reg.Revoked() != 2 {
+		t.Fatalf("Revoke ended %d tunnels (counted %d), want 2", n, reg.Revoked())
+	}
+	for name, ctx := range map[string]context.Context{"gw-2": revoked, "gw-1 bound to another key": reboundCtx} {
+		var re *RevokedError
+		if !errors.As(context.Cause(ctx), &re) || ctx.Err() == nil {
+			t.Errorf("%s: cause %v, want a *RevokedError", name, context.Cause(ctx))
+		}
+	}
+	if kept.Err() != nil {
+		t.Errorf("the trusted key's tunnel was ended: %v", context.Cause(kept))
+	}
+}

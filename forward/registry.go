@@ -2,6 +2,7 @@ package forward
 
 import (
 	"context"
+	"crypto/ed25519"
 	"fmt"
 	"sort"
 	"sync"
@@ -29,6 +30,7 @@ type Registry struct {
 
 	opened  atomic.Uint64
 	expired atomic.Uint64 // tunnels ended at Config.MaxLifetime
+	revoked atomic.Uint64 // tunnels ended by Revoke
 	// Bytes of all tunnels ever, by direction (sandbox entries are pruned).
 	toSandbox, fromSandbox atomic.Int64
 	// Data-path totals of closed tunnels' relays (package splice's counters).
@@ -72,8 +74,9 @@ type Tunnel struct {
 	fromSandbox atomic.Int64
 	lastActive  atomic.Int64
 
-	// cancel stops the tunnel's relay; a forced drain calls it.
-	cancel context.CancelFunc
+	// cancel stops the tunnel's relay with a cause (nil: context.Canceled);
+	// a forced drain and Revoke call it.
+	cancel context.CancelCauseFunc
 }
 
 // TunnelInfo is a snapshot of one tunnel, as served by the admin API.
@@ -123,6 +126,9 @@ type Origin struct {
 	Certificate string `json:"client_certificate,omitempty"`
 	// KeyID names the key that signed the accepted preamble.
 	KeyID string `json:"key_id"`
+	// key is that key, so that a key ID given to another key is a
+	// revocation too (Revoke).
+	key ed25519.PublicKey
 }
 
 // Open registers a new tunnel, or refuses it while the registry drains or
@@ -149,7 +155,7 @@ func (r *Registry) Open(sandbox, target string, origin Origin, maxOpen int) (*Tu
 	sb.open.Add(1)
 	sb.total.Add(1)
 	sb.lastActivity.Store(now.UnixNano())
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancelCause(context.Background())
 	t := &Tunnel{ID: r.nextID, Sandbox: sandbox, Target: target, Origin: origin, Opened: now, reg: r, sb: sb, cancel: cancel}
 	t.lastActive.Store(now.UnixNano())
 	r.tunnels[t.ID] = t
@@ -249,7 +255,7 @@ func (t *Tunnel) Close() {
 		return
 	}
 	delete(r.tunnels, t.ID)
-	t.cancel()
+	t.cancel(nil)
 	t.sb.open.Add(-1)
 	if len(r.tunnels) == 0 {
 		close(r.idle)
@@ -261,6 +267,42 @@ func (t *Tunnel) Close() {
 // made, towards and from the sandboxes.
 func (r *Registry) Totals() (toSandbox, fromSandbox int64) {
 	return r.toSandbox.Load(), r.fromSandbox.Load()
+}
+
+// Revoke ends, as failures, the open tunnels whose preamble was signed by
+// a key that trusted no longer accepts (trusted gets the key's ID and the
+// key itself): what a reload does when the new configuration stopped
+// trusting a gateway key. It returns how many tunnels it ended; their
+// Serve returns a *RevokedError.
+func (r *Registry) Revoke(trusted func(keyID string, key ed25519.PublicKey) bool) int {
+	r.mu.Lock()
+	var revoked []*Tunnel
+	for _, t := range r.tunnels {
+		if !trusted(t.KeyID, t.key) {
+			revoked = append(revoked, t)
+		}
+	}
+	r.mu.Unlock()
+	for _, t := range revoked {
+		t.cancel(&RevokedError{KeyID: t.KeyID})
+	}
+	r.revoked.Add(uint64(len(revoked)))
+	return len(revoked)
+}
+
+// RevokedError ends a tunnel whose signing key was revoked (Revoke).
+type RevokedError struct {
+	KeyID string
+}
+
+func (e *RevokedError) Error() string {
+	return fmt.Sprintf("the key %s that signed the tunnel's preamble is no longer trusted", e.KeyID)
+}
+
+// Revoked returns how many tunnels Revoke has ended since the registry was
+// made.
+func (r *Registry) Revoked() uint64 {
+	return r.revoked.Load()
 }
 
 // Expired returns how many tunnels were ended for reaching their lifetime
@@ -393,7 +435,7 @@ func (r *Registry) Drain(ctx context.Context) (forced int) {
 		r.mu.Unlock()
 		forced = len(list)
 		for _, t := range list {
-			t.cancel()
+			t.cancel(nil)
 		}
 		if len(list) > 0 {
 			<-idle

@@ -139,6 +139,13 @@ func NewVerifier(cfg VerifierConfig) (*Verifier, error) {
 // MaxFrameLen returns the frame cap to pass to ReadFrame.
 func (v *Verifier) MaxFrameLen() int { return v.maxFrameLen }
 
+// Key returns the public key the keyring holds under id: the one that
+// verified a frame whose Claims.KeyID is id.
+func (v *Verifier) Key(id string) (ed25519.PublicKey, bool) {
+	e, ok := v.keys[id]
+	return e.key, ok
+}
+
 // Verify checks a whole frame as returned by ReadFrame. binding is this
 // connection's ChannelBinding, or nil when it has none (TLS 1.2). Checks run
 // cheapest first and the nonce is recorded last, so that only authentic,

@@ -1,6 +1,7 @@
 package caddyktls
 
 import (
+	"net/http"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -78,6 +79,7 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //			attempts   <n>
 //			backoff    <duration>
 //			queue_size <n>
+//			header     <name> <value>   # repeatable; e.g. Authorization "Bearer {env.ACTIVITY_TOKEN}"
 //		}
 //	}
 func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -187,6 +189,15 @@ func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
 			} else {
 				p.QueueSize = n
 			}
+		case "header":
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return nil, d.Errf("header takes a field name and a value, got %d arguments", len(args))
+			}
+			if p.Headers == nil {
+				p.Headers = http.Header{}
+			}
+			p.Headers.Add(args[0], args[1])
 		default:
 			return nil, d.Errf("unknown activity_push option %q", opt)
 		}

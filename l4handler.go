@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"sync"
 	"syscall"
@@ -325,6 +326,12 @@ type ActivityPush struct {
 	// QueueSize is how many reports may wait; when full, the oldest is
 	// dropped. Default: 16.
 	QueueSize int `json:"queue_size,omitempty"`
+	// Headers are sent with every POST, for the control plane to
+	// authenticate the forwarder (e.g. "Authorization"). Values may use
+	// Caddy's global placeholders, such as {env.ACTIVITY_TOKEN}, so that
+	// secrets stay out of the configuration; they are replaced once, at
+	// load. Content-Type is always application/json.
+	Headers http.Header `json:"headers,omitempty"`
 }
 
 // CaddyModule returns the Caddy module information.
@@ -387,9 +394,16 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	}
 	h.events = events.(*caddyevents.App)
 	if p := h.ActivityPush; p != nil {
+		repl := caddy.NewReplacer()
+		header := make(http.Header, len(p.Headers))
+		for name, values := range p.Headers {
+			for _, v := range values {
+				header.Add(name, repl.ReplaceAll(v, ""))
+			}
+		}
 		h.pusher, err = forward.NewPusher(forward.PusherConfig{
 			URL: p.URL, Interval: time.Duration(p.Interval), Timeout: time.Duration(p.Timeout),
-			Attempts: p.Attempts, Backoff: time.Duration(p.Backoff), Queue: p.QueueSize,
+			Attempts: p.Attempts, Backoff: time.Duration(p.Backoff), Queue: p.QueueSize, Header: header,
 		}, tunnels)
 		if err != nil {
 			return fmt.Errorf("sandbox handler: %w", err)

@@ -1638,8 +1638,10 @@ func TestSandboxActivityPush(t *testing.T) {
 	var reports int64
 	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var rep forward.ActivityReport
-		if err := json.NewDecoder(r.Body).Decode(&rep); err != nil || r.Method != http.MethodPost || rep.SentAt.IsZero() {
-			t.Errorf("activity report: %s, decode error %v, sent_at %v", r.Method, err, rep.SentAt)
+		if err := json.NewDecoder(r.Body).Decode(&rep); err != nil || r.Method != http.MethodPost || rep.SentAt.IsZero() ||
+			r.Header.Get("Authorization") != "Bearer s3cret" {
+			t.Errorf("activity report: %s, decode error %v, sent_at %v, Authorization %q (want the {env.…} placeholder replaced)",
+				r.Method, err, rep.SentAt, r.Header.Get("Authorization"))
 		}
 		mu.Lock()
 		reports++
@@ -1654,7 +1656,9 @@ func TestSandboxActivityPush(t *testing.T) {
 		w.Header().Set("Connection", "close")
 	}))
 	t.Cleanup(push.Close)
-	pushCfg := map[string]any{"url": push.URL, "interval": "50ms"}
+	t.Setenv("KTLS_TEST_PUSH_TOKEN", "s3cret")
+	pushCfg := map[string]any{"url": push.URL, "interval": "50ms",
+		"headers": map[string][]string{"Authorization": {"Bearer {env.KTLS_TEST_PUSH_TOKEN}"}}}
 	e := newSandboxEnv(t, map[string]any{"activity_push": pushCfg})
 	forwardtest.CheckLeaks(t)
 	metrics0 := e.metrics(t)

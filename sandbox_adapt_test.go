@@ -29,6 +29,7 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\tmax_tunnels_per_sandbox 8 16\n}", "wrong argument count"},
 		{"sandbox {\n\tmax_tunnel_lifetime forever\n}", `max_tunnel_lifetime: "forever" is not a positive duration`},
 		{"sandbox {\n\tactivity_push\n}", "activity_push needs a URL"},
+		{"sandbox {\n\tactivity_push http://x {\n\t\theader Authorization\n\t}\n}", "header takes a field name and a value, got 1 arguments"},
 		{"sandbox {\n\tfrobnicate\n}", `unknown sandbox handler option "frobnicate"`},
 		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},
 		{"ktls {\n\tkeyupdate_rate fast\n}", "not a positive number"},

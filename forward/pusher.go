@@ -35,6 +35,7 @@ type PusherConfig struct {
 	Backoff  time.Duration // wait before the second attempt, doubled after each failure; default 500ms
 	Queue    int           // reports waiting for delivery; when full the oldest is dropped; default 16
 	Client   *http.Client  // default: a client with Timeout
+	Header   http.Header   // sent with every POST (a control plane's credentials); Content-Type is always JSON
 }
 
 // PusherStats counts what a Pusher did.
@@ -201,6 +202,9 @@ func (p *Pusher) postOnce(ctx context.Context, body []byte) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.cfg.URL, bytes.NewReader(body))
 	if err != nil {
 		return err
+	}
+	for name, values := range p.cfg.Header {
+		req.Header[name] = values
 	}
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := p.cfg.Client.Do(req)

@@ -20,8 +20,8 @@ func TestPusherDeltasSumToBytesMoved(t *testing.T) {
 	sums := map[string][2]int64{}
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var rep ActivityReport
-		if r.Method != http.MethodPost || r.Header.Get("Content-Type") != "application/json" {
-			t.Errorf("got %s with Content-Type %q", r.Method, r.Header.Get("Content-Type"))
+		if r.Method != http.MethodPost || r.Header.Get("Content-Type") != "application/json" || r.Header.Get("Authorization") != "Bearer t0ken" {
+			t.Errorf("got %s with Content-Type %q, Authorization %q", r.Method, r.Header.Get("Content-Type"), r.Header.Get("Authorization"))
 		}
 		if err := json.NewDecoder(r.Body).Decode(&rep); err != nil {
 			t.Errorf("decode report: %v", err)
@@ -35,7 +35,8 @@ func TestPusherDeltasSumToBytesMoved(t *testing.T) {
 	}))
 	defer srv.Close()
 	reg := NewRegistry()
-	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: 5 * time.Millisecond}, reg)
+	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: 5 * time.Millisecond,
+		Header: http.Header{"Authorization": {"Bearer t0ken"}, "Content-Type": {"text/plain"}}}, reg)
 	if err != nil {
 		t.Fatal(err)
 	}

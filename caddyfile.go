@@ -60,6 +60,7 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //	sandbox {
 //		key       <key_id> <base64_ed25519_public_key>
 //		key_file  <keyring.pem>
+//		key_clients <key_id> <client_name>...  # CN or DNS name of the gateway certificates that may use the key
 //		require_channel_binding
 //		max_clock_skew     <duration>
 //		max_preamble_ttl   <duration>
@@ -110,6 +111,15 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("key takes a key ID and a base64 Ed25519 public key, got %d arguments", len(args))
 			}
 			h.Keys = append(h.Keys, SandboxKey{ID: args[0], PublicKey: args[1]})
+		case "key_clients":
+			args := d.RemainingArgs()
+			if len(args) < 2 {
+				return d.Errf("key_clients takes a key ID and one or more client names, got %d arguments", len(args))
+			}
+			if h.KeyClients == nil {
+				h.KeyClients = map[string][]string{}
+			}
+			h.KeyClients[args[0]] = append(h.KeyClients[args[0]], args[1:]...)
 		case "key_file":
 			args := d.RemainingArgs()
 			if len(args) == 0 {

@@ -227,6 +227,13 @@ type SandboxHandler struct {
 	// "Key-Id" header (or the key's derived ID without one).
 	KeyFiles []string `json:"key_files,omitempty"`
 
+	// KeyClients binds keys (by ID, inline or from key_files) to gateways:
+	// a preamble signed by a key listed here is refused
+	// ("key-not-for-client") unless the connection's client certificate has
+	// one of the key's names as its Common Name or a DNS name. Keys not
+	// listed may be used with any certificate the TLS policy admits.
+	KeyClients map[string][]string `json:"key_clients,omitempty"`
+
 	// RequireChannelBinding rejects preambles that are not bound to this
 	// TLS session (the TLS 1.3 exporter the gateway signs), so a captured
 	// preamble cannot be replayed on another connection.
@@ -350,6 +357,11 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
+	for id, clients := range h.KeyClients {
+		if _, ok := keys[id]; !ok || len(clients) == 0 {
+			return fmt.Errorf("sandbox handler: key_clients %q: no such key, or no client named", id)
+		}
+	}
 	replay, err := h.loadReplayCache()
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
@@ -377,6 +389,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		KeepAlive:       time.Duration(h.KeepAlive),
 		UserTimeout:     time.Duration(h.TCPUserTimeout),
 		MaxPerSandbox:   h.MaxTunnelsPerSandbox,
+		KeyClients:      h.KeyClients,
 		MaxLifetime:     time.Duration(h.MaxTunnelLifetime),
 	})
 	if err != nil {
@@ -630,7 +643,9 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	if state, ok := tlsStateOf(cx); ok {
 		client.Binding, _ = preamble.ChannelBinding(state)
 		if len(state.PeerCertificates) > 0 {
-			client.Certificate = state.PeerCertificates[0].Subject.String()
+			leaf := state.PeerCertificates[0]
+			client.Certificate = leaf.Subject.String()
+			client.CertificateNames = append([]string{leaf.Subject.CommonName}, leaf.DNSNames...)
 		}
 	}
 	res, err := h.fwd.Serve(client)

@@ -771,8 +771,16 @@ func sandboxRejections(t *testing.T, kernel bool) {
 	for _, a := range []netip.AddrPort{up.Addr(), trap.Addr(), replayed.Addr(), closed, blackhole} {
 		ports = append(ports, fmt.Sprint(a.Port()))
 	}
-	e := newSandboxEnv(t, map[string]any{"preamble_timeout": "300ms", "dial_timeout": "1s",
+	e := newSandboxConfig(t, map[string]any{"preamble_timeout": "300ms", "dial_timeout": "1s",
 		"allow_cidrs": []string{"0.0.0.0/0", "::/0", opened + "/32"}, "allow_ports": ports})
+	// A second key, bound to another gateway's certificate; the gateway's
+	// own key is bound to its certificate (every accepted frame here shows
+	// that the binding lets it through).
+	boundElsewhere := forwardtest.NewGateway(t, "gw-bound")
+	h := e.sandboxHandler()
+	h["keys"] = append(h["keys"].([]any), map[string]any{"id": "gw-bound", "public_key": base64.StdEncoding.EncodeToString(boundElsewhere.Pub)})
+	h["key_clients"] = map[string][]string{"gw-bound": {"other-gateway"}, gatewayKeyID: {"gateway-1"}}
+	e.start(t)
 	// After Caddy started: what Caddy itself keeps (logs, admin) is not a
 	// tunnel leak; everything the tunnels open must be gone again.
 	forwardtest.CheckLeaks(t)
@@ -849,6 +857,9 @@ func sandboxRejections(t *testing.T, kernel bool) {
 			c := mtls(t, e.gw.Frame(t, "sbx", netip.AddrPortFrom(up.Addr().Addr(), 1)), false)
 			_, pipelinedWriteErr = io.Copy(c, io.LimitReader(forwardtest.NewPattern(12), 48<<10))
 			return c
+		}},
+		{"key-not-for-client", "", "key gw-bound is bound to [other-gateway], the client's certificate names [gateway-1]", func(t *testing.T) *tls.Conn {
+			return mtls(t, boundElsewhere.Frame(t, "sbx", up.Addr()), false)
 		}},
 		{"dial-failed", "refused", "connection refused", to(closed)},
 		{"dial-failed", "blackhole", "i/o timeout", to(blackhole)},

@@ -165,7 +165,7 @@ func rejectReasons() []string {
 		rs = append(rs, string(r))
 	}
 	return append(rs, string(forward.ReasonTargetDenied), string(forward.ReasonDialFailed), string(forward.ReasonDraining),
-		string(forward.ReasonTunnelLimit), "other")
+		string(forward.ReasonTunnelLimit), string(forward.ReasonKeyNotForClient), "other")
 }
 
 // registerMetrics adds the process collector to this configuration's

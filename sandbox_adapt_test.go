@@ -7,6 +7,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 var updateSandboxGolden = flag.Bool("update-sandbox-golden", false, "rewrite the expected JSON of testdata/caddyfile_adapt/sandbox_*.caddytest")
@@ -29,6 +31,7 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\tmax_tunnels_per_sandbox 8 16\n}", "wrong argument count"},
 		{"sandbox {\n\tmax_tunnel_lifetime forever\n}", `max_tunnel_lifetime: "forever" is not a positive duration`},
 		{"sandbox {\n\tactivity_push\n}", "activity_push needs a URL"},
+		{"sandbox {\n\tkey_clients gw-1\n}", "key_clients takes a key ID and one or more client names, got 1 arguments"},
 		{"sandbox {\n\tactivity_push http://x {\n\t\theader Authorization\n\t}\n}", "header takes a field name and a value, got 1 arguments"},
 		{"sandbox {\n\tfrobnicate\n}", `unknown sandbox handler option "frobnicate"`},
 		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},
@@ -86,5 +89,33 @@ func TestSandboxExampleAdapt(t *testing.T) {
 	if !reflect.DeepEqual(cfg.Apps.Layer4, want) {
 		got, _ := json.MarshalIndent(cfg.Apps.Layer4, "", "\t")
 		t.Errorf("examples/forwarder.Caddyfile adapts to this layer4 app:\n%s", got)
+	}
+}
+
+// Bad sandbox handler JSON is refused at load with an error naming it.
+func TestSandboxRejectsBadOptions(t *testing.T) {
+	for name, tc := range map[string]struct {
+		opts map[string]any
+		want string
+	}{
+		"key_clients of no key":        {map[string]any{"key_clients": map[string][]string{"gw-typo": {"gateway-1"}}}, `key_clients "gw-typo": no such key`},
+		"key_clients naming no client": {map[string]any{"key_clients": map[string][]string{gatewayKeyID: {}}}, "no client named"},
+		"negative tunnel cap":          {map[string]any{"max_tunnels_per_sandbox": -1}, "negative MaxPerSandbox or MaxLifetime"},
+		"negative lifetime":            {map[string]any{"max_tunnel_lifetime": "-1s"}, "negative MaxPerSandbox or MaxLifetime"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			raw, err := json.Marshal(newSandboxConfig(t, tc.opts).cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = caddy.Load(raw, true)
+			if err == nil {
+				caddy.Load([]byte(unloadConfig), true)
+				t.Fatal("accepted")
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %q does not contain %q", err, tc.want)
+			}
+		})
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/preamble"
@@ -48,6 +49,12 @@ type Config struct {
 	// *LifetimeError), whatever it is doing. It bounds how long a tunnel
 	// outlives a client certificate revoked by a reload. Zero means none.
 	MaxLifetime time.Duration
+	// KeyClients binds signing keys to clients: a frame signed by a key ID
+	// listed here is accepted only from a client one of whose
+	// CertificateNames is in the key's list (ReasonKeyNotForClient
+	// otherwise), so a gateway's key is worthless with another gateway's
+	// certificate. Keys not listed are accepted from any client.
+	KeyClients map[string][]string
 	// MaxPerSandbox caps the tunnels open at once to one sandbox, as the
 	// Registry counts them (all its Forwarders' tunnels): one more is
 	// refused (ReasonTunnelLimit) before its target is dialed. Zero means
@@ -105,6 +112,9 @@ type Client struct {
 	// Certificate is the subject of the client's TLS certificate, for the
 	// registry (Origin); empty when there is none.
 	Certificate string
+	// CertificateNames are the names of the client's TLS certificate (its
+	// Common Name and DNS names), matched against Config.KeyClients.
+	CertificateNames []string
 }
 
 // Result describes a tunnel that was carried.
@@ -227,6 +237,9 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	if err != nil {
 		return nil, nil, nil, err
 	}
+	if err := f.checkKeyClient(claims.KeyID, c.CertificateNames); err != nil {
+		return nil, nil, nil, err
+	}
 	if err := f.cfg.Policy.Check(claims.Target); err != nil {
 		return nil, nil, nil, &RejectError{Reason: ReasonTargetDenied, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}
@@ -250,6 +263,16 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 		return nil, nil, nil, err
 	}
 	return up, tun, ctx, nil
+}
+
+// checkKeyClient refuses a frame signed by keyID from a client whose
+// certificate has none of the names the key is bound to (Config.KeyClients).
+func (f *Forwarder) checkKeyClient(keyID string, names []string) error {
+	clients, bound := f.cfg.KeyClients[keyID]
+	if !bound || slices.ContainsFunc(names, func(n string) bool { return slices.Contains(clients, n) }) {
+		return nil
+	}
+	return &RejectError{Reason: ReasonKeyNotForClient, Err: fmt.Errorf("key %s is bound to %v, the client's certificate names %v", keyID, clients, names)}
 }
 
 // ReasonOf returns the stable reason of a refused tunnel: a preamble

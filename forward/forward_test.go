@@ -511,3 +511,25 @@ func TestRegistryRevoke(t *testing.T) {
 		t.Errorf("the trusted key's tunnel was ended: %v", context.Cause(kept))
 	}
 }
+
+// KeyClients: a bound key is accepted only with one of its client names
+// among the certificate's (Common Name or DNS name); unbound keys with any.
+func TestKeyClients(t *testing.T) {
+	f := &Forwarder{cfg: Config{KeyClients: map[string][]string{"gw-1": {"gateway-1", "gw1.internal"}}}}
+	for _, tc := range []struct {
+		key   string
+		names []string
+		ok    bool
+	}{
+		{"gw-1", []string{"gateway-1"}, true},
+		{"gw-1", []string{"other", "gw1.internal"}, true},
+		{"gw-1", []string{"gateway-2", "gw2.internal"}, false},
+		{"gw-1", nil, false},
+		{"gw-2", nil, true},
+	} {
+		err := f.checkKeyClient(tc.key, tc.names)
+		if tc.ok != (err == nil) || !tc.ok && ReasonOf(err) != string(ReasonKeyNotForClient) {
+			t.Errorf("key %s with certificate names %v: %v, want accepted %v", tc.key, tc.names, err, tc.ok)
+		}
+	}
+}

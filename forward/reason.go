@@ -17,6 +17,9 @@ const (
 	// ReasonTunnelLimit: the sandbox already has as many open tunnels as
 	// the forwarder allows one sandbox.
 	ReasonTunnelLimit Reason = "tunnel-limit"
+	// ReasonKeyNotForClient: the frame's key is bound to other clients
+	// (Config.KeyClients) than the certificate the connection arrived with.
+	ReasonKeyNotForClient Reason = "key-not-for-client"
 )
 
 // RejectError is returned by Forwarder.Serve when a tunnel is refused before

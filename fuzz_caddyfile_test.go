@@ -85,8 +85,9 @@ func FuzzCaddyfile(f *testing.F) {
 			"{\n\tconnection_policy {\n\t\tprotocols tls1.3\n\t\tclient_auth {\n\t\t\tmode require_and_verify\n\t\t}\n\t}\n\tkeyupdate_rate 2.5\n}",
 			"{\n\tkey gw-1 MCowBQYDK2VwAyEAGb9ECWmEzf6FQbrBZ9w7lshQhqowtrbLDFw4rXAxZuE=\n\trequire_channel_binding\n\tmax_clock_skew 10s\n\tmax_preamble_ttl 30s\n" +
 				"\treplay_cache_size 65536\n\tpreamble_timeout 5s\n\tdial_timeout 5s\n\tkeepalive 30s\n\ttcp_user_timeout 2m\n" +
-				"\tallow 10.88.0.0/16 ::1\n\tallow_ports 8000-8999 443\n\tdrain_grace_period 30s\n}",
-			"{\n\tkey gw-1 AAAA\n\tactivity_push http://127.0.0.1:1/activity {\n\t\tinterval 1s\n\t\ttimeout 1s\n\t\tattempts 2\n\t\tbackoff 100ms\n\t\tqueue_size 4\n\t}\n}",
+				"\tallow 10.88.0.0/16 ::1\n\tallow_ports 8000-8999 443\n\tdrain_grace_period 30s\n" +
+				"\tkey_clients gw-1 gateway-1\n\tmax_tunnels_per_sandbox 8\n\tmax_tunnel_lifetime 1h\n}",
+			"{\n\tkey gw-1 AAAA\n\tactivity_push http://127.0.0.1:1/activity {\n\t\tinterval 1s\n\t\ttimeout 1s\n\t\tattempts 2\n\t\tbackoff 100ms\n\t\tqueue_size 4\n\t\theader Authorization \"Bearer {env.T}\"\n\t}\n}",
 			"{\n\tkeyupdate_rate 1e400\n\thandshake_timeout -1s\n}",
 			"extra {\n\tsandbox\n}",
 		} {

@@ -271,15 +271,16 @@ func (e *sandboxEnv) tlsConfig(leaf *testpki.Leaf) *tls.Config {
 // dial opens a tunnel to target with a bound, signed preamble.
 func (e *sandboxEnv) dial(t testing.TB, sandbox string, target netip.AddrPort) *tls.Conn {
 	t.Helper()
-	return e.dialWith(t, e.tlsConfig(e.client), sandbox, target)
+	return e.dialWith(t, e.tlsConfig(e.client), e.gw.Signer, sandbox, target)
 }
 
-// dialWith is dial with the gateway's TLS configuration cfg.
-func (e *sandboxEnv) dialWith(t testing.TB, cfg *tls.Config, sandbox string, target netip.AddrPort) *tls.Conn {
+// dialWith is dial with the gateway's TLS configuration cfg and a preamble
+// signed by signer.
+func (e *sandboxEnv) dialWith(t testing.TB, cfg *tls.Config, signer *preamble.Signer, sandbox string, target netip.AddrPort) *tls.Conn {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := preamble.Dial(ctx, "tcp", e.addr, cfg, e.gw.Signer, preamble.Claims{SandboxID: sandbox, Target: target})
+	c, err := preamble.Dial(ctx, "tcp", e.addr, cfg, signer, preamble.Claims{SandboxID: sandbox, Target: target})
 	if err != nil {
 		t.Fatalf("preamble.Dial: %v", err)
 	}

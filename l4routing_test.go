@@ -300,7 +300,7 @@ func sandboxRoutesOnSession(t *testing.T, kernel bool) {
 
 	cfg := e.tlsConfig(e.client)
 	cfg.NextProtos = []string{"sandbox/1"}
-	n, sum, err := transfer(e.dialWith(t, cfg, "sbx-session-route", up.Addr()), routingTunnelSize, 23)
+	n, sum, err := transfer(e.dialWith(t, cfg, e.gw.Signer, "sbx-session-route", up.Addr()), routingTunnelSize, 23)
 	if err != nil {
 		t.Fatalf("tunnel routed on ALPN sandbox/1: %v", err)
 	}

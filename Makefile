@@ -19,7 +19,7 @@ export KTLS_TEST_MIB
 # Size (MiB) of the real-binary test's curl download; empty = KTLS_TEST_MIB's.
 export KTLS_BINARY_DOWNLOAD_MIB
 
-.PHONY: help build xcaddy demo test vet hosttest fuzz vmtest bench bench-smoke bench-bulk bench-host bench-report clean
+.PHONY: help build xcaddy demo test vet hosttest fuzz vmtest flake bench bench-smoke bench-bulk bench-host bench-report clean
 
 help:
 	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
@@ -28,6 +28,7 @@ help:
 	@echo 'make test         go vet, host tests ($(HOST_TEST_FLAGS)), kernel tests in VMs on: $(KERNELS), bench smoke'
 	@echo 'make fuzz         every fuzz target for $(FUZZTIME) executions (FUZZTIME=10m for a real run)'
 	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
+	@echo "make flake KERNEL=7.3|6.1|6.12|host RUN='^TestKernelSandbox' COUNT=10   rerun tests COUNT times in one VM (or on the host with $(HOST_TEST_FLAGS)), failures counted per test"
 	@echo 'make bench        every forwarder contender, every shape, in two 7.3 VMs under qemu -icount: docs/bench/results.md'
 	@echo 'make bench-smoke  the same at a tiny size, once each, in VMs and natively: fails on any wrong byte or data path'
 	@echo 'make bench-bulk   1 GiB upload and download per contender, two VMs side by side: docs/bench/bulk-1gib.md'
@@ -95,6 +96,16 @@ fuzz:
 
 vmtest: build
 	integration/vmtest.sh $(KERNEL)
+
+# Finds a flaky test in minutes: the tests matching RUN, COUNT times in a row
+# in one VM on KERNEL (each binary's log ends with "flake: TestX 3/10
+# failed"), or with KERNEL=host, in every package on this host with
+# HOST_TEST_FLAGS. HOG=1 keeps every core busy meanwhile (a loaded CI box).
+RUN ?= ^TestKernel
+COUNT ?= 10
+HOG ?= 0
+flake: build
+	integration/flake.sh '$(KERNEL)' '$(RUN)' '$(COUNT)' '$(HOG)' $(HOST_TEST_FLAGS)
 
 # The benchmark harness (integration/bench.sh builds its own Caddy and the
 # driver). bench has the sizes of the committed docs/bench/results.md: every

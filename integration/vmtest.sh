@@ -9,7 +9,9 @@
 #      KTLS_BINARY_DOWNLOAD_MIB (the real-binary test's download, default KTLS_TEST_MIB),
 #      VM_TEST_RUN (which tests, a -test.run pattern; default ^TestKernel:
 #      all; packages without a top-level match are left out),
-#      VM_TEST_TIMEOUT (seconds per test binary, default 600),
+#      VM_TEST_COUNT (-test.count: reruns each selected test in one VM; the
+#      summary then counts failures per test), VM_TEST_TIMEOUT (seconds per
+#      test binary, default 600 x VM_TEST_COUNT),
 #      VM_TIMEOUT (seconds per kernel, boot included, default 1200), VM_* (see vm.sh)
 # exit: 0 only if every kernel passed.
 set -euo pipefail
@@ -41,6 +43,7 @@ log "vmtest: built in $(elapsed "$t0")s; packages with kernel tests:"
 sed 's/^/  /' "$manifest" >&2
 [ -s "$manifest" ] || die "no package has TestKernel* tests"
 
+count=${VM_TEST_COUNT:-1}
 summary=()
 failed=0
 for k in "${kernels[@]}"; do
@@ -49,8 +52,8 @@ for k in "${kernels[@]}"; do
   mkdir -p "$out"
   log "=== vmtest: kernel $k"
   rc=0
-  VM_OUT=$out VM_TIMEOUT=${VM_TIMEOUT:-1200} "$REPO/integration/vm.sh" "$k" \
-    "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} KTLS_BINARY_DOWNLOAD_MIB=${KTLS_BINARY_DOWNLOAD_MIB:-} VM_TEST_RUN='${VM_TEST_RUN:-^TestKernel}' VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-600} integration/guest-suite.sh ${manifest#"$REPO"/}" || rc=$?
+  VM_OUT=$out VM_TIMEOUT=${VM_TIMEOUT:-$((1200 * count))} "$REPO/integration/vm.sh" "$k" \
+    "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} KTLS_BINARY_DOWNLOAD_MIB=${KTLS_BINARY_DOWNLOAD_MIB:-} VM_TEST_RUN='${VM_TEST_RUN:-^TestKernel}' VM_TEST_COUNT=$count VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-$((600 * count))} integration/guest-suite.sh ${manifest#"$REPO"/}" || rc=$?
   verdict=PASS
   [ $rc -eq 0 ] || verdict="FAIL (exit $rc)"
   # The kernel's own counters: a suite that never reached TLS_SW in the
@@ -68,6 +71,9 @@ for k in "${kernels[@]}"; do
   [ "$verdict" = PASS ] || failed=1
   times=$(cat "$out/times" 2>/dev/null || echo "no timing: guest reported no result")
   summary+=("kernel $k: $verdict; $times; TlsTxSw=$tx TlsRxSw=$rx")
+  if [ -s "$out/flake" ]; then
+    while read -r line; do summary+=("  kernel $k $line"); done <"$out/flake"
+  fi
 done
 log "=== vmtest summary"
 for s in "${summary[@]}"; do log "$s"; done

@@ -134,6 +134,52 @@ func TestConnectionCloseEventsCounted(t *testing.T) {
 	}
 }
 
+// TestHandshakeEventReachesObserver: the layer4 handler's engine reports
+// each handshake to the module's observer (where close events are counted
+// too): one DEBUG "kernel TLS handshake" line per connection, naming its
+// peer and, as the engine saw them, where its records go. On this host the
+// session stays in userspace TLS, the one event a host can produce.
+func TestHandshakeEventReachesObserver(t *testing.T) { handshakeEventReachesObserver(t, false) }
+
+// TestKernelHandshakeEventReachesObserver is the same on a kTLS kernel:
+// both directions in the kernel.
+func TestKernelHandshakeEventReachesObserver(t *testing.T) {
+	kerneltest.Require(t)
+	handshakeEventReachesObserver(t, true)
+}
+
+func handshakeEventReachesObserver(t *testing.T, kernel bool) {
+	const size = 1000
+	up := forwardtest.NewUpstream(t, size)
+	e := newSandboxConfig(t, nil)
+	e.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["level"] = "DEBUG"
+	e.start(t)
+	c := e.dial(t, "sbx-observed", up.Addr())
+	local := c.LocalAddr().String()
+	if n, sum, err := transfer(c, size, 1); err != nil || n != size || sum != forwardtest.PatternSum(2, size) {
+		t.Fatalf("tunnel: received %d of %d bytes (hash ok: %v), err %v", n, size, sum == forwardtest.PatternSum(2, size), err)
+	}
+	want := map[string]any{"logger": "layer4.handlers.ktls", "remote": local, "version": "TLS 1.3",
+		"tx": "userspace", "rx": "userspace", "reason": string(ktls.ReasonNoKernelSupport), "rx_no_pad": false}
+	if kernel {
+		want["tx"], want["rx"], want["reason"] = "sw", "sw", string(ktls.ReasonNone)
+	}
+	var got []map[string]any
+	for _, l := range e.logLines(t, "kernel TLS handshake") {
+		if l["remote"] == local {
+			got = append(got, l)
+		}
+	}
+	if len(got) != 1 {
+		t.Fatalf("%d handshake log lines for %s, want 1: %v", len(got), local, got)
+	}
+	for k, v := range want {
+		if got[0][k] != v {
+			t.Errorf("handshake log line %v: %s = %v, want %v", got[0], k, got[0][k], v)
+		}
+	}
+}
+
 // caddyProcess is the real binary running a sandboxEnv's configuration.
 type caddyProcess struct {
 	cmd     *exec.Cmd

@@ -99,7 +99,11 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 
 func (h *KTLSHandler) observe(ev ktls.Event) {
 	connCloses.count(moduleL4Handler, ev.Kind)
-	if ev.Kind == ktls.EventHandshake || ev.Err == nil {
+	if ev.Kind == ktls.EventHandshake {
+		logHandshake(h.logger, ev)
+		return
+	}
+	if ev.Err == nil {
 		return
 	}
 	h.logger.Warn("kTLS connection event", zap.String("event", string(ev.Kind)), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
@@ -125,13 +129,7 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 		kconn.Close()
 		return fmt.Errorf("ktls handshake with %s: %w", cx.RemoteAddr(), err)
 	}
-	off := kconn.Offload()
 	state := kconn.ConnectionState()
-	h.logger.Debug("terminated TLS",
-		zap.Stringer("remote", cx.RemoteAddr()),
-		zap.String("server_name", state.ServerName),
-		zap.String("tx", off.TX.String()), zap.String("rx", off.RX.String()),
-		zap.String("offload_reason", string(off.Reason)))
 
 	var hellos []l4tls.ClientHelloInfo
 	if v, ok := cx.GetVar(tlsClientHellosVar).([]l4tls.ClientHelloInfo); ok {

@@ -254,14 +254,7 @@ func (lw *ListenerWrapper) observe(ev ktls.Event) {
 	connCloses.count(moduleListenerWrapper, ev.Kind)
 	switch ev.Kind {
 	case ktls.EventHandshake:
-		if ce := lw.logger.Check(zap.DebugLevel, "kernel TLS handshake"); ce != nil {
-			ce.Write(zap.Stringer("remote", ev.Remote),
-				zap.String("tx", ev.Offload.TX.String()), zap.String("rx", ev.Offload.RX.String()),
-				zap.String("reason", string(ev.Offload.Reason)),
-				zap.String("version", tls.VersionName(ev.Offload.Version)),
-				zap.String("cipher_suite", tls.CipherSuiteName(ev.Offload.CipherSuite)),
-				zap.Error(ev.Err))
-		}
+		logHandshake(lw.logger, ev)
 	case ktls.EventRateLimited, ktls.EventClosed, ktls.EventRekeyUnsupported:
 		lw.logger.Warn("kernel TLS connection closed", zap.String("event", string(ev.Kind)),
 			zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))

@@ -141,6 +141,22 @@ func lwOption(t *testing.T, tc lwOptionCase, kernel bool) {
 		traffic()
 	}
 	lwCheckSeries(t, "traffic", before, parseMetrics(t, adminGet(t, s.adminAddr, "/metrics")), want)
+	// Whether TLS_RX_EXPECT_NO_PAD is in effect, as the kernel reports it
+	// on each TLS 1.3 connection: only expect_no_pad on a kTLS kernel.
+	wantNoPad := kernel && tc.wrapper["expect_no_pad"] == true
+	tls13 := 0
+	for _, l := range s.logLines(t, "kernel TLS handshake") {
+		if l["version"] != tls.VersionName(tls.VersionTLS13) {
+			continue
+		}
+		tls13++
+		if l["rx_no_pad"] != wantNoPad {
+			t.Errorf("TLS 1.3 handshake log line %v: rx_no_pad %v, want %v", l, l["rx_no_pad"], wantNoPad)
+		}
+	}
+	if tls13 < 2 {
+		t.Errorf("%d TLS 1.3 handshake log lines, want at least the 2 of the traffic", tls13)
+	}
 	if !tc.cbc {
 		return
 	}

@@ -1,6 +1,7 @@
 package caddyktls
 
 import (
+	"crypto/tls"
 	"errors"
 	"math"
 	"slices"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
@@ -99,6 +101,21 @@ func (o *OffloadOptions) ktlsOptions(observer func(ktls.Event)) ktls.Options {
 		TXZeroCopyRO:   o.TXZeroCopyRO,
 		KeyUpdateLimit: ktls.Rate{PerSecond: o.KeyUpdateRate, Burst: o.KeyUpdateBurst},
 		Observer:       observer,
+	}
+}
+
+// logHandshake logs the outcome of one connection's handshake and offload
+// (ktls.EventHandshake) at DEBUG: where each direction's records are
+// processed and why, as the kernel reports it.
+func logHandshake(logger *zap.Logger, ev ktls.Event) {
+	if ce := logger.Check(zap.DebugLevel, "kernel TLS handshake"); ce != nil {
+		ce.Write(zap.Stringer("remote", ev.Remote),
+			zap.String("tx", ev.Offload.TX.String()), zap.String("rx", ev.Offload.RX.String()),
+			zap.String("reason", string(ev.Offload.Reason)),
+			zap.String("version", tls.VersionName(ev.Offload.Version)),
+			zap.String("cipher_suite", tls.CipherSuiteName(ev.Offload.CipherSuite)),
+			zap.Bool("rx_no_pad", ev.Offload.RXNoPad),
+			zap.Error(ev.Err))
 	}
 }
 

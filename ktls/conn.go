@@ -395,6 +395,7 @@ func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
 		if !c.opts.DisableRX {
 			c.off.RX = info.RX
 		}
+		c.off.RXNoPad = info.RXNoPad
 	}
 	return reason, nil
 }

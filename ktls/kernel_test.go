@@ -102,18 +102,26 @@ func TestKernelDisableRX(t *testing.T) {
 	})
 }
 
-// TestKernelExpectNoPad: TLS_RX_EXPECT_NO_PAD against a peer that does not pad.
+// TestKernelExpectNoPad: TLS_RX_EXPECT_NO_PAD against a peer that does not
+// pad. The kernel reports the option in effect with it (sock_diag), and not
+// without it; the counters alone cannot tell the two apart.
 func TestKernelExpectNoPad(t *testing.T) {
 	kerneltest.Require(t)
 	if !Probe().ExpectNoPad {
 		t.Fatalf("kernel refuses TLS_RX_EXPECT_NO_PAD:\n%v", Probe())
 	}
 	p := newTestPKI(t)
-	d := statDelta(t, func() {
-		runCase(t, p, connCases[0], Options{ExpectNoPad: true}, bulkSize(t, defaultBulkMiB), ReasonNone)
-	})
-	wantStat(t, d, "TlsRxNoPadViolation", 0)
-	wantStat(t, d, "TlsRxSw", 1)
+	for _, on := range []bool{true, false} {
+		var pr *pair
+		d := statDelta(t, func() {
+			pr = runCase(t, p, connCases[0], Options{ExpectNoPad: on}, bulkSize(t, defaultBulkMiB), ReasonNone)
+		})
+		if got := pr.server.Offload().RXNoPad; got != on {
+			t.Errorf("ExpectNoPad %v: the kernel reports TLS_RX_EXPECT_NO_PAD in effect: %v", on, got)
+		}
+		wantStat(t, d, "TlsRxNoPadViolation", 0)
+		wantStat(t, d, "TlsRxSw", 1)
+	}
 }
 
 // opensslServer accepts one connection for an openssl s_client.

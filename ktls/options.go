@@ -89,6 +89,9 @@ type Offload struct {
 	Reason      Reason
 	Version     uint16
 	CipherSuite uint16
+	// RXNoPad: TLS_RX_EXPECT_NO_PAD is in effect, as the kernel reports it
+	// (sock_diag; false where the kernel withholds the details).
+	RXNoPad bool
 }
 
 // OffloadError is returned by the handshake when Options.RequireOffload is

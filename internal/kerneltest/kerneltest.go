@@ -52,10 +52,18 @@ func tryULP() error {
 // Required reports whether the environment demands that kTLS tests run.
 func Required() bool { return os.Getenv(RequireEnv) == "1" }
 
+// Prefix starts the name of every test that calls Require: the VM harness
+// runs only the tests named so (-test.run ^TestKernel).
+const Prefix = "TestKernel"
+
 // Require skips t loudly when the kernel has no kTLS, or fails it when the
-// harness demands kTLS (KTLS_REQUIRE=1).
+// harness demands kTLS (KTLS_REQUIRE=1). It fails a test whose top-level
+// name lacks Prefix, on every kernel: the VM would never run it.
 func Require(t testing.TB) {
 	t.Helper()
+	if top, _, _ := strings.Cut(t.Name(), "/"); !strings.HasPrefix(top, Prefix) {
+		t.Fatalf("FAIL: %s calls kerneltest.Require but its name lacks the %s prefix: the VM harness would never run it", top, Prefix)
+	}
 	err := Available()
 	if err == nil {
 		return

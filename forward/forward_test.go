@@ -184,11 +184,19 @@ func TestServePreambleAndDataInOneWrite(t *testing.T) {
 	f := newFixture(t, nil)
 	c := f.dial(t)
 	payload := []byte("hello sandbox, right behind the preamble")
-	c.Write(append(f.gw.Frame(t, "sbx-2", up.Addr()), payload...))
-	c.CloseWrite()
-	io.Copy(io.Discard, c)
+	if _, err := c.Write(append(f.gw.Frame(t, "sbx-2", up.Addr()), payload...)); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
+		t.Fatalf("gateway read %d bytes, err %v: want an orderly end and nothing (the upstream sends nothing)", n, err)
+	}
 	c.Close()
-	f.wait(t, 1)
+	if errs := f.wait(t, 1); errs[0] != nil {
+		t.Fatalf("Serve: %v", errs[0])
+	}
 	up.Close()
 	if r := up.Results()[0]; r.Received != int64(len(payload)) || r.RecvSum != sha256.Sum256(payload) {
 		t.Fatalf("upstream received %d bytes, want exactly the %d payload bytes", r.Received, len(payload))

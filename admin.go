@@ -27,7 +27,7 @@ type AdminSandbox struct{}
 
 // CaddyModule returns the Caddy module information.
 func (AdminSandbox) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: "admin.api.sandbox", New: func() caddy.Module { return new(AdminSandbox) }}
+	return caddy.ModuleInfo{ID: moduleAdminSandbox, New: func() caddy.Module { return new(AdminSandbox) }}
 }
 
 // Routes returns the admin routes.

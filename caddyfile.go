@@ -1,17 +1,20 @@
 package caddyktls
 
 import (
+	"math"
 	"net/http"
+	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddytls"
 )
 
-// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. The offload
-// options read as in the `ktls` listener wrapper; connection_policy is
-// caddy-l4's `tls` handler syntax:
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens: the offload
+// options (unmarshalCaddyfileOption) and connection_policy in caddy-l4's
+// `tls` handler syntax:
 //
 //	ktls {
 //		connection_policy {
@@ -21,13 +24,7 @@ import (
 //				verifier leaf pem <cert_pem>
 //			}
 //		}
-//		offload           on|off        # default on; off keeps the whole session in userspace TLS
-//		rx                on|off        # default on; off keeps decryption in Go (kTLS RX is where CVEs cluster)
-//		fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
-//		expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted peers only)
-//		tx_zerocopy_ro                  # TLS_TX_ZEROCOPY_RO
-//		keyupdate_rate    <per_second> [<burst>]
-//		handshake_timeout <duration>
+//		<offload option> ...
 //	}
 func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the handler name
@@ -53,6 +50,114 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	return nil
+}
+
+// UnmarshalCaddyfile sets up the wrapper from Caddyfile tokens: the offload
+// options (unmarshalCaddyfileOption) and sendfile:
+//
+//	ktls {
+//		<offload option> ...
+//		sendfile          # sendfile for file bodies; Caddy then WARNs per connection
+//	}
+func (lw *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the wrapper name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		if handled, err := lw.unmarshalCaddyfileOption(d); handled {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		switch opt := d.Val(); opt {
+		case "sendfile":
+			if err := noArgs(d); err != nil {
+				return err
+			}
+			lw.Sendfile = true
+		default:
+			return d.Errf("unknown ktls listener wrapper option %q", opt)
+		}
+	}
+	return nil
+}
+
+// unmarshalCaddyfileOption reads the offload option d is on, if it is one,
+// and reports whether it was. The offload options, the same in the layer4
+// `ktls` handler and the `ktls` listener wrapper:
+//
+//	offload           on|off        # default on; off keeps the whole session in userspace TLS
+//	rx                on|off        # default on; off keeps decryption in Go (kTLS RX is where CVEs cluster)
+//	fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
+//	expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted peers only)
+//	tx_zerocopy_ro                  # TLS_TX_ZEROCOPY_RO (with the wrapper's sendfile, device offload)
+//	keyupdate_rate    <per_second> [<burst>]
+//	handshake_timeout <duration>
+func (o *OffloadOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
+	switch opt := d.Val(); opt {
+	case "offload":
+		v, err := oneOf(d, "on", "off")
+		if err != nil {
+			return true, err
+		}
+		o.DisableOffload = v == "off"
+	case "rx":
+		v, err := oneOf(d, "on", "off")
+		if err != nil {
+			return true, err
+		}
+		o.DisableRX = v == "off"
+	case "fallback":
+		v, err := oneOf(d, "allow", "refuse")
+		if err != nil {
+			return true, err
+		}
+		o.RequireOffload = v == "refuse"
+	case "expect_no_pad":
+		if err := noArgs(d); err != nil {
+			return true, err
+		}
+		o.ExpectNoPad = true
+	case "tx_zerocopy_ro":
+		if err := noArgs(d); err != nil {
+			return true, err
+		}
+		o.TXZeroCopyRO = true
+	case "keyupdate_rate":
+		args := d.RemainingArgs()
+		if len(args) < 1 || len(args) > 2 {
+			return true, d.Errf("keyupdate_rate takes a rate per second and an optional burst, got %d arguments", len(args))
+		}
+		rate, err := strconv.ParseFloat(args[0], 64)
+		// ParseFloat takes "NaN" and "Inf", which JSON cannot carry.
+		if err != nil || !(rate > 0) || math.IsInf(rate, 1) {
+			return true, d.Errf("keyupdate_rate: %q is not a positive number", args[0])
+		}
+		o.KeyUpdateRate = rate
+		if len(args) == 2 {
+			burst, err := strconv.Atoi(args[1])
+			if err != nil || burst <= 0 {
+				return true, d.Errf("keyupdate_rate: burst %q is not a positive integer", args[1])
+			}
+			o.KeyUpdateBurst = burst
+		}
+	case "handshake_timeout":
+		dur, err := durationArg(d)
+		if err != nil {
+			return true, err
+		}
+		o.HandshakeTimeout = dur
+	default:
+		return false, nil
+	}
+	return true, nil
+}
+
+// UnmarshalCaddyfile sets up the handler: `ktls_session`, no arguments.
+func (*KTLSSession) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	return noArgsOrBlock(d, "ktls_session handler")
 }
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens:
@@ -273,9 +378,25 @@ func durationArg(d *caddyfile.Dispenser) (caddy.Duration, error) {
 	return caddy.Duration(dur), nil
 }
 
+// oneOf reads exactly one argument, which must be one of choices.
+func oneOf(d *caddyfile.Dispenser, choices ...string) (string, error) {
+	opt := d.Val()
+	args := d.RemainingArgs()
+	switch {
+	case len(args) == 1 && slices.Contains(choices, args[0]):
+		return args[0], nil
+	case len(args) == 1:
+		return "", d.Errf("%s takes one of %s, got %q", opt, strings.Join(choices, ", "), args[0])
+	default:
+		return "", d.Errf("%s takes one of %s, got %d arguments", opt, strings.Join(choices, ", "), len(args))
+	}
+}
+
 // Interface guards.
 var (
+	_ caddyfile.Unmarshaler = (*ListenerWrapper)(nil)
 	_ caddyfile.Unmarshaler = (*KTLSHandler)(nil)
+	_ caddyfile.Unmarshaler = (*KTLSSession)(nil)
 	_ caddyfile.Unmarshaler = (*SandboxHandler)(nil)
 	_ caddyfile.Unmarshaler = (*MatchSandbox)(nil)
 )

@@ -6,7 +6,6 @@ import (
 	"crypto/tls"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/mholt/caddy-l4/layer4"
 	"go.uber.org/zap"
 )
@@ -59,7 +58,7 @@ type KTLSSession struct {
 
 // CaddyModule returns the Caddy module information.
 func (*KTLSSession) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: "layer4.handlers.ktls_session", New: func() caddy.Module { return new(KTLSSession) }}
+	return caddy.ModuleInfo{ID: moduleKTLSSession, New: func() caddy.Module { return new(KTLSSession) }}
 }
 
 // Provision sets up the handler.
@@ -102,14 +101,8 @@ func (s *KTLSSession) Handle(cx *layer4.Connection, next layer4.Handler) error {
 	return next.Handle(own)
 }
 
-// UnmarshalCaddyfile sets up the handler: `ktls_session`, no arguments.
-func (*KTLSSession) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	return noArgsOrBlock(d, "ktls_session handler")
-}
-
 // Interface guards.
 var (
-	_ layer4.NextHandler    = (*KTLSSession)(nil)
-	_ caddy.Provisioner     = (*KTLSSession)(nil)
-	_ caddyfile.Unmarshaler = (*KTLSSession)(nil)
+	_ layer4.NextHandler = (*KTLSSession)(nil)
+	_ caddy.Provisioner  = (*KTLSSession)(nil)
 )

@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/mholt/caddy-l4/layer4"
 	"go.uber.org/zap"
@@ -48,8 +47,7 @@ func init() {
 // path is where kTLS vulnerabilities have clustered; set `disable_rx` to keep
 // decryption in Go while the kernel still encrypts outgoing records.
 type ListenerWrapper struct {
-	// The offload options: disable_rx, require_offload, expect_no_pad,
-	// tx_zerocopy_ro, keyupdate_rate, keyupdate_burst, handshake_timeout.
+	// The offload options (OffloadOptions), at the top level of the JSON.
 	OffloadOptions
 
 	// Sendfile lets HTTP/1.1 response bodies read from files (file_server)
@@ -503,46 +501,9 @@ func innermostReader(r io.Reader) io.Reader {
 	}
 }
 
-// UnmarshalCaddyfile sets up the wrapper from Caddyfile tokens:
-//
-//	ktls {
-//		rx                on|off        # default on: decrypt in the kernel
-//		fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
-//		expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted clients only)
-//		tx_zerocopy_ro                  # TLS_TX_ZEROCOPY_RO (with sendfile, device offload)
-//		keyupdate_rate    <per_second> [<burst>]
-//		handshake_timeout <duration>
-//		sendfile                        # sendfile for file bodies; Caddy then WARNs per connection
-//	}
-func (lw *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the wrapper name
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	for d.NextBlock(0) {
-		if handled, err := lw.unmarshalCaddyfileOption(d); handled {
-			if err != nil {
-				return err
-			}
-			continue
-		}
-		switch opt := d.Val(); opt {
-		case "sendfile":
-			if err := noArgs(d); err != nil {
-				return err
-			}
-			lw.Sendfile = true
-		default:
-			return d.Errf("unknown ktls listener wrapper option %q", opt)
-		}
-	}
-	return nil
-}
-
 // Interface guards.
 var (
 	_ caddy.Provisioner     = (*ListenerWrapper)(nil)
 	_ caddy.ListenerWrapper = (*ListenerWrapper)(nil)
-	_ caddyfile.Unmarshaler = (*ListenerWrapper)(nil)
 	_ io.ReaderFrom         = (*sendfileConn)(nil)
 )

@@ -2,9 +2,6 @@ package caddyktls
 
 import (
 	"errors"
-	"maps"
-	"slices"
-	"sync"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -92,12 +89,6 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.acceptRetries, prometheus.CounterValue, float64(acceptRetries.Load()))
 }
 
-// The modules whose connections the ktls engine closes, as metric labels.
-const (
-	moduleL4Handler       = "layer4.handlers.ktls"
-	moduleListenerWrapper = "caddy.listeners.ktls"
-)
-
 // closeEvents are the ktls events that end a connection.
 var closeEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.EventClosed, ktls.EventRekeyUnsupported}
 
@@ -107,55 +98,6 @@ var closeEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.
 // the layer4 handler counts it from the tunnel's end error; the listener
 // wrapper never sees its connections' read errors and has no such series.
 const eventBadRecord ktls.EventKind = "bad-record"
-
-type closeKey struct {
-	module string
-	event  ktls.EventKind
-}
-
-// closeCounts counts the connections the ktls engine closed, per module and
-// event. Process-level like the collector: the modules' observers count, the
-// collector reads.
-type closeCounts struct {
-	mu sync.Mutex
-	n  map[closeKey]uint64
-}
-
-// connCloses starts with every series at zero (alerts on rate() need them).
-var connCloses = func() *closeCounts {
-	c := &closeCounts{n: map[closeKey]uint64{}}
-	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
-		for _, ev := range closeEvents {
-			c.n[closeKey{m, ev}] = 0
-		}
-	}
-	c.n[closeKey{moduleL4Handler, eventBadRecord}] = 0
-	return c
-}()
-
-// count records ev for module when it is a close event. Every handshake
-// reports an event too: those return before taking the lock.
-func (c *closeCounts) count(module string, ev ktls.EventKind) {
-	if !slices.Contains(closeEvents, ev) {
-		return
-	}
-	c.add(closeKey{module, ev})
-}
-
-// add counts one close of k, when k has a series.
-func (c *closeCounts) add(k closeKey) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if _, ok := c.n[k]; ok {
-		c.n[k]++
-	}
-}
-
-func (c *closeCounts) snapshot() map[closeKey]uint64 {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return maps.Clone(c.n)
-}
 
 // rejectReasons lists every reason a sandbox tunnel can be refused for, so
 // each has a series from the start (alerts on rate() need the zero).
@@ -177,48 +119,4 @@ func registerMetrics(ctx caddy.Context) error {
 		return err
 	}
 	return nil
-}
-
-// pusherSet tracks the activity pushers of all loaded configurations, and
-// keeps the counts of retired ones so the metrics never go backwards across
-// a reload.
-type pusherSet struct {
-	mu      sync.Mutex
-	live    map[*forward.Pusher]struct{}
-	retired forward.PusherStats
-}
-
-var pushers = &pusherSet{live: map[*forward.Pusher]struct{}{}}
-
-func (s *pusherSet) add(p *forward.Pusher) {
-	s.mu.Lock()
-	s.live[p] = struct{}{}
-	s.mu.Unlock()
-}
-
-// remove retires a stopped pusher.
-func (s *pusherSet) remove(p *forward.Pusher) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if _, ok := s.live[p]; !ok {
-		return
-	}
-	delete(s.live, p)
-	st := p.Stats()
-	s.retired.Sent += st.Sent
-	s.retired.Retries += st.Retries
-	s.retired.Dropped += st.Dropped
-}
-
-func (s *pusherSet) stats() forward.PusherStats {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	t := s.retired
-	for p := range s.live {
-		st := p.Stats()
-		t.Sent += st.Sent
-		t.Retries += st.Retries
-		t.Dropped += st.Dropped
-	}
-	return t
 }

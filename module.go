@@ -7,8 +7,34 @@
 //   - ktls: moves a crypto/tls session into the kernel (TLS_TX/TLS_RX), with
 //     a userspace fallback behind the same API;
 //   - splice: the zero-copy data path between two sockets;
-//   - preamble: the signed sandbox preamble (wire format, signing, verification).
+//   - preamble: the signed sandbox preamble (wire format, keys, signing,
+//     verification);
+//   - forward: the forwarder that serves one tunnel (preamble, policy, dial,
+//     relay, registry, activity reports).
 //
 // This package stays thin: configuration, Caddyfile parsing, logging and
-// metrics wiring.
+// metrics wiring. One file per module:
+//
+//	listenerwrapper.go  caddy.listeners.ktls           the HTTP server's listener wrapper
+//	l4handler.go        layer4.handlers.ktls           TLS termination and offload in caddy-l4
+//	ktlssession.go      layer4.handlers.ktls_session   HTTP on a kTLS session inside caddy-l4
+//	sandboxhandler.go   layer4.handlers.sandbox        the tunnel forwarder
+//	matcher.go          layer4.matchers.sandbox        routes connections that start with a preamble
+//	admin.go            admin.api.sandbox              GET /sandbox/tunnels and /sandbox/activity
+//
+// and beside them: caddyfile.go (all Caddyfile parsing), offloadoptions.go
+// (the options the two TLS-terminating modules share), state.go (what
+// outlives a configuration load), metrics.go, tlsplaceholders.go,
+// acceptretry.go (the tcp-retry network), commands.go and sandboxcmd.go (the
+// `caddy ktls` and `caddy sandbox` subcommands).
 package caddyktls
+
+// The module IDs, also the `module` label of the metrics.
+const (
+	moduleListenerWrapper = "caddy.listeners.ktls"
+	moduleL4Handler       = "layer4.handlers.ktls"
+	moduleKTLSSession     = "layer4.handlers.ktls_session"
+	moduleSandboxHandler  = "layer4.handlers.sandbox"
+	moduleSandboxMatcher  = "layer4.matchers.sandbox"
+	moduleAdminSandbox    = "admin.api.sandbox"
+)

@@ -3,14 +3,9 @@ package caddyktls
 import (
 	"crypto/tls"
 	"errors"
-	"math"
-	"slices"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -116,89 +111,5 @@ func logHandshake(logger *zap.Logger, ev ktls.Event) {
 			zap.String("cipher_suite", tls.CipherSuiteName(ev.Offload.CipherSuite)),
 			zap.Bool("rx_no_pad", ev.Offload.RXNoPad),
 			zap.Error(ev.Err))
-	}
-}
-
-// unmarshalCaddyfileOption reads the offload sub-directive d is on, if it is
-// one, and reports whether it was:
-//
-//	offload           on|off        # default on; off keeps the whole session in userspace TLS
-//	rx                on|off        # default on; off keeps decryption in Go (kTLS RX is where CVEs cluster)
-//	fallback          allow|refuse  # default allow: userspace TLS when offload is impossible
-//	expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted peers only)
-//	tx_zerocopy_ro                  # TLS_TX_ZEROCOPY_RO
-//	keyupdate_rate    <per_second> [<burst>]
-//	handshake_timeout <duration>
-func (o *OffloadOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
-	switch opt := d.Val(); opt {
-	case "offload":
-		v, err := oneOf(d, "on", "off")
-		if err != nil {
-			return true, err
-		}
-		o.DisableOffload = v == "off"
-	case "rx":
-		v, err := oneOf(d, "on", "off")
-		if err != nil {
-			return true, err
-		}
-		o.DisableRX = v == "off"
-	case "fallback":
-		v, err := oneOf(d, "allow", "refuse")
-		if err != nil {
-			return true, err
-		}
-		o.RequireOffload = v == "refuse"
-	case "expect_no_pad":
-		if err := noArgs(d); err != nil {
-			return true, err
-		}
-		o.ExpectNoPad = true
-	case "tx_zerocopy_ro":
-		if err := noArgs(d); err != nil {
-			return true, err
-		}
-		o.TXZeroCopyRO = true
-	case "keyupdate_rate":
-		args := d.RemainingArgs()
-		if len(args) < 1 || len(args) > 2 {
-			return true, d.Errf("keyupdate_rate takes a rate per second and an optional burst, got %d arguments", len(args))
-		}
-		rate, err := strconv.ParseFloat(args[0], 64)
-		// ParseFloat takes "NaN" and "Inf", which JSON cannot carry.
-		if err != nil || !(rate > 0) || math.IsInf(rate, 1) {
-			return true, d.Errf("keyupdate_rate: %q is not a positive number", args[0])
-		}
-		o.KeyUpdateRate = rate
-		if len(args) == 2 {
-			burst, err := strconv.Atoi(args[1])
-			if err != nil || burst <= 0 {
-				return true, d.Errf("keyupdate_rate: burst %q is not a positive integer", args[1])
-			}
-			o.KeyUpdateBurst = burst
-		}
-	case "handshake_timeout":
-		dur, err := durationArg(d)
-		if err != nil {
-			return true, err
-		}
-		o.HandshakeTimeout = dur
-	default:
-		return false, nil
-	}
-	return true, nil
-}
-
-// oneOf reads exactly one argument, which must be one of choices.
-func oneOf(d *caddyfile.Dispenser, choices ...string) (string, error) {
-	opt := d.Val()
-	args := d.RemainingArgs()
-	switch {
-	case len(args) == 1 && slices.Contains(choices, args[0]):
-		return args[0], nil
-	case len(args) == 1:
-		return "", d.Errf("%s takes one of %s, got %q", opt, strings.Join(choices, ", "), args[0])
-	default:
-		return "", d.Errf("%s takes one of %s, got %d arguments", opt, strings.Join(choices, ", "), len(args))
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"crypto/ed25519"
 	"crypto/sha256"
 	"crypto/x509"
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/pem"
 	"errors"
@@ -105,4 +106,31 @@ func ParseKeyring(data []byte) (map[string]ed25519.PublicKey, error) {
 		return nil, errors.New("preamble: keyring holds no PEM PUBLIC KEY block")
 	}
 	return keys, nil
+}
+
+// ParsePublicKey accepts a PEM "PUBLIC KEY" block, or standard base64 of
+// either the raw 32-byte key or its SPKI DER form (what `openssl pkey
+// -pubout -outform DER` writes): one key, as a configuration gives it inline.
+func ParsePublicKey(s string) (ed25519.PublicKey, error) {
+	if ring, err := ParseKeyring([]byte(s)); err == nil && len(ring) == 1 {
+		for _, k := range ring {
+			return k, nil
+		}
+	}
+	raw, err := base64.StdEncoding.DecodeString(s)
+	if err != nil {
+		return nil, fmt.Errorf("public key is neither one PEM PUBLIC KEY block nor base64: %v", err)
+	}
+	if len(raw) == ed25519.PublicKeySize {
+		return ed25519.PublicKey(raw), nil
+	}
+	k, err := x509.ParsePKIXPublicKey(raw)
+	if err != nil {
+		return nil, fmt.Errorf("public key is %d bytes: neither a raw Ed25519 key (%d) nor SPKI DER: %v", len(raw), ed25519.PublicKeySize, err)
+	}
+	pub, ok := k.(ed25519.PublicKey)
+	if !ok {
+		return nil, fmt.Errorf("public key is %T, want Ed25519", k)
+	}
+	return pub, nil
 }

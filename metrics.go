@@ -106,8 +106,10 @@ func rejectReasons() []string {
 	for _, r := range preamble.Reasons() {
 		rs = append(rs, string(r))
 	}
-	return append(rs, string(forward.ReasonTargetDenied), string(forward.ReasonDialFailed), string(forward.ReasonDraining),
-		string(forward.ReasonTunnelLimit), string(forward.ReasonKeyNotForClient), "other")
+	for _, r := range forward.Reasons() {
+		rs = append(rs, string(r))
+	}
+	return append(rs, preamble.ReasonOther)
 }
 
 // registerMetrics adds the process collector to this configuration's

@@ -100,8 +100,8 @@ func TestSandboxRejectsBadOptions(t *testing.T) {
 	}{
 		"key_clients of no key":        {map[string]any{"key_clients": map[string][]string{"gw-typo": {"gateway-1"}}}, `key_clients "gw-typo": no such key`},
 		"key_clients naming no client": {map[string]any{"key_clients": map[string][]string{gatewayKeyID: {}}}, "no client named"},
-		"negative tunnel cap":          {map[string]any{"max_tunnels_per_sandbox": -1}, "negative MaxPerSandbox or MaxLifetime"},
-		"negative lifetime":            {map[string]any{"max_tunnel_lifetime": "-1s"}, "negative MaxPerSandbox or MaxLifetime"},
+		"negative tunnel cap":          {map[string]any{"max_tunnels_per_sandbox": -1}, "negative MaxTunnelsPerSandbox or MaxTunnelLifetime"},
+		"negative lifetime":            {map[string]any{"max_tunnel_lifetime": "-1s"}, "negative MaxTunnelsPerSandbox or MaxTunnelLifetime"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			raw, err := json.Marshal(newSandboxConfig(t, tc.opts).cfg)

@@ -198,16 +198,16 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("sandbox handler: %w", err)
 	}
 	h.fwd, err = forward.New(forward.Config{
-		Verifier:        verifier,
-		Policy:          policy,
-		Registry:        tunnels,
-		PreambleTimeout: time.Duration(h.PreambleTimeout),
-		DialTimeout:     time.Duration(h.DialTimeout),
-		KeepAlive:       time.Duration(h.KeepAlive),
-		UserTimeout:     time.Duration(h.TCPUserTimeout),
-		MaxPerSandbox:   h.MaxTunnelsPerSandbox,
-		KeyClients:      h.KeyClients,
-		MaxLifetime:     time.Duration(h.MaxTunnelLifetime),
+		Verifier:             verifier,
+		Policy:               policy,
+		Registry:             tunnels,
+		PreambleTimeout:      time.Duration(h.PreambleTimeout),
+		DialTimeout:          time.Duration(h.DialTimeout),
+		KeepAlive:            time.Duration(h.KeepAlive),
+		TCPUserTimeout:       time.Duration(h.TCPUserTimeout),
+		MaxTunnelsPerSandbox: h.MaxTunnelsPerSandbox,
+		KeyClients:           h.KeyClients,
+		MaxTunnelLifetime:    time.Duration(h.MaxTunnelLifetime),
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)

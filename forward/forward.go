@@ -38,28 +38,28 @@ type Config struct {
 	// sockets (three unanswered probes end the tunnel). Zero means
 	// DefaultKeepAlive.
 	KeepAlive time.Duration
-	// UserTimeout sets TCP_USER_TIMEOUT on both sockets: how long sent data
+	// TCPUserTimeout sets TCP_USER_TIMEOUT on both sockets: how long sent data
 	// may stay unacknowledged before the kernel drops the connection. Zero
 	// leaves the kernel default.
-	UserTimeout time.Duration
+	TCPUserTimeout time.Duration
 	// Pipes supplies splice pipes; nil means splice.DefaultPipePool().
 	Pipes *splice.PipePool
-	// MaxLifetime, when positive, ends a tunnel that has been open that
+	// MaxTunnelLifetime, when positive, ends a tunnel that has been open that
 	// long as a failure (both sides aborted; the error is a
 	// *LifetimeError), whatever it is doing. It bounds how long a tunnel
 	// outlives a client certificate revoked by a reload. Zero means none.
-	MaxLifetime time.Duration
+	MaxTunnelLifetime time.Duration
 	// KeyClients binds signing keys to clients: a frame signed by a key ID
 	// listed here is accepted only from a client one of whose
 	// CertificateNames is in the key's list (ReasonKeyNotForClient
 	// otherwise), so a gateway's key is worthless with another gateway's
 	// certificate. Keys not listed are accepted from any client.
 	KeyClients map[string][]string
-	// MaxPerSandbox caps the tunnels open at once to one sandbox, as the
+	// MaxTunnelsPerSandbox caps the tunnels open at once to one sandbox, as the
 	// Registry counts them (all its Forwarders' tunnels): one more is
 	// refused (ReasonTunnelLimit) before its target is dialed. Zero means
 	// no cap.
-	MaxPerSandbox int
+	MaxTunnelsPerSandbox int
 }
 
 // Forwarder carries tunnels: one Serve call per client connection.
@@ -73,11 +73,11 @@ func New(cfg Config) (*Forwarder, error) {
 	if cfg.Verifier == nil || cfg.Policy == nil || cfg.Registry == nil {
 		return nil, errors.New("forward: Config needs a Verifier, a Policy and a Registry")
 	}
-	if cfg.PreambleTimeout < 0 || cfg.DialTimeout < 0 || cfg.KeepAlive < 0 || cfg.UserTimeout < 0 {
+	if cfg.PreambleTimeout < 0 || cfg.DialTimeout < 0 || cfg.KeepAlive < 0 || cfg.TCPUserTimeout < 0 {
 		return nil, errors.New("forward: negative timeout")
 	}
-	if cfg.MaxPerSandbox < 0 || cfg.MaxLifetime < 0 {
-		return nil, errors.New("forward: negative MaxPerSandbox or MaxLifetime")
+	if cfg.MaxTunnelsPerSandbox < 0 || cfg.MaxTunnelLifetime < 0 {
+		return nil, errors.New("forward: negative MaxTunnelsPerSandbox or MaxTunnelLifetime")
 	}
 	if cfg.PreambleTimeout == 0 {
 		cfg.PreambleTimeout = DefaultPreambleTimeout
@@ -88,7 +88,7 @@ func New(cfg Config) (*Forwarder, error) {
 	if cfg.KeepAlive == 0 {
 		cfg.KeepAlive = DefaultKeepAlive
 	}
-	return &Forwarder{cfg: cfg, sock: socketOptions{keepAlive: cfg.KeepAlive, userTimeout: cfg.UserTimeout}}, nil
+	return &Forwarder{cfg: cfg, sock: socketOptions{keepAlive: cfg.KeepAlive, userTimeout: cfg.TCPUserTimeout}}, nil
 }
 
 // Client is the gateway side of one tunnel.
@@ -120,7 +120,7 @@ type Client struct {
 // Result describes a tunnel that was carried.
 type Result struct {
 	Tunnel TunnelInfo
-	Relay  splice.Result
+	Relay  splice.Stats
 }
 
 // Serve carries one tunnel and returns when it has ended; it always closes
@@ -139,9 +139,9 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		return Result{}, err
 	}
 	defer tun.Close()
-	if f.cfg.MaxLifetime > 0 {
+	if f.cfg.MaxTunnelLifetime > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, f.cfg.MaxLifetime, &LifetimeError{Lifetime: f.cfg.MaxLifetime})
+		ctx, cancel = context.WithTimeoutCause(ctx, f.cfg.MaxTunnelLifetime, &LifetimeError{Lifetime: f.cfg.MaxTunnelLifetime})
 		defer cancel()
 	}
 	if c.OnOpen != nil {
@@ -184,7 +184,7 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 	return Result{Tunnel: tun.Info(), Relay: res}, err
 }
 
-// LifetimeError ends a tunnel that reached Config.MaxLifetime.
+// LifetimeError ends a tunnel that reached Config.MaxTunnelLifetime.
 type LifetimeError struct {
 	Lifetime time.Duration
 }
@@ -245,7 +245,7 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	}
 	// Checked before the dial, so that a sandbox at its cap costs its
 	// target nothing; Open checks again, for tunnels opening at once.
-	if err := f.cfg.Registry.checkLimit(claims.SandboxID, f.cfg.MaxPerSandbox); err != nil {
+	if err := f.cfg.Registry.checkLimit(claims.SandboxID, f.cfg.MaxTunnelsPerSandbox); err != nil {
 		return nil, nil, nil, err
 	}
 	target := claims.Target.String()
@@ -257,7 +257,7 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	// include dials that fail; a drain that began meanwhile still wins.
 	key, _ := f.cfg.Verifier.Key(claims.KeyID)
 	origin := Origin{Peer: c.Peer, Certificate: c.Certificate, KeyID: claims.KeyID, key: key}
-	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, origin, f.cfg.MaxPerSandbox)
+	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, origin, f.cfg.MaxTunnelsPerSandbox)
 	if err != nil {
 		up.Close()
 		return nil, nil, nil, err
@@ -276,8 +276,8 @@ func (f *Forwarder) checkKeyClient(keyID string, names []string) error {
 }
 
 // ReasonOf returns the stable reason of a refused tunnel: a preamble
-// package reason, one of this package's Reasons, "" for nil and "other"
-// for anything else.
+// package reason, one of this package's Reasons, "" for nil and
+// preamble.ReasonOther for anything else.
 func ReasonOf(err error) string {
 	var re *RejectError
 	if errors.As(err, &re) {

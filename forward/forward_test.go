@@ -390,13 +390,13 @@ func TestDrainRefusesNewAndClosesAfterGrace(t *testing.T) {
 	}
 }
 
-// MaxPerSandbox caps one sandbox's open tunnels: one more is refused as
+// MaxTunnelsPerSandbox caps one sandbox's open tunnels: one more is refused as
 // tunnel-limit before any dial, other sandboxes are not affected, and a
 // tunnel that ends makes room again.
 func TestTunnelLimitPerSandbox(t *testing.T) {
 	forwardtest.CheckLeaks(t)
 	up := forwardtest.NewUpstream(t, 0)
-	f := newFixture(t, func(c *Config) { c.MaxPerSandbox = 2 })
+	f := newFixture(t, func(c *Config) { c.MaxTunnelsPerSandbox = 2 })
 	open := func(sandbox string) *net.TCPConn {
 		c := f.dial(t)
 		t.Cleanup(func() { c.Close() })
@@ -433,7 +433,7 @@ func TestTunnelLimitPerSandbox(t *testing.T) {
 	}
 }
 
-// MaxLifetime ends a tunnel that is still open at that age as a failure:
+// MaxTunnelLifetime ends a tunnel that is still open at that age as a failure:
 // both sides reset (plain TCP here), the bytes sent before arrive, Serve
 // returns a *LifetimeError and the registry counts it.
 func TestTunnelLifetime(t *testing.T) {
@@ -461,7 +461,7 @@ func TestTunnelLifetime(t *testing.T) {
 		upDone <- upResult{n, err}
 	}()
 	const lifetime = 300 * time.Millisecond
-	f := newFixture(t, func(c *Config) { c.MaxLifetime = lifetime })
+	f := newFixture(t, func(c *Config) { c.MaxTunnelLifetime = lifetime })
 	c := f.dial(t)
 	defer c.Close()
 	payload := bytes.Repeat([]byte("x"), 1000)

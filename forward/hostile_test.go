@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -19,7 +20,8 @@ import (
 
 // refused sends what send writes on a fresh connection to f and checks the
 // forwarder's answer: no byte, a reset (how a plain TCP client is refused),
-// and Serve's reason.
+// and Serve's reason, which must be one that Reasons or preamble.Reasons
+// lists (the metrics pre-register a series for each listed reason only).
 func (f *fixture) refused(t *testing.T, nth int, reason string, send func(c *net.TCPConn)) error {
 	t.Helper()
 	c := f.dial(t)
@@ -30,8 +32,12 @@ func (f *fixture) refused(t *testing.T, nth int, reason string, send func(c *net
 		t.Errorf("client read %d bytes, err %v; want none, then a reset", n, err)
 	}
 	err := f.wait(t, nth)[nth-1]
-	if got := ReasonOf(err); got != reason {
+	got := ReasonOf(err)
+	if got != reason {
 		t.Errorf("reason %q (%v), want %q", got, err, reason)
+	}
+	if !slices.Contains(Reasons(), Reason(got)) && !slices.Contains(preamble.Reasons(), preamble.Reason(got)) {
+		t.Errorf("reason %q is listed by neither forward.Reasons nor preamble.Reasons", got)
 	}
 	return err
 }

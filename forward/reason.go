@@ -22,6 +22,16 @@ const (
 	ReasonKeyNotForClient Reason = "key-not-for-client"
 )
 
+// The forwarder's own reasons, in the order Reasons returns them.
+var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient}
+
+// Reasons returns every rejection reason this package raises itself (a
+// refused preamble's reasons are preamble.Reasons), so that metrics can
+// pre-register one series per reason.
+func Reasons() []Reason {
+	return append([]Reason(nil), allReasons...)
+}
+
 // RejectError is returned by Forwarder.Serve when a tunnel is refused before
 // any client byte reaches the target.
 type RejectError struct {

@@ -29,7 +29,7 @@ type Registry struct {
 	lastPrune time.Time
 
 	opened  atomic.Uint64
-	expired atomic.Uint64 // tunnels ended at Config.MaxLifetime
+	expired atomic.Uint64 // tunnels ended at Config.MaxTunnelLifetime
 	revoked atomic.Uint64 // tunnels ended by Revoke
 	// Bytes of all tunnels ever, by direction (sandbox entries are pruned).
 	toSandbox, fromSandbox atomic.Int64
@@ -132,17 +132,17 @@ type Origin struct {
 }
 
 // Open registers a new tunnel, or refuses it while the registry drains or
-// when sandbox already has maxOpen tunnels open (zero: no cap). The
+// when sandbox already has maxTunnelsPerSandbox tunnels open (zero: no cap). The
 // tunnel's relay must run under the returned context: Drain cancels it when
 // the grace period is over.
-func (r *Registry) Open(sandbox, target string, origin Origin, maxOpen int) (*Tunnel, context.Context, error) {
+func (r *Registry) Open(sandbox, target string, origin Origin, maxTunnelsPerSandbox int) (*Tunnel, context.Context, error) {
 	now := time.Now()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.draining {
 		return nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
 	}
-	if err := r.checkLimitLocked(sandbox, maxOpen); err != nil {
+	if err := r.checkLimitLocked(sandbox, maxTunnelsPerSandbox); err != nil {
 		return nil, nil, err
 	}
 	r.pruneLocked(now)
@@ -163,17 +163,17 @@ func (r *Registry) Open(sandbox, target string, origin Origin, maxOpen int) (*Tu
 	return t, ctx, nil
 }
 
-// checkLimit refuses a tunnel to sandbox when it has maxOpen tunnels open
+// checkLimit refuses a tunnel to sandbox when it has maxTunnelsPerSandbox tunnels open
 // already (zero: no cap).
-func (r *Registry) checkLimit(sandbox string, maxOpen int) error {
+func (r *Registry) checkLimit(sandbox string, maxTunnelsPerSandbox int) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.checkLimitLocked(sandbox, maxOpen)
+	return r.checkLimitLocked(sandbox, maxTunnelsPerSandbox)
 }
 
-func (r *Registry) checkLimitLocked(sandbox string, maxOpen int) error {
-	if sb := r.sandboxes[sandbox]; maxOpen > 0 && sb != nil && sb.open.Load() >= int64(maxOpen) {
-		return &RejectError{Reason: ReasonTunnelLimit, Err: fmt.Errorf("sandbox %s has %d tunnels open, the most allowed", sandbox, maxOpen)}
+func (r *Registry) checkLimitLocked(sandbox string, maxTunnelsPerSandbox int) error {
+	if sb := r.sandboxes[sandbox]; maxTunnelsPerSandbox > 0 && sb != nil && sb.open.Load() >= int64(maxTunnelsPerSandbox) {
+		return &RejectError{Reason: ReasonTunnelLimit, Err: fmt.Errorf("sandbox %s has %d tunnels open, the most allowed", sandbox, maxTunnelsPerSandbox)}
 	}
 	return nil
 }
@@ -306,7 +306,7 @@ func (r *Registry) Revoked() uint64 {
 }
 
 // Expired returns how many tunnels were ended for reaching their lifetime
-// (Config.MaxLifetime) since the registry was made.
+// (Config.MaxTunnelLifetime) since the registry was made.
 func (r *Registry) Expired() uint64 {
 	return r.expired.Load()
 }
@@ -325,7 +325,7 @@ func (r *Registry) DataPath() DataPath {
 		ControlRecords: r.controlRecords.Load(), PipeShortages: r.pipeShortages.Load()}
 }
 
-func (r *Registry) addDataPath(res splice.Result) {
+func (r *Registry) addDataPath(res splice.Stats) {
 	for _, d := range []splice.DirectionStats{res.AToB, res.BToA} {
 		r.spliceBytes.Add(d.SpliceBytes)
 		r.copyBytes.Add(d.CopyBytes)

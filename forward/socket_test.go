@@ -31,7 +31,7 @@ func TestSocketOptionsOnBothSockets(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			forwardtest.CheckLeaks(t)
 			up := forwardtest.NewUpstream(t, 0)
-			f := newFixture(t, func(c *Config) { c.KeepAlive, c.UserTimeout = tc.keepAlive, tc.userTimeout })
+			f := newFixture(t, func(c *Config) { c.KeepAlive, c.TCPUserTimeout = tc.keepAlive, tc.userTimeout })
 			c := f.dial(t)
 			defer c.Close()
 			if _, err := c.Write(append(f.gw.Frame(t, "sbx-sockopt", up.Addr()), 'x')); err != nil {

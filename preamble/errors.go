@@ -66,8 +66,13 @@ func (e *Error) Error() string {
 
 func (e *Error) Unwrap() error { return e.Err }
 
+// ReasonOther is what ReasonOf says of an error that is not a rejection: a
+// tunnel that failed for a reason no package names (a bug, or an error a
+// future version classifies). It is not a Reason: nothing rejects with it.
+const ReasonOther = "other"
+
 // ReasonOf returns the stable reason string of a rejection anywhere in err's
-// chain, "" for nil and "other" for an error that is not a rejection.
+// chain, "" for nil and ReasonOther for an error that is not a rejection.
 func ReasonOf(err error) string {
 	if err == nil {
 		return ""
@@ -76,7 +81,7 @@ func ReasonOf(err error) string {
 	if errors.As(err, &pe) {
 		return string(pe.Reason)
 	}
-	return "other"
+	return ReasonOther
 }
 
 func reject(r Reason, format string, args ...any) *Error {

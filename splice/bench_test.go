@@ -26,10 +26,10 @@ import (
 func BenchmarkRelay(b *testing.B) {
 	b.Run("no-relay", func(b *testing.B) { benchRelay(b, nil) })
 	b.Run("splice", func(b *testing.B) {
-		benchRelay(b, func(a, c *net.TCPConn) { Relay(b.Context(), a, c, Options{}) })
+		benchRelay(b, func(a, c *net.TCPConn) { Run(b.Context(), a, c, Options{}) })
 	})
 	b.Run("relay-copy", func(b *testing.B) {
-		benchRelay(b, func(a, c *net.TCPConn) { Relay(b.Context(), opaqueConn{a}, c, Options{}) })
+		benchRelay(b, func(a, c *net.TCPConn) { Run(b.Context(), opaqueConn{a}, c, Options{}) })
 	})
 	b.Run("io.Copy-userspace", func(b *testing.B) {
 		benchRelay(b, func(a, c *net.TCPConn) {

@@ -81,11 +81,11 @@ func (inj *injector) splice(rfd, wfd, n, flags int) (int64, error) {
 }
 
 // controlTunnel sets up client → controlSource(relayA) → relayB → upstream.
-func controlTunnel(t *testing.T) (topology, *controlSource, *injector, func() (Result, error)) {
+func controlTunnel(t *testing.T) (topology, *controlSource, *injector, func() (Stats, error)) {
 	tp := newTopology(t)
 	src := &controlSource{TCPConn: tp.relayA, reads: make(chan readResult, 16)}
 	inj := newInjector(t, tp.relayA)
-	tun := newTunnel(src, tp.relayB, Options{Pipes: newTestPool(t, 2)}, inj.splice)
+	tun := newRelay(src, tp.relayB, Options{Pipes: newTestPool(t, 2)}, inj.splice)
 	return tp, src, inj, runRelay(t.Context(), tun)
 }
 
@@ -218,7 +218,7 @@ func TestPlainSourceSpliceErrorIsFatal(t *testing.T) {
 	tp := newTopology(t)
 	inj := newInjector(t, tp.relayA)
 	inj.errs <- unix.EINVAL
-	wait := runRelay(t.Context(), newTunnel(tp.relayA, tp.relayB, Options{Pipes: newTestPool(t, 1)}, inj.splice))
+	wait := runRelay(t.Context(), newRelay(tp.relayA, tp.relayB, Options{Pipes: newTestPool(t, 1)}, inj.splice))
 	tp.client.Write([]byte("x"))
 	res, err := wait()
 	if !errors.Is(err, unix.EINVAL) || res.AToB.End != EndError || res.AToB.ControlRecords != 0 {
@@ -291,12 +291,12 @@ func (rs *recordSplicer) splice(rfd, wfd, n, flags int) (int64, error) {
 
 // recordTunnel is controlTunnel with a recordSplicer, the whole stream
 // written by the client before the relay starts, so every record is ready.
-func recordTunnel(t *testing.T, stream []byte, controlAt int64, perCall int) (topology, *controlSource, *recordSplicer, func() (Result, error)) {
+func recordTunnel(t *testing.T, stream []byte, controlAt int64, perCall int) (topology, *controlSource, *recordSplicer, func() (Stats, error)) {
 	tp := newTopology(t)
 	go sendAndClose(tp.client, stream)
 	src := &controlSource{TCPConn: tp.relayA, reads: make(chan readResult, 16)}
 	rs := newRecordSplicer(t, tp.relayA, tp.relayB, controlAt, perCall)
-	tun := newTunnel(recordSource{src, rs}, tp.relayB, Options{Pipes: newTestPool(t, 2)}, rs.splice)
+	tun := newRelay(recordSource{src, rs}, tp.relayB, Options{Pipes: newTestPool(t, 2)}, rs.splice)
 	return tp, src, rs, runRelay(t.Context(), tun)
 }
 
@@ -309,7 +309,7 @@ func sendAndClose(c *net.TCPConn, stream []byte) {
 // expectSplicedWhole half-closes the upstream, reads all the tunnel
 // delivers to it and waits for the tunnel: stream must have arrived whole,
 // every byte of it spliced.
-func expectSplicedWhole(t *testing.T, tp topology, wait func() (Result, error), stream []byte) {
+func expectSplicedWhole(t *testing.T, tp topology, wait func() (Stats, error), stream []byte) {
 	t.Helper()
 	tp.upstream.CloseWrite()
 	got, err := io.ReadAll(tp.upstream)
@@ -431,7 +431,7 @@ func TestSealingSinkCallsBounded(t *testing.T) {
 			if kernelTX {
 				sink = sealingSink{tp.relayB}
 			}
-			wait := runRelay(t.Context(), newTunnel(tp.relayA, sink, Options{Pipes: newTestPool(t, 2)}, splice))
+			wait := runRelay(t.Context(), newRelay(tp.relayA, sink, Options{Pipes: newTestPool(t, 2)}, splice))
 			expectSplicedWhole(t, tp, wait, stream)
 			fill, ask := largestFill.Load(), largestAsk.Load()
 			t.Logf("largest pipe fill %d bytes, largest sink call %d bytes", fill, ask)

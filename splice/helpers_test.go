@@ -127,9 +127,9 @@ func (c opaqueConn) CloseWrite() error { return c.Conn.(*net.TCPConn).CloseWrite
 func (c opaqueConn) NetConn() net.Conn { return c.Conn }
 
 // runRelay starts a tunnel; wait returns its outcome.
-func runRelay(ctx context.Context, tun *Tunnel) (wait func() (Result, error)) {
+func runRelay(ctx context.Context, tun *Relay) (wait func() (Stats, error)) {
 	type out struct {
-		res Result
+		res Stats
 		err error
 	}
 	ch := make(chan out, 1)
@@ -137,7 +137,7 @@ func runRelay(ctx context.Context, tun *Tunnel) (wait func() (Result, error)) {
 		res, err := tun.Run(ctx)
 		ch <- out{res, err}
 	}()
-	return func() (Result, error) {
+	return func() (Stats, error) {
 		select {
 		case o := <-ch:
 			return o.res, o.err
@@ -220,7 +220,7 @@ func echoUpstream(up *net.TCPConn) error {
 
 // echoRun pushes size bytes through client → tunnel → echo upstream and back
 // and checks both digests; it returns the tunnel's outcome.
-func echoRun(ctx context.Context, tp topology, tun *Tunnel, seed uint64, size int64) (Result, error) {
+func echoRun(ctx context.Context, tp topology, tun *Relay, seed uint64, size int64) (Stats, error) {
 	wait := runRelay(ctx, tun)
 	var wg sync.WaitGroup
 	var upErr, sendErr error

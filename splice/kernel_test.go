@@ -73,7 +73,7 @@ func TestKernelRelayEcho(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			checkLeaks(t)
 			pool := newTestPool(t, 2)
-			var res Result
+			var res Stats
 			var err error
 			// The delta spans the handshake (where the keys go into the
 			// kernel) and the close (where the kernel drops them).
@@ -117,7 +117,7 @@ func TestKernelRelayEcho(t *testing.T) {
 
 // echoThrough runs the tunnel, sends size bytes from the gateway, lets the
 // upstream echo them, and checks what the gateway gets back.
-func echoThrough(t *testing.T, tp ktlsTopology, tun *Tunnel, size int64) (Result, error) {
+func echoThrough(t *testing.T, tp ktlsTopology, tun *Relay, size int64) (Stats, error) {
 	wait := runRelay(t.Context(), tun)
 	var wg sync.WaitGroup
 	var upErr, sendErr error
@@ -195,7 +195,7 @@ func TestKernelRelayKeyUpdate(t *testing.T) {
 	}
 	relayB, upstream := tcpPair(t)
 	pool := newTestPool(t, 2)
-	var res Result
+	var res Stats
 	var relayErr error
 	delta := kerneltest.StatDelta(t, func() {
 		wait := runRelay(t.Context(), New(server, relayB, Options{Pipes: pool}))

@@ -29,7 +29,7 @@
 // full records.
 //
 // A kTLS connection must have finished its handshake before it is given to
-// a Tunnel: its SpliceSource/SpliceSink answer ok only after the offload.
+// a Relay: its SpliceSource/SpliceSink answer ok only after the offload.
 //
 // kTLS sources deliver TLS control records (alerts, KeyUpdate) out of band:
 // splice(2) cannot read them and fails (EINVAL at a non-data record,
@@ -169,13 +169,13 @@ type DirectionStats struct {
 	Err            error     // set when End is EndError
 }
 
-// Result holds both directions' counters.
-type Result struct {
+// Stats holds both directions' counters.
+type Stats struct {
 	AToB, BToA DirectionStats
 }
 
 // Dir returns the counters of direction d.
-func (r Result) Dir(d Direction) DirectionStats {
+func (r Stats) Dir(d Direction) DirectionStats {
 	if d == AToB {
 		return r.AToB
 	}
@@ -245,15 +245,15 @@ const copyBufferSize = 32 << 10
 
 var copyBuffers = sync.Pool{New: func() any { b := make([]byte, copyBufferSize); return &b }}
 
-// A Tunnel relays bytes between two connections in both directions. Make one
+// A Relay relays bytes between two connections in both directions. Make one
 // with New, start it with Run, and read its live counters with Stats from any
 // goroutine while it runs.
 //
-// Ownership: a Tunnel owns both connections once Run is called. It closes
+// Ownership: a Relay owns both connections once Run is called. It closes
 // both before Run returns, whatever the outcome, and sets their deadlines
 // to stop the relay early (context canceled, or a failed direction); callers
 // must not use the connections meanwhile.
-type Tunnel struct {
+type Relay struct {
 	conns  [2]net.Conn
 	opts   Options
 	pipes  *PipePool
@@ -302,21 +302,21 @@ type dirState struct {
 // *net.TCPConn, and its sink is a Sink that says ok, or a *net.TCPConn. Any
 // other connection (a userspace TLS conn, a wrapper that may buffer bytes)
 // is read and written through its net.Conn methods.
-func New(a, b net.Conn, opts Options) *Tunnel {
-	return newTunnel(a, b, opts, spliceSyscall)
+func New(a, b net.Conn, opts Options) *Relay {
+	return newRelay(a, b, opts, spliceSyscall)
 }
 
-func newTunnel(a, b net.Conn, opts Options, splice spliceFunc) *Tunnel {
-	t := &Tunnel{conns: [2]net.Conn{a, b}, opts: opts, pipes: opts.Pipes, splice: splice}
+func newRelay(a, b net.Conn, opts Options, splice spliceFunc) *Relay {
+	t := &Relay{conns: [2]net.Conn{a, b}, opts: opts, pipes: opts.Pipes, splice: splice}
 	if t.pipes == nil {
 		t.pipes = defaultPipes
 	}
 	return t
 }
 
-// Relay relays between a and b until both directions end, then closes both;
-// see Tunnel.Run.
-func Relay(ctx context.Context, a, b net.Conn, opts Options) (Result, error) {
+// Run relays between a and b until both directions end, then closes both:
+// see Relay.Run.
+func Run(ctx context.Context, a, b net.Conn, opts Options) (Stats, error) {
 	return New(a, b, opts).Run(ctx)
 }
 
@@ -334,12 +334,12 @@ func Relay(ctx context.Context, a, b net.Conn, opts Options) (Result, error) {
 // The error is nil when both directions ended with EOF (or, with CloseOnEOF,
 // one did); otherwise it names the failed direction, or wraps the context's
 // cause when ctx was canceled. Run may be called once.
-func (t *Tunnel) Run(ctx context.Context) (Result, error) {
+func (t *Relay) Run(ctx context.Context) (Stats, error) {
 	if !t.started.CompareAndSwap(false, true) {
-		return t.Stats(), errors.New("splice: Tunnel.Run called twice")
+		return t.Stats(), errors.New("splice: Relay.Run called twice")
 	}
 	if t.conns[0] == nil || t.conns[1] == nil {
-		return Result{}, errors.New("splice: Tunnel needs two connections, got a nil one")
+		return Stats{}, errors.New("splice: Relay needs two connections, got a nil one")
 	}
 	stop := context.AfterFunc(ctx, func() { t.abort(EndCanceled) })
 	var wg sync.WaitGroup
@@ -388,7 +388,7 @@ func Abort(c net.Conn) {
 	c.Close()
 }
 
-func (t *Tunnel) resultErr(ctx context.Context, res Result) error {
+func (t *Relay) resultErr(ctx context.Context, res Stats) error {
 	for _, d := range []Direction{AToB, BToA} {
 		if ds := res.Dir(d); ds.End == EndError {
 			return fmt.Errorf("splice: %s: %w", d, ds.Err)
@@ -401,8 +401,8 @@ func (t *Tunnel) resultErr(ctx context.Context, res Result) error {
 }
 
 // Stats returns a snapshot of the counters; safe to call while Run runs.
-func (t *Tunnel) Stats() Result {
-	return Result{AToB: t.dirs[AToB].snapshot(), BToA: t.dirs[BToA].snapshot()}
+func (t *Relay) Stats() Stats {
+	return Stats{AToB: t.dirs[AToB].snapshot(), BToA: t.dirs[BToA].snapshot()}
 }
 
 func (s *dirState) snapshot() DirectionStats {
@@ -425,7 +425,7 @@ func (s *dirState) snapshot() DirectionStats {
 // past, which wakes goroutines parked in the netpoller (and blocked Reads)
 // with os.ErrDeadlineExceeded. The connections stay open until Run closes
 // them, so no file descriptor is reused under a running splice(2).
-func (t *Tunnel) abort(reason EndReason) {
+func (t *Relay) abort(reason EndReason) {
 	t.abortOnce.Do(func() {
 		t.abortReason.Store(uint32(reason))
 		past := time.Unix(1, 0)
@@ -435,7 +435,7 @@ func (t *Tunnel) abort(reason EndReason) {
 	})
 }
 
-func (t *Tunnel) runDirection(d Direction) {
+func (t *Relay) runDirection(d Direction) {
 	src, dst := t.conns[d], t.conns[1-d]
 	var err error
 	srcEnd, srcOK := sourceEnd(src)
@@ -450,7 +450,7 @@ func (t *Tunnel) runDirection(d Direction) {
 }
 
 // finish records how direction d ended; err == nil means its source ended.
-func (t *Tunnel) finish(d Direction, dst net.Conn, err error) {
+func (t *Relay) finish(d Direction, dst net.Conn, err error) {
 	s := &t.dirs[d]
 	// The state is read before the other direction's sinkClosing. That
 	// direction sets sinkClosing just before it half-closes this socket, and
@@ -586,7 +586,7 @@ func tcpEnd(c net.Conn) (spliceEnd, bool) {
 // no pipe for lack of descriptors is one Read and Write through userspace
 // (copyOnce) with no pipe held, so order is kept there too; the next burst
 // asks for a pipe again.
-func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.Conn, dstEnd spliceEnd) error {
+func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.Conn, dstEnd spliceEnd) error {
 	var p *pipe
 	defer func() {
 		if p != nil {
@@ -671,7 +671,7 @@ func (t *Tunnel) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net
 
 // drain splices everything buffered in p into the sink, counting after
 // every call. A call into a kTLS sink carries at most maxSealPerCall.
-func (t *Tunnel) drain(d Direction, p *pipe, dst spliceEnd) error {
+func (t *Relay) drain(d Direction, p *pipe, dst spliceEnd) error {
 	for p.buffered > 0 {
 		var (
 			m    int64
@@ -703,7 +703,7 @@ func (t *Tunnel) drain(d Direction, p *pipe, dst spliceEnd) error {
 // controlRecord lets the source's userspace path handle the record that
 // splice(2) could not read, and forwards any data bytes it yields. It
 // returns io.EOF when the record was close_notify.
-func (t *Tunnel) controlRecord(d Direction, src, dst net.Conn) error {
+func (t *Relay) controlRecord(d Direction, src, dst net.Conn) error {
 	t.dirs[d].controlRecords.Add(1)
 	bufp := copyBuffers.Get().(*[]byte)
 	defer copyBuffers.Put(bufp)
@@ -728,7 +728,7 @@ func pipeShortage(err error) bool {
 
 // copyLoop is the userspace path: read into a pooled buffer, write it all,
 // until src ends (nil) or fails.
-func (t *Tunnel) copyLoop(d Direction, src, dst net.Conn) error {
+func (t *Relay) copyLoop(d Direction, src, dst net.Conn) error {
 	for {
 		if end, err := t.copyOnce(d, src, dst); end {
 			return err
@@ -741,7 +741,7 @@ func (t *Tunnel) copyLoop(d Direction, src, dst net.Conn) error {
 // buffer is taken per Read; while blocked in Read a direction holds one
 // buffer, since a userspace TLS source may hold decrypted bytes that no
 // socket readiness would announce.
-func (t *Tunnel) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
+func (t *Relay) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
 	bufp := copyBuffers.Get().(*[]byte)
 	defer copyBuffers.Put(bufp)
 	n, rerr := src.Read(*bufp)
@@ -759,7 +759,7 @@ func (t *Tunnel) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) 
 	return false, nil
 }
 
-func (t *Tunnel) write(d Direction, dst net.Conn, b []byte) error {
+func (t *Relay) write(d Direction, dst net.Conn, b []byte) error {
 	n, err := dst.Write(b)
 	if n > 0 {
 		t.count(d, int64(n), false)
@@ -770,7 +770,7 @@ func (t *Tunnel) write(d Direction, dst net.Conn, b []byte) error {
 	return nil
 }
 
-func (t *Tunnel) count(d Direction, n int64, spliced bool) {
+func (t *Relay) count(d Direction, n int64, spliced bool) {
 	s := &t.dirs[d]
 	s.bytes.Add(n)
 	if spliced {

@@ -217,7 +217,7 @@ func isResetOrPipe(err error) bool {
 
 // checkResetResult wants the relay failed with a reset, one direction
 // EndError and the other stopped.
-func checkResetResult(t *testing.T, res Result, err error) {
+func checkResetResult(t *testing.T, res Stats, err error) {
 	t.Helper()
 	if !isResetOrPipe(err) {
 		t.Fatalf("relay error %v, want ECONNRESET or EPIPE", err)
@@ -245,7 +245,7 @@ func checkResetResult(t *testing.T, res Result, err error) {
 // than gets through, resets receiver once it has read 1 MiB, and checks that
 // the relay (whose wait is given) failed with a reset and closed the
 // sender's side too, so that the sender's writes fail.
-func resetMidStream(t *testing.T, wait func() (Result, error), sender, receiver *net.TCPConn, seed uint64, senderName string) Result {
+func resetMidStream(t *testing.T, wait func() (Stats, error), sender, receiver *net.TCPConn, seed uint64, senderName string) Stats {
 	t.Helper()
 	sendDone := make(chan error, 1)
 	go func() {
@@ -311,7 +311,7 @@ func TestRelayIdleHoldsNoPipe(t *testing.T) {
 	baseFDs := kerneltest.OpenFDs(t)
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	waits := make([]func() (Result, error), tunnels)
+	waits := make([]func() (Stats, error), tunnels)
 	for i, tp := range tops {
 		waits[i] = runRelay(ctx, New(tp.relayA, tp.relayB, Options{Pipes: pool}))
 		go echoUpstream(tp.upstream) // until the tunnel is torn down
@@ -544,7 +544,7 @@ func streamHalfClosed(t *testing.T, src, dst *net.TCPConn, seed uint64, size int
 }
 
 // waitEnd waits up to 5 s for direction d to end and returns the stats.
-func waitEnd(tun *Tunnel, d Direction) Result {
+func waitEnd(tun *Relay, d Direction) Stats {
 	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
 		if st := tun.Stats(); st.Dir(d).End != EndRunning {
 			return st

@@ -39,7 +39,7 @@ func TestKernelRelayPipeShortage(t *testing.T) {
 	kerneltest.Require(t)
 	ktls.Probe()
 	checkLeaks(t)
-	var res Result
+	var res Stats
 	delta := kerneltest.StatDelta(t, func() {
 		tp := newKTLSTopology(t, tls.VersionTLS13, ktls.Options{RequireOffload: true})
 		pool := newTestPool(t, 0)
@@ -60,7 +60,7 @@ const shortageBurst = 1 * MiB
 // while the process can open no descriptor, as many again once it can, then
 // the client half-closes. Every byte must come back unchanged; it returns
 // the tunnel's outcome.
-func relayThroughShortage(t *testing.T, tun *Tunnel, pool *PipePool, client io.ReadWriter, closeWrite func() error, upstream *net.TCPConn) Result {
+func relayThroughShortage(t *testing.T, tun *Relay, pool *PipePool, client io.ReadWriter, closeWrite func() error, upstream *net.TCPConn) Stats {
 	t.Helper()
 	wait := runRelay(t.Context(), tun)
 	// Each direction takes a pipe at its start and closes it on finding
@@ -114,7 +114,7 @@ func relayThroughShortage(t *testing.T, tun *Tunnel, pool *PipePool, client io.R
 // bursts moved each way, the first copied, the second spliced, except for
 // the one Read that a copied burst may have been parked in when
 // descriptors came back.
-func checkShortageResult(t *testing.T, res Result) {
+func checkShortageResult(t *testing.T, res Stats) {
 	t.Helper()
 	for _, d := range []Direction{AToB, BToA} {
 		ds := res.Dir(d)

@@ -65,6 +65,6 @@ func floorTunnel(c net.Conn, cfg *tls.Config, upstream string) error {
 		c.Close()
 		return err
 	}
-	_, err = splice.Relay(context.Background(), c, up, splice.Options{})
+	_, err = splice.Run(context.Background(), c, up, splice.Options{})
 	return err
 }

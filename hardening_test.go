@@ -883,7 +883,7 @@ func sandboxSlowlorisPreambles(t *testing.T, kernel bool) {
 			done := make(chan struct{})
 			go func() {
 				defer close(done)
-				c.SetReadDeadline(time.Now().Add(30 * time.Second))
+				c.SetReadDeadline(time.Now().Add(2 * time.Minute)) // liveness only
 				n, _ := io.Copy(io.Discard, c)
 				read <- n
 			}()

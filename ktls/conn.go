@@ -324,7 +324,7 @@ func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
 	if state.Version != tls.VersionTLS13 && state.Version != tls.VersionTLS12 {
 		return ReasonVersion, fmt.Errorf("version %s", tls.VersionName(state.Version))
 	}
-	if _, _, ok := kernelCipher(state.Version, state.CipherSuite); !ok {
+	if _, err := suiteFor(state.Version, state.CipherSuite); err != nil {
 		return ReasonCipher, fmt.Errorf("cipher %s", tls.CipherSuiteName(state.CipherSuite))
 	}
 	if !c.record.atRecordBoundary() {

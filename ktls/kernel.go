@@ -32,78 +32,43 @@ const (
 	recordApplicationData  = 23
 )
 
-// kernelCipher maps a crypto/tls cipher suite to the kernel's cipher_type and
-// key length. ok is false for suites the kernel path does not handle.
-func kernelCipher(version, suite uint16) (cipherType uint16, keyLen int, ok bool) {
-	switch version {
-	case tls.VersionTLS13:
-		switch suite {
-		case tls.TLS_AES_128_GCM_SHA256:
-			return kernelAESGCM128, 16, true
-		case tls.TLS_AES_256_GCM_SHA384:
-			return kernelAESGCM256, 32, true
-		case tls.TLS_CHACHA20_POLY1305_SHA256:
-			return kernelChaCha20P130, 32, true
-		}
-	case tls.VersionTLS12:
-		switch suite {
-		case tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256:
-			return kernelAESGCM128, 16, true
-		case tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384, tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384:
-			return kernelAESGCM256, 32, true
-		case tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256, tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256:
-			return kernelChaCha20P130, 32, true
-		}
-	}
-	return 0, 0, false
-}
-
 // cryptoInfo builds struct tls12_crypto_info_aes_gcm_{128,256} or
-// tls12_crypto_info_chacha20_poly1305. The header fields are host-endian
-// __u16; rec_seq is big endian like on the wire.
+// tls12_crypto_info_chacha20_poly1305: version and cipher_type, then the
+// iv, key, salt and rec_seq fields. The header fields are host-endian
+// __u16; rec_seq is big endian like on the wire. The kernel's nonce is
+// salt || iv field.
 //
-// For TLS 1.3 and for ChaCha20-Poly1305 in either version (RFC 7905: no
-// explicit nonce in TLS 1.2 either) the kernel XORs the sequence number into
-// the 12-byte IV, so iv carries the whole static IV (for TLS 1.3 AES-GCM the
-// salt field takes its first 4 bytes; the ChaCha20 struct has no salt).
+// Where the nonce is implicit (TLS 1.3, and ChaCha20-Poly1305 in either
+// version: RFC 7905, no explicit nonce in TLS 1.2 either) the kernel XORs
+// the sequence number into the 12-byte nonce, so iv carries the whole
+// static IV: the salt field takes its first saltLen bytes (4 for AES-GCM),
+// the iv field the rest (the ChaCha20 struct has no salt).
 // For TLS 1.2 AES-GCM, iv is the 4-byte implicit salt and the kernel uses
 // the 8-byte "iv" field as the explicit nonce, incrementing it per record:
 // it must start at rec_seq, which is what crypto/tls sends as explicit nonce.
 func cryptoInfo(version, suite uint16, key, iv []byte, seq uint64) ([]byte, error) {
-	cipherType, keyLen, ok := kernelCipher(version, suite)
-	if !ok {
+	cs, err := suiteFor(version, suite)
+	if err != nil {
 		return nil, fmt.Errorf("ktls: no kernel cipher for version %#04x suite %#04x", version, suite)
 	}
-	if len(key) != keyLen {
-		return nil, fmt.Errorf("ktls: key is %d bytes, want %d", len(key), keyLen)
+	if len(key) != cs.keyLen {
+		return nil, fmt.Errorf("ktls: key is %d bytes, want %d", len(key), cs.keyLen)
+	}
+	if len(iv) != cs.ivLen {
+		return nil, fmt.Errorf("ktls: %s iv is %d bytes, want %d", tls.CipherSuiteName(suite), len(iv), cs.ivLen)
 	}
 	var seqBytes [8]byte
 	binary.BigEndian.PutUint64(seqBytes[:], seq)
-	b := make([]byte, 0, 64)
-	b = binary.NativeEndian.AppendUint16(b, version)
-	b = binary.NativeEndian.AppendUint16(b, cipherType)
-	switch {
-	case cipherType == kernelChaCha20P130:
-		if len(iv) != 12 {
-			return nil, fmt.Errorf("ktls: ChaCha20 iv is %d bytes, want 12", len(iv))
-		}
-		b = append(b, iv...)
-		b = append(b, key...)
-	case version == tls.VersionTLS13:
-		if len(iv) != 12 {
-			return nil, fmt.Errorf("ktls: TLS 1.3 iv is %d bytes, want 12", len(iv))
-		}
-		b = append(b, iv[4:12]...)
-		b = append(b, key...)
-		b = append(b, iv[0:4]...)
-	default: // TLS 1.2 AES-GCM
-		if len(iv) != 4 {
-			return nil, fmt.Errorf("ktls: TLS 1.2 implicit iv is %d bytes, want 4", len(iv))
-		}
-		b = append(b, seqBytes[:]...)
-		b = append(b, key...)
-		b = append(b, iv...)
+	salt, ivField := iv[:cs.saltLen], iv[cs.saltLen:]
+	if cs.explicitNonce() {
+		salt, ivField = iv, seqBytes[:]
 	}
+	b := make([]byte, 0, 4+len(ivField)+len(key)+len(salt)+len(seqBytes))
+	b = binary.NativeEndian.AppendUint16(b, version)
+	b = binary.NativeEndian.AppendUint16(b, cs.kernelCipher)
+	b = append(b, ivField...)
+	b = append(b, key...)
+	b = append(b, salt...)
 	b = append(b, seqBytes[:]...)
 	return b, nil
 }

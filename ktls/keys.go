@@ -8,60 +8,11 @@ package ktls
 import (
 	"crypto/hkdf"
 	"crypto/hmac"
-	"crypto/sha256"
-	"crypto/sha512"
 	"crypto/tls"
 	"encoding/binary"
 	"fmt"
 	"hash"
 )
-
-// suiteKeyParams is what the key schedule needs to know about a suite.
-type suiteKeyParams struct {
-	hash   func() hash.Hash // TLS 1.3 HKDF hash, or TLS 1.2 PRF hash
-	keyLen int              // AEAD key length
-	ivLen  int              // TLS 1.2: implicit IV length from the key block (4 for GCM, 12 for ChaCha20)
-}
-
-// tls13KeyParams returns the parameters of a TLS 1.3 suite.
-func tls13KeyParams(suite uint16) (suiteKeyParams, error) {
-	switch suite {
-	case tls.TLS_AES_128_GCM_SHA256:
-		return suiteKeyParams{hash: sha256.New, keyLen: 16, ivLen: 12}, nil
-	case tls.TLS_AES_256_GCM_SHA384:
-		return suiteKeyParams{hash: sha512.New384, keyLen: 32, ivLen: 12}, nil
-	case tls.TLS_CHACHA20_POLY1305_SHA256:
-		return suiteKeyParams{hash: sha256.New, keyLen: 32, ivLen: 12}, nil
-	}
-	return suiteKeyParams{}, fmt.Errorf("ktls: %s (%#04x) is not a supported TLS 1.3 cipher suite", tls.CipherSuiteName(suite), suite)
-}
-
-// tls12KeyParams returns the parameters of a TLS 1.2 AEAD suite with ECDHE
-// key exchange (the only TLS 1.2 suites crypto/tls enables by default that
-// the kernel can take).
-func tls12KeyParams(suite uint16) (suiteKeyParams, error) {
-	switch suite {
-	case tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256:
-		return suiteKeyParams{hash: sha256.New, keyLen: 16, ivLen: 4}, nil
-	case tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384, tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384:
-		return suiteKeyParams{hash: sha512.New384, keyLen: 32, ivLen: 4}, nil
-	case tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256, tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256:
-		// RFC 7905: no explicit nonce, the 12-byte IV is XORed with the sequence number.
-		return suiteKeyParams{hash: sha256.New, keyLen: 32, ivLen: 12}, nil
-	}
-	return suiteKeyParams{}, fmt.Errorf("ktls: %s (%#04x) is not a supported TLS 1.2 cipher suite", tls.CipherSuiteName(suite), suite)
-}
-
-// keyParams returns the parameters of a suite negotiated in version.
-func keyParams(version, suite uint16) (suiteKeyParams, error) {
-	switch version {
-	case tls.VersionTLS13:
-		return tls13KeyParams(suite)
-	case tls.VersionTLS12:
-		return tls12KeyParams(suite)
-	}
-	return suiteKeyParams{}, fmt.Errorf("ktls: unsupported TLS version %#04x", version)
-}
 
 // hkdfExpandLabel is HKDF-Expand-Label (RFC 8446 section 7.1) with an empty
 // context, the only form the record keys and KeyUpdate need.
@@ -79,9 +30,9 @@ func hkdfExpandLabel(h func() hash.Hash, secret []byte, label string, length int
 
 // checkSecret rejects a traffic secret whose length is not the suite's hash
 // length: a truncated or mixed-up key log line must not silently produce keys.
-func checkSecret(p suiteKeyParams, suite uint16, secret []byte) error {
-	if n := p.hash().Size(); len(secret) != n {
-		return fmt.Errorf("ktls: traffic secret for %s is %d bytes, want %d", tls.CipherSuiteName(suite), len(secret), n)
+func checkSecret(cs *cipherSuite, secret []byte) error {
+	if n := cs.hash().Size(); len(secret) != n {
+		return fmt.Errorf("ktls: traffic secret for %s is %d bytes, want %d", tls.CipherSuiteName(cs.id), len(secret), n)
 	}
 	return nil
 }
@@ -89,17 +40,17 @@ func checkSecret(p suiteKeyParams, suite uint16, secret []byte) error {
 // trafficKeys derives the record key and the 12-byte static IV of a TLS 1.3
 // traffic secret (RFC 8446 section 7.3).
 func trafficKeys(suite uint16, secret []byte) (key, iv []byte, err error) {
-	p, err := tls13KeyParams(suite)
+	cs, err := suiteFor(tls.VersionTLS13, suite)
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := checkSecret(p, suite, secret); err != nil {
+	if err := checkSecret(cs, secret); err != nil {
 		return nil, nil, err
 	}
-	if key, err = hkdfExpandLabel(p.hash, secret, "key", p.keyLen); err != nil {
+	if key, err = hkdfExpandLabel(cs.hash, secret, "key", cs.keyLen); err != nil {
 		return nil, nil, err
 	}
-	if iv, err = hkdfExpandLabel(p.hash, secret, "iv", p.ivLen); err != nil {
+	if iv, err = hkdfExpandLabel(cs.hash, secret, "iv", cs.ivLen); err != nil {
 		return nil, nil, err
 	}
 	return key, iv, nil
@@ -109,14 +60,14 @@ func trafficKeys(suite uint16, secret []byte) (key, iv []byte, err error) {
 // application_traffic_secret_N, as both sides do after a KeyUpdate
 // (RFC 8446 section 7.2).
 func nextTrafficSecret(suite uint16, secret []byte) ([]byte, error) {
-	p, err := tls13KeyParams(suite)
+	cs, err := suiteFor(tls.VersionTLS13, suite)
 	if err != nil {
 		return nil, err
 	}
-	if err := checkSecret(p, suite, secret); err != nil {
+	if err := checkSecret(cs, secret); err != nil {
 		return nil, err
 	}
-	return hkdfExpandLabel(p.hash, secret, "traffic upd", p.hash().Size())
+	return hkdfExpandLabel(cs.hash, secret, "traffic upd", cs.hash().Size())
 }
 
 // tls12KeyBlock is the part of a TLS 1.2 key block an AEAD suite uses
@@ -133,7 +84,7 @@ type tls12KeyBlock struct {
 // The master secret may come from the extended master secret computation
 // (RFC 7627): the key expansion is the same.
 func tls12Keys(suite uint16, master, clientRandom, serverRandom []byte) (tls12KeyBlock, error) {
-	p, err := tls12KeyParams(suite)
+	cs, err := suiteFor(tls.VersionTLS12, suite)
 	if err != nil {
 		return tls12KeyBlock{}, err
 	}
@@ -146,11 +97,11 @@ func tls12Keys(suite uint16, master, clientRandom, serverRandom []byte) (tls12Ke
 	seed := make([]byte, 0, 64)
 	seed = append(seed, serverRandom...)
 	seed = append(seed, clientRandom...)
-	block := tls12PRF(p.hash, master, "key expansion", seed, 2*p.keyLen+2*p.ivLen)
+	block := tls12PRF(cs.hash, master, "key expansion", seed, 2*cs.keyLen+2*cs.ivLen)
 	// client_write_key, server_write_key, client_write_IV, server_write_IV,
 	// each sliced with a full slice expression so that an append by a caller
 	// cannot run into its neighbour.
-	k, v := p.keyLen, p.ivLen
+	k, v := cs.keyLen, cs.ivLen
 	return tls12KeyBlock{
 		ClientKey: block[0:k:k],
 		ServerKey: block[k : 2*k : 2*k],

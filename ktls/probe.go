@@ -3,6 +3,7 @@ package ktls
 import (
 	"crypto/tls"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 
@@ -50,12 +51,12 @@ type CipherSupport struct {
 // need: the probe tries the RSA-signed TLS 1.2 suites, and their ECDSA twins
 // use the same record protection.
 func (c Capabilities) Supports(version, suite uint16, rxToo bool) bool {
-	want, _, ok := kernelCipher(version, suite)
-	if c.ULP != nil || !ok {
+	want, err := suiteFor(version, suite)
+	if c.ULP != nil || err != nil {
 		return false
 	}
 	for _, s := range c.Ciphers {
-		if got, _, _ := kernelCipher(s.Version, s.CipherSuite); s.Version == version && got == want {
+		if got, err := suiteFor(s.Version, s.CipherSuite); err == nil && s.Version == version && got.kernelCipher == want.kernelCipher {
 			return s.TX && (s.RX || !rxToo)
 		}
 	}
@@ -103,16 +104,20 @@ func Probe() Capabilities {
 	return probeCaps
 }
 
-// probeSuites are the version/suite pairs the engine can install.
-var probeSuites = []struct {
-	version, suite uint16
-}{
-	{tls.VersionTLS13, tls.TLS_AES_128_GCM_SHA256},
-	{tls.VersionTLS13, tls.TLS_AES_256_GCM_SHA384},
-	{tls.VersionTLS13, tls.TLS_CHACHA20_POLY1305_SHA256},
-	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256},
-	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384},
-	{tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256},
+// probeSuites returns the rows the probe tries, in table order: the first
+// row of each version and kernel cipher. The rows it skips need the same
+// crypto_info, so the kernel's answer for the first holds for them too.
+func probeSuites() []*cipherSuite {
+	var rows []*cipherSuite
+	for i := range cipherSuites {
+		cs := &cipherSuites[i]
+		if !slices.ContainsFunc(rows, func(r *cipherSuite) bool {
+			return r.version == cs.version && r.kernelCipher == cs.kernelCipher
+		}) {
+			rows = append(rows, cs)
+		}
+	}
+	return rows
 }
 
 func probe() Capabilities {
@@ -126,16 +131,16 @@ func probe() Capabilities {
 	if c.ULP != nil {
 		return c
 	}
-	for _, s := range probeSuites {
-		cs := CipherSupport{Version: s.version, CipherSuite: s.suite, Name: tls.CipherSuiteName(s.suite)}
+	for _, s := range probeSuites() {
+		cs := CipherSupport{Version: s.version, CipherSuite: s.id, Name: tls.CipherSuiteName(s.id)}
 		// One socket per pair: without rekey support a direction accepts one key only.
 		_ = withULPSocket(func(fd int) error {
-			cs.TX = installProbeKey(fd, optTLSTX, s.version, s.suite) == nil
-			cs.RX = installProbeKey(fd, optTLSRX, s.version, s.suite) == nil
-			if s.version == tls.VersionTLS13 && s.suite == tls.TLS_AES_128_GCM_SHA256 {
+			cs.TX = installProbeKey(fd, optTLSTX, s) == nil
+			cs.RX = installProbeKey(fd, optTLSRX, s) == nil
+			if s.version == tls.VersionTLS13 && s.id == tls.TLS_AES_128_GCM_SHA256 {
 				c.ExpectNoPad = cs.RX && unix.SetsockoptInt(fd, unix.SOL_TLS, optRXExpectNoPad, 1) == nil
 				c.TXZeroCopyRO = cs.TX && unix.SetsockoptInt(fd, unix.SOL_TLS, optTXZeroCopyRO, 1) == nil
-				c.Rekey = cs.TX && installProbeKey(fd, optTLSTX, s.version, s.suite) == nil
+				c.Rekey = cs.TX && installProbeKey(fd, optTLSTX, s) == nil
 			}
 			return nil
 		})
@@ -146,12 +151,8 @@ func probe() Capabilities {
 
 // installProbeKey installs an all-zero key: the kernel checks only the
 // struct, not the key, and no record is ever sent.
-func installProbeKey(fd, opt int, version, suite uint16) error {
-	p, err := keyParams(version, suite)
-	if err != nil {
-		return err
-	}
-	info, err := cryptoInfo(version, suite, make([]byte, p.keyLen), make([]byte, p.ivLen), 0)
+func installProbeKey(fd, opt int, cs *cipherSuite) error {
+	info, err := cryptoInfo(cs.version, cs.id, make([]byte, cs.keyLen), make([]byte, cs.ivLen), 0)
 	if err != nil {
 		return err
 	}

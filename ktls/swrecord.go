@@ -6,15 +6,12 @@ package ktls
 // Go opens incoming ones) and the KeyUpdate handling on that path.
 
 import (
-	"crypto/aes"
 	"crypto/cipher"
 	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"strconv"
-
-	"golang.org/x/crypto/chacha20poly1305"
 )
 
 // Record size limits (RFC 8446 section 5.2 and 5.4, RFC 5246 section 6.2.3).
@@ -92,7 +89,7 @@ func recordErrorf(alert uint8, format string, args ...any) error {
 // the sequence number is part of the nonce.
 type recordOpener struct {
 	version uint16
-	suite   uint16
+	suite   *cipherSuite
 	aead    cipher.AEAD
 	// iv is the static IV: 12 bytes for TLS 1.3 and ChaCha20-Poly1305, the
 	// 4-byte implicit salt for TLS 1.2 AES-GCM (the rest of that nonce is
@@ -110,26 +107,27 @@ type recordOpener struct {
 // (as returned by trafficKeys for TLS 1.3 or tls12Keys for TLS 1.2), the
 // first of which has sequence number seq.
 func newRecordOpener(version, suite uint16, key, iv []byte, seq uint64) (*recordOpener, error) {
-	p, err := keyParams(version, suite)
+	cs, err := suiteFor(version, suite)
 	if err != nil {
 		return nil, fmt.Errorf("ktls: record opener: %w", err)
 	}
-	o := &recordOpener{version: version, suite: suite}
-	if err := o.setKey(p, key, iv); err != nil {
+	o := &recordOpener{version: version, suite: cs}
+	if err := o.setKey(key, iv); err != nil {
 		return nil, err
 	}
 	o.seq = seq
 	return o, nil
 }
 
-func (o *recordOpener) setKey(p suiteKeyParams, key, iv []byte) error {
-	if len(key) != p.keyLen {
-		return fmt.Errorf("ktls: record opener: %s key is %d bytes, want %d", tls.CipherSuiteName(o.suite), len(key), p.keyLen)
+func (o *recordOpener) setKey(key, iv []byte) error {
+	cs := o.suite
+	if len(key) != cs.keyLen {
+		return fmt.Errorf("ktls: record opener: %s key is %d bytes, want %d", tls.CipherSuiteName(cs.id), len(key), cs.keyLen)
 	}
-	if len(iv) != p.ivLen {
-		return fmt.Errorf("ktls: record opener: %s iv is %d bytes, want %d", tls.CipherSuiteName(o.suite), len(iv), p.ivLen)
+	if len(iv) != cs.ivLen {
+		return fmt.Errorf("ktls: record opener: %s iv is %d bytes, want %d", tls.CipherSuiteName(cs.id), len(iv), cs.ivLen)
 	}
-	aead, err := newAEAD(o.suite, key)
+	aead, err := cs.aead(key)
 	if err != nil {
 		return fmt.Errorf("ktls: record opener: %w", err)
 	}
@@ -139,39 +137,13 @@ func (o *recordOpener) setKey(p suiteKeyParams, key, iv []byte) error {
 	return nil
 }
 
-// newAEAD returns the record AEAD of suite: ChaCha20-Poly1305 or AES-GCM.
-func newAEAD(suite uint16, key []byte) (cipher.AEAD, error) {
-	if isChaCha(suite) {
-		return chacha20poly1305.New(key)
-	}
-	block, err := aes.NewCipher(key)
-	if err != nil {
-		return nil, err
-	}
-	return cipher.NewGCM(block)
-}
-
-func isChaCha(suite uint16) bool {
-	switch suite {
-	case tls.TLS_CHACHA20_POLY1305_SHA256,
-		tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
-		tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256:
-		return true
-	}
-	return false
-}
-
 // Rekey installs the key and IV of the next TLS 1.3 traffic secret after a
 // KeyUpdate and restarts the sequence number at 0 (RFC 8446 section 4.6.3).
 func (o *recordOpener) Rekey(key, iv []byte) error {
 	if o.version != tls.VersionTLS13 {
 		return errors.New("ktls: record opener: KeyUpdate exists only in TLS 1.3")
 	}
-	p, err := tls13KeyParams(o.suite)
-	if err != nil {
-		return err
-	}
-	return o.setKey(p, key, iv)
+	return o.setKey(key, iv)
 }
 
 // Open authenticates and decrypts one record. header is the record's 5-byte

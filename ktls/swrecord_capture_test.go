@@ -6,6 +6,7 @@ package ktls
 
 import (
 	"bytes"
+	"crypto/aes"
 	"crypto/cipher"
 	"crypto/sha256"
 	"crypto/tls"
@@ -19,6 +20,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/crypto/chacha20poly1305"
 
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 )
@@ -238,7 +241,18 @@ type testSealer struct {
 
 func newTestSealer(t testing.TB, version, suite uint16, key, iv []byte) *testSealer {
 	t.Helper()
-	aead, err := newAEAD(suite, key)
+	// The AEAD comes from the suite's name, not from the cipherSuites table
+	// the opener uses.
+	var aead cipher.AEAD
+	var err error
+	if strings.Contains(tls.CipherSuiteName(suite), "_CHACHA20_POLY1305_") {
+		aead, err = chacha20poly1305.New(key)
+	} else {
+		var block cipher.Block
+		if block, err = aes.NewCipher(key); err == nil {
+			aead, err = cipher.NewGCM(block)
+		}
+	}
 	if err != nil {
 		t.Fatal(err)
 	}

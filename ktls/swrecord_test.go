@@ -184,11 +184,11 @@ func TestRecordOpenTLS13SealedAllSuites(t *testing.T) {
 // testSecret returns a fixed TLS 1.3 traffic secret of the suite's hash length.
 func testSecret(t testing.TB, suite uint16) []byte {
 	t.Helper()
-	p, err := tls13KeyParams(suite)
+	cs, err := suiteFor(tls.VersionTLS13, suite)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return bytes.Repeat([]byte{byte(suite)}, p.hash().Size())
+	return bytes.Repeat([]byte{byte(suite)}, cs.hash().Size())
 }
 
 // TestRecordOpenTLS12Sealed checks the TLS 1.2 opener against the
@@ -562,13 +562,13 @@ func TestKernelTXRecordsOpenInGo(t *testing.T) {
 	kerneltest.Require(t)
 	n := bulkSize(t, 4)
 	caps := Probe()
-	for _, s := range probeSuites {
-		name := tls.VersionName(s.version) + "/" + tls.CipherSuiteName(s.suite)
-		if !caps.Supports(s.version, s.suite, false) {
+	for _, s := range probeSuites() {
+		name := tls.VersionName(s.version) + "/" + tls.CipherSuiteName(s.id)
+		if !caps.Supports(s.version, s.id, false) {
 			t.Logf("%s: this kernel does not take it as TX key (probe), not tried", name)
 			continue
 		}
-		t.Run(name, func(t *testing.T) { kernelSealGoOpen(t, s.version, s.suite, n) })
+		t.Run(name, func(t *testing.T) { kernelSealGoOpen(t, s.version, s.id, n) })
 	}
 }
 

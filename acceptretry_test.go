@@ -13,34 +13,6 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 )
 
-// scriptedListener returns the queued errors from Accept, then its
-// connection, then blocks until closed.
-type scriptedListener struct {
-	net.Listener // for Addr; never used to accept
-	errs         []error
-	conn         net.Conn
-	closed       chan struct{}
-}
-
-func (l *scriptedListener) Accept() (net.Conn, error) {
-	if len(l.errs) > 0 {
-		err := l.errs[0]
-		l.errs = l.errs[1:]
-		return nil, err
-	}
-	if c := l.conn; c != nil {
-		l.conn = nil
-		return c, nil
-	}
-	<-l.closed
-	return nil, net.ErrClosed
-}
-
-func (l *scriptedListener) Close() error {
-	close(l.closed)
-	return nil
-}
-
 func acceptErr(errno syscall.Errno) error {
 	return &net.OpError{Op: "accept", Net: "tcp", Err: os.NewSyscallError("accept4", errno)}
 }

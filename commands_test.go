@@ -5,9 +5,7 @@ import (
 	"crypto/tls"
 	"encoding/json"
 	"fmt"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -143,21 +141,6 @@ func TestProbeCommandReportsThisKernel(t *testing.T) {
 	if err := cmd.Execute(); err == nil || !strings.Contains(err.Error(), "bogus") {
 		t.Errorf("unknown flag: err = %v, want one naming --bogus", err)
 	}
-}
-
-// caddyBinary is the Caddy built by `make build` (override: KTLS_CADDY_BIN).
-// A kernel test fails without it: the VM harness builds it first.
-func caddyBinary(t *testing.T) string {
-	t.Helper()
-	name := os.Getenv("KTLS_CADDY_BIN")
-	if name == "" {
-		name = filepath.Join("bin", "caddy")
-	}
-	path, err := exec.LookPath(name)
-	if err != nil {
-		t.Fatalf("the built Caddy is missing (run `make build`, or set KTLS_CADDY_BIN): %v", err)
-	}
-	return path
 }
 
 // TestKernelProbeCommand runs the real binary's `ktls probe --json` on a

@@ -3,21 +3,15 @@ package caddyktls
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"net"
 	"net/netip"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 
-	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -29,57 +23,6 @@ import (
 // and the gateway waits for the echo of each block before its next step, so
 // every KeyUpdate, close_notify or bad record reaches the forwarder while
 // its relay is splicing, between records it has already moved.
-
-// gatewayResult is what ossl_gateway.py reports.
-type gatewayResult struct {
-	Version        string `json:"version"`
-	Cipher         string `json:"cipher"`
-	StepsDone      int    `json:"steps_done"`
-	Error          string `json:"error"`
-	Sent           int64  `json:"sent"`
-	SentSHA256     string `json:"sent_sha256"`
-	Received       int64  `json:"received"`
-	ReceivedSHA256 string `json:"received_sha256"`
-	KeyUpdates     int    `json:"key_updates"`
-	End            string `json:"end"`
-}
-
-// opensslGateway runs ossl_gateway.py for one tunnel to target with the
-// env's client certificate and an unbound preamble for sandbox, and
-// returns its report. Without python3 the test is skipped loudly (failed
-// under KTLS_REQUIRE=1, where every kernel test must run).
-func (e *sandboxEnv) opensslGateway(t *testing.T, sandbox string, target netip.AddrPort, steps ...string) gatewayResult {
-	t.Helper()
-	python, err := exec.LookPath("python3")
-	if err != nil {
-		if kerneltest.Required() {
-			t.Fatalf("python3 (the OpenSSL gateway's interpreter) not found: %v", err)
-		}
-		fmt.Fprintf(os.Stderr, "SKIP: %s: python3 not found: %v\n", t.Name(), err)
-		t.Skipf("SKIP: python3 not found: %v", err)
-	}
-	dir := t.TempDir()
-	caFile := e.ca.WriteFile(t, dir, "ca")
-	certFile, keyFile := e.client.WriteFiles(t, dir, "gateway")
-	preambleFile := filepath.Join(dir, "preamble")
-	if err := os.WriteFile(preambleFile, e.gw.Frame(t, sandbox, target), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	args := append([]string{"testdata/ossl_gateway.py", e.addr, caFile, certFile, keyFile, preambleFile}, steps...)
-	cmd := exec.CommandContext(t.Context(), python, args...)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("ossl_gateway.py: %v\n%s", err, stderr.String())
-	}
-	var res gatewayResult
-	if err := json.Unmarshal(out, &res); err != nil {
-		t.Fatalf("ossl_gateway.py printed %q: %v", out, err)
-	}
-	t.Logf("OpenSSL gateway: %+v", res)
-	return res
-}
 
 // echoResult is what echoUpstream's one connection saw.
 type echoResult struct {
@@ -114,111 +57,12 @@ func echoUpstream(t *testing.T) (netip.AddrPort, <-chan echoResult) {
 	return ln.Addr().(*net.TCPAddr).AddrPort(), done
 }
 
-// metric reads one series (name and labels, as /metrics writes them) from
-// the admin endpoint's /metrics.
-func (e *sandboxEnv) metric(t *testing.T, series string) int64 {
-	t.Helper()
-	v, ok := e.metrics(t)[series]
-	if !ok {
-		t.Fatalf("/metrics has no %s", series)
-	}
-	return v
-}
-
-// metrics scrapes the admin endpoint's /metrics: every series with its
-// value, cut to an integer (the series the tests read are counts).
-func (e *sandboxEnv) metrics(t *testing.T) map[string]int64 {
-	t.Helper()
-	out := map[string]int64{}
-	for series, v := range parseMetrics(t, e.adminBody(t, "/metrics")) {
-		out[series] = int64(v)
-	}
-	return out
-}
-
-// parseMetrics reads a Prometheus text exposition (/metrics) into its
-// values by series: the name and labels exactly as written.
-func parseMetrics(t testing.TB, body []byte) map[string]float64 {
-	t.Helper()
-	out := map[string]float64{}
-	for line := range strings.Lines(string(body)) {
-		line = strings.TrimSpace(line)
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		i := strings.LastIndexByte(line, ' ')
-		if i < 0 {
-			t.Fatalf("/metrics: %q has no value", line)
-		}
-		v, err := strconv.ParseFloat(line[i+1:], 64)
-		if err != nil {
-			t.Fatalf("/metrics: %q: %v", line, err)
-		}
-		out[line[:i]] = v
-	}
-	return out
-}
-
-// checkMetricDeltas checks that each series in want moved by exactly its
-// value from the scrape before to the scrape after.
-func checkMetricDeltas(t *testing.T, before, after, want map[string]int64) {
-	t.Helper()
-	for series, d := range want {
-		if _, ok := after[series]; !ok {
-			t.Errorf("/metrics has no %s", series)
-		} else if got := after[series] - before[series]; got != d {
-			t.Errorf("%s moved by %d, want %d", series, got, d)
-		}
-	}
-}
-
 const (
 	controlRecordsSeries   = "caddy_ktls_relay_control_records_total"
 	rateLimitedSeries      = `caddy_ktls_connections_closed_total{event="rate-limited",module="layer4.handlers.ktls"}`
 	rekeyUnsupportedSeries = `caddy_ktls_connections_closed_total{event="rekey-unsupported",module="layer4.handlers.ktls"}`
 	badRecordSeries        = `caddy_ktls_connections_closed_total{event="bad-record",module="layer4.handlers.ktls"}`
 )
-
-// tunnelEndError returns the error the handler logged when sandbox's tunnel
-// ended, or "" when it ended cleanly.
-func (e *sandboxEnv) tunnelEndError(t *testing.T, sandbox string) string {
-	t.Helper()
-	for _, l := range e.logLines(t, "sandbox tunnel ended with an error") {
-		if l["sandbox"] == sandbox {
-			s, _ := l["error"].(string)
-			return s
-		}
-	}
-	return ""
-}
-
-// dataPathDelta notes tls_stat (on a kTLS kernel) and the registry's
-// data-path totals, and returns a function that gives their deltas since.
-func dataPathDelta(t *testing.T, kernel bool) func() (kerneltest.Stat, forward.DataPath) {
-	t.Helper()
-	if kernel {
-		ktls.Probe() // its first call installs keys on sockets of its own: not in the delta
-	}
-	read := func() kerneltest.Stat {
-		if !kernel {
-			return kerneltest.Stat{}
-		}
-		s, err := kerneltest.ReadStat()
-		if err != nil {
-			t.Fatalf("read tls_stat: %v", err)
-		}
-		return s
-	}
-	tls0, dp0 := read(), tunnels.DataPath()
-	return func() (kerneltest.Stat, forward.DataPath) {
-		dp := tunnels.DataPath()
-		return read().Sub(tls0), forward.DataPath{
-			SpliceBytes:    dp.SpliceBytes - dp0.SpliceBytes,
-			CopyBytes:      dp.CopyBytes - dp0.CopyBytes,
-			ControlRecords: dp.ControlRecords - dp0.ControlRecords,
-		}
-	}
-}
 
 // keyUpdateBlock is the size of each block the gateway writes and waits to
 // get back between two KeyUpdates: small enough that a blocking write never

@@ -2,11 +2,9 @@ package caddyktls
 
 import (
 	"crypto/tls"
-	"fmt"
 	"io"
 	"maps"
 	"net"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -46,35 +44,6 @@ func offloadReason(kernel bool) ktls.Reason {
 		return ktls.ReasonNone
 	}
 	return ktls.ReasonNoKernelSupport
-}
-
-// handshakeDeltas returns how much each caddy_ktls_handshakes_total series
-// moved from before to after, leaving out those that did not move.
-func handshakeDeltas(before, after map[string]int64) map[string]int64 {
-	out := map[string]int64{}
-	for series, v := range after {
-		if strings.HasPrefix(series, "caddy_ktls_handshakes_total{") && v != before[series] {
-			out[series] = v - before[series]
-		}
-	}
-	return out
-}
-
-func handshakeSeries(reason ktls.Reason) string {
-	return fmt.Sprintf("caddy_ktls_handshakes_total{reason=%q}", reason)
-}
-
-// checkHandshakes checks that the handshakes counted since before are
-// exactly want (series by reason), no other reason included.
-func (e *sandboxEnv) checkHandshakes(t *testing.T, before map[string]int64, want map[ktls.Reason]int64) {
-	t.Helper()
-	wantSeries := map[string]int64{}
-	for reason, n := range want {
-		wantSeries[handshakeSeries(reason)] = n
-	}
-	if got := handshakeDeltas(before, e.metrics(t)); !maps.Equal(got, wantSeries) {
-		t.Errorf("handshakes counted: %v, want %v", got, wantSeries)
-	}
 }
 
 // startRouted starts a sandboxEnv whose route configure changed, with an

@@ -2,89 +2,22 @@ package caddyktls
 
 import (
 	"bytes"
-	"encoding/json"
 	"flag"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
-	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 )
 
 var updateGolden = flag.Bool("update-listener-golden", false, "rewrite the expected JSON of testdata/caddyfile_adapt/listener_*.caddytest and example_http_forwarder.json")
-
-// adaptCaddyfile runs the Caddyfile adapter in-process, as `caddy adapt` does.
-func adaptCaddyfile(t *testing.T, caddyfile string) ([]byte, error) {
-	t.Helper()
-	out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
-	return out, err
-}
 
 // TestListenerWrapperCaddyfileAdapt checks every
 // testdata/caddyfile_adapt/listener_*.caddytest: a Caddyfile, a line of
 // dashes, and the JSON `caddy adapt` must produce.
 func TestListenerWrapperCaddyfileAdapt(t *testing.T) {
 	checkAdaptGolden(t, "testdata/caddyfile_adapt/listener_*.caddytest", *updateGolden)
-}
-
-// checkAdaptGolden checks every golden file matching pattern: a Caddyfile, a
-// line of dashes, and the JSON `caddy adapt` must produce. With update it
-// rewrites the expected JSON instead.
-func checkAdaptGolden(t *testing.T, pattern string, update bool) {
-	t.Helper()
-	files, err := filepath.Glob(pattern)
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no golden files: %v", err)
-	}
-	for _, file := range files {
-		t.Run(filepath.Base(file), func(t *testing.T) {
-			raw, err := os.ReadFile(file)
-			if err != nil {
-				t.Fatal(err)
-			}
-			caddyfile, wantJSON, ok := strings.Cut(string(raw), "\n----------\n")
-			if !ok {
-				t.Fatalf("%s: no ---------- separator line", file)
-			}
-			got := adaptIndented(t, caddyfile)
-			if update {
-				if err := os.WriteFile(file, []byte(caddyfile+"\n----------\n"+got+"\n"), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				return
-			}
-			checkSameJSON(t, file, got, wantJSON)
-		})
-	}
-}
-
-// adaptIndented adapts caddyfile and returns the JSON indented with tabs.
-func adaptIndented(t *testing.T, caddyfile string) string {
-	t.Helper()
-	got, err := adaptCaddyfile(t, caddyfile)
-	if err != nil {
-		t.Fatalf("adapt: %v", err)
-	}
-	var buf bytes.Buffer
-	if err := json.Indent(&buf, got, "", "\t"); err != nil {
-		t.Fatal(err)
-	}
-	return buf.String()
-}
-
-// checkSameJSON fails t when got (indented by adaptIndented) differs from
-// the expected JSON of golden.
-func checkSameJSON(t *testing.T, golden, got, wantJSON string) {
-	t.Helper()
-	var want bytes.Buffer
-	if err := json.Indent(&want, []byte(strings.TrimSpace(wantJSON)), "", "\t"); err != nil {
-		t.Fatalf("expected JSON in %s: %v", golden, err)
-	}
-	if got != want.String() {
-		t.Errorf("adapted JSON differs from %s.\ngot:\n%s\nwant:\n%s", golden, got, want.String())
-	}
 }
 
 // TestListenerWrapperForwarderExampleAdapt checks what `caddy adapt` makes

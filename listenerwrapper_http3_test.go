@@ -1,15 +1,10 @@
 package caddyktls
 
 import (
-	"context"
 	"crypto/tls"
-	"net"
 	"net/http"
 	"testing"
 	"time"
-
-	"github.com/quic-go/quic-go"
-	"github.com/quic-go/quic-go/http3"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -96,17 +91,5 @@ func lwHTTP3(t *testing.T, kernel bool) {
 				t.Errorf("%d %q outcomes for one connection, want 1 (outcomes %v)", n, wrapped, ktls.Stats().Outcomes)
 			}
 		})
-	}
-}
-
-// h3Transport is an HTTP/3 client for s that dials 127.0.0.1 whatever the
-// URL's host, like transport. Close it to release its UDP sockets.
-func (s *lwSite) h3Transport() *http3.Transport {
-	return &http3.Transport{
-		TLSClientConfig: s.tlsConfig(nil, false),
-		Dial: func(ctx context.Context, addr string, tlsCfg *tls.Config, cfg *quic.Config) (*quic.Conn, error) {
-			_, port, _ := net.SplitHostPort(addr)
-			return quic.DialAddrEarly(ctx, net.JoinHostPort("127.0.0.1", port), tlsCfg, cfg)
-		},
 	}
 }

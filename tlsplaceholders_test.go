@@ -18,79 +18,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/mholt/caddy-l4/layer4"
 
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 )
-
-func init() { caddy.RegisterModule(placeholderRecorder{}) }
-
-// placeholderRecorder is a terminal layer4 handler that resolves every key
-// of tlsPlaceholderKeys with the connection's replacer and sends them, named
-// after its server, to placeholdersSeen.
-type placeholderRecorder struct {
-	Server string `json:"server"`
-}
-
-// placeholderValue is one key as the replacer resolved it.
-type placeholderValue struct {
-	value any
-	known bool
-	text  string // what {key} becomes in a string
-}
-
-type placeholderSet struct {
-	server string
-	values map[string]placeholderValue
-}
-
-var placeholdersSeen = make(chan placeholderSet, 4)
-
-func (placeholderRecorder) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: "layer4.handlers.test_tls_placeholders", New: func() caddy.Module { return new(placeholderRecorder) }}
-}
-
-func (r *placeholderRecorder) Handle(cx *layer4.Connection, _ layer4.Handler) error {
-	repl := cx.Replacer()
-	values := make(map[string]placeholderValue)
-	for _, k := range tlsPlaceholderKeys() {
-		v, ok := repl.Get(k)
-		values[k] = placeholderValue{value: v, known: ok, text: repl.ReplaceAll("{"+k+"}", "<unknown>")}
-	}
-	placeholdersSeen <- placeholderSet{server: r.Server, values: values}
-	return nil
-}
-
-// tlsPlaceholderKeys lists every placeholder caddy-l4's `tls` handler
-// knows, each list with its whole value, indexes in and past range, and
-// malformed indexes, plus keys no handler knows.
-func tlsPlaceholderKeys() []string {
-	const p = tlsPlaceholderPrefix
-	keys := []string{p + "version", p + "cipher_suite", p + "resumed", p + "proto", p + "proto_mutual",
-		p + "server_name", p + "ech", p + "client.fingerprint", p + "client.public_key",
-		p + "client.public_key_sha256", p + "client.issuer", p + "client.serial", p + "client.subject",
-		p + "client.certificate_pem", p + "client.certificate_der_base64",
-		// The part after the prefix is case-insensitive; the prefix is not.
-		p + "CLIENT.Subject.Common_Name", "L4.TLS.version",
-		p + "unknown", p + "client.unknown", p + "client.san.unknown", p + "version.0", "l4.tlsversion"}
-	indexes := []string{"", ".0", ".1", ".7", ".-1", ".x", ".", "x", ".0.0"}
-	for _, list := range []string{"dns_names", "emails", "ips", "uris"} {
-		for _, i := range indexes {
-			keys = append(keys, p+"client.san."+list+i)
-		}
-	}
-	for _, name := range []string{"subject", "issuer"} {
-		keys = append(keys, p+"client."+name+".common_name", p+"client."+name+".serial",
-			p+"client."+name+".common_name.0", p+"client."+name+".unknown")
-		for _, attr := range []string{"organizational_unit", "organization", "country", "locality",
-			"province", "street_address", "postal_code"} {
-			for _, i := range indexes {
-				keys = append(keys, p+"client."+name+"."+attr+i)
-			}
-		}
-	}
-	return keys
-}
 
 // sanClient issues a client certificate with every kind of SAN and every
 // subject attribute caddy-l4 has a placeholder for, some with two values.

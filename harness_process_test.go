@@ -1,0 +1,286 @@
+package caddyktls
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// The real binary (bin/caddy) as a child process: start, signal, exit,
+// and its file descriptors.
+
+// scriptedListener returns the queued errors from Accept, then its
+// connection, then blocks until closed.
+type scriptedListener struct {
+	net.Listener // for Addr; never used to accept
+	errs         []error
+	conn         net.Conn
+	closed       chan struct{}
+}
+
+func (l *scriptedListener) Accept() (net.Conn, error) {
+	if len(l.errs) > 0 {
+		err := l.errs[0]
+		l.errs = l.errs[1:]
+		return nil, err
+	}
+	if c := l.conn; c != nil {
+		l.conn = nil
+		return c, nil
+	}
+	<-l.closed
+	return nil, net.ErrClosed
+}
+
+func (l *scriptedListener) Close() error {
+	close(l.closed)
+	return nil
+}
+
+// caddyBinary is the Caddy built by `make build` (override: KTLS_CADDY_BIN).
+// A kernel test fails without it: the VM harness builds it first.
+func caddyBinary(t *testing.T) string {
+	t.Helper()
+	name := os.Getenv("KTLS_CADDY_BIN")
+	if name == "" {
+		name = filepath.Join("bin", "caddy")
+	}
+	path, err := exec.LookPath(name)
+	if err != nil {
+		t.Fatalf("the built Caddy is missing (run `make build`, or set KTLS_CADDY_BIN): %v", err)
+	}
+	return path
+}
+
+// caddyProcess is the real binary running a sandboxEnv's configuration.
+type caddyProcess struct {
+	cmd     *exec.Cmd
+	exited  chan struct{} // closed when the process has exited (exitErr)
+	exitErr error
+}
+
+// exitedAfterDrain waits for the process to exit 0 after a drain that
+// closed forced tunnels when its grace period ran out, as one log line says.
+func (p *caddyProcess) exitedAfterDrain(t *testing.T, e *sandboxEnv, forced int) {
+	t.Helper()
+	select {
+	case <-p.exited:
+		if p.exitErr != nil {
+			t.Errorf("caddy exited with %v", p.exitErr)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("caddy did not exit after the drain")
+	}
+	lines := e.logLines(t, "closed tunnels still open after the drain grace period")
+	if len(lines) != 1 || lines[0]["tunnels"] != float64(forced) {
+		t.Errorf("drain log lines %v, want one that closed %d tunnels", lines, forced)
+	}
+}
+
+// startCaddy runs bin/caddy with e's configuration, after the shell
+// commands in prelude (e.g. "ulimit -n 64"), waits until the layer4
+// listener accepts, and kills the process at cleanup if it still runs.
+func startCaddy(t *testing.T, e *sandboxEnv, prelude string) *caddyProcess {
+	t.Helper()
+	cfg, err := json.Marshal(e.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfgFile := filepath.Join(t.TempDir(), "caddy.json")
+	if err := os.WriteFile(cfgFile, cfg, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return runCaddy(t, prelude, e.addr, e.logFile, "--config", cfgFile)
+}
+
+// runCaddy runs `bin/caddy run` with args (the configuration) after the
+// shell commands in prelude, waits until addr accepts TCP connections, and
+// kills the process at cleanup if it still runs. When t fails, the
+// process's output and the tail of logFile (its configured log) are logged.
+func runCaddy(t *testing.T, prelude, addr, logFile string, args ...string) *caddyProcess {
+	t.Helper()
+	caddyBin := builtCaddy(t)
+	output := new(syncBuffer)
+	cmd := exec.Command("/bin/sh", append([]string{"-c", prelude + `
+exec "$0" run "$@"`, caddyBin}, args...)...)
+	cmd.Stdout, cmd.Stderr = output, output
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &caddyProcess{cmd: cmd, exited: make(chan struct{})}
+	go func() {
+		p.exitErr = cmd.Wait()
+		close(p.exited)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-p.exited:
+		default:
+			cmd.Process.Kill()
+			<-p.exited
+		}
+		if t.Failed() {
+			log, _ := os.ReadFile(logFile)
+			t.Logf("caddy output:\n%s\ncaddy log (tail):\n%s", output.String(), tail(log, 64<<10))
+		}
+	})
+	deadline := time.Now().Add(15 * time.Second)
+	for !connectable(addr) {
+		if time.Now().After(deadline) {
+			t.Fatal("caddy never listened")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return p
+}
+
+// connectable reports whether a TCP listener accepts at addr.
+func connectable(addr string) bool {
+	c, err := net.DialTimeout("tcp", addr, time.Second)
+	if err == nil {
+		c.Close()
+	}
+	return err == nil
+}
+
+// settledFDs waits until the number of the process's descriptors below
+// limit holds still for 100 ms (connections being closed are gone) and
+// returns it.
+func (p *caddyProcess) settledFDs(t *testing.T, limit int) int {
+	t.Helper()
+	n, still := p.fdsBelow(t, limit), 0
+	for deadline := time.Now().Add(5 * time.Second); still < 5 && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+		if m := p.fdsBelow(t, limit); m == n {
+			still++
+		} else {
+			n, still = m, 0
+		}
+	}
+	return n
+}
+
+// openFDs counts the process's open file descriptors, and those of them
+// that are pipe ends.
+func (p *caddyProcess) openFDs(t *testing.T) (fds, pipes int) {
+	t.Helper()
+	targets, err := p.fdTargets()
+	if err != nil {
+		t.Fatalf("count caddy's fds: %v", err)
+	}
+	for _, target := range targets {
+		if strings.HasPrefix(target, "pipe:") {
+			pipes++
+		}
+	}
+	return len(targets), pipes
+}
+
+// fdSummary lists the process's open descriptors by what they are (socket,
+// pipe, anon_inode:[eventpoll], a file's path), for failure messages.
+func (p *caddyProcess) fdSummary() string {
+	targets, err := p.fdTargets()
+	if err != nil {
+		return err.Error()
+	}
+	kinds := map[string]int{}
+	for _, target := range targets {
+		kind, _, _ := strings.Cut(target, ":[")
+		kinds[kind]++
+	}
+	return fmt.Sprint(kinds)
+}
+
+// fdTargets returns what each of the process's open descriptors refers to
+// ("socket:[123]", "pipe:[456]", a path).
+func (p *caddyProcess) fdTargets() ([]string, error) {
+	dir := fmt.Sprintf("/proc/%d/fd", p.cmd.Process.Pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	var targets []string
+	for _, e := range ents {
+		// A descriptor closed since ReadDir is left out.
+		if target, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil {
+			targets = append(targets, target)
+		}
+	}
+	return targets, nil
+}
+
+// fdsBelow counts the process's open descriptors numbered below limit: the
+// room RLIMIT_NOFILE leaves is limit minus this count.
+func (p *caddyProcess) fdsBelow(t *testing.T, limit int) int {
+	t.Helper()
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p.cmd.Process.Pid))
+	if err != nil {
+		t.Fatalf("count caddy's fds: %v", err)
+	}
+	n := 0
+	for _, e := range ents {
+		if fd, err := strconv.Atoi(e.Name()); err == nil && fd < limit {
+			n++
+		}
+	}
+	return n
+}
+
+// syncBuffer is an io.Writer for a subprocess's output that the test may
+// read while the process still writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// tail returns the last n bytes of b.
+func tail(b []byte, n int) []byte {
+	return b[max(len(b)-n, 0):]
+}
+
+// builtCaddy returns the real Caddy binary for subprocess tests:
+// KTLS_CADDY_BIN when set, else bin/caddy rebuilt from this tree (`go
+// build` relinks only when a source changed: seconds once built); in the
+// VM, bin/caddy as the harness built it.
+func builtCaddy(t *testing.T) string {
+	t.Helper()
+	// In the VM (KTLS_REQUIRE=1) the checkout is read-only and the harness
+	// has built bin/caddy on the host (make vmtest depends on make build).
+	if os.Getenv("KTLS_CADDY_BIN") == "" && !kerneltest.Required() {
+		goTool, err := exec.LookPath("go")
+		if err != nil {
+			t.Fatalf("building bin/caddy needs the go command (or set KTLS_CADDY_BIN): %v", err)
+		}
+		args := []string{goTool, "build", "-o", filepath.Join("bin", "caddy"), "./cmd/caddy"}
+		if nice, err := exec.LookPath("nice"); err == nil {
+			args = append([]string{nice, "-n", "10"}, args...)
+		}
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("go build ./cmd/caddy: %v\n%s", err, out)
+		}
+	}
+	return caddyBinary(t)
+}

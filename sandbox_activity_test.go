@@ -1,0 +1,122 @@
+package caddyktls
+
+import (
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+)
+
+// The handler emits sandbox_tunnel_opened and sandbox_tunnel_closed Caddy
+// events that an events-app subscription receives.
+func TestSandboxEventsEmitted(t *testing.T) {
+	const size = 50 << 10
+	up := forwardtest.NewUpstream(t, size+3)
+	sandbox := uniqueSandbox("sbx-events")
+	e := newSandboxConfig(t, nil)
+	e.recordTunnelEvents()
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, 9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkTunnelTransfer(t, up, size, 9, n, sum)
+	opened := recordedEvent(t, "sandbox_tunnel_opened", sandbox)
+	closed := recordedEvent(t, "sandbox_tunnel_closed", sandbox)
+	for _, ev := range []map[string]any{opened, closed} {
+		if ev["target"] != up.Addr().String() || ev["id"] != opened["id"] || !strings.HasPrefix(ev["peer"].(string), "127.0.0.1:") ||
+			ev["client_certificate"] != gatewaySubject || ev["key_id"] != gatewayKeyID {
+			t.Errorf("event %v does not describe the tunnel (opened: %v)", ev, opened)
+		}
+	}
+	if closed["bytes_to_sandbox"] != int64(size) || closed["bytes_from_sandbox"] != int64(size+3) {
+		t.Errorf("closed event %v, want bytes_to_sandbox %d and bytes_from_sandbox %d", closed, size, size+3)
+	}
+	if d, ok := closed["duration"].(float64); !ok || d <= 0 {
+		t.Errorf("closed event duration %v", closed["duration"])
+	}
+}
+
+// activity_push configured through Caddy POSTs reports whose deltas for a
+// sandbox sum to exactly the bytes its tunnels moved, one tunnel before an
+// admin-API reload that changes the push interval and one after, and
+// caddy_ktls_activity_reports_total counts every report delivered, those of
+// the retired configuration's pusher included.
+func TestSandboxActivityPush(t *testing.T) {
+	sizes := []int64{forwardtest.TransferMiB(t, 8) << 20, 64 << 10}
+	sandbox := uniqueSandbox("sbx-push")
+	var mu sync.Mutex
+	var to, from int64
+	var reports int64
+	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var rep forward.ActivityReport
+		if err := json.NewDecoder(r.Body).Decode(&rep); err != nil || r.Method != http.MethodPost || rep.SentAt.IsZero() ||
+			r.Header.Get("Authorization") != "Bearer s3cret" {
+			t.Errorf("activity report: %s, decode error %v, sent_at %v, Authorization %q (want the {env.…} placeholder replaced)",
+				r.Method, err, rep.SentAt, r.Header.Get("Authorization"))
+		}
+		mu.Lock()
+		reports++
+		for _, d := range rep.Sandboxes {
+			if d.Sandbox == sandbox {
+				to += d.BytesToSandbox
+				from += d.BytesFromSandbox
+			}
+		}
+		mu.Unlock()
+		// No keep-alive: an idle pusher connection would count as a leak.
+		w.Header().Set("Connection", "close")
+	}))
+	t.Cleanup(push.Close)
+	t.Setenv("KTLS_TEST_PUSH_TOKEN", "s3cret")
+	pushCfg := map[string]any{"url": push.URL, "interval": "50ms",
+		"headers": map[string][]string{"Authorization": {"Bearer {env.KTLS_TEST_PUSH_TOKEN}"}}}
+	e := newSandboxEnv(t, map[string]any{"activity_push": pushCfg})
+	forwardtest.CheckLeaks(t)
+	metrics0 := e.metrics(t)
+	var movedTo, movedFrom int64
+	for i, size := range sizes {
+		if i > 0 {
+			pushCfg["interval"] = "60ms"
+			e.postLoad(t)
+		}
+		up := forwardtest.NewUpstream(t, size+3)
+		n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, uint64(10+i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkTunnelTransfer(t, up, size, uint64(10+i), n, sum)
+		movedTo, movedFrom = movedTo+size, movedFrom+size+3
+	}
+	const sent = `caddy_ktls_activity_reports_total{outcome="sent"}`
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		counted := e.metric(t, sent) - metrics0[sent]
+		mu.Lock()
+		gotTo, gotFrom, gotReports := to, from, reports
+		mu.Unlock()
+		if gotTo > movedTo || gotFrom > movedFrom {
+			t.Fatalf("pushed deltas sum to %d/%d, more than the %d/%d bytes moved", gotTo, gotFrom, movedTo, movedFrom)
+		}
+		if gotTo == movedTo && gotFrom == movedFrom && counted == gotReports {
+			t.Logf("%d reports", gotReports)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pushed deltas sum to %d/%d after %d reports (%d counted as sent), want %d/%d",
+				gotTo, gotFrom, gotReports, counted, movedTo, movedFrom)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{
+		`caddy_ktls_activity_reports_total{outcome="retried"}`: 0,
+		`caddy_ktls_activity_reports_total{outcome="dropped"}`: 0,
+	})
+}

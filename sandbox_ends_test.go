@@ -1,0 +1,211 @@
+package caddyktls
+
+import (
+	"crypto/tls"
+	"io"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// endOfTunnel is how a gateway saw its tunnel end.
+type endOfTunnel struct {
+	received int64
+	readErr  error
+	writeErr error
+}
+
+// pumpUntilClosed writes pattern bytes to c until a write fails while
+// reading everything c returns, and reports both ends; the read gives up
+// after 20s (an error that names the deadline).
+func pumpUntilClosed(c *tls.Conn) <-chan endOfTunnel {
+	out := make(chan endOfTunnel, 1)
+	go func() {
+		var end endOfTunnel
+		werr := make(chan error, 1)
+		go func() {
+			_, err := io.Copy(c, forwardtest.NewPattern(4))
+			werr <- err
+		}()
+		c.SetReadDeadline(time.Now().Add(20 * time.Second))
+		end.received, end.readErr = io.Copy(io.Discard, c)
+		c.Close()
+		end.writeErr = <-werr
+		out <- end
+	}()
+	return out
+}
+
+// checkClosedWithError checks that a tunnel of sandbox ended, was counted
+// once with toSandbox and fromSandbox bytes, and was logged as ended with
+// an error.
+func checkClosedWithError(t *testing.T, e *sandboxEnv, sandbox string, toSandbox, fromSandbox int64) {
+	t.Helper()
+	waitIdle(t)
+	a := activityOf(t, e, sandbox)
+	if a.TotalTunnels != 1 || a.OpenTunnels != 0 || a.BytesToSandbox != toSandbox || a.BytesFromSandbox != fromSandbox {
+		t.Errorf("activity of %s: %+v; want 1 closed tunnel with %d/%d bytes", sandbox, a, toSandbox, fromSandbox)
+	}
+	for _, l := range e.logLines(t, "sandbox tunnel ended with an error") {
+		if l["sandbox"] == sandbox {
+			return
+		}
+	}
+	t.Errorf("no log line says the tunnel of %s ended with an error", sandbox)
+}
+
+// The sandbox resets its connection mid-transfer: the tunnel ends, the
+// gateway's connection is closed, and the bytes moved until then are
+// counted.
+func TestSandboxUpstreamResetMidTransfer(t *testing.T) { sandboxUpstreamResetMidTransfer(t, false) }
+
+// TestKernelSandboxUpstreamResetMidTransfer is
+// TestSandboxUpstreamResetMidTransfer on a kTLS kernel, where every byte
+// counted must have been spliced.
+func TestKernelSandboxUpstreamResetMidTransfer(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxUpstreamResetMidTransfer(t, true)
+}
+
+// upstreamResetCase is one tunnel to a resetUpstream: its sandbox, the
+// environment (leaks checked) and the data-path check of the kernel tests.
+type upstreamResetCase struct {
+	target       netip.AddrPort
+	upReceived   <-chan int64
+	sandbox      string
+	e            *sandboxEnv
+	splicedSince func() int64
+}
+
+func newUpstreamResetCase(t *testing.T, kernel bool, prefix string, send, atLeast int64) upstreamResetCase {
+	t.Helper()
+	var rc upstreamResetCase
+	rc.target, rc.upReceived = resetUpstream(t, send, atLeast)
+	rc.sandbox = uniqueSandbox(prefix)
+	rc.e = newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	rc.splicedSince = dataPathCheck(t, kernel, 1)
+	return rc
+}
+
+func sandboxUpstreamResetMidTransfer(t *testing.T, kernel bool) {
+	const sent, readBeforeReset = 64 << 10, 256 << 10
+	rc := newUpstreamResetCase(t, kernel, "sbx-upstream-rst", sent, readBeforeReset)
+	e, sandbox, upReceived := rc.e, rc.sandbox, rc.upReceived
+	end := <-pumpUntilClosed(e.dial(t, sandbox, rc.target))
+	waitIdle(t)
+	spliced := rc.splicedSince()
+	if ne, ok := end.readErr.(net.Error); ok && ne.Timeout() {
+		t.Fatalf("the gateway's connection stayed open after the sandbox reset: %v", end.readErr)
+	}
+	if end.writeErr == nil {
+		t.Error("the gateway could write forever: its connection was not closed")
+	}
+	if end.received > sent {
+		t.Errorf("the gateway received %d bytes; the sandbox sent %d", end.received, sent)
+	}
+	if got := <-upReceived; got != readBeforeReset {
+		t.Fatalf("the sandbox read %d bytes before its reset, want %d", got, readBeforeReset)
+	}
+	// What reached the forwarder's socket before the reset is counted; the
+	// bytes it relayed towards the sandbox are at least what the sandbox read.
+	a := activityOf(t, e, sandbox)
+	if a.BytesToSandbox < readBeforeReset {
+		t.Errorf("counted %d bytes to the sandbox, but it read %d", a.BytesToSandbox, readBeforeReset)
+	}
+	// The sandbox's bytes race its reset, which ends both directions: the
+	// relay counts what it wrote to the gateway, which the reset can cut
+	// short, and the gateway cannot have received more than was counted.
+	if a.BytesFromSandbox < end.received || a.BytesFromSandbox > sent {
+		t.Errorf("counted %d bytes from the sandbox; it sent %d and the gateway received %d", a.BytesFromSandbox, sent, end.received)
+	}
+	checkClosedWithError(t, e, sandbox, a.BytesToSandbox, a.BytesFromSandbox)
+	checkAllSpliced(t, kernel, spliced, a)
+}
+
+// The sandbox answers and then resets its connection while the gateway
+// waits: the gateway reads the whole answer, then an error, where a
+// close_notify would tell it the stream was complete (on the kernel path
+// the fatal internal_error alert, sealed behind the answer; in userspace
+// TLS a reset).
+func TestSandboxUpstreamResetReachesGateway(t *testing.T) {
+	sandboxUpstreamResetReachesGateway(t, false)
+}
+
+// TestKernelSandboxUpstreamResetReachesGateway is
+// TestSandboxUpstreamResetReachesGateway on a kTLS kernel.
+func TestKernelSandboxUpstreamResetReachesGateway(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxUpstreamResetReachesGateway(t, true)
+}
+
+func sandboxUpstreamResetReachesGateway(t *testing.T, kernel bool) {
+	rc := newUpstreamResetCase(t, kernel, "sbx-upstream-rst-answer", resetAnswer, resetRequest)
+	e, sandbox := rc.e, rc.sandbox
+	checkAnswerThenFailure(t, e.dial(t, sandbox, rc.target), kernel, rc.upReceived)
+	a := activityOf(t, e, sandbox)
+	checkClosedWithError(t, e, sandbox, resetRequest, resetAnswer)
+	checkAllSpliced(t, kernel, rc.splicedSince(), a)
+}
+
+// checkAllSpliced checks, on a kTLS kernel, that the bytes spliced are
+// exactly those counted for the sandbox a of the only tunnel that ran.
+func checkAllSpliced(t *testing.T, kernel bool, spliced int64, a sandboxTotals) {
+	t.Helper()
+	if kernel && spliced != a.BytesToSandbox+a.BytesFromSandbox {
+		t.Errorf("%d bytes spliced; the tunnel moved %d/%d", spliced, a.BytesToSandbox, a.BytesFromSandbox)
+	}
+}
+
+// The gateway resets its connection mid-transfer: the tunnel ends, the
+// sandbox's connection is closed while it is still sending, and exactly
+// the bytes the gateway sent are counted towards the sandbox.
+func TestSandboxGatewayResetMidTransfer(t *testing.T) { sandboxGatewayResetMidTransfer(t, false) }
+
+// TestKernelSandboxGatewayResetMidTransfer is
+// TestSandboxGatewayResetMidTransfer on a kTLS kernel, where every byte
+// counted must have been spliced.
+func TestKernelSandboxGatewayResetMidTransfer(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxGatewayResetMidTransfer(t, true)
+}
+
+func sandboxGatewayResetMidTransfer(t *testing.T, kernel bool) {
+	const sent = 256 << 10
+	up := forwardtest.NewUpstream(t, 1<<40) // never finishes on its own
+	sandbox := uniqueSandbox("sbx-gateway-rst")
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	splicedSince := dataPathCheck(t, kernel, 1)
+	c := e.dial(t, sandbox, up.Addr())
+	if _, err := io.Copy(c, io.LimitReader(forwardtest.NewPattern(5), sent)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for activityOf(t, e, sandbox).BytesToSandbox < sent {
+		if time.Now().After(deadline) {
+			t.Fatalf("the sandbox never got the gateway's %d bytes: %+v", sent, activityOf(t, e, sandbox))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	tcp := c.NetConn().(*net.TCPConn)
+	tcp.SetLinger(0)
+	tcp.Close()
+	waitIdle(t)
+	spliced := splicedSince()
+	up.Close() // returns once the sandbox's connection has ended
+	r := up.Results()[0]
+	if r.WriteErr == nil || r.Sent >= 1<<40 {
+		t.Errorf("the sandbox sent %d bytes without an error: its connection was not closed", r.Sent)
+	}
+	if r.Received != sent || r.RecvSum != forwardtest.PatternSum(5, sent) {
+		t.Errorf("the sandbox received %d bytes, want the gateway's %d", r.Received, sent)
+	}
+	a := activityOf(t, e, sandbox)
+	checkClosedWithError(t, e, sandbox, sent, a.BytesFromSandbox)
+	checkAllSpliced(t, kernel, spliced, a)
+}

@@ -16,12 +16,12 @@ import (
 
 // acceptRetryNetwork names a listener network for caddy-l4 servers, as in
 // `tcp-retry/192.0.2.10:9443`: plain TCP whose Accept rides out a shortage
-// of file descriptors or kernel memory. caddy-l4 v0.1.2's accept loop
-// (layer4/server.go, serve) returns on the first Accept error that is not a
-// timeout, so one EMFILE stops that listener for good (until the next
-// config load), logged only at DEBUG: the port still completes TCP
-// handshakes in the kernel, but nobody accepts. net/http.Server sleeps and
-// retries instead; this listener does the same underneath caddy-l4.
+// of file descriptors or kernel memory. caddy-l4's accept loop returns on
+// the first Accept error that is not a timeout (docs/compatibility.md), so
+// one EMFILE stops that listener until the next config load, logged only at
+// DEBUG: the port still completes TCP handshakes in the kernel, but nobody
+// accepts. net/http.Server sleeps and retries instead; this listener does
+// the same underneath caddy-l4.
 const acceptRetryNetwork = "tcp-retry"
 
 // maxAcceptDelay caps the backoff between failed accepts (net/http's value).

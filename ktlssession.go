@@ -14,44 +14,17 @@ func init() {
 	caddy.RegisterModule(new(KTLSSession))
 }
 
-// KTLSSession is the caddy-l4 handler `ktls_session`, for the forwarder
-// shape where an HTTP server's listener wrappers are `ktls` and then
-// `layer4`: put it in the layer4 wrapper's first route,
-//
-//	listener_wrappers {
-//		ktls
-//		layer4 {
-//			route {
-//				ktls_session
-//			}
-//			@tunnel sandbox
-//			route @tunnel {
-//				sandbox { ... }
-//			}
-//		}
-//	}
-//
-// It finishes the TLS handshake of a connection the `ktls` listener wrapper
-// accepted and records its session as caddy-l4's `tls` handler does: the
-// `tls_connection_states` variable and the {l4.tls.*} placeholders. Two
-// things depend on it when connections fall through layer4 to HTTP:
-//
-//   - caddy-l4 hands HTTP a connection that reports its TLS state
-//     (ConnectionState) only when that variable is set; without it Caddy
-//     logs "tls is enabled, but listener wrapper returns a connection that
-//     doesn't implement connectionStater" at WARN for every connection.
-//   - caddy-l4 v0.1.2's listener wrapper keeps using its per-connection
-//     state after handing a connection to HTTP: it reads the connection's
-//     byte counters for a debug line while HTTP reads (a data race) and
-//     returns its read-ahead buffer to a pool that the next connection
-//     prefetches into, although HTTP may not have read the bytes in it yet.
-//     This handler passes on a connection of its own (its own buffer and
-//     counters, the same variables and listener), which caddy-l4's state
-//     never touches again.
-//
-// Connections that did not come through the `ktls` listener wrapper (the
-// HTTP port, or no wrapper) pass through unchanged. Placeholders set by
-// handlers before it are not carried over: keep it first.
+// KTLSSession is the caddy-l4 handler `ktls_session`, the first route of
+// the `layer4` listener wrapper that follows `ktls` in an HTTP server
+// (examples/http-forwarder.Caddyfile). It finishes the TLS handshake of a
+// connection the `ktls` wrapper accepted, records the session as caddy-l4's
+// `tls` handler does (the tls_connection_states variable, {l4.tls.*}), so a
+// connection that falls through to HTTP reports its TLS state, and passes on
+// a connection of its own, so that caddy-l4's per-connection state, which
+// caddy-l4 keeps using after it hands a connection to HTTP
+// (docs/compatibility.md), is never shared with HTTP. Connections that did
+// not come through the `ktls` wrapper pass through unchanged. Keep it first:
+// placeholders set before it are not carried over.
 type KTLSSession struct {
 	logger *zap.Logger
 }

@@ -148,11 +148,10 @@ func (l layeredConn) SetWriteDeadline(t time.Time) error { return l.cx.SetWriteD
 // userspace with reason buffered-bytes) while caddy-l4's prefetch buffer
 // still holds bytes, and when a handler before `ktls` put a userspace layer
 // over the socket (the proxy_protocol handler's buffered reader), whose
-// buffer the kernel would never see. The first is a guard: no route of
-// caddy-l4 v0.1.2 leaves bytes there after a successful handshake, as its
+// buffer the kernel would never see. The first is a guard: caddy-l4's
 // matchers prefetch only before the server's first flight, and the
-// handshake reads all that up to the client's Finished
-// (TestSandboxUserspaceLayerFallback explains it in full).
+// handshake consumes every byte up to the client's Finished, so a
+// successful handshake leaves the buffer empty.
 func (l layeredConn) Socket() (*net.TCPConn, error) {
 	if n := len(l.cx.MatchingBytes()); n > 0 {
 		return nil, fmt.Errorf("%d bytes past the handshake are buffered in caddy-l4", n)

@@ -54,7 +54,7 @@ type ListenerWrapper struct {
 	// go out with sendfile(2), encrypted by the kernel, without passing
 	// through userspace.
 	//
-	// The trade-off, with Caddy v2.11: for sendfile the connection handed to
+	// The trade-off (docs/compatibility.md): for sendfile the connection handed to
 	// Caddy must not report its TLS state through a ConnectionState method,
 	// because Caddy hides every optional method of such connections
 	// (including the io.ReaderFrom that net/http uses for sendfile). Caddy

@@ -25,9 +25,9 @@ const tlsPlaceholderPrefix = layer4.AppReplPrefix + "tls."
 // addTLSPlaceholders provides the {l4.tls.*} placeholders of cs with the
 // same keys and values as caddy-l4's `tls` handler, so configurations,
 // matchers and log fields written for that handler work unchanged behind
-// `ktls`. It mirrors addTLSVarsToReplacer of caddy-l4 v0.1.2
-// (modules/l4tls/handler.go), which is unexported; TestTLSPlaceholdersMatchCaddyL4
-// compares the two key by key.
+// `ktls`. It mirrors caddy-l4's unexported addTLSVarsToReplacer
+// (modules/l4tls/handler.go, docs/compatibility.md), and
+// TestTLSPlaceholdersMatchCaddyL4 compares the two key by key.
 func addTLSPlaceholders(repl *caddy.Replacer, cs *tls.ConnectionState) {
 	if repl == nil || cs == nil {
 		return

@@ -89,17 +89,7 @@ func sandboxDrainManyTunnels(t *testing.T, kernel bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	// New connections are refused during the drain.
-	deadline = time.Now().Add(5 * time.Second)
-	for connectable(e.addr) {
-		if time.Now().After(deadline) {
-			t.Fatal("caddy still accepts connections after SIGTERM")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	terminate(t, p, e.addr)
 	if c, err := e.openTunnel("sbx-drain-late", finite.Addr(), 2*time.Second); err == nil {
 		c.Close()
 		t.Error("a tunnel opened during the drain")
@@ -284,17 +274,7 @@ func TestSandboxDrainOnExit(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	// Stopping closes the listener first: new tunnels are refused.
-	deadline = time.Now().Add(5 * time.Second)
-	for connectable(e.addr) {
-		if time.Now().After(deadline) {
-			t.Fatal("caddy still accepts connections after SIGTERM")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	terminate(t, p, e.addr)
 	// The open tunnel keeps moving bytes during the grace period.
 	at := received.Load()
 	time.Sleep(grace / 3)
@@ -315,5 +295,20 @@ func TestSandboxDrainOnExit(t *testing.T) {
 	p.exitedAfterDrain(t, e, 1)
 	if up.Accepted() != 1 {
 		t.Errorf("upstream accepted %d connections, want the one tunnel's", up.Accepted())
+	}
+}
+
+// terminate sends p SIGTERM and waits until its listener at addr refuses
+// connections: stopping closes the listener first, so new tunnels are
+// refused during the drain.
+func terminate(t *testing.T, p *caddyProcess, addr string) {
+	t.Helper()
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); connectable(addr); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("caddy still accepts connections after SIGTERM")
+		}
 	}
 }

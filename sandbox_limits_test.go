@@ -337,9 +337,12 @@ func sandboxTunnelLifetime(t *testing.T, kernel bool) {
 	forwardtest.CheckLeaks(t)
 	expired := tunnels.Expired()
 	metrics0 := e.metrics(t)
+	// The lifetime starts when the forwarder opens the tunnel, which can be
+	// before the gateway's dial returns: the tunnel cannot end earlier than
+	// lifetime after the dial began.
+	start := time.Now()
 	c := e.dial(t, uniqueSandbox("sbx-lifetime"), target)
 	defer c.Close()
-	start := time.Now()
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	n, err := io.Copy(io.Discard, c)
 	if age := time.Since(start); n == 0 || age < lifetime {

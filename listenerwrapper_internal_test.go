@@ -90,7 +90,7 @@ localhost:%d {
 	}
 	after := ktls.Stats().Outcomes
 	served := 0
-	for _, r := range ktls.Reasons {
+	for _, r := range ktls.Reasons() {
 		if r != ktls.ReasonHandshakeFailed {
 			served += int(after[r] - before[r])
 		}

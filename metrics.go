@@ -75,7 +75,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Retries), "retried")
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Dropped), "dropped")
 	ks := ktls.Stats()
-	for _, r := range ktls.Reasons {
+	for _, r := range ktls.Reasons() {
 		ch <- prometheus.MustNewConstMetric(c.offloads, prometheus.CounterValue, float64(ks.Outcomes[r]), string(r))
 	}
 	for dir, modes := range map[string]map[ktls.Mode]uint64{"tx": ks.TX, "rx": ks.RX} {

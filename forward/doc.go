@@ -1,6 +1,8 @@
 // Package forward is the sandbox forwarder's mechanism, with no Caddy code:
 // for each tunnel it reads the signed preamble exactly (under one deadline),
-// verifies it, checks the target against a policy, dials the target, forwards
+// verifies it, checks that the signing key may be used by the client's
+// certificate (Config.KeyClients), checks the target against a policy and
+// the sandbox's open tunnels against its cap, dials the target, forwards
 // any client bytes a caller has already buffered, and relays both directions
 // with package splice while metering every byte.
 //
@@ -10,5 +12,7 @@
 // deltas to a control plane over HTTP without ever blocking the data path.
 //
 // Tunnels outlive configuration reloads on purpose: nothing here is tied to
-// a configuration's lifetime. Only Registry.Drain ends them.
+// a configuration's lifetime. Besides its own end, a tunnel is ended only by
+// Registry.Drain (process exit), Registry.Revoke (its signing key is no
+// longer trusted) and Config.MaxTunnelLifetime.
 package forward

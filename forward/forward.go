@@ -29,7 +29,8 @@ type Config struct {
 	// process, shared by every Forwarder.
 	Registry *Registry
 	// PreambleTimeout bounds the wait for the whole preamble. It is the only
-	// deadline a tunnel ever has. Zero means DefaultPreambleTimeout.
+	// read deadline a tunnel ever has (after the preamble only
+	// MaxTunnelLifetime bounds it). Zero means DefaultPreambleTimeout.
 	PreambleTimeout time.Duration
 	// DialTimeout bounds the connect to the target. Zero means
 	// DefaultDialTimeout.
@@ -218,7 +219,7 @@ func refuse(c Client) {
 }
 
 // open runs everything up to a connected target: preamble, verification,
-// policy, registration and dial.
+// key binding, policy, tunnel cap, dial and registration.
 func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, error) {
 	if f.cfg.Registry.Draining() {
 		return nil, nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}

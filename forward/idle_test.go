@@ -40,9 +40,8 @@ import (
 // process: this test binary started again with idlePeerEnv set.
 const (
 	// idleTunnelsEnv sets how many tunnels the tests open (docs/bench/idle.md
-	// was measured with 10000 on the host and 1000 in the VM). The kernel
-	// test's default is small because every handshake takes about half a
-	// second of emulated CPU in the VM.
+	// gives the counts behind its figures). The kernel test's default is
+	// small because a handshake costs a lot of emulated CPU in the VM.
 	idleTunnelsEnv           = "KTLS_IDLE_TUNNELS"
 	defaultIdleTunnels       = 200
 	defaultKernelIdleTunnels = 50

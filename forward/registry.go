@@ -111,7 +111,8 @@ type SandboxDelta struct {
 	LastActivity     time.Time `json:"last_activity"`
 }
 
-// errDraining is wrapped in the RejectError that Open's callers return.
+// drainingError is the cause in the RejectError (ReasonDraining) that Open
+// and Forwarder.Serve return while the registry drains.
 type drainingError struct{}
 
 func (drainingError) Error() string { return "the forwarder is draining before exit" }

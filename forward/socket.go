@@ -11,9 +11,10 @@ import (
 )
 
 // socketOptions are the TCP liveness settings applied to both sockets of a
-// tunnel. After the preamble a tunnel has no deadline at all (a sandbox
-// session may legitimately sit idle for hours), so dead peers are found by
-// the kernel: keepalive probes for a silent peer, TCP_USER_TIMEOUT for
+// tunnel. After the preamble a tunnel has no read or idle deadline (a
+// sandbox session may legitimately sit idle for hours; MaxTunnelLifetime,
+// when set, bounds only its total age), so dead peers are found by the
+// kernel: keepalive probes for a silent peer, TCP_USER_TIMEOUT for
 // unacknowledged data.
 type socketOptions struct {
 	keepAlive   time.Duration

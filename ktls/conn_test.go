@@ -307,9 +307,9 @@ func runClient(t *testing.T, p *testPKI, version uint16, n, conns int) []*Conn {
 				return
 			}
 			// Wait for the client's close_notify before the FIN: a TLS 1.2
-			// server finishes its handshake first, and a FIN that arrived
-			// before the client installs kTLS makes TCP_ULP fail (the socket
-			// is no longer ESTABLISHED; seen on 6.1).
+			// server finishes its handshake first, and a FIN that arrives
+			// before the client installs kTLS makes TCP_ULP fail, since the
+			// socket is no longer ESTABLISHED (docs/kernel/behaviour.md).
 			err = c.(*tls.Conn).CloseWrite()
 			if err == nil {
 				_, err = io.Copy(io.Discard, c)
@@ -568,13 +568,14 @@ func handshakeClient(addr, caFile string) error {
 // through the per-connection config clone, record-bounded reads, and the
 // TX and RX keys derived and laid out as the kernel's crypto_info, the
 // same functions offload calls. The kernel calls are left out (TCP_ULP,
-// TLS_TX, TLS_RX, the sock_diag query: a few µs of kernel time): the
-// engine runs with Options.Disable, which stops before them on any kernel,
-// and the benchmark derives the keys itself. The client runs in another
-// process (benchClientEnv), so cpu-ns/op (getrusage of this process) is
-// the server's alone. Both arms accept a fresh loopback TCP connection per
-// iteration: over net.Pipe every small record-bounded read would be a
-// goroutine rendezvous, a cost no kernel socket has.
+// TLS_TX, TLS_RX, the sock_diag query: a handful of syscalls, which a host
+// without kTLS cannot make): the engine runs with Options.Disable, which
+// stops before them on any kernel, and the benchmark derives the keys
+// itself. The client runs in another process (benchClientEnv), so
+// cpu-ns/op (getrusage of this process) is the server's alone. Both arms
+// accept a fresh loopback TCP connection per iteration: over net.Pipe
+// every small record-bounded read would be a goroutine rendezvous, a cost
+// no kernel socket has.
 func BenchmarkHandshake(b *testing.B) {
 	p := newTestPKI(b)
 	scfg, _ := p.configs(connCase{version: tls.VersionTLS13})

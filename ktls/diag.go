@@ -44,8 +44,8 @@ func (m Mode) String() string {
 }
 
 // Values from include/uapi/linux/inet_diag.h and include/uapi/linux/tls.h
-// that golang.org/x/sys/unix does not export (checked against the Linux
-// 6.1 UAPI headers and torvalds/linux master).
+// that golang.org/x/sys/unix does not export (the same in the Linux 6.1
+// UAPI headers and in mainline).
 const (
 	sizeofInetDiagReqV2 = 56 // struct inet_diag_req_v2
 	sizeofInetDiagMsg   = 72 // struct inet_diag_msg
@@ -53,11 +53,12 @@ const (
 
 	// INET_DIAG_ULP_INFO is 19 in the response attribute enum. It cannot be
 	// asked for by its own bit (idiag_ext has 8 bits, for attributes up to
-	// INET_DIAG_SHUTDOWN): tcp_diag's get_aux adds it, but only inside the
-	// block that answers the INET_DIAG_INFO bit (seen on 6.1: without that
-	// bit, no ULP info even for root). Without CAP_NET_ADMIN older kernels
-	// (6.1 among them) omit the whole attribute, and newer ones send the
-	// ULP name but may withhold the TLS details.
+	// INET_DIAG_SHUTDOWN): tcp_diag's get_aux adds it only inside the block
+	// that answers the INET_DIAG_INFO bit, so a request must set that bit
+	// or get no ULP info, even as root (docs/kernel/behaviour.md). Without
+	// CAP_NET_ADMIN older kernels (6.1 among them) omit the whole
+	// attribute, and newer ones send the ULP name but may withhold the TLS
+	// details.
 	inetDiagInfo    = 2 // INET_DIAG_INFO (struct tcp_info), requested as 1 << (2-1)
 	inetDiagULPInfo = 19
 	inetULPInfoName = 1 // INET_ULP_INFO_NAME, NUL-terminated string

@@ -41,7 +41,8 @@
 //     older kernels a peer's KeyUpdate closes the connection with
 //     ErrRekeyUnsupported (with RX in userspace only one that requests
 //     our update: the Go opener rekeys on any kernel). KeyUpdates are rate
-//     limited per connection (HAProxy saw KeyUpdate storms).
+//     limited per connection (Options.KeyUpdateLimit): a peer may send
+//     them back to back, and each costs a key derivation and a setsockopt.
 //   - Once TLS_TX is in, crypto/tls can no longer write on the socket: a
 //     later failure (TLS_RX, an option) closes the connection instead of
 //     leaving it half-working.

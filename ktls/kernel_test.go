@@ -25,8 +25,8 @@ import (
 // transfer each way (bulkSize): every connection of the matrices (Go and
 // OpenSSL clients, RX in the kernel and in userspace) and of the data-path
 // tests; default defaultBulkMiB, so the package runs in minutes under TCG
-// emulation. The full-size runs set 64. Close, alert and KeyUpdate
-// tests move fixed small amounts (smallBytes), whatever it says.
+// emulation (a full-size run sets 64). Close, alert and KeyUpdate tests
+// move fixed small amounts (smallBytes), whatever it says.
 
 const (
 	defaultBulkMiB = 1
@@ -124,7 +124,8 @@ func TestKernelExpectNoPad(t *testing.T) {
 	}
 }
 
-// opensslServer accepts one connection for an openssl s_client.
+// opensslRun is one openssl s_client process and the Server connection it
+// talks to.
 type opensslRun struct {
 	server *Conn
 	cmd    *exec.Cmd

@@ -173,7 +173,7 @@ func dropNetAdminAndCheck() error {
 }
 
 // TestProbeWithoutKernelTLS checks what Probe reports on a kernel without
-// kTLS (this project's dev and CI hosts): the ULP error, nothing else.
+// kTLS: the ULP error, nothing else. A kernel with kTLS is TestKernelProbe's.
 func TestProbeWithoutKernelTLS(t *testing.T) {
 	if kerneltest.Available() == nil {
 		t.Skip("this kernel has kTLS: TestKernelProbe checks the probe here")

@@ -119,7 +119,7 @@ func buildFrame(f rawFrame) []byte {
 }
 
 // goldenCase is one vector: its file name, how to build it, and what a
-// verifier configured as in verifyGolden must say about it.
+// verifier configured as in goldenVerifier must say about it.
 type goldenCase struct {
 	name           string
 	reason         Reason // "" for a valid frame

@@ -210,11 +210,14 @@ type spliceFunc func(rfd, wfd, n, flags int) (int64, error)
 // A syscall the scheduler knows of that outlasts sysmon's 20 µs tick has
 // its P taken when no other P is idle (a busy host, or one CPU): another
 // thread is woken to run it, finds nothing to do and parks again, and the
-// call, returning, must win a P back. Under the bench harness (one vCPU)
-// those hand-offs, and sysmon polling every 20 µs for them, were about
-// half of the relay's syscalls and 10 % of its upload CPU (docs/bench).
-// Go's runtime developers make the same case for long non-blocking calls
-// (golang/go#29734). The price: a stop-the-world waits for the call to end.
+// call, returning, must win a P back; sysmon also polls every 20 µs for
+// such calls. A splice(2) that opens or seals records can outlast that
+// tick (one record's crypto does on a slow CPU), and the hand-offs and the
+// polling then cost about as many syscalls as the data path itself
+// (figures: docs/bench/relay.md). Go's runtime developers make the same
+// case for long non-blocking calls (golang/go#29734). The price: a
+// stop-the-world waits for the call to end, which recordBatch and
+// maxSealPerCall keep short.
 func spliceSyscall(rfd, wfd, n, flags int) (int64, error) {
 	r, _, errno := unix.RawSyscall6(unix.SYS_SPLICE, uintptr(rfd), 0, uintptr(wfd), 0, uintptr(n), uintptr(flags))
 	if errno != 0 {
@@ -459,9 +462,10 @@ func (t *Relay) finish(d Direction, dst net.Conn, err error) {
 	// sinkClosing that was still false, the state could show that orderly end.
 	if err == nil && wasReset(t.conns[d]) && !t.dirs[1-d].sinkClosing.Load() {
 		// A kTLS source can report the end of a reset connection as a plain
-		// end of stream (seen on 6.1), and the kernel then lets splice keep
-		// "writing" into the dead socket: half-closing would leave the other
-		// direction running forever. A reset ends the whole tunnel.
+		// end of stream (as on Linux 6.1: docs/kernel/behaviour.md), and the kernel
+		// then lets splice keep "writing" into the dead socket: half-closing
+		// would leave the other direction running forever. A reset ends the
+		// whole tunnel.
 		err = fmt.Errorf("source: %w", syscall.ECONNRESET)
 	}
 	if err == nil {

@@ -352,9 +352,10 @@ func TestRelayIdleHoldsNoPipe(t *testing.T) {
 
 // The upstream answers and then resets while the client is still sending:
 // the client's direction fails on the dead sink, and the answer, already
-// queued on the relay's socket, must still reach the client before the end.
-// Run 200 times over both paths: when the first failure aborted the tunnel
-// at once, the answer was lost within the first few dozen runs.
+// queued on the relay's socket, must still reach the client before the end
+// (finish gives the other direction peerGoneGrace to deliver it). Whether
+// the answer is read before the failure aborts the tunnel is a race, so the
+// test runs 200 times over both paths: one run rarely loses it.
 func TestRelayDeliversBeforePeerReset(t *testing.T) {
 	for _, copyPath := range []bool{false, true} {
 		t.Run(pathName(copyPath), func(t *testing.T) {
@@ -486,8 +487,9 @@ func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
 // Both peers half-close at once, many times over: each direction's end must
 // read as an orderly EOF, never as a reset. The direction that ends second
 // sees its source in TCP_CLOSE when the first one's FIN has already been
-// acknowledged, which a reset looks like too (a race that failed about one
-// run in 400 before finish read the socket's state first).
+// acknowledged, which a reset looks like too, so finish must read the
+// socket's state before the other direction's sinkClosing. Getting that
+// order wrong is a race that one round rarely hits, hence the 500 rounds.
 func TestBothEndsCloseTogether(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)

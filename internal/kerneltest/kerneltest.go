@@ -80,8 +80,8 @@ func Require(t testing.TB) {
 // shapes of the kTLS matrix, the relay and forwarder transfers, the
 // listener wrapper's file. Transfers that only carry a handshake, a close
 // or a control record stay at their fixed small size. Unset, tests move
-// their default (a few MiB: the VM emulates AES slowly); the issue's
-// full-size runs set 64.
+// their default (a few MiB: the VM emulates AES slowly); a full-size run
+// sets 64.
 const BulkEnv = "KTLS_TEST_MIB"
 
 // BulkMiB is the size in MiB of a bulk transfer: BulkEnv when set, else def.

@@ -1,0 +1,26 @@
+package ktls
+
+import "net"
+
+// EventKind names what an Event reports.
+type EventKind string
+
+// Event kinds.
+const (
+	EventHandshake   EventKind = "handshake"       // outcome of the handshake and offload (once per connection)
+	EventKeyUpdate   EventKind = "key-update"      // the peer's KeyUpdate was applied
+	EventRateLimited EventKind = "rate-limited"    // closed: control records above Options.KeyUpdateLimit
+	EventAlert       EventKind = "alert"           // the peer sent a fatal alert
+	EventClosed      EventKind = "closed-after-tx" // closed because a step after installing TX failed
+	// closed: the peer sent a KeyUpdate and this kernel cannot install a
+	// second key (ErrRekeyUnsupported, Linux < 6.14)
+	EventRekeyUnsupported EventKind = "rekey-unsupported"
+)
+
+// Event is passed to Options.Observer.
+type Event struct {
+	Kind    EventKind
+	Offload Offload
+	Remote  net.Addr
+	Err     error
+}

@@ -1,0 +1,66 @@
+package ktls
+
+import (
+	"sync"
+	"sync/atomic"
+)
+
+// StatsSnapshot is a copy of the process-wide counters.
+type StatsSnapshot struct {
+	TX, RX           map[Mode]uint64   // connections with that direction in each mode
+	Outcomes         map[Reason]uint64 // handshakes by Reason (ReasonNone = fully offloaded)
+	ControlRecords   map[string]uint64 // received control records by type ("alert", "handshake", ...)
+	KeyUpdates       uint64            // KeyUpdates applied
+	RateLimitedClose uint64            // connections closed for exceeding KeyUpdateLimit
+	ClosedAfterTX    uint64            // connections closed because a step after TLS_TX failed
+}
+
+type counters struct {
+	mu       sync.Mutex
+	tx, rx   map[Mode]uint64
+	outcomes map[Reason]uint64
+	control  map[string]uint64
+
+	keyUpdates, rateLimited, closedAfterTX atomic.Uint64
+}
+
+var stats = counters{tx: map[Mode]uint64{}, rx: map[Mode]uint64{}, outcomes: map[Reason]uint64{}, control: map[string]uint64{}}
+
+// Stats returns the process-wide counters.
+func Stats() StatsSnapshot {
+	stats.mu.Lock()
+	defer stats.mu.Unlock()
+	s := StatsSnapshot{
+		TX: map[Mode]uint64{}, RX: map[Mode]uint64{}, Outcomes: map[Reason]uint64{}, ControlRecords: map[string]uint64{},
+		KeyUpdates: stats.keyUpdates.Load(), RateLimitedClose: stats.rateLimited.Load(), ClosedAfterTX: stats.closedAfterTX.Load(),
+	}
+	for k, v := range stats.tx {
+		s.TX[k] = v
+	}
+	for k, v := range stats.rx {
+		s.RX[k] = v
+	}
+	for k, v := range stats.outcomes {
+		s.Outcomes[k] = v
+	}
+	for k, v := range stats.control {
+		s.ControlRecords[k] = v
+	}
+	return s
+}
+
+func countOutcome(o Offload) {
+	stats.mu.Lock()
+	defer stats.mu.Unlock()
+	stats.outcomes[o.Reason]++
+	if o.Reason != ReasonHandshakeFailed {
+		stats.tx[o.TX]++
+		stats.rx[o.RX]++
+	}
+}
+
+func countControl(kind string) {
+	stats.mu.Lock()
+	stats.control[kind]++
+	stats.mu.Unlock()
+}

@@ -49,7 +49,8 @@ const caddyMaxWriteChunk = 64 << 10
 
 // lwKTLSSeries are the metric families whose every series the metrics test
 // accounts for.
-var lwKTLSSeries = []string{"caddy_ktls_handshakes_total{", "caddy_ktls_offload_directions_total{", "caddy_ktls_http_readfrom_"}
+var lwKTLSSeries = []string{"caddy_ktls_handshakes_total{", "caddy_ktls_offload_directions_total{", "caddy_ktls_http_readfrom_",
+	`caddy_ktls_connections_closed_total{event="refused",module="caddy.listeners.ktls"}`}
 
 // lwCheckSeries checks that every kTLS series of after moved from before
 // by exactly want (absent: 0), that want's series exist, and that none of
@@ -133,6 +134,10 @@ func lwStart(t *testing.T, s *lwSite) *lwSite {
 			t.Errorf("unload: %v", err)
 		}
 	})
+	if s.refusesAll {
+		waitUntil(t, 10*time.Second, func() bool { return connectable(fmt.Sprintf("127.0.0.1:%d", s.port)) }, "the HTTPS port to accept")
+		return s
+	}
 	probe := s.h1(nil)
 	defer probe.CloseIdleConnections()
 	deadline := time.Now().Add(10 * time.Second)
@@ -239,6 +244,9 @@ type lwSite struct {
 	// cipherSuites, when set, are the cipher_suites of the policy for
 	// every SNI but mtls.localhost.
 	cipherSuites []string
+	// refusesAll: the wrapper refuses every connection (fallback refuse
+	// without kTLS), so the site is up once its port accepts.
+	refusesAll bool
 }
 
 // config renders the JSON configuration; version tags the /tls response

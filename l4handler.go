@@ -3,6 +3,7 @@ package caddyktls
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net"
 	"syscall"
@@ -74,16 +75,23 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("ktls handler: %w", err)
 	}
 	h.opts = h.ktlsOptions(h.observe)
+	h.OffloadOptions.warnRefuseAll(h.logger)
 	return nil
 }
 
 func (h *KTLSHandler) observe(ev ktls.Event) {
 	connCloses.count(moduleL4Handler, ev.Kind)
-	if ev.Kind == ktls.EventHandshake {
+	switch {
+	case ev.Kind == ktls.EventHandshake:
 		logHandshake(h.logger, ev)
 		return
-	}
-	if ev.Err == nil {
+	case ev.Kind == ktls.EventRefused:
+		// Counted; said once at load (warnRefuseAll) where the kernel
+		// refuses every connection, so not at WARN for each.
+		h.logger.Debug("kTLS connection refused: it cannot be offloaded and fallback is refuse",
+			zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
+		return
+	case ev.Err == nil:
 		return
 	}
 	h.logger.Warn("kTLS connection event", zap.String("event", string(ev.Kind)), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
@@ -107,6 +115,9 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 	cancel()
 	if err != nil {
 		kconn.Close()
+		if errors.As(err, new(*ktls.OffloadError)) {
+			return nil // ended as refused or failed, and reported to observe
+		}
 		return fmt.Errorf("ktls handshake with %s: %w", cx.RemoteAddr(), err)
 	}
 	state := kconn.ConnectionState()

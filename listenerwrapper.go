@@ -106,11 +106,6 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	if lw.TXZeroCopyRO && !lw.Sendfile {
 		return errors.New("ktls listener wrapper: tx_zerocopy_ro only affects sendfile: enable sendfile too, or remove it")
 	}
-	if lw.RequireOffload {
-		if caps := ktls.Probe(); caps.ULP != nil {
-			return fmt.Errorf("ktls listener wrapper: require_offload is set but this kernel cannot offload TLS, so every connection would be refused: %v", caps.ULP)
-		}
-	}
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
@@ -118,6 +113,7 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 		return err
 	}
 	lw.opts = lw.ktlsOptions(lw.observe)
+	lw.OffloadOptions.warnRefuseAll(lw.logger)
 	lw.sendfile = lw.Sendfile && servesH1AndH2(srv)
 	if lw.Sendfile && !lw.sendfile {
 		lw.logger.Warn("sendfile needs both HTTP/1.1 and HTTP/2 enabled on every listener of this server (Caddy hides it otherwise): serving without sendfile")

@@ -3,11 +3,13 @@ package caddyktls
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -18,8 +20,8 @@ import (
 // offload option on this kernel without kTLS: everything still works in
 // userspace TLS, and the handshakes count under the option's reason where
 // it decides before the kernel is asked (offload off: disabled; a CBC
-// suite: cipher). `fallback refuse` cannot be loaded here at all (every
-// connection would be refused): TestListenerWrapperRejectsBadOptions.
+// suite: cipher). `fallback refuse` refuses every connection here:
+// TestListenerWrapperFallbackRefuse.
 func TestListenerWrapperOptions(t *testing.T) {
 	if kerneltest.Available() == nil {
 		t.Skip("kTLS is available here: TestKernelListenerWrapperOptions covers this kernel")
@@ -98,6 +100,9 @@ func lwOption(t *testing.T, tc lwOptionCase, kernel bool) {
 		`caddy_ktls_handshakes_total{reason="` + reason + `"}`:                  2,
 		`caddy_ktls_offload_directions_total{direction="tx",mode="` + tx + `"}`: 2,
 		`caddy_ktls_offload_directions_total{direction="rx",mode="` + rx + `"}`: 2,
+	}
+	if tc.refused {
+		want[`caddy_ktls_connections_closed_total{event="refused",module="caddy.listeners.ktls"}`] = 1
 	}
 	if tc.cbc {
 		// Userspace both ways whether served or refused.
@@ -198,8 +203,8 @@ func lwCBCRequest(t *testing.T, s *lwSite, refused bool) string {
 	case refused && err == nil:
 		resp.Body.Close()
 		t.Errorf("fallback refuse: a TLS 1.2 CBC connection got %s, want it closed", resp.Status)
-	case refused:
-		t.Logf("fallback refuse: the TLS 1.2 CBC request failed as it should: %v", err)
+	case refused && !errors.Is(err, syscall.ECONNRESET):
+		t.Errorf("fallback refuse: the TLS 1.2 CBC request failed with %v, want a reset (a refusal in userspace TLS)", err)
 	case err != nil:
 		t.Errorf("a TLS 1.2 CBC connection with fallback allowed: %v", err)
 	default:

@@ -33,9 +33,13 @@ type OffloadOptions struct {
 
 	// RequireOffload refuses connections that cannot be offloaded (kernel
 	// without kTLS, cipher the kernel refuses, TLS 1.0/1.1, bytes buffered
-	// past the handshake...) instead of serving them with userspace TLS. In
-	// the listener wrapper, loading a configuration with it fails on a
-	// kernel without kTLS, because every connection would be refused.
+	// past the handshake...) instead of serving them with userspace TLS.
+	// A refused connection ends with a TCP reset after its handshake (the
+	// session is in userspace TLS: never a close_notify, which would read
+	// as a complete stream), is logged at DEBUG and counted in
+	// caddy_ktls_connections_closed_total{event="refused"}. On a kernel
+	// without kTLS every connection is refused: the configuration still
+	// loads (it means the same on every machine), with one WARN per load.
 	RequireOffload bool `json:"require_offload,omitempty"`
 
 	// ExpectNoPad sets TLS_RX_EXPECT_NO_PAD on TLS 1.3 connections (Linux
@@ -96,6 +100,22 @@ func (o *OffloadOptions) ktlsOptions(observer func(ktls.Event)) ktls.Options {
 		TXZeroCopyRO:   o.TXZeroCopyRO,
 		KeyUpdateLimit: ktls.Rate{PerSecond: o.KeyUpdateRate, Burst: o.KeyUpdateBurst},
 		Observer:       observer,
+	}
+}
+
+// refuseAllWarning is the WARN of warnRefuseAll.
+const refuseAllWarning = "fallback refuse is set but this kernel cannot offload TLS: every connection will be refused (see `caddy ktls probe`)"
+
+// warnRefuseAll says, once per load, that fallback refuse on a kernel that
+// cannot offload TLS refuses every connection. It is no load error: what a
+// configuration means must not depend on the kernel of the machine that
+// validates it.
+func (o *OffloadOptions) warnRefuseAll(logger *zap.Logger) {
+	if !o.RequireOffload {
+		return
+	}
+	if caps := ktls.Probe(); caps.ULP != nil {
+		logger.Warn(refuseAllWarning, zap.String("kernel", caps.Kernel), zap.NamedError("why", caps.ULP))
 	}
 }
 

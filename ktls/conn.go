@@ -294,9 +294,13 @@ func (c *Conn) handshake(ctx context.Context) error {
 		c.report(Event{Kind: EventClosed, Offload: c.off, Err: err})
 		return &OffloadError{Reason: reason, Err: err}
 	case c.opts.RequireOffload && c.off.TX == ModeUserspace:
+		// A refusal, and the session is in userspace TLS: a reset. A
+		// close_notify would tell the peer that its stream is complete.
+		oerr := &OffloadError{Reason: reason, Err: err}
 		c.report(ev)
-		c.tlsConn.Close()
-		return &OffloadError{Reason: reason, Err: err}
+		c.report(Event{Kind: EventRefused, Offload: c.off, Err: oerr})
+		c.abort(alertAccessDenied)
+		return oerr
 	}
 	c.report(ev)
 	return nil

@@ -15,6 +15,9 @@ const (
 	// closed: the peer sent a KeyUpdate and this kernel cannot install a
 	// second key (ErrRekeyUnsupported, Linux < 6.14)
 	EventRekeyUnsupported EventKind = "rekey-unsupported"
+	// closed as refused: Options.RequireOffload and the session could not
+	// be offloaded (Err is the *OffloadError)
+	EventRefused EventKind = "refused"
 )
 
 // Event is passed to Options.Observer.

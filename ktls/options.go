@@ -12,8 +12,10 @@ type Options struct {
 	// in Go with the captured keys while the kernel seals outgoing ones.
 	// The RX path (strparser, async decrypt) is where kTLS CVEs cluster.
 	DisableRX bool
-	// RequireOffload forbids the userspace fallback: the handshake fails
-	// with an error naming the reason.
+	// RequireOffload forbids the userspace fallback: a session that cannot
+	// be offloaded is refused after its handshake (a reset, as the session
+	// is in userspace TLS; EventRefused), and the handshake fails with an
+	// *OffloadError naming the reason.
 	RequireOffload bool
 	// ExpectNoPad sets TLS_RX_EXPECT_NO_PAD (TLS 1.3 RX): the kernel
 	// decrypts straight into the user buffer. Opt-in because a peer that

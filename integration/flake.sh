@@ -37,7 +37,9 @@ mkdir -p "$BUILD"
 out=$BUILD/flake-host.log
 t0=$(now)
 rc=0
-go test -count="$count" -run "$run" -v "$@" ./... >"$out" 2>&1 || rc=$?
+# go test's 10-minute default is per binary: COUNT runs of the root
+# package under -race beside a busy machine need more.
+go test -count="$count" -timeout "$((count * 20))m" -run "$run" -v "$@" ./... >"$out" 2>&1 || rc=$?
 log "flake: host, go test -count=$count -run '$run' $* ./... took $(elapsed "$t0")s, exit $rc; log: $out"
 # Top-level results only (subtests are indented).
 sed -n 's/^--- \(PASS\|FAIL\): \([^ ]*\) .*/\1 \2/p' "$out" | sort -k2 | uniq -c |

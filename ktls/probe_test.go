@@ -139,9 +139,22 @@ func TestNetAdminMatchesCapEff(t *testing.T) {
 	errc := make(chan error, 1)
 	go func() {
 		// Never unlocked: the thread, with its reduced capabilities, exits
-		// with this goroutine instead of going back to the scheduler.
+		// with this goroutine instead of going back to the scheduler. The
+		// main thread cannot exit (the runtime parks it instead), and
+		// /proc/self/status reports its capabilities: it must keep them.
+		// While this goroutine holds it locked, another one runs elsewhere.
 		runtime.LockOSThread()
-		errc <- dropNetAdminAndCheck()
+		if unix.Gettid() != unix.Getpid() {
+			errc <- dropNetAdminAndCheck()
+			return
+		}
+		defer runtime.UnlockOSThread()
+		inner := make(chan error, 1)
+		go func() {
+			runtime.LockOSThread()
+			inner <- dropNetAdminAndCheck()
+		}()
+		errc <- <-inner
 	}()
 	if err := <-errc; err != nil {
 		t.Fatal(err)

@@ -3,7 +3,6 @@ package caddyktls
 import (
 	"context"
 	"crypto/tls"
-	"errors"
 	"fmt"
 	"net"
 	"syscall"
@@ -51,6 +50,8 @@ type KTLSHandler struct {
 	ctx    caddy.Context
 	logger *zap.Logger
 	opts   ktls.Options
+	// failures counts and logs failed handshakes.
+	failures *handshakeFailureLog
 }
 
 // CaddyModule returns the Caddy module information.
@@ -74,6 +75,7 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 	if err := h.OffloadOptions.provision(); err != nil {
 		return fmt.Errorf("ktls handler: %w", err)
 	}
+	h.failures = newHandshakeFailureLog(moduleL4Handler, h.logger)
 	h.opts = h.ktlsOptions(h.observe)
 	h.OffloadOptions.warnRefuseAll(h.logger)
 	return nil
@@ -84,6 +86,9 @@ func (h *KTLSHandler) observe(ev ktls.Event) {
 	switch {
 	case ev.Kind == ktls.EventHandshake:
 		logHandshake(h.logger, ev)
+		if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
+			h.failures.record(ev)
+		}
 		return
 	case ev.Kind == ktls.EventRefused:
 		// Counted; said once at load (warnRefuseAll) where the kernel
@@ -115,10 +120,10 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 	cancel()
 	if err != nil {
 		kconn.Close()
-		if errors.As(err, new(*ktls.OffloadError)) {
-			return nil // ended as refused or failed, and reported to observe
-		}
-		return fmt.Errorf("ktls handshake with %s: %w", cx.RemoteAddr(), err)
+		// Reported to observe (a refusal, a failure after TLS_TX, or a
+		// failed handshake: logged and counted there), so not returned to
+		// caddy-l4, which would log an ERROR for each.
+		return nil
 	}
 	state := kconn.ConnectionState()
 

@@ -69,10 +69,12 @@ type ListenerWrapper struct {
 	// warning says so at start.
 	Sendfile bool `json:"sendfile,omitempty"`
 
-	ctx      caddy.Context
-	srv      *caddyhttp.Server
-	logger   *zap.Logger
-	opts     ktls.Options
+	ctx    caddy.Context
+	srv    *caddyhttp.Server
+	logger *zap.Logger
+	opts   ktls.Options
+	// failures counts and logs failed handshakes.
+	failures *handshakeFailureLog
 	sendfile bool // Sendfile, and possible on this server
 
 	baseOnce sync.Once
@@ -112,6 +114,7 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	if err := registerListenerMetrics(ctx); err != nil {
 		return err
 	}
+	lw.failures = newHandshakeFailureLog(moduleListenerWrapper, lw.logger)
 	lw.opts = lw.ktlsOptions(lw.observe)
 	lw.OffloadOptions.warnRefuseAll(lw.logger)
 	lw.sendfile = lw.Sendfile && servesH1AndH2(srv)
@@ -249,6 +252,9 @@ func (lw *ListenerWrapper) observe(ev ktls.Event) {
 	switch ev.Kind {
 	case ktls.EventHandshake:
 		logHandshake(lw.logger, ev)
+		if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
+			lw.failures.record(ev)
+		}
 	case ktls.EventRateLimited, ktls.EventClosed, ktls.EventRekeyUnsupported:
 		lw.logger.Warn("kernel TLS connection closed", zap.String("event", string(ev.Kind)),
 			zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))

@@ -310,6 +310,7 @@ func TestListenerWrapperHandshakeTimeout(t *testing.T) {
 	const timeout = 500 * time.Millisecond
 	s := lwStartSite(t, map[string]any{"handshake_timeout": timeout.String()})
 	before := ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed]
+	metrics0 := parseMetrics(t, adminGet(t, s.adminAddr, "/metrics"))
 	// The server's timer starts when it accepts, which can be before the
 	// client's connect(2) returns: count from before the dial.
 	start := time.Now()
@@ -342,5 +343,18 @@ func TestListenerWrapperHandshakeTimeout(t *testing.T) {
 	}
 	if len(lines) != 1 || lines[0]["reason"] != string(ktls.ReasonHandshakeFailed) || !strings.Contains(fmt.Sprint(lines[0]["error"]), "deadline exceeded") {
 		t.Errorf("handshake log lines for the silent client: %v; want one, handshake-failed, deadline exceeded", lines)
+	}
+	var failed []map[string]any
+	for _, l := range s.logLines(t, "TLS handshake failed") {
+		if l["remote"] == c.LocalAddr().String() {
+			failed = append(failed, l)
+		}
+	}
+	if len(failed) != 1 || failed[0]["reason"] != "timeout" || failed[0]["level"] != "debug" {
+		t.Errorf("failed-handshake log lines for the silent client: %v; want one at DEBUG, reason timeout", failed)
+	}
+	series := fmt.Sprintf("caddy_ktls_handshake_failures_total{module=%q,reason=\"timeout\"}", moduleListenerWrapper)
+	if got := parseMetrics(t, adminGet(t, s.adminAddr, "/metrics"))[series] - metrics0[series]; got != 1 {
+		t.Errorf("%s rose by %v, want 1", series, got)
 	}
 }

@@ -19,7 +19,7 @@ import (
 // kept in per-config metric objects.
 type collector struct {
 	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, bytes, rejects, relayBytes, controlRecords, pipeShortages,
-	pushReports, offloads, offloadModes, connCloses, acceptRetries *prometheus.Desc
+	pushReports, offloads, offloadModes, connCloses, handshakeFails, acceptRetries *prometheus.Desc
 }
 
 var metrics = &collector{
@@ -37,8 +37,11 @@ var metrics = &collector{
 	offloads:     prometheus.NewDesc("caddy_ktls_handshakes_total", "kTLS handshakes by offload outcome reason (none = fully offloaded).", []string{"reason"}, nil),
 	offloadModes: prometheus.NewDesc("caddy_ktls_offload_directions_total", "Offloaded connections by direction (tx, rx) and mode (userspace, sw, hw).", []string{"direction", "mode"}, nil),
 	connCloses: prometheus.NewDesc("caddy_ktls_connections_closed_total",
-		"Offloaded connections the ktls engine closed, by module and event (rate-limited: KeyUpdates above keyupdate_rate; alert: the peer's fatal alert; closed-after-tx: a step after installing TLS_TX failed; rekey-unsupported: a KeyUpdate on a kernel without rekey; bad-record, layer4 tunnels only: a record that failed authentication).",
+		"Offloaded connections the ktls engine closed, by module and event (rate-limited: KeyUpdates above keyupdate_rate; alert: the peer's fatal alert; closed-after-tx: a step after installing TLS_TX failed; rekey-unsupported: a KeyUpdate on a kernel without rekey; refused: fallback refuse and the session could not be offloaded; bad-record, layer4 tunnels only: a record that failed authentication).",
 		[]string{"module", "event"}, nil),
+	handshakeFails: prometheus.NewDesc("caddy_ktls_handshake_failures_total",
+		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, timeout, closed, other).",
+		[]string{"module", "reason"}, nil),
 	acceptRetries: prometheus.NewDesc("caddy_ktls_accept_retries_total",
 		"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil),
 }
@@ -46,7 +49,7 @@ var metrics = &collector{
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.tunnelsRevoked, c.bytes, c.rejects, c.relayBytes,
-		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.acceptRetries} {
+		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.handshakeFails, c.acceptRetries} {
 		ch <- d
 	}
 }
@@ -85,6 +88,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	for k, n := range connCloses.snapshot() {
 		ch <- prometheus.MustNewConstMetric(c.connCloses, prometheus.CounterValue, float64(n), k.module, string(k.event))
+	}
+	for k, n := range handshakeFails.snapshot() {
+		ch <- prometheus.MustNewConstMetric(c.handshakeFails, prometheus.CounterValue, float64(n), k.module, k.reason)
 	}
 	ch <- prometheus.MustNewConstMetric(c.acceptRetries, prometheus.CounterValue, float64(acceptRetries.Load()))
 }

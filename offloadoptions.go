@@ -1,8 +1,15 @@
 package caddyktls
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -116,6 +123,87 @@ func (o *OffloadOptions) warnRefuseAll(logger *zap.Logger) {
 	}
 	if caps := ktls.Probe(); caps.ULP != nil {
 		logger.Warn(refuseAllWarning, zap.String("kernel", caps.Kernel), zap.NamedError("why", caps.ULP))
+	}
+}
+
+// handshakeFailureReasons are why a TLS handshake failed, as counted in
+// caddy_ktls_handshake_failures_total and logged: the reasons a peer that
+// may never authenticate can cause, so none of them is worth an ERROR.
+var handshakeFailureReasons = []string{
+	"not-tls",                 // the first bytes are no TLS record (plain HTTP, a scanner)
+	"no-client-certificate",   // mutual TLS and the client sent no certificate
+	"untrusted-certificate",   // the client's certificate chain does not verify (another CA, expired)
+	"certificate-not-allowed", // a verifier refused the certificate (not on the leaf allowlist)
+	"timeout",                 // no complete handshake within handshake_timeout
+	"closed",                  // the peer closed or reset the connection during the handshake
+	"other",                   // any other handshake error (no common version or cipher, a bad message)
+}
+
+// handshakeFailureReason says why a handshake failed with err.
+func handshakeFailureReason(err error) string {
+	var rhe tls.RecordHeaderError
+	var cve *tls.CertificateVerificationError
+	switch {
+	case errors.As(err, &rhe):
+		return "not-tls"
+	case strings.Contains(err.Error(), "client didn't provide a certificate"):
+		return "no-client-certificate"
+	case errors.As(err, &cve):
+		return "untrusted-certificate"
+	case strings.Contains(err.Error(), "client leaf certificate failed validation"):
+		return "certificate-not-allowed"
+	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded):
+		return "timeout"
+	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed):
+		return "closed"
+	}
+	return "other"
+}
+
+// handshakeFailureLog counts one module's failed handshakes by reason and
+// logs each at DEBUG: anyone who can reach the port can fail a handshake, so
+// each one is no WARN or ERROR of its own. At most once per
+// handshakeSummaryEvery it WARNs a summary of the failures since the last.
+type handshakeFailureLog struct {
+	module string
+	logger *zap.Logger
+	mu     sync.Mutex
+	last   time.Time // of the last summary
+	counts map[string]uint64
+}
+
+// handshakeSummaryEvery spaces the WARN summaries of failed handshakes.
+const handshakeSummaryEvery = time.Minute
+
+// handshakeFailureSummary is the message of that WARN.
+const handshakeFailureSummary = "TLS handshakes failed"
+
+func newHandshakeFailureLog(module string, logger *zap.Logger) *handshakeFailureLog {
+	return &handshakeFailureLog{module: module, logger: logger, counts: map[string]uint64{}}
+}
+
+// record counts a failed handshake (ev.Offload.Reason is
+// ktls.ReasonHandshakeFailed) and logs it.
+func (f *handshakeFailureLog) record(ev ktls.Event) {
+	reason := handshakeFailureReason(ev.Err)
+	handshakeFails.add(failKey{f.module, reason})
+	f.logger.Debug("TLS handshake failed", zap.String("reason", reason), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.counts[reason]++
+	if now := time.Now(); now.Sub(f.last) >= handshakeSummaryEvery {
+		fields := []zap.Field{zap.Duration("since_last_summary", now.Sub(f.last))}
+		if f.last.IsZero() {
+			fields[0] = zap.Bool("first", true)
+		}
+		for _, r := range handshakeFailureReasons {
+			if n := f.counts[r]; n > 0 {
+				fields = append(fields, zap.Uint64(r, n))
+			}
+		}
+		f.logger.Warn(handshakeFailureSummary, append(fields, zap.String("details", "each at DEBUG; caddy_ktls_handshake_failures_total counts them by reason"))...)
+		f.last, f.counts = now, map[string]uint64{}
 	}
 }
 

@@ -1,10 +1,15 @@
 package caddyktls
 
 import (
+	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"os"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -118,5 +123,32 @@ func TestListenerWrapperFallbackRefuse(t *testing.T) {
 	after := parseMetrics(t, adminGet(t, s.adminAddr, "/metrics"))
 	if got := after[refused] - before[refused]; got != conns {
 		t.Errorf("%s rose by %v, want %d", refused, got, conns)
+	}
+}
+
+// TestHandshakeFailureReason: each way a peer can fail a handshake has its
+// reason, whatever wraps the error.
+func TestHandshakeFailureReason(t *testing.T) {
+	op := func(err error) error { return &net.OpError{Op: "read", Net: "tcp", Err: err} }
+	for _, tc := range []struct {
+		err  error
+		want string
+	}{
+		{tls.RecordHeaderError{Msg: "first record does not look like a TLS handshake"}, "not-tls"},
+		{fmt.Errorf("ktls: %w", errors.New("tls: client didn't provide a certificate")), "no-client-certificate"},
+		{&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, "untrusted-certificate"},
+		{errors.New("client leaf certificate failed validation"), "certificate-not-allowed"},
+		{context.DeadlineExceeded, "timeout"},
+		{op(os.ErrDeadlineExceeded), "timeout"},
+		{io.EOF, "closed"},
+		{op(os.NewSyscallError("read", syscall.ECONNRESET)), "closed"},
+		{errors.New("tls: no cipher suite supported by both client and server"), "other"},
+	} {
+		if got := handshakeFailureReason(tc.err); got != tc.want {
+			t.Errorf("%v: reason %q, want %q", tc.err, got, tc.want)
+		}
+		if !slices.Contains(handshakeFailureReasons, tc.want) {
+			t.Errorf("reason %q is not in handshakeFailureReasons (no metric series)", tc.want)
+		}
 	}
 }

@@ -2,6 +2,7 @@ package caddyktls
 
 import (
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
 	"encoding/base64"
 	"encoding/hex"
@@ -148,7 +149,9 @@ func TestKernelSandboxHandshakeRefusals(t *testing.T) {
 
 func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 	up := forwardtest.NewUpstream(t, 0)
-	e := newSandboxEnv(t, nil)
+	e := newSandboxConfig(t, nil)
+	e.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["level"] = "DEBUG"
+	e.start(t)
 	forwardtest.CheckLeaks(t)
 	since := dataPathDelta(t, kernel)
 	outcomes0 := ktls.Stats().Outcomes
@@ -158,7 +161,13 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 		return func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			c, err := preamble.Dial(ctx, "tcp", e.addr, e.tlsConfig(leaf), e.gw.Signer, preamble.Claims{SandboxID: "sbx", Target: up.Addr()})
+			cfg := e.tlsConfig(nil)
+			if leaf != nil {
+				// Sent whatever CAs the server names, as a hostile peer would
+				// (Go's client sends only a certificate of a CA it asks for).
+				cfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &leaf.TLS, nil }
+			}
+			c, err := preamble.Dial(ctx, "tcp", e.addr, cfg, e.gw.Signer, preamble.Claims{SandboxID: "sbx", Target: up.Addr()})
 			if err != nil {
 				return // refused in the handshake
 			}
@@ -171,10 +180,10 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 		}
 	}
 	cases := []struct {
-		name string
-		run  func(t *testing.T)
+		name, reason string
+		run          func(t *testing.T)
 	}{
-		{"non-tls", func(t *testing.T) {
+		{"non-tls", "not-tls", func(t *testing.T) {
 			c, err := net.Dial("tcp", e.addr)
 			if err != nil {
 				t.Fatal(err)
@@ -186,29 +195,35 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 				t.Errorf("non-TLS client read %q", b)
 			}
 		}},
-		{"no-client-certificate", tlsCase(nil)},
-		{"other-ca", tlsCase(otherCA)},
-		{"not-on-allowlist", tlsCase(stranger)},
+		{"no-client-certificate", "no-client-certificate", tlsCase(nil)},
+		{"other-ca", "untrusted-certificate", tlsCase(otherCA)},
+		{"not-on-allowlist", "certificate-not-allowed", tlsCase(stranger)},
 	}
 	failed := func() uint64 { return ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed] }
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			before := failed()
-			logged := len(e.logLines(t, "handling connection"))
+			before, metrics0 := failed(), e.metrics(t)
+			logged := len(e.logLines(t, "TLS handshake failed"))
 			tc.run(t)
-			deadline := time.Now().Add(5 * time.Second)
-			for failed() != before+1 || len(e.logLines(t, "handling connection")) != logged+1 {
-				if time.Now().After(deadline) {
-					t.Fatalf("handshake-failed %d -> %d, log lines %d -> %d; want one more of each",
-						before, failed(), logged, len(e.logLines(t, "handling connection")))
-				}
-				time.Sleep(10 * time.Millisecond)
+			waitUntil(t, 30*time.Second, func() bool {
+				return failed() == before+1 && len(e.logLines(t, "TLS handshake failed")) == logged+1
+			}, "one more failed handshake, counted and logged")
+			// An unauthenticated peer owns no ERROR or WARN line of its own:
+			// one DEBUG line with the peer and the reason, and a count.
+			l := e.logLines(t, "TLS handshake failed")[logged]
+			if l["level"] != "debug" || l["remote"] == "" || l["reason"] != tc.reason {
+				t.Errorf("log line %v: want DEBUG, the peer and reason %q", l, tc.reason)
 			}
-			l := e.logLines(t, "handling connection")[logged]
-			if l["level"] != "error" || l["remote"] == "" || !strings.Contains(fmt.Sprint(l["error"]), "ktls handshake") {
-				t.Errorf("log line %v: want an error naming the handshake and the peer", l)
-			}
+			series := fmt.Sprintf("caddy_ktls_handshake_failures_total{module=%q,reason=%q}", moduleL4Handler, tc.reason)
+			checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{series: 1})
 		})
+	}
+	if n := len(e.logLines(t, "handling connection")); n != 0 {
+		t.Errorf("%d caddy-l4 ERROR lines for failed handshakes, want none", n)
+	}
+	// The failures within a minute share one WARN summary: the first.
+	if w := e.logLines(t, handshakeFailureSummary); len(w) != 1 || w[0]["level"] != "warn" || w[0]["not-tls"] != float64(1) {
+		t.Errorf("summaries %v: want one WARN, at the first failure (not-tls: 1)", w)
 	}
 	if up.Accepted() != 0 {
 		t.Errorf("upstream dialed %d times for refused peers", up.Accepted())
@@ -484,4 +499,154 @@ func goldenFrame(t *testing.T, name string) []byte {
 	}
 	t.Fatalf("golden vector %s: %v", name, err)
 	return nil
+}
+
+// A sandbox handler whose route verifies no client certificate carries
+// nothing: behind caddy-l4's `tls` handler without client authentication,
+// and behind `ktls` whose client_auth takes the certificate without
+// verifying its chain (mode require), every connection is refused with
+// no-client-certificate before its preamble is read. Each refusal is one
+// WARN line naming the peer (and the unverified certificate, where one
+// came), the reason's series rises by one, the gateway reads a refusal
+// end, and nothing is dialed.
+func TestSandboxUnverifiedClientRefused(t *testing.T) { sandboxUnverifiedClientRefused(t, false) }
+
+// TestKernelSandboxUnverifiedClientRefused is TestSandboxUnverifiedClientRefused
+// on a kTLS kernel, where the ktls case is offloaded and refused with the
+// access_denied alert.
+func TestKernelSandboxUnverifiedClientRefused(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxUnverifiedClientRefused(t, true)
+}
+
+func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
+	const reason = string(forward.ReasonNoClientCertificate)
+	up := forwardtest.NewUpstream(t, 0)
+	e := newSandboxConfig(t, nil)
+	route := e.route()
+	handlers := route["handle"].([]any)
+	ktlsHandler, sandbox := handlers[0].(map[string]any), handlers[1]
+	// caddy-l4's own TLS handler, which asks for no client certificate.
+	route["handle"] = []any{map[string]any{"handler": "tls", "connection_policies": []any{map[string]any{"default_sni": "localhost"}}}, sandbox}
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	metrics0 := e.metrics(t)
+	cases := []struct {
+		name      string
+		configure func(t *testing.T)
+		cert      string // client_certificate in the log line
+		kernelEnd bool   // the refusal goes through kTLS: the access_denied alert
+	}{
+		{"tls-handler-without-client-auth", func(*testing.T) {}, "", false},
+		{"ktls-client-auth-require-unverified", func(t *testing.T) {
+			// The listed gateway certificate, taken as sent: crypto/tls
+			// verifies no chain in mode require (the leaf verifier still
+			// checks it is listed), so the session has no verified chain.
+			policy := ktlsHandler["connection_policies"].([]any)[0].(map[string]any)
+			policy["client_authentication"].(map[string]any)["mode"] = "require"
+			route["handle"] = []any{ktlsHandler, sandbox}
+			e.load(t)
+		}, gatewaySubject, kernel},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.configure(t)
+			before := tunnels.Rejections()[reason]
+			logged := len(e.logLines(t, rejectedMsg))
+			c := e.rawTunnel(t, e.gw.Frame(t, "sbx-unverified", up.Addr()), false)
+			defer c.Close()
+			c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			n, err := io.Copy(io.Discard, c)
+			if n != 0 {
+				t.Errorf("refused client read %d bytes (err %v); want none", n, err)
+			}
+			checkGatewayEnd(t, err, tc.kernelEnd, true)
+			waitRejections(t, reason, before+1)
+			l := e.waitLogLine(t, rejectedMsg, logged)
+			if l["level"] != "warn" || l["reason"] != reason || l["peer"] != c.LocalAddr().String() ||
+				l["client_certificate"] != tc.cert || !strings.Contains(fmt.Sprint(l["error"]), "no verified client certificate") {
+				t.Errorf("log line %v: want a WARN with reason %s, peer %s, client_certificate %q and the cause",
+					l, reason, c.LocalAddr(), tc.cert)
+			}
+		})
+	}
+	if up.Accepted() != 0 {
+		t.Errorf("upstream dialed %d times for unauthenticated clients", up.Accepted())
+	}
+	got := map[string]int{}
+	for _, l := range e.logLines(t, rejectedMsg) {
+		r, _ := l["reason"].(string)
+		got[r]++
+	}
+	if !maps.Equal(got, map[string]int{reason: len(cases)}) {
+		t.Errorf("log lines by reason %v, want %d %s", got, len(cases), reason)
+	}
+	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{rejectSeries(reason): int64(len(cases))})
+}
+
+// insecure_plaintext, the test-only escape hatch: a route with `sandbox`
+// alone carries a tunnel whose preamble comes in plaintext over raw TCP,
+// exact bytes both ways, and every load says at WARN what it turned off.
+func TestSandboxInsecurePlaintext(t *testing.T) {
+	const size, seed = 1 << 20, 21
+	up := forwardtest.NewUpstream(t, size+3)
+	e := newSandboxConfig(t, map[string]any{"insecure_plaintext": true})
+	route := e.route()
+	route["handle"] = []any{e.sandboxHandler()} // no TLS handler
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	rejected := tunnels.Rejections()
+
+	c, err := net.Dial("tcp", e.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, recvSum, err := plainTransfer(c.(*net.TCPConn), e.gw.Frame(t, "sbx-plaintext", up.Addr()), size, seed)
+	if err != nil {
+		t.Fatalf("plaintext tunnel: %v", err)
+	}
+	checkTunnelTransfer(t, up, size, seed, n, recvSum)
+	if now := tunnels.Rejections(); !maps.Equal(now, rejected) {
+		t.Errorf("rejections changed from %v to %v", rejected, now)
+	}
+	checkWarned := func(loads int) {
+		t.Helper()
+		lines := e.logLines(t, insecurePlaintextWarning)
+		if len(lines) != loads {
+			t.Fatalf("%d insecure_plaintext warnings after %d loads, want one per load", len(lines), loads)
+		}
+		for _, l := range lines {
+			if l["level"] != "warn" {
+				t.Errorf("insecure_plaintext logged %v, want a WARN", l)
+			}
+		}
+	}
+	checkWarned(1)
+	e.load(t)
+	checkWarned(2)
+}
+
+// plainTransfer writes frame and send pattern bytes (seed) on c, a raw TCP
+// connection, half-closes, reads to EOF and returns what it received.
+func plainTransfer(c *net.TCPConn, frame []byte, send int64, seed uint64) (recvN int64, recvSum [32]byte, err error) {
+	defer c.Close()
+	werr := make(chan error, 1)
+	go func() {
+		_, err := c.Write(frame)
+		if err == nil {
+			_, err = io.Copy(c, io.LimitReader(forwardtest.NewPattern(seed), send))
+		}
+		if err == nil {
+			err = c.CloseWrite()
+		}
+		werr <- err
+	}()
+	c.SetReadDeadline(time.Now().Add(time.Minute))
+	h := sha256.New()
+	recvN, err = io.Copy(h, c)
+	copy(recvSum[:], h.Sum(nil))
+	if e := <-werr; err == nil {
+		err = e
+	}
+	return recvN, recvSum, err
 }

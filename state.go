@@ -22,7 +22,8 @@ import (
 // configuration (a reload that stops trusting a key ends that key's
 // tunnels), the replay caches (a nonce accepted before a reload stays
 // spent), the activity pushers' counts (metrics never go backwards), and the
-// connection-close counts (one series per module and event from the start).
+// connection-close and handshake-failure counts (one series per module and
+// event or reason from the start).
 // The metrics collector (metrics.go) reads all of it.
 
 // tunnels is the process-level tunnel registry: every configuration loaded
@@ -177,4 +178,35 @@ func (s *pusherSet) stats() forward.PusherStats {
 		t.Dropped += st.Dropped
 	}
 	return t
+}
+
+type failKey struct{ module, reason string }
+
+// failCounts counts failed TLS handshakes per module and reason, every
+// series from zero; the modules' observers count, the collector reads.
+type failCounts struct {
+	mu sync.Mutex
+	n  map[failKey]uint64
+}
+
+var handshakeFails = func() *failCounts {
+	c := &failCounts{n: map[failKey]uint64{}}
+	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+		for _, r := range handshakeFailureReasons {
+			c.n[failKey{m, r}] = 0
+		}
+	}
+	return c
+}()
+
+func (c *failCounts) add(k failKey) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.n[k]++
+}
+
+func (c *failCounts) snapshot() map[failKey]uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return maps.Clone(c.n)
 }

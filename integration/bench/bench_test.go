@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"errors"
 	"io"
@@ -21,20 +22,30 @@ import (
 )
 
 // The structural figures come from this parser: every entered syscall
-// counts, and only socket read/write-family returns count as userspace bytes.
+// counts, only socket read/write-family returns count as userspace bytes,
+// and of those, the bytes on a connection before a successful kernel key
+// install (in any thread's file, by entry time) are pre-offload bytes.
 func TestParseStrace(t *testing.T) {
 	dir := t.TempDir()
 	prefix := filepath.Join(dir, "strace")
-	thread1 := `read(7<TCP:[127.0.0.1:19443->127.0.0.1:40000]>, ""..., 32768) = 16406
-write(8<TCP:[127.0.0.1:50000->127.0.0.1:19000]>, ""..., 16384) = 16384
-read(3</etc/hosts>, ""..., 4096) = 100
-recvfrom(9<TCPv6:[[::1]:1->[::1]:2]>, ""..., 16384, 0, NULL, NULL) = -1 EAGAIN (Resource temporarily unavailable)
-splice(7<TCP:[127.0.0.1:19443->127.0.0.1:40000]>, NULL, 10<pipe:[123]>, NULL, 1048576, SPLICE_F_NONBLOCK) = 65536
-connect(9<TCP:[1234]>, {sa_family=AF_INET, sin_port=htons(19000), sin_addr=inet_addr("127.0.0.1")}, 16) = -1 EINPROGRESS (Operation now in progress)
-+++ exited with 0 +++
+	const gw, up = "TCP:[127.0.0.1:19443->127.0.0.1:40000]", "TCP:[127.0.0.1:50000->127.0.0.1:19000]"
+	thread1 := `1700000000.000000100 read(7<` + gw + `>, ""..., 5) = 300
+1700000000.000000300 write(7<` + gw + `>, ""..., 16384) = 700
+1700000000.000000500 read(7<` + gw + `>, ""..., 8) = 160
+1700000000.000000600 write(8<` + up + `>, ""..., 16384) = 16384
+1700000000.000000700 read(3</etc/hosts>, ""..., 4096) = 100
+1700000000.000000710 recvfrom(9<TCPv6:[[::1]:1->[::1]:2]>, ""..., 16384, 0, NULL, NULL) = -1 EAGAIN (Resource temporarily unavailable)
+1700000000.000000720 splice(7<` + gw + `>, NULL, 10<pipe:[123]>, NULL, 1048576, SPLICE_F_NONBLOCK) = 65536
+1700000000.000000730 connect(9<TCP:[1234]>, {sa_family=AF_INET, sin_port=htons(19000), sin_addr=inet_addr("127.0.0.1")}, 16) = -1 EINPROGRESS (Operation now in progress)
+1700000000.000000900 close(7<` + gw + `>) = 0
+1700000000.000001000 read(9<` + gw + `>, ""..., 5) = 50
+1700000000.000001100 +++ exited with 0 +++
 `
-	thread2 := `sendmsg(11<socket:[99]>, {msg_name=NULL, msg_iov=[{iov_base=""..., iov_len=5}], msg_controllen=0, msg_flags=0}, 0) = 5
-epoll_pwait(4<anon_inode:[eventpoll]>,  <detached ...>
+	thread2 := `1700000000.000000400 setsockopt(7<` + gw + `>, SOL_TLS, TLS_TX, ""..., 40) = 0
+1700000000.000000450 setsockopt(7<` + gw + `>, SOL_TLS, TLS_RX, ""..., 40) = 0
+1700000000.000000460 setsockopt(11<socket:[99]>, SOL_TLS, TLS_TX, ""..., 40) = -1 ENOENT (No such file or directory)
+1700000000.000000470 sendmsg(11<socket:[99]>, {msg_name=NULL, msg_iov=[{iov_base=""..., iov_len=5}], msg_controllen=0, msg_flags=0}, 0) = 5
+1700000000.000000480 epoll_pwait(4<anon_inode:[eventpoll]>,  <detached ...>
 `
 	for name, data := range map[string]string{prefix + ".101": thread1, prefix + ".102": thread2} {
 		if err := os.WriteFile(name, []byte(data), 0o644); err != nil {
@@ -45,32 +56,49 @@ epoll_pwait(4<anon_inode:[eventpoll]>,  <detached ...>
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Syscalls != 8 {
-		t.Errorf("syscalls = %d, want 8 (%+v)", s.Syscalls, s.Top)
+	if s.Syscalls != 15 {
+		t.Errorf("syscalls = %d, want 15 (%+v)", s.Syscalls, s.Top)
 	}
-	// The TCP read, write and recvfrom (its EAGAIN was entered too), the
-	// socket sendmsg and the splice; not the file read, connect or epoll.
-	if s.DataSyscalls != 5 {
-		t.Errorf("data syscalls = %d, want 5", s.DataSyscalls)
+	// The TCP reads and writes, the recvfrom (its EAGAIN was entered too),
+	// the socket sendmsg and the splice; not the file read, connect,
+	// setsockopt, close or epoll.
+	if s.DataSyscalls != 8 {
+		t.Errorf("data syscalls = %d, want 8", s.DataSyscalls)
 	}
-	if want := int64(16406 + 16384 + 5); s.UserspaceBytes != want {
+	if want := int64(300 + 700 + 160 + 16384 + 50 + 5); s.UserspaceBytes != want {
 		t.Errorf("userspace bytes = %d, want %d", s.UserspaceBytes, want)
 	}
-	if s.Top[0] != (count{"read", 2}) {
-		t.Errorf("top syscall = %+v, want read ×2", s.Top[0])
+	// The handshake before TLS_TX; not the preamble after it, the upstream
+	// socket's copy, the reused address's bytes with no key after them, or
+	// the socket whose install failed.
+	if s.PreOffloadBytes != 300+700 {
+		t.Errorf("pre-offload bytes = %d, want %d", s.PreOffloadBytes, 300+700)
+	}
+	if s.Top[0] != (count{"read", 4}) {
+		t.Errorf("top syscall = %+v, want read ×4", s.Top[0])
+	}
+	for _, c := range []struct {
+		sec, frac string
+		want      int64
+	}{{"1700000000", "000000400", 1700000000_000000400}, {"1700000000", "000001", 1700000000_000001000}, {"", "", 0}} {
+		if got := entryTime(c.sec, c.frac); got != c.want {
+			t.Errorf("entryTime(%q, %q) = %d, want %d", c.sec, c.frac, got, c.want)
+		}
 	}
 }
 
 // Read and WriteTo give the same stream, and payloadSum is its SHA-256,
-// across a block boundary.
+// across a block boundary; fillStream from any offset is that stream's
+// slice.
 func TestPayload(t *testing.T) {
-	n := int64(blockLen + 12345)
+	const pipeLen = writeChunk
+	n := int64(pipeLen + 12345)
 	var viaRead bytes.Buffer
-	if _, err := io.CopyBuffer(&viaRead, struct{ io.Reader }{newPayload(n)}, make([]byte, 7000)); err != nil {
+	if _, err := io.CopyBuffer(&viaRead, struct{ io.Reader }{newPayload(bulkSeed, n)}, make([]byte, 7001)); err != nil {
 		t.Fatal(err)
 	}
 	var viaWriteTo bytes.Buffer
-	if _, err := newPayload(n).WriteTo(&viaWriteTo); err != nil {
+	if _, err := newPayload(bulkSeed, n).WriteTo(&viaWriteTo); err != nil {
 		t.Fatal(err)
 	}
 	if int64(viaRead.Len()) != n || !bytes.Equal(viaRead.Bytes(), viaWriteTo.Bytes()) {
@@ -79,19 +107,55 @@ func TestPayload(t *testing.T) {
 	if sum := sha256.Sum256(viaRead.Bytes()); sum != payloadSum(n) {
 		t.Fatal("payloadSum differs from the SHA-256 of the stream")
 	}
-	if !bytes.Equal(viaRead.Bytes()[blockLen:blockLen+100], block[:100]) {
-		t.Fatal("the stream does not repeat the block")
+	for _, off := range []int64{0, 1, 7, 8, 9, pipeLen - 3, pipeLen + 5} {
+		for _, l := range []int64{0, 1, 5, 8, 13, 100} {
+			b := make([]byte, l)
+			fillStream(b, bulkSeed, off)
+			if want := viaRead.Bytes()[off : off+l]; !bytes.Equal(b, want) {
+				t.Errorf("fillStream(%d bytes at %d) = %x, want %x", l, off, b, want)
+			}
+		}
+	}
+}
+
+// No stretch of the stream recurs where a relay's mistake could put it: a
+// block later (the pipe's size), a record or a word later, or under another
+// tunnel's seed.
+func TestPayloadHasNoPeriod(t *testing.T) {
+	const pipeLen = 1 << 20
+	at := func(seed uint32, off int64) []byte {
+		b := make([]byte, 64)
+		fillStream(b, seed, off)
+		return b
+	}
+	for _, c := range []struct {
+		name         string
+		seedA, seedB uint32
+		offA, offB   int64
+	}{
+		{"a block later", bulkSeed, bulkSeed, 4096, pipeLen + 4096},
+		{"a record later", bulkSeed, bulkSeed, 0, 16 << 10},
+		{"a word later", bulkSeed, bulkSeed, 64, 72},
+		{"another seed", 1, 2, 4096, 4096},
+		{"the next seed, a word later", 1, 2, 4096, 4104},
+	} {
+		a, b := at(c.seedA, c.offA), at(c.seedB, c.offB)
+		for i := 0; i < len(a); i += 4 {
+			if bytes.Equal(a[i:i+4], b[i:i+4]) {
+				t.Errorf("%s: bytes %d-%d of seed %d at %d and of seed %d at %d are equal: %x", c.name, i, i+3, c.seedA, c.offA, c.seedB, c.offB, a[i:i+4])
+			}
+		}
 	}
 }
 
 func TestHeaderRoundTrip(t *testing.T) {
-	h := header{op: opSmall, req: 1024, resp: 4096, n: 1 << 40}
+	h := header{op: opSmall, req: 1024, resp: 4096, seed: 0xdeadbeef, n: 1 << 40}
 	got, err := readHeader(bytes.NewReader(h.marshal()))
 	if err != nil || got != h {
 		t.Fatalf("readHeader = %+v, %v; want %+v", got, err, h)
 	}
-	if _, err := readHeader(bytes.NewReader(header{op: opSmall, req: blockLen + 1}.marshal())); err == nil {
-		t.Fatal("readHeader accepted a request larger than the payload block")
+	if _, err := readHeader(bytes.NewReader(header{op: opSmall, req: maxCallLen + 1}.marshal())); err == nil {
+		t.Fatal("readHeader accepted a request above maxCallLen")
 	}
 }
 
@@ -170,8 +234,10 @@ func TestSmallCallRejectsWrongBytes(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	c.Write(header{op: opSmall, req: 4, resp: 8, n: 1}.marshal())
-	c.Write([]byte("nope"))
+	c.Write(header{op: opSmall, req: 4, resp: 8, seed: 3, n: 1}.marshal())
+	req, resp := make([]byte, 4), make([]byte, 8)
+	callBytes(req, resp, 4, 0) // another tunnel's request
+	c.Write(req)
 	if n, err := io.ReadFull(c, make([]byte, 8)); err == nil {
 		t.Fatalf("upstream answered %d bytes to a wrong request", n)
 	}
@@ -260,10 +326,177 @@ func TestOffloadLeavesOutGatewayKeys(t *testing.T) {
 		{"kernel contender beside a sealing gateway", forwarder, 10, 5, 5, false},
 		{"kernel contender whose TX stayed in userspace", forwarder, 5, 5, 5, true},
 	} {
-		r := &result{TLSStat: kerneltest.Stat{"TlsTxSw": tc.tx, "TlsRxSw": tc.rx}, GatewayTX: tc.gatewayTX}
+		r := &result{TLSStat: kerneltest.Stat{"TlsTxSw": tc.tx, "TlsRxSw": tc.rx}, GatewayTX: tc.gatewayTX, Tunnels: 5}
 		got := offloadOf(r, tc.c)
 		if (len(r.Errors) > 0) != tc.wantErr {
 			t.Errorf("%s: offload %q, errors %v; want an error: %v", tc.name, got, r.Errors, tc.wantErr)
+		}
+	}
+}
+
+// A kernel direction needs a key install for every tunnel of the cell: one
+// install does not vouch for hundreds of tunnels. A userspace direction
+// needs none.
+func TestKeyInstallsPerTunnel(t *testing.T) {
+	forwarder, _ := findContender("ktls")
+	rxOff, _ := findContender("ktls-rx-off")
+	for _, tc := range []struct {
+		name            string
+		c               contender
+		tx, rx, tunnels int64
+		wantErrs        int
+	}{
+		{"one install each way per tunnel", forwarder, 24, 24, 24, 0},
+		{"one install for a cell of 24 tunnels", forwarder, 1, 1, 24, 2},
+		{"RX keys on 23 of 24 tunnels", forwarder, 24, 23, 24, 1},
+		{"no tunnel, no install", forwarder, 0, 0, 0, 2},
+		{"rx off: TX per tunnel, no RX", rxOff, 24, 0, 24, 0},
+		{"rx off with RX keys", rxOff, 24, 1, 24, 1},
+	} {
+		errs := keyInstallErrors(tc.c, tc.tx, tc.rx, tc.tunnels)
+		if len(errs) != tc.wantErrs {
+			t.Errorf("%s: errors %q, want %d", tc.name, errs, tc.wantErrs)
+		}
+	}
+}
+
+// A zero-copy contender may move through userspace, after its key
+// installs, its preambles and a close_notify each way per TLS tunnel; one
+// payload byte more fails, whatever the handshakes took before.
+func TestZeroCopyAllowance(t *testing.T) {
+	const tunnels, frame = 8, 161
+	ok := structural{Bytes: 40960, Tunnels: tunnels, PreambleBytes: tunnels * frame, PreOffloadBytes: tunnels * 1067}
+	ok.UserspaceBytes = ok.PreOffloadBytes + ok.PreambleBytes + tunnels*alertBytesPerTunnel
+	if e := zeroCopyError(&ok, true); e != "" {
+		t.Errorf("preambles and alerts only: %s", e)
+	}
+	copied := ok
+	copied.UserspaceBytes++
+	if e := zeroCopyError(&copied, true); e == "" {
+		t.Error("one byte above the preambles and alerts passed")
+	}
+	relay := ok // every payload byte read and written in userspace
+	relay.UserspaceBytes += 2 * relay.Bytes
+	if e := zeroCopyError(&relay, true); e == "" {
+		t.Error("a copying relay passed")
+	} else {
+		t.Log(e)
+	}
+	plain := structural{Bytes: 1 << 20, Tunnels: 3}
+	if e := zeroCopyError(&plain, false); e != "" {
+		t.Errorf("plain splice without userspace bytes: %s", e)
+	}
+	plain.UserspaceBytes = 1
+	if e := zeroCopyError(&plain, false); e == "" {
+		t.Error("plain splice: a byte through userspace passed")
+	}
+}
+
+// relayThrough is a plain-TCP forwarder for the tests whose direction from
+// the gateway (toUpstream) or to it runs through pass, the other through
+// io.Copy; each source's EOF half-closes the other side.
+func relayThrough(t *testing.T, upstream string, toUpstream bool, pass func(dst io.Writer, src io.Reader)) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	copyOf := func(mangle bool) func(dst io.Writer, src io.Reader) {
+		if mangle {
+			return pass
+		}
+		return func(dst io.Writer, src io.Reader) { io.Copy(dst, src) }
+	}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			u, err := net.Dial("tcp", upstream)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			var wg sync.WaitGroup
+			for _, d := range []struct {
+				dst, src *net.TCPConn
+				f        func(io.Writer, io.Reader)
+			}{{u.(*net.TCPConn), c.(*net.TCPConn), copyOf(toUpstream)}, {c.(*net.TCPConn), u.(*net.TCPConn), copyOf(!toUpstream)}} {
+				wg.Go(func() {
+					d.f(d.dst, d.src)
+					d.dst.CloseWrite()
+				})
+			}
+			go func() { wg.Wait(); c.Close(); u.Close() }()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// The payload checks fail a forwarder that appends bytes, swaps or replays
+// a 1 MiB stretch (the pipe's size) in either direction, and pass one that
+// moves the exact bytes.
+func TestPayloadChecksCatchMangling(t *testing.T) {
+	up, err := startUpstream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer up.close()
+	const n, pipeLen = 3 << 20, 1 << 20
+	// twoBlocks rewrites the first two pipefuls of a direction's stream
+	// with f and passes the rest on as it is; skip leaves the header of an
+	// upload as it is.
+	twoBlocks := func(skip int, f func(b []byte)) func(io.Writer, io.Reader) {
+		return func(dst io.Writer, src io.Reader) {
+			b := make([]byte, skip+2*pipeLen)
+			n, _ := io.ReadFull(src, b)
+			if n == len(b) {
+				f(b[skip:])
+			}
+			dst.Write(b[:n])
+			io.Copy(dst, src)
+		}
+	}
+	swap := func(b []byte) {
+		tmp := slices.Clone(b[:pipeLen])
+		copy(b, b[pipeLen:2*pipeLen])
+		copy(b[pipeLen:], tmp)
+	}
+	replay := func(b []byte) { copy(b[pipeLen:], b[:pipeLen]) }
+	appendJunk := func(dst io.Writer, src io.Reader) {
+		io.Copy(dst, src)
+		dst.Write([]byte("junk"))
+	}
+	exact := func(dst io.Writer, src io.Reader) { io.Copy(dst, src) }
+	for _, tc := range []struct {
+		name       string
+		toUpstream bool
+		pass       func(io.Writer, io.Reader)
+		shape      string
+		wantErr    bool
+	}{
+		{"exact upload", true, exact, "upload", false},
+		{"exact download", false, exact, "download", false},
+		{"exact small calls", true, exact, "small-reuse", false},
+		{"upload with bytes appended", true, appendJunk, "upload", true},
+		{"upload with two blocks swapped", true, twoBlocks(headerLen, swap), "upload", true},
+		{"upload with a block replayed", true, twoBlocks(headerLen, replay), "upload", true},
+		{"download with bytes appended", false, appendJunk, "download", true},
+		{"download with two blocks swapped", false, twoBlocks(0, swap), "download", true},
+		{"download with a block replayed", false, twoBlocks(0, replay), "download", true},
+		{"small calls with bytes appended to the requests", true, appendJunk, "small-reuse", true},
+		{"small calls with bytes appended to the responses", false, appendJunk, "small-reuse", true},
+	} {
+		g := &gateway{dial: plainDialer(relayThrough(t, up.rawAddr(), tc.toUpstream, tc.pass))}
+		p := params{BulkBytes: n, SmallConns: 2, SmallCalls: 6, SmallReq: 1000, SmallResp: 5000}
+		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+		_, err := shapeFunc(g, tc.shape, p)(ctx, false)
+		cancel()
+		if (err != nil) != tc.wantErr {
+			t.Errorf("%s: error %v, want an error: %v", tc.name, err, tc.wantErr)
+		} else if err != nil {
+			t.Logf("%s: %v", tc.name, err)
 		}
 	}
 }

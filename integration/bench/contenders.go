@@ -22,6 +22,11 @@ type contender struct {
 	// checked against /proc/net/tls_stat (TlsTxSw/TlsRxSw count the sockets
 	// that installed a kernel key).
 	kernelTX, kernelRX bool
+	// zeroCopy: its forwarder moves no payload byte through userspace (it
+	// splices both ways): in the traced pass, the bytes it reads or writes
+	// on a socket after installing kernel keys there, or on one without
+	// any, are at most its preambles and TLS alerts (zeroCopyError).
+	zeroCopy bool
 	// command writes the contender's configuration into env.dir and returns
 	// the process to start; it must listen on env.listen.
 	command func(env *runEnv) (*exec.Cmd, error)
@@ -41,21 +46,32 @@ type runEnv struct {
 }
 
 var contenders = []contender{
-	{name: "ktls", dialKind: "preamble", kernelTX: true, kernelRX: true, command: caddySandbox(nil)},
+	{name: "ktls", dialKind: "preamble", kernelTX: true, kernelRX: true, zeroCopy: true, command: caddySandbox(nil)},
 	{name: "ktls-rx-off", dialKind: "preamble", kernelTX: true, command: caddySandbox(map[string]any{"disable_rx": true})},
 	{name: "ktls-off", dialKind: "preamble", command: caddySandbox(map[string]any{"disable_offload": true})},
 	{name: "l4-proxy", dialKind: "tls", command: caddyL4Proxy},
 	{name: "reverse-proxy", dialKind: "https", command: caddyReverseProxy},
 	{name: "haproxy", dialKind: "tls", command: haproxy},
 	{name: "nginx", dialKind: "tls", command: nginx},
-	{name: "floor-ktls", dialKind: "tls", kernelTX: true, kernelRX: true, command: floor("floor-ktls")},
-	{name: "floor-plain", dialKind: "plain", command: floor("floor-plain")},
+	{name: "floor-ktls", dialKind: "tls", kernelTX: true, kernelRX: true, zeroCopy: true, command: floor("floor-ktls")},
+	{name: "floor-plain", dialKind: "plain", zeroCopy: true, command: floor("floor-plain")},
 }
 
 func contenderNames() []string {
 	var names []string
 	for _, c := range contenders {
 		names = append(names, c.name)
+	}
+	return names
+}
+
+// zeroCopyNames are the contenders whose forwarder claims zero copy.
+func zeroCopyNames() []string {
+	var names []string
+	for _, c := range contenders {
+		if c.zeroCopy {
+			names = append(names, c.name)
+		}
 	}
 	return names
 }
@@ -168,7 +184,9 @@ func haproxy(env *runEnv) (*exec.Cmd, error) {
 	return exec.Command("haproxy", "-db", "-f", file), nil
 }
 
-// nginx stream proxy with ssl: one process (no master), not daemonized.
+// nginx stream proxy with ssl: one process (no master), not daemonized;
+// proxy_half_close, because the gateway ends its side of an upload and
+// reads the upstream's answer after.
 var nginxConfig = template.Must(template.New("nginx").Parse(`load_module /usr/lib/nginx/modules/ngx_stream_module.so;
 worker_processes 1;
 daemon off;
@@ -184,6 +202,7 @@ stream {
 		ssl_protocols TLSv1.3;
 		ssl_conf_command Ciphersuites TLS_AES_128_GCM_SHA256;
 		proxy_pass {{.Upstream}};
+		proxy_half_close on;
 	}
 }
 `))
@@ -235,6 +254,9 @@ func (c contender) gateway(env *runEnv) *gateway {
 		g.dial = plainDialer(env.listen)
 	default:
 		panic(fmt.Sprintf("contender %s: unknown dial kind %q", c.name, c.dialKind))
+	}
+	if g.dial != nil {
+		g.dial = g.counted(g.dial)
 	}
 	return g
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -38,6 +37,39 @@ type gateway struct {
 	// connections it offloaded: their keys show in tls_stat too.
 	kernelTX bool
 	sealed   atomic.Int64
+	// tunnels counts the tunnels dial opened; preambleBytes the preamble
+	// frames' bytes written on them.
+	tunnels       atomic.Int64
+	preambleBytes atomic.Int64
+}
+
+// counted makes dial count the tunnels it opens, each bounded by the
+// deadline of the context it was opened for: a contender that never ends a
+// stream fails the run instead of holding it.
+func (g *gateway) counted(dial func(context.Context) (net.Conn, error)) func(context.Context) (net.Conn, error) {
+	return func(ctx context.Context) (net.Conn, error) {
+		c, err := dial(ctx)
+		if err != nil {
+			return nil, err
+		}
+		g.tunnels.Add(1)
+		if d, ok := ctx.Deadline(); ok {
+			c.SetDeadline(d)
+		}
+		return c, nil
+	}
+}
+
+// countingConn counts the bytes written through it.
+type countingConn struct {
+	preamble.Conn
+	wrote int64
+}
+
+func (c *countingConn) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	c.wrote += int64(n)
+	return n, err
 }
 
 // pinnedSuite is the one cipher suite of every TLS contender: equal crypto
@@ -121,7 +153,9 @@ func (g *gateway) preambleDialer(addr string, signer *preamble.Signer, target ne
 		}
 		err = checkSuite(c.ConnectionState())
 		if err == nil {
-			err = preamble.Send(ctx, c, signer, preamble.Claims{SandboxID: "bench", Target: target})
+			cc := &countingConn{Conn: c}
+			err = preamble.Send(ctx, cc, signer, preamble.Claims{SandboxID: "bench", Target: target})
+			g.preambleBytes.Add(cc.wrote)
 		}
 		if err != nil {
 			c.Close()
@@ -138,20 +172,22 @@ type transfer struct {
 	latencies []time.Duration // one per small call
 }
 
+// upload sends n bytes and ends its side; the upstream answers the count
+// and SHA-256 of all it received up to that end, which must be the n bytes.
 func (g *gateway) upload(ctx context.Context, n int64) (transfer, error) {
-	want := payloadSum(n)
+	want := uploadReply{n: uint64(n), sum: payloadSum(n)}
 	if g.dial == nil {
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/upload", newPayload(n))
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/upload", newPayload(bulkSeed, n))
 		if err != nil {
 			return transfer{}, err
 		}
 		req.ContentLength = n
-		body, err := g.httpDo(g.transport(1, true), req, 64)
+		body, err := g.httpDo(g.transport(1, true), req, 128)
 		if err != nil {
 			return transfer{}, err
 		}
-		if string(body) != hex.EncodeToString(want[:]) {
-			return transfer{}, fmt.Errorf("upload: upstream saw SHA-256 %s, sent %x", body, want)
+		if w := fmt.Sprintf("%d %x", want.n, want.sum); string(body) != w {
+			return transfer{}, fmt.Errorf("upload: upstream received %q (bytes, SHA-256), sent %q", body, w)
 		}
 		return transfer{bytes: n}, nil
 	}
@@ -160,18 +196,24 @@ func (g *gateway) upload(ctx context.Context, n int64) (transfer, error) {
 		return transfer{}, err
 	}
 	defer c.Close()
-	if _, err := c.Write(header{op: opUpload, n: uint64(n)}.marshal()); err != nil {
+	if _, err := c.Write(header{op: opUpload, seed: bulkSeed, n: uint64(n)}.marshal()); err != nil {
 		return transfer{}, err
 	}
-	if _, err := newPayload(n).WriteTo(c); err != nil {
+	if _, err := newPayload(bulkSeed, n).WriteTo(c); err != nil {
 		return transfer{}, fmt.Errorf("upload: %w", err)
 	}
-	var got [32]byte
-	if _, err := io.ReadFull(c, got[:]); err != nil {
-		return transfer{}, fmt.Errorf("upload: reading the upstream's SHA-256: %w", err)
+	if err := closeWrite(c); err != nil {
+		return transfer{}, fmt.Errorf("upload: ending the upload: %w", err)
 	}
-	if got != want {
-		return transfer{}, fmt.Errorf("upload: upstream saw SHA-256 %x, sent %x", got, want)
+	b := make([]byte, uploadReplyLen)
+	if _, err := io.ReadFull(c, b); err != nil {
+		return transfer{}, fmt.Errorf("upload: reading the upstream's count and SHA-256: %w", err)
+	}
+	if got := parseUploadReply(b); got != want {
+		return transfer{}, fmt.Errorf("upload: upstream received %d bytes with SHA-256 %x, sent %d with %x", got.n, got.sum, want.n, want.sum)
+	}
+	if err := expectEOF(c); err != nil {
+		return transfer{}, fmt.Errorf("upload: after the upstream's answer: %w", err)
 	}
 	return transfer{bytes: n}, nil
 }
@@ -196,7 +238,7 @@ func (g *gateway) download(ctx context.Context, n int64) (transfer, error) {
 		if err != nil {
 			return transfer{}, err
 		}
-		if _, err := c.Write(header{op: opDownload, n: uint64(n)}.marshal()); err != nil {
+		if _, err := c.Write(header{op: opDownload, seed: bulkSeed, n: uint64(n)}.marshal()); err != nil {
 			c.Close()
 			return transfer{}, err
 		}
@@ -268,8 +310,9 @@ func (g *gateway) small(ctx context.Context, conns, calls, reqLen, respLen int, 
 	return out, nil
 }
 
-// rawCalls makes n calls on one new tunnel; the latency of the first includes
-// the dial, the handshake and (ktls) the preamble.
+// rawCalls makes n calls on one new tunnel with a stream of its own, then
+// ends its side and waits for the upstream's end; the latency of the first
+// call includes the dial, the handshake and (ktls) the preamble.
 func (g *gateway) rawCalls(ctx context.Context, n, reqLen, respLen int) ([]time.Duration, error) {
 	start := time.Now()
 	c, err := g.dial(ctx)
@@ -277,41 +320,54 @@ func (g *gateway) rawCalls(ctx context.Context, n, reqLen, respLen int) ([]time.
 		return nil, err
 	}
 	defer c.Close()
-	if _, err := c.Write(header{op: opSmall, req: uint32(reqLen), resp: uint32(respLen), n: uint64(n)}.marshal()); err != nil {
+	seed := nextSeed()
+	if _, err := c.Write(header{op: opSmall, req: uint32(reqLen), resp: uint32(respLen), seed: seed, n: uint64(n)}.marshal()); err != nil {
 		return nil, err
 	}
-	resp := make([]byte, respLen)
+	req, want, got := make([]byte, reqLen), make([]byte, respLen), make([]byte, respLen)
 	lat := make([]time.Duration, 0, n)
-	for range n {
-		if _, err := c.Write(block[:reqLen]); err != nil {
+	for i := range uint64(n) {
+		callBytes(req, want, seed, i)
+		if _, err := c.Write(req); err != nil {
 			return lat, err
 		}
-		if _, err := io.ReadFull(c, resp); err != nil {
-			return lat, fmt.Errorf("small call: %w", err)
+		if _, err := io.ReadFull(c, got); err != nil {
+			return lat, fmt.Errorf("small call %d: %w", i, err)
 		}
-		if !bytes.Equal(resp, block[:respLen]) {
-			return lat, errors.New("small call: response bytes differ from the payload")
+		if !bytes.Equal(got, want) {
+			return lat, fmt.Errorf("small call %d: response bytes differ from the payload", i)
 		}
 		lat = append(lat, time.Since(start))
 		start = time.Now()
 	}
+	if err := closeWrite(c); err != nil {
+		return lat, fmt.Errorf("small calls: ending the tunnel: %w", err)
+	}
+	if err := expectEOF(c); err != nil {
+		return lat, fmt.Errorf("small calls: after the last response: %w", err)
+	}
 	return lat, nil
 }
 
+// httpCalls makes n calls of one stream of its own.
 func (g *gateway) httpCalls(ctx context.Context, tr *http.Transport, n, reqLen, respLen int) ([]time.Duration, error) {
+	seed := nextSeed()
+	body, want := make([]byte, reqLen), make([]byte, respLen)
 	lat := make([]time.Duration, 0, n)
-	for range n {
+	for i := range uint64(n) {
 		start := time.Now()
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/call?resp="+strconv.Itoa(respLen), bytes.NewReader(block[:reqLen]))
+		callBytes(body, want, seed, i)
+		url := fmt.Sprintf("%s/call?seed=%d&i=%d&req=%d&resp=%d", g.base, seed, i, reqLen, respLen)
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 		if err != nil {
 			return lat, err
 		}
-		body, err := g.httpDo(tr, req, respLen)
+		got, err := g.httpDo(tr, req, respLen)
 		if err != nil {
 			return lat, err
 		}
-		if !bytes.Equal(body, block[:respLen]) {
-			return lat, errors.New("small call: response bytes differ from the payload")
+		if !bytes.Equal(got, want) {
+			return lat, fmt.Errorf("small call %d: %d response bytes that differ from the payload's %d", i, len(got), respLen)
 		}
 		lat = append(lat, time.Since(start))
 	}

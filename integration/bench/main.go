@@ -114,8 +114,11 @@ type result struct {
 	TLSStat      kerneltest.Stat `json:"tls_stat_delta,omitempty"`
 	// GatewayTX: of TLSStat's TX keys, those of the gateway's own sockets
 	// (-gateway-ktls).
-	GatewayTX int64    `json:"gateway_tx,omitempty"`
-	Errors    []string `json:"errors,omitempty"`
+	GatewayTX int64 `json:"gateway_tx,omitempty"`
+	// Tunnels: the tunnels the gateway opened over the cell (L4
+	// contenders); a kernel direction needs a key install for each.
+	Tunnels int64    `json:"tunnels,omitempty"`
+	Errors  []string `json:"errors,omitempty"`
 }
 
 var shapes = []string{"upload", "download", "small-reuse", "small-per-call"}
@@ -144,7 +147,7 @@ func runDriver(args []string) error {
 	timeout := fs.Duration("run-timeout", 30*time.Minute, "bound on one run of one shape")
 	fs.Parse(args)
 	if p.Repetitions < 1 || p.SmallConns < 1 || p.BulkBytes < 1 || p.SmallReq < 1 || p.SmallResp < 1 ||
-		p.SmallReq > blockLen || p.SmallResp > blockLen {
+		p.SmallReq > maxCallLen || p.SmallResp > maxCallLen {
 		return errors.New("sizes must be positive (small sizes at most 1 MiB)")
 	}
 	shapeNames := strings.Split(*shapeList, ",")
@@ -267,7 +270,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 		r := &result{Contender: c.name, Shape: shape}
 		results = append(results, r)
 		stat0, statErr := kerneltest.ReadStat()
-		sealed0 := g.sealed.Load()
+		sealed0, tunnels0 := g.sealed.Load(), g.tunnels.Load()
 		do := shapeFunc(g, shape, p)
 		for i := range p.Repetitions {
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
@@ -280,6 +283,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			untraced, untracedErr := countSyscalls(cmd.Process.Pid, do, timeout)
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
 			var tr transfer
+			traced0, preamble0 := g.tunnels.Load(), g.preambleBytes.Load()
 			s, err := traceSyscalls(cmd.Process.Pid, filepath.Join(env.dir, "strace."+c.name+"."+shape), func() (err error) {
 				tr, err = do(ctx, true)
 				return err
@@ -289,6 +293,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 				r.Errors = append(r.Errors, "structural pass: "+err.Error())
 			} else {
 				s.Bytes, s.Calls = tr.bytes, tr.calls
+				s.Tunnels, s.PreambleBytes = g.tunnels.Load()-traced0, g.preambleBytes.Load()-preamble0
 				s.SyscallsPerGiB = round(float64(s.Syscalls)*gib/float64(tr.bytes), 0)
 				s.UserspaceBytesPerGiB = round(float64(s.UserspaceBytes)*gib/float64(tr.bytes), 0)
 				s.DataSyscallsPerGiB = round(float64(s.DataSyscalls)*gib/float64(tr.bytes), 0)
@@ -309,8 +314,8 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 					}
 				}
 				r.Structural = &s
-				log.Printf("   %s traced: %d syscalls, %d userspace bytes for %d bytes; untraced: %d syscalls for %d bytes %v",
-					shape, s.Syscalls, s.UserspaceBytes, s.Bytes, untraced.syscalls, untraced.bytes, untraced.top)
+				log.Printf("   %s traced: %d syscalls, %d userspace bytes (%d before key installs) for %d bytes over %d tunnels (%d preamble bytes); untraced: %d syscalls for %d bytes %v",
+					shape, s.Syscalls, s.UserspaceBytes, s.PreOffloadBytes, s.Bytes, s.Tunnels, s.PreambleBytes, untraced.syscalls, untraced.bytes, untraced.top)
 			}
 		}
 		if statErr == nil {
@@ -318,6 +323,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			r.TLSStat = stat1.Sub(stat0)
 			r.GatewayTX = g.sealed.Load() - sealed0
 		}
+		r.Tunnels = g.tunnels.Load() - tunnels0
 		summarize(r, c)
 		for _, e := range r.Errors {
 			log.Printf("FAIL %s %s: %s", c.name, shape, e)
@@ -409,6 +415,34 @@ func summarize(r *result, c contender) {
 		r.P50us, r.P99us = spreadOf(p50).Median, spreadOf(p99).Median
 	}
 	r.Offload = offloadOf(r, c)
+	if c.zeroCopy && r.Structural != nil {
+		if e := zeroCopyError(r.Structural, c.dialKind != "plain"); e != "" {
+			r.Errors = append(r.Errors, e)
+		}
+	}
+}
+
+// alertBytesPerTunnel is what a TLS tunnel's forwarder moves through
+// userspace after its key install besides the preamble: a close_notify each
+// way (2 bytes each), which kernel TLS hands over out of band (recvmsg and
+// sendmsg with the record type).
+const alertBytesPerTunnel = 2 * 2
+
+// zeroCopyError checks a zero-copy contender's traced pass: after the
+// handshakes, the only bytes its forwarder may move through userspace are
+// the preambles' and the alerts'; a payload byte there is a copy.
+func zeroCopyError(s *structural, tls bool) string {
+	var alerts int64
+	if tls {
+		alerts = alertBytesPerTunnel
+	}
+	allowed := s.PreambleBytes + s.Tunnels*alerts
+	moved := s.UserspaceBytes - s.PreOffloadBytes
+	if moved <= allowed {
+		return ""
+	}
+	return fmt.Sprintf("zero copy: %d bytes through the forwarder's userspace after the key installs (%d in all, %d before them) while it moved %d payload bytes, want at most %d (%d preamble bytes + %d tunnels × %d alert bytes)",
+		moved, s.UserspaceBytes, s.PreOffloadBytes, s.Bytes, allowed, s.PreambleBytes, s.Tunnels, alerts)
 }
 
 // offloadOf says which data path the kernel's counters show and records a
@@ -426,11 +460,29 @@ func offloadOf(r *result, c contender) string {
 			r.Errors = append(r.Errors, fmt.Sprintf("tls_stat %s +%d", k, v))
 		}
 	}
-	if (tx > 0) != c.kernelTX || (rx > 0) != c.kernelRX {
-		r.Errors = append(r.Errors, fmt.Sprintf("data path: tls_stat TX +%d RX +%d, want kernel TX %v RX %v", tx, rx, c.kernelTX, c.kernelRX))
-	}
+	r.Errors = append(r.Errors, keyInstallErrors(c, tx, rx, r.Tunnels)...)
 	where := map[bool]string{true: "kernel", false: "userspace"}
 	return fmt.Sprintf("TX %s, RX %s (tls_stat TlsTxSw %+d, TlsRxSw %+d over the cell's connections)", where[tx > 0], where[rx > 0], tx, rx)
+}
+
+// keyInstallErrors checks a cell's kernel key installs (tls_stat, the
+// gateway's own left out) against the contender's claim: in a kernel
+// direction one per tunnel at least, in a userspace direction none.
+func keyInstallErrors(c contender, tx, rx, tunnels int64) []string {
+	var errs []string
+	for _, d := range []struct {
+		name     string
+		installs int64
+		kernel   bool
+	}{{"TX", tx, c.kernelTX}, {"RX", rx, c.kernelRX}} {
+		switch {
+		case d.kernel && (d.installs < tunnels || d.installs == 0):
+			errs = append(errs, fmt.Sprintf("data path: tls_stat %s +%d key installs for %d tunnels, want one per tunnel (kernel %s)", d.name, d.installs, tunnels, d.name))
+		case !d.kernel && d.installs != 0:
+			errs = append(errs, fmt.Sprintf("data path: tls_stat %s +%d key installs, want none (%s in userspace)", d.name, d.installs, d.name))
+		}
+	}
+	return errs
 }
 
 func notes(mode string, gatewayKTLS bool) []string {
@@ -440,7 +492,9 @@ func notes(mode string, gatewayKTLS bool) []string {
 		"structural: two separate passes at params.structural_bytes / structural_calls: one with strace attached to the forwarder (see structural.source; syscalls_per_gib, data_syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB; tracing slows the forwarder, so only counts come from it), and one untraced, with the forwarder's syscalls counted in the kernel (structural.untraced_source; untraced_syscalls_per_gib and untraced_syscalls_per_call, or untraced_error where the kernel offers no counter).",
 		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs); small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption). calls_per_cpu_s = calls / forwarder cpu_s.",
 		"Every contender terminates TLS 1.3 with TLS_AES_128_GCM_SHA256 and X25519 (checked on every connection) with the same ECDSA P-256 certificate, without client authentication; floor-plain speaks plain TCP. ktls* contenders also verify a signed, channel-bound preamble per connection.",
-		"offload: TX/RX placement from /proc/net/tls_stat deltas over the cell (TlsTxSw/TlsRxSw count sockets that installed a kernel key); a contender on the wrong path fails the run.",
+		"offload: TX/RX placement from /proc/net/tls_stat deltas over the cell (TlsTxSw/TlsRxSw count sockets that installed a kernel key); a contender on the wrong path fails the run, and so does a kernel direction with fewer key installs than the cell's tunnels.",
+		"zero copy: " + strings.Join(zeroCopyNames(), ", ") + " splice both ways, so in their traced pass the bytes their forwarder moves through userspace after its key installs (structural.userspace_bytes minus pre_offload_bytes, the handshakes) must be at most the preambles' (preamble_bytes) and a 2-byte close_notify each way per TLS tunnel; more fails the cell.",
+		"payload: a stream without a period (splitmix64; small calls with a seed per tunnel), so a replayed, swapped or misplaced stretch, or another tunnel's bytes, fail; every reader reads to the end of its stream, and an upload's upstream answers the count and SHA-256 of all it received, so an appended byte fails too.",
 	}
 	if gatewayKTLS {
 		n = append(n, "gateway_ktls: the gateway seals its records in its own kernel (kTLS TX; RX stays in crypto/tls), so one write of a MiB hands its kernel 64 records at once, where crypto/tls writes each record on its own; a receiver then finds several records per wake-up. The gateway's own TX keys (gateway_tx) are left out of the offload check.")

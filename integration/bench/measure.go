@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -90,6 +91,14 @@ type structural struct {
 	SyscallsPerCall      float64 `json:"syscalls_per_call,omitempty"`
 	Top                  []count `json:"top_syscalls"`
 	Source               string  `json:"source"`
+	// PreOffloadBytes: of UserspaceBytes, those on a connection before the
+	// forwarder installed kernel TLS keys on it (the handshake, which runs
+	// in userspace everywhere).
+	PreOffloadBytes int64 `json:"pre_offload_bytes"`
+	// Tunnels: the tunnels the gateway opened during the pass (L4
+	// contenders); PreambleBytes: the preamble frames' bytes it wrote.
+	Tunnels       int64 `json:"tunnels,omitempty"`
+	PreambleBytes int64 `json:"preamble_bytes,omitempty"`
 	// The untraced run of the same size: the goal's syscall count.
 	UntracedSyscalls        int64   `json:"untraced_syscalls,omitempty"`
 	UntracedSyscallsPerGiB  float64 `json:"untraced_syscalls_per_gib,omitempty"`
@@ -104,7 +113,7 @@ type count struct {
 	Count int64  `json:"count"`
 }
 
-const straceSource = "strace -f -ff -yy -s 0 -e signal=none -p <forwarder pid>, attached for this pass only: syscalls = every syscall entered by any forwarder thread; data syscalls = those that move payload (read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets, and every splice/sendfile); userspace bytes = sum of positive returns of read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets"
+const straceSource = "strace -f -ff -yy -s 0 --absolute-timestamps=format:unix,precision:ns -e signal=none -p <forwarder pid>, attached for this pass only: syscalls = every syscall entered by any forwarder thread; data syscalls = those that move payload (read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets, and every splice/sendfile); userspace bytes = sum of positive returns of read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets; pre_offload_bytes = those of them on a connection before its first successful setsockopt(SOL_TLS) (kernel TLS key install)"
 
 // userspaceIO are the calls whose return value counts bytes copied between
 // a socket and a userspace buffer (splice and sendfile move none).
@@ -117,14 +126,62 @@ var userspaceIO = map[string]bool{
 var kernelIO = map[string]bool{"splice": true, "sendfile": true}
 
 // straceCall matches the start of a syscall line of strace -ff -yy output:
+// the entry time (--absolute-timestamps=format:unix,precision:ns; optional),
 // the name and the first argument (with its fd decoration). A line cut by
 // the detach ("<detached ...>") has no return value but was entered too.
-var straceCall = regexp.MustCompile(`^([a-z_0-9]+)\(([^,)]*)`)
+var straceCall = regexp.MustCompile(`^(?:(\d+)\.(\d+) )?([a-z_0-9]+)\(([^,)]*)`)
+
+// sockEvent is what one traced syscall did to a connection: moved n bytes
+// through userspace, installed a kernel TLS key, or closed the socket.
+type sockEvent struct {
+	at   int64 // entry time, ns since the epoch
+	kind byte  // 'n' bytes, 'k' key install, 'c' close
+	n    int64
+}
+
+// preOffload sums, over every connection, the userspace bytes moved on it
+// before a kernel TLS key install that came before its close. A connection
+// is its -yy decoration (protocol and both addresses), which a later
+// connection may reuse once the first is closed.
+func preOffload(events map[string][]sockEvent) int64 {
+	var total int64
+	for _, evs := range events {
+		slices.SortStableFunc(evs, func(a, b sockEvent) int { return cmp.Compare(a.at, b.at) })
+		var pending int64 // bytes since the open, no key yet
+		keyed := false
+		for _, e := range evs {
+			switch e.kind {
+			case 'n':
+				if !keyed {
+					pending += e.n
+				}
+			case 'k':
+				if !keyed {
+					total += pending
+				}
+				pending, keyed = 0, true
+			case 'c':
+				pending, keyed = 0, false
+			}
+		}
+	}
+	return total
+}
+
+// entryTime is a strace timestamp, seconds and their decimal fraction, in
+// ns since the epoch (0 without one).
+func entryTime(sec, frac string) int64 {
+	s, _ := strconv.ParseInt(sec, 10, 64)
+	frac = (frac + "000000000")[:9]
+	ns, _ := strconv.ParseInt(frac, 10, 64)
+	return s*1e9 + ns
+}
 
 // traceSyscalls attaches strace to every thread of pid, runs fn, detaches and
 // counts what the forwarder did meanwhile.
 func traceSyscalls(pid int, prefix string, fn func() error) (structural, error) {
-	cmd := exec.Command("strace", "-f", "-ff", "-yy", "-s", "0", "-e", "signal=none", "-o", prefix, "-p", strconv.Itoa(pid))
+	cmd := exec.Command("strace", "-f", "-ff", "-yy", "-s", "0", "--absolute-timestamps=format:unix,precision:ns",
+		"-e", "signal=none", "-o", prefix, "-p", strconv.Itoa(pid))
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -176,6 +233,7 @@ func parseStrace(prefix string) (structural, error) {
 	}
 	var s structural
 	counts := map[string]int64{}
+	events := map[string][]sockEvent{}
 	for _, name := range files {
 		f, err := os.Open(name)
 		if err != nil {
@@ -189,18 +247,28 @@ func parseStrace(prefix string) (structural, error) {
 			if m == nil {
 				continue // "+++ exited", "--- SIG", "[ Process ... ]"
 			}
-			counts[m[1]]++
-			onSocket := strings.Contains(m[2], "<TCP") || strings.Contains(m[2], "<socket:")
-			if kernelIO[m[1]] || userspaceIO[m[1]] && onSocket {
+			at, call, arg := entryTime(m[1], m[2]), m[3], m[4]
+			counts[call]++
+			onSocket := strings.Contains(arg, "<TCP") || strings.Contains(arg, "<socket:")
+			if kernelIO[call] || userspaceIO[call] && onSocket {
 				s.DataSyscalls++
 			}
+			conn := arg[strings.IndexByte(arg, '<')+1:] // the decoration, when onSocket
 			i := strings.LastIndex(line, ") = ")
-			if i < 0 || !userspaceIO[m[1]] || !onSocket {
+			if i < 0 || !onSocket {
 				continue
 			}
 			ret, _, _ := strings.Cut(line[i+len(") = "):], " ")
-			if n, err := strconv.ParseInt(ret, 10, 64); err == nil && n > 0 {
+			n, err := strconv.ParseInt(ret, 10, 64)
+			switch {
+			case err != nil:
+			case userspaceIO[call] && n > 0:
 				s.UserspaceBytes += n
+				events[conn] = append(events[conn], sockEvent{at, 'n', n})
+			case call == "setsockopt" && n == 0 && strings.HasPrefix(line[len(m[0]):], ", SOL_TLS,"):
+				events[conn] = append(events[conn], sockEvent{at, 'k', 0})
+			case call == "close":
+				events[conn] = append(events[conn], sockEvent{at, 'c', 0})
 			}
 		}
 		f.Close()
@@ -208,6 +276,7 @@ func parseStrace(prefix string) (structural, error) {
 			return s, err
 		}
 	}
+	s.PreOffloadBytes = preOffload(events)
 	for name, n := range counts {
 		s.Syscalls += n
 		s.Top = append(s.Top, count{name, n})

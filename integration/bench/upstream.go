@@ -3,7 +3,7 @@ package main
 import (
 	"bytes"
 	"crypto/sha256"
-	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"log"
@@ -78,40 +78,55 @@ func serveRaw(c net.Conn) error {
 	}
 	switch h.op {
 	case opUpload:
+		// Everything up to EOF counts: the gateway compares the count with
+		// what it sent, so a byte appended after its n fails.
 		sum := sha256.New()
-		if _, err := io.CopyBuffer(sum, io.LimitReader(c, int64(h.n)), make([]byte, 256<<10)); err != nil {
-			return fmt.Errorf("upload: %w", err)
+		got, err := io.CopyBuffer(sum, c, make([]byte, 256<<10))
+		if err != nil {
+			return fmt.Errorf("upload: %w after %d bytes", err, got)
 		}
-		_, err = c.Write(sum.Sum(nil))
+		reply := uploadReply{n: uint64(got)}
+		sum.Sum(reply.sum[:0])
+		_, err = c.Write(reply.marshal())
 		return err
 	case opDownload:
-		_, err := newPayload(int64(h.n)).WriteTo(c)
+		_, err := newPayload(h.seed, int64(h.n)).WriteTo(c)
 		return err
 	case opSmall:
-		req := make([]byte, h.req)
-		for range h.n {
-			if _, err := io.ReadFull(c, req); err != nil {
-				return fmt.Errorf("small call: %w", err)
+		got, req, resp := make([]byte, h.req), make([]byte, h.req), make([]byte, h.resp)
+		for i := range h.n {
+			if _, err := io.ReadFull(c, got); err != nil {
+				return fmt.Errorf("small call %d: %w", i, err)
 			}
-			if !bytes.Equal(req, block[:h.req]) {
-				return fmt.Errorf("small call: request bytes differ from the payload")
+			callBytes(req, resp, h.seed, i)
+			if !bytes.Equal(got, req) {
+				return fmt.Errorf("small call %d: request bytes differ from the payload", i)
 			}
-			if _, err := c.Write(block[:h.resp]); err != nil {
+			if _, err := c.Write(resp); err != nil {
 				return err
 			}
 		}
-		return nil
+		// The gateway half-closes after its last call: a byte before EOF is
+		// not its, and the answer tells it so.
+		extra, err := io.Copy(io.Discard, c)
+		if extra > 0 {
+			fmt.Fprintf(c, "upstream: %d bytes after the last call", extra)
+			return fmt.Errorf("small calls: %d bytes after the last call, want EOF", extra)
+		}
+		return err
 	}
 	return fmt.Errorf("unknown op %q", h.op)
 }
 
+// serveUpload answers the body's length and SHA-256, "<bytes> <hex>".
 func serveUpload(w http.ResponseWriter, r *http.Request) {
 	sum := sha256.New()
-	if _, err := io.CopyBuffer(sum, r.Body, make([]byte, 256<<10)); err != nil {
+	n, err := io.CopyBuffer(sum, r.Body, make([]byte, 256<<10))
+	if err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
-	io.WriteString(w, hex.EncodeToString(sum.Sum(nil)))
+	fmt.Fprintf(w, "%d %x", n, sum.Sum(nil))
 }
 
 func serveDownload(w http.ResponseWriter, r *http.Request) {
@@ -121,20 +136,32 @@ func serveDownload(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.Header().Set("Content-Length", strconv.FormatInt(n, 10))
-	newPayload(n).WriteTo(w)
+	newPayload(bulkSeed, n).WriteTo(w)
 }
 
+// serveCall answers call i of stream seed with sizes req and resp (query
+// seed, i, req, resp): the body must be the call's request.
 func serveCall(w http.ResponseWriter, r *http.Request) {
-	resp, err := strconv.Atoi(r.URL.Query().Get("resp"))
-	if err != nil || resp < 0 || resp > blockLen {
-		http.Error(w, "bad resp", http.StatusBadRequest)
+	q := r.URL.Query()
+	reqLen, err1 := strconv.Atoi(q.Get("req"))
+	resp, err2 := strconv.Atoi(q.Get("resp"))
+	seed, err3 := strconv.ParseUint(q.Get("seed"), 10, 32)
+	i, err4 := strconv.ParseUint(q.Get("i"), 10, 64)
+	if err := errors.Join(err1, err2, err3, err4); err != nil || reqLen < 0 || reqLen > maxCallLen || resp < 0 || resp > maxCallLen {
+		http.Error(w, fmt.Sprintf("query %q: want seed, i, and req and resp in [0, %d]", r.URL.RawQuery, maxCallLen), http.StatusBadRequest)
 		return
 	}
-	req, err := io.ReadAll(io.LimitReader(r.Body, blockLen+1))
-	if err != nil || !bytes.Equal(req, block[:len(req)]) {
-		http.Error(w, "request bytes differ from the payload", http.StatusBadRequest)
+	got, err := io.ReadAll(io.LimitReader(r.Body, maxCallLen+1))
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	req, out := make([]byte, reqLen), make([]byte, resp)
+	callBytes(req, out, uint32(seed), i)
+	if !bytes.Equal(got, req) {
+		http.Error(w, fmt.Sprintf("request: %d bytes that differ from call %d's %d", len(got), i, reqLen), http.StatusBadRequest)
 		return
 	}
 	w.Header().Set("Content-Length", strconv.Itoa(resp))
-	w.Write(block[:resp])
+	w.Write(out)
 }

@@ -137,6 +137,19 @@ func (f *claimFlags) signerAndClaims(keyFlag string) (*preamble.Signer, preamble
 	return signer, preamble.Claims{SandboxID: f.sandbox, Target: target, IssuedAt: now, ExpiresAt: now.Add(f.ttl)}, nil
 }
 
+// warnTTL tells the operator, on w, when --ttl is longer than a forwarder
+// with default settings accepts: such a preamble is signed all the same,
+// and rejected as ttl-too-long by every forwarder whose max_preamble_ttl
+// was not raised to cover it.
+func (f *claimFlags) warnTTL(w io.Writer) {
+	if f.ttl <= preamble.DefaultMaxTTL {
+		return
+	}
+	fmt.Fprintf(w, "warning: --ttl %v is longer than the %v a forwarder accepts by default (max_preamble_ttl); "+
+		"a forwarder rejects this preamble as %s unless its max_preamble_ttl is at least %v\n",
+		f.ttl, preamble.DefaultMaxTTL, preamble.ReasonTTLTooLong, f.ttl.Truncate(time.Second))
+}
+
 func signCommand() *cobra.Command {
 	var (
 		cf              claimFlags
@@ -150,7 +163,9 @@ func signCommand() *cobra.Command {
 Signs a preamble for --sandbox and --target, valid from now for --ttl, and
 writes it as one line of hex (default) or as raw bytes to --out ("-" =
 stdout). --binding is the 32-byte TLS 1.3 exporter of the session that will
-carry it, in hex; without it the preamble is unbound.
+carry it, in hex; without it the preamble is unbound. A --ttl longer than a
+forwarder accepts by default (` + preamble.DefaultMaxTTL.String() + `; its max_preamble_ttl option raises
+that) is signed with a warning on stderr.
 `,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -158,6 +173,7 @@ carry it, in hex; without it the preamble is unbound.
 			if err != nil {
 				return err
 			}
+			cf.warnTTL(cmd.ErrOrStderr())
 			if binding != "" {
 				if claims.Binding, err = hex.DecodeString(binding); err != nil {
 					return fmt.Errorf("--binding: %v", err)
@@ -332,6 +348,7 @@ its log and metrics carry the reason.
 			if err != nil {
 				return err
 			}
+			cf.warnTTL(cmd.ErrOrStderr())
 			cert, err := tls.LoadX509KeyPair(certFile, keyFile)
 			if err != nil {
 				return fmt.Errorf("client certificate: %w", err)

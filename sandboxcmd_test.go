@@ -43,6 +43,67 @@ func runSandbox(t *testing.T, stdin io.Reader, args ...string) (string, error) {
 	return out.String(), err
 }
 
+// runSandboxStderr is runSandbox that also returns what the command wrote
+// to stderr.
+func runSandboxStderr(t *testing.T, stdin io.Reader, args ...string) (string, string, error) {
+	t.Helper()
+	root := &cobra.Command{Use: "sandbox", SilenceUsage: true, SilenceErrors: true}
+	root.AddCommand(sandboxSubcommands()...)
+	var out, errOut bytes.Buffer
+	root.SetIn(stdin)
+	root.SetOut(&out)
+	root.SetErr(&errOut)
+	root.SetArgs(args)
+	err := root.Execute()
+	return out.String(), errOut.String(), err
+}
+
+// TestSandboxKeygenSignLongTTL: "sign --ttl" beyond what a default
+// forwarder accepts still signs, and warns on stderr naming the default
+// maximum and the forwarder option that raises it; a TTL within it signs
+// without a word on stderr.
+func TestSandboxKeygenSignLongTTL(t *testing.T) {
+	dir := t.TempDir()
+	key := filepath.Join(dir, "gw.key")
+	pubPEM, err := runSandbox(t, nil, "keygen", "--key-out", key, "--key-id", "gw-ttl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyring := filepath.Join(dir, "keyring.pem")
+	if err := os.WriteFile(keyring, []byte(pubPEM), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sign := func(ttl string) (string, string) {
+		t.Helper()
+		frame, stderr, err := runSandboxStderr(t, nil, "sign", "--key", key, "--key-id", "gw-ttl",
+			"--sandbox", "sbx-ttl", "--target", "10.1.2.3:80", "--ttl", ttl)
+		if err != nil {
+			t.Fatalf("--ttl %s: %v (stderr %q)", ttl, err, stderr)
+		}
+		return frame, stderr
+	}
+	frame, stderr := sign("10m")
+	for _, want := range []string{"warning", "10m0s", preamble.DefaultMaxTTL.String(), "max_preamble_ttl", "ttl-too-long"} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("stderr %q does not name %q", stderr, want)
+		}
+	}
+	// Signed all the same: a default verifier rejects it for its TTL only,
+	// one whose max TTL covers it accepts it.
+	_, err = runSandbox(t, strings.NewReader(frame), "verify", "--keyring", keyring)
+	if preamble.ReasonOf(err) != string(preamble.ReasonTTLTooLong) {
+		t.Fatalf("default verify of a 10m preamble: %v", err)
+	}
+	if _, err := runSandbox(t, strings.NewReader(frame), "verify", "--keyring", keyring, "--max-ttl", "10m"); err != nil {
+		t.Fatalf("verify --max-ttl 10m: %v", err)
+	}
+	for _, ttl := range []string{"30s", preamble.DefaultMaxTTL.String()} {
+		if _, stderr := sign(ttl); stderr != "" {
+			t.Errorf("--ttl %s: stderr %q, want nothing", ttl, stderr)
+		}
+	}
+}
+
 func TestSandboxCommandRegistered(t *testing.T) {
 	if _, ok := caddycmd.Commands()["sandbox"]; !ok {
 		t.Fatal(`"sandbox" is not registered with caddycmd`)

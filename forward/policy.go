@@ -21,6 +21,15 @@ import (
 // allowed prefix that lies entirely inside the refused range (or equals the
 // interface address): "127.0.0.0/8" or "127.0.0.1/32" open loopback for a
 // demo, while "0.0.0.0/0" or "::/0" never do.
+//
+// An address in a NAT64 prefix, the well-known 64:ff9b::/96 (RFC 6052) or
+// the local-use 64:ff9b:1::/48 (RFC 8215), reaches the IPv4 address it
+// embeds through a translator, so it is also judged by that IPv4 address
+// against the refused ranges, exactly as the IPv4 address itself is:
+// 64:ff9b::a9fe:a9fe is refused as 169.254.169.254 is, even when an allowed
+// prefix such as 64:ff9b::/96 contains it, and only an allowed IPv4 prefix
+// inside the refused range opens it. (The allowed prefixes apply to the
+// address as written: allowing 64:ff9b::/96 allows what NAT64 reaches.)
 type TargetPolicy struct {
 	allow []netip.Prefix
 	ports []portRange
@@ -142,12 +151,83 @@ func (p *TargetPolicy) Check(target netip.AddrPort) error {
 	if len(p.allow) > 0 && !p.inAllow(addr, netip.Prefix{}) {
 		return fmt.Errorf("%w: %s is not in the allowed prefixes", ErrTargetDenied, addr)
 	}
-	for i, r := range p.refused {
-		if r.Contains(addr) && !p.inAllow(addr, r) {
-			return fmt.Errorf("%w: %s is %s, refused unless an allowed prefix inside %s names it", ErrTargetDenied, addr, p.refusedNames[i], r)
+	if i, ok := p.refusedRange(addr); ok {
+		return fmt.Errorf("%w: %s is %s, refused unless an allowed prefix inside %s names it", ErrTargetDenied, addr, p.refusedNames[i], p.refused[i])
+	}
+	for _, v4 := range nat64Embedded(addr) {
+		if i, ok := p.refusedRange(v4); ok {
+			return fmt.Errorf("%w: %s is NAT64 for %s, which is %s, refused unless an allowed prefix inside %s names it",
+				ErrTargetDenied, addr, v4, p.refusedNames[i], p.refused[i])
 		}
 	}
 	return nil
+}
+
+// refusedRange returns the index of a default-refused range that holds addr
+// and that no allowed prefix inside it opens.
+func (p *TargetPolicy) refusedRange(addr netip.Addr) (int, bool) {
+	for i, r := range p.refused {
+		if r.Contains(addr) && !p.inAllow(addr, r) {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
+// The NAT64 prefixes whose addresses stand for IPv4 addresses.
+var (
+	nat64WellKnown = netip.MustParsePrefix("64:ff9b::/96")   // RFC 6052: IPv4 in the last 32 bits
+	nat64LocalUse  = netip.MustParsePrefix("64:ff9b:1::/48") // RFC 8215: the operator's prefix, /48 to /96, lies inside
+)
+
+// nat64Embedded returns the IPv4 addresses that addr, in a NAT64 prefix,
+// may translate to; nil outside them. For 64:ff9b::/96 that is its last 32
+// bits. Inside 64:ff9b:1::/48 the translator's prefix length is the
+// operator's choice (48, 56, 64 or 96, RFC 6052 §2.2), which the forwarder
+// cannot know, so it returns the /96 reading (the last 32 bits) first and
+// then the IPv4 address of every other layout addr is well-formed for (bits
+// 64-71 and the suffix after the IPv4 address zero); the address is refused
+// if any of them is. A well-formed /48 or /56 address has a /96 reading of
+// 0.0.0.0, which is refused: inside 64:ff9b:1::/48 use /96 (or /64)
+// translation prefixes.
+func nat64Embedded(addr netip.Addr) []netip.Addr {
+	switch {
+	case nat64WellKnown.Contains(addr):
+		b := addr.As16()
+		return []netip.Addr{netip.AddrFrom4([4]byte(b[12:16]))}
+	case !nat64LocalUse.Contains(addr):
+		return nil
+	}
+	b := addr.As16()
+	out := []netip.Addr{netip.AddrFrom4([4]byte(b[12:16]))}
+	if b[8] != 0 {
+		return out
+	}
+	// RFC 6052 layouts: the IPv4 bytes skip byte 8 (bits 64-71); bytes
+	// after the IPv4 address are the suffix.
+	for _, layout := range []struct {
+		v4         [4]int
+		suffixFrom int
+	}{
+		{[4]int{6, 7, 9, 10}, 11},   // /48
+		{[4]int{7, 9, 10, 11}, 12},  // /56
+		{[4]int{9, 10, 11, 12}, 13}, // /64
+	} {
+		if !allZero(b[layout.suffixFrom:]) {
+			continue
+		}
+		out = append(out, netip.AddrFrom4([4]byte{b[layout.v4[0]], b[layout.v4[1]], b[layout.v4[2]], b[layout.v4[3]]}))
+	}
+	return out
+}
+
+func allZero(b []byte) bool {
+	for _, x := range b {
+		if x != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 func (p *TargetPolicy) portAllowed(port uint16) bool {

@@ -10,9 +10,10 @@ import (
 // state: bound frames with fresh nonces, signed before use and verified at
 // the instant they were issued, with a clock that advances rate frames per
 // second. The verifier's replay cache is sized by the rule of
-// docs/preamble.md §6 for that rate (rate × (MaxTTL + 2 × MaxSkew)), so its
-// expiry buckets fill, expire and get recycled as in production instead of
-// one bucket growing for ever.
+// docs/preamble.md §6 for that rate (rate × (W + W/14 + 1 s), W = MaxTTL +
+// 2 × MaxSkew: how long a nonce is held), so its acceptance-time buckets
+// fill, expire and get recycled as in production instead of one bucket
+// growing for ever.
 type steadyStream struct {
 	v      *Verifier
 	frames [][]byte
@@ -40,7 +41,7 @@ func newSteadyStream(tb testing.TB, skew, maxTTL, ttl time.Duration, rate, n int
 		Keys:            map[string]ed25519.PublicKey{"gw": k.Public().(ed25519.PublicKey)},
 		MaxSkew:         skew,
 		MaxTTL:          maxTTL,
-		ReplayCacheSize: rate * int((maxTTL+2*skew)/time.Second),
+		ReplayCacheSize: rate * int(replayHold(int64((maxTTL+2*skew)/time.Second))),
 		RequireBinding:  true,
 		Now:             st.now,
 	})
@@ -59,10 +60,10 @@ func (st *steadyStream) verifyNext() error {
 // BenchmarkVerify measures the forwarder's happy path in steady state
 // (steadyStream): parse, signature, policy and replay-cache insert of a bound
 // frame already read into its buffer, under the default skew and TTLs. At 64
-// frames a second each 13-second expiry bucket takes 832 frames and the 16
-// buckets come round again every 13,312, so a run of 20,000 iterations
-// recycles buckets; the cache holds 11,520 nonces at most. Frames are signed
-// before the timer starts.
+// frames a second each 13-second acceptance bucket takes 832 frames and the
+// 16 buckets come round again every 13,312, so a run of 20,000 iterations
+// recycles buckets; the cache holds 64 × 193 = 12,352 nonces at most. Frames
+// are signed before the timer starts.
 func BenchmarkVerify(b *testing.B) {
 	st := newSteadyStream(b, DefaultMaxSkew, DefaultMaxTTL, DefaultTTL, 64, b.N)
 	b.ReportAllocs()

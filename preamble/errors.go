@@ -32,7 +32,7 @@ const (
 	ReasonTTLTooLong               Reason = "ttl-too-long"               // expires-at minus issued-at exceeds the configured maximum
 	ReasonBindingMismatch          Reason = "binding-mismatch"           // the signed channel binding differs from this connection's (or the connection has none)
 	ReasonBindingRequired          Reason = "binding-required"           // the verifier requires a channel binding and the frame has none
-	ReasonReplayedNonce            Reason = "replayed-nonce"             // this exact frame (nonce) was already accepted
+	ReasonReplayedNonce            Reason = "replayed-nonce"             // the nonce was accepted less than MaxTTL + 2*MaxSkew ago, whatever times the frame carries
 	ReasonReplayCacheFull          Reason = "replay-cache-full"          // the replay cache is at capacity: fail closed instead of forgetting
 )
 

@@ -45,6 +45,7 @@ type rawFrame struct {
 	reserved   byte
 	lenDelta   int // added to the header's body length
 	keyID      string
+	kidLen     int // when non-zero, written as the key_id length instead of the true one
 	iat, exp   uint64
 	nonce      []byte
 	sandboxID  string
@@ -53,7 +54,9 @@ type rawFrame struct {
 	addr       []byte
 	port       uint16
 	binding    []byte
+	bindLen    int    // when non-zero, written as the binding length instead of the true one
 	extensions []byte // raw TLV area
+	extLen     int    // when non-zero, written as ext_length instead of the true one
 	gap        []byte // bytes between the extensions and the signature
 	signer     ed25519.PrivateKey
 	flipSig    bool
@@ -87,7 +90,11 @@ func tlv(typ uint16, value string) []byte {
 
 func buildFrame(f rawFrame) []byte {
 	var body []byte
-	body = append(body, byte(len(f.keyID)))
+	kidLen := len(f.keyID)
+	if f.kidLen != 0 {
+		kidLen = f.kidLen
+	}
+	body = append(body, byte(kidLen))
 	body = append(body, f.keyID...)
 	body = binary.BigEndian.AppendUint64(body, f.iat)
 	body = binary.BigEndian.AppendUint64(body, f.exp)
@@ -101,9 +108,17 @@ func buildFrame(f rawFrame) []byte {
 	body = append(body, f.family)
 	body = append(body, f.addr...)
 	body = binary.BigEndian.AppendUint16(body, f.port)
-	body = append(body, byte(len(f.binding)))
+	bindLen := len(f.binding)
+	if f.bindLen != 0 {
+		bindLen = f.bindLen
+	}
+	body = append(body, byte(bindLen))
 	body = append(body, f.binding...)
-	body = binary.BigEndian.AppendUint16(body, uint16(len(f.extensions)))
+	extLen := len(f.extensions)
+	if f.extLen != 0 {
+		extLen = f.extLen
+	}
+	body = binary.BigEndian.AppendUint16(body, uint16(extLen))
 	body = append(body, f.extensions...)
 	body = append(body, f.gap...)
 	hdr := []byte(f.magic)
@@ -153,6 +168,7 @@ var goldenCases = []goldenCase{
 	{"reject-bad-target-multicast-ipv6", ReasonBadTarget, false, func(f *rawFrame) { f.target("ff02::1") }},
 	{"reject-bad-target-broadcast", ReasonBadTarget, false, func(f *rawFrame) { f.target("255.255.255.255") }},
 	{"reject-bad-target-ipv4-mapped", ReasonBadTarget, false, func(f *rawFrame) { f.target("::ffff:10.1.2.3") }},
+	{"reject-bad-target-ipv4-compatible", ReasonBadTarget, false, func(f *rawFrame) { f.target("::10.1.2.3") }},
 	{"reject-bad-extension", ReasonBadExtension, false, func(f *rawFrame) {
 		f.extensions = append(tlv(0x0002, "b"), tlv(0x0001, "a")...)
 	}},
@@ -368,6 +384,9 @@ func specVerdict(frame []byte, keys map[string]ed25519.PublicKey, now int64, ske
 	if port == 0 || a.IsUnspecified() || a.IsMulticast() || a.Is4In6() || a == netip.MustParseAddr("255.255.255.255") {
 		return c, "bad-target"
 	}
+	if len(addr) == 16 && bytes.Equal(addr[:12], make([]byte, 12)) && a != netip.IPv6Loopback() {
+		return c, "bad-target" // IPv4-compatible ::a.b.c.d (:: is caught above)
+	}
 	if len(bind) != 0 && len(bind) != 32 {
 		return c, "malformed"
 	}
@@ -521,6 +540,34 @@ func TestCheckOrder(t *testing.T) {
 			judge(t, tc.first.reason, tc.first, tc.second)
 		})
 	}
+	// A length prefix is part of the layout before its value is a field
+	// rule (§2.2, §6 steps 4 and 5): a length that runs past the signature
+	// is truncated, one that leaves bytes before it is trailing-bytes, and
+	// only a length that fits is judged by its field's rule (bad-key-id,
+	// malformed, bad-extension). Each layout case is paired with the same
+	// rule broken by a frame whose layout holds.
+	for _, tc := range []struct {
+		name string
+		want Reason
+		edit func(f *rawFrame)
+	}{
+		{"key-id-length-overrun-is-truncated", ReasonTruncated, func(f *rawFrame) { f.kidLen = 200 }},
+		{"key-id-too-long-but-fitting-is-bad-key-id", ReasonBadKeyID, func(f *rawFrame) { f.keyID = strings.Repeat("k", 65) }},
+		{"binding-length-overrun-is-truncated", ReasonTruncated, func(f *rawFrame) { f.bindLen = 200 }},
+		{"binding-length-short-of-its-bytes-is-trailing-bytes", ReasonTrailingBytes, func(f *rawFrame) {
+			f.binding, f.bindLen = make([]byte, 32), 3 // ext_length reads 0 from the binding, 29+2 bytes remain
+		}},
+		{"binding-length-5-fitting-is-malformed", ReasonMalformed, func(f *rawFrame) { f.binding = []byte{1, 2, 3, 4, 5} }},
+		{"ext-length-overrun-is-truncated", ReasonTruncated, func(f *rawFrame) { f.extensions, f.extLen = tlv(0x0001, "hello"), 200 }},
+		{"ext-length-cutting-a-tlv-is-trailing-bytes", ReasonTrailingBytes, func(f *rawFrame) { f.extensions, f.extLen = tlv(0x0001, "hello"), 4 }},
+		{"tlv-overrun-inside-the-area-is-bad-extension", ReasonBadExtension, func(f *rawFrame) { f.extensions = tlv(0x0001, "hello")[:6] }},
+		{"body-length-below-minimum-is-malformed-before-trailing-bytes", ReasonMalformed, func(f *rawFrame) { f.lenDelta = -100 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			judge(t, tc.want, fault{edit: tc.edit})
+		})
+	}
+
 	// Inside the extension area the first faulty TLV decides.
 	t.Run("critical-tlv-before-misordered-tlv", func(t *testing.T) {
 		judge(t, ReasonUnknownCriticalExtension, fault{edit: func(f *rawFrame) {

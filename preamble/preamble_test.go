@@ -113,6 +113,114 @@ func TestReplayedNonce(t *testing.T) {
 	wantReason(t, err, ReasonReplayedNonce)
 }
 
+// TestReplayedNonceAnyExpiry: a nonce once accepted is refused for
+// MaxTTL + 2*MaxSkew, whatever validity window the frame that brings it
+// again signs (docs/preamble.md §6 step 9), and may be forgotten after
+// that window plus one bucket.
+func TestReplayedNonceAnyExpiry(t *testing.T) {
+	const skew, maxTTL = 30, 120 // the golden configuration
+	clock := &testClock{now: exampleNow}
+	v := mustVerifier(t, VerifierConfig{
+		Keys:    map[string]ed25519.PublicKey{exampleKeyID: examplePub},
+		MaxSkew: skew * time.Second, MaxTTL: maxTTL * time.Second, Now: clock.Now,
+	})
+	s := mustSigner(t, exampleKeyID, exampleKey, nil)
+	sign := func(iat, exp int64) []byte {
+		t.Helper()
+		c := sampleClaims()
+		c.Nonce = [NonceLen]byte(exampleNonce)
+		c.IssuedAt, c.ExpiresAt = time.Unix(iat, 0), time.Unix(exp, 0)
+		f, err := s.Sign(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	iat := int64(exampleIssued)
+	if _, err := v.Verify(sign(iat, iat+30), nil); err != nil {
+		t.Fatal(err)
+	}
+	accepted := clock.Now().Unix()
+	// The cases seen live: the same nonce with expires_at 1 s and 60 s
+	// later than the accepted frame's.
+	for _, later := range []int64{1, 60} {
+		_, err := v.Verify(sign(iat, iat+30+later), nil)
+		if ReasonOf(err) != string(ReasonReplayedNonce) {
+			t.Errorf("expires_at %+d s: %v, want replayed-nonce", later, err)
+		}
+	}
+	// Every frame with this nonce that passes the time checks now: each
+	// validity window from 1 s to max_ttl, expires_at +1 s and +60 s among
+	// them, and other issue times.
+	for _, i := range []int64{iat - skew, iat, iat + skew} {
+		for exp := i + 1; exp <= i+maxTTL; exp++ {
+			if exp < accepted-skew {
+				continue
+			}
+			_, err := v.Verify(sign(i, exp), nil)
+			if ReasonOf(err) != string(ReasonReplayedNonce) {
+				t.Fatalf("issued %+d s, expiring %+d s: %v, want replayed-nonce", i-iat, exp-(iat+30), err)
+			}
+		}
+	}
+	// Up to the end of the window, fresh frames reusing the nonce are still
+	// refused: a frame valid at acceptance could not be valid any more, but
+	// the rule does not depend on what the new frame claims.
+	for _, after := range []int64{1, 60, skew + maxTTL, maxTTL + 2*skew} {
+		clock.now = time.Unix(accepted+after, 0)
+		now := clock.now.Unix()
+		_, err := v.Verify(sign(now, now+30), nil)
+		if ReasonOf(err) != string(ReasonReplayedNonce) {
+			t.Fatalf("%d s after acceptance: %v, want replayed-nonce", after, err)
+		}
+	}
+	// Past the window and one bucket (180/14 + 1 = 13 s), it is forgotten.
+	clock.now = time.Unix(accepted+replayHold(maxTTL+2*skew), 0)
+	now := clock.now.Unix()
+	if _, err := v.Verify(sign(now, now+30), nil); err != nil {
+		t.Fatalf("%d s after acceptance the nonce is still refused: %v", replayHold(maxTTL+2*skew), err)
+	}
+	if _, err := v.Verify(sign(now, now+31), nil); ReasonOf(err) != string(ReasonReplayedNonce) {
+		t.Fatalf("the nonce accepted again is not refused: %v", err)
+	}
+}
+
+// TestChannelBindingTLS13Only: Go's crypto/tls, as the forwarder runs it,
+// negotiates the extended master secret on TLS 1.2 (its exporter works,
+// which Go allows only with EMS), and ChannelBinding still refuses the
+// session: version 1 binds TLS 1.3 sessions only, by choice, as
+// docs/preamble.md §4 says.
+func TestChannelBindingTLS13Only(t *testing.T) {
+	_, sc, cc := mtlsConfigs(t, tls.VersionTLS12)
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	server, client := tls.Server(a, sc), tls.Client(b, cc)
+	done := make(chan error, 1)
+	go func() { done <- server.Handshake() }()
+	if err := client.Handshake(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	for side, cs := range map[string]tls.ConnectionState{"forwarder": server.ConnectionState(), "gateway": client.ConnectionState()} {
+		if cs.Version != tls.VersionTLS12 {
+			t.Fatalf("%s: version %#x, want TLS 1.2", side, cs.Version)
+		}
+		if _, err := cs.ExportKeyingMaterial(ChannelBindingLabel, nil, BindingLen); err != nil {
+			t.Fatalf("%s: TLS 1.2 exporter refused (no extended master secret?): %v", side, err)
+		}
+		if b, ok := ChannelBinding(cs); ok || b != nil {
+			t.Fatalf("%s: ChannelBinding of a TLS 1.2 session = %x, %v; want none", side, b, ok)
+		}
+	}
+	sec4 := specSection(t, 4)
+	if strings.Contains(sec4, "does not offer") || !strings.Contains(sec4, "negotiates the extended master secret") {
+		t.Errorf("docs/preamble.md §4 must say that the forwarder negotiates the extended master secret on TLS 1.2 and binds TLS 1.3 only by choice")
+	}
+}
+
 // TestReplayCacheBounded fills the cache to capacity, checks that it fails
 // closed, and that expired buckets are reclaimed so that a long stream of
 // nonces never holds more than capacity entries.
@@ -141,11 +249,11 @@ func TestReplayCacheBounded(t *testing.T) {
 	}
 	_, err := v.Verify(sign(), nil)
 	wantReason(t, err, ReasonReplayCacheFull)
-	clock.Advance(20 * time.Second) // the burst is past expiry + skew + one bucket
+	clock.Advance(22 * time.Second) // the burst is past the window (10 + 2*5 s) and its 2-second bucket
 
 	accepted := 0
 	for i := range 5000 {
-		if i%3 == 0 {
+		if i%2 == 0 {
 			clock.Advance(time.Second)
 		}
 		_, err := v.Verify(sign(), nil)
@@ -160,9 +268,9 @@ func TestReplayCacheBounded(t *testing.T) {
 			t.Fatalf("replay cache holds %d nonces, capacity %d", n, capacity)
 		}
 	}
-	// 3 frames a second, each held until its expiry plus skew (15 s) rounded
-	// up to its 2-second bucket, needs at most 3*17 = 51 < 64 slots: every
-	// frame must pass.
+	// 2 frames a second, each held for the window (MaxTTL + 2*MaxSkew =
+	// 20 s) after its acceptance plus at most its 2-second bucket, needs at
+	// most 2*22 = 44 < 64 slots: every frame must pass.
 	if accepted != 5000 {
 		t.Fatalf("%d of 5000 frames accepted after expiry reclaim, want all", accepted)
 	}
@@ -190,7 +298,7 @@ func TestVerifyAllocs(t *testing.T) {
 	if failed != 0 {
 		t.Fatalf("%d of %d steady-state frames rejected", failed, 2*batch)
 	}
-	if capacity := rate * 20; st.v.replay.Len() > capacity || st.next <= capacity {
+	if capacity := st.v.replay.capacity; st.v.replay.Len() > capacity || st.next <= capacity {
 		t.Fatalf("cache holds %d nonces after %d frames, capacity %d: the stream did not recycle buckets", st.v.replay.Len(), st.next, capacity)
 	}
 	if allocs != 0 {
@@ -366,6 +474,7 @@ func TestSignRefusesBadClaims(t *testing.T) {
 		"long-sandbox":    {func(c *Claims) { c.SandboxID = strings.Repeat("a", MaxSandboxIDLen+1) }, ReasonBadSandboxID},
 		"space-sandbox":   {func(c *Claims) { c.SandboxID = "a b" }, ReasonBadSandboxID},
 		"mapped-v4":       {func(c *Claims) { c.Target = netip.MustParseAddrPort("[::ffff:10.0.0.1]:80") }, ReasonBadTarget},
+		"compatible-v4":   {func(c *Claims) { c.Target = netip.MustParseAddrPort("[::10.0.0.1]:80") }, ReasonBadTarget},
 		"zone":            {func(c *Claims) { c.Target = netip.MustParseAddrPort("[fe80::1%eth0]:80") }, ReasonBadTarget},
 		"unspecified":     {func(c *Claims) { c.Target = netip.MustParseAddrPort("0.0.0.0:80") }, ReasonBadTarget},
 		"multicast":       {func(c *Claims) { c.Target = netip.MustParseAddrPort("[ff02::1]:80") }, ReasonBadTarget},
@@ -389,6 +498,45 @@ func TestSignRefusesBadClaims(t *testing.T) {
 	}
 	if _, err := NewSigner("gw", ed25519.PrivateKey{1, 2}); err == nil {
 		t.Fatal("NewSigner accepted a 2-byte key")
+	}
+}
+
+// TestTargetEncodings: an IPv4 target has one encoding, family 4. Its
+// IPv4-mapped (::ffff:a.b.c.d) and IPv4-compatible (::a.b.c.d, all of ::/96
+// but :: and ::1) forms in family 6 are bad-target, judged by the package
+// and the spec-only decoder alike; other IPv6 unicast addresses, loopback
+// and NAT64 ones included, are valid frames (what they may reach is the
+// forwarder's target policy).
+func TestTargetEncodings(t *testing.T) {
+	keys := map[string]ed25519.PublicKey{exampleKeyID: examplePub}
+	for _, tc := range []struct {
+		addr string
+		want Reason
+	}{
+		{"::ffff:10.1.2.3", ReasonBadTarget},
+		{"::ffff:169.254.169.254", ReasonBadTarget},
+		{"::10.1.2.3", ReasonBadTarget},
+		{"::169.254.169.254", ReasonBadTarget},
+		{"::127.0.0.1", ReasonBadTarget},
+		{"::0.0.0.2", ReasonBadTarget},
+		{"::ffff", ReasonBadTarget}, // ::0.0.255.255
+		{"::255.255.255.255", ReasonBadTarget},
+		{"::", ReasonBadTarget},
+		{"::1", ""},
+		{"::1:0:0", ""},    // ::/96's neighbour ::1:0:0/96: not IPv4-compatible
+		{"::fffe:0:1", ""}, // nor is ::fffe:0:0/96
+		{"64:ff9b::a9fe:a9fe", ""},
+		{"64:ff9b:1::a01:203", ""},
+		{"10.1.2.3", ""},
+	} {
+		f := exampleFrame()
+		f.target(tc.addr)
+		frame := buildFrame(f)
+		_, err := goldenVerifier(t, false).Verify(frame, exampleBinding)
+		_, spec := specVerdict(frame, keys, exampleNow.Unix(), 30, 120, exampleBinding, false)
+		if ReasonOf(err) != string(tc.want) || spec != string(tc.want) {
+			t.Errorf("target %s: package says %q, spec decoder %q, want %q (err: %v)", tc.addr, ReasonOf(err), spec, tc.want, err)
+		}
 	}
 }
 
@@ -445,8 +593,9 @@ func specSection(t *testing.T, n int) string {
 }
 
 // TestReasonsMatchSpec ties Reasons() to the reason table of
-// docs/preamble.md §7 (same set, each once) and requires §6, the order of
-// checks, to place every reason, so that code and spec cannot drift apart.
+// docs/preamble.md §7 (same set, each once), requires §6, the order of
+// checks, to place every reason, and §7 to document ReasonOther outside the
+// table, so that code and spec cannot drift apart.
 func TestReasonsMatchSpec(t *testing.T) {
 	code := map[string]bool{}
 	for _, r := range Reasons() {
@@ -466,6 +615,11 @@ func TestReasonsMatchSpec(t *testing.T) {
 		if !code[r] {
 			t.Errorf("§7 lists %q, which Reasons() lacks", r)
 		}
+	}
+	// ReasonOther is a metrics label, not a Reason: §7 documents it outside
+	// the table (a row would fail the check above).
+	if !strings.Contains(specSection(t, 7), "`"+ReasonOther+"`") {
+		t.Errorf("§7 does not document the label %q that ReasonOf gives an error that is no rejection", ReasonOther)
 	}
 	order := specSection(t, 6)
 	for r := range code {

@@ -76,9 +76,11 @@ func (s *Signer) Sign(c Claims) ([]byte, error) {
 
 // ChannelBinding returns the RFC 9266 style channel binding of a TLS 1.3
 // session: the exporter value for ChannelBindingLabel, empty context, 32
-// bytes. On TLS 1.2 it returns ok == false: its exporter is only sound with
-// the extended master secret, and the forwarder and gateways are expected to
-// speak TLS 1.3, so version 1 of the preamble binds only TLS 1.3 sessions.
+// bytes. On TLS 1.2 it returns ok == false even when the session negotiated
+// the extended master secret (crypto/tls does by default, and without it
+// the exporter would not be unique to the connection): version 1 of the
+// preamble binds only TLS 1.3 sessions, a fixed rule rather than one that
+// depends on what a TLS 1.2 handshake negotiated (docs/preamble.md §4).
 func ChannelBinding(cs tls.ConnectionState) (binding []byte, ok bool) {
 	if cs.Version != tls.VersionTLS13 || !cs.HandshakeComplete {
 		return nil, false

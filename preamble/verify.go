@@ -34,12 +34,14 @@ type VerifierConfig struct {
 	// MaxTTL is the longest validity window (ExpiresAt - IssuedAt) accepted.
 	// Zero means DefaultMaxTTL.
 	MaxTTL time.Duration
-	// ReplayCacheSize is the most nonces remembered at once. Every frame
-	// still inside its validity window needs a slot; when none is free the
-	// verifier rejects with ReasonReplayCacheFull rather than forget a nonce
-	// that could still be replayed. Size it above the peak rate of accepted
-	// frames times (MaxTTL + 2*MaxSkew). Memory is proportional to it (tens
-	// of bytes per slot, see docs/preamble.md).
+	// ReplayCacheSize is the most nonces remembered at once. A nonce is
+	// remembered for MaxTTL + 2*MaxSkew after its frame was accepted (see
+	// ReplayCache), plus up to one bucket of 1/14 of that and a second; when
+	// no slot is free the verifier rejects with ReasonReplayCacheFull rather
+	// than forget a nonce that could still be replayed. Size it above the
+	// peak rate of accepted frames times W + W/14 + 1s, W = MaxTTL +
+	// 2*MaxSkew (193 s with the defaults). Memory is proportional to it
+	// (tens of bytes per slot, see docs/preamble.md).
 	// Zero means DefaultReplayCacheSize. Must be zero when ReplayCache is set.
 	ReplayCacheSize int
 	// ReplayCache, when set, is used instead of a cache of the Verifier's
@@ -186,7 +188,7 @@ func (v *Verifier) Verify(frame []byte, binding []byte) (Claims, error) {
 	case c.Binding == nil && v.requireBinding:
 		return Claims{}, reject(ReasonBindingRequired, "frame carries no channel binding")
 	}
-	if err := v.replay.add(c.Nonce, exp, now-v.maxSkew); err != nil {
+	if err := v.replay.add(c.Nonce, now); err != nil {
 		return Claims{}, err
 	}
 	return c, nil
@@ -202,27 +204,32 @@ func verifySignature(key ed25519.PublicKey, signed, sig []byte) bool {
 	return ed25519.Verify(key, buf[:n], sig)
 }
 
-// ReplayCache remembers accepted nonces until their frames expire, in
-// bounded memory. It is safe for concurrent use and may be shared by several
-// Verifiers (VerifierConfig.ReplayCache).
+// ReplayCache remembers accepted nonces, in bounded memory. A nonce accepted
+// at time t is refused (ReasonReplayedNonce) until at least t + window,
+// whatever IssuedAt and ExpiresAt the frame that brings it again carries:
+// every frame that was valid at t, under verifiers whose MaxTTL + 2*MaxSkew
+// is at most window, has expired by then, so a nonce is never accepted twice
+// while a frame carrying it could still pass the time checks. It is safe for
+// concurrent use and may be shared by several Verifiers
+// (VerifierConfig.ReplayCache).
 //
-// Nonces are grouped into buckets by expiry second; a bucket
-// is recycled whole once every frame it covers is past its expiry plus skew
-// (such frames are rejected as expired before reaching the cache). A replay
-// carries the same signed expiry as the original, so it lands in the same
-// bucket and one map lookup finds it.
+// Nonces are grouped into buckets by acceptance second; a bucket is
+// recycled whole once its newest nonce is older than window, so a nonce is
+// held for window plus at most one bucket width (window/14 + 1 s). A lookup
+// consults every bucket (at most 16 map lookups), since a frame that reuses
+// a nonce may carry any validity window.
 type ReplayCache struct {
 	mu       sync.Mutex
 	capacity int
 	hint     int // initial size of each bucket's map
 	count    int
 	window   int64 // seconds: MaxTTL + 2*MaxSkew of the verifiers it serves
-	width    int64 // seconds of expiry time per bucket
+	width    int64 // seconds of acceptance time per bucket
 	buckets  [replayBuckets]replayBucket
 }
 
 type replayBucket struct {
-	epoch  int64 // expiry second / width; -1 when empty
+	epoch  int64 // acceptance second / width; -1 when empty
 	nonces map[[NonceLen]byte]struct{}
 }
 
@@ -240,58 +247,72 @@ func NewReplayCache(size int, window time.Duration) (*ReplayCache, error) {
 	return rc, nil
 }
 
+// replayWidth is the acceptance time, in seconds, that one bucket of a
+// cache with this window covers. The buckets that may hold unexpired nonces
+// span window + width seconds, at most replayBuckets-1 of them, so the
+// bucket a new nonce goes to never still holds one.
+func replayWidth(window int64) int64 { return window/(replayBuckets-2) + 1 }
+
+// replayHold is the longest a cache with this window (seconds) holds a
+// nonce: window plus one bucket width. docs/preamble.md §6 sizes the cache
+// by it.
+func replayHold(window int64) int64 { return window + replayWidth(window) }
+
 func (rc *ReplayCache) init(capacity int, window int64) {
 	rc.capacity = capacity
 	rc.window = window
 	rc.hint = capacity / replayBuckets
-	// Live frames have expiries within window (MaxTTL + 2*MaxSkew) seconds of
-	// each other; spreading that over all but two buckets leaves a spare
-	// bucket on each side, so a live bucket is never recycled early.
-	rc.width = window/(replayBuckets-2) + 1
+	rc.width = replayWidth(window)
 	for i := range rc.buckets {
 		rc.buckets[i] = replayBucket{epoch: -1, nonces: make(map[[NonceLen]byte]struct{}, rc.hint)}
 	}
 }
 
-// add records nonce for a frame expiring at exp (unix seconds). oldestLive is
-// the earliest expiry a frame may have and still be accepted.
-func (rc *ReplayCache) add(nonce [NonceLen]byte, exp, oldestLive int64) error {
-	epoch := exp / rc.width
+// expired reports whether every nonce of b was accepted more than window
+// seconds before now.
+func (rc *ReplayCache) expired(b *replayBucket, now int64) bool {
+	return (b.epoch+1)*rc.width+rc.window <= now
+}
+
+// add records nonce as accepted at now (unix seconds), or rejects it as a
+// replay if any bucket still holds it.
+func (rc *ReplayCache) add(nonce [NonceLen]byte, now int64) error {
+	if now < 0 {
+		// A clock before 1970: hold such nonces as if accepted at 0, which
+		// keeps them at least as long as their true acceptance time would.
+		now = 0
+	}
+	epoch := now / rc.width
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
+	for i := range rc.buckets {
+		b := &rc.buckets[i]
+		switch {
+		case b.epoch < 0:
+		case rc.expired(b, now):
+			rc.recycle(b)
+			b.epoch = -1
+		default:
+			if _, seen := b.nonces[nonce]; seen {
+				return reject(ReasonReplayedNonce, "nonce %x was already accepted (a nonce is refused for %ds after its acceptance)", nonce, rc.window)
+			}
+		}
+	}
 	b := &rc.buckets[epoch%replayBuckets]
 	if b.epoch != epoch {
-		if b.epoch >= 0 && (b.epoch+1)*rc.width > oldestLive {
-			// Unreachable when the clock is monotonic and skew and TTL are
-			// enforced; fail closed if a clock jump makes it reachable.
-			return reject(ReasonReplayCacheFull, "expiry bucket still holds live nonces")
+		if b.epoch >= 0 {
+			// Unreachable when the clock is monotonic (expired buckets were
+			// just recycled); fail closed if a clock jump makes it reachable.
+			return reject(ReasonReplayCacheFull, "acceptance-time bucket still holds unexpired nonces")
 		}
-		rc.recycle(b)
 		b.epoch = epoch
 	}
-	if _, seen := b.nonces[nonce]; seen {
-		return reject(ReasonReplayedNonce, "nonce %x was already accepted", nonce)
-	}
 	if rc.count >= rc.capacity {
-		rc.expire(oldestLive)
-		if rc.count >= rc.capacity {
-			return reject(ReasonReplayCacheFull, "%d live nonces, capacity %d", rc.count, rc.capacity)
-		}
+		return reject(ReasonReplayCacheFull, "%d unexpired nonces, capacity %d", rc.count, rc.capacity)
 	}
 	b.nonces[nonce] = struct{}{}
 	rc.count++
 	return nil
-}
-
-// expire recycles every bucket whose frames have all expired.
-func (rc *ReplayCache) expire(oldestLive int64) {
-	for i := range rc.buckets {
-		b := &rc.buckets[i]
-		if b.epoch >= 0 && (b.epoch+1)*rc.width <= oldestLive {
-			rc.recycle(b)
-			b.epoch = -1
-		}
-	}
 }
 
 // recycle empties a bucket. A map keeps its storage when cleared, so a

@@ -287,10 +287,24 @@ func checkTarget(t netip.AddrPort) error {
 		return reject(ReasonBadTarget, "IPv4-mapped address %s: encode it as IPv4", a)
 	case a.IsUnspecified(), a.IsMulticast(), a == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
 		return reject(ReasonBadTarget, "address %s is not a unicast host", a)
+	case isIPv4Compatible(a):
+		return reject(ReasonBadTarget, "IPv4-compatible address %s (deprecated ::/96): encode it as IPv4", a)
 	case t.Port() == 0:
 		return reject(ReasonBadTarget, "port 0")
 	}
 	return nil
+}
+
+// isIPv4Compatible reports whether a is a deprecated IPv4-compatible IPv6
+// address, ::a.b.c.d (RFC 4291 §2.5.5.1): in ::/96 but neither :: nor ::1.
+// Like an IPv4-mapped address it would be a second encoding of an IPv4
+// target, one that a target policy written for IPv4 would not recognize.
+func isIPv4Compatible(a netip.Addr) bool {
+	if !a.Is6() || a.Is4In6() || a.IsUnspecified() || a.IsLoopback() {
+		return false
+	}
+	b := a.As16()
+	return [12]byte(b[:12]) == [12]byte{}
 }
 
 // validID reports whether b is made only of [A-Za-z0-9._-].

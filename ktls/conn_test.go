@@ -167,7 +167,8 @@ func TestFallbackReasons(t *testing.T) {
 }
 
 // TestRequireOffload: no fallback allowed, so the handshake fails naming
-// the reason, and the observer and counters see it.
+// the reason, and the observer and counters see it: the handshake's outcome,
+// then the refusal.
 func TestRequireOffload(t *testing.T) {
 	p := newTestPKI(t)
 	cc := connCase{name: "cbc", version: tls.VersionTLS12}
@@ -181,8 +182,10 @@ func TestRequireOffload(t *testing.T) {
 	if !errors.As(err, &oe) || oe.Reason != ReasonCipher || !strings.Contains(err.Error(), "cipher") {
 		t.Fatalf("handshake error %v, want an OffloadError naming %q", err, ReasonCipher)
 	}
-	if events := rec.seen(); len(events) != 1 || events[0].Kind != EventHandshake || events[0].Offload.Reason != ReasonCipher || events[0].Remote == nil {
-		t.Fatalf("observer events %+v, want one handshake event with reason cipher", events)
+	events := rec.seen()
+	if len(events) != 2 || events[0].Kind != EventHandshake || events[0].Offload.Reason != ReasonCipher || events[0].Remote == nil ||
+		events[1].Kind != EventRefused || !errors.As(events[1].Err, &oe) || oe.Reason != ReasonCipher {
+		t.Fatalf("observer events %+v, want a handshake event with reason cipher, then a refused one with its OffloadError", events)
 	}
 	if d := Stats().Outcomes[ReasonCipher] - before.Outcomes[ReasonCipher]; d != 1 {
 		t.Fatalf("Stats().Outcomes[cipher] grew by %d, want 1", d)

@@ -232,12 +232,19 @@ func dialPairOn(t testing.TB, network string, scfg, ccfg *tls.Config, opts Optio
 		return fail(err)
 	}
 	// The client's last flight is still held: its first application
-	// record joins it in one write(2).
-	if _, err := client.Write(earlyData); err != nil {
+	// record joins it in one write(2). Where the client cannot send it,
+	// the server's error says why (a refusal resets the connection).
+	clientErr := func(err error) (*pair, error) {
+		if serr := <-srvErr; serr != nil {
+			return fail(serr)
+		}
 		return fail(err)
 	}
+	if _, err := client.Write(earlyData); err != nil {
+		return clientErr(err)
+	}
 	if err := held.flush(false); err != nil {
-		return fail(err)
+		return clientErr(err)
 	}
 	if err := <-srvErr; err != nil {
 		return fail(err)

@@ -176,9 +176,10 @@ func (*KTLSSession) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		dial_timeout       <duration>
 //		keepalive          <duration>
 //		tcp_user_timeout   <duration>
-//		allow              <cidr|ip>...      # e.g. 10.0.0.0/8; 127.0.0.0/8 opens loopback (demo only)
+//		allow              <cidr|ip>...      # required; e.g. 10.0.0.0/8; 127.0.0.0/8 opens loopback (demo only)
 //		allow_ports        <port|lo-hi>...
 //		drain_grace_period <duration>
+//		insecure_plaintext                   # tests only: no TLS, no client certificate needed
 //		activity_push <url> {
 //			interval   <duration>
 //			timeout    <duration>
@@ -236,6 +237,11 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.RequireChannelBinding = true
+		case "insecure_plaintext":
+			if err := noArgs(d); err != nil {
+				return err
+			}
+			h.InsecurePlaintext = true
 		case "replay_cache_size", "max_tunnels_per_sandbox":
 			n, err := positiveIntArg(d)
 			if err != nil {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"flag"
 	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -33,6 +34,7 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\tactivity_push\n}", "activity_push needs a URL"},
 		{"sandbox {\n\tkey_clients gw-1\n}", "key_clients takes a key ID and one or more client names, got 1 arguments"},
 		{"sandbox {\n\tactivity_push http://x {\n\t\theader Authorization\n\t}\n}", "header takes a field name and a value, got 1 arguments"},
+		{"sandbox {\n\tinsecure_plaintext yes\n}", "insecure_plaintext takes no arguments"},
 		{"sandbox {\n\tfrobnicate\n}", `unknown sandbox handler option "frobnicate"`},
 		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},
 		{"ktls {\n\tkeyupdate_rate fast\n}", "not a positive number"},
@@ -102,6 +104,8 @@ func TestSandboxRejectsBadOptions(t *testing.T) {
 		"key_clients naming no client": {map[string]any{"key_clients": map[string][]string{gatewayKeyID: {}}}, "no client named"},
 		"negative tunnel cap":          {map[string]any{"max_tunnels_per_sandbox": -1}, "negative MaxTunnelsPerSandbox or MaxTunnelLifetime"},
 		"negative lifetime":            {map[string]any{"max_tunnel_lifetime": "-1s"}, "negative MaxTunnelsPerSandbox or MaxTunnelLifetime"},
+		"no allow entry":               {map[string]any{"allow_cidrs": []string{}}, "sandbox handler: no allow entry: name the sandbox networks this forwarder may reach (allow <cidr> ...)"},
+		"allow_ports but no allow":     {map[string]any{"allow_cidrs": nil, "allow_ports": []string{"443"}}, "no allow entry"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			raw, err := json.Marshal(newSandboxConfig(t, tc.opts).cfg)
@@ -115,6 +119,94 @@ func TestSandboxRejectsBadOptions(t *testing.T) {
 			}
 			if !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("error %q does not contain %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// A sandbox handler loads only where a TLS-terminating handler (ktls, or
+// caddy-l4's tls) runs before it on every path: before it in its route,
+// or before the subroute holding it in an enclosing route, or, in a layer4
+// listener wrapper, Caddy's TLS ahead of the wrapper. Without one the load
+// fails saying what to add, wherever in the layer4 app the handler is; a
+// TLS handler in another route, which may not run, does not count.
+// insecure_plaintext (tests only) skips the check.
+func TestSandboxNeedsTLSHandlerBefore(t *testing.T) {
+	e := newSandboxConfig(t, nil)
+	ktlsHandler, sandbox := e.route()["handle"].([]any)[0], e.sandboxHandler()
+	tlsHandler := map[string]any{"handler": "tls", "connection_policies": []any{map[string]any{}}}
+	insecure := map[string]any{"insecure_plaintext": true}
+	for k, v := range sandbox {
+		insecure[k] = v
+	}
+	route := func(handlers ...any) map[string]any { return map[string]any{"handle": handlers} }
+	subroute := func(routes ...any) map[string]any { return map[string]any{"handler": "subroute", "routes": routes} }
+	layer4 := func(servers map[string][]any) map[string]any {
+		srvs := map[string]any{}
+		for name, routes := range servers {
+			srvs[name] = map[string]any{"listen": []string{"127.0.0.1:0"}, "routes": routes}
+		}
+		return map[string]any{"layer4": map[string]any{"servers": srvs}}
+	}
+	http := func(wrappers ...any) map[string]any {
+		return map[string]any{"http": map[string]any{"servers": map[string]any{"s": map[string]any{
+			"listen": []string{"127.0.0.1:0"}, "listener_wrappers": wrappers, "automatic_https": map[string]any{"disable": true},
+		}}}}
+	}
+	layer4Wrapper := func(routes ...any) map[string]any { return map[string]any{"wrapper": "layer4", "routes": routes} }
+	const want = "the sandbox handler needs a TLS-terminating handler (ktls, or caddy-l4's tls with client authentication) before it in its route: add `ktls { ... }`"
+	for _, tc := range []struct {
+		name  string
+		apps  map[string]any
+		where string // in the error; "" when the configuration loads
+	}{
+		{"sandbox alone", layer4(map[string][]any{"a": {route(sandbox)}}), `layer4 server "a", route 0, handler 0`},
+		{"sandbox before ktls", layer4(map[string][]any{"a": {route(sandbox, ktlsHandler)}}), `layer4 server "a", route 0, handler 0`},
+		{"subroute without tls", layer4(map[string][]any{"a": {route(subroute(route(sandbox)))}}),
+			`layer4 server "a", route 0, handler 0 (subroute), route 0, handler 0`},
+		{"ktls in an earlier route", layer4(map[string][]any{"a": {route(ktlsHandler), route(sandbox)}}), `layer4 server "a", route 1, handler 0`},
+		{"one bare server of two", layer4(map[string][]any{"a": {route(ktlsHandler, sandbox)}, "b": {route(sandbox)}}), `layer4 server "b", route 0, handler 0`},
+		{"listener wrapper before tls", http(layer4Wrapper(route(sandbox)), map[string]any{"wrapper": "tls"}),
+			"listener_wrappers[0] (layer4), route 0, handler 0"},
+
+		{"ktls then sandbox", layer4(map[string][]any{"a": {route(ktlsHandler, sandbox)}}), ""},
+		{"caddy-l4 tls then sandbox", layer4(map[string][]any{"a": {route(tlsHandler, sandbox)}}), ""},
+		{"ktls then subroute", layer4(map[string][]any{"a": {route(ktlsHandler, subroute(route(sandbox)))}}), ""},
+		{"insecure_plaintext", layer4(map[string][]any{"a": {route(insecure)}}), ""},
+		{"listener wrapper after tls", http(layer4Wrapper(route(sandbox))), ""},
+		// Where the route cannot be read (a caddy-l4 tee branch), the load
+		// warns that it could not check; each connection is still checked.
+		{"unreadable: in a tee branch", layer4(map[string][]any{"a": {route(map[string]any{"handler": "tee", "branch": []any{sandbox}})}}), ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			logFile := filepath.Join(t.TempDir(), "caddy.log")
+			raw, err := json.Marshal(map[string]any{"admin": map[string]any{"disabled": true}, "apps": tc.apps,
+				"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
+					"writer":  map[string]any{"output": "file", "filename": logFile, "roll": false},
+					"encoder": map[string]any{"format": "json"},
+				}}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var cfg caddy.Config
+			if err := json.Unmarshal(raw, &cfg); err != nil {
+				t.Fatal(err)
+			}
+			err = caddy.Validate(&cfg)
+			switch {
+			case tc.where == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tc.where != "" && (err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "("+tc.where+")")):
+				t.Fatalf("error %v; want one naming (%s) and saying %q", err, tc.where, want)
+			}
+			// Each verdict came from reading the route, not from giving up,
+			// unless the route is unreadable.
+			unreadable := strings.HasPrefix(tc.name, "unreadable")
+			if n := len((&sandboxEnv{logFile: logFile}).logLines(t, routeNotVisibleWarning)); (n == 1) != unreadable || n > 1 {
+				t.Errorf("%d handlers could not read their route, want %d", n, map[bool]int{true: 1}[unreadable])
+			}
+			if n := len((&sandboxEnv{logFile: logFile}).logLines(t, insecurePlaintextWarning)); (n > 0) != (tc.name == "insecure_plaintext") {
+				t.Errorf("%d insecure_plaintext warnings", n)
 			}
 		})
 	}

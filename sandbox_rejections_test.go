@@ -2,6 +2,7 @@ package caddyktls
 
 import (
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
 	"encoding/base64"
 	"encoding/hex"
@@ -498,4 +499,164 @@ func goldenFrame(t *testing.T, name string) []byte {
 	}
 	t.Fatalf("golden vector %s: %v", name, err)
 	return nil
+}
+
+// A sandbox handler whose route verifies no client certificate carries
+// nothing: behind caddy-l4's `tls` handler without client authentication,
+// and behind `ktls` whose client_auth takes the certificate without
+// verifying its chain (mode require), every connection is refused with
+// no-client-certificate before its preamble is read. Each refusal is one
+// WARN line naming the peer (and the unverified certificate, where one
+// came), the reason's series rises by one, the gateway reads a refusal
+// end, and nothing is dialed.
+func TestSandboxUnverifiedClientRefused(t *testing.T) { sandboxUnverifiedClientRefused(t, false) }
+
+// TestKernelSandboxUnverifiedClientRefused is TestSandboxUnverifiedClientRefused
+// on a kTLS kernel, where the ktls case is offloaded and refused with the
+// access_denied alert.
+func TestKernelSandboxUnverifiedClientRefused(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxUnverifiedClientRefused(t, true)
+}
+
+func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
+	const reason = string(forward.ReasonNoClientCertificate)
+	up := forwardtest.NewUpstream(t, 0)
+	e := newSandboxConfig(t, nil)
+	route := e.route()
+	handlers := route["handle"].([]any)
+	ktlsHandler, sandbox := handlers[0].(map[string]any), handlers[1]
+	// caddy-l4's own TLS handler, which asks for no client certificate.
+	route["handle"] = []any{map[string]any{"handler": "tls", "connection_policies": []any{map[string]any{"default_sni": "localhost"}}}, sandbox}
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	metrics0 := e.metrics(t)
+	cases := []struct {
+		name      string
+		configure func(t *testing.T)
+		cert      string // client_certificate in the log line
+		kernelEnd bool   // the refusal goes through kTLS: the access_denied alert
+	}{
+		{"tls-handler-without-client-auth", func(*testing.T) {}, "", false},
+		{"ktls-client-auth-require-unverified", func(t *testing.T) {
+			// The listed gateway certificate, taken as sent: crypto/tls
+			// verifies no chain in mode require (the leaf verifier still
+			// checks it is listed), so the session has no verified chain.
+			policy := ktlsHandler["connection_policies"].([]any)[0].(map[string]any)
+			policy["client_authentication"].(map[string]any)["mode"] = "require"
+			route["handle"] = []any{ktlsHandler, sandbox}
+			e.load(t)
+		}, gatewaySubject, kernel},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.configure(t)
+			before := tunnels.Rejections()[reason]
+			logged := len(e.logLines(t, rejectedMsg))
+			c, err := tls.Dial("tcp", e.addr, e.tlsConfig(e.client))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			_, werr := c.Write(e.gw.Frame(t, "sbx-unverified", up.Addr()))
+			c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			n, err := io.Copy(io.Discard, c)
+			if n != 0 {
+				t.Errorf("refused client read %d bytes (err %v); want none", n, err)
+			}
+			// Refused before anything is read: in userspace TLS the reset
+			// can meet the frame's write first, which then reports it, and
+			// the read that follows ends at EOF.
+			if !tc.kernelEnd && err == nil && werr != nil {
+				err = werr
+			}
+			checkGatewayEnd(t, err, tc.kernelEnd, true)
+			waitRejections(t, reason, before+1)
+			l := e.waitLogLine(t, rejectedMsg, logged)
+			if l["level"] != "warn" || l["reason"] != reason || l["peer"] != c.LocalAddr().String() ||
+				l["client_certificate"] != tc.cert || !strings.Contains(fmt.Sprint(l["error"]), "no verified client certificate") {
+				t.Errorf("log line %v: want a WARN with reason %s, peer %s, client_certificate %q and the cause",
+					l, reason, c.LocalAddr(), tc.cert)
+			}
+		})
+	}
+	if up.Accepted() != 0 {
+		t.Errorf("upstream dialed %d times for unauthenticated clients", up.Accepted())
+	}
+	got := map[string]int{}
+	for _, l := range e.logLines(t, rejectedMsg) {
+		r, _ := l["reason"].(string)
+		got[r]++
+	}
+	if !maps.Equal(got, map[string]int{reason: len(cases)}) {
+		t.Errorf("log lines by reason %v, want %d %s", got, len(cases), reason)
+	}
+	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{rejectSeries(reason): int64(len(cases))})
+}
+
+// insecure_plaintext, the test-only escape hatch: a route with `sandbox`
+// alone carries a tunnel whose preamble comes in plaintext over raw TCP,
+// exact bytes both ways, and every load says at WARN what it turned off.
+func TestSandboxInsecurePlaintext(t *testing.T) {
+	const size, seed = 1 << 20, 21
+	up := forwardtest.NewUpstream(t, size+3)
+	e := newSandboxConfig(t, map[string]any{"insecure_plaintext": true})
+	route := e.route()
+	route["handle"] = []any{e.sandboxHandler()} // no TLS handler
+	e.start(t)
+	forwardtest.CheckLeaks(t)
+	rejected := tunnels.Rejections()
+
+	c, err := net.Dial("tcp", e.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, recvSum, err := plainTransfer(c.(*net.TCPConn), e.gw.Frame(t, "sbx-plaintext", up.Addr()), size, seed)
+	if err != nil {
+		t.Fatalf("plaintext tunnel: %v", err)
+	}
+	checkTunnelTransfer(t, up, size, seed, n, recvSum)
+	if now := tunnels.Rejections(); !maps.Equal(now, rejected) {
+		t.Errorf("rejections changed from %v to %v", rejected, now)
+	}
+	checkWarned := func(loads int) {
+		t.Helper()
+		lines := e.logLines(t, insecurePlaintextWarning)
+		if len(lines) != loads {
+			t.Fatalf("%d insecure_plaintext warnings after %d loads, want one per load", len(lines), loads)
+		}
+		for _, l := range lines {
+			if l["level"] != "warn" {
+				t.Errorf("insecure_plaintext logged %v, want a WARN", l)
+			}
+		}
+	}
+	checkWarned(1)
+	e.load(t)
+	checkWarned(2)
+}
+
+// plainTransfer writes frame and send pattern bytes (seed) on c, a raw TCP
+// connection, half-closes, reads to EOF and returns what it received.
+func plainTransfer(c *net.TCPConn, frame []byte, send int64, seed uint64) (recvN int64, recvSum [32]byte, err error) {
+	defer c.Close()
+	werr := make(chan error, 1)
+	go func() {
+		_, err := c.Write(frame)
+		if err == nil {
+			_, err = io.Copy(c, io.LimitReader(forwardtest.NewPattern(seed), send))
+		}
+		if err == nil {
+			err = c.CloseWrite()
+		}
+		werr <- err
+	}()
+	c.SetReadDeadline(time.Now().Add(time.Minute))
+	h := sha256.New()
+	recvN, err = io.Copy(h, c)
+	copy(recvSum[:], h.Sum(nil))
+	if e := <-werr; err == nil {
+		err = e
+	}
+	return recvN, recvSum, err
 }

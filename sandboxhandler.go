@@ -4,22 +4,27 @@ import (
 	"context"
 	"crypto/ed25519"
 	"crypto/tls"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/mholt/caddy-l4/layer4"
 	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
 func init() {
@@ -33,9 +38,13 @@ func init() {
 // sandbox. A refused tunnel is closed without a reply, logged in one line
 // with its reason and counted; nothing is dialed for it.
 //
-// Place it after `ktls` (mutual TLS) so that splice reaches kernel sockets on
-// both sides; behind caddy-l4's `tls` handler or on plaintext it still works,
-// with a userspace copy.
+// It carries tunnels only for gateways that authenticated with a verified
+// client certificate: place it after `ktls` with client_auth (mutual TLS),
+// so that splice reaches kernel sockets on both sides (behind caddy-l4's
+// `tls` handler with client authentication it works too, with a userspace
+// copy). A route with no TLS-terminating handler before it does not load,
+// and every connection whose TLS session verified no client certificate is
+// refused ("no-client-certificate") before its preamble is read.
 type SandboxHandler struct {
 	// Keys are the gateways' Ed25519 public keys, inline.
 	Keys []SandboxKey `json:"keys,omitempty"`
@@ -98,11 +107,12 @@ type SandboxHandler struct {
 	// data may go unacknowledged). Default: the kernel's.
 	TCPUserTimeout caddy.Duration `json:"tcp_user_timeout,omitempty"`
 
-	// AllowCIDRs are the networks targets may be in; empty allows every
-	// address not refused by default. Loopback, link-local (including
-	// 169.254.169.254), multicast, unspecified, broadcast and this host's
-	// own addresses are refused unless an entry lies inside them: for
-	// example "127.0.0.0/8" opens loopback for a demo, "0.0.0.0/0" does not.
+	// AllowCIDRs are the networks targets may be in. Required: a handler
+	// without an entry does not load (name the sandbox networks). Loopback,
+	// link-local (including 169.254.169.254), multicast, unspecified,
+	// broadcast and this host's own addresses are refused unless an entry
+	// lies inside them: for example "127.0.0.0/8" opens loopback for a
+	// demo, "0.0.0.0/0" does not.
 	AllowCIDRs []string `json:"allow_cidrs,omitempty"`
 
 	// AllowPorts are the target ports allowed, as "443" or "8000-8999";
@@ -117,6 +127,15 @@ type SandboxHandler struct {
 	// process exits before they are closed. Reloads do not drain.
 	// Default: 30s.
 	DrainGracePeriod caddy.Duration `json:"drain_grace_period,omitempty"`
+
+	// InsecurePlaintext is for tests only. It carries tunnels on
+	// connections that no TLS handshake authenticated, plaintext over raw
+	// TCP included: it turns off the load-time check that a TLS-terminating
+	// handler comes before this one, and the refusal of connections
+	// without a verified client certificate. Whoever reaches the port can
+	// then open tunnels to every allowed target with any frame a trusted
+	// key signed. Every load with it logs a WARN.
+	InsecurePlaintext bool `json:"insecure_plaintext,omitempty"`
 
 	ctx       caddy.Context
 	logger    *zap.Logger
@@ -193,6 +212,9 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
 	}
+	if len(h.AllowCIDRs) == 0 {
+		return errors.New("sandbox handler: no allow entry: name the sandbox networks this forwarder may reach (allow <cidr> ...)")
+	}
 	policy, err := forward.NewTargetPolicy(h.AllowCIDRs, h.AllowPorts)
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
@@ -208,6 +230,9 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		MaxTunnelsPerSandbox: h.MaxTunnelsPerSandbox,
 		KeyClients:           h.KeyClients,
 		MaxTunnelLifetime:    time.Duration(h.MaxTunnelLifetime),
+		// Only gateways whose TLS session verified their client
+		// certificate reach the preamble (Handle says which did).
+		RequireClientCertificate: !h.InsecurePlaintext,
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
@@ -217,6 +242,13 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	}
 	if h.DrainGracePeriod == 0 {
 		h.DrainGracePeriod = caddy.Duration(30 * time.Second)
+	}
+	if h.InsecurePlaintext {
+		h.logger.Warn(insecurePlaintextWarning)
+	} else if err := checkTLSBeforeSandbox(ctx); errors.Is(err, errRouteNotVisible) {
+		h.logger.Warn(routeNotVisibleWarning, zap.Error(err))
+	} else if err != nil {
+		return err
 	}
 	events, err := ctx.App("events")
 	if err != nil {
@@ -371,7 +403,11 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 			// Relay the connection under cx's read-ahead buffer so that
 			// splice reaches the socket; what cx still buffers (a matcher
 			// read past the preamble) goes to the target first.
-			return cx.Conn, append([]byte(nil), cx.MatchingBytes()...)
+			conn := cx.Conn
+			if tc, ok := conn.(*tls.Conn); ok {
+				conn = userspaceTLSConn{tc}
+			}
+			return conn, append([]byte(nil), cx.MatchingBytes()...)
 		},
 	}
 	if state, ok := tlsStateOf(cx); ok {
@@ -381,6 +417,11 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 			client.Certificate = leaf.Subject.String()
 			client.CertificateNames = append([]string{leaf.Subject.CommonName}, leaf.DNSNames...)
 		}
+		// Only a chain the handshake verified counts: crypto/tls fills
+		// VerifiedChains for client_auth modes verify_if_given and
+		// require_and_verify (Caddy's default with a trust pool), never
+		// for request or require, which take any certificate as sent.
+		client.ClientCertificateVerified = len(state.PeerCertificates) > 0 && len(state.VerifiedChains) > 0
 	}
 	res, err := h.fwd.Serve(client)
 	if res.Tunnel.ID == 0 {
@@ -417,6 +458,29 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	return nil
 }
 
+// userspaceTLSConn is a session crypto/tls carries: caddy-l4's tls
+// handler's, or Caddy's own TLS before a layer4 listener wrapper. Its
+// Abort (splice.Aborter) ends the session of a refused or failed tunnel
+// with a TCP reset on the socket under it, never through tls.Conn.Close,
+// whose close_notify the gateway would read as an orderly end. splice.Abort
+// alone cannot reach that socket where caddy-l4's Connection, which has no
+// NetConn, lies between (the tls handler runs over one).
+type userspaceTLSConn struct{ *tls.Conn }
+
+// Abort resets the connection under the session.
+func (c userspaceTLSConn) Abort() error {
+	inner := c.NetConn()
+	for {
+		lc, ok := inner.(*layer4.Connection)
+		if !ok {
+			break
+		}
+		inner = lc.Conn
+	}
+	splice.Abort(inner)
+	return nil
+}
+
 // tlsStateOf returns the TLS session that carries cx: the one the layer4
 // ktls (or tls) handler recorded, or, when the connection came through the
 // HTTP server's `listener_wrappers { ktls; layer4 {...} }` (where caddy-l4
@@ -429,6 +493,192 @@ func tlsStateOf(cx *layer4.Connection) (tls.ConnectionState, bool) {
 		return sc.ConnectionState(), true
 	}
 	return tls.ConnectionState{}, false
+}
+
+// insecurePlaintextWarning is logged at every load of a handler with
+// insecure_plaintext.
+const insecurePlaintextWarning = "sandbox handler: insecure_plaintext is on: tunnels are carried on connections without a verified client certificate, " +
+	"plaintext over raw TCP included, so whoever reaches this port can open them; for tests only, never in production"
+
+// routeNotVisibleWarning is logged at load by a handler whose route
+// checkTLSBeforeSandbox cannot read.
+const routeNotVisibleWarning = "sandbox handler: cannot check at load that a TLS-terminating handler comes before it; " +
+	"connections without a verified client certificate are refused all the same"
+
+// tlsTerminators are the layer4 handlers after which a connection is a
+// TLS session (they record it as caddy-l4's tls handler does; tlsStateOf
+// reads it): this module's ktls and caddy-l4's tls.
+var tlsTerminators = map[string]bool{"ktls": true, "tls": true}
+
+// errRouteNotVisible: the handler sits where its route's configuration
+// cannot be read at provision time (not in a layer4 server's route, a
+// subroute of one, or a layer4 listener wrapper's route).
+var errRouteNotVisible = errors.New("the sandbox handler's route cannot be read at load")
+
+// checkTLSBeforeSandbox fails when a sandbox handler's route does not run
+// a TLS-terminating handler before it, so that such a configuration does
+// not load. It is a structural check of the configuration; the guarantee
+// is the per-connection refusal of connections without a verified client
+// certificate (forward.Config.RequireClientCertificate), which holds
+// wherever the handler sits and however a connection reached it.
+//
+// A handler cannot see its route directly; it sees the modules it is
+// provisioned under (ctx.Modules) and their raw JSON, which Caddy clears
+// only once all of a field's modules are loaded. While a sandbox handler
+// provisions, the raw handler lists of its own route, of every route that
+// encloses it (subroute) and of every route not yet provisioned are still
+// there, those of routes already provisioned are gone. So the check reads
+// every sandbox handler in every raw route still there under its
+// container: its own route is among them; any other one it fails on will
+// fail this load when it provisions itself anyway. The container is the
+// nearest ancestor past subroute handlers:
+//
+//   - a layer4 app (layer4 { <addr> { route { ... } } }): each handler in
+//     a route is TLS-terminated when ktls or tls comes before it in that
+//     route, or before the subroute holding it in an enclosing route. A
+//     TLS handler in another route (an earlier route of the same list,
+//     which may not match) does not count: that shape can reach sandbox
+//     without it.
+//   - a layer4 listener wrapper in an HTTP server (listener_wrappers {
+//     ktls; layer4 { ... } }): its routes are TLS-terminated when it comes
+//     after the server's tls wrapper (listed, or implied first), which is
+//     where Caddy's TLS (or, right after it, the ktls wrapper) terminates
+//     it. A server without TLS on that port still hands it plaintext: the
+//     per-connection refusal catches that.
+//
+// Anywhere else (another module holding the handler) it returns
+// errRouteNotVisible, and the caller warns instead of failing.
+func checkTLSBeforeSandbox(ctx caddy.Context) error {
+	mods := ctx.Modules() // ..., the container, subroutes, this handler
+	for i := len(mods) - 2; i >= 0; i-- {
+		switch m := mods[i].(type) {
+		case *layer4.App:
+			return checkLayer4App(m)
+		case *layer4.ListenerWrapper:
+			srv, _ := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+			if srv == nil {
+				return fmt.Errorf("%w: a layer4 listener wrapper outside an HTTP server", errRouteNotVisible)
+			}
+			return checkListenerWrappers(srv.ListenerWrappersRaw)
+		default:
+			if id := m.CaddyModule().ID; id != "layer4.handlers.subroute" {
+				return fmt.Errorf("%w: it is in %s", errRouteNotVisible, id)
+			}
+		}
+	}
+	return fmt.Errorf("%w: it is in no layer4 server", errRouteNotVisible)
+}
+
+// checkLayer4App checks the routes of a's servers that are not yet
+// provisioned (see checkTLSBeforeSandbox).
+func checkLayer4App(a *layer4.App) error {
+	found := 0
+	for _, name := range slices.Sorted(maps.Keys(a.Servers)) {
+		srv := a.Servers[name]
+		if srv == nil {
+			continue
+		}
+		for i, r := range srv.Routes {
+			if r == nil {
+				continue
+			}
+			n, err := checkRouteHandlers(r.HandlersRaw, false, fmt.Sprintf("layer4 server %q, route %d", name, i))
+			if err != nil {
+				return err
+			}
+			found += n
+		}
+	}
+	return sandboxesFound(found)
+}
+
+// checkListenerWrappers checks the routes of an HTTP server's layer4
+// listener wrappers (see checkTLSBeforeSandbox).
+func checkListenerWrappers(raws []json.RawMessage) error {
+	type wrapper struct {
+		Wrapper string `json:"wrapper"`
+		Routes  []struct {
+			Handle []json.RawMessage `json:"handle"`
+		} `json:"routes"`
+	}
+	wrappers := make([]wrapper, len(raws))
+	tlsAt := -1 // implied first when not listed
+	for i, raw := range raws {
+		if json.Unmarshal(raw, &wrappers[i]) == nil && wrappers[i].Wrapper == "tls" {
+			tlsAt = i
+		}
+	}
+	found := 0
+	for i, w := range wrappers {
+		if w.Wrapper != "layer4" {
+			continue
+		}
+		for k, r := range w.Routes {
+			n, err := checkRouteHandlers(r.Handle, i > tlsAt, fmt.Sprintf("listener_wrappers[%d] (layer4), route %d", i, k))
+			if err != nil {
+				return err
+			}
+			found += n
+		}
+	}
+	return sandboxesFound(found)
+}
+
+// sandboxesFound reports a walk that met no sandbox handler: the one being
+// provisioned was not where the walk looked, so nothing was checked.
+func sandboxesFound(n int) error {
+	if n == 0 {
+		return fmt.Errorf("%w: its route is not among those still to be provisioned", errRouteNotVisible)
+	}
+	return nil
+}
+
+// checkRouteHandlers checks one route's raw handler list; tlsBefore says
+// whether a TLS-terminating handler runs before the list (in an enclosing
+// route, or a listener wrapper). It returns how many sandbox handlers it
+// met, in the list and in its subroutes.
+func checkRouteHandlers(handlers []json.RawMessage, tlsBefore bool, where string) (int, error) {
+	found := 0
+	for j, raw := range handlers {
+		var head struct {
+			Handler string `json:"handler"`
+		}
+		if json.Unmarshal(raw, &head) != nil {
+			continue // not this handler's, which Caddy decoded; Caddy reports it
+		}
+		switch {
+		case tlsTerminators[head.Handler]:
+			tlsBefore = true
+		case head.Handler == "sandbox":
+			found++
+			var sb struct {
+				InsecurePlaintext bool `json:"insecure_plaintext"`
+			}
+			json.Unmarshal(raw, &sb)
+			if !tlsBefore && !sb.InsecurePlaintext {
+				return found, fmt.Errorf("sandbox handler (%s, handler %d): no TLS-terminating handler comes before it: "+
+					"the sandbox handler needs a TLS-terminating handler (ktls, or caddy-l4's tls with client authentication) before it in its route: "+
+					"add `ktls { ... }` with client_auth before `sandbox` (it refuses every connection without a verified client certificate)", where, j)
+			}
+		case head.Handler == "subroute":
+			var sub struct {
+				Routes []struct {
+					Handle []json.RawMessage `json:"handle"`
+				} `json:"routes"`
+			}
+			if json.Unmarshal(raw, &sub) != nil {
+				continue
+			}
+			for k, r := range sub.Routes {
+				n, err := checkRouteHandlers(r.Handle, tlsBefore, fmt.Sprintf("%s, handler %d (subroute), route %d", where, j, k))
+				found += n
+				if err != nil {
+					return found, err
+				}
+			}
+		}
+	}
+	return found, nil
 }
 
 // Interface guards.

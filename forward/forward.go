@@ -61,6 +61,18 @@ type Config struct {
 	// refused (ReasonTunnelLimit) before its target is dialed. Zero means
 	// no cap.
 	MaxTunnelsPerSandbox int
+	// RequireClientCertificate refuses every client that did not arrive with
+	// a verified client certificate (Client.ClientCertificateVerified),
+	// with ReasonNoClientCertificate, before anything else is done for it:
+	// nothing is read from it (not a byte of its preamble), nothing is
+	// dialed. Only a client whose TLS session verified its certificate
+	// reaches the preamble parser, the verifier, the replay cache and the
+	// dialer. It is checked before draining, so such a client is reported
+	// as what it is whatever the forwarder's state. The Caddy handler sets
+	// it unless its test-only insecure_plaintext is on; false (the zero
+	// value) serves clients the caller vouches for itself, such as this
+	// package's tests on plain TCP.
+	RequireClientCertificate bool
 }
 
 // Forwarder carries tunnels: one Serve call per client connection.
@@ -116,6 +128,14 @@ type Client struct {
 	// CertificateNames are the names of the client's TLS certificate (its
 	// Common Name and DNS names), matched against Config.KeyClients.
 	CertificateNames []string
+	// ClientCertificateVerified says that Conn is a TLS session whose
+	// handshake verified the client's certificate: the client sent one and
+	// the server built a chain from it to a trusted root
+	// (tls.ConnectionState.VerifiedChains is not empty). A certificate the
+	// server only received (crypto/tls's RequireAnyClientCert, Caddy's
+	// client_auth mode "require") does not count. Config.RequireClientCertificate
+	// refuses clients without one.
+	ClientCertificateVerified bool
 }
 
 // Result describes a tunnel that was carried.
@@ -218,9 +238,19 @@ func refuse(c Client) {
 	c.Conn.Close()
 }
 
-// open runs everything up to a connected target: preamble, verification,
-// key binding, policy, tunnel cap, dial and registration.
+// errNoClientCertificate is the cause of ReasonNoClientCertificate.
+var errNoClientCertificate = errors.New("the connection carries no verified client certificate: " +
+	"only a TLS session whose handshake verified the gateway's certificate may open a tunnel")
+
+// open runs everything up to a connected target: client certificate,
+// preamble, verification, key binding, policy, tunnel cap, dial and
+// registration.
 func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, error) {
+	// First: an unauthenticated client gets nothing from this forwarder,
+	// not even a read of its bytes.
+	if f.cfg.RequireClientCertificate && !c.ClientCertificateVerified {
+		return nil, nil, nil, &RejectError{Reason: ReasonNoClientCertificate, Err: errNoClientCertificate}
+	}
 	if f.cfg.Registry.Draining() {
 		return nil, nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
 	}

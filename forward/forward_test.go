@@ -6,9 +6,11 @@ import (
 	"crypto/ed25519"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -32,6 +34,9 @@ type fixture struct {
 	mu   sync.Mutex
 	errs []error
 	res  []Result
+	// verified is what the fixture tells Serve about each client it
+	// accepts from now on (Client.ClientCertificateVerified).
+	verified atomic.Bool
 }
 
 func newFixture(t *testing.T, mod func(*Config)) *fixture {
@@ -67,7 +72,7 @@ func newFixture(t *testing.T, mod func(*Config)) *fixture {
 			f.wg.Add(1)
 			go func() {
 				defer f.wg.Done()
-				res, err := f.fwd.Serve(Client{Conn: c, Peer: c.RemoteAddr().String()})
+				res, err := f.fwd.Serve(Client{Conn: c, Peer: c.RemoteAddr().String(), ClientCertificateVerified: f.verified.Load()})
 				f.mu.Lock()
 				f.errs, f.res = append(f.errs, err), append(f.res, res)
 				f.mu.Unlock()
@@ -538,6 +543,101 @@ func TestKeyClients(t *testing.T) {
 		err := f.checkKeyClient(tc.key, tc.names)
 		if tc.ok != (err == nil) || !tc.ok && ReasonOf(err) != string(ReasonKeyNotForClient) {
 			t.Errorf("key %s with certificate names %v: %v, want accepted %v", tc.key, tc.names, err, tc.ok)
+		}
+	}
+}
+
+// readCounter counts the reads a forwarder makes on a client connection.
+type readCounter struct {
+	net.Conn
+	reads atomic.Int64
+}
+
+func (c *readCounter) Read(p []byte) (int, error) {
+	c.reads.Add(1)
+	return c.Conn.Read(p)
+}
+
+// RequireClientCertificate: a client without a verified client certificate
+// is refused (no-client-certificate, counted, a reset) before a byte of it
+// is read, even while the forwarder drains, and nothing is dialed; the same
+// forwarder carries a client that has one, exact bytes both ways.
+func TestRequireClientCertificate(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	const size = 256 << 10
+	up := forwardtest.NewUpstream(t, size+3)
+	f := newFixture(t, func(c *Config) { c.RequireClientCertificate = true })
+
+	// Through the listener, as a gateway: a valid frame, refused with a
+	// reset, which can arrive before connect(2) returns (nothing is read
+	// first), or on the write, which then reports it instead of the read.
+	if c, err := net.Dial("tcp", f.ln.Addr().String()); err == nil {
+		_, werr := c.Write(f.gw.Frame(t, "sbx", up.Addr()))
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		n, rerr := io.Copy(io.Discard, c)
+		c.Close()
+		if n != 0 || !errors.Is(rerr, syscall.ECONNRESET) && !errors.Is(werr, syscall.ECONNRESET) {
+			t.Errorf("refused client read %d bytes, write err %v, read err %v; want none, then a reset", n, werr, rerr)
+		}
+	} else if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatal(err)
+	}
+	if err := f.wait(t, 1)[0]; ReasonOf(err) != string(ReasonNoClientCertificate) || !strings.Contains(fmt.Sprint(err), "no verified client certificate") {
+		t.Errorf("Serve: %v, want no-client-certificate saying why", err)
+	}
+	if !slices.Contains(Reasons(), ReasonNoClientCertificate) {
+		t.Errorf("Reasons() %v lacks %s: its metric series would not be pre-registered", Reasons(), ReasonNoClientCertificate)
+	}
+
+	// Directly: nothing is read from the refused client, and its peer
+	// reads a reset.
+	a, b := tcpPair(t)
+	defer b.Close()
+	b.Write(f.gw.Frame(t, "sbx", up.Addr()))
+	rc := &readCounter{Conn: a}
+	res, err := f.fwd.Serve(Client{Conn: rc, Peer: "direct"})
+	if ReasonOf(err) != string(ReasonNoClientCertificate) || res.Tunnel.ID != 0 || rc.reads.Load() != 0 {
+		t.Errorf("Serve: %v (tunnel %d) after %d reads; want no-client-certificate, no tunnel, no read", err, res.Tunnel.ID, rc.reads.Load())
+	}
+	b.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := io.Copy(io.Discard, b); n != 0 || !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("refused client read %d bytes, err %v; want none, then a reset", n, err)
+	}
+	if got := f.reg.Rejections()[string(ReasonNoClientCertificate)]; got != 2 {
+		t.Errorf("no-client-certificate counted %d times, want 2", got)
+	}
+	if up.Accepted() != 0 {
+		t.Fatalf("upstream accepted %d connections for unauthenticated clients", up.Accepted())
+	}
+
+	// With a verified certificate the same forwarder carries the tunnel.
+	f.verified.Store(true)
+	sent, recv, n := runTunnel(t, f.dial(t), f.gw.Frame(t, "sbx", up.Addr()), size, 5)
+	if errs := f.wait(t, 2); errs[1] != nil {
+		t.Fatalf("verified client's tunnel: %v", errs[1])
+	}
+	up.Close()
+	r := up.Results()
+	if len(r) != 1 || r[0].Received != size || r[0].RecvSum != sent || n != size+3 || recv != r[0].SentSum {
+		t.Fatalf("verified client's tunnel: upstream results %+v, client got %d bytes (hash match %v); want %d bytes each way, exact",
+			r, n, len(r) == 1 && recv == r[0].SentSum, size)
+	}
+
+	// The certificate is checked before draining: an unauthenticated
+	// client is no-client-certificate, an authenticated one draining.
+	if forced := f.reg.Drain(context.Background()); forced != 0 {
+		t.Fatalf("Drain forced %d tunnels, want 0", forced)
+	}
+	for _, verified := range []bool{false, true} {
+		a, b := tcpPair(t)
+		_, err := f.fwd.Serve(Client{Conn: a, ClientCertificateVerified: verified})
+		b.Close()
+		want := ReasonNoClientCertificate
+		if verified {
+			want = ReasonDraining
+		}
+		if ReasonOf(err) != string(want) {
+			t.Errorf("draining, client certificate verified %v: %v, want %s", verified, err, want)
 		}
 	}
 }

@@ -4,10 +4,17 @@ package forward
 // appear in logs, metrics labels and the admin API, so they never change
 // meaning once released. A refused preamble carries the preamble package's
 // own reason unchanged (preamble.Reason: "timeout", "bad-signature", ...);
-// the reasons below are the forwarder's, raised after the preamble verified.
+// the reasons below are the forwarder's: ReasonNoClientCertificate and
+// ReasonDraining before the preamble is read, the others after it verified.
 type Reason string
 
 const (
+	// ReasonNoClientCertificate: Config.RequireClientCertificate is set and
+	// the connection did not come with a verified client certificate
+	// (Client.ClientCertificateVerified): no TLS session, or one in which
+	// the client sent no certificate or one that was not verified against
+	// a trust pool. Refused before the preamble is read.
+	ReasonNoClientCertificate Reason = "no-client-certificate"
 	// ReasonTargetDenied: the signed target is not allowed by the target policy.
 	ReasonTargetDenied Reason = "target-denied"
 	// ReasonDialFailed: the target could not be reached within the dial timeout.
@@ -23,7 +30,7 @@ const (
 )
 
 // The forwarder's own reasons, in the order Reasons returns them.
-var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient}
+var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate}
 
 // Reasons returns every rejection reason this package raises itself (a
 // refused preamble's reasons are preamble.Reasons), so that metrics can

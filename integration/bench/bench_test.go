@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"crypto/x509"
 	"errors"
 	"io"
 	"net"
@@ -498,5 +499,22 @@ func TestPayloadChecksCatchMangling(t *testing.T) {
 		} else if err != nil {
 			t.Logf("%s: %v", tc.name, err)
 		}
+	}
+}
+
+// TestPKIClientCertificateVerifies: the gateway's client certificate
+// verifies for client auth against the run's CA, as the forwarder's
+// require_and_verify checks it.
+func TestPKIClientCertificateVerifies(t *testing.T) {
+	p, err := newPKI(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf, err := x509.ParseCertificate(p.client.Certificate[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: p.pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err != nil {
+		t.Fatalf("the gateway's client certificate does not verify: %v", err)
 	}
 }

@@ -121,12 +121,15 @@ func layer4(env *runEnv, handlers ...any) map[string]any {
 	}}}}
 }
 
-// caddySandbox is this project's forwarder: layer4 ktls + sandbox, with the
-// given offload options on the ktls handler. The loopback upstream must be
-// allowed explicitly.
+// caddySandbox is this project's forwarder: layer4 ktls (mutual TLS: the
+// sandbox handler carries no tunnel for a client it did not verify) +
+// sandbox, with the given offload options on the ktls handler. The loopback
+// upstream must be allowed explicitly.
 func caddySandbox(offload map[string]any) func(*runEnv) (*exec.Cmd, error) {
 	return func(env *runEnv) (*exec.Cmd, error) {
-		ktlsHandler := map[string]any{"handler": "ktls", "connection_policies": []any{map[string]any{}}}
+		ktlsHandler := map[string]any{"handler": "ktls", "connection_policies": []any{map[string]any{
+			"client_authentication": map[string]any{"mode": "require_and_verify", "trusted_ca_certs": []string{env.pki.caDER}},
+		}}}
 		for k, v := range offload {
 			ktlsHandler[k] = v
 		}

@@ -88,8 +88,11 @@ func checkSuite(cs tls.ConnectionState) error {
 // gatewayTLS is the gateway's client config: full handshakes only (no session
 // cache), X25519 only (HAProxy and nginx on OpenSSL 3.0 lack Go's default
 // post-quantum X25519MLKEM768, so every contender does the same key exchange).
+// Its client certificate goes only to a server that asks for one: the
+// forwarder, which verifies it.
 func gatewayTLS(roots *pki) *tls.Config {
 	return &tls.Config{
+		Certificates:     []tls.Certificate{roots.client},
 		RootCAs:          roots.pool,
 		ServerName:       "localhost",
 		MinVersion:       tls.VersionTLS13,

@@ -5,6 +5,7 @@ import (
 	"crypto/ed25519"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/base64"
@@ -21,13 +22,17 @@ import (
 // pki is the run's key material, as files for the contenders' configs: one
 // self-signed ECDSA P-256 server certificate that every TLS contender
 // presents (same certificate type, same signature cost) and the gateway
-// trusts directly, and the gateway's Ed25519 preamble signing key.
+// trusts directly, the gateway's client certificate that it signed (the
+// forwarder verifies it, as it must: mutual TLS), and the gateway's Ed25519
+// preamble signing key.
 // (internal/testpki needs a testing.TB, which a main package cannot make.)
 type pki struct {
 	certFile, keyFile, bundleFile string
 	pool                          *x509.CertPool
 	signer                        *preamble.Signer
 	signingPub                    string // base64 raw Ed25519 public key, for the sandbox handler
+	caDER                         string // base64 DER of the server certificate, the client certificate's CA
+	client                        tls.Certificate
 }
 
 func newPKI(dir string) (*pki, error) {
@@ -45,7 +50,8 @@ func newPKI(dir string) (*pki, error) {
 		IsCA:                  true,
 		BasicConstraintsValid: true,
 		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		// ClientAuth too: it also issues the gateway's client certificate.
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
 	if err != nil {
@@ -81,5 +87,31 @@ func newPKI(dir string) (*pki, error) {
 		return nil, err
 	}
 	p.signingPub = base64.StdEncoding.EncodeToString(pub)
+	p.caDER = base64.StdEncoding.EncodeToString(der)
+	if p.client, err = clientCertificate(cert, key); err != nil {
+		return nil, err
+	}
 	return p, nil
+}
+
+// clientCertificate makes the gateway's ECDSA P-256 client certificate,
+// signed by ca.
+func clientCertificate(ca *x509.Certificate, caKey *ecdsa.PrivateKey) (tls.Certificate, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return tls.Certificate{}, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(time.Now().UnixNano() + 1),
+		Subject:      pkix.Name{CommonName: "bench-gateway"},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(7 * 24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, key.Public(), caKey)
+	if err != nil {
+		return tls.Certificate{}, err
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}, nil
 }

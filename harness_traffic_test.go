@@ -194,8 +194,15 @@ func (e *sandboxEnv) rawTunnel(t *testing.T, payload []byte, halfClose bool) *tl
 }
 
 // transfer sends `send` pattern bytes (seed) then close_notify, reads to
-// EOF, and returns the received count and hash.
-func transfer(c *tls.Conn, send int64, seed uint64) (recvN int64, recvSum [32]byte, err error) {
+// EOF, and returns the received count and hash. c is a gateway's TLS
+// session, or a raw TCP connection (insecure_plaintext).
+// halfCloser is a connection that can end its sending side alone.
+type halfCloser interface {
+	net.Conn
+	CloseWrite() error
+}
+
+func transfer(c halfCloser, send int64, seed uint64) (recvN int64, recvSum [32]byte, err error) {
 	defer c.Close()
 	werr := make(chan error, 1)
 	go func() {
@@ -203,8 +210,10 @@ func transfer(c *tls.Conn, send int64, seed uint64) (recvN int64, recvSum [32]by
 		// crypto/tls gives the close_notify's write 5 s: queued behind a
 		// full send buffer that a loaded VM's forwarder drains slowly, it
 		// could time out on the gateway's side.
-		if tc, ok := c.NetConn().(*net.TCPConn); ok && err == nil {
-			err = awaitSendQueueEmpty(tc, 2*time.Minute)
+		if tc, ok := c.(*tls.Conn); ok && err == nil {
+			if sock, ok := tc.NetConn().(*net.TCPConn); ok {
+				err = awaitSendQueueEmpty(sock, 2*time.Minute)
+			}
 		}
 		if err == nil {
 			err = c.CloseWrite()

@@ -82,7 +82,7 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 }
 
 func (h *KTLSHandler) observe(ev ktls.Event) {
-	connCloses.count(moduleL4Handler, ev.Kind)
+	countClose(moduleL4Handler, ev.Kind)
 	switch {
 	case ev.Kind == ktls.EventHandshake:
 		logHandshake(h.logger, ev)

@@ -248,7 +248,7 @@ func servesH1AndH2(srv *caddyhttp.Server) bool {
 
 // observe logs what the ktls engine reports for a connection.
 func (lw *ListenerWrapper) observe(ev ktls.Event) {
-	connCloses.count(moduleListenerWrapper, ev.Kind)
+	countClose(moduleListenerWrapper, ev.Kind)
 	switch ev.Kind {
 	case ktls.EventHandshake:
 		logHandshake(lw.logger, ev)

@@ -2,7 +2,6 @@ package caddyktls
 
 import (
 	"context"
-	"crypto/sha256"
 	"crypto/tls"
 	"encoding/base64"
 	"encoding/hex"
@@ -611,7 +610,11 @@ func TestSandboxInsecurePlaintext(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n, recvSum, err := plainTransfer(c.(*net.TCPConn), e.gw.Frame(t, "sbx-plaintext", up.Addr()), size, seed)
+	if _, err := c.Write(e.gw.Frame(t, "sbx-plaintext", up.Addr())); err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(time.Minute))
+	n, recvSum, err := transfer(c.(*net.TCPConn), size, seed)
 	if err != nil {
 		t.Fatalf("plaintext tunnel: %v", err)
 	}
@@ -634,29 +637,4 @@ func TestSandboxInsecurePlaintext(t *testing.T) {
 	checkWarned(1)
 	e.load(t)
 	checkWarned(2)
-}
-
-// plainTransfer writes frame and send pattern bytes (seed) on c, a raw TCP
-// connection, half-closes, reads to EOF and returns what it received.
-func plainTransfer(c *net.TCPConn, frame []byte, send int64, seed uint64) (recvN int64, recvSum [32]byte, err error) {
-	defer c.Close()
-	werr := make(chan error, 1)
-	go func() {
-		_, err := c.Write(frame)
-		if err == nil {
-			_, err = io.Copy(c, io.LimitReader(forwardtest.NewPattern(seed), send))
-		}
-		if err == nil {
-			err = c.CloseWrite()
-		}
-		werr <- err
-	}()
-	c.SetReadDeadline(time.Now().Add(time.Minute))
-	h := sha256.New()
-	recvN, err = io.Copy(h, c)
-	copy(recvSum[:], h.Sum(nil))
-	if e := <-werr; err == nil {
-		err = e
-	}
-	return recvN, recvSum, err
 }

@@ -88,41 +88,24 @@ type replayCacheEntry struct{ *preamble.ReplayCache }
 
 func (replayCacheEntry) Destruct() error { return nil }
 
-type closeKey struct {
-	module string
-	event  ktls.EventKind
-}
-
-// closeCounts counts the connections the ktls engine closed, per module and
-// event: the modules' observers count, the collector reads.
-type closeCounts struct {
+// seriesCounts counts events per metric series (K: the labels). Every
+// series it is made with exists from zero (alerts on rate() need them);
+// add counts those only. The modules' observers count, the collector reads.
+type seriesCounts[K comparable] struct {
 	mu sync.Mutex
-	n  map[closeKey]uint64
+	n  map[K]uint64
 }
 
-// connCloses starts with every series at zero (alerts on rate() need them).
-var connCloses = func() *closeCounts {
-	c := &closeCounts{n: map[closeKey]uint64{}}
-	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
-		for _, ev := range closeEvents {
-			c.n[closeKey{m, ev}] = 0
-		}
+func newSeriesCounts[K comparable](keys []K) *seriesCounts[K] {
+	c := &seriesCounts[K]{n: make(map[K]uint64, len(keys))}
+	for _, k := range keys {
+		c.n[k] = 0
 	}
-	c.n[closeKey{moduleL4Handler, eventBadRecord}] = 0
 	return c
-}()
-
-// count records ev for module when it is a close event. Every handshake
-// reports an event too: those return before taking the lock.
-func (c *closeCounts) count(module string, ev ktls.EventKind) {
-	if !slices.Contains(closeEvents, ev) {
-		return
-	}
-	c.add(closeKey{module, ev})
 }
 
-// add counts one close of k, when k has a series.
-func (c *closeCounts) add(k closeKey) {
+// add counts one event of k, when k has a series.
+func (c *seriesCounts[K]) add(k K) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if _, ok := c.n[k]; ok {
@@ -130,11 +113,49 @@ func (c *closeCounts) add(k closeKey) {
 	}
 }
 
-func (c *closeCounts) snapshot() map[closeKey]uint64 {
+func (c *seriesCounts[K]) snapshot() map[K]uint64 {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return maps.Clone(c.n)
 }
+
+type closeKey struct {
+	module string
+	event  ktls.EventKind
+}
+
+// connCloses counts the connections the ktls engine closed, per module and
+// event (and the layer4 handler's bad records).
+var connCloses = func() *seriesCounts[closeKey] {
+	var keys []closeKey
+	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+		for _, ev := range closeEvents {
+			keys = append(keys, closeKey{m, ev})
+		}
+	}
+	return newSeriesCounts(append(keys, closeKey{moduleL4Handler, eventBadRecord}))
+}()
+
+// countClose records ev for module when it is a close event. Every
+// handshake reports an event too: those return before taking the lock.
+func countClose(module string, ev ktls.EventKind) {
+	if slices.Contains(closeEvents, ev) {
+		connCloses.add(closeKey{module, ev})
+	}
+}
+
+type failKey struct{ module, reason string }
+
+// handshakeFails counts failed TLS handshakes per module and reason.
+var handshakeFails = func() *seriesCounts[failKey] {
+	var keys []failKey
+	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+		for _, r := range handshakeFailureReasons {
+			keys = append(keys, failKey{m, r})
+		}
+	}
+	return newSeriesCounts(keys)
+}()
 
 // pusherSet tracks the activity pushers of all loaded configurations, and
 // keeps the counts of retired ones so the metrics never go backwards across
@@ -178,35 +199,4 @@ func (s *pusherSet) stats() forward.PusherStats {
 		t.Dropped += st.Dropped
 	}
 	return t
-}
-
-type failKey struct{ module, reason string }
-
-// failCounts counts failed TLS handshakes per module and reason, every
-// series from zero; the modules' observers count, the collector reads.
-type failCounts struct {
-	mu sync.Mutex
-	n  map[failKey]uint64
-}
-
-var handshakeFails = func() *failCounts {
-	c := &failCounts{n: map[failKey]uint64{}}
-	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
-		for _, r := range handshakeFailureReasons {
-			c.n[failKey{m, r}] = 0
-		}
-	}
-	return c
-}()
-
-func (c *failCounts) add(k failKey) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.n[k]++
-}
-
-func (c *failCounts) snapshot() map[failKey]uint64 {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return maps.Clone(c.n)
 }

@@ -125,9 +125,11 @@ func (pp *PipePool) get() (*pipe, error) {
 
 // put takes a pipe back. A pipe that still holds bytes (its burst ended with
 // an error before the sink took them) is closed, never reused, so stale bytes
-// cannot leak into another tunnel.
+// cannot leak into another tunnel. The pipe counts as in use until it is
+// idle or closed, so that a snapshot with nothing in use has every returned
+// pipe's close counted.
 func (pp *PipePool) put(p *pipe) {
-	pp.inUse.Add(-1)
+	defer pp.inUse.Add(-1)
 	if p.buffered != 0 {
 		pp.destroy(p)
 		return

@@ -19,10 +19,11 @@ export KTLS_TEST_MIB
 # Size (MiB) of the real-binary test's curl download; empty = KTLS_TEST_MIB's.
 export KTLS_BINARY_DOWNLOAD_MIB
 
-.PHONY: help build xcaddy demo test vet hosttest fuzz vmtest flake bench bench-smoke bench-bulk bench-host bench-report clean
+.PHONY: help build tools xcaddy demo test vet hosttest fuzz vmtest flake bench bench-smoke bench-bulk bench-host bench-report clean
 
 help:
 	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
+	@echo 'make tools        bin/h2spec, the HTTP/2 conformance suite the wrapper is compared with stock Caddy by (pinned: integration/tools/go.mod)'
 	@echo 'make xcaddy       bin/caddy-xcaddy with xcaddy $(XCADDY_VERSION), and check it carries this module'
 	@echo 'make demo         a sandbox tunnel end to end on this host, then in a VM on kernel $(DEMO_KERNEL)'
 	@echo 'make test         go vet, host tests ($(HOST_TEST_FLAGS)), kernel tests in VMs on: $(KERNELS), bench smoke'
@@ -38,6 +39,12 @@ help:
 
 build:
 	$(GO) build -o bin/caddy ./cmd/caddy
+
+# Test tools at the versions integration/tools/go.mod pins, from the module
+# proxy: h2spec for TestListenerWrapperConformance (host and VM).
+tools: bin/h2spec
+bin/h2spec: integration/tools/go.mod integration/tools/go.sum
+	cd integration/tools && $(GO) build -o ../../bin/h2spec github.com/summerwind/h2spec/cmd/h2spec
 
 # The user's path to a Caddy with this module: the exact xcaddy command, with
 # the module proxy only (no VCS fallback) so that it resolves what go.sum pins.
@@ -69,14 +76,14 @@ BENCH_SMOKE_GATEWAY_KTLS = ktls,l4-proxy,reverse-proxy
 # share one (the goals' ratios come from one run), the others the second.
 BENCH_VM_SPLIT = ktls,floor-ktls,l4-proxy,reverse-proxy ktls-rx-off,ktls-off,haproxy,nginx,floor-plain
 
-test: vet hosttest fuzz build
+test: vet hosttest fuzz build tools
 	integration/vmtest.sh $(KERNELS)
 	$(MAKE) --no-print-directory bench-smoke
 
 vet:
 	$(GO) vet ./...
 
-hosttest:
+hosttest: tools
 	integration/hosttest.sh $(HOST_TEST_FLAGS)
 
 # A short run of every fuzz target: the parsers that face the network and
@@ -94,7 +101,7 @@ fuzz:
 		$(GO) test -run '^$$' -fuzz "^$${t#*:}$$" -fuzztime $(FUZZTIME) $${t%%:*} || exit 1; \
 	done
 
-vmtest: build
+vmtest: build tools
 	integration/vmtest.sh $(KERNEL)
 
 # Finds a flaky test in minutes: the tests matching RUN, COUNT times in a row
@@ -104,7 +111,7 @@ vmtest: build
 RUN ?= ^TestKernel
 COUNT ?= 10
 HOG ?= 0
-flake: build
+flake: build tools
 	integration/flake.sh '$(KERNEL)' '$(RUN)' '$(COUNT)' '$(HOG)' $(HOST_TEST_FLAGS)
 
 # The benchmark harness (integration/bench.sh builds its own Caddy and the

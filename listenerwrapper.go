@@ -19,6 +19,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/mholt/caddy-l4/layer4"
 	"go.uber.org/zap"
+	"golang.org/x/net/http2"
 
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
@@ -76,6 +77,11 @@ type ListenerWrapper struct {
 	// failures counts and logs failed handshakes.
 	failures *handshakeFailureLog
 	sendfile bool // Sendfile, and possible on this server
+	// gatePreface: net/http reads the connections this wrapper returns
+	// (no wrapper follows it), so their first bytes must agree with ALPN
+	// (prefaceGate). Behind a layer4 wrapper stock Caddy serves
+	// *layer4.Connection the way it serves ours, so nothing is gated.
+	gatePreface bool
 
 	baseOnce sync.Once
 	base     *tls.Config
@@ -99,6 +105,8 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	if err := checkWrapperOrder(srv.ListenerWrappersRaw); err != nil {
 		return err
 	}
+	names, _ := wrapperNames(srv.ListenerWrappersRaw) // read by checkWrapperOrder
+	lw.gatePreface = len(names) > 0 && names[len(names)-1] == "ktls"
 	if layer4WithoutSession(srv.ListenerWrappersRaw) {
 		lw.logger.Warn(layer4WithoutSessionWarning)
 	}
@@ -334,7 +342,8 @@ func (l *listener) Accept() (net.Conn, error) {
 	if !ok {
 		return c, nil // the HTTP port of a server, or no TLS on this server
 	}
-	hc := &httpConn{kc: ktls.Server(tc.NetConn(), l.lw.base, l.lw.opts), timeout: time.Duration(l.lw.HandshakeTimeout)}
+	hc := &httpConn{kc: ktls.Server(tc.NetConn(), l.lw.base, l.lw.opts), timeout: time.Duration(l.lw.HandshakeTimeout),
+		gatePreface: l.lw.gatePreface}
 	if l.lw.sendfile {
 		return &sendfileConn{hc}, nil
 	}
@@ -354,6 +363,9 @@ type httpConn struct {
 	// does not linger there.
 	layer4 atomic.Bool
 	close  sync.Once
+	// gatePreface: after the handshake, reads go through gate.
+	gatePreface bool
+	gate        *prefaceGate
 }
 
 // httpLingerTimeout bounds how long Close waits for the client to close
@@ -372,6 +384,9 @@ func (c *httpConn) handshake() error {
 	if err := c.kc.HandshakeContext(ctx); err != nil {
 		return err
 	}
+	if c.gatePreface {
+		c.gate = &prefaceGate{h2: c.kc.ConnectionState().NegotiatedProtocol == "h2"}
+	}
 	c.handshook.Store(true)
 	return nil
 }
@@ -380,6 +395,9 @@ func (c *httpConn) handshake() error {
 func (c *httpConn) Read(p []byte) (int, error) {
 	if err := c.handshake(); err != nil {
 		return 0, err
+	}
+	if c.gate != nil {
+		return c.gate.read(c.kc, p)
 	}
 	return c.kc.Read(p)
 }
@@ -398,7 +416,25 @@ func (c *httpConn) WriteTo(w io.Writer) (int64, error) {
 	if err := c.handshake(); err != nil {
 		return 0, err
 	}
-	return c.kc.WriteTo(w)
+	var copied int64
+	if g := c.gate; g != nil {
+		var buf [len(http2.ClientPreface)]byte
+		for g.pending() {
+			n, err := g.read(c.kc, buf[:])
+			m, werr := w.Write(buf[:n])
+			copied += int64(m)
+			switch {
+			case werr != nil:
+				return copied, werr
+			case err == io.EOF:
+				return copied, nil
+			case err != nil:
+				return copied, err
+			}
+		}
+	}
+	n, err := c.kc.WriteTo(w)
+	return copied + n, err
 }
 
 // CloseWrite sends close_notify and shuts down the sending side; net/http

@@ -94,6 +94,7 @@ func (lw *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //	expect_no_pad                   # TLS_RX_EXPECT_NO_PAD (trusted peers only)
 //	tx_zerocopy_ro                  # TLS_TX_ZEROCOPY_RO (with the wrapper's sendfile, device offload)
 //	keyupdate_rate    <per_second> [<burst>]
+//	key_record_limit  <records>     # default 8388608 (2^23), at most 2^24: renew the key, or end, before a key protects more
 //	handshake_timeout <duration>
 func (o *OffloadOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
 	switch opt := d.Val(); opt {
@@ -142,6 +143,18 @@ func (o *OffloadOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handl
 				return true, d.Errf("keyupdate_rate: burst %q is not a positive integer", args[1])
 			}
 			o.KeyUpdateBurst = burst
+		}
+	case "key_record_limit":
+		if !d.NextArg() {
+			return true, d.ArgErr()
+		}
+		n, err := strconv.ParseUint(d.Val(), 10, 64)
+		if err != nil || n == 0 {
+			return true, d.Errf("key_record_limit: %q is not a positive integer", d.Val())
+		}
+		o.KeyRecordLimit = n
+		if d.NextArg() {
+			return true, d.ArgErr()
 		}
 	case "handshake_timeout":
 		dur, err := durationArg(d)

@@ -263,7 +263,7 @@ func (lw *ListenerWrapper) observe(ev ktls.Event) {
 		if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
 			lw.failures.record(ev)
 		}
-	case ktls.EventRateLimited, ktls.EventClosed, ktls.EventRekeyUnsupported:
+	case ktls.EventRateLimited, ktls.EventClosed, ktls.EventRekeyUnsupported, ktls.EventKeyExhausted:
 		lw.logger.Warn("kernel TLS connection closed", zap.String("event", string(ev.Kind)),
 			zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
 	default:

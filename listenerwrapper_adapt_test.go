@@ -64,6 +64,8 @@ func TestListenerWrapperCaddyfileErrors(t *testing.T) {
 		"rate zero":            {"keyupdate_rate 0", `keyupdate_rate: "0" is not a positive number`},
 		"burst not an integer": {"keyupdate_rate 5 1.5", `burst "1.5" is not a positive integer`},
 		"rate arity":           {"keyupdate_rate 1 2 3", "keyupdate_rate takes a rate per second and an optional burst"},
+		"record limit":         {"key_record_limit many", `key_record_limit: "many" is not a positive integer`},
+		"record limit zero":    {"key_record_limit 0", `key_record_limit: "0" is not a positive integer`},
 		"timeout":              {"handshake_timeout soon", `handshake_timeout: "soon" is not a positive duration`},
 	} {
 		t.Run(name, func(t *testing.T) {

@@ -284,6 +284,7 @@ func TestListenerWrapperRejectsBadOptions(t *testing.T) {
 	}{
 		"zerocopy without sendfile": {`{"wrapper":"ktls","tx_zerocopy_ro":true}`, "tx_zerocopy_ro only affects sendfile"},
 		"negative rate":             {`{"wrapper":"ktls","keyupdate_rate":-1}`, "must not be negative"},
+		"record limit above 2^24":   {`{"wrapper":"ktls","key_record_limit":16777217}`, "key_record_limit 16777217 is above 16777216"},
 		"offload off but required":  {`{"wrapper":"ktls","disable_offload":true,"require_offload":true}`, "would refuse every connection"},
 	}
 	for name, tc := range cases {

@@ -96,7 +96,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 }
 
 // closeEvents are the ktls events that end a connection.
-var closeEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.EventClosed, ktls.EventRekeyUnsupported, ktls.EventRefused}
+var closeEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.EventClosed, ktls.EventRekeyUnsupported, ktls.EventKeyExhausted, ktls.EventRefused}
 
 // eventBadRecord counts the tunnels that a received record failing
 // authentication ended (ktls.IsBadRecord). It is not a ktls event: on the

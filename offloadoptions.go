@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -72,6 +73,18 @@ type OffloadOptions struct {
 	// above KeyUpdateRate. Zero: the ktls package default (20).
 	KeyUpdateBurst int `json:"keyupdate_burst,omitempty"`
 
+	// KeyRecordLimit is how many TLS records one traffic key may protect,
+	// in either direction, before the connection acts (RFC 8446 section
+	// 5.5 bounds an AES-GCM key to 2^24.5 full records; the kernel
+	// enforces nothing): on TLS 1.3 with a kernel that rekeys (Linux
+	// 6.14+) it renews its own key with a KeyUpdate and asks the peer to
+	// renew its key; on TLS 1.2, on older kernels, or when the peer does
+	// not renew by twice the limit, it ends the connection as a failure
+	// (internal_error) before the key goes further, logged at WARN and
+	// counted as caddy_ktls_connections_closed_total{event="key-exhausted"}.
+	// Zero: 8388608 (2^23); at most 16777216 (2^24).
+	KeyRecordLimit uint64 `json:"key_record_limit,omitempty"`
+
 	// HandshakeTimeout bounds the TLS handshake (in the listener wrapper it
 	// runs on the first read or write of a connection, never in the accept
 	// loop). Default: 10s.
@@ -86,6 +99,9 @@ const defaultHandshakeTimeout = 10 * time.Second
 func (o *OffloadOptions) provision() error {
 	if o.KeyUpdateRate < 0 || o.KeyUpdateBurst < 0 || o.HandshakeTimeout < 0 {
 		return errors.New("keyupdate_rate, keyupdate_burst and handshake_timeout must not be negative")
+	}
+	if o.KeyRecordLimit > ktls.MaxRecordLimit {
+		return fmt.Errorf("key_record_limit %d is above %d (2^24): RFC 8446 bounds an AES-GCM key to 2^24.5 records", o.KeyRecordLimit, ktls.MaxRecordLimit)
 	}
 	if o.DisableOffload && o.RequireOffload {
 		return errors.New("disable_offload and require_offload together would refuse every connection")
@@ -106,6 +122,7 @@ func (o *OffloadOptions) ktlsOptions(observer func(ktls.Event)) ktls.Options {
 		ExpectNoPad:    o.ExpectNoPad,
 		TXZeroCopyRO:   o.TXZeroCopyRO,
 		KeyUpdateLimit: ktls.Rate{PerSecond: o.KeyUpdateRate, Burst: o.KeyUpdateBurst},
+		RecordLimit:    o.KeyRecordLimit,
 		Observer:       observer,
 	}
 }

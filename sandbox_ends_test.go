@@ -2,14 +2,19 @@ package caddyktls
 
 import (
 	"crypto/tls"
+	"errors"
 	"io"
 	"net"
 	"net/netip"
+	"runtime"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
 // endOfTunnel is how a gateway saw its tunnel end.
@@ -208,4 +213,75 @@ func sandboxGatewayResetMidTransfer(t *testing.T, kernel bool) {
 	a := activityOf(t, e, sandbox)
 	checkClosedWithError(t, e, sandbox, sent, a.BytesFromSandbox)
 	checkAllSpliced(t, kernel, spliced, a)
+}
+
+// TestKernelSandboxKeyWear: a tunnel's upload moves more records than the
+// ktls handler's key_record_limit while its download streams (a paced
+// upstream that answers until the upload ends: the forwarder can send
+// KeyUpdates only until its own close_notify). With kernel rekey (TLS 1.3,
+// Linux 6.14+) every byte arrives: the forwarder asks the gateway to renew
+// its key (and renews its own, by the answer or at the limit), with
+// KeyUpdates across the spliced relay. Without, the tunnel ends as a
+// failure when a key reaches the limit, counted as key-exhausted, and
+// nothing more than a relay batch past it is delivered.
+func TestKernelSandboxKeyWear(t *testing.T) {
+	kerneltest.Require(t)
+	// 512 full records are 8 MiB: more than what can be in flight from the
+	// gateway (its 64 KiB send buffer, the forwarder's receive buffer of at
+	// most tcp_rmem's 6 MiB) when the forwarder asks it to renew.
+	const limit, size = 512, 16 << 20
+	up := forwardtest.NewPacedUpstream(t, 64<<10, 5*time.Millisecond)
+	e := newSandboxConfig(t, nil)
+	e.route()["handle"].([]any)[0].(map[string]any)["key_record_limit"] = limit
+	e.start(t)
+	before := ktls.Stats()
+	c := e.dial(t, "sbx-wear", up.Addr())
+	if err := c.NetConn().(*net.TCPConn).SetWriteBuffer(32 << 10); err != nil {
+		t.Fatal(err)
+	}
+	// A liveness bound: a relay stuck on a key update is the bug this
+	// test would otherwise hang on, so its goroutines are shown.
+	watchdog := time.AfterFunc(3*time.Minute, func() {
+		buf := make([]byte, 1<<20)
+		t.Errorf("the tunnel did not end within 3 minutes; goroutines:\n%s", buf[:runtime.Stack(buf, true)])
+		c.Close()
+	})
+	n, sum, err := transfer(c, size, 21)
+	watchdog.Stop()
+	waitIdle(t)
+	up.Close()
+	r := up.Results()[0]
+	after := ktls.Stats()
+	sent, applied, exhausted := after.KeyUpdatesSent-before.KeyUpdatesSent, after.KeyUpdates-before.KeyUpdates, after.KeyExhausted-before.KeyExhausted
+	if ktls.Probe().Rekey {
+		if err != nil || r.Received != size || r.RecvSum != forwardtest.PatternSum(21, size) || n != r.Sent || sum != r.SentSum {
+			t.Fatalf("transfer %v: upstream got %d of %d, gateway got %d of %d, hashes match %v %v: want every byte across the rekeys",
+				err, r.Received, size, n, r.Sent, r.RecvSum == forwardtest.PatternSum(21, size), sum == r.SentSum)
+		}
+		// 1,024 records up: the forwarder asked at least once (a KeyUpdate
+		// sent) and applied the gateway's answer.
+		if sent < 1 || applied < 1 || exhausted != 0 {
+			t.Fatalf("KeyUpdates sent %d, applied %d, keys exhausted %d: want >= 1, >= 1, 0", sent, applied, exhausted)
+		}
+		t.Logf("%d MiB up, %d bytes down; %d KeyUpdates sent by the forwarder, %d applied", size>>20, n, sent, applied)
+		return
+	}
+	if err == nil || (!strings.Contains(err.Error(), "remote error: tls: internal error") && !errors.Is(err, syscall.ECONNRESET)) {
+		t.Fatalf("transfer ended with %v: want the failure end (internal_error or a reset)", err)
+	}
+	if exhausted != 1 || sent != 0 {
+		t.Fatalf("keys exhausted %d, KeyUpdates sent %d: want 1, 0", exhausted, sent)
+	}
+	// Nothing the exhausted key would have sealed was sent, nor more than
+	// a relay batch (16 records) past the limit opened.
+	if n > limit<<14 || r.Received > (limit+16)<<14 {
+		t.Fatalf("gateway got %d bytes, upstream %d: more than %d records' worth", n, r.Received, limit)
+	}
+	if r.RecvSum != forwardtest.PatternSum(21, r.Received) {
+		t.Fatalf("the upstream's %d bytes are not the gateway's", r.Received)
+	}
+	lines := e.waitLogLine(t, "kTLS connection event", 0)
+	if lines["event"] != "key-exhausted" {
+		t.Fatalf("log %v: want the key-exhausted event at WARN", lines)
+	}
 }

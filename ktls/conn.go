@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -56,7 +57,14 @@ type Conn struct {
 	limiter  tokenBucket
 	ctrlBuf  []byte
 
+	// Key wear (wear.go): upper bounds of the records the current keys
+	// protect, under readMu (rx*) and writeMu (txBound).
+	rxBound uint64
+	rxAsked bool          // the peer was asked to update its key
+	txWant  atomic.Uint32 // KeyUpdates to send before the next record (wantAnswer, wantAsk)
+
 	writeMu   sync.Mutex
+	txBound   uint64
 	txSecret  []byte // current TLS 1.3 TX secret (for KeyUpdate)
 	wroteEOF  bool   // close_notify sent (on the userspace path too, for Abort)
 	closeOnce sync.Once
@@ -587,7 +595,21 @@ func (c *Conn) Write(p []byte) (int, error) {
 	if c.wroteEOF {
 		return 0, errors.New("ktls: write after close_notify")
 	}
-	return c.sock.Write(p)
+	written := 0
+	for len(p) > 0 {
+		chunk := p[:min(len(p), maxSealChunk)]
+		if err := c.beforeSealLocked(-1); err != nil {
+			return written, err
+		}
+		n, err := c.sock.Write(chunk)
+		c.txBound += uint64(n)/maxRecordPayload + 2
+		written += n
+		if err != nil {
+			return written, err
+		}
+		p = p[n:]
+	}
+	return written, nil
 }
 
 // Close sends close_notify (when the handshake completed) and closes.
@@ -651,6 +673,12 @@ func (c *Conn) abort(alert uint8) error {
 		c.wroteEOF = true
 		if err := controlFD(c.rawSock, func(fd int) error {
 			_, err := unix.SendmsgN(fd, []byte{alertLevelFatal, alert}, recordTypeCmsg(recordAlert), nil, unix.MSG_DONTWAIT)
+			if err == nil && !tcpTookAll(fd) {
+				// close(2) drops what kTLS sealed but TCP did not take (a
+				// record sent in part reaches the peer truncated, then
+				// FIN): the reset is the failure end then.
+				err = unix.ENOBUFS
+			}
 			return err
 		}); err != nil {
 			setResetOnClose(c.rawSock)
@@ -659,6 +687,21 @@ func (c *Conn) abort(alert uint8) error {
 		c.closeErr = errors.Join(ignoreClosed(c.sock.Close()), closeIfDifferent(c.raw, c.sock))
 	})
 	return c.closeErr
+}
+
+// tcpTookAll reports whether the socket's send buffer has room (64 KiB of
+// SO_SNDBUF left by SO_MEMINFO's wmem_queued): kTLS hands TCP records until
+// TCP refuses, so with room there nothing sealed is left in kTLS.
+func tcpTookAll(fd int) bool {
+	const memSndbuf, memWmemQueued = 3, 5 // SK_MEMINFO_SNDBUF, SK_MEMINFO_WMEM_QUEUED
+	var mem [16]uint32
+	n := uint32(len(mem) * 4)
+	_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_MEMINFO,
+		uintptr(unsafe.Pointer(&mem[0])), uintptr(unsafe.Pointer(&n)), 0)
+	if errno != 0 || n < (memWmemQueued+1)*4 {
+		return false
+	}
+	return uint64(mem[memWmemQueued])+64<<10 <= uint64(mem[memSndbuf])
 }
 
 // setResetOnClose makes close(2) of the socket send a reset and drop what

@@ -20,7 +20,19 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 	if c.wroteEOF {
 		return 0, errors.New("ktls: write after close_notify")
 	}
-	return readFromFlattened(c.sock, r)
+	// In chunks, so that the TX key's wear is checked between them.
+	var total int64
+	for {
+		if err := c.beforeSealLocked(-1); err != nil {
+			return total, err
+		}
+		n, err := readFromFlattened(c.sock, &io.LimitedReader{R: r, N: maxSealChunk})
+		c.txBound += uint64(n)/maxRecordPayload + 2
+		total += n
+		if err != nil || n < maxSealChunk {
+			return total, err
+		}
+	}
 }
 
 // readFromFlattened calls dst.ReadFrom with nested *io.LimitedReaders
@@ -87,15 +99,25 @@ func (c *Conn) WriteTo(w io.Writer) (int64, error) {
 			}
 			return total, c.readErr
 		}
+		// In chunks to a ReaderFrom, so that the RX key's wear is checked
+		// between them; otherwise after each WriteTo.
 		var n int64
 		var err error
+		more := false
 		if rf, ok := w.(io.ReaderFrom); ok {
-			n, err = rf.ReadFrom(c.sock)
+			n, err = rf.ReadFrom(&io.LimitedReader{R: c.sock, N: maxSealChunk})
+			more = err == nil && n == maxSealChunk
 		} else {
 			n, err = c.sock.WriteTo(w)
 		}
 		total += n
+		if werr := c.openedLocked(n); werr != nil {
+			c.fail(werr)
+			return total, werr
+		}
 		switch {
+		case more:
+			continue
 		case err == nil:
 			return total, nil
 		case !isControlRecordErrno(err):

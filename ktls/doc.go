@@ -43,6 +43,16 @@
 //     our update: the Go opener rekeys on any kernel). KeyUpdates are rate
 //     limited per connection (Options.KeyUpdateLimit): a peer may send
 //     them back to back, and each costs a key derivation and a setsockopt.
+//   - The kernel counts records per key (rec_seq, read back with
+//     getsockopt) but enforces no limit: a Conn renews its key or fails at
+//     Options.RecordLimit (wear.go). A KeyUpdate must not be followed by a
+//     record sealed under the old key, so KeyUpdates go out under the
+//     write lock, which a relay's splice into the socket also holds
+//     (splice.Sealer); the reading side only asks for them (txWant).
+//   - Closing a kTLS socket drops what is left of a record the kernel
+//     could only partly hand to TCP: the peer reads a truncated record,
+//     then FIN. Abort resets instead of sending its alert where the send
+//     buffer may not take it.
 //   - Once TLS_TX is in, crypto/tls can no longer write on the socket: a
 //     later failure (TLS_RX, an option) closes the connection instead of
 //     leaving it half-working.

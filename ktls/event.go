@@ -15,6 +15,10 @@ const (
 	// closed: the peer sent a KeyUpdate and this kernel cannot install a
 	// second key (ErrRekeyUnsupported, Linux < 6.14)
 	EventRekeyUnsupported EventKind = "rekey-unsupported"
+	// failed: a traffic key reached Options.RecordLimit and could not be
+	// renewed (ErrKeyExhausted: TLS 1.2, Linux < 6.14, or a peer that did
+	// not update when asked)
+	EventKeyExhausted EventKind = "key-exhausted"
 	// closed as refused: Options.RequireOffload and the session could not
 	// be offloaded (Err is the *OffloadError)
 	EventRefused EventKind = "refused"

@@ -513,7 +513,7 @@ func TestKernelKeyUpdateFlood(t *testing.T) {
 			// Each updateTX sends a KeyUpdate under the current key, then
 			// installs the next TX key; it fails once the server is gone
 			// (or, before 6.14, at the first install).
-			for rekeyed < flood && client.updateTX() == nil {
+			for rekeyed < flood && client.updateTX(false) == nil {
 				rekeyed++
 			}
 		}()

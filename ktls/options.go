@@ -29,6 +29,10 @@ type Options struct {
 	// KeyUpdateLimit bounds control records (KeyUpdate) per connection; a
 	// peer above it is disconnected. Zero value: DefaultKeyUpdateLimit.
 	KeyUpdateLimit Rate
+	// RecordLimit is how many records one traffic key may protect, in
+	// either direction, before the connection renews it or fails
+	// (wear.go). Zero value: DefaultRecordLimit; at most MaxRecordLimit.
+	RecordLimit uint64
 	// Observer is called once per connection with the handshake outcome and
 	// for notable later events. It must not block.
 	Observer func(Event)

@@ -105,6 +105,12 @@ func (c *Conn) Read(p []byte) (int, error) {
 			continue
 		}
 		n, err := c.sock.Read(p)
+		if n > 0 {
+			if werr := c.openedLocked(int64(n)); werr != nil {
+				c.fail(werr)
+				return 0, werr
+			}
+		}
 		if err == nil || n > 0 {
 			return n, err
 		}
@@ -232,7 +238,8 @@ func (c *Conn) readUserspaceRecord() error {
 		// plaintext aliases ctrlBuf, which is not reused until pending
 		// is drained.
 		c.pending = plaintext
-		return nil
+		// Every record counts, the empty ones too: the opener knows them.
+		return c.openedLocked(int64(len(plaintext)) + 1)
 	}
 	return c.handleControl(recordType, plaintext)
 }
@@ -336,26 +343,45 @@ func (c *Conn) keyUpdate(updateRequested bool) error {
 		return &protocolError{alertInternalError, fmt.Errorf("ktls: install next RX key: %w", err)}
 	}
 	c.rxSecret = next
+	c.rxBound, c.rxAsked = 0, false
 	if updateRequested {
-		if err := c.updateTX(); err != nil {
-			return &protocolError{alertInternalError, err}
-		}
+		c.txWant.Or(wantAnswer)
+		c.trySendWanted()
 	}
 	stats.keyUpdates.Add(1)
 	c.report(Event{Kind: EventKeyUpdate, Offload: c.off})
 	return nil
 }
 
-// updateTX sends KeyUpdate(update_not_requested) under the current TX key,
-// then installs the next one. Writers wait on writeMu meanwhile, so no data
-// record goes out between the two.
-func (c *Conn) updateTX() error {
+// updateTX sends a KeyUpdate under the current TX key, asking the peer to
+// update too when request is set, then installs the next key. Writers,
+// splices into the socket among them (BeginSeal), wait on writeMu
+// meanwhile, so no data record goes out between the two.
+func (c *Conn) updateTX(request bool) error {
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
+	return c.updateTXLocked(request, -1)
+}
+
+// updateTXLocked is updateTX with writeMu held. With fd >= 0 (the socket,
+// inside its write callback) the KeyUpdate is sent without waiting for
+// room: unix.EAGAIN, with nothing sent, when the socket has none.
+func (c *Conn) updateTXLocked(request bool, fd int) error {
 	if c.wroteEOF {
 		return nil
 	}
-	if err := c.sendControlLocked(recordHandshake, []byte{msgKeyUpdate, 0, 0, 1, 0}); err != nil {
+	msg := []byte{msgKeyUpdate, 0, 0, 1, 0}
+	if request {
+		msg[4] = 1
+	}
+	if fd >= 0 {
+		if _, err := unix.SendmsgN(fd, msg, recordTypeCmsg(recordHandshake), nil, unix.MSG_DONTWAIT); err != nil {
+			if err == unix.EAGAIN {
+				return err
+			}
+			return fmt.Errorf("ktls: send KeyUpdate: %w", err)
+		}
+	} else if err := c.sendControlLocked(recordHandshake, msg); err != nil {
 		return err
 	}
 	next, err := nextTrafficSecret(c.off.CipherSuite, c.txSecret)
@@ -370,6 +396,8 @@ func (c *Conn) updateTX() error {
 		return fmt.Errorf("ktls: install next TX key: %w", err)
 	}
 	c.txSecret = next
+	c.txBound = 0
+	stats.keyUpdatesSent.Add(1)
 	return nil
 }
 

@@ -11,6 +11,8 @@ type StatsSnapshot struct {
 	Outcomes         map[Reason]uint64 // handshakes by Reason (ReasonNone = fully offloaded)
 	ControlRecords   map[string]uint64 // received control records by type ("alert", "handshake", ...)
 	KeyUpdates       uint64            // KeyUpdates applied
+	KeyUpdatesSent   uint64            // KeyUpdates sent (our TX key renewed: requested by the peer or at Options.RecordLimit)
+	KeyExhausted     uint64            // connections failed with ErrKeyExhausted
 	RateLimitedClose uint64            // connections closed for exceeding KeyUpdateLimit
 	ClosedAfterTX    uint64            // connections closed because a step after TLS_TX failed
 }
@@ -21,7 +23,7 @@ type counters struct {
 	outcomes map[Reason]uint64
 	control  map[string]uint64
 
-	keyUpdates, rateLimited, closedAfterTX atomic.Uint64
+	keyUpdates, keyUpdatesSent, keyExhausted, rateLimited, closedAfterTX atomic.Uint64
 }
 
 var stats = counters{tx: map[Mode]uint64{}, rx: map[Mode]uint64{}, outcomes: map[Reason]uint64{}, control: map[string]uint64{}}
@@ -32,7 +34,8 @@ func Stats() StatsSnapshot {
 	defer stats.mu.Unlock()
 	s := StatsSnapshot{
 		TX: map[Mode]uint64{}, RX: map[Mode]uint64{}, Outcomes: map[Reason]uint64{}, ControlRecords: map[string]uint64{},
-		KeyUpdates: stats.keyUpdates.Load(), RateLimitedClose: stats.rateLimited.Load(), ClosedAfterTX: stats.closedAfterTX.Load(),
+		KeyUpdates: stats.keyUpdates.Load(), KeyUpdatesSent: stats.keyUpdatesSent.Load(), KeyExhausted: stats.keyExhausted.Load(),
+		RateLimitedClose: stats.rateLimited.Load(), ClosedAfterTX: stats.closedAfterTX.Load(),
 	}
 	for k, v := range stats.tx {
 		s.TX[k] = v

@@ -80,6 +80,28 @@ type Sink interface {
 	SpliceSink() (rc syscall.RawConn, ok bool)
 }
 
+// Sealer is implemented by sinks whose kernel seals what is spliced into
+// them under a key that wears out (*ktls.Conn). The relay brackets each
+// splice(2) into the sink with BeginSeal and EndSeal (with what the call
+// moved): between the two no other write reaches the socket, so a key
+// update never falls inside the call, and BeginSeal may renew the key
+// first. BeginSeal runs inside the socket's write callback (fd is the
+// socket): it must not block, and unix.EAGAIN makes the relay wait until
+// the socket takes writes and call it again. Another error ends the
+// direction as failed. EndSeal is called only after a nil BeginSeal.
+type Sealer interface {
+	BeginSeal(fd uintptr) error
+	EndSeal(n int64)
+}
+
+// Opener is implemented by sources whose kernel opens records under the
+// peer's key, which wears out (*ktls.Conn). The relay reports every
+// splice(2) from the source to Opened with what it moved; an error ends
+// the direction as failed.
+type Opener interface {
+	Opened(n int64) error
+}
+
 // Aborter is implemented by connections that can end as a failure in a way
 // their peer cannot mistake for an orderly end (*ktls.Conn: a fatal TLS
 // alert after what was sent, or a reset). A tunnel that fails ends each side
@@ -543,7 +565,9 @@ type spliceEnd struct {
 	// ktls: the kernel opens (source) or seals (sink) TLS records inside
 	// each splice(2) on rc. A kTLS source's splice failures are control
 	// records for its Read.
-	ktls bool
+	ktls   bool
+	sealer Sealer // a sink's, when it implements Sealer
+	opener Opener // a source's, when it implements Opener
 }
 
 // sourceEnd returns the socket to splice from; ok is false when c must be
@@ -551,7 +575,8 @@ type spliceEnd struct {
 func sourceEnd(c net.Conn) (end spliceEnd, ok bool) {
 	if s, isSource := c.(Source); isSource {
 		rc, ok := s.SpliceSource()
-		return spliceEnd{rc: rc, ktls: true}, ok
+		o, _ := c.(Opener)
+		return spliceEnd{rc: rc, ktls: true, opener: o}, ok
 	}
 	return tcpEnd(c)
 }
@@ -561,7 +586,8 @@ func sourceEnd(c net.Conn) (end spliceEnd, ok bool) {
 func sinkEnd(c net.Conn) (end spliceEnd, ok bool) {
 	if s, isSink := c.(Sink); isSink {
 		rc, ok := s.SpliceSink()
-		return spliceEnd{rc: rc, ktls: true}, ok
+		sl, _ := c.(Sealer)
+		return spliceEnd{rc: rc, ktls: true, sealer: sl}, ok
 	}
 	return tcpEnd(c)
 }
@@ -667,6 +693,12 @@ func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.
 		}
 		controlInARow = 0
 		p.buffered = int(n)
+		if srcEnd.opener != nil {
+			// Failing here drops what the pipe holds with the pipe (put).
+			if err := srcEnd.opener.Opened(n); err != nil {
+				return fmt.Errorf("source: %w", err)
+			}
+		}
 		if err := t.drain(d, p, dstEnd); err != nil {
 			return err
 		}
@@ -686,7 +718,15 @@ func (t *Relay) drain(d Direction, p *pipe, dst spliceEnd) error {
 			n = min(n, maxSealPerCall)
 		}
 		err := dst.rc.Write(func(fd uintptr) bool {
+			if dst.sealer == nil {
+				m, serr = t.splice(p.rfd, int(fd), n, spliceFlags)
+				return serr != unix.EAGAIN
+			}
+			if serr = dst.sealer.BeginSeal(fd); serr != nil {
+				return serr != unix.EAGAIN
+			}
 			m, serr = t.splice(p.rfd, int(fd), n, spliceFlags)
+			dst.sealer.EndSeal(max(m, 0))
 			return serr != unix.EAGAIN
 		})
 		if err != nil {

@@ -1,0 +1,228 @@
+package ktls
+
+import (
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"golang.org/x/sys/unix"
+)
+
+// Key wear. RFC 8446 section 5.5 bounds what one AES-GCM traffic key may
+// protect to 2^24.5 full records; the kernel counts records (the rec_seq
+// that getsockopt(TLS_TX/TLS_RX) returns) but enforces nothing, and a
+// tunnel may live for days. A Conn acts when a key has protected
+// Options.RecordLimit records:
+//
+//   - its own (TX) key: on TLS 1.3 with a kernel that rekeys (Linux >= 6.14)
+//     it sends KeyUpdate and installs the next key; otherwise the write
+//     fails with ErrKeyExhausted before the key seals another record.
+//   - the peer's (RX) key: on TLS 1.3 with a kernel that rekeys it asks the
+//     peer to update (KeyUpdate with update_requested); a peer that has not
+//     updated by twice the limit (at most MaxRecordLimit), and any peer
+//     that cannot be asked, fails the read with ErrKeyExhausted.
+//
+// The count is read from the kernel only when an upper bound of it says the
+// limit may be near: a write or splice of n bytes seals at most
+// n/2^14 + 2 records, a read of n bytes opened at most n records. The
+// kernel has opened a read's records before the count is seen: a read (or
+// a relay's batch, splice.Opener) may take the peer's key past the limit
+// by what it returned, at most one record per byte (records of full size:
+// 16 per relay batch). Reads are not cut to the records left, which would
+// split records between read(2) and the relay's splice(2). A zero-length
+// record protects no plaintext and is counted at the next read that
+// returns data.
+
+// DefaultRecordLimit is Options.RecordLimit's zero value: 2^23 records, a
+// third of the AES-GCM bound (and inside AES-CCM's 2^23.5).
+const DefaultRecordLimit = 1 << 23
+
+// MaxRecordLimit is the largest Options.RecordLimit, and the most records a
+// peer's key may protect when the peer ignores a request to update.
+const MaxRecordLimit = 1 << 24
+
+// ErrKeyExhausted fails a connection whose traffic key reached
+// Options.RecordLimit and could not be renewed.
+var ErrKeyExhausted = errors.New("ktls: a traffic key reached its record limit and could not be renewed")
+
+// recordLimit returns o.RecordLimit or its default, at most MaxRecordLimit.
+func (o Options) recordLimit() uint64 {
+	if o.RecordLimit == 0 {
+		return DefaultRecordLimit
+	}
+	return min(o.RecordLimit, MaxRecordLimit)
+}
+
+// sealMargin is the most records one write or splice seals in the
+// accounting: a call moves at most maxSealChunk bytes (Write and ReadFrom
+// cut larger ones; a relay's pipe holds less).
+const (
+	maxSealChunk = 1 << 20
+	sealMargin   = maxSealChunk/maxRecordPayload + 2
+)
+
+// maxRecordPayload is the plaintext of a full record (2^14 bytes).
+const maxRecordPayload = 1 << 14
+
+// kernelSeq reads the kernel's record sequence number of direction opt
+// (optTLSTX or optTLSRX): the records its current key has protected.
+func (c *Conn) kernelSeq(opt int) (uint64, error) {
+	cs, err := suiteFor(c.off.Version, c.off.CipherSuite)
+	if err != nil {
+		return 0, err
+	}
+	// struct tls12_crypto_info_*: header, iv, key, salt; rec_seq last.
+	buf := make([]byte, 4+(aeadNonceLen-cs.saltLen)+cs.keyLen+cs.saltLen+8)
+	err = controlFD(c.rawSock, func(fd int) error { return getsockoptBytes(fd, unix.SOL_TLS, opt, buf) })
+	if err != nil {
+		return 0, fmt.Errorf("ktls: reading the record sequence number: %w", err)
+	}
+	return binary.BigEndian.Uint64(buf[len(buf)-8:]), nil
+}
+
+// canRekey reports whether a kernel direction of c can take a next key.
+func (c *Conn) canRekey() bool {
+	return c.off.Version == tls.VersionTLS13 && Probe().Rekey
+}
+
+// BeginSeal is called before a splice(2) into c's socket (splice.Sealer),
+// inside the socket's write callback: it holds writeMu until EndSeal and
+// first sends the KeyUpdates wanted (without blocking: unix.EAGAIN when the
+// socket has no room) and renews the TX key when it may reach the limit
+// during the call.
+func (c *Conn) BeginSeal(fd uintptr) error {
+	c.writeMu.Lock()
+	if c.wroteEOF {
+		c.writeMu.Unlock()
+		return errors.New("ktls: write after close_notify")
+	}
+	if err := c.beforeSealLocked(int(fd)); err != nil {
+		c.writeMu.Unlock()
+		return err
+	}
+	return nil
+}
+
+// EndSeal accounts for the n bytes the splice moved and releases writeMu.
+func (c *Conn) EndSeal(n int64) {
+	c.txBound += uint64(n)/maxRecordPayload + 2
+	c.writeMu.Unlock()
+}
+
+// beforeSealLocked makes sure the TX key can seal another maxSealChunk
+// bytes: it sends the KeyUpdates the reading side wants, reads the
+// kernel's count once the bound says the limit may be near, then renews
+// the key or fails. Caller holds writeMu. fd >= 0 is the socket, inside
+// its write callback (BeginSeal): a KeyUpdate is then sent without waiting
+// and unix.EAGAIN returned when it cannot be; fd < 0 waits for room.
+func (c *Conn) beforeSealLocked(fd int) error {
+	if want := c.txWant.Load(); want != 0 {
+		if err := c.updateTXLocked(want&wantAsk != 0, fd); err != nil {
+			return err
+		}
+		c.txWant.And(^want)
+	}
+	limit := c.opts.recordLimit()
+	if c.txBound+sealMargin < limit {
+		return nil
+	}
+	seq, err := c.kernelSeq(optTLSTX)
+	if err != nil {
+		return err
+	}
+	c.txBound = seq
+	if seq+sealMargin < limit {
+		return nil
+	}
+	if !c.canRekey() {
+		return c.exhausted("tx", seq)
+	}
+	return c.updateTXLocked(false, fd)
+}
+
+// opened accounts for n plaintext bytes read under the RX key, and asks
+// the peer to update, or fails, at the limit. Caller holds readMu.
+func (c *Conn) openedLocked(n int64) error {
+	c.rxBound += uint64(n)
+	if c.rxBound < c.rxCheckAt() {
+		return nil
+	}
+	seq := uint64(0)
+	if c.opener != nil {
+		seq = c.opener.seq
+	} else {
+		var err error
+		if seq, err = c.kernelSeq(optTLSRX); err != nil {
+			return err
+		}
+	}
+	c.rxBound = seq
+	limit := c.opts.recordLimit()
+	switch {
+	case seq >= min(2*limit, MaxRecordLimit):
+		return c.exhausted("rx", seq)
+	case seq < limit || c.rxAsked:
+		return nil
+	case !c.canRekey():
+		return c.exhausted("rx", seq)
+	}
+	c.rxAsked = true
+	c.txWant.Or(wantAsk)
+	c.trySendWanted()
+	return nil
+}
+
+// trySendWanted sends the KeyUpdates wanted now, from the reading side,
+// when no writer holds the write lock and the socket takes them without
+// waiting; otherwise the next write sends them. It never waits: a relay's
+// writer holds the write lock inside the socket's write callback
+// (BeginSeal), so a reader waiting there for room would deadlock with it.
+func (c *Conn) trySendWanted() {
+	if !c.writeMu.TryLock() {
+		return
+	}
+	defer c.writeMu.Unlock()
+	_ = controlFD(c.rawSock, func(fd int) error {
+		if want := c.txWant.Load(); want != 0 {
+			if err := c.updateTXLocked(want&wantAsk != 0, fd); err != nil {
+				return err // the next write meets it again
+			}
+			c.txWant.And(^want)
+		}
+		return nil
+	})
+}
+
+// txWant bits: KeyUpdates the reading side wants sent. The reader sends
+// them if it can without waiting (trySendWanted); otherwise the next write
+// or splice sends them before its records (beforeSealLocked), as RFC 8446
+// section 4.6.3 asks of an answer.
+const (
+	wantAnswer = 1 << iota // the peer asked us to update
+	wantAsk                // ask the peer to update (update_requested)
+)
+
+// rxCheckAt is the RX bound at which the kernel's count is read next.
+func (c *Conn) rxCheckAt() uint64 {
+	limit := c.opts.recordLimit()
+	if c.rxAsked {
+		return min(2*limit, MaxRecordLimit)
+	}
+	return limit
+}
+
+// Opened is splice.Opener: the relay spliced n plaintext bytes from c.
+func (c *Conn) Opened(n int64) error {
+	c.readMu.Lock()
+	defer c.readMu.Unlock()
+	return c.openedLocked(n)
+}
+
+// exhausted reports and returns ErrKeyExhausted for direction dir.
+func (c *Conn) exhausted(dir string, seq uint64) error {
+	stats.keyExhausted.Add(1)
+	err := fmt.Errorf("%w (%s key: %d records, limit %d)", ErrKeyExhausted, dir, seq, c.opts.recordLimit())
+	c.report(Event{Kind: EventKeyExhausted, Offload: c.off, Err: err})
+	return err
+}

@@ -190,10 +190,13 @@ func sandboxGatewayResetMidTransfer(t *testing.T, kernel bool) {
 	if _, err := io.Copy(c, io.LimitReader(forwardtest.NewPattern(5), sent)); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(20 * time.Second)
-	for activityOf(t, e, sandbox).BytesToSandbox < sent {
+	// Until the sandbox service has read them, not just the forwarder
+	// written them: the reset that ends the tunnel also drops what its
+	// socket holds unread.
+	deadline := time.Now().Add(2 * time.Minute)
+	for up.Received() < sent || activityOf(t, e, sandbox).BytesToSandbox < sent {
 		if time.Now().After(deadline) {
-			t.Fatalf("the sandbox never got the gateway's %d bytes: %+v", sent, activityOf(t, e, sandbox))
+			t.Fatalf("the sandbox never got the gateway's %d bytes: read %d, %+v", sent, up.Received(), activityOf(t, e, sandbox))
 		}
 		time.Sleep(5 * time.Millisecond)
 	}

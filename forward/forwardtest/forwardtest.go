@@ -15,6 +15,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -71,6 +72,7 @@ type Upstream struct {
 	accepted int
 	results  []Result
 	wg       sync.WaitGroup
+	received atomic.Int64 // bytes read so far, all connections
 }
 
 // Result is what one upstream connection saw.
@@ -203,13 +205,25 @@ func (u *Upstream) serve(c *net.TCPConn, conn int) {
 		c.CloseWrite()
 	}()
 	h := sha256.New()
-	res.Received, res.ReadErr = io.Copy(h, c)
+	res.Received, res.ReadErr = io.Copy(io.MultiWriter(h, countWriter{&u.received}), c)
 	copy(res.RecvSum[:], h.Sum(nil))
 	close(clientDone)
 	wg.Wait()
 	u.mu.Lock()
 	u.results = append(u.results, res)
 	u.mu.Unlock()
+}
+
+// Received is how many bytes the upstream has read so far, over all its
+// connections: what reached the sandbox service, not just its socket.
+func (u *Upstream) Received() int64 { return u.received.Load() }
+
+// countWriter adds what is written to n.
+type countWriter struct{ n *atomic.Int64 }
+
+func (w countWriter) Write(p []byte) (int, error) {
+	w.n.Add(int64(len(p)))
+	return len(p), nil
 }
 
 // Addr is the upstream's address.

@@ -85,7 +85,7 @@ func freeAddr(t testing.TB, ip string) string {
 
 // newSandboxEnv starts Caddy; sandboxOpts are merged into the sandbox
 // handler's JSON.
-func newSandboxEnv(t *testing.T, sandboxOpts map[string]any) *sandboxEnv {
+func newSandboxEnv(t testing.TB, sandboxOpts map[string]any) *sandboxEnv {
 	t.Helper()
 	e := newSandboxConfig(t, sandboxOpts)
 	e.start(t)
@@ -93,7 +93,7 @@ func newSandboxEnv(t *testing.T, sandboxOpts map[string]any) *sandboxEnv {
 }
 
 // start loads e.cfg into this process's Caddy and unloads it at cleanup.
-func (e *sandboxEnv) start(t *testing.T) {
+func (e *sandboxEnv) start(t testing.TB) {
 	t.Helper()
 	e.load(t)
 	t.Cleanup(func() {
@@ -114,7 +114,7 @@ const (
 
 // newSandboxConfig builds the configuration of a sandboxEnv without
 // loading it.
-func newSandboxConfig(t *testing.T, sandboxOpts map[string]any) *sandboxEnv {
+func newSandboxConfig(t testing.TB, sandboxOpts map[string]any) *sandboxEnv {
 	t.Helper()
 	t.Setenv("XDG_DATA_HOME", t.TempDir())
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())

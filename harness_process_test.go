@@ -52,13 +52,20 @@ func (l *scriptedListener) Close() error {
 // A kernel test fails without it: the VM harness builds it first.
 func caddyBinary(t *testing.T) string {
 	t.Helper()
-	name := os.Getenv("KTLS_CADDY_BIN")
-	if name == "" {
-		name = filepath.Join("bin", "caddy")
+	return builtBinary(t, "KTLS_CADDY_BIN", "caddy", "build")
+}
+
+// builtBinary finds bin/<name>, which `make <target>` builds, or the file
+// the environment variable env names instead; a test fails without it.
+func builtBinary(t *testing.T, env, name, target string) string {
+	t.Helper()
+	file := os.Getenv(env)
+	if file == "" {
+		file = filepath.Join("bin", name)
 	}
-	path, err := exec.LookPath(name)
+	path, err := exec.LookPath(file)
 	if err != nil {
-		t.Fatalf("the built Caddy is missing (run `make build`, or set KTLS_CADDY_BIN): %v", err)
+		t.Fatalf("%s is missing (run `make %s`, or set %s): %v", file, target, env, err)
 	}
 	return path
 }

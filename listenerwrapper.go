@@ -102,10 +102,13 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 		return errors.New("ktls listener wrapper: only usable in an HTTP server's listener_wrappers")
 	}
 	lw.srv = srv
-	if err := checkWrapperOrder(srv.ListenerWrappersRaw); err != nil {
+	names, err := wrapperNames(srv.ListenerWrappersRaw)
+	if err != nil {
 		return err
 	}
-	names, _ := wrapperNames(srv.ListenerWrappersRaw) // read by checkWrapperOrder
+	if err := checkWrapperOrder(names); err != nil {
+		return err
+	}
 	lw.gatePreface = len(names) > 0 && names[len(names)-1] == "ktls"
 	if layer4WithoutSession(srv.ListenerWrappersRaw) {
 		lw.logger.Warn(layer4WithoutSessionWarning)
@@ -169,11 +172,7 @@ const tlsConnectionStateFuncKey caddy.CtxKey = "tls_connection_state_func"
 // later run the record layer in userspace on top of it. After another
 // wrapper (or a second ktls), it would receive that wrapper's connections
 // instead of Caddy's *tls.Conn and could offload none of them.
-func checkWrapperOrder(raws []json.RawMessage) error {
-	names, err := wrapperNames(raws)
-	if err != nil {
-		return err
-	}
+func checkWrapperOrder(names []string) error {
 	tlsAt := slices.Index(names, "tls")
 	for at, name := range names {
 		switch {

@@ -517,15 +517,7 @@ func h2specRun(t *testing.T, addr string, cases ...string) map[string]h2specCase
 // KTLS_H2SPEC).
 func h2specBinary(t *testing.T) string {
 	t.Helper()
-	name := os.Getenv("KTLS_H2SPEC")
-	if name == "" {
-		name = filepath.Join("bin", "h2spec")
-	}
-	path, err := exec.LookPath(name)
-	if err != nil {
-		t.Fatalf("h2spec is missing (run `make tools`, or set KTLS_H2SPEC): %v", err)
-	}
-	return path
+	return builtBinary(t, "KTLS_H2SPEC", "h2spec", "tools")
 }
 
 // h2specResults reads h2spec's JUnit report.

@@ -13,7 +13,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -593,7 +592,7 @@ func (c *Conn) Write(p []byte) (int, error) {
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
 	if c.wroteEOF {
-		return 0, errors.New("ktls: write after close_notify")
+		return 0, errWriteAfterClose
 	}
 	written := 0
 	for len(p) > 0 {
@@ -602,7 +601,7 @@ func (c *Conn) Write(p []byte) (int, error) {
 			return written, err
 		}
 		n, err := c.sock.Write(chunk)
-		c.txBound += uint64(n)/maxRecordPayload + 2
+		c.txBound += sealedBound(int64(n))
 		written += n
 		if err != nil {
 			return written, err
@@ -693,15 +692,14 @@ func (c *Conn) abort(alert uint8) error {
 // SO_SNDBUF left by SO_MEMINFO's wmem_queued): kTLS hands TCP records until
 // TCP refuses, so with room there nothing sealed is left in kTLS.
 func tcpTookAll(fd int) bool {
-	const memSndbuf, memWmemQueued = 3, 5 // SK_MEMINFO_SNDBUF, SK_MEMINFO_WMEM_QUEUED
-	var mem [16]uint32
-	n := uint32(len(mem) * 4)
-	_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_MEMINFO,
-		uintptr(unsafe.Pointer(&mem[0])), uintptr(unsafe.Pointer(&n)), 0)
-	if errno != 0 || n < (memWmemQueued+1)*4 {
+	const memSndbuf, memWmemQueued = 3, 5 // SK_MEMINFO_SNDBUF, SK_MEMINFO_WMEM_QUEUED (__u32 each)
+	var mem [64]byte
+	n, err := getsockoptBytes(fd, unix.SOL_SOCKET, unix.SO_MEMINFO, mem[:])
+	if err != nil || n < (memWmemQueued+1)*4 {
 		return false
 	}
-	return uint64(mem[memWmemQueued])+64<<10 <= uint64(mem[memSndbuf])
+	field := func(i int) uint64 { return uint64(binary.NativeEndian.Uint32(mem[4*i:])) }
+	return field(memWmemQueued)+64<<10 <= field(memSndbuf)
 }
 
 // setResetOnClose makes close(2) of the socket send a reset and drop what

@@ -18,7 +18,7 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
 	if c.wroteEOF {
-		return 0, errors.New("ktls: write after close_notify")
+		return 0, errWriteAfterClose
 	}
 	// In chunks, so that the TX key's wear is checked between them.
 	var total int64
@@ -27,7 +27,7 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 			return total, err
 		}
 		n, err := readFromFlattened(c.sock, &io.LimitedReader{R: r, N: maxSealChunk})
-		c.txBound += uint64(n)/maxRecordPayload + 2
+		c.txBound += sealedBound(n)
 		total += n
 		if err != nil || n < maxSealChunk {
 			return total, err

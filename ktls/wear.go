@@ -54,13 +54,20 @@ func (o Options) recordLimit() uint64 {
 	return min(o.RecordLimit, MaxRecordLimit)
 }
 
-// sealMargin is the most records one write or splice seals in the
-// accounting: a call moves at most maxSealChunk bytes (Write and ReadFrom
-// cut larger ones; a relay's pipe holds less).
-const (
-	maxSealChunk = 1 << 20
-	sealMargin   = maxSealChunk/maxRecordPayload + 2
-)
+// maxSealChunk is the most one write or splice moves in the accounting
+// (Write and ReadFrom cut larger ones; a relay's pipe holds less).
+const maxSealChunk = 1 << 20
+
+// sealedBound is an upper bound of the records a write or splice of n
+// bytes seals: its full records, a partial one, and one an earlier call
+// had left open.
+func sealedBound(n int64) uint64 { return uint64(n)/maxRecordPayload + 2 }
+
+// sealMargin is the most records one call seals in the accounting.
+var sealMargin = sealedBound(maxSealChunk)
+
+// errWriteAfterClose is a write after our close_notify.
+var errWriteAfterClose = errors.New("ktls: write after close_notify")
 
 // maxRecordPayload is the plaintext of a full record (2^14 bytes).
 const maxRecordPayload = 1 << 14
@@ -74,7 +81,13 @@ func (c *Conn) kernelSeq(opt int) (uint64, error) {
 	}
 	// struct tls12_crypto_info_*: header, iv, key, salt; rec_seq last.
 	buf := make([]byte, 4+(aeadNonceLen-cs.saltLen)+cs.keyLen+cs.saltLen+8)
-	err = controlFD(c.rawSock, func(fd int) error { return getsockoptBytes(fd, unix.SOL_TLS, opt, buf) })
+	err = controlFD(c.rawSock, func(fd int) error {
+		n, err := getsockoptBytes(fd, unix.SOL_TLS, opt, buf)
+		if err == nil && n != len(buf) {
+			err = fmt.Errorf("getsockopt returned %d bytes, want %d", n, len(buf))
+		}
+		return err
+	})
 	if err != nil {
 		return 0, fmt.Errorf("ktls: reading the record sequence number: %w", err)
 	}
@@ -95,7 +108,7 @@ func (c *Conn) BeginSeal(fd uintptr) error {
 	c.writeMu.Lock()
 	if c.wroteEOF {
 		c.writeMu.Unlock()
-		return errors.New("ktls: write after close_notify")
+		return errWriteAfterClose
 	}
 	if err := c.beforeSealLocked(int(fd)); err != nil {
 		c.writeMu.Unlock()
@@ -106,7 +119,7 @@ func (c *Conn) BeginSeal(fd uintptr) error {
 
 // EndSeal accounts for the n bytes the splice moved and releases writeMu.
 func (c *Conn) EndSeal(n int64) {
-	c.txBound += uint64(n)/maxRecordPayload + 2
+	c.txBound += sealedBound(n)
 	c.writeMu.Unlock()
 }
 
@@ -117,11 +130,8 @@ func (c *Conn) EndSeal(n int64) {
 // its write callback (BeginSeal): a KeyUpdate is then sent without waiting
 // and unix.EAGAIN returned when it cannot be; fd < 0 waits for room.
 func (c *Conn) beforeSealLocked(fd int) error {
-	if want := c.txWant.Load(); want != 0 {
-		if err := c.updateTXLocked(want&wantAsk != 0, fd); err != nil {
-			return err
-		}
-		c.txWant.And(^want)
+	if err := c.sendWantedLocked(fd); err != nil {
+		return err
 	}
 	limit := c.opts.recordLimit()
 	if c.txBound+sealMargin < limit {
@@ -141,7 +151,7 @@ func (c *Conn) beforeSealLocked(fd int) error {
 	return c.updateTXLocked(false, fd)
 }
 
-// opened accounts for n plaintext bytes read under the RX key, and asks
+// openedLocked accounts for n plaintext bytes read under the RX key, and asks
 // the peer to update, or fails, at the limit. Caller holds readMu.
 func (c *Conn) openedLocked(n int64) error {
 	c.rxBound += uint64(n)
@@ -183,15 +193,22 @@ func (c *Conn) trySendWanted() {
 		return
 	}
 	defer c.writeMu.Unlock()
-	_ = controlFD(c.rawSock, func(fd int) error {
-		if want := c.txWant.Load(); want != 0 {
-			if err := c.updateTXLocked(want&wantAsk != 0, fd); err != nil {
-				return err // the next write meets it again
-			}
-			c.txWant.And(^want)
-		}
+	// An error is left to the next write, which meets it again.
+	_ = controlFD(c.rawSock, c.sendWantedLocked)
+}
+
+// sendWantedLocked sends the KeyUpdates in txWant, as updateTXLocked sends
+// with fd, and clears what it sent. Caller holds writeMu.
+func (c *Conn) sendWantedLocked(fd int) error {
+	want := c.txWant.Load()
+	if want == 0 {
 		return nil
-	})
+	}
+	if err := c.updateTXLocked(want&wantAsk != 0, fd); err != nil {
+		return err
+	}
+	c.txWant.And(^want)
+	return nil
 }
 
 // txWant bits: KeyUpdates the reading side wants sent. The reader sends

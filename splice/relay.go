@@ -718,15 +718,13 @@ func (t *Relay) drain(d Direction, p *pipe, dst spliceEnd) error {
 			n = min(n, maxSealPerCall)
 		}
 		err := dst.rc.Write(func(fd uintptr) bool {
-			if dst.sealer == nil {
-				m, serr = t.splice(p.rfd, int(fd), n, spliceFlags)
-				return serr != unix.EAGAIN
-			}
-			if serr = dst.sealer.BeginSeal(fd); serr != nil {
-				return serr != unix.EAGAIN
+			if dst.sealer != nil {
+				if serr = dst.sealer.BeginSeal(fd); serr != nil {
+					return serr != unix.EAGAIN
+				}
+				defer func() { dst.sealer.EndSeal(max(m, 0)) }()
 			}
 			m, serr = t.splice(p.rfd, int(fd), n, spliceFlags)
-			dst.sealer.EndSeal(max(m, 0))
 			return serr != unix.EAGAIN
 		})
 		if err != nil {

@@ -24,6 +24,7 @@ import (
 //				verifier leaf pem <cert_pem>
 //			}
 //		}
+//		resumption on|off   # default on: session tickets scoped to the policy that verified the client
 //		<offload option> ...
 //	}
 func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -45,6 +46,12 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.ConnectionPolicies = append(h.ConnectionPolicies, cp)
+		case "resumption":
+			v, err := oneOf(d, "on", "off")
+			if err != nil {
+				return err
+			}
+			h.DisableResumption = v == "off"
 		default:
 			return d.Errf("unknown ktls handler option %q", opt)
 		}

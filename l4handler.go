@@ -44,6 +44,16 @@ type KTLSHandler struct {
 	// one default policy is used.
 	ConnectionPolicies caddytls.ConnectionPolicies `json:"connection_policies,omitempty"`
 
+	// DisableResumption issues no TLS session tickets on connection
+	// policies with client authentication, as Caddy's own `tls` handler
+	// does. By default the handler issues them there, each sealed with keys
+	// of the one policy that authenticated the client, so that a client
+	// (the edge gateway) resumes only under that policy, on this process,
+	// until the next config load (l4handler_resumption.go). Policies
+	// without client authentication issue tickets either way, unless the
+	// tls app disables session tickets, which disables them here too.
+	DisableResumption bool `json:"disable_resumption,omitempty"`
+
 	// The offload options (OffloadOptions), at the top level of the JSON.
 	OffloadOptions
 
@@ -52,6 +62,10 @@ type KTLSHandler struct {
 	opts   ktls.Options
 	// failures counts and logs failed handshakes.
 	failures *handshakeFailureLog
+	// sessions keeps the ticket keys of each policy; tickets is the tls
+	// app's session ticket service (nil when not configured).
+	sessions sessionKeys
+	tickets  *caddytls.SessionTicketService
 }
 
 // CaddyModule returns the Caddy module information.
@@ -71,6 +85,10 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 	}
 	if err := h.ConnectionPolicies.Provision(ctx); err != nil {
 		return fmt.Errorf("ktls handler: connection policies: %v", err)
+	}
+	// The policies loaded the tls app.
+	if app, err := ctx.App("tls"); err == nil {
+		h.tickets = app.(*caddytls.TLS).SessionTickets
 	}
 	if err := h.OffloadOptions.provision(); err != nil {
 		return fmt.Errorf("ktls handler: %w", err)
@@ -109,7 +127,11 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 	getConfig := cfg.GetConfigForClient
 	cfg.GetConfigForClient = func(chi *tls.ClientHelloInfo) (*tls.Config, error) {
 		hello.ClientHelloInfo = *chi
-		return getConfig(chi)
+		chosen, err := getConfig(chi)
+		if err != nil || chosen == nil || h.DisableResumption {
+			return chosen, err
+		}
+		return h.sessions.resumable(chosen, h.tickets), nil
 	}
 	// The handshake reads through cx, so bytes a matcher prefetched (the
 	// ClientHello) are used first; kTLS is installed only once cx holds no

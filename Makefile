@@ -68,13 +68,13 @@ demo: build
 # The bench smoke runs its contenders in two VMs side by side, so the split
 # and the merged report (what bench-bulk uses) run in CI too; then natively,
 # so the harness's --native mode (item 9 of issue 7) does not rot either.
-BENCH_SMOKE_SPLIT = ktls,ktls-rx-off,ktls-off,floor-ktls,floor-plain l4-proxy,reverse-proxy,haproxy,nginx
+BENCH_SMOKE_SPLIT = ktls,ktls-rx-off,ktls-off,floor-ktls,floor-plain,floor-rw-plain l4-proxy,reverse-proxy,haproxy,nginx,floor-rw-ktls
 # Then once more with a gateway that seals in its kernel (-gateway-ktls),
 # through one contender of each way the gateway dials: preamble, TLS, HTTPS.
 BENCH_SMOKE_GATEWAY_KTLS = ktls,l4-proxy,reverse-proxy
 # bench and bench-bulk run two VMs side by side: the headline contenders
 # share one (the goals' ratios come from one run), the others the second.
-BENCH_VM_SPLIT = ktls,floor-ktls,l4-proxy,reverse-proxy ktls-rx-off,ktls-off,haproxy,nginx,floor-plain
+BENCH_VM_SPLIT = ktls,floor-ktls,floor-rw-ktls,l4-proxy,reverse-proxy ktls-rx-off,ktls-off,haproxy,nginx,floor-plain,floor-rw-plain
 
 test: vet hosttest fuzz build tools
 	integration/vmtest.sh $(KERNELS)

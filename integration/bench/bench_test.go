@@ -189,6 +189,7 @@ func TestShapesThroughFloorPlain(t *testing.T) {
 		t.Fatal(err)
 	}
 	var tunnels sync.WaitGroup
+	var accepted atomic.Int64
 	defer tunnels.Wait()
 	defer ln.Close()
 	go func() {
@@ -197,6 +198,7 @@ func TestShapesThroughFloorPlain(t *testing.T) {
 			if err != nil {
 				return
 			}
+			accepted.Add(1)
 			tunnels.Go(func() {
 				if err := floorTunnel(c, nil, up.rawAddr()); err != nil {
 					t.Errorf("tunnel: %v", err)
@@ -207,18 +209,30 @@ func TestShapesThroughFloorPlain(t *testing.T) {
 	g := &gateway{dial: plainDialer(ln.Addr().String())}
 	p := params{BulkBytes: 3<<20 + 17, SmallConns: 3, SmallCalls: 20, SmallPerCallCalls: 7, SmallReq: 1000, SmallResp: 5000}
 	ctx := t.Context()
-	for shape, want := range map[string]transfer{
-		"upload":         {bytes: p.BulkBytes},
-		"download":       {bytes: p.BulkBytes},
-		"small-reuse":    {bytes: 20 * 6000, calls: 20},
-		"small-per-call": {bytes: 7 * 6000, calls: 7},
+	for shape, want := range map[string]struct {
+		transfer
+		// readyAt: tunnels accepted when the measured part began (-1:
+		// ready is not called).
+		readyAt int64
+	}{
+		"upload":                 {transfer{bytes: p.BulkBytes}, -1},
+		"download":               {transfer{bytes: p.BulkBytes}, -1},
+		"small-reuse":            {transfer{bytes: 20 * 6000, calls: 20}, 3},
+		"small-per-call":         {transfer{bytes: 7 * 6000, calls: 7}, 0},
+		"small-per-call-resumed": {transfer{bytes: 7 * 6000, calls: 7}, 0},
 	} {
-		got, err := shapeFunc(g, shape, p)(ctx, false)
+		before, readyAt, readies := accepted.Load(), int64(-1), 0
+		got, err := shapeFunc(g, shape, p)(ctx, false, func() { readies++; readyAt = accepted.Load() - before })
 		if err != nil {
 			t.Fatalf("%s: %v", shape, err)
 		}
 		if got.bytes != want.bytes || got.calls != want.calls || len(got.latencies) != want.calls {
 			t.Errorf("%s: %d bytes, %d calls, %d latencies; want %d bytes, %d calls", shape, got.bytes, got.calls, len(got.latencies), want.bytes, want.calls)
+		}
+		// small-reuse measures from when every connection is open (and
+		// has made its uncounted call); the others from the start.
+		if readyAt != want.readyAt || (want.readyAt >= 0) != (readies == 1) {
+			t.Errorf("%s: ready called %d times, with %d tunnels accepted; want it once at %d (-1: never)", shape, readies, readyAt, want.readyAt)
 		}
 	}
 }
@@ -492,7 +506,7 @@ func TestPayloadChecksCatchMangling(t *testing.T) {
 		g := &gateway{dial: plainDialer(relayThrough(t, up.rawAddr(), tc.toUpstream, tc.pass))}
 		p := params{BulkBytes: n, SmallConns: 2, SmallCalls: 6, SmallReq: 1000, SmallResp: 5000}
 		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-		_, err := shapeFunc(g, tc.shape, p)(ctx, false)
+		_, err := shapeFunc(g, tc.shape, p)(ctx, false, nil)
 		cancel()
 		if (err != nil) != tc.wantErr {
 			t.Errorf("%s: error %v, want an error: %v", tc.name, err, tc.wantErr)

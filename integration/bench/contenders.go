@@ -1,6 +1,7 @@
 package main
 
 import (
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -55,6 +56,8 @@ var contenders = []contender{
 	{name: "nginx", dialKind: "tls", command: nginx},
 	{name: "floor-ktls", dialKind: "tls", kernelTX: true, kernelRX: true, zeroCopy: true, command: floor("floor-ktls")},
 	{name: "floor-plain", dialKind: "plain", zeroCopy: true, command: floor("floor-plain")},
+	{name: "floor-rw-ktls", dialKind: "tls", kernelTX: true, kernelRX: true, command: floor("floor-rw-ktls")},
+	{name: "floor-rw-plain", dialKind: "plain", command: floor("floor-rw-plain")},
 }
 
 func contenderNames() []string {
@@ -241,8 +244,13 @@ func floor(sub string) func(*runEnv) (*exec.Cmd, error) {
 	}
 }
 
-func (c contender) gateway(env *runEnv) *gateway {
+// gateway returns the gateway that reaches c; resume gives it a TLS session
+// cache of its own (small-per-call-resumed).
+func (c contender) gateway(env *runEnv, resume bool) *gateway {
 	g := &gateway{tls: gatewayTLS(env.pki), kernelTX: env.gatewayKTLS && c.dialKind != "plain"}
+	if resume {
+		g.tls.ClientSessionCache = tls.NewLRUClientSessionCache(0)
+	}
 	switch c.dialKind {
 	case "preamble":
 		target := env.up.raw.Addr().(*net.TCPAddr).AddrPort()

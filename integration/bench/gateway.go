@@ -41,6 +41,9 @@ type gateway struct {
 	// frames' bytes written on them.
 	tunnels       atomic.Int64
 	preambleBytes atomic.Int64
+	// resumed counts the TLS connections whose handshake resumed a session
+	// (a gateway with a session cache: small-per-call-resumed).
+	resumed atomic.Int64
 }
 
 // counted makes dial count the tunnels it opens, each bounded by the
@@ -77,6 +80,14 @@ func (c *countingConn) Write(b []byte) (int, error) {
 // fails the run instead of skewing it.
 const pinnedSuite = tls.TLS_AES_128_GCM_SHA256
 
+// checkConn checks a connection's suite and counts its resumption.
+func (g *gateway) checkConn(cs tls.ConnectionState) error {
+	if cs.DidResume {
+		g.resumed.Add(1)
+	}
+	return checkSuite(cs)
+}
+
 func checkSuite(cs tls.ConnectionState) error {
 	if cs.Version != tls.VersionTLS13 || cs.CipherSuite != pinnedSuite {
 		return fmt.Errorf("negotiated %s with %s, want TLS 1.3 with %s",
@@ -86,7 +97,7 @@ func checkSuite(cs tls.ConnectionState) error {
 }
 
 // gatewayTLS is the gateway's client config: full handshakes only (no session
-// cache), X25519 only (HAProxy and nginx on OpenSSL 3.0 lack Go's default
+// cache; contender.gateway adds one for the resumed shape), X25519 only (HAProxy and nginx on OpenSSL 3.0 lack Go's default
 // post-quantum X25519MLKEM768, so every contender does the same key exchange).
 // Its client certificate goes only to a server that asks for one: the
 // forwarder, which verifies it.
@@ -138,7 +149,7 @@ func (g *gateway) tlsDialer(addr string) func(context.Context) (net.Conn, error)
 		if err != nil {
 			return nil, err
 		}
-		if err := checkSuite(c.ConnectionState()); err != nil {
+		if err := g.checkConn(c.ConnectionState()); err != nil {
 			c.Close()
 			return nil, err
 		}
@@ -146,15 +157,16 @@ func (g *gateway) tlsDialer(addr string) func(context.Context) (net.Conn, error)
 	}
 }
 
-// preambleDialer is the real gateway: mutual TLS is left out (no contender
-// authenticates clients), the preamble is bound to the session and signed.
+// preambleDialer is the real gateway: mutual TLS (its certificate goes to
+// the forwarder, which asks for one), the preamble bound to the session and
+// signed.
 func (g *gateway) preambleDialer(addr string, signer *preamble.Signer, target netip.AddrPort) func(context.Context) (net.Conn, error) {
 	return func(ctx context.Context) (net.Conn, error) {
 		c, err := g.dialTLS(ctx, addr)
 		if err != nil {
 			return nil, err
 		}
-		err = checkSuite(c.ConnectionState())
+		err = g.checkConn(c.ConnectionState())
 		if err == nil {
 			cc := &countingConn{Conn: c}
 			err = preamble.Send(ctx, cc, signer, preamble.Claims{SandboxID: "bench", Target: target})
@@ -262,11 +274,19 @@ func (g *gateway) download(ctx context.Context, n int64) (transfer, error) {
 // small runs calls request/response exchanges over conns concurrent
 // workers. reuse keeps one connection per worker; otherwise every call opens
 // (and handshakes) its own, and its latency includes that.
-func (g *gateway) small(ctx context.Context, conns, calls, reqLen, respLen int, reuse bool) (transfer, error) {
+//
+// With reuse, the calls measured are calls on established connections:
+// every worker first opens its connection and makes one call that is not
+// counted (the handshake, the preamble and the forwarder's dial to the
+// upstream are behind it), then all wait for the others; ready is called
+// once they have, before the first measured call. (Connection setup is
+// what the per-call shapes measure.) Without reuse, ready is called first.
+func (g *gateway) small(ctx context.Context, conns, calls, reqLen, respLen int, reuse bool, ready func()) (transfer, error) {
 	var (
-		mu  sync.Mutex
-		out transfer
-		wg  sync.WaitGroup
+		mu     sync.Mutex
+		out    transfer
+		wg     sync.WaitGroup
+		warmed sync.WaitGroup
 	)
 	errs := make([]error, conns)
 	var tr *http.Transport
@@ -274,25 +294,46 @@ func (g *gateway) small(ctx context.Context, conns, calls, reqLen, respLen int, 
 		tr = g.transport(conns, !reuse)
 		defer tr.CloseIdleConnections()
 	}
+	start := make(chan struct{})
 	for w := range conns {
 		share := calls / conns
 		if w < calls%conns {
 			share++
 		}
 		wg.Add(1)
+		warmed.Add(1)
 		go func() {
 			defer wg.Done()
 			var lat []time.Duration
 			var err error
+			// warm makes the uncounted first call of a reused
+			// connection, then waits for the other workers.
+			warm := func() bool {
+				warmed.Done()
+				if err != nil {
+					return false
+				}
+				<-start
+				return true
+			}
 			switch {
+			case tr != nil && reuse:
+				seed := nextSeed()
+				if _, err = g.httpCalls(ctx, tr, seed, 0, 1, reqLen, respLen); warm() {
+					lat, err = g.httpCalls(ctx, tr, seed, 1, share, reqLen, respLen)
+				}
 			case tr != nil:
-				lat, err = g.httpCalls(ctx, tr, share, reqLen, respLen)
+				warmed.Done()
+				<-start
+				lat, err = g.httpCalls(ctx, tr, nextSeed(), 0, share, reqLen, respLen)
 			case reuse:
-				lat, err = g.rawCalls(ctx, share, reqLen, respLen)
+				lat, err = g.rawCalls(ctx, share, reqLen, respLen, warm)
 			default:
+				warmed.Done()
+				<-start
 				for range share {
 					var one []time.Duration
-					if one, err = g.rawCalls(ctx, 1, reqLen, respLen); err != nil {
+					if one, err = g.rawCalls(ctx, 1, reqLen, respLen, nil); err != nil {
 						break
 					}
 					lat = append(lat, one...)
@@ -304,6 +345,11 @@ func (g *gateway) small(ctx context.Context, conns, calls, reqLen, respLen int, 
 			mu.Unlock()
 		}()
 	}
+	warmed.Wait()
+	if ready != nil {
+		ready()
+	}
+	close(start)
 	wg.Wait()
 	out.calls = len(out.latencies)
 	out.bytes = int64(out.calls) * int64(reqLen+respLen)
@@ -314,33 +360,60 @@ func (g *gateway) small(ctx context.Context, conns, calls, reqLen, respLen int, 
 }
 
 // rawCalls makes n calls on one new tunnel with a stream of its own, then
-// ends its side and waits for the upstream's end; the latency of the first
-// call includes the dial, the handshake and (ktls) the preamble.
-func (g *gateway) rawCalls(ctx context.Context, n, reqLen, respLen int) ([]time.Duration, error) {
+// ends its side and waits for the upstream's end. Without warm, the latency
+// of the first call includes the dial, the handshake and (ktls) the
+// preamble. With warm, the tunnel first makes one more call, not counted,
+// then calls warm, and makes the n calls only if it returns true.
+func (g *gateway) rawCalls(ctx context.Context, n, reqLen, respLen int, warm func() bool) ([]time.Duration, error) {
+	extra := uint64(0)
+	if warm != nil {
+		extra = 1
+	}
 	start := time.Now()
 	c, err := g.dial(ctx)
 	if err != nil {
+		if warm != nil {
+			warm()
+		}
 		return nil, err
 	}
 	defer c.Close()
 	seed := nextSeed()
-	if _, err := c.Write(header{op: opSmall, req: uint32(reqLen), resp: uint32(respLen), seed: seed, n: uint64(n)}.marshal()); err != nil {
+	if _, err := c.Write(header{op: opSmall, req: uint32(reqLen), resp: uint32(respLen), seed: seed, n: uint64(n) + extra}.marshal()); err != nil {
+		if warm != nil {
+			warm()
+		}
 		return nil, err
 	}
 	req, want, got := make([]byte, reqLen), make([]byte, respLen), make([]byte, respLen)
 	lat := make([]time.Duration, 0, n)
-	for i := range uint64(n) {
+	for i := range uint64(n) + extra {
 		callBytes(req, want, seed, i)
 		if _, err := c.Write(req); err != nil {
+			if i < extra {
+				warm()
+			}
 			return lat, err
 		}
 		if _, err := io.ReadFull(c, got); err != nil {
+			if i < extra {
+				warm()
+			}
 			return lat, fmt.Errorf("small call %d: %w", i, err)
 		}
 		if !bytes.Equal(got, want) {
+			if i < extra {
+				warm()
+			}
 			return lat, fmt.Errorf("small call %d: response bytes differ from the payload", i)
 		}
-		lat = append(lat, time.Since(start))
+		if i < extra {
+			if !warm() {
+				return lat, nil
+			}
+		} else {
+			lat = append(lat, time.Since(start))
+		}
 		start = time.Now()
 	}
 	if err := closeWrite(c); err != nil {
@@ -352,12 +425,11 @@ func (g *gateway) rawCalls(ctx context.Context, n, reqLen, respLen int) ([]time.
 	return lat, nil
 }
 
-// httpCalls makes n calls of one stream of its own.
-func (g *gateway) httpCalls(ctx context.Context, tr *http.Transport, n, reqLen, respLen int) ([]time.Duration, error) {
-	seed := nextSeed()
+// httpCalls makes calls first..first+n-1 of the stream seed.
+func (g *gateway) httpCalls(ctx context.Context, tr *http.Transport, seed uint32, first, n, reqLen, respLen int) ([]time.Duration, error) {
 	body, want := make([]byte, reqLen), make([]byte, respLen)
 	lat := make([]time.Duration, 0, n)
-	for i := range uint64(n) {
+	for i := uint64(first); i < uint64(first+n); i++ {
 		start := time.Now()
 		callBytes(body, want, seed, i)
 		url := fmt.Sprintf("%s/call?seed=%d&i=%d&req=%d&resp=%d", g.base, seed, i, reqLen, respLen)
@@ -412,7 +484,7 @@ func (g *gateway) checkResponse(resp *http.Response) error {
 	}
 	switch {
 	case resp.TLS != nil:
-		return checkSuite(*resp.TLS)
+		return g.checkConn(*resp.TLS)
 	case g.kernelTX:
 		// net/http keeps no TLS state of a connection it did not make
 		// itself; the gateway's dialer checked this one's suite.

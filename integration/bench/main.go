@@ -36,7 +36,7 @@ import (
 func main() {
 	log.SetFlags(0)
 	if len(os.Args) < 2 {
-		log.Fatal("usage: bench run|floor-ktls|floor-plain [flags]")
+		log.Fatal("usage: bench run|floor-ktls|floor-plain|floor-rw-ktls|floor-rw-plain [flags]")
 	}
 	var err error
 	switch sub := os.Args[1]; sub {
@@ -44,6 +44,8 @@ func main() {
 		err = runDriver(os.Args[2:])
 	case "floor-ktls", "floor-plain":
 		err = runFloor(sub, os.Args[2:])
+	case "floor-rw-ktls", "floor-rw-plain":
+		err = runFloorRW(sub, os.Args[2:])
 	default:
 		err = fmt.Errorf("unknown subcommand %q", sub)
 	}
@@ -117,11 +119,18 @@ type result struct {
 	GatewayTX int64 `json:"gateway_tx,omitempty"`
 	// Tunnels: the tunnels the gateway opened over the cell (L4
 	// contenders); a kernel direction needs a key install for each.
-	Tunnels int64    `json:"tunnels,omitempty"`
+	Tunnels int64 `json:"tunnels,omitempty"`
+	// Resumed: of those tunnels, the ones whose TLS handshake resumed a
+	// session (small-per-call-resumed).
+	Resumed int64    `json:"resumed,omitempty"`
 	Errors  []string `json:"errors,omitempty"`
 }
 
-var shapes = []string{"upload", "download", "small-reuse", "small-per-call"}
+var shapes = []string{"upload", "download", "small-reuse", "small-per-call", "small-per-call-resumed"}
+
+// resumedShape is the shape whose gateway keeps a TLS session cache, so
+// that a call's handshake resumes a session the contender issued before.
+const resumedShape = "small-per-call-resumed"
 
 const gib = 1 << 30
 
@@ -132,7 +141,7 @@ func runDriver(args []string) error {
 	fs.IntVar(&p.Repetitions, "reps", 3, "runs per contender and shape (CPU pass)")
 	fs.IntVar(&p.SmallConns, "small-conns", 16, "concurrent connections of the small-call shapes")
 	fs.IntVar(&p.SmallCalls, "small-calls", 2000, "calls per small-reuse run")
-	fs.IntVar(&p.SmallPerCallCalls, "small-per-call-calls", 400, "calls per small-per-call run (each a full handshake)")
+	fs.IntVar(&p.SmallPerCallCalls, "small-per-call-calls", 400, "calls per small-per-call run (each a full handshake) and per small-per-call-resumed run")
 	fs.IntVar(&p.SmallReq, "small-req", 1024, "request bytes per small call")
 	fs.IntVar(&p.SmallResp, "small-resp", 4096, "response bytes per small call")
 	fs.Int64Var(&p.StructuralBytes, "structural-bytes", 16<<20, "bytes per bulk run of the traced (structural) pass")
@@ -145,15 +154,30 @@ func runDriver(args []string) error {
 	out := fs.String("out", "results.json", "JSON output file")
 	noTrace := fs.Bool("no-structural", false, "skip the structural passes (untraced count and strace)")
 	timeout := fs.Duration("run-timeout", 30*time.Minute, "bound on one run of one shape")
+	perfDir := fs.String("perf", "", "after each shape's CPU pass, profile one more pass of it with perf record (cpu-clock, call graphs) and write perf report's text to this directory")
 	fs.Parse(args)
 	if p.Repetitions < 1 || p.SmallConns < 1 || p.BulkBytes < 1 || p.SmallReq < 1 || p.SmallResp < 1 ||
 		p.SmallReq > maxCallLen || p.SmallResp > maxCallLen {
 		return errors.New("sizes must be positive (small sizes at most 1 MiB)")
 	}
 	shapeNames := strings.Split(*shapeList, ",")
+	if p.GatewayKTLS && *shapeList == strings.Join(shapes, ",") {
+		// Every shape but the one a kTLS gateway cannot run (below).
+		shapeNames = slices.DeleteFunc(shapeNames, func(s string) bool { return s == resumedShape })
+		log.Printf("bench: -gateway-ktls: shape %s left out (an offloaded client receives no session ticket)", resumedShape)
+	}
 	for _, s := range shapeNames {
 		if !slices.Contains(shapes, s) {
 			return fmt.Errorf("unknown shape %q (have %s)", s, strings.Join(shapes, ", "))
+		}
+		if s == resumedShape && p.GatewayKTLS {
+			// ktls.Client drops the tickets that arrive after its offload.
+			return fmt.Errorf("shape %s needs the gateway's own TLS in userspace: an offloaded client never receives a session ticket (-gateway-ktls)", s)
+		}
+	}
+	if *perfDir != "" {
+		if err := os.MkdirAll(*perfDir, 0o755); err != nil {
+			return err
 		}
 	}
 	caddyPath, err := filepath.Abs(*caddyBin)
@@ -205,7 +229,7 @@ func runDriver(args []string) error {
 			continue
 		}
 		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, countRequired: *mode != "native", gatewayKTLS: p.GatewayKTLS}
-		results, err := benchContender(c, env, p, shapeNames, !*noTrace, *timeout)
+		results, err := benchContender(c, env, p, shapeNames, !*noTrace, *timeout, *perfDir)
 		rep.Results = append(rep.Results, results...)
 		if err != nil {
 			log.Printf("FAIL %s: %v", c.name, err)
@@ -236,7 +260,7 @@ func runDriver(args []string) error {
 }
 
 // benchContender starts one contender and runs every shape on it.
-func benchContender(c contender, env *runEnv, p params, shapeNames []string, trace bool, timeout time.Duration) ([]*result, error) {
+func benchContender(c contender, env *runEnv, p params, shapeNames []string, trace bool, timeout time.Duration, perfDir string) ([]*result, error) {
 	cmd, err := c.command(env)
 	if err != nil {
 		return nil, err
@@ -254,7 +278,10 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
 	defer stop(cmd, exited)
-	g := c.gateway(env)
+	// Every shape has the gateway without a session cache but the resumed
+	// one, which has its own, filled by its first handshakes.
+	full, resuming := c.gateway(env, false), c.gateway(env, true)
+	g := full
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	if err := waitListening(env.listen, exited); err != nil {
@@ -267,17 +294,35 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 	log.Printf("== %s (pid %d)", c.name, cmd.Process.Pid)
 	var results []*result
 	for _, shape := range shapeNames {
+		g := full
+		if shape == resumedShape {
+			g = resuming
+		}
 		r := &result{Contender: c.name, Shape: shape}
 		results = append(results, r)
 		stat0, statErr := kerneltest.ReadStat()
-		sealed0, tunnels0 := g.sealed.Load(), g.tunnels.Load()
+		sealed0, tunnels0, resumed0 := g.sealed.Load(), g.tunnels.Load(), g.resumed.Load()
 		do := shapeFunc(g, shape, p)
 		for i := range p.Repetitions {
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
-			run := measure(ctx, cmd.Process.Pid, func(ctx context.Context) (transfer, error) { return do(ctx, false) })
+			run := measure(ctx, cmd.Process.Pid, func(ctx context.Context, ready func()) (transfer, error) { return do(ctx, false, ready) })
 			cancel()
 			r.Runs = append(r.Runs, run)
 			log.Printf("   %s run %d: %d bytes, %d calls, forwarder cpu %.3fs, wall %.3fs %s", shape, i+1, run.Bytes, run.Calls, run.CPUs, run.Walls, run.Error)
+		}
+		if perfDir != "" {
+			// perf records for a fixed span (perfProfile): reps runs as
+			// slow as the CPU pass's slowest, with room to spare.
+			var walls float64
+			for _, run := range r.Runs {
+				walls = max(walls, run.Walls)
+			}
+			// At 1 kHz, 5 runs at least.
+			reps := max(p.Repetitions, 5)
+			span := time.Duration(float64(reps)*walls*1.5*float64(time.Second)) + 2*time.Second
+			if err := perfProfile(cmd.Process.Pid, filepath.Join(perfDir, c.name+"."+shape), reps, span, do, timeout); err != nil {
+				r.Errors = append(r.Errors, "perf pass: "+err.Error())
+			}
 		}
 		if trace {
 			untraced, untracedErr := countSyscalls(cmd.Process.Pid, do, timeout)
@@ -285,7 +330,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			var tr transfer
 			traced0, preamble0 := g.tunnels.Load(), g.preambleBytes.Load()
 			s, err := traceSyscalls(cmd.Process.Pid, filepath.Join(env.dir, "strace."+c.name+"."+shape), func() (err error) {
-				tr, err = do(ctx, true)
+				tr, err = do(ctx, true, nil)
 				return err
 			})
 			cancel()
@@ -324,6 +369,12 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			r.GatewayTX = g.sealed.Load() - sealed0
 		}
 		r.Tunnels = g.tunnels.Load() - tunnels0
+		if shape == resumedShape {
+			// Reported, not required: a contender that issues no tickets
+			// (caddy-l4's tls handler) does full handshakes here, and
+			// the report says so beside its figures.
+			r.Resumed = g.resumed.Load() - resumed0
+		}
 		summarize(r, c)
 		for _, e := range r.Errors {
 			log.Printf("FAIL %s %s: %s", c.name, shape, e)
@@ -334,7 +385,10 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 
 // shapeFunc returns one run of a shape (one of shapes); structural picks the
 // traced pass's (smaller) size.
-func shapeFunc(g *gateway, shape string, p params) func(ctx context.Context, structural bool) (transfer, error) {
+//
+// ready, when not nil, is called once the shape's setup is done and its
+// measured part begins (small-reuse: after every connection is open).
+func shapeFunc(g *gateway, shape string, p params) func(ctx context.Context, structural bool, ready func()) (transfer, error) {
 	bulk := func(structural bool) int64 {
 		if structural {
 			return p.StructuralBytes
@@ -349,29 +403,35 @@ func shapeFunc(g *gateway, shape string, p params) func(ctx context.Context, str
 	}
 	switch shape {
 	case "upload":
-		return func(ctx context.Context, s bool) (transfer, error) { return g.upload(ctx, bulk(s)) }
+		return func(ctx context.Context, s bool, _ func()) (transfer, error) { return g.upload(ctx, bulk(s)) }
 	case "download":
-		return func(ctx context.Context, s bool) (transfer, error) { return g.download(ctx, bulk(s)) }
+		return func(ctx context.Context, s bool, _ func()) (transfer, error) { return g.download(ctx, bulk(s)) }
 	case "small-reuse":
-		return func(ctx context.Context, s bool) (transfer, error) {
-			return g.small(ctx, p.SmallConns, calls(s, p.SmallCalls), p.SmallReq, p.SmallResp, true)
+		return func(ctx context.Context, s bool, ready func()) (transfer, error) {
+			return g.small(ctx, p.SmallConns, calls(s, p.SmallCalls), p.SmallReq, p.SmallResp, true, ready)
 		}
-	case "small-per-call":
-		return func(ctx context.Context, s bool) (transfer, error) {
-			return g.small(ctx, p.SmallConns, calls(s, p.SmallPerCallCalls), p.SmallReq, p.SmallResp, false)
+	case "small-per-call", resumedShape:
+		return func(ctx context.Context, s bool, ready func()) (transfer, error) {
+			return g.small(ctx, p.SmallConns, calls(s, p.SmallPerCallCalls), p.SmallReq, p.SmallResp, false, ready)
 		}
 	}
 	return nil
 }
 
 // measure runs one shape and charges the forwarder process's CPU to it.
-func measure(ctx context.Context, pid int, do func(context.Context) (transfer, error)) run {
+// A shape that calls ready starts the measurement there instead.
+func measure(ctx context.Context, pid int, do func(context.Context, func()) (transfer, error)) run {
 	before, err := sampleCPU(pid)
 	if err != nil {
 		return run{Error: "forwarder gone: " + err.Error()}
 	}
 	start := time.Now()
-	tr, runErr := do(ctx)
+	tr, runErr := do(ctx, func() {
+		if b, err := sampleCPU(pid); err == nil {
+			before = b
+		}
+		start = time.Now()
+	})
 	wall := time.Since(start)
 	after, err := sampleCPU(pid)
 	if err != nil {
@@ -490,8 +550,8 @@ func notes(mode string, gatewayKTLS bool) []string {
 		"cpu_s: user+system CPU of the forwarder process (all its threads; every contender is one process) while one run of the shape ran; from the sum of /proc/<pid>/task/*/schedstat run times (ns) when no thread exited during the run (cpu_source schedstat), else /proc/<pid>/stat utime+stime (10 ms ticks, cpu_source stat). user_s/sys_s always come from the ticks. CPU pass: no tracing.",
 		"cpu_s_per_gib: cpu_s scaled to one GiB of payload (both directions of a small call count). The overhead above the crypto floor is ktls minus floor-ktls in the same run.",
 		"structural: two separate passes at params.structural_bytes / structural_calls: one with strace attached to the forwarder (see structural.source; syscalls_per_gib, data_syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB; tracing slows the forwarder, so only counts come from it), and one untraced, with the forwarder's syscalls counted in the kernel (structural.untraced_source; untraced_syscalls_per_gib and untraced_syscalls_per_call, or untraced_error where the kernel offers no counter).",
-		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs); small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption). calls_per_cpu_s = calls / forwarder cpu_s.",
-		"Every contender terminates TLS 1.3 with TLS_AES_128_GCM_SHA256 and X25519 (checked on every connection) with the same ECDSA P-256 certificate, without client authentication; floor-plain speaks plain TCP. ktls* contenders also verify a signed, channel-bound preamble per connection.",
+		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs). small-reuse measures calls on established connections: each connection is opened and makes one uncounted call first (handshake, preamble, the forwarder's dial), and CPU and latencies are taken from when all are open; its structural passes count the setup too. small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption); small-per-call-resumed is the same with a gateway that keeps a TLS session cache, so a handshake can resume a session the contender issued before (resumed counts those that did, over every pass of the shape: a contender that issues no session tickets does full handshakes there too). calls_per_cpu_s = calls / forwarder cpu_s.",
+		"Every contender terminates TLS 1.3 with TLS_AES_128_GCM_SHA256 and X25519 (checked on every connection) with the same ECDSA P-256 certificate; floor-plain speaks plain TCP. ktls* contenders also require and verify the gateway's client certificate (mutual TLS, ECDSA P-256: two more signature verifications per full handshake) and verify a signed, channel-bound preamble per connection; the others authenticate no client.",
 		"offload: TX/RX placement from /proc/net/tls_stat deltas over the cell (TlsTxSw/TlsRxSw count sockets that installed a kernel key); a contender on the wrong path fails the run, and so does a kernel direction with fewer key installs than the cell's tunnels.",
 		"zero copy: " + strings.Join(zeroCopyNames(), ", ") + " splice both ways, so in their traced pass the bytes their forwarder moves through userspace after its key installs (structural.userspace_bytes minus pre_offload_bytes, the handshakes) must be at most the preambles' (preamble_bytes) and a 2-byte close_notify each way per TLS tunnel; more fails the cell.",
 		"payload: a stream without a period (splitmix64; small calls with a seed per tunnel), so a replayed, swapped or misplaced stretch, or another tunnel's bytes, fail; every reader reads to the end of its stream, and an upload's upstream answers the count and SHA-256 of all it received, so an appended byte fails too.",

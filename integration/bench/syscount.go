@@ -39,12 +39,12 @@ var untracedBreakdown = []string{
 
 // countSyscalls runs one structural-size transfer of a shape (do, as
 // shapeFunc returns it) with the forwarder's syscalls counted in the kernel.
-func countSyscalls(pid int, do func(context.Context, bool) (transfer, error), timeout time.Duration) (untracedCount, error) {
+func countSyscalls(pid int, do func(context.Context, bool, func()) (transfer, error), timeout time.Duration) (untracedCount, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	var tr transfer
 	n, top, err := untracedSyscalls(pid, func() (err error) {
-		tr, err = do(ctx, true)
+		tr, err = do(ctx, true, nil)
 		return err
 	})
 	return untracedCount{bytes: tr.bytes, calls: tr.calls, syscalls: n, top: top}, err

@@ -119,6 +119,43 @@ func TestGoals(t *testing.T) {
 	}
 }
 
+// The small-call goals (issue 18): on reused connections against the best
+// userspace peer, calls per CPU-second (higher is better) and p99 (lower
+// is better); with a connection per call against l4-proxy and
+// reverse-proxy.
+func TestSmallGoals(t *testing.T) {
+	cell := func(contender, shape string, calls, p99 float64) Result {
+		return Result{Contender: contender, Shape: shape, CallsPerCPUS: Summary{Median: calls}, P99US: p99}
+	}
+	r := &Results{Results: []Result{
+		cell("ktls", "small-reuse", 13000, 4000),
+		cell("l4-proxy", "small-reuse", 10000, 5000),
+		cell("haproxy", "small-reuse", 10500, 3900),
+		cell("nginx", "small-reuse", 9000, 4500),
+		// Not a peer: the floor never sets the bar.
+		cell("floor-ktls", "small-reuse", 20000, 100),
+		cell("ktls", "small-per-call-resumed", 300, 0),
+		cell("l4-proxy", "small-per-call-resumed", 290, 0),
+		cell("reverse-proxy", "small-per-call-resumed", 240, 0),
+	}}
+	got := map[string]string{}
+	for _, g := range goals(r.tables()) {
+		got[g.goal] = g.status + " / " + g.measured
+	}
+	for goal, want := range map[string]string{
+		// 13000 / 10500 = ×1.24.
+		"calls/CPU-s ≥ 1.2 × the best userspace peer's (small-reuse)": met + " / ktls 13000 vs best peer haproxy 10500 calls/CPU-s: ×1.24",
+		"p99 ≤ the best userspace peer's (small-reuse)":               missed + " / ktls 4000 µs vs best peer haproxy 3900 µs: ×1.03",
+		"calls/CPU-s ≥ 1 × l4-proxy's (small-per-call-resumed)":       met + " / ktls 300 vs l4-proxy 290 calls/CPU-s: ×1.03",
+		// 300 / 240 = ×1.25.
+		"calls/CPU-s ≥ 1.2 × reverse-proxy's (small-per-call-resumed)": met + " / ktls 300 vs reverse-proxy 240 calls/CPU-s: ×1.25",
+	} {
+		if got[goal] != want {
+			t.Errorf("goal %q:\n got %q\nwant %q", goal, got[goal], want)
+		}
+	}
+}
+
 // A contender under the floor's median has no overhead ratio to show, and
 // meets the overhead goals.
 func TestUnderTheFloor(t *testing.T) {

@@ -54,6 +54,10 @@ type Result struct {
 	Offload      string             `json:"offload"`
 	TLSStatDelta map[string]float64 `json:"tls_stat_delta"`
 	Errors       []string           `json:"errors"`
+	// Tunnels and Resumed: the tunnels of the cell and, in the resumed
+	// shape, how many of their handshakes resumed a session.
+	Tunnels int64 `json:"tunnels"`
+	Resumed int64 `json:"resumed"`
 }
 
 // Run is one repetition.
@@ -139,13 +143,18 @@ var (
 		{"nginx", "nginx (Debian's) stream module, TLS termination in userspace (OpenSSL)"},
 		{"floor-ktls", "the crypto floor: kTLS RX/TX + splice, nothing else"},
 		{"floor-plain", "plaintext splice, no crypto at all"},
+		{"floor-rw-ktls", "independent floor (no project code): kTLS RX/TX + read/write copy relay"},
+		{"floor-rw-plain", "plaintext read/write copy relay, no crypto, no splice"},
 	}
 	shapes = []struct{ name, what string }{
 		{"upload", "bulk transfer, client → sandbox"},
 		{"download", "bulk transfer, sandbox → client"},
 		{"small-reuse", "small request/response calls on reused connections"},
 		{"small-per-call", "small request/response calls, a new connection (and TLS handshake) per call"},
+		{"small-per-call-resumed", "small request/response calls, a new connection per call whose TLS handshake resumes a session (the gateway keeps a session cache)"},
 	}
+	// userspacePeers are the peers the small-call goals compare with.
+	userspacePeers = []string{"l4-proxy", "reverse-proxy", "haproxy", "nginx"}
 )
 
 const (
@@ -601,7 +610,7 @@ func (st shapeTable) bulkTable(b *bytes.Buffer) {
 
 func (st shapeTable) smallTable(b *bytes.Buffer) {
 	mdHeader(b, "contender", "offload", "runs", "calls/CPU-s (median)", "spread", "÷ l4-proxy", "÷ reverse-proxy",
-		"p50 µs", "p99 µs", "syscalls/call (untraced)", "syscalls/call (strace)", "CPU-s/GiB (median)", "above floor-ktls")
+		"p50 µs", "p99 µs", "syscalls/call (untraced)", "syscalls/call (strace)", "CPU-s/GiB (median)", "above floor-ktls", "handshakes resumed")
 	for _, res := range st.rows {
 		calls := res.CallsPerCPUS
 		sp, spok := calls.spread()
@@ -617,8 +626,16 @@ func (st shapeTable) smallTable(b *bytes.Buffer) {
 		mdRow(b, "`"+res.Contender+"`", offload(res), runsOK(res),
 			opt(calls.Median, calls.Median > 0, num), opt(sp, spok, pct), opt(rl4, rl4ok, times), opt(rrp, rrpok, times),
 			opt(res.P50US, res.P50US > 0, num), opt(res.P99US, res.P99US > 0, num), untraced, perCall,
-			opt(cpu.Median, cpu.Median > 0, num), opt(above, aok, signed))
+			opt(cpu.Median, cpu.Median > 0, num), opt(above, aok, signed), resumed(st.shape, res))
 	}
+}
+
+// resumed says how many of a resumed-shape cell's handshakes resumed.
+func resumed(shape string, res *Result) string {
+	if shape != "small-per-call-resumed" || res.Tunnels == 0 {
+		return dash
+	}
+	return fmt.Sprintf("%d of %d", res.Resumed, res.Tunnels)
 }
 
 // details lists, under a shape's table, the traced transfers' most frequent
@@ -711,12 +728,14 @@ func verdict(ok bool) string {
 	return missed
 }
 
-// goals evaluates issue 7's goals that results.json can answer, per bulk
-// shape; the host and idle-tunnel goals point to their own reports.
+// goals evaluates the goals that results.json can answer: issue 7's per
+// bulk shape, issue 18's per small shape; the host and idle-tunnel goals
+// point to their own reports.
 func goals(tables []shapeTable) []goalRow {
 	var out []goalRow
 	for _, st := range tables {
 		if !isBulk(st.shape) {
+			out = append(out, smallGoals(st)...)
 			continue
 		}
 		k, l4 := st.by[fastContender], st.by[l4Contender]
@@ -784,6 +803,60 @@ func goals(tables []shapeTable) []goalRow {
 		goalRow{"idle tunnel ≤ 16 KiB heap, no pipe held", "[idle.md](idle.md)", "see idle.md"},
 	)
 	return out
+}
+
+// smallGoals evaluates issue 18's goals for a small-call shape: on reused
+// connections, calls per CPU-second ≥ 1.2 × the best userspace peer's and
+// p99 ≤ the best peer's; with a connection per call, ≥ 1.0 × l4-proxy's and
+// ≥ 1.2 × reverse-proxy's calls per CPU-second.
+func smallGoals(st shapeTable) []goalRow {
+	sh := " (" + st.shape + ")"
+	k := st.by[fastContender]
+	calls := func(r *Result) (float64, bool) {
+		if r == nil || r.CallsPerCPUS.Median <= 0 {
+			return 0, false
+		}
+		return r.CallsPerCPUS.Median, true
+	}
+	kc, kok := calls(k)
+	callsGoal := func(goal string, ref string, refCalls float64, limit float64) goalRow {
+		g := goalRow{goal: goal + sh, status: notMeasured, measured: dash}
+		if kok && refCalls > 0 {
+			r := kc / refCalls
+			g.measured = fmt.Sprintf("ktls %s vs %s %s calls/CPU-s: %s", num(kc), ref, num(refCalls), times(r))
+			g.status = verdict(r >= limit)
+		}
+		return g
+	}
+	if st.shape != "small-reuse" {
+		var out []goalRow
+		for _, ref := range []struct {
+			name  string
+			limit float64
+		}{{l4Contender, 1.0}, {rpContender, 1.2}} {
+			c, _ := calls(st.by[ref.name])
+			out = append(out, callsGoal(fmt.Sprintf("calls/CPU-s ≥ %s × %s's", num(ref.limit), ref.name), ref.name, c, ref.limit))
+		}
+		return out
+	}
+	bestCalls, bestCallsName := 0.0, ""
+	bestP99, bestP99Name := 0.0, ""
+	for _, name := range userspacePeers {
+		r := st.by[name]
+		if c, ok := calls(r); ok && c > bestCalls {
+			bestCalls, bestCallsName = c, name
+		}
+		if r != nil && r.P99US > 0 && (bestP99Name == "" || r.P99US < bestP99) {
+			bestP99, bestP99Name = r.P99US, name
+		}
+	}
+	out := []goalRow{callsGoal("calls/CPU-s ≥ 1.2 × the best userspace peer's", "best peer "+bestCallsName, bestCalls, 1.2)}
+	g := goalRow{goal: "p99 ≤ the best userspace peer's" + sh, status: notMeasured, measured: dash}
+	if k != nil && k.P99US > 0 && bestP99Name != "" {
+		g.measured = fmt.Sprintf("ktls %s µs vs best peer %s %s µs: %s", num(k.P99US), bestP99Name, num(bestP99), times(k.P99US/bestP99))
+		g.status = verdict(k.P99US <= bestP99)
+	}
+	return append(out, g)
 }
 
 const limitsText = `- **Structural figures are exact counts** of one traced transfer (the

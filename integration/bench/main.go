@@ -1,6 +1,6 @@
 // Command bench is the benchmark harness of caddy-ktls (issue 7): it runs
 // every forwarder contender (this project with kTLS on, RX off and offload
-// off, caddy-l4's tls+proxy, Caddy's reverse_proxy, HAProxy, nginx, and two
+// off, caddy-l4's tls+proxy, Caddy's reverse_proxy, HAProxy, nginx, and four
 // floors of its own) against the same upstream, through the same gateway
 // client, and writes one JSON document (docs/bench/results.json).
 //
@@ -10,6 +10,8 @@
 //	bench run [flags]      the driver: gateway, upstream, contenders, JSON
 //	bench floor-ktls ...   the crypto floor: TLS 1.3 → kTLS TX+RX → splice
 //	bench floor-plain ...  plain TCP → splice
+//	bench floor-rw-ktls ... TLS 1.3 → its own kTLS install → read/write
+//	bench floor-rw-plain ... plain TCP → read/write
 package main
 
 import (

@@ -4,7 +4,8 @@
 # the initramfs, kmod (depmod/modprobe --show-depends), xz/zstd for compressed
 # kernel modules, the Debian keyring that verifies the kernel packages, and
 # the client tools the kernel tests run (openssl, curl, strace, python3), and the
-# benchmark's HAProxy and nginx.
+# benchmark's HAProxy and nginx; and the checkers of the operator kit under
+# deploy/ (systemd-analyze, promtool).
 set -euo pipefail
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
@@ -38,6 +39,13 @@ have python3 || need+=(python3)
 [ -x /usr/sbin/haproxy ] || need+=(haproxy)
 [ -x /usr/sbin/nginx ] || need+=(nginx)
 [ -f /usr/lib/nginx/modules/ngx_stream_module.so ] || need+=(libnginx-mod-stream)
+# The checkers of deploy/ (deploy/deploy_test.go): `systemd-analyze verify`
+# on the systemd unit, `promtool check rules` and `promtool test rules` on
+# the Prometheus alerts. Debian ships promtool only in the prometheus
+# package; its server is not started (the policy-rc.d below, and no systemd
+# as PID 1 in a container).
+have systemd-analyze || need+=(systemd)
+have promtool || need+=(prometheus)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

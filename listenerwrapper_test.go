@@ -336,21 +336,25 @@ func TestListenerWrapperHandshakeTimeout(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	var lines []map[string]any
-	for _, l := range s.logLines(t, "kernel TLS handshake") {
-		if l["remote"] == c.LocalAddr().String() {
-			lines = append(lines, l)
+	// The outcome is counted before the observer logs it: wait for the
+	// lines, then check there is one of each.
+	mine := func(msg string) []map[string]any {
+		var out []map[string]any
+		for _, l := range s.logLines(t, msg) {
+			if l["remote"] == c.LocalAddr().String() {
+				out = append(out, l)
+			}
 		}
+		return out
 	}
+	waitUntil(t, 10*time.Second, func() bool {
+		return len(mine("kernel TLS handshake")) > 0 && len(mine("TLS handshake failed")) > 0
+	}, "the silent client's handshake log lines")
+	lines := mine("kernel TLS handshake")
 	if len(lines) != 1 || lines[0]["reason"] != string(ktls.ReasonHandshakeFailed) || !strings.Contains(fmt.Sprint(lines[0]["error"]), "deadline exceeded") {
 		t.Errorf("handshake log lines for the silent client: %v; want one, handshake-failed, deadline exceeded", lines)
 	}
-	var failed []map[string]any
-	for _, l := range s.logLines(t, "TLS handshake failed") {
-		if l["remote"] == c.LocalAddr().String() {
-			failed = append(failed, l)
-		}
-	}
+	failed := mine("TLS handshake failed")
 	if len(failed) != 1 || failed[0]["reason"] != "timeout" || failed[0]["level"] != "debug" {
 		t.Errorf("failed-handshake log lines for the silent client: %v; want one at DEBUG, reason timeout", failed)
 	}

@@ -617,52 +617,20 @@ func tcpEnd(c net.Conn) (spliceEnd, bool) {
 // (copyOnce) with no pipe held, so order is kept there too; the next burst
 // asks for a pipe again.
 func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.Conn, dstEnd spliceEnd) error {
-	var p *pipe
+	sd := &spliced{t: t, src: srcEnd, dst: dstEnd}
+	// Method values made once: the callbacks syscall.RawConn takes would
+	// otherwise be allocated anew (with what they capture) for every burst.
+	sd.fill, sd.flush = sd.fillPipe, sd.flushPipe
 	defer func() {
-		if p != nil {
-			t.pipes.put(p)
+		if sd.p != nil {
+			t.pipes.put(sd.p)
 		}
 	}()
 	controlInARow := 0
 	for {
-		var (
-			n          int64
-			serr, perr error
-		)
-		err := srcEnd.rc.Read(func(fd uintptr) bool {
-			if p == nil {
-				if p, perr = t.pipes.get(); perr != nil {
-					return true
-				}
-			}
-			// A call from a kTLS source opens records inside the call,
-			// which keeps its P (spliceSyscall): it asks for at most a batch.
-			ask := p.size
-			if srcEnd.ktls {
-				ask = min(p.size, recordBatch)
-			}
-			n, serr = t.splice(int(fd), p.wfd, ask, spliceFlags)
-			if serr == unix.EAGAIN {
-				// The burst is over and the pipe is empty: give it back
-				// before parking, so an idle tunnel holds no pipe.
-				t.pipes.put(p)
-				p = nil
-				return false
-			}
-			// Gather full records while the kernel hands them out one per
-			// call. A call that moved more came from a kernel that gathers
-			// them itself, and it took all that were ready. Whatever ends
-			// the batch (a short record, EAGAIN, a control record, EOF) is
-			// met again by the next call, after the drain.
-			for last := n; srcEnd.ktls && serr == nil && last == maxRecordPlaintext && int(n)+maxRecordPlaintext <= ask; {
-				m, err := t.splice(int(fd), p.wfd, ask-int(n), spliceFlags)
-				if err != nil || m == 0 {
-					break
-				}
-				n, last = n+m, m
-			}
-			return true
-		})
+		sd.n, sd.serr, sd.perr = 0, nil, nil
+		err := srcEnd.rc.Read(sd.fill)
+		n, serr, perr := sd.n, sd.serr, sd.perr
 		switch {
 		case err != nil:
 			return fmt.Errorf("source: %w", err)
@@ -692,52 +660,115 @@ func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.
 			return nil
 		}
 		controlInARow = 0
-		p.buffered = int(n)
+		sd.p.buffered = int(n)
 		if srcEnd.opener != nil {
 			// Failing here drops what the pipe holds with the pipe (put).
 			if err := srcEnd.opener.Opened(n); err != nil {
 				return fmt.Errorf("source: %w", err)
 			}
 		}
-		if err := t.drain(d, p, dstEnd); err != nil {
+		if err := sd.drain(d); err != nil {
 			return err
 		}
 	}
 }
 
-// drain splices everything buffered in p into the sink, counting after
-// every call. A call into a kTLS sink carries at most maxSealPerCall.
-func (t *Relay) drain(d Direction, p *pipe, dst spliceEnd) error {
-	for p.buffered > 0 {
-		var (
-			m    int64
-			serr error
-		)
-		n := p.buffered
-		if dst.ktls {
-			n = min(n, maxSealPerCall)
+// spliced is one spliced direction's state between the calls syscall.RawConn
+// makes of its callbacks: the pipe of the current burst and what the last
+// splice(2) returned.
+type spliced struct {
+	t        *Relay
+	src, dst spliceEnd
+	p        *pipe // the burst's pipe; nil between bursts
+	// fill's results: bytes moved into the pipe, the splice(2) error, the
+	// error of taking a pipe.
+	n          int64
+	serr, perr error
+	// flush's request and results: bytes to move out of the pipe, bytes
+	// moved, the splice(2) (or BeginSeal) error.
+	want int
+	m    int64
+	werr error
+	// fill and flush as func values, made once (spliceLoop).
+	fill, flush func(fd uintptr) bool
+}
+
+// fillPipe is the source's read callback: it takes a pipe if the burst has
+// none and splices src → pipe. On EAGAIN the burst is over and the pipe is
+// empty: it gives the pipe back before the goroutine parks, so an idle
+// tunnel holds no pipe.
+func (sd *spliced) fillPipe(fd uintptr) bool {
+	t := sd.t
+	if sd.p == nil {
+		if sd.p, sd.perr = t.pipes.get(); sd.perr != nil {
+			return true
 		}
-		err := dst.rc.Write(func(fd uintptr) bool {
-			if dst.sealer != nil {
-				if serr = dst.sealer.BeginSeal(fd); serr != nil {
-					return serr != unix.EAGAIN
-				}
-				defer func() { dst.sealer.EndSeal(max(m, 0)) }()
-			}
-			m, serr = t.splice(p.rfd, int(fd), n, spliceFlags)
-			return serr != unix.EAGAIN
-		})
-		if err != nil {
+	}
+	p := sd.p
+	// A call from a kTLS source opens records inside the call, which keeps
+	// its P (spliceSyscall): it asks for at most a batch.
+	ask := p.size
+	if sd.src.ktls {
+		ask = min(p.size, recordBatch)
+	}
+	sd.n, sd.serr = t.splice(int(fd), p.wfd, ask, spliceFlags)
+	if sd.serr == unix.EAGAIN {
+		t.pipes.put(p)
+		sd.p = nil
+		return false
+	}
+	// Gather full records while the kernel hands them out one per call. A
+	// call that moved more came from a kernel that gathers them itself,
+	// and it took all that were ready. Whatever ends the batch (a short
+	// record, EAGAIN, a control record, EOF) is met again by the next call,
+	// after the drain.
+	for last := sd.n; sd.src.ktls && sd.serr == nil && last == maxRecordPlaintext && int(sd.n)+maxRecordPlaintext <= ask; {
+		m, err := t.splice(int(fd), p.wfd, ask-int(sd.n), spliceFlags)
+		if err != nil || m == 0 {
+			break
+		}
+		sd.n, last = sd.n+m, m
+	}
+	return true
+}
+
+// flushPipe is the sink's write callback: one splice(2) of up to want bytes
+// pipe → sink, bracketed by the sink's BeginSeal and EndSeal when it seals.
+func (sd *spliced) flushPipe(fd uintptr) bool {
+	sd.m = 0
+	if s := sd.dst.sealer; s != nil {
+		if sd.werr = s.BeginSeal(fd); sd.werr != nil {
+			return sd.werr != unix.EAGAIN
+		}
+		sd.m, sd.werr = sd.t.splice(sd.p.rfd, int(fd), sd.want, spliceFlags)
+		s.EndSeal(max(sd.m, 0))
+		return sd.werr != unix.EAGAIN
+	}
+	sd.m, sd.werr = sd.t.splice(sd.p.rfd, int(fd), sd.want, spliceFlags)
+	return sd.werr != unix.EAGAIN
+}
+
+// drain splices everything buffered in the pipe into the sink, counting
+// after every call. A call into a kTLS sink carries at most maxSealPerCall.
+func (sd *spliced) drain(d Direction) error {
+	p := sd.p
+	for p.buffered > 0 {
+		sd.want = p.buffered
+		if sd.dst.ktls {
+			sd.want = min(sd.want, maxSealPerCall)
+		}
+		sd.werr = nil
+		if err := sd.dst.rc.Write(sd.flush); err != nil {
 			return sinkError{fmt.Errorf("sink: %w", err)}
 		}
-		if serr != nil {
-			return sinkError{os.NewSyscallError("splice sink", serr)}
+		if sd.werr != nil {
+			return sinkError{os.NewSyscallError("splice sink", sd.werr)}
 		}
-		if m == 0 {
+		if sd.m == 0 {
 			return errors.New("splice sink: moved 0 bytes from a non-empty pipe")
 		}
-		p.buffered -= int(m)
-		t.count(d, m, true)
+		p.buffered -= int(sd.m)
+		sd.t.count(d, sd.m, true)
 	}
 	return nil
 }

@@ -23,6 +23,9 @@ type contender struct {
 	// checked against /proc/net/tls_stat (TlsTxSw/TlsRxSw count the sockets
 	// that installed a kernel key).
 	kernelTX, kernelRX bool
+	// peer: one of the userspace peers the goals compare with (-peers-mtls
+	// gives them client authentication).
+	peer bool
 	// zeroCopy: its forwarder moves no payload byte through userspace (it
 	// splices both ways): in the traced pass, the bytes it reads or writes
 	// on a socket after installing kernel keys there, or on one without
@@ -44,16 +47,22 @@ type runEnv struct {
 	countRequired bool
 	// gatewayKTLS: the gateway seals its records in its kernel (-gateway-ktls).
 	gatewayKTLS bool
+	// peersMTLS: the TLS peers verify the gateway's client certificate too
+	// (-peers-mtls).
+	peersMTLS bool
+	// adminSock: with -pprof, the unix socket of a Caddy contender's admin
+	// endpoint (its Go profiler); otherwise the admin endpoint is off.
+	adminSock string
 }
 
 var contenders = []contender{
 	{name: "ktls", dialKind: "preamble", kernelTX: true, kernelRX: true, zeroCopy: true, command: caddySandbox(nil)},
 	{name: "ktls-rx-off", dialKind: "preamble", kernelTX: true, command: caddySandbox(map[string]any{"disable_rx": true})},
 	{name: "ktls-off", dialKind: "preamble", command: caddySandbox(map[string]any{"disable_offload": true})},
-	{name: "l4-proxy", dialKind: "tls", command: caddyL4Proxy},
-	{name: "reverse-proxy", dialKind: "https", command: caddyReverseProxy},
-	{name: "haproxy", dialKind: "tls", command: haproxy},
-	{name: "nginx", dialKind: "tls", command: nginx},
+	{name: "l4-proxy", dialKind: "tls", peer: true, command: caddyL4Proxy},
+	{name: "reverse-proxy", dialKind: "https", peer: true, command: caddyReverseProxy},
+	{name: "haproxy", dialKind: "tls", peer: true, command: haproxy},
+	{name: "nginx", dialKind: "tls", peer: true, command: nginx},
 	{name: "floor-ktls", dialKind: "tls", kernelTX: true, kernelRX: true, zeroCopy: true, command: floor("floor-ktls")},
 	{name: "floor-plain", dialKind: "plain", zeroCopy: true, command: floor("floor-plain")},
 	{name: "floor-rw-ktls", dialKind: "tls", kernelTX: true, kernelRX: true, command: floor("floor-rw-ktls")},
@@ -88,15 +97,19 @@ func findContender(name string) (contender, bool) {
 	return contender{}, false
 }
 
-// caddyBase is the part every Caddy contender shares: no admin endpoint, no
-// per-connection logging (HAProxy and nginx log nothing either), the server
+// caddyBase is the part every Caddy contender shares: no admin endpoint
+// (but a unix socket with -pprof), no per-connection logging (HAProxy and nginx log nothing either), the server
 // certificate loaded from files, storage in the run directory.
 func caddyBase(env *runEnv, apps map[string]any) map[string]any {
 	apps["tls"] = map[string]any{"certificates": map[string]any{
 		"load_files": []any{map[string]any{"certificate": env.pki.certFile, "key": env.pki.keyFile}},
 	}}
+	admin := map[string]any{"disabled": true}
+	if env.adminSock != "" {
+		admin = map[string]any{"listen": "unix/" + env.adminSock}
+	}
 	return map[string]any{
-		"admin":   map[string]any{"disabled": true},
+		"admin":   admin,
 		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{"level": "ERROR"}}},
 		"storage": map[string]any{"module": "file_system", "root": filepath.Join(env.dir, "caddy-storage")},
 		"apps":    apps,
@@ -146,9 +159,27 @@ func caddySandbox(offload map[string]any) func(*runEnv) (*exec.Cmd, error) {
 	}
 }
 
+// clientAuth is a Caddy connection policy's client authentication as the
+// ktls contenders have it, for the peers with -peers-mtls (else nil).
+func clientAuth(env *runEnv) map[string]any {
+	if !env.peersMTLS {
+		return nil
+	}
+	return map[string]any{"mode": "require_and_verify", "trusted_ca_certs": []string{env.pki.caDER}}
+}
+
+// policy is a Caddy connection policy with the fields given, and the
+// gateway's client authentication with -peers-mtls.
+func policy(env *runEnv, fields map[string]any) map[string]any {
+	if ca := clientAuth(env); ca != nil {
+		fields["client_authentication"] = ca
+	}
+	return fields
+}
+
 func caddyL4Proxy(env *runEnv) (*exec.Cmd, error) {
 	return caddyCommand(env, "caddy-l4-proxy", caddyBase(env, layer4(env,
-		map[string]any{"handler": "tls", "connection_policies": []any{map[string]any{}}},
+		map[string]any{"handler": "tls", "connection_policies": []any{policy(env, map[string]any{})}},
 		map[string]any{"handler": "proxy", "upstreams": []any{map[string]any{"dial": []string{env.up.rawAddr()}}}},
 	)))
 }
@@ -158,7 +189,7 @@ func caddyReverseProxy(env *runEnv) (*exec.Cmd, error) {
 		"listen":                  []string{env.listen},
 		"protocols":               []string{"h1"},
 		"automatic_https":         map[string]any{"disable": true},
-		"tls_connection_policies": []any{map[string]any{"protocol_min": "tls1.3"}},
+		"tls_connection_policies": []any{policy(env, map[string]any{"protocol_min": "tls1.3"})},
 		"routes": []any{map[string]any{"handle": []any{map[string]any{
 			"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": env.up.webAddr()}},
 		}}}},
@@ -176,7 +207,7 @@ defaults
 	timeout client 10m
 	timeout server 10m
 frontend bench
-	bind {{.Listen}} ssl crt {{.Bundle}}
+	bind {{.Listen}} ssl crt {{.Bundle}}{{if .MTLS}} verify required ca-file {{.Cert}}{{end}}
 	default_backend upstream
 backend upstream
 	server up {{.Upstream}}
@@ -207,6 +238,10 @@ stream {
 		ssl_certificate_key {{.Key}};
 		ssl_protocols TLSv1.3;
 		ssl_conf_command Ciphersuites TLS_AES_128_GCM_SHA256;
+{{- if .MTLS}}
+		ssl_verify_client on;
+		ssl_client_certificate {{.Cert}};
+{{- end}}
 		proxy_pass {{.Upstream}};
 		proxy_half_close on;
 	}
@@ -225,9 +260,10 @@ func nginx(env *runEnv) (*exec.Cmd, error) {
 
 func writeTemplate(env *runEnv, name string, t *template.Template) (string, error) {
 	var b strings.Builder
-	err := t.Execute(&b, map[string]string{
+	err := t.Execute(&b, map[string]any{
 		"Dir": env.dir, "Listen": env.listen, "Upstream": env.up.rawAddr(),
 		"Cert": env.pki.certFile, "Key": env.pki.keyFile, "Bundle": env.pki.bundleFile,
+		"MTLS": env.peersMTLS,
 	})
 	if err != nil {
 		return "", err
@@ -248,6 +284,13 @@ func floor(sub string) func(*runEnv) (*exec.Cmd, error) {
 // cache of its own (small-per-call-resumed).
 func (c contender) gateway(env *runEnv, resume bool) *gateway {
 	g := &gateway{tls: gatewayTLS(env.pki), kernelTX: env.gatewayKTLS && c.dialKind != "plain"}
+	// The certificate goes to a server that asks for it, and is counted.
+	cert := g.tls.Certificates[0]
+	g.tls.Certificates = nil
+	g.tls.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+		g.certAsked.Add(1)
+		return &cert, nil
+	}
 	if resume {
 		g.tls.ClientSessionCache = tls.NewLRUClientSessionCache(0)
 	}

@@ -42,8 +42,9 @@ type gateway struct {
 	tunnels       atomic.Int64
 	preambleBytes atomic.Int64
 	// resumed counts the TLS connections whose handshake resumed a session
-	// (a gateway with a session cache: small-per-call-resumed).
-	resumed atomic.Int64
+	// (a gateway with a session cache: small-per-call-resumed); certAsked
+	// the handshakes in which the server asked for the client certificate.
+	resumed, certAsked atomic.Int64
 }
 
 // counted makes dial count the tunnels it opens, each bounded by the
@@ -192,7 +193,7 @@ type transfer struct {
 func (g *gateway) upload(ctx context.Context, n int64) (transfer, error) {
 	want := uploadReply{n: uint64(n), sum: payloadSum(n)}
 	if g.dial == nil {
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/upload", newPayload(bulkSeed, n))
+		req, err := g.request(ctx, http.MethodPost, g.base+"/upload", newPayload(bulkSeed, n))
 		if err != nil {
 			return transfer{}, err
 		}
@@ -236,7 +237,7 @@ func (g *gateway) upload(ctx context.Context, n int64) (transfer, error) {
 func (g *gateway) download(ctx context.Context, n int64) (transfer, error) {
 	var body io.ReadCloser
 	if g.dial == nil {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, g.base+"/download?n="+strconv.FormatInt(n, 10), nil)
+		req, err := g.request(ctx, http.MethodGet, g.base+"/download?n="+strconv.FormatInt(n, 10), nil)
 		if err != nil {
 			return transfer{}, err
 		}
@@ -433,7 +434,7 @@ func (g *gateway) httpCalls(ctx context.Context, tr *http.Transport, seed uint32
 		start := time.Now()
 		callBytes(body, want, seed, i)
 		url := fmt.Sprintf("%s/call?seed=%d&i=%d&req=%d&resp=%d", g.base, seed, i, reqLen, respLen)
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+		req, err := g.request(ctx, http.MethodPost, url, bytes.NewReader(body))
 		if err != nil {
 			return lat, err
 		}
@@ -462,6 +463,17 @@ func (g *gateway) transport(conns int, perCall bool) *http.Transport {
 		tr.DialTLSContext = func(ctx context.Context, _, addr string) (net.Conn, error) { return g.tlsDialer(addr)(ctx) }
 	}
 	return tr
+}
+
+// request is an HTTP request to the HTTP contender, whose Host is the
+// name the TLS handshake sends (SNI): Caddy answers 421 to a request for
+// another host on a connection whose client it authenticated.
+func (g *gateway) request(ctx context.Context, method, url string, body io.Reader) (*http.Request, error) {
+	req, err := http.NewRequestWithContext(ctx, method, url, body)
+	if err == nil {
+		req.Host = g.tls.ServerName
+	}
+	return req, err
 }
 
 func (g *gateway) httpDo(tr *http.Transport, req *http.Request, limit int) ([]byte, error) {

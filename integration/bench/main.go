@@ -68,6 +68,7 @@ type params struct {
 	StructuralBytes   int64 `json:"structural_bytes"`
 	StructuralCalls   int   `json:"structural_calls"`
 	GatewayKTLS       bool  `json:"gateway_ktls,omitempty"`
+	PeersMTLS         bool  `json:"peers_mtls,omitempty"`
 }
 
 type report struct {
@@ -149,6 +150,7 @@ func runDriver(args []string) error {
 	fs.Int64Var(&p.StructuralBytes, "structural-bytes", 16<<20, "bytes per bulk run of the traced (structural) pass")
 	fs.IntVar(&p.StructuralCalls, "structural-calls", 400, "calls per small run of the traced pass")
 	fs.BoolVar(&p.GatewayKTLS, "gateway-ktls", false, "the gateway seals its records in its own kernel (kTLS TX), so one write hands over many records")
+	fs.BoolVar(&p.PeersMTLS, "peers-mtls", false, "the TLS peers (l4-proxy, reverse-proxy, haproxy, nginx) also require and verify the gateway's client certificate, as the ktls contenders do")
 	mode := fs.String("mode", "vm-icount", "where this runs: vm-icount, vm or native (recorded; vm modes require kTLS)")
 	only := fs.String("contenders", strings.Join(contenderNames(), ","), "contenders to run")
 	shapeList := fs.String("shapes", strings.Join(shapes, ","), "shapes to run")
@@ -156,7 +158,7 @@ func runDriver(args []string) error {
 	out := fs.String("out", "results.json", "JSON output file")
 	noTrace := fs.Bool("no-structural", false, "skip the structural passes (untraced count and strace)")
 	timeout := fs.Duration("run-timeout", 30*time.Minute, "bound on one run of one shape")
-	perfDir := fs.String("perf", "", "after each shape's CPU pass, profile one more pass of it with perf record (cpu-clock, call graphs) and write perf report's text to this directory")
+	pprofDir := fs.String("pprof", "", "after each shape's CPU pass, profile more runs of it with the forwarder's Go CPU profiler (Caddy contenders: their admin endpoint on a unix socket) and write the profiles to this directory")
 	fs.Parse(args)
 	if p.Repetitions < 1 || p.SmallConns < 1 || p.BulkBytes < 1 || p.SmallReq < 1 || p.SmallResp < 1 ||
 		p.SmallReq > maxCallLen || p.SmallResp > maxCallLen {
@@ -177,8 +179,8 @@ func runDriver(args []string) error {
 			return fmt.Errorf("shape %s needs the gateway's own TLS in userspace: an offloaded client never receives a session ticket (-gateway-ktls)", s)
 		}
 	}
-	if *perfDir != "" {
-		if err := os.MkdirAll(*perfDir, 0o755); err != nil {
+	if *pprofDir != "" {
+		if err := os.MkdirAll(*pprofDir, 0o755); err != nil {
 			return err
 		}
 	}
@@ -211,7 +213,7 @@ func runDriver(args []string) error {
 		Schema: 1, Mode: *mode, Kernel: utsString(uts.Release[:]), Date: time.Now().UTC().Format(time.RFC3339),
 		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Nodename[:]), utsString(uts.Release[:]),
 			utsString(uts.Version[:]), utsString(uts.Machine[:])}, " "),
-		Go: runtime.Version(), Params: p, Notes: notes(*mode, p.GatewayKTLS), TLSStat: kerneltest.Stat{}, OK: true,
+		Go: runtime.Version(), Params: p, Notes: notes(*mode, p.GatewayKTLS, p.PeersMTLS), TLSStat: kerneltest.Stat{}, OK: true,
 	}
 	kernelTLS := kerneltest.Available()
 	if kernelTLS != nil && (*mode != "native" || p.GatewayKTLS) {
@@ -230,8 +232,11 @@ func runDriver(args []string) error {
 			rep.Skipped = append(rep.Skipped, skipped{c.name, reason})
 			continue
 		}
-		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, countRequired: *mode != "native", gatewayKTLS: p.GatewayKTLS}
-		results, err := benchContender(c, env, p, shapeNames, !*noTrace, *timeout, *perfDir)
+		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, countRequired: *mode != "native", gatewayKTLS: p.GatewayKTLS, peersMTLS: p.PeersMTLS}
+		if *pprofDir != "" {
+			env.adminSock = filepath.Join(dir, c.name+".admin.sock")
+		}
+		results, err := benchContender(c, env, p, shapeNames, !*noTrace, *timeout, *pprofDir)
 		rep.Results = append(rep.Results, results...)
 		if err != nil {
 			log.Printf("FAIL %s: %v", c.name, err)
@@ -262,7 +267,7 @@ func runDriver(args []string) error {
 }
 
 // benchContender starts one contender and runs every shape on it.
-func benchContender(c contender, env *runEnv, p params, shapeNames []string, trace bool, timeout time.Duration, perfDir string) ([]*result, error) {
+func benchContender(c contender, env *runEnv, p params, shapeNames []string, trace bool, timeout time.Duration, pprofDir string) ([]*result, error) {
 	cmd, err := c.command(env)
 	if err != nil {
 		return nil, err
@@ -303,7 +308,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 		r := &result{Contender: c.name, Shape: shape}
 		results = append(results, r)
 		stat0, statErr := kerneltest.ReadStat()
-		sealed0, tunnels0, resumed0 := g.sealed.Load(), g.tunnels.Load(), g.resumed.Load()
+		sealed0, tunnels0, resumed0, asked0 := g.sealed.Load(), g.tunnels.Load(), g.resumed.Load(), g.certAsked.Load()
 		do := shapeFunc(g, shape, p)
 		for i := range p.Repetitions {
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
@@ -312,18 +317,18 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			r.Runs = append(r.Runs, run)
 			log.Printf("   %s run %d: %d bytes, %d calls, forwarder cpu %.3fs, wall %.3fs %s", shape, i+1, run.Bytes, run.Calls, run.CPUs, run.Walls, run.Error)
 		}
-		if perfDir != "" {
-			// perf records for a fixed span (perfProfile): reps runs as
-			// slow as the CPU pass's slowest, with room to spare.
+		if _, err := os.Stat(env.adminSock); pprofDir != "" && err == nil {
+			// The profiler samples for a fixed span: runs as slow as the
+			// CPU pass's slowest, with room to spare; at 100 Hz, ten
+			// runs at least.
 			var walls float64
 			for _, run := range r.Runs {
 				walls = max(walls, run.Walls)
 			}
-			// At 1 kHz, 5 runs at least.
-			reps := max(p.Repetitions, 5)
+			reps := max(p.Repetitions, 10)
 			span := time.Duration(float64(reps)*walls*1.5*float64(time.Second)) + 2*time.Second
-			if err := perfProfile(cmd.Process.Pid, filepath.Join(perfDir, c.name+"."+shape), reps, span, do, timeout); err != nil {
-				r.Errors = append(r.Errors, "perf pass: "+err.Error())
+			if err := pprofProfile(env.adminSock, filepath.Join(pprofDir, c.name+"."+shape+".pprof"), reps, span, do, timeout); err != nil {
+				r.Errors = append(r.Errors, "profile pass: "+err.Error())
 			}
 		}
 		if trace {
@@ -371,6 +376,9 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			r.GatewayTX = g.sealed.Load() - sealed0
 		}
 		r.Tunnels = g.tunnels.Load() - tunnels0
+		if c.peer && p.PeersMTLS && g.certAsked.Load() == asked0 {
+			r.Errors = append(r.Errors, "peers_mtls: the server never asked the gateway for its certificate")
+		}
 		if shape == resumedShape {
 			// Reported, not required: a contender that issues no tickets
 			// (caddy-l4's tls handler) does full handshakes here, and
@@ -547,7 +555,7 @@ func keyInstallErrors(c contender, tx, rx, tunnels int64) []string {
 	return errs
 }
 
-func notes(mode string, gatewayKTLS bool) []string {
+func notes(mode string, gatewayKTLS, peersMTLS bool) []string {
 	n := []string{
 		"cpu_s: user+system CPU of the forwarder process (all its threads; every contender is one process) while one run of the shape ran; from the sum of /proc/<pid>/task/*/schedstat run times (ns) when no thread exited during the run (cpu_source schedstat), else /proc/<pid>/stat utime+stime (10 ms ticks, cpu_source stat). user_s/sys_s always come from the ticks. CPU pass: no tracing.",
 		"cpu_s_per_gib: cpu_s scaled to one GiB of payload (both directions of a small call count). The overhead above the crypto floor is ktls minus floor-ktls in the same run.",
@@ -557,6 +565,9 @@ func notes(mode string, gatewayKTLS bool) []string {
 		"offload: TX/RX placement from /proc/net/tls_stat deltas over the cell (TlsTxSw/TlsRxSw count sockets that installed a kernel key); a contender on the wrong path fails the run, and so does a kernel direction with fewer key installs than the cell's tunnels.",
 		"zero copy: " + strings.Join(zeroCopyNames(), ", ") + " splice both ways, so in their traced pass the bytes their forwarder moves through userspace after its key installs (structural.userspace_bytes minus pre_offload_bytes, the handshakes) must be at most the preambles' (preamble_bytes) and a 2-byte close_notify each way per TLS tunnel; more fails the cell.",
 		"payload: a stream without a period (splitmix64; small calls with a seed per tunnel), so a replayed, swapped or misplaced stretch, or another tunnel's bytes, fail; every reader reads to the end of its stream, and an upload's upstream answers the count and SHA-256 of all it received, so an appended byte fails too.",
+	}
+	if peersMTLS {
+		n = append(n, "peers_mtls: l4-proxy, reverse-proxy, haproxy and nginx also require and verify the gateway's client certificate (mutual TLS, the same CA and certificate the ktls contenders verify); a cell whose server never asked the gateway for its certificate fails. The floors authenticate no client.")
 	}
 	if gatewayKTLS {
 		n = append(n, "gateway_ktls: the gateway seals its records in its own kernel (kTLS TX; RX stays in crypto/tls), so one write of a MiB hands its kernel 64 records at once, where crypto/tls writes each record on its own; a receiver then finds several records per wake-up. The gateway's own TX keys (gateway_tx) are left out of the offload check.")

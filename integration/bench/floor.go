@@ -19,21 +19,35 @@ import (
 // splice; floor-plain splices plain TCP. No preamble, no policy, no Caddy:
 // what the ktls contender costs above floor-ktls is this project's overhead.
 func runFloor(name string, args []string) error {
-	fs := flag.NewFlagSet(name, flag.ExitOnError)
-	listen := fs.String("listen", "127.0.0.1:0", "address to accept on")
-	upstream := fs.String("upstream", "", "upstream address")
-	certFile := fs.String("cert", "", "server certificate (floor-ktls)")
-	keyFile := fs.String("key", "", "server key (floor-ktls)")
-	fs.Parse(args)
+	a := parseFloorArgs(name, args)
 	var cfg *tls.Config
 	if name == "floor-ktls" {
-		cert, err := tls.LoadX509KeyPair(*certFile, *keyFile)
+		cert, err := tls.LoadX509KeyPair(a.certFile, a.keyFile)
 		if err != nil {
 			return err
 		}
 		cfg = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13}
 	}
-	ln, err := net.Listen("tcp", *listen)
+	return serveFloor(name, a.listen, func(c net.Conn) error { return floorTunnel(c, cfg, a.upstream) })
+}
+
+// floorArgs are the flags of every floor subcommand.
+type floorArgs struct{ listen, upstream, certFile, keyFile string }
+
+func parseFloorArgs(name string, args []string) floorArgs {
+	var a floorArgs
+	fs := flag.NewFlagSet(name, flag.ExitOnError)
+	fs.StringVar(&a.listen, "listen", "127.0.0.1:0", "address to accept on")
+	fs.StringVar(&a.upstream, "upstream", "", "upstream address")
+	fs.StringVar(&a.certFile, "cert", "", "server certificate (TLS floors)")
+	fs.StringVar(&a.keyFile, "key", "", "server key (TLS floors)")
+	fs.Parse(args)
+	return a
+}
+
+// serveFloor accepts on listen and runs tunnel for each connection.
+func serveFloor(name, listen string, tunnel func(net.Conn) error) error {
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		return err
 	}
@@ -44,7 +58,7 @@ func runFloor(name string, args []string) error {
 			return err
 		}
 		go func() {
-			if err := floorTunnel(c, cfg, *upstream); err != nil {
+			if err := tunnel(c); err != nil {
 				log.Printf("%s: %v", name, err)
 			}
 		}()

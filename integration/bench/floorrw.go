@@ -10,10 +10,8 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
-	"log"
 	"net"
 	"os"
 	"strings"
@@ -56,15 +54,10 @@ const rwBufSize = 256 << 10
 // kernel opens records on read and seals them on write; floor-rw-plain is
 // the same relay over plain TCP.
 func runFloorRW(name string, args []string) error {
-	fs := flag.NewFlagSet(name, flag.ExitOnError)
-	listen := fs.String("listen", "127.0.0.1:0", "address to accept on")
-	upstream := fs.String("upstream", "", "upstream address")
-	certFile := fs.String("cert", "", "server certificate (floor-rw-ktls)")
-	keyFile := fs.String("key", "", "server key (floor-rw-ktls)")
-	fs.Parse(args)
+	a := parseFloorArgs(name, args)
 	var cfg *tls.Config
 	if name == "floor-rw-ktls" {
-		cert, err := tls.LoadX509KeyPair(*certFile, *keyFile)
+		cert, err := tls.LoadX509KeyPair(a.certFile, a.keyFile)
 		if err != nil {
 			return err
 		}
@@ -77,22 +70,7 @@ func runFloorRW(name string, args []string) error {
 		rand.Read(ticketKey[:])
 		cfg.SetSessionTicketKeys([][32]byte{ticketKey})
 	}
-	ln, err := net.Listen("tcp", *listen)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(os.Stderr, "%s: listening on %s\n", name, ln.Addr())
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return err
-		}
-		go func() {
-			if err := floorRWTunnel(c.(*net.TCPConn), cfg, *upstream); err != nil {
-				log.Printf("%s: %v", name, err)
-			}
-		}()
-	}
+	return serveFloor(name, a.listen, func(c net.Conn) error { return floorRWTunnel(c.(*net.TCPConn), cfg, a.upstream) })
 }
 
 // rwEnd is one socket of a tunnel; ktls: it has kernel keys both ways.

@@ -103,6 +103,7 @@ func (h *KTLSHandler) observe(ev ktls.Event) {
 	countClose(moduleL4Handler, ev.Kind)
 	switch {
 	case ev.Kind == ktls.EventHandshake:
+		observeHandshake(moduleL4Handler, ev)
 		logHandshake(h.logger, ev)
 		if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
 			h.failures.record(ev)

@@ -258,6 +258,7 @@ func (lw *ListenerWrapper) observe(ev ktls.Event) {
 	countClose(moduleListenerWrapper, ev.Kind)
 	switch ev.Kind {
 	case ktls.EventHandshake:
+		observeHandshake(moduleListenerWrapper, ev)
 		logHandshake(lw.logger, ev)
 		if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
 			lw.failures.record(ev)

@@ -2,6 +2,7 @@ package caddyktls
 
 import (
 	"errors"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -19,7 +20,10 @@ import (
 // kept in per-config metric objects.
 type collector struct {
 	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, bytes, rejects, relayBytes, controlRecords, pipeShortages,
-	pushReports, offloads, offloadModes, connCloses, handshakeFails, acceptRetries *prometheus.Desc
+	pushReports, offloads, offloadModes, connCloses, handshakeFails, acceptRetries, kernelSupport *prometheus.Desc
+	// The histograms are process-level too: observed as events end,
+	// collected from here into every configuration's registry.
+	histograms []prometheus.Collector
 }
 
 var metrics = &collector{
@@ -44,13 +48,112 @@ var metrics = &collector{
 		[]string{"module", "reason"}, nil),
 	acceptRetries: prometheus.NewDesc("caddy_ktls_accept_retries_total",
 		"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil),
+	kernelSupport: prometheus.NewDesc("caddy_ktls_kernel_support",
+		"What this host's kernel accepted when the process probed it at its first use (1 yes, 0 no), by feature: tx and rx (TLS_TX, TLS_RX for at least one TLS version and cipher), rekey (a TLS 1.3 KeyUpdate: a second key installed). See `caddy ktls probe`.",
+		[]string{"feature"}, nil),
+	histograms: []prometheus.Collector{tunnelDuration, handshakeDuration, dialDuration, preambleVerifyDuration},
+}
+
+// The duration histograms. Their buckets cover what each measures, from
+// the usual case to the bound a timeout sets, with the +Inf bucket beyond.
+var (
+	// From the registration of a tunnel (its target answered) to its end.
+	// Tunnels carry anything from one request (well under a second) to a
+	// shell or a database session held for hours: 100 ms to 1 day, about
+	// 3x apart, so that max_tunnel_lifetime (often an hour or a day) has a
+	// bucket edge near it.
+	tunnelDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "caddy_ktls_sandbox_tunnel_duration_seconds",
+		Help:    "How long sandbox tunnels lived, from their registration (the target answered) to their end; observed as each ends.",
+		Buckets: []float64{0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600},
+	})
+	// The TLS handshake and the offload (key capture and install) of each
+	// connection, by module and result: ok (the handshake completed,
+	// offloaded or not: caddy_ktls_handshakes_total says how) or failed
+	// (kept apart: scanners and timeouts take up to handshake_timeout,
+	// 10 s by default, and would swamp the latency of the real ones). A
+	// loopback TLS 1.3 handshake takes about a millisecond, one across a
+	// continent a few hundred: 0.5 ms to 10 s.
+	handshakeDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "caddy_ktls_handshake_duration_seconds",
+		Help:    "TLS handshakes including the kTLS offload (key install), by module and result (ok: completed, offloaded or not; failed: the handshake failed, see caddy_ktls_handshake_failures_total).",
+		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10},
+	}, []string{"module", "result"})
+	// The connect to a sandbox's target, successful or not. Sandbox
+	// networks are local: a connect takes tens to hundreds of
+	// microseconds, a slow or overloaded host milliseconds, and a failed
+	// one up to dial_timeout (10 s by default): 50 µs to 10 s.
+	dialDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "caddy_ktls_sandbox_dial_duration_seconds",
+		Help:    "Connects to sandbox targets, from the start of the dial to the connection or its failure (up to dial_timeout).",
+		Buckets: []float64{0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 1, 2.5, 5, 10},
+	})
+	// The verdict on a preamble frame, accepted or refused: an Ed25519
+	// verification takes some 50 µs and the checks around it a few more;
+	// a loaded CPU or a contended replay cache milliseconds: 10 µs to
+	// 50 ms, finer below 1 ms.
+	preambleVerifyDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "caddy_ktls_sandbox_preamble_verify_duration_seconds",
+		Help:    "Preamble verifications (parse, key, signature, validity, channel binding, replay, key_clients), from the frame read whole to the verdict, accepted or refused.",
+		Buckets: []float64{0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01, 0.05},
+	})
+)
+
+// The handshake_duration results.
+const (
+	handshakeResultOK     = "ok"
+	handshakeResultFailed = "failed"
+)
+
+func init() {
+	// Every module and result has its series from the start, as the
+	// counters do.
+	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+		for _, r := range []string{handshakeResultOK, handshakeResultFailed} {
+			handshakeDuration.WithLabelValues(m, r)
+		}
+	}
+}
+
+// observeHandshake records ev, an EventHandshake of module's engine, in
+// caddy_ktls_handshake_duration_seconds.
+func observeHandshake(module string, ev ktls.Event) {
+	result := handshakeResultOK
+	if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
+		result = handshakeResultFailed
+	}
+	handshakeDuration.WithLabelValues(module, result).Observe(ev.Duration.Seconds())
+}
+
+// observeStep records a timed step of a tunnel's opening (forward.Config.OnStep).
+func observeStep(s forward.Step, d time.Duration) {
+	switch s {
+	case forward.StepPreambleVerify:
+		preambleVerifyDuration.Observe(d.Seconds())
+	case forward.StepDial:
+		dialDuration.Observe(d.Seconds())
+	}
+}
+
+// kernelFeatures says, by feature of caddy_ktls_kernel_support, whether the
+// kernel accepted it (ktls.Probe: probed once per process, then cached).
+func kernelFeatures(caps ktls.Capabilities) map[string]bool {
+	var tx, rx bool
+	for _, c := range caps.Ciphers {
+		tx, rx = tx || c.TX, rx || c.RX
+	}
+	ulp := caps.ULP == nil
+	return map[string]bool{"tx": ulp && tx, "rx": ulp && rx, "rekey": ulp && caps.Rekey}
 }
 
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.tunnelsRevoked, c.bytes, c.rejects, c.relayBytes,
-		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.handshakeFails, c.acceptRetries} {
+		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.handshakeFails, c.acceptRetries, c.kernelSupport} {
 		ch <- d
+	}
+	for _, h := range c.histograms {
+		h.Describe(ch)
 	}
 }
 
@@ -93,6 +196,16 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.handshakeFails, prometheus.CounterValue, float64(n), k.module, k.reason)
 	}
 	ch <- prometheus.MustNewConstMetric(c.acceptRetries, prometheus.CounterValue, float64(acceptRetries.Load()))
+	for feature, ok := range kernelFeatures(ktls.Probe()) {
+		v := 0.0
+		if ok {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(c.kernelSupport, prometheus.GaugeValue, v, feature)
+	}
+	for _, h := range c.histograms {
+		h.Collect(ch)
+	}
 }
 
 // closeEvents are the ktls events that end a connection.

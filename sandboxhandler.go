@@ -233,6 +233,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		// Only gateways whose TLS session verified their client
 		// certificate reach the preamble (Handle says which did).
 		RequireClientCertificate: !h.InsecurePlaintext,
+		OnStep:                   observeStep,
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
@@ -431,11 +432,12 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		return nil
 	}
 	ti := res.Tunnel
+	tunnelDuration.Observe(res.Duration.Seconds())
 	h.events.Emit(h.ctx, "sandbox_tunnel_closed", map[string]any{
 		"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
 		"client_certificate": ti.Certificate, "key_id": ti.KeyID,
 		"bytes_to_sandbox": ti.BytesToSandbox, "bytes_from_sandbox": ti.BytesFromSandbox,
-		"duration": time.Since(ti.Opened).Seconds(),
+		"duration": res.Duration.Seconds(),
 	})
 	fields := []zap.Field{zap.Uint64("id", ti.ID), zap.String("sandbox", ti.Sandbox), zap.String("target", ti.Target),
 		zap.String("peer", peer), zap.String("client_certificate", ti.Certificate), zap.String("key_id", ti.KeyID),

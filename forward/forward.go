@@ -73,7 +73,28 @@ type Config struct {
 	// value) serves clients the caller vouches for itself, such as this
 	// package's tests on plain TCP.
 	RequireClientCertificate bool
+	// OnStep, when set, is called as each timed Step of a tunnel's opening
+	// ends, with how long it took, whatever its outcome (a refusal is also
+	// counted by its reason in the Registry). It runs on the tunnel's
+	// goroutine, before the tunnel goes on, so it must be quick.
+	OnStep func(Step, time.Duration)
 }
+
+// Step names a step of a tunnel's opening that Config.OnStep times.
+type Step string
+
+// The timed steps.
+const (
+	// StepPreambleVerify is the verdict on a preamble frame: from the frame
+	// read whole to the verdict of the verifier (parse, key, signature,
+	// validity, channel binding, replay) and of the key's client binding
+	// (Config.KeyClients), accepted or refused. A frame never read whole
+	// (timeout, truncated, oversized) has no verification.
+	StepPreambleVerify Step = "preamble-verify"
+	// StepDial is the connect to the target, whether it succeeded or not
+	// (up to Config.DialTimeout).
+	StepDial Step = "dial"
+)
 
 // Forwarder carries tunnels: one Serve call per client connection.
 type Forwarder struct {
@@ -142,6 +163,10 @@ type Client struct {
 type Result struct {
 	Tunnel TunnelInfo
 	Relay  splice.Stats
+	// Duration is how long the tunnel lived: from its registration (once
+	// the target answered; Tunnel.Opened) to its end, when Serve returns.
+	// Zero for a refused tunnel (Tunnel.ID is zero).
+	Duration time.Duration
 }
 
 // Serve carries one tunnel and returns when it has ended; it always closes
@@ -160,6 +185,11 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		return Result{}, err
 	}
 	defer tun.Close()
+	// ended fills in what every return of an open tunnel reports.
+	ended := func(res Result, err error) (Result, error) {
+		res.Tunnel, res.Duration = tun.Info(), time.Since(tun.Opened)
+		return res, err
+	}
 	if f.cfg.MaxTunnelLifetime > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeoutCause(ctx, f.cfg.MaxTunnelLifetime, &LifetimeError{Lifetime: f.cfg.MaxTunnelLifetime})
@@ -175,7 +205,7 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 	if err := f.sock.applyToClient(relay); err != nil {
 		splice.Abort(relay)
 		splice.Abort(upstream)
-		return Result{Tunnel: tun.Info()}, fmt.Errorf("forward: client socket: %w", err)
+		return ended(Result{}, fmt.Errorf("forward: client socket: %w", err))
 	}
 	if len(buffered) > 0 {
 		// Bytes the client sent right behind the preamble that a wrapper
@@ -185,7 +215,7 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		if werr != nil {
 			splice.Abort(relay)
 			splice.Abort(upstream)
-			return Result{Tunnel: tun.Info()}, fmt.Errorf("forward: buffered client bytes to target: %w", werr)
+			return ended(Result{}, fmt.Errorf("forward: buffered client bytes to target: %w", werr))
 		}
 	}
 	res, err := splice.New(relay, upstream, splice.Options{
@@ -202,7 +232,7 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 	if errors.As(err, new(*LifetimeError)) {
 		f.cfg.Registry.expired.Add(1)
 	}
-	return Result{Tunnel: tun.Info(), Relay: res}, err
+	return ended(Result{Relay: res}, err)
 }
 
 // LifetimeError ends a tunnel that reached Config.MaxTunnelLifetime.
@@ -264,11 +294,13 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	if err := c.Conn.SetReadDeadline(time.Time{}); err != nil {
 		return nil, nil, nil, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "clear preamble deadline", Err: err}
 	}
+	verifyStart := time.Now()
 	claims, err := f.cfg.Verifier.Verify(frame, c.Binding)
-	if err != nil {
-		return nil, nil, nil, err
+	if err == nil {
+		err = f.checkKeyClient(claims.KeyID, c.CertificateNames)
 	}
-	if err := f.checkKeyClient(claims.KeyID, c.CertificateNames); err != nil {
+	f.step(StepPreambleVerify, verifyStart)
+	if err != nil {
 		return nil, nil, nil, err
 	}
 	if err := f.cfg.Policy.Check(claims.Target); err != nil {
@@ -280,7 +312,9 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 		return nil, nil, nil, err
 	}
 	target := claims.Target.String()
+	dialStart := time.Now()
 	up, err := f.sock.dial(context.Background(), target, f.cfg.DialTimeout)
+	f.step(StepDial, dialStart)
 	if err != nil {
 		return nil, nil, nil, &RejectError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}
@@ -294,6 +328,13 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 		return nil, nil, nil, err
 	}
 	return up, tun, ctx, nil
+}
+
+// step reports to Config.OnStep that s, begun at start, has ended.
+func (f *Forwarder) step(s Step, start time.Time) {
+	if f.cfg.OnStep != nil {
+		f.cfg.OnStep(s, time.Since(start))
+	}
 }
 
 // checkKeyClient refuses a frame signed by keyID from a client whose

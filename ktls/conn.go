@@ -281,16 +281,17 @@ func (c *Conn) HandshakeContext(ctx context.Context) error {
 // so the ULP is never installed under a concurrent reader (CVE-2025-38616:
 // kTLS must own the receive queue from the moment it is attached).
 func (c *Conn) handshake(ctx context.Context) error {
+	start := time.Now()
 	if err := c.tlsConn.HandshakeContext(ctx); err != nil {
 		c.off = Offload{Reason: ReasonHandshakeFailed}
-		c.report(Event{Kind: EventHandshake, Offload: c.off, Err: err})
+		c.report(Event{Kind: EventHandshake, Offload: c.off, Err: err, Duration: time.Since(start)})
 		return err
 	}
 	state := c.tlsConn.ConnectionState()
 	c.off = Offload{Version: state.Version, CipherSuite: state.CipherSuite}
 	reason, err := c.offload(state)
 	c.off.Reason = reason
-	ev := Event{Kind: EventHandshake, Offload: c.off, Err: err}
+	ev := Event{Kind: EventHandshake, Offload: c.off, Err: err, Duration: time.Since(start)}
 	switch {
 	case reason == ReasonSetsockoptRX:
 		// TX is in the kernel: the tls.Conn can no longer write, so the

@@ -187,6 +187,11 @@ func TestRequireOffload(t *testing.T) {
 		events[1].Kind != EventRefused || !errors.As(events[1].Err, &oe) || oe.Reason != ReasonCipher {
 		t.Fatalf("observer events %+v, want a handshake event with reason cipher, then a refused one with its OffloadError", events)
 	}
+	// The handshake event says how long the handshake and offload took;
+	// the refusal is no handshake and has no duration.
+	if events[0].Duration <= 0 || events[1].Duration != 0 {
+		t.Errorf("durations: handshake %v, refused %v; want > 0 and 0", events[0].Duration, events[1].Duration)
+	}
 	if d := Stats().Outcomes[ReasonCipher] - before.Outcomes[ReasonCipher]; d != 1 {
 		t.Fatalf("Stats().Outcomes[cipher] grew by %d, want 1", d)
 	}
@@ -205,6 +210,9 @@ func TestHandshakeFailed(t *testing.T) {
 	}
 	if len(got) != 1 || got[0].Offload.Reason != ReasonHandshakeFailed || got[0].Err == nil {
 		t.Fatalf("events %+v, want one handshake-failed", got)
+	}
+	if got[0].Duration <= 0 {
+		t.Errorf("failed handshake's Duration %v, want > 0 (failures are timed too)", got[0].Duration)
 	}
 }
 

@@ -1,6 +1,9 @@
 package ktls
 
-import "net"
+import (
+	"net"
+	"time"
+)
 
 // EventKind names what an Event reports.
 type EventKind string
@@ -30,4 +33,10 @@ type Event struct {
 	Offload Offload
 	Remote  net.Addr
 	Err     error
+	// Duration, for EventHandshake only, is how long the handshake took:
+	// from the start of the TLS handshake to the end of the offload (the
+	// keys installed in the kernel, or the reason they were not), failed
+	// handshakes included (Offload.Reason is ReasonHandshakeFailed: up to
+	// the handshake's context deadline). Zero for the other kinds.
+	Duration time.Duration
 }

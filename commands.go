@@ -41,7 +41,11 @@ and tries TLS_RX_EXPECT_NO_PAD, TLS_TX_ZEROCOPY_RO and a TLS 1.3 rekey.
 
 It is a report: the exit status is 0 whether or not kTLS is available.
 Run it with the privileges Caddy runs with: the kernel loads the tls module
-on demand only for a caller with CAP_NET_ADMIN.
+on demand only for a caller with CAP_NET_ADMIN. When the tls ULP does not
+attach, it reads the kernel's build configuration (/boot/config-$(uname -r),
+else /proc/config.gz) to tell a kernel built without CONFIG_TLS, where no
+module can help, from one whose tls module is not loaded; where neither
+file is readable it says it could not tell.
 `,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -52,9 +56,32 @@ on demand only for a caller with CAP_NET_ADMIN.
 	return cmd
 }
 
-// enableHint is what to do when the tls ULP does not attach.
+// enableHint is what to do when the tls ULP does not attach and the
+// kernel has (or may have) the tls module.
 const enableHint = "to enable: modprobe tls (the kernel autoloads it only for a caller with CAP_NET_ADMIN); " +
 	"to load it at boot: echo tls > /etc/modules-load.d/tls.conf"
+
+// probeHint says what to do when the tls ULP does not attach, by what the
+// kernel's build configuration says of CONFIG_TLS: no modprobe advice for
+// a kernel built without it, where no module exists to load.
+func probeHint(cfg ktls.KernelConfig) string {
+	switch cfg.TLS {
+	case ktls.KernelTLSAbsent:
+		return fmt.Sprintf("this kernel was built without CONFIG_TLS (%s says so): it has no kernel TLS and no tls module to load; "+
+			"kernel TLS needs a kernel built with CONFIG_TLS=m or =y (most distribution kernels have it as a module)", cfg.Source)
+	case ktls.KernelTLSBuiltin:
+		return fmt.Sprintf("this kernel has CONFIG_TLS=y built in (%s says so), so no module is missing: "+
+			"something else refuses the tls ULP (a seccomp filter, an LSM policy, or a container runtime)", cfg.Source)
+	case ktls.KernelTLSModule:
+		return enableHint
+	}
+	where := "no kernel configuration was read"
+	if cfg.Source != "" {
+		where = "no readable kernel configuration at " + cfg.Source
+	}
+	return "could not tell whether this kernel was built with CONFIG_TLS (" + where + "); " +
+		"if it was, as a module: " + enableHint
+}
 
 // probeReport is the JSON form of ktls.Capabilities (whose ULP field is an
 // error and does not marshal).
@@ -63,6 +90,8 @@ type probeReport struct {
 	Available    bool          `json:"available"`
 	ULPError     string        `json:"ulp_error,omitempty"`
 	Hint         string        `json:"hint,omitempty"`
+	ConfigTLS    string        `json:"kernel_config_tls,omitempty"`
+	ConfigSource string        `json:"kernel_config,omitempty"`
 	NetAdmin     bool          `json:"cap_net_admin"`
 	Ciphers      []probeCipher `json:"ciphers"`
 	ExpectNoPad  bool          `json:"rx_expect_no_pad"`
@@ -89,7 +118,9 @@ func newProbeReport(caps ktls.Capabilities) probeReport {
 	}
 	if caps.ULP != nil {
 		r.ULPError = caps.ULP.Error()
-		r.Hint = enableHint
+		r.Hint = probeHint(caps.Config)
+		r.ConfigTLS = caps.Config.TLS.String()
+		r.ConfigSource = caps.Config.Source
 	}
 	for _, c := range caps.Ciphers {
 		r.Ciphers = append(r.Ciphers, probeCipher{Version: tls.VersionName(c.Version), Suite: c.Name, TX: c.TX, RX: c.RX})
@@ -107,7 +138,7 @@ func writeProbe(w io.Writer, caps ktls.Capabilities, asJSON bool) error {
 	}
 	verdict := "kernel TLS available"
 	if caps.ULP != nil {
-		verdict = fmt.Sprintf("kernel TLS unavailable: %v; %s", caps.ULP, enableHint)
+		verdict = fmt.Sprintf("kernel TLS unavailable: %v; %s", caps.ULP, probeHint(caps.Config))
 	}
 	_, err := fmt.Fprintf(w, "%s\n\n%s", verdict, caps)
 	return err

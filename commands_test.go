@@ -5,7 +5,9 @@ import (
 	"crypto/tls"
 	"encoding/json"
 	"fmt"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -20,6 +22,7 @@ var noULP = ktls.Capabilities{
 	Kernel:   "6.18.0-test",
 	NetAdmin: true,
 	ULP:      fmt.Errorf("setsockopt(TCP_ULP, \"tls\"): %w", unix.ENOENT),
+	Config:   ktls.KernelConfig{TLS: ktls.KernelTLSModule, Source: "/boot/config-6.18.0-test"},
 }
 
 var fullULP = ktls.Capabilities{
@@ -76,6 +79,9 @@ func TestWriteProbeUnavailable(t *testing.T) {
 		Hint:      enableHint,
 		NetAdmin:  true,
 		Ciphers:   []probeCipher{},
+
+		ConfigTLS:    "m",
+		ConfigSource: "/boot/config-6.18.0-test",
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("JSON report:\n got %+v\nwant %+v", got, want)
@@ -83,6 +89,72 @@ func TestWriteProbeUnavailable(t *testing.T) {
 	// An empty list, not null: consumers iterate it without a nil check.
 	if !strings.Contains(js.String(), `"ciphers": []`) {
 		t.Errorf("ciphers not an empty JSON array:\n%s", js.String())
+	}
+}
+
+// writeKernelConfig writes a fake kernel build configuration and returns
+// what ktls reads from it, as the probe does from /boot/config-$(uname -r).
+func writeKernelConfig(t *testing.T, name, body string) ktls.KernelConfig {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return ktls.ReadKernelConfig(p)
+}
+
+// TestWriteProbeKernelWithoutTLS: on a kernel built without CONFIG_TLS the
+// probe says so, and suggests no modprobe that cannot work; where no
+// configuration can be read, it says it could not tell.
+func TestWriteProbeKernelWithoutTLS(t *testing.T) {
+	caps := noULP
+	caps.Config = writeKernelConfig(t, "config-6.18.0-test", "CONFIG_NET=y\n# CONFIG_TLS is not set\n")
+	var human bytes.Buffer
+	if err := writeProbe(&human, caps, false); err != nil {
+		t.Fatal(err)
+	}
+	first, rest, _ := strings.Cut(human.String(), "\n")
+	for _, want := range []string{"kernel TLS unavailable", "built without CONFIG_TLS", caps.Config.Source, "no tls module to load", "CONFIG_TLS=m or =y"} {
+		if !strings.Contains(first, want) {
+			t.Errorf("verdict lacks %q: %q", want, first)
+		}
+	}
+	if strings.Contains(human.String(), "modprobe") {
+		t.Errorf("modprobe suggested for a kernel without CONFIG_TLS:\n%s", human.String())
+	}
+	if !strings.Contains(rest, "CONFIG_TLS:       not set ("+caps.Config.Source+")") {
+		t.Errorf("details lack the CONFIG_TLS line:\n%s", rest)
+	}
+	var js bytes.Buffer
+	if err := writeProbe(&js, caps, true); err != nil {
+		t.Fatal(err)
+	}
+	got := decodeReport(t, js.Bytes())
+	if got.ConfigTLS != "not set" || got.ConfigSource != caps.Config.Source || strings.Contains(got.Hint, "modprobe") {
+		t.Errorf("JSON report %+v", got)
+	}
+
+	// No readable configuration: the probe cannot tell, and says so.
+	caps.Config = ktls.ReadKernelConfig(filepath.Join(t.TempDir(), "config-missing"))
+	human.Reset()
+	if err := writeProbe(&human, caps, false); err != nil {
+		t.Fatal(err)
+	}
+	first, _, _ = strings.Cut(human.String(), "\n")
+	for _, want := range []string{"could not tell whether this kernel was built with CONFIG_TLS", "config-missing", "modprobe tls"} {
+		if !strings.Contains(first, want) {
+			t.Errorf("verdict lacks %q: %q", want, first)
+		}
+	}
+
+	// Built in: no module is missing either.
+	caps.Config = writeKernelConfig(t, "config-6.18.0-test", "CONFIG_NET=y\nCONFIG_TLS=y\n")
+	human.Reset()
+	if err := writeProbe(&human, caps, false); err != nil {
+		t.Fatal(err)
+	}
+	if first, _, _ = strings.Cut(human.String(), "\n"); !strings.Contains(first, "CONFIG_TLS=y built in") || strings.Contains(first, "modprobe") {
+		t.Errorf("verdict for a built-in CONFIG_TLS: %q", first)
 	}
 }
 

@@ -3,6 +3,7 @@ package caddyktls
 import (
 	"encoding/json"
 	"flag"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -10,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 )
 
 var updateSandboxGolden = flag.Bool("update-sandbox-golden", false, "rewrite the expected JSON of testdata/caddyfile_adapt/sandbox_*.caddytest")
@@ -207,6 +209,151 @@ func TestSandboxNeedsTLSHandlerBefore(t *testing.T) {
 			}
 			if n := len((&sandboxEnv{logFile: logFile}).logLines(t, insecurePlaintextWarning)); (n > 0) != (tc.name == "insecure_plaintext") {
 				t.Errorf("%d insecure_plaintext warnings", n)
+			}
+		})
+	}
+}
+
+// A sandbox matcher in the same route as a TLS-terminating handler (ktls,
+// or caddy-l4's tls) never matches: the route's matchers read the
+// still-encrypted stream before its handlers run. The load fails naming the
+// route and the fix. A matcher with no TLS-terminating handler before its
+// route at all loads with a WARN naming the fix (a plaintext preamble may be
+// meant: insecure_plaintext). The documented shape, ktls then a subroute
+// whose route matches sandbox, loads without a word.
+func TestSandboxMatcherPlacement(t *testing.T) {
+	e := newSandboxConfig(t, nil)
+	ktlsHandler, sandbox := e.route()["handle"].([]any)[0], e.sandboxHandler()
+	tlsHandler := map[string]any{"handler": "tls", "connection_policies": []any{map[string]any{}}}
+	proxy := map[string]any{"handler": "proxy", "upstreams": []any{map[string]any{"dial": []string{"127.0.0.1:1"}}}}
+	insecure := map[string]any{"insecure_plaintext": true}
+	for k, v := range sandbox {
+		insecure[k] = v
+	}
+	matchSandbox := []any{map[string]any{"sandbox": map[string]any{}}}
+	route := func(handlers ...any) map[string]any { return map[string]any{"handle": handlers} }
+	matched := func(handlers ...any) map[string]any { return map[string]any{"match": matchSandbox, "handle": handlers} }
+	subroute := func(routes ...any) map[string]any { return map[string]any{"handler": "subroute", "routes": routes} }
+	layer4 := func(routes ...any) map[string]any {
+		return map[string]any{"layer4": map[string]any{"servers": map[string]any{
+			"a": map[string]any{"listen": []string{"127.0.0.1:0"}, "routes": routes},
+		}}}
+	}
+	const (
+		besideErr = "it is in the same route as the %s handler (handler 0), so it runs before that handler, on the still-encrypted stream (a TLS ClientHello), and never matches: put ktls first and the matcher in a subroute after it"
+	)
+	for _, tc := range []struct {
+		name    string
+		apps    map[string]any
+		errWant string // "" when the configuration loads
+		warned  string // the "where" of the one WARN, "" for none
+	}{
+		{"beside ktls", layer4(matched(ktlsHandler, sandbox)), `sandbox matcher (layer4 server "a", route 0): ` + fmt.Sprintf(besideErr, "ktls"), ""},
+		{"beside tls", layer4(matched(tlsHandler, sandbox)), `sandbox matcher (layer4 server "a", route 0): ` + fmt.Sprintf(besideErr, "tls"), ""},
+		{"beside ktls in a later route", layer4(route(ktlsHandler, sandbox), matched(ktlsHandler, subroute(route(sandbox)))),
+			`sandbox matcher (layer4 server "a", route 1): ` + fmt.Sprintf(besideErr, "ktls"), ""},
+		{"beside ktls in a subroute", layer4(route(ktlsHandler, subroute(matched(ktlsHandler, sandbox)))),
+			`sandbox matcher (layer4 server "a", route 0, handler 1 (subroute), route 0): ` + fmt.Sprintf(besideErr, "ktls"), ""},
+		{"before any tls", layer4(matched(proxy), route(ktlsHandler, sandbox)), "", `layer4 server "a", route 0`},
+
+		{"documented shape", layer4(route(ktlsHandler, subroute(matched(sandbox), route(proxy)))), "", ""},
+		{"tls then subroute", layer4(route(tlsHandler, subroute(matched(sandbox)))), "", ""},
+		{"insecure_plaintext", layer4(matched(insecure)), "", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			logFile := filepath.Join(t.TempDir(), "caddy.log")
+			raw, err := json.Marshal(map[string]any{"admin": map[string]any{"disabled": true}, "apps": tc.apps,
+				"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
+					"writer":  map[string]any{"output": "file", "filename": logFile, "roll": false},
+					"encoder": map[string]any{"format": "json"},
+				}}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var cfg caddy.Config
+			if err := json.Unmarshal(raw, &cfg); err != nil {
+				t.Fatal(err)
+			}
+			err = caddy.Validate(&cfg)
+			switch {
+			case tc.errWant == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tc.errWant != "" && (err == nil || !strings.Contains(err.Error(), tc.errWant)):
+				t.Fatalf("error %v; want one saying %q", err, tc.errWant)
+			}
+			lines := (&sandboxEnv{logFile: logFile}).logLines(t, sandboxMatcherWarning)
+			switch {
+			case tc.warned == "" && len(lines) != 0:
+				t.Errorf("warned %d times: %v", len(lines), lines)
+			case tc.warned != "" && (len(lines) != 1 || lines[0]["where"] != tc.warned || lines[0]["level"] != "warn" ||
+				!strings.Contains(fmt.Sprint(lines[0]["fix"]), "put ktls first and the matcher in a subroute after it")):
+				t.Errorf("warnings %v, want one at %s", lines, tc.warned)
+			}
+		})
+	}
+}
+
+// TestSandboxMatcherPlacementCaddyfile: the documented Caddyfile shape
+// (testdata sandbox_all_options: ktls, then a subroute with @tunnel
+// sandbox) passes the placement check; the matcher beside ktls does not.
+func TestSandboxMatcherPlacementCaddyfile(t *testing.T) {
+	good := `{
+	layer4 {
+		127.0.0.1:0 {
+			route {
+				ktls
+				subroute {
+					@t sandbox
+					route @t {
+						sandbox {
+							key gw-1 MCowBQYDK2VwAyEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=
+							allow 10.0.0.0/8
+						}
+					}
+					route {
+						proxy 127.0.0.1:8080
+					}
+				}
+			}
+		}
+	}
+}
+`
+	bad := `{
+	layer4 {
+		127.0.0.1:0 {
+			@t sandbox
+			route @t {
+				ktls
+				sandbox {
+					key gw-1 MCowBQYDK2VwAyEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=
+					allow 10.0.0.0/8
+				}
+			}
+		}
+	}
+}
+`
+	for _, tc := range []struct{ name, caddyfile, want string }{
+		{"documented", good, ""},
+		{"beside ktls", bad, `sandbox matcher (layer4 server "srv0", route 0): it is in the same route as the ktls handler`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			adapter := caddyconfig.GetAdapter("caddyfile")
+			raw, _, err := adapter.Adapt([]byte(tc.caddyfile), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var cfg caddy.Config
+			if err := json.Unmarshal(raw, &cfg); err != nil {
+				t.Fatal(err)
+			}
+			err = caddy.Validate(&cfg)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("error %v; want one saying %q", err, tc.want)
 			}
 		})
 	}

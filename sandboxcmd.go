@@ -29,19 +29,29 @@ func init() {
 		Name:  "sandbox",
 		Short: "Make keys for, sign, verify and dial with sandbox preambles",
 		Long: `
-Tools for the signed sandbox preamble (docs/preamble.md) that an edge gateway
-writes first on its mutual-TLS connection to the forwarder:
+Tools for the signed sandbox preamble that an edge gateway writes first on
+its mutual-TLS connection to the forwarder:
 
   keygen  make an Ed25519 signing key and print its public key with its key ID
   sign    sign a preamble and print it (hex) or write it raw
   verify  check a preamble against a keyring; exit status 1 on rejection
   dial    connect to a forwarder like a gateway and pipe stdin/stdout through
-`,
+` + preambleSpecRef,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.AddCommand(sandboxSubcommands()...)
 		},
 	})
 }
+
+// preambleSpecURL is the preamble's specification, which every "caddy
+// sandbox" help text points to.
+const preambleSpecURL = "https://github.com/ktlsingress/caddy-ktls/blob/main/docs/preamble.md"
+
+// preambleSpecRef ends the long help of "caddy sandbox" and its subcommands.
+const preambleSpecRef = `
+The preamble (byte layout, a worked example, every rejection reason):
+` + preambleSpecURL + `
+`
 
 // sandboxSubcommands builds the subcommands of "caddy sandbox". They read
 // and write through cmd.InOrStdin/OutOrStdout so that tests can drive them.
@@ -51,20 +61,34 @@ func sandboxSubcommands() []*cobra.Command {
 
 func keygenCommand() *cobra.Command {
 	var keyOut, pubOut, keyID string
+	var appendPub bool
 	cmd := &cobra.Command{
-		Use:   "keygen --key-out <file> [--pub-out <file>] [--key-id <id>]",
+		Use:   "keygen --key-out <file> [--pub-out <file> [--append]] [--key-id <id>]",
 		Short: "Make an Ed25519 preamble signing key",
 		Long: `
 Writes a new Ed25519 private key to --key-out (PEM PKCS#8, mode 0600; an
-existing file is never overwritten) and its public key as a PEM "PUBLIC KEY"
-block with a "Key-Id:" header to --pub-out ("-" = stdout). Concatenate public
-key blocks into a keyring file for the forwarder. The key ID defaults to the
-one derived from the key (ed25519-<16 hex digits>).
-`,
+existing file is never overwritten), preceded by a "Key-Id: <id>" line that
+keeps the key ID with the key, so "sign" and "dial" need no --key-id (the
+line is text outside the PEM block: openssl reads the file as a plain key).
+Its public key goes, as a PEM "PUBLIC KEY" block with a "Key-Id:" header, to
+--pub-out ("-" = stdout, the default). A keyring file for the forwarder is
+such blocks one after another.
+
+--pub-out never replaces an existing file: keygen refuses, unless --append
+is given, which adds the new public key to that keyring (made if missing)
+after checking that it is a keyring and holds no key with the same ID. The
+key ID defaults to the one derived from the key (ed25519-<16 hex digits>).
+` + preambleSpecRef,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if keyOut == "" {
 				return errors.New("--key-out is required")
+			}
+			if appendPub && pubOut == "-" {
+				return errors.New("--append adds to a keyring file: give it with --pub-out <file>")
+			}
+			if pubOut == keyOut {
+				return fmt.Errorf("--pub-out and --key-out are both %s: the public keyring and the private key are separate files", keyOut)
 			}
 			pub, key, err := ed25519.GenerateKey(rand.Reader)
 			if err != nil {
@@ -77,20 +101,86 @@ one derived from the key (ed25519-<16 hex digits>).
 			if err != nil {
 				return err
 			}
-			keyPEM, err := preamble.MarshalPrivateKey(key)
+			keyPEM, err := preamble.MarshalSigningKey(keyID, key)
+			if err != nil {
+				return err
+			}
+			// Check the keyring before the private key is written, so that
+			// a refusal leaves no orphan key behind.
+			ring, err := existingKeyring(pubOut, keyID, appendPub)
 			if err != nil {
 				return err
 			}
 			if err := writeNewFile(keyOut, keyPEM, 0o600); err != nil {
 				return err
 			}
-			return writeOutput(cmd, pubOut, pubPEM, 0o644)
+			switch {
+			case pubOut == "-":
+				_, err = cmd.OutOrStdout().Write(pubPEM)
+				return err
+			case ring != nil:
+				return appendKeyring(pubOut, ring, pubPEM)
+			}
+			if err := writeNewFile(pubOut, pubPEM, 0o644); err != nil {
+				return fmt.Errorf("--pub-out: %w", err)
+			}
+			return nil
 		},
 	}
 	cmd.Flags().StringVar(&keyOut, "key-out", "", "private key file to create")
-	cmd.Flags().StringVar(&pubOut, "pub-out", "-", `public key file ("-" = stdout)`)
+	cmd.Flags().StringVar(&pubOut, "pub-out", "-", `public key file to create ("-" = stdout); never overwritten`)
+	cmd.Flags().BoolVar(&appendPub, "append", false, "add the public key to the --pub-out keyring instead of refusing an existing file")
 	cmd.Flags().StringVar(&keyID, "key-id", "", "key ID (default: derived from the key)")
 	return cmd
+}
+
+// existingKeyring checks the --pub-out file before keygen writes anything:
+// nil, nil when there is none (or it is stdout); an error when it exists
+// and append is off, or when it is no keyring or already holds keyID; its
+// contents when keygen is to append to it.
+func existingKeyring(path, keyID string, appendPub bool) ([]byte, error) {
+	if path == "-" {
+		return nil, nil
+	}
+	data, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("--pub-out: %w", err)
+	}
+	if !appendPub {
+		return nil, fmt.Errorf("--pub-out %s exists: keygen never overwrites a keyring; "+
+			"give --append to add the new public key to it, or remove the file first", path)
+	}
+	if len(bytes.TrimSpace(data)) == 0 {
+		return data, nil
+	}
+	keys, err := preamble.ParseKeyring(data)
+	if err != nil {
+		return nil, fmt.Errorf("--pub-out %s: %w", path, err)
+	}
+	if _, dup := keys[keyID]; dup {
+		return nil, fmt.Errorf("--pub-out %s already holds a key with ID %q: give the new key another --key-id", path, keyID)
+	}
+	return data, nil
+}
+
+// appendKeyring adds pubPEM at the end of the keyring at path, whose
+// current contents are ring.
+func appendKeyring(path string, ring, pubPEM []byte) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		return fmt.Errorf("--pub-out: %w", err)
+	}
+	if len(ring) > 0 && ring[len(ring)-1] != '\n' {
+		pubPEM = append([]byte("\n"), pubPEM...)
+	}
+	if _, err := f.Write(pubPEM); err != nil {
+		f.Close()
+		return fmt.Errorf("--pub-out: %w", err)
+	}
+	return f.Close()
 }
 
 // claimFlags are the flags shared by sign and dial.
@@ -100,8 +190,8 @@ type claimFlags struct {
 }
 
 func (f *claimFlags) register(cmd *cobra.Command, keyFlag string) {
-	cmd.Flags().StringVar(&f.keyFile, keyFlag, "", "Ed25519 private key file (PEM PKCS#8)")
-	cmd.Flags().StringVar(&f.keyID, "key-id", "", "key ID (default: derived from the key)")
+	cmd.Flags().StringVar(&f.keyFile, keyFlag, "", "Ed25519 private key file (PEM PKCS#8, as keygen --key-out writes it)")
+	cmd.Flags().StringVar(&f.keyID, "key-id", "", "key ID (default: the one kept in the key file, else derived from the key); must match the key file's")
 	cmd.Flags().StringVar(&f.sandbox, "sandbox", "", "sandbox ID ([A-Za-z0-9._-], up to 128 bytes)")
 	cmd.Flags().StringVar(&f.target, "target", "", "target ip:port inside the sandbox (IPv6 as [addr]:port)")
 	cmd.Flags().DurationVar(&f.ttl, "ttl", preamble.DefaultTTL, "validity of the preamble")
@@ -115,11 +205,17 @@ func (f *claimFlags) signerAndClaims(keyFlag string) (*preamble.Signer, preamble
 	if err != nil {
 		return nil, preamble.Claims{}, err
 	}
-	key, err := preamble.ParsePrivateKey(data)
+	key, fileID, err := preamble.ParseSigningKey(data)
 	if err != nil {
-		return nil, preamble.Claims{}, err
+		return nil, preamble.Claims{}, fmt.Errorf("--%s %s: %w", keyFlag, f.keyFile, err)
 	}
-	if f.keyID == "" {
+	switch {
+	case fileID != "" && f.keyID != "" && f.keyID != fileID:
+		return nil, preamble.Claims{}, fmt.Errorf("--key-id %q does not match the key ID %q kept with the key in %s: "+
+			"leave --key-id out, or give %q", f.keyID, fileID, f.keyFile, fileID)
+	case fileID != "":
+		f.keyID = fileID
+	case f.keyID == "":
 		f.keyID = preamble.KeyIDFor(key.Public().(ed25519.PublicKey))
 	}
 	signer, err := preamble.NewSigner(f.keyID, key)
@@ -165,8 +261,9 @@ writes it as one line of hex (default) or as raw bytes to --out ("-" =
 stdout). --binding is the 32-byte TLS 1.3 exporter of the session that will
 carry it, in hex; without it the preamble is unbound. A --ttl longer than a
 forwarder accepts by default (` + preamble.DefaultMaxTTL.String() + `; its max_preamble_ttl option raises
-that) is signed with a warning on stderr.
-`,
+that) is signed with a warning on stderr. The key ID is the one keygen kept
+with the key; --key-id is needed only for a key file that names none.
+` + preambleSpecRef,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			signer, claims, err := cf.signerAndClaims("key")
@@ -228,7 +325,7 @@ public keys in --keyring. Prints the claims as JSON and exits 0, or prints
 the stable rejection reason and exits 1. --binding is the channel binding of
 the connection the preamble arrived on (hex); without it a bound preamble is
 rejected (binding-mismatch).
-`,
+` + preambleSpecRef,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if keyring == "" {
@@ -240,7 +337,7 @@ rejected (binding-mismatch).
 			}
 			keys, err := preamble.ParseKeyring(ringPEM)
 			if err != nil {
-				return err
+				return fmt.Errorf("--keyring %s: %w", keyring, err)
 			}
 			frame, err := readFrameInput(cmd, in, format)
 			if err != nil {
@@ -260,7 +357,7 @@ rejected (binding-mismatch).
 			}
 			c, err := v.Verify(frame, connBinding)
 			if err != nil {
-				return fmt.Errorf("rejected: %s: %w", preamble.ReasonOf(err), err)
+				return rejectedError(err)
 			}
 			out := verifiedClaims{
 				KeyID: c.KeyID, SandboxID: c.SandboxID, Target: c.Target.String(),
@@ -283,6 +380,21 @@ rejected (binding-mismatch).
 	cmd.Flags().DurationVar(&maxSkew, "max-skew", preamble.DefaultMaxSkew, "allowed clock difference")
 	cmd.Flags().DurationVar(&maxTTL, "max-ttl", preamble.DefaultMaxTTL, "longest validity window accepted")
 	return cmd
+}
+
+// rejectedError is how verify reports a rejection: "rejected: <reason>:
+// <detail>", the reason stated once (a *preamble.Error's own text repeats
+// it); Unwrap gives err.
+func rejectedError(err error) error {
+	var pe *preamble.Error
+	if !errors.As(err, &pe) {
+		return &dialError{err: err, msg: "rejected: " + preamble.ReasonOf(err) + ": " + err.Error()}
+	}
+	msg := "rejected: " + string(pe.Reason) + ": " + pe.Detail
+	if pe.Err != nil {
+		msg += ": " + pe.Err.Error()
+	}
+	return &dialError{err: err, msg: msg}
 }
 
 // readFrameInput reads one preamble in the given format from a file or stdin.
@@ -335,10 +447,12 @@ and the tunnel to stdout, like "openssl s_client -quiet". At the end of stdin
 it half-closes (close_notify); it returns when the forwarder closes its side.
 A forwarder that rejects the preamble (or its target) sends no byte: on
 kernel TLS it refuses with the TLS alert access_denied ("the forwarder
-refused the tunnel, ...: remote error: tls: access denied"), in userspace
-TLS with a reset ("the forwarder reset the tunnel before its first byte");
-its log and metrics carry the reason.
-`,
+refused the tunnel before its first byte (remote error: tls: access
+denied): ..."), in userspace TLS with a reset ("the forwarder reset the
+tunnel before its first byte (connection reset by peer): ..."); either is
+reported the same way whether the command met it reading or writing. Its
+log and metrics carry the reason.
+` + preambleSpecRef,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if addr == "" || certFile == "" || keyFile == "" || caFile == "" {
@@ -377,26 +491,25 @@ its log and metrics carry the reason.
 				}
 				uploaded <- err
 			}()
-			received, err := io.Copy(cmd.OutOrStdout(), conn)
-			switch {
-			case err != nil && received == 0 && preamble.Refused(err):
-				return fmt.Errorf("the forwarder refused the tunnel, nothing reached the target; its log (\"sandbox tunnel rejected\") and metrics name the reason: %w", err)
-			case err != nil && received == 0 && errors.Is(err, syscall.ECONNRESET):
-				return fmt.Errorf("the forwarder reset the tunnel before its first byte: a refusal (a forwarder in userspace TLS refuses this way) or a failure; its log names which: %w", err)
-			case err != nil:
-				return fmt.Errorf("reading from the tunnel: %w", err)
-			}
+			received, rerr := io.Copy(cmd.OutOrStdout(), conn)
 			// The forwarder has closed its side. An upload error is worth
 			// reporting; an upload still blocked on a terminal stdin is not
-			// waited for.
-			select {
-			case err := <-uploaded:
-				if err != nil {
-					return fmt.Errorf("writing to the tunnel: %w", err)
+			// waited for, except briefly after an empty tunnel: a refusal
+			// may have met the upload first (a reset is reported once, to
+			// the call that meets it, and the read after it ends at EOF).
+			var werr error
+			if received == 0 && rerr == nil {
+				select {
+				case werr = <-uploaded:
+				case <-time.After(refusalOnWriteWait):
 				}
-			default:
+			} else {
+				select {
+				case werr = <-uploaded:
+				default:
+				}
 			}
-			return nil
+			return dialEnd(received, rerr, werr)
 		},
 	}
 	cf.register(cmd, "signing-key")
@@ -407,6 +520,52 @@ its log and metrics carry the reason.
 	cmd.Flags().StringVar(&serverName, "server-name", "", "name to verify in the forwarder's certificate (default: host of --addr)")
 	cmd.Flags().DurationVar(&timeout, "timeout", 10*time.Second, "bound on connecting, handshake and writing the preamble")
 	return cmd
+}
+
+// refusalOnWriteWait bounds how long dial waits, after a tunnel that ended
+// before its first byte, for the upload to say whether it met a refusal.
+const refusalOnWriteWait = time.Second
+
+// dialError is how dial reports the end of a tunnel: its message states
+// what happened once; Unwrap gives the underlying error.
+type dialError struct {
+	msg string
+	err error
+}
+
+func (e *dialError) Error() string { return e.msg }
+func (e *dialError) Unwrap() error { return e.err }
+
+// dialEnd says how a dialled tunnel ended, given what it received, how the
+// read from it ended (rerr) and how the upload ended (werr, nil also when
+// it had not ended). A refusal before the first byte is reported the same
+// way whichever of the two met it.
+func dialEnd(received int64, rerr, werr error) error {
+	isReset := func(err error) bool {
+		return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+	}
+	if received == 0 {
+		for _, err := range []error{rerr, werr} {
+			if err != nil && preamble.Refused(err) {
+				return &dialError{err: err, msg: "the forwarder refused the tunnel before its first byte (remote error: tls: access denied): " +
+					"nothing reached the target; its log (\"sandbox tunnel rejected\") and metrics name the reason"}
+			}
+		}
+		if err := rerr; isReset(err) || (err == nil && isReset(werr)) {
+			if err == nil {
+				err = werr
+			}
+			return &dialError{err: err, msg: "the forwarder reset the tunnel before its first byte (" + syscall.ECONNRESET.Error() + "): " +
+				"a refusal (a forwarder in userspace TLS refuses this way) or a failure; its log names which"}
+		}
+	}
+	switch {
+	case rerr != nil:
+		return fmt.Errorf("reading from the tunnel: %w", rerr)
+	case werr != nil:
+		return fmt.Errorf("writing to the tunnel: %w", werr)
+	}
+	return nil
 }
 
 // writeNewFile creates path with data and mode, refusing to overwrite.

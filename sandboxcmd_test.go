@@ -180,7 +180,18 @@ func TestSandboxKeygenSignVerify(t *testing.T) {
 	if preamble.ReasonOf(err) != "bad-signature" {
 		t.Fatalf("tampered frame: %v", err)
 	}
-	hexFrame, err = runSandbox(t, nil, "sign", "--key", key, "--sandbox", "sbx-42", "--target", "10.9.8.7:80")
+	// A key file that names no key ID (from openssl genpkey, or an older
+	// keygen) signs under the ID derived from the key.
+	keyData, err := os.ReadFile(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	anonKey := filepath.Join(dir, "anon.key")
+	_, pemOnly, _ := bytes.Cut(keyData, []byte("\n"))
+	if err := os.WriteFile(anonKey, pemOnly, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	hexFrame, err = runSandbox(t, nil, "sign", "--key", anonKey, "--sandbox", "sbx-42", "--target", "10.9.8.7:80")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -365,16 +376,25 @@ func TestSandboxDial(t *testing.T) {
 // the command says what a reset before the first byte can mean.
 func TestSandboxDialRefused(t *testing.T) {
 	sandboxDialRefused(t, false, "the forwarder reset the tunnel before its first byte", syscall.ECONNRESET.Error())
+	sandboxDialRefused(t, false, "the forwarder reset the tunnel before its first byte (connection reset by peer): a refusal")
 }
 
 // TestKernelSandboxDialRefused is TestSandboxDialRefused against a
 // forwarder on kernel TLS TX, whose refusal is the alert access_denied.
 func TestKernelSandboxDialRefused(t *testing.T) {
 	kerneltest.Require(t)
-	sandboxDialRefused(t, true, "the forwarder refused the tunnel, nothing reached the target", "tls: access denied")
+	sandboxDialRefused(t, true, "the forwarder refused the tunnel before its first byte (remote error: tls: access denied): nothing reached the target")
 }
 
 func sandboxDialRefused(t *testing.T, kernel bool, want ...string) {
+	// stdin stays open, so the command writes nothing after the preamble
+	// that could meet the reset first.
+	stdin, stdinW := io.Pipe()
+	defer stdinW.Close()
+	sandboxDialRefusedStdin(t, kernel, stdin, want...)
+}
+
+func sandboxDialRefusedStdin(t *testing.T, kernel bool, stdin io.Reader, want ...string) {
 	fdsBefore := kerneltest.OpenFDs(t)
 	f := newDialFixture(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -406,10 +426,6 @@ func sandboxDialRefused(t *testing.T, kernel bool, want ...string) {
 		}
 		refused <- conn.Refuse()
 	}()
-	// stdin stays open, so the command writes nothing after the preamble
-	// that could meet the reset first.
-	stdin, stdinW := io.Pipe()
-	defer stdinW.Close()
 	out, err := f.dial(t, ln.Addr().String(), stdin)
 	if rerr := <-refused; rerr != nil {
 		t.Fatalf("forwarder: %v", rerr)
@@ -423,9 +439,228 @@ func sandboxDialRefused(t *testing.T, kernel bool, want ...string) {
 		}
 	}
 	t.Logf("dial: %v", err)
-	stdinW.Close()
+	if c, ok := stdin.(io.Closer); ok {
+		c.Close()
+	}
 	ln.Close()
 	if fds := kerneltest.OpenFDs(t); fds > fdsBefore {
 		t.Fatalf("%d fds open after dial, %d before", fds, fdsBefore)
 	}
+}
+
+// TestSandboxKeygenKeepsKeyID: keygen keeps the key ID with the private key,
+// so sign needs no --key-id; a --key-id that matches is accepted, one that
+// does not is an error naming both.
+func TestSandboxKeygenKeepsKeyID(t *testing.T) {
+	dir := t.TempDir()
+	key, ring := filepath.Join(dir, "gw.key"), filepath.Join(dir, "gateways.pem")
+	if _, err := runSandbox(t, nil, "keygen", "--key-out", key, "--pub-out", ring, "--key-id", "gw-1"); err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.HasPrefix(data, []byte("Key-Id: gw-1\n-----BEGIN PRIVATE KEY-----\n")) {
+		t.Fatalf("private key file does not start with its key ID:\n%s", data)
+	}
+	for _, args := range [][]string{nil, {"--key-id", "gw-1"}} {
+		frame, err := runSandbox(t, nil, append([]string{"sign", "--key", key, "--sandbox", "sbx-1", "--target", "10.0.0.1:22"}, args...)...)
+		if err != nil {
+			t.Fatalf("sign %v: %v", args, err)
+		}
+		out, err := runSandbox(t, strings.NewReader(frame), "verify", "--keyring", ring)
+		if err != nil || !strings.Contains(out, `"key_id": "gw-1"`) {
+			t.Fatalf("sign %v, verify: %v\n%s", args, err, out)
+		}
+	}
+	_, err = runSandbox(t, nil, "sign", "--key", key, "--key-id", "gw-2", "--sandbox", "sbx-1", "--target", "10.0.0.1:22")
+	want := `--key-id "gw-2" does not match the key ID "gw-1" kept with the key in ` + key
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("sign with a mismatched --key-id: %v, want %q", err, want)
+	}
+	// dial checks the same before it connects anywhere.
+	_, err = runSandbox(t, nil, "dial", "--addr", "127.0.0.1:1", "--cert", "c", "--key", "k", "--ca", "ca",
+		"--signing-key", key, "--key-id", "gw-2", "--sandbox", "sbx-1", "--target", "10.0.0.1:22")
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("dial with a mismatched --key-id: %v, want %q", err, want)
+	}
+}
+
+// TestSandboxKeygenPubOut: --pub-out never overwrites an existing file;
+// --append adds to a keyring, refusing a duplicate key ID and a file that
+// is no keyring.
+func TestSandboxKeygenPubOut(t *testing.T) {
+	dir := t.TempDir()
+	ring := filepath.Join(dir, "gateways.pem")
+	keyFile := func(name string) string { return filepath.Join(dir, name) }
+	if _, err := runSandbox(t, nil, "keygen", "--key-out", keyFile("a.key"), "--pub-out", ring, "--key-id", "gw-a"); err != nil {
+		t.Fatal(err)
+	}
+	before, err := os.ReadFile(ring)
+	if err != nil {
+		t.Fatal(err)
+	}
+	expectErr := func(want string, args ...string) {
+		t.Helper()
+		_, err := runSandbox(t, nil, append([]string{"keygen"}, args...)...)
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("keygen %v: %v, want an error saying %q", args, err, want)
+		}
+	}
+	expectErr("--pub-out "+ring+" exists: keygen never overwrites a keyring; give --append to add the new public key to it, or remove the file first",
+		"--key-out", keyFile("b.key"), "--pub-out", ring, "--key-id", "gw-b")
+	if _, err := os.Stat(keyFile("b.key")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a refused keygen left a private key behind: %v", err)
+	}
+	expectErr(`already holds a key with ID "gw-a"`, "--key-out", keyFile("dup.key"), "--pub-out", ring, "--key-id", "gw-a", "--append")
+	expectErr("not a keyring", "--key-out", keyFile("c.key"), "--pub-out", keyFile("a.key"), "--append")
+	expectErr("--append adds to a keyring file", "--key-out", keyFile("d.key"), "--append")
+	if after, _ := os.ReadFile(ring); !bytes.Equal(after, before) {
+		t.Fatalf("refused keygens changed the keyring:\n%s", after)
+	}
+
+	if _, err := runSandbox(t, nil, "keygen", "--key-out", keyFile("b.key"), "--pub-out", ring, "--key-id", "gw-b", "--append"); err != nil {
+		t.Fatal(err)
+	}
+	// --append to a missing keyring makes it.
+	fresh := filepath.Join(dir, "fresh.pem")
+	if _, err := runSandbox(t, nil, "keygen", "--key-out", keyFile("e.key"), "--pub-out", fresh, "--append"); err != nil {
+		t.Fatal(err)
+	}
+	for file, ids := range map[string][]string{ring: {"gw-a", "gw-b"}, fresh: nil} {
+		data, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		keys, err := preamble.ParseKeyring(data)
+		if err != nil || (ids != nil && len(keys) != len(ids)) || (ids == nil && len(keys) != 1) {
+			t.Fatalf("%s: %d keys, %v", file, len(keys), err)
+		}
+		for _, id := range ids {
+			if keys[id] == nil {
+				t.Errorf("%s lacks %s", file, id)
+			}
+		}
+	}
+	// The appended key signs preambles the keyring accepts.
+	frame, err := runSandbox(t, nil, "sign", "--key", keyFile("b.key"), "--sandbox", "sbx-1", "--target", "10.0.0.1:22")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := runSandbox(t, strings.NewReader(frame), "verify", "--keyring", ring); err != nil || !strings.Contains(out, `"key_id": "gw-b"`) {
+		t.Fatalf("verify: %v\n%s", err, out)
+	}
+}
+
+// TestSandboxKeyFileMixups: a private key given as a keyring, and a keyring
+// given as a private key, are errors that say exactly that.
+func TestSandboxKeyFileMixups(t *testing.T) {
+	dir := t.TempDir()
+	key, ring := filepath.Join(dir, "gw.key"), filepath.Join(dir, "gateways.pem")
+	if _, err := runSandbox(t, nil, "keygen", "--key-out", key, "--pub-out", ring, "--key-id", "gw-1"); err != nil {
+		t.Fatal(err)
+	}
+	frame, err := runSandbox(t, nil, "sign", "--key", key, "--sandbox", "sbx-1", "--target", "10.0.0.1:22")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = runSandbox(t, strings.NewReader(frame), "verify", "--keyring", key)
+	if want := "--keyring " + key + ": preamble: this is a private key (PEM PRIVATE KEY), not a keyring"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("verify --keyring <private key>: %v, want %q", err, want)
+	}
+	for _, args := range [][]string{
+		{"sign", "--key", ring, "--sandbox", "sbx-1", "--target", "10.0.0.1:22"},
+		{"dial", "--addr", "127.0.0.1:1", "--cert", "c", "--key", "k", "--ca", "ca", "--signing-key", ring, "--sandbox", "sbx-1", "--target", "10.0.0.1:22"},
+	} {
+		flag := "--key "
+		if args[0] == "dial" {
+			flag = "--signing-key "
+		}
+		_, err := runSandbox(t, nil, args...)
+		if want := flag + ring + ": preamble: this is a keyring or public key (PEM PUBLIC KEY), not a private key"; err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s with a keyring as its key: %v, want %q", args[0], err, want)
+		}
+	}
+}
+
+// TestSandboxHelpPointsToSpec: "caddy sandbox --help" and every
+// subcommand's long help give the preamble specification's URL.
+func TestSandboxHelpPointsToSpec(t *testing.T) {
+	const url = "https://github.com/ktlsingress/caddy-ktls/blob/main/docs/preamble.md"
+	c, ok := caddycmd.Commands()["sandbox"]
+	if !ok {
+		t.Fatal(`"sandbox" is not registered`)
+	}
+	if !strings.Contains(c.Long, url) {
+		t.Errorf("caddy sandbox --help lacks %s:\n%s", url, c.Long)
+	}
+	for _, sub := range sandboxSubcommands() {
+		if !strings.Contains(sub.Long, url) {
+			t.Errorf("caddy sandbox %s --help lacks %s", sub.Name(), url)
+		}
+	}
+}
+
+// TestSandboxDialEnd: a refusal before the first byte reads the same, and
+// states itself once, whether the read or the upload met it.
+func TestSandboxDialEnd(t *testing.T) {
+	alert := &net.OpError{Op: "remote error", Err: tls.AlertError(49)}
+	resetOn := func(op string) error {
+		return &net.OpError{Op: op, Net: "tcp", Err: os.NewSyscallError(op, syscall.ECONNRESET)}
+	}
+	const (
+		refusedMsg = `the forwarder refused the tunnel before its first byte (remote error: tls: access denied): nothing reached the target; its log ("sandbox tunnel rejected") and metrics name the reason`
+		resetMsg   = "the forwarder reset the tunnel before its first byte (connection reset by peer): a refusal (a forwarder in userspace TLS refuses this way) or a failure; its log names which"
+	)
+	for _, tc := range []struct {
+		name       string
+		received   int64
+		rerr, werr error
+		want       string
+	}{
+		{"refused-on-read", 0, alert, nil, refusedMsg},
+		{"refused-on-read-upload-reset", 0, alert, resetOn("write"), refusedMsg},
+		{"refused-on-write", 0, nil, alert, refusedMsg},
+		{"reset-on-read", 0, resetOn("read"), nil, resetMsg},
+		{"reset-on-read-upload-broken", 0, resetOn("read"), &net.OpError{Op: "write", Err: syscall.EPIPE}, resetMsg},
+		{"reset-on-write", 0, nil, resetOn("write"), resetMsg},
+		{"reset-after-bytes", 10, resetOn("read"), nil, "reading from the tunnel: read tcp: read: connection reset by peer"},
+		{"upload-failed-after-bytes", 10, nil, resetOn("write"), "writing to the tunnel: write tcp: write: connection reset by peer"},
+		{"clean", 0, nil, nil, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := dialEnd(tc.received, tc.rerr, tc.werr)
+			got := ""
+			if err != nil {
+				got = err.Error()
+			}
+			if got != tc.want {
+				t.Fatalf("got  %q\nwant %q", got, tc.want)
+			}
+			if strings.Count(got, "refused") > 1 || strings.Count(got, "access denied") > 1 || strings.Count(got, "reset") > 2 {
+				t.Errorf("the reason is stated more than once: %q", got)
+			}
+		})
+	}
+}
+
+// TestSandboxDialRefusedWhileWriting is TestSandboxDialRefused with a
+// client that is still writing when the refusal comes: the reset may meet
+// the upload first, and dial reports it as it does when the read meets it.
+func TestSandboxDialRefusedWhileWriting(t *testing.T) {
+	for i := range 5 {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			sandboxDialRefusedStdin(t, false, bytes.NewReader(bytes.Repeat([]byte("x"), 16<<20)),
+				"the forwarder reset the tunnel before its first byte (connection reset by peer): a refusal")
+		})
+	}
+}
+
+// TestKernelSandboxDialRefusedWhileWriting is TestSandboxDialRefusedWhileWriting
+// against a forwarder on kernel TLS TX, whose refusal is the alert.
+func TestKernelSandboxDialRefusedWhileWriting(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxDialRefusedStdin(t, true, bytes.NewReader(bytes.Repeat([]byte("x"), 16<<20)),
+		"the forwarder refused the tunnel before its first byte (remote error: tls: access denied)")
 }

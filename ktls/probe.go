@@ -35,6 +35,10 @@ type Capabilities struct {
 	Rekey bool
 	// Kernel is the uname release, informational only.
 	Kernel string
+	// Config is what the kernel's build configuration says of CONFIG_TLS.
+	// Probe reads it only when ULP fails (to tell a kernel built without
+	// kTLS from one whose module is not loaded); otherwise it is zero.
+	Config KernelConfig
 }
 
 // CipherSupport says whether the kernel took one version/suite pair for
@@ -70,7 +74,16 @@ func (c Capabilities) String() string {
 	fmt.Fprintf(&b, "CAP_NET_ADMIN:    %v\n", c.NetAdmin)
 	if c.ULP != nil {
 		fmt.Fprintf(&b, "tls ULP:          unavailable: %v\n", c.ULP)
-		if !c.NetAdmin {
+		fmt.Fprintf(&b, "CONFIG_TLS:       %s", c.Config.TLS)
+		if c.Config.Source != "" {
+			if c.Config.TLS == KernelTLSUnknown {
+				fmt.Fprintf(&b, " (no readable kernel configuration: %s)", c.Config.Source)
+			} else {
+				fmt.Fprintf(&b, " (%s)", c.Config.Source)
+			}
+		}
+		b.WriteString("\n")
+		if !c.NetAdmin && c.Config.TLS != KernelTLSAbsent && c.Config.TLS != KernelTLSBuiltin {
 			b.WriteString("                  (without CAP_NET_ADMIN the kernel will not autoload the module: run `modprobe tls`)\n")
 		}
 		return b.String()
@@ -129,6 +142,7 @@ func probe() Capabilities {
 	c.NetAdmin = hasNetAdmin()
 	c.ULP = withULPSocket(func(int) error { return nil })
 	if c.ULP != nil {
+		c.Config = ReadKernelConfig(KernelConfigPaths(c.Kernel)...)
 		return c
 	}
 	for _, s := range probeSuites() {

@@ -1,6 +1,7 @@
 package preamble
 
 import (
+	"bytes"
 	"crypto/ed25519"
 	"crypto/sha256"
 	"crypto/x509"
@@ -9,6 +10,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // KeyIDHeader is the PEM header that names a public key in a keyring file.
@@ -31,28 +33,96 @@ func MarshalPrivateKey(key ed25519.PrivateKey) ([]byte, error) {
 	return pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), nil
 }
 
+// MarshalSigningKey encodes key like MarshalPrivateKey, preceded by a line
+// "Key-Id: <keyID>" that names it: the key ID its preambles carry, kept
+// with the key so that signing needs no separate flag. The line is
+// explanatory text outside the PEM block (RFC 7468 section 5.2), which
+// openssl and every PEM reader skip, so the file stays a plain PKCS#8 key
+// for them. ParseSigningKey reads both back.
+func MarshalSigningKey(keyID string, key ed25519.PrivateKey) ([]byte, error) {
+	if !validKeyID(keyID) {
+		return nil, fmt.Errorf("preamble: key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", keyID, MaxKeyIDLen)
+	}
+	pemKey, err := MarshalPrivateKey(key)
+	if err != nil {
+		return nil, err
+	}
+	return append([]byte(KeyIDHeader+": "+keyID+"\n"), pemKey...), nil
+}
+
 // ParsePrivateKey decodes the first PEM "PRIVATE KEY" block (PKCS#8) of data
-// and requires it to hold an Ed25519 key.
+// and requires it to hold an Ed25519 key. A keyring (PUBLIC KEY blocks
+// only) is an error that says so.
 func ParsePrivateKey(data []byte) (ed25519.PrivateKey, error) {
+	key, _, err := ParseSigningKey(data)
+	return key, err
+}
+
+// ParseSigningKey is ParsePrivateKey that also returns the key ID kept with
+// the key: a "Key-Id:" line in the text before the PEM block (what
+// MarshalSigningKey writes) or a Key-Id header inside it. keyID is "" when
+// the file names none (a key from openssl genpkey, or from an older
+// keygen); the caller then derives it with KeyIDFor or takes it from
+// elsewhere.
+func ParseSigningKey(data []byte) (key ed25519.PrivateKey, keyID string, err error) {
+	sawPublic := false
 	for {
+		before := data
 		var block *pem.Block
 		block, data = pem.Decode(data)
 		if block == nil {
-			return nil, errors.New("preamble: no PEM PRIVATE KEY block")
+			if sawPublic {
+				return nil, "", errors.New("preamble: this is a keyring or public key (PEM PUBLIC KEY), not a private key: " +
+					"give the private key file (the one caddy sandbox keygen --key-out wrote)")
+			}
+			return nil, "", errors.New("preamble: no PEM PRIVATE KEY block")
+		}
+		if block.Type == "PUBLIC KEY" {
+			sawPublic = true
 		}
 		if block.Type != "PRIVATE KEY" {
 			continue
 		}
 		k, err := x509.ParsePKCS8PrivateKey(block.Bytes)
 		if err != nil {
-			return nil, fmt.Errorf("preamble: private key: %w", err)
+			return nil, "", fmt.Errorf("preamble: private key: %w", err)
 		}
 		ek, ok := k.(ed25519.PrivateKey)
 		if !ok {
-			return nil, fmt.Errorf("preamble: private key is %T, want Ed25519", k)
+			return nil, "", fmt.Errorf("preamble: private key is %T, want Ed25519", k)
 		}
-		return ek, nil
+		// The text between the previous block (or the start) and this one.
+		text := before
+		if i := bytes.Index(before, []byte("-----BEGIN PRIVATE KEY-----")); i >= 0 {
+			text = before[:i]
+		}
+		ids := make(map[string]bool)
+		if id, ok := block.Headers[KeyIDHeader]; ok {
+			ids[strings.TrimSpace(id)] = true
+		}
+		for _, line := range strings.Split(string(text), "\n") {
+			if name, value, ok := strings.Cut(strings.TrimSpace(line), ":"); ok && strings.EqualFold(strings.TrimSpace(name), KeyIDHeader) {
+				ids[strings.TrimSpace(value)] = true
+			}
+		}
+		switch len(ids) {
+		case 0:
+		case 1:
+			for id := range ids {
+				keyID = id
+			}
+			if !validKeyID(keyID) {
+				return nil, "", fmt.Errorf("preamble: private key file: key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", keyID, MaxKeyIDLen)
+			}
+		default:
+			return nil, "", errors.New("preamble: private key file names more than one key ID")
+		}
+		return ek, keyID, nil
 	}
+}
+
+func validKeyID(id string) bool {
+	return len(id) > 0 && len(id) <= MaxKeyIDLen && validID([]byte(id))
 }
 
 // MarshalPublicKey encodes pub as a PEM "PUBLIC KEY" block (SPKI) carrying
@@ -73,11 +143,15 @@ func MarshalPublicKey(keyID string, pub ed25519.PublicKey) ([]byte, error) {
 // key. Non-Ed25519 keys, bad key IDs and duplicate IDs are errors.
 func ParseKeyring(data []byte) (map[string]ed25519.PublicKey, error) {
 	keys := make(map[string]ed25519.PublicKey)
+	sawPrivate := false
 	for {
 		var block *pem.Block
 		block, data = pem.Decode(data)
 		if block == nil {
 			break
+		}
+		if block.Type == "PRIVATE KEY" {
+			sawPrivate = true
 		}
 		if block.Type != "PUBLIC KEY" {
 			continue
@@ -101,6 +175,10 @@ func ParseKeyring(data []byte) (map[string]ed25519.PublicKey, error) {
 			return nil, fmt.Errorf("preamble: keyring: key ID %q appears twice", id)
 		}
 		keys[id] = pub
+	}
+	if len(keys) == 0 && sawPrivate {
+		return nil, errors.New("preamble: this is a private key (PEM PRIVATE KEY), not a keyring: " +
+			"give the public keys (what caddy sandbox keygen --pub-out writes), and keep the private key on the gateway")
 	}
 	if len(keys) == 0 {
 		return nil, errors.New("preamble: keyring holds no PEM PUBLIC KEY block")

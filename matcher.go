@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"maps"
 	"slices"
 	"sync"
 	"weak"
@@ -99,26 +98,13 @@ type rawRoute struct {
 }
 
 func checkMatcherApp(a *layer4.App, logger *zap.Logger) error {
-	for _, name := range slices.Sorted(maps.Keys(a.Servers)) {
-		srv := a.Servers[name]
-		if srv == nil {
-			continue
+	return eachLayer4Route(a, func(r *layer4.Route, where string) error {
+		sets := make([]map[string]json.RawMessage, 0, len(r.MatcherSetsRaw))
+		for _, set := range r.MatcherSetsRaw {
+			sets = append(sets, set)
 		}
-		for i, r := range srv.Routes {
-			if r == nil {
-				continue
-			}
-			sets := make([]map[string]json.RawMessage, 0, len(r.MatcherSetsRaw))
-			for _, set := range r.MatcherSetsRaw {
-				sets = append(sets, set)
-			}
-			rr := rawRoute{Match: sets, Handle: r.HandlersRaw}
-			if err := checkMatcherRoute(rr, false, fmt.Sprintf("layer4 server %q, route %d", name, i), warnOnce(a, logger)); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
+		return checkMatcherRoute(rawRoute{Match: sets, Handle: r.HandlersRaw}, false, where, warnOnce(a, logger))
+	})
 }
 
 func checkMatcherListenerWrappers(lw *layer4.ListenerWrapper, raws []json.RawMessage, logger *zap.Logger) error {

@@ -181,20 +181,7 @@ func TestSandboxNeedsTLSHandlerBefore(t *testing.T) {
 		{"unreadable: in a tee branch", layer4(map[string][]any{"a": {route(map[string]any{"handler": "tee", "branch": []any{sandbox}})}}), ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			logFile := filepath.Join(t.TempDir(), "caddy.log")
-			raw, err := json.Marshal(map[string]any{"admin": map[string]any{"disabled": true}, "apps": tc.apps,
-				"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
-					"writer":  map[string]any{"output": "file", "filename": logFile, "roll": false},
-					"encoder": map[string]any{"format": "json"},
-				}}}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			var cfg caddy.Config
-			if err := json.Unmarshal(raw, &cfg); err != nil {
-				t.Fatal(err)
-			}
-			err = caddy.Validate(&cfg)
+			logFile, err := validateLogged(t, tc.apps)
 			switch {
 			case tc.where == "" && err != nil:
 				t.Fatalf("refused: %v", err)
@@ -261,20 +248,7 @@ func TestSandboxMatcherPlacement(t *testing.T) {
 		{"insecure_plaintext", layer4(matched(insecure)), "", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			logFile := filepath.Join(t.TempDir(), "caddy.log")
-			raw, err := json.Marshal(map[string]any{"admin": map[string]any{"disabled": true}, "apps": tc.apps,
-				"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
-					"writer":  map[string]any{"output": "file", "filename": logFile, "roll": false},
-					"encoder": map[string]any{"format": "json"},
-				}}}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			var cfg caddy.Config
-			if err := json.Unmarshal(raw, &cfg); err != nil {
-				t.Fatal(err)
-			}
-			err = caddy.Validate(&cfg)
+			logFile, err := validateLogged(t, tc.apps)
 			switch {
 			case tc.errWant == "" && err != nil:
 				t.Fatalf("refused: %v", err)
@@ -357,4 +331,25 @@ func TestSandboxMatcherPlacementCaddyfile(t *testing.T) {
 			}
 		})
 	}
+}
+
+// validateLogged validates a config of apps (as `caddy validate` does)
+// with the default log written as JSON to a file, and returns the file and
+// Validate's error.
+func validateLogged(t *testing.T, apps map[string]any) (logFile string, err error) {
+	t.Helper()
+	logFile = filepath.Join(t.TempDir(), "caddy.log")
+	raw, err := json.Marshal(map[string]any{"admin": map[string]any{"disabled": true}, "apps": apps,
+		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
+			"writer":  map[string]any{"output": "file", "filename": logFile, "roll": false},
+			"encoder": map[string]any{"format": "json"},
+		}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg caddy.Config
+	if err := json.Unmarshal(raw, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	return logFile, caddy.Validate(&cfg)
 }

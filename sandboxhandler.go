@@ -575,6 +575,20 @@ func checkTLSBeforeSandbox(ctx caddy.Context) error {
 // provisioned (see checkTLSBeforeSandbox).
 func checkLayer4App(a *layer4.App) error {
 	found := 0
+	err := eachLayer4Route(a, func(r *layer4.Route, where string) error {
+		n, err := checkRouteHandlers(r.HandlersRaw, false, where)
+		found += n
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	return sandboxesFound(found)
+}
+
+// eachLayer4Route calls f with each route of a's servers, in server-name
+// order, and where it is ("layer4 server %q, route %d"), until f fails.
+func eachLayer4Route(a *layer4.App, f func(r *layer4.Route, where string) error) error {
 	for _, name := range slices.Sorted(maps.Keys(a.Servers)) {
 		srv := a.Servers[name]
 		if srv == nil {
@@ -584,14 +598,12 @@ func checkLayer4App(a *layer4.App) error {
 			if r == nil {
 				continue
 			}
-			n, err := checkRouteHandlers(r.HandlersRaw, false, fmt.Sprintf("layer4 server %q, route %d", name, i))
-			if err != nil {
+			if err := f(r, fmt.Sprintf("layer4 server %q, route %d", name, i)); err != nil {
 				return err
 			}
-			found += n
 		}
 	}
-	return sandboxesFound(found)
+	return nil
 }
 
 // checkListenerWrappers checks the routes of an HTTP server's layer4

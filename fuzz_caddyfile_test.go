@@ -82,7 +82,7 @@ func FuzzCaddyfile(f *testing.F) {
 			"",
 			"{\n}",
 			"{\n\toffload off\n\trx off\n\tfallback refuse\n\texpect_no_pad\n\ttx_zerocopy_ro\n\tkeyupdate_rate 10 20\n\thandshake_timeout 5s\n\tsendfile\n}",
-			"{\n\tconnection_policy {\n\t\tprotocols tls1.3\n\t\tclient_auth {\n\t\t\tmode require_and_verify\n\t\t}\n\t}\n\tkeyupdate_rate 2.5\n}",
+			"{\n\tconnection_policy {\n\t\tprotocols tls1.3\n\t\tclient_auth {\n\t\t\tmode require_and_verify\n\t\t}\n\t}\n\tkeyupdate_rate 2.5\n\tresumption off\n}",
 			"{\n\tkey gw-1 MCowBQYDK2VwAyEAGb9ECWmEzf6FQbrBZ9w7lshQhqowtrbLDFw4rXAxZuE=\n\trequire_channel_binding\n\tmax_clock_skew 10s\n\tmax_preamble_ttl 30s\n" +
 				"\treplay_cache_size 65536\n\tpreamble_timeout 5s\n\tdial_timeout 5s\n\tkeepalive 30s\n\ttcp_user_timeout 2m\n" +
 				"\tallow 10.88.0.0/16 ::1\n\tallow_ports 8000-8999 443\n\tdrain_grace_period 30s\n" +

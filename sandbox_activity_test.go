@@ -2,6 +2,7 @@ package caddyktls
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -58,9 +59,9 @@ func TestSandboxActivityPush(t *testing.T) {
 	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var rep forward.ActivityReport
 		if err := json.NewDecoder(r.Body).Decode(&rep); err != nil || r.Method != http.MethodPost || rep.SentAt.IsZero() ||
-			r.Header.Get("Authorization") != "Bearer s3cret" {
-			t.Errorf("activity report: %s, decode error %v, sent_at %v, Authorization %q (want the {env.…} placeholder replaced)",
-				r.Method, err, rep.SentAt, r.Header.Get("Authorization"))
+			r.Header.Get("Authorization") != "Bearer s3cret" || !strings.HasPrefix(r.Header.Get("User-Agent"), "caddy-ktls/") {
+			t.Errorf("activity report: %s, decode error %v, sent_at %v, Authorization %q (want the {env.…} placeholder replaced), User-Agent %q (want caddy-ktls/<version>)",
+				r.Method, err, rep.SentAt, r.Header.Get("Authorization"), r.Header.Get("User-Agent"))
 		}
 		mu.Lock()
 		reports++
@@ -119,4 +120,22 @@ func TestSandboxActivityPush(t *testing.T) {
 		`caddy_ktls_activity_reports_total{outcome="retried"}`: 0,
 		`caddy_ktls_activity_reports_total{outcome="dropped"}`: 0,
 	})
+	if lines := e.logLines(t, emptyPlaceholderWarning); len(lines) != 0 {
+		t.Errorf("a placeholder that is set was reported empty: %v", lines)
+	}
+}
+
+const emptyPlaceholderWarning = "activity_push header placeholder is empty: the header goes out without it"
+
+// An activity_push header whose {env.…} placeholder is empty loads with a
+// WARN naming the header, the placeholder and the fix.
+func TestSandboxActivityPushEmptyPlaceholder(t *testing.T) {
+	t.Setenv("KTLS_TEST_EMPTY_TOKEN", "")
+	e := newSandboxEnv(t, map[string]any{"activity_push": map[string]any{"url": "http://127.0.0.1:1/activity", "interval": "1h",
+		"headers": map[string][]string{"Authorization": {"Bearer {env.KTLS_TEST_EMPTY_TOKEN}"}}}})
+	l := e.waitLogLine(t, emptyPlaceholderWarning, 0)
+	if l["level"] != "warn" || l["header"] != "Authorization" || l["placeholder"] != "{env.KTLS_TEST_EMPTY_TOKEN}" ||
+		!strings.Contains(fmt.Sprint(l["fix"]), "set KTLS_TEST_EMPTY_TOKEN") {
+		t.Errorf("log line %v: want a WARN naming the header, the placeholder and the variable to set", l)
+	}
 }

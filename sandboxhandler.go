@@ -12,6 +12,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"regexp"
+	"runtime/debug"
 	"slices"
 	"time"
 
@@ -261,12 +263,14 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		header := make(http.Header, len(p.Headers))
 		for name, values := range p.Headers {
 			for _, v := range values {
+				warnEmptyEnv(h.logger, name, v)
 				header.Add(name, repl.ReplaceAll(v, ""))
 			}
 		}
 		h.pusher, err = forward.NewPusher(forward.PusherConfig{
 			URL: p.URL, Interval: time.Duration(p.Interval), Timeout: time.Duration(p.Timeout),
 			Attempts: p.Attempts, Backoff: time.Duration(p.Backoff), Queue: p.QueueSize, Header: header,
+			UserAgent: userAgent(),
 		}, tunnels)
 		if err != nil {
 			return fmt.Errorf("sandbox handler: %w", err)
@@ -276,6 +280,37 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	}
 	keyrings.add(h, keys)
 	return nil
+}
+
+// envPlaceholder is a {env.NAME} placeholder.
+var envPlaceholder = regexp.MustCompile(`\{env\.([^{}]+)\}`)
+
+// warnEmptyEnv warns, at load, of an activity_push header value whose
+// {env.NAME} placeholder is empty: the control plane would get a header
+// without its secret (an "Authorization: Bearer " that it refuses), and
+// the reports would be retried, then dropped.
+func warnEmptyEnv(logger *zap.Logger, header, value string) {
+	for _, m := range envPlaceholder.FindAllStringSubmatch(value, -1) {
+		if os.Getenv(m[1]) == "" {
+			logger.Warn("activity_push header placeholder is empty: the header goes out without it",
+				zap.String("header", header), zap.String("placeholder", m[0]),
+				zap.String("fix", "set "+m[1]+" in Caddy's environment (deploy/systemd: EnvironmentFile=/etc/caddy/caddy-ktls.env)"))
+		}
+	}
+}
+
+// userAgent is the User-Agent of this module's outgoing requests:
+// caddy-ktls/<module version>, "(devel)" for a build from a checkout.
+func userAgent() string {
+	version := "(devel)"
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		for _, m := range append([]*debug.Module{&bi.Main}, bi.Deps...) {
+			if m.Path == "github.com/ktlsingress/caddy-ktls" && m.Version != "" {
+				version = m.Version
+			}
+		}
+	}
+	return "caddy-ktls/" + version
 }
 
 // loadReplayCache takes a reference to the shared replay cache for this

@@ -36,6 +36,9 @@ type PusherConfig struct {
 	Queue    int           // reports waiting for delivery; when full the oldest is dropped; default 16
 	Client   *http.Client  // default: a client with Timeout
 	Header   http.Header   // sent with every POST (a control plane's credentials); Content-Type is always JSON
+	// UserAgent is sent as User-Agent unless Header sets one; default
+	// "caddy-ktls".
+	UserAgent string
 }
 
 // PusherStats counts what a Pusher did.
@@ -82,6 +85,9 @@ func NewPusher(cfg PusherConfig, reg *Registry) (*Pusher, error) {
 	}
 	if cfg.Queue == 0 {
 		cfg.Queue = 16
+	}
+	if cfg.UserAgent == "" {
+		cfg.UserAgent = "caddy-ktls"
 	}
 	if cfg.Client == nil {
 		// Its own transport, so that Stop can close the idle connections
@@ -203,6 +209,7 @@ func (p *Pusher) postOnce(ctx context.Context, body []byte) error {
 	if err != nil {
 		return err
 	}
+	req.Header.Set("User-Agent", p.cfg.UserAgent)
 	for name, values := range p.cfg.Header {
 		req.Header[name] = values
 	}

@@ -123,3 +123,45 @@ func TestPusherQueueBound(t *testing.T) {
 	defer cancel()
 	p.Stop(ctx)
 }
+
+// Every POST carries the configured User-Agent ("caddy-ktls" by default),
+// unless the configured headers set one.
+func TestPusherUserAgent(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	for _, tc := range []struct {
+		cfg  PusherConfig
+		want string
+	}{
+		{PusherConfig{}, "caddy-ktls"},
+		{PusherConfig{UserAgent: "caddy-ktls/v1.2.3"}, "caddy-ktls/v1.2.3"},
+		{PusherConfig{UserAgent: "caddy-ktls/v1.2.3", Header: http.Header{"User-Agent": {"mine"}}}, "mine"},
+	} {
+		got := make(chan string, 8)
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			got <- r.Header.Get("User-Agent")
+			w.Header().Set("Connection", "close")
+		}))
+		reg := NewRegistry()
+		tc.cfg.URL, tc.cfg.Interval = srv.URL, time.Hour
+		p, err := NewPusher(tc.cfg, reg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Start()
+		tun, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{Peer: "peer"}, 0)
+		tun.AddToSandbox(1)
+		tun.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		p.Stop(ctx) // flushes the one report
+		cancel()
+		srv.Close()
+		select {
+		case ua := <-got:
+			if ua != tc.want {
+				t.Errorf("User-Agent %q, want %q", ua, tc.want)
+			}
+		default:
+			t.Errorf("no report was POSTed (stats %+v)", p.Stats())
+		}
+	}
+}

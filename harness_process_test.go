@@ -93,7 +93,15 @@ func (p *caddyProcess) exitedAfterDrain(t *testing.T, e *sandboxEnv, forced int)
 	if len(lines) != 1 || lines[0]["tunnels"] != float64(forced) {
 		t.Errorf("drain log lines %v, want one that closed %d tunnels", lines, forced)
 	}
+	// The drain said at its start how many tunnels it waits for (at least
+	// those it closed) and for how long.
+	started := e.logLines(t, drainStartLine)
+	if len(started) != 1 || started[0]["level"] != "info" || started[0]["tunnels"].(float64) < float64(forced) || started[0]["grace_period"] == nil {
+		t.Errorf("drain start log lines %v, want one at INFO with tunnels >= %d and the grace period", started, forced)
+	}
 }
+
+const drainStartLine = "draining open tunnels at exit: new tunnels are refused, open ones may finish until the grace period ends"
 
 // startCaddy runs bin/caddy with e's configuration, after the shell
 // commands in prelude (e.g. "ulimit -n 64"), waits until the layer4

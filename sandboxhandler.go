@@ -413,6 +413,12 @@ func (h *SandboxHandler) Cleanup() error {
 		}
 	}
 	if caddy.Exiting() && h.fwd != nil {
+		// Every sandbox handler drains the one registry at exit; the
+		// first finds the tunnels, the others none.
+		if open, _ := tunnels.Counts(); open > 0 {
+			h.logger.Info("draining open tunnels at exit: new tunnels are refused, open ones may finish until the grace period ends",
+				zap.Int("tunnels", open), zap.Duration("grace_period", time.Duration(h.DrainGracePeriod)))
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(h.DrainGracePeriod))
 		forced := tunnels.Drain(ctx)
 		cancel()

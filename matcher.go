@@ -91,12 +91,6 @@ func (m *MatchSandbox) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// rawRoute is a layer4 route as raw JSON.
-type rawRoute struct {
-	Match  []map[string]json.RawMessage `json:"match"`
-	Handle []json.RawMessage            `json:"handle"`
-}
-
 func checkMatcherApp(a *layer4.App, logger *zap.Logger) error {
 	return eachLayer4Route(a, func(r *layer4.Route, where string) error {
 		sets := make([]map[string]json.RawMessage, 0, len(r.MatcherSetsRaw))
@@ -108,28 +102,9 @@ func checkMatcherApp(a *layer4.App, logger *zap.Logger) error {
 }
 
 func checkMatcherListenerWrappers(lw *layer4.ListenerWrapper, raws []json.RawMessage, logger *zap.Logger) error {
-	type wrapper struct {
-		Wrapper string     `json:"wrapper"`
-		Routes  []rawRoute `json:"routes"`
-	}
-	wrappers := make([]wrapper, len(raws))
-	tlsAt := -1 // implied first when not listed
-	for i, raw := range raws {
-		if json.Unmarshal(raw, &wrappers[i]) == nil && wrappers[i].Wrapper == "tls" {
-			tlsAt = i
-		}
-	}
-	for i, w := range wrappers {
-		if w.Wrapper != "layer4" {
-			continue
-		}
-		for k, r := range w.Routes {
-			if err := checkMatcherRoute(r, i > tlsAt, fmt.Sprintf("listener_wrappers[%d] (layer4), route %d", i, k), warnOnce(lw, logger)); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
+	return eachWrapperRoute(raws, func(r rawRoute, tlsBefore bool, where string) error {
+		return checkMatcherRoute(r, tlsBefore, where, warnOnce(lw, logger))
+	})
 }
 
 // sandboxMatcherFix is the working shape, in Caddyfile and JSON terms.

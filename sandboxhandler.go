@@ -650,33 +650,51 @@ func eachLayer4Route(a *layer4.App, f func(r *layer4.Route, where string) error)
 // checkListenerWrappers checks the routes of an HTTP server's layer4
 // listener wrappers (see checkTLSBeforeSandbox).
 func checkListenerWrappers(raws []json.RawMessage) error {
+	found := 0
+	err := eachWrapperRoute(raws, func(r rawRoute, tlsBefore bool, where string) error {
+		n, err := checkRouteHandlers(r.Handle, tlsBefore, where)
+		found += n
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	return sandboxesFound(found)
+}
+
+// rawRoute is a layer4 route as raw JSON.
+type rawRoute struct {
+	Match  []map[string]json.RawMessage `json:"match"`
+	Handle []json.RawMessage            `json:"handle"`
+}
+
+// eachWrapperRoute calls f with each route of the layer4 listener wrappers
+// among raws (an HTTP server's listener_wrappers), whether the tls wrapper
+// comes before it (it is implied first when not listed), and where it is
+// ("listener_wrappers[%d] (layer4), route %d"), until f fails.
+func eachWrapperRoute(raws []json.RawMessage, f func(r rawRoute, tlsBefore bool, where string) error) error {
 	type wrapper struct {
-		Wrapper string `json:"wrapper"`
-		Routes  []struct {
-			Handle []json.RawMessage `json:"handle"`
-		} `json:"routes"`
+		Wrapper string     `json:"wrapper"`
+		Routes  []rawRoute `json:"routes"`
 	}
 	wrappers := make([]wrapper, len(raws))
-	tlsAt := -1 // implied first when not listed
+	tlsAt := -1
 	for i, raw := range raws {
 		if json.Unmarshal(raw, &wrappers[i]) == nil && wrappers[i].Wrapper == "tls" {
 			tlsAt = i
 		}
 	}
-	found := 0
 	for i, w := range wrappers {
 		if w.Wrapper != "layer4" {
 			continue
 		}
 		for k, r := range w.Routes {
-			n, err := checkRouteHandlers(r.Handle, i > tlsAt, fmt.Sprintf("listener_wrappers[%d] (layer4), route %d", i, k))
-			if err != nil {
+			if err := f(r, i > tlsAt, fmt.Sprintf("listener_wrappers[%d] (layer4), route %d", i, k)); err != nil {
 				return err
 			}
-			found += n
 		}
 	}
-	return sandboxesFound(found)
+	return nil
 }
 
 // sandboxesFound reports a walk that met no sandbox handler: the one being

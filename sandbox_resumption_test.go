@@ -29,16 +29,7 @@ func sandboxResumption(t *testing.T, kernel bool) {
 	const size = 256 << 10
 	splicedSince := dataPathCheck(t, kernel, 3)
 	for i, resumed := range []bool{false, true, true} {
-		up := forwardtest.NewUpstream(t, size+3)
-		c := e.dialWith(t, cfg, e.gw.Signer, "sbx-resume", up.Addr())
-		if got := c.ConnectionState().DidResume; got != resumed {
-			t.Errorf("tunnel %d: resumed %v, want %v", i, got, resumed)
-		}
-		n, sum, err := transfer(c, size, uint64(40+i))
-		if err != nil {
-			t.Fatalf("tunnel %d: transfer: %v", i, err)
-		}
-		checkTunnelTransfer(t, up, size, uint64(40+i), n, sum)
+		resumedTunnel(t, e, cfg, "sbx-resume", size, uint64(40+i), resumed)
 	}
 	if spliced := splicedSince(); kernel && spliced != 3*(2*size+3) {
 		t.Errorf("%d bytes spliced, want %d", spliced, 3*(2*size+3))
@@ -54,16 +45,7 @@ func TestSandboxResumptionScopedToConfigLoad(t *testing.T) {
 	cfg.ClientSessionCache = tls.NewLRUClientSessionCache(4)
 	tunnel := func(i int, resumed bool) {
 		t.Helper()
-		up := forwardtest.NewUpstream(t, 1024+3)
-		c := e.dialWith(t, cfg, e.gw.Signer, "sbx-resume-load", up.Addr())
-		if got := c.ConnectionState().DidResume; got != resumed {
-			t.Errorf("tunnel %d: resumed %v, want %v", i, got, resumed)
-		}
-		n, sum, err := transfer(c, 1024, uint64(50+i))
-		if err != nil {
-			t.Fatalf("tunnel %d: transfer: %v", i, err)
-		}
-		checkTunnelTransfer(t, up, 1024, uint64(50+i), n, sum)
+		resumedTunnel(t, e, cfg, "sbx-resume-load", 1024, uint64(50+i), resumed)
 	}
 	tunnel(0, false)
 	tunnel(1, true)
@@ -83,15 +65,23 @@ func TestSandboxResumptionOff(t *testing.T) {
 	cfg := e.tlsConfig(e.client)
 	cfg.ClientSessionCache = tls.NewLRUClientSessionCache(4)
 	for i := range 2 {
-		up := forwardtest.NewUpstream(t, 1024+3)
-		c := e.dialWith(t, cfg, e.gw.Signer, "sbx-resume-off", up.Addr())
-		if c.ConnectionState().DidResume {
-			t.Errorf("tunnel %d resumed with disable_resumption", i)
-		}
-		n, sum, err := transfer(c, 1024, uint64(60+i))
-		if err != nil {
-			t.Fatalf("tunnel %d: transfer: %v", i, err)
-		}
-		checkTunnelTransfer(t, up, 1024, uint64(60+i), n, sum)
+		resumedTunnel(t, e, cfg, "sbx-resume-off", 1024, uint64(60+i), false)
 	}
+}
+
+// resumedTunnel dials a tunnel for sandbox with the gateway config cfg,
+// checks whether its TLS session resumed, and moves size bytes up (seed)
+// and size+3 down through it, checked exactly.
+func resumedTunnel(t *testing.T, e *sandboxEnv, cfg *tls.Config, sandbox string, size int64, seed uint64, resumed bool) {
+	t.Helper()
+	up := forwardtest.NewUpstream(t, size+3)
+	c := e.dialWith(t, cfg, e.gw.Signer, sandbox, up.Addr())
+	if got := c.ConnectionState().DidResume; got != resumed {
+		t.Errorf("tunnel (seed %d): resumed %v, want %v", seed, got, resumed)
+	}
+	n, sum, err := transfer(c, size, seed)
+	if err != nil {
+		t.Fatalf("tunnel (seed %d): transfer: %v", seed, err)
+	}
+	checkTunnelTransfer(t, up, size, seed, n, sum)
 }

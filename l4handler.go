@@ -62,8 +62,8 @@ type KTLSHandler struct {
 	opts   ktls.Options
 	// failures counts and logs failed handshakes.
 	failures *handshakeFailureLog
-	// sessions keeps the ticket keys of each policy; tickets is the tls
-	// app's session ticket service (nil when not configured).
+	// sessions keeps each policy's ticket-issuing configuration; tickets
+	// is the tls app's session ticket service (nil when not configured).
 	sessions sessionKeys
 	tickets  *caddytls.SessionTicketService
 }

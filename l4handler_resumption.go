@@ -33,36 +33,31 @@ import (
 // resumes only on the forwarder process that issued it. Where the tls app
 // disables session tickets, so does the handler.
 
-// sessionKeys holds the ticket keys of each policy configuration: a Config
-// of its own per chosen configuration, used only for its ticket keys.
+// sessionKeys holds, for each policy configuration Caddy chose, the copy
+// of it that issues and accepts tickets, made once: its WrapSession and
+// UnwrapSession use a Config of their own, used only for its ticket keys.
 type sessionKeys struct {
-	mu   sync.Mutex
-	keys map[*tls.Config]*tls.Config
+	mu      sync.Mutex
+	configs map[*tls.Config]*tls.Config
 }
 
-func (s *sessionKeys) of(chosen *tls.Config) *tls.Config {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if k, ok := s.keys[chosen]; ok {
-		return k
-	}
-	if s.keys == nil {
-		s.keys = map[*tls.Config]*tls.Config{}
-	}
-	k := &tls.Config{}
-	s.keys[chosen] = k
-	return k
-}
-
-// resumable returns a per-connection copy of chosen, the policy
-// configuration Caddy picked for a ClientHello, that issues and accepts
-// tickets sealed with chosen's own keys. With tickets disabled in the tls
-// app it returns chosen as it is.
+// resumable returns the copy of chosen, the policy configuration Caddy
+// picked for a ClientHello, that issues and accepts tickets sealed with
+// chosen's own keys. With tickets disabled in the tls app it returns chosen
+// as it is.
 func (s *sessionKeys) resumable(chosen *tls.Config, tickets *caddytls.SessionTicketService) *tls.Config {
 	if tickets != nil && tickets.Disabled {
 		return chosen
 	}
-	keys := s.of(chosen)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if cfg, ok := s.configs[chosen]; ok {
+		return cfg
+	}
+	if s.configs == nil {
+		s.configs = map[*tls.Config]*tls.Config{}
+	}
+	keys := &tls.Config{}
 	cfg := chosen.Clone()
 	cfg.SessionTicketsDisabled = false
 	cfg.WrapSession = keys.EncryptTicket
@@ -70,5 +65,6 @@ func (s *sessionKeys) resumable(chosen *tls.Config, tickets *caddytls.SessionTic
 	// expired) is no error: DecryptTicket returns no session, and the
 	// handshake is a full one.
 	cfg.UnwrapSession = keys.DecryptTicket
+	s.configs[chosen] = cfg
 	return cfg
 }

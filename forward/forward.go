@@ -244,13 +244,6 @@ func (e *LifetimeError) Error() string {
 	return fmt.Sprintf("the tunnel reached its lifetime of %v", e.Lifetime)
 }
 
-// Refuser is implemented by connections that can tell their peer that
-// what it asked for was refused, distinctly from a failure (*ktls.Conn: the
-// fatal access_denied alert, where Abort sends internal_error).
-type Refuser interface {
-	Refuse() error
-}
-
 // refuse ends a refused tunnel's client connection so that the gateway
 // cannot take it for an empty tunnel that ran: Refuse on the connection
 // under Conn's buffer where it has one, else a failure (splice.Abort: a
@@ -260,7 +253,7 @@ func refuse(c Client) {
 	if c.Unwrap != nil {
 		conn, _ = c.Unwrap()
 	}
-	if r, ok := conn.(Refuser); ok {
+	if r, ok := conn.(splice.Refuser); ok {
 		r.Refuse()
 	} else {
 		splice.Abort(conn)

@@ -111,6 +111,13 @@ type Aborter interface {
 	Abort() error
 }
 
+// Refuser is implemented by connections that can tell their peer that what
+// it asked for was refused, distinctly from a failure (*ktls.Conn: the fatal
+// alert access_denied, where Abort sends internal_error).
+type Refuser interface {
+	Refuse() error
+}
+
 // closeWriter is the half-close contract: *net.TCPConn (shutdown(SHUT_WR))
 // and *ktls.Conn (close_notify, then SHUT_WR).
 type closeWriter interface {
@@ -174,6 +181,13 @@ type Options struct {
 	// half-closing the other side and letting the other direction finish.
 	// A sink without CloseWrite always behaves this way.
 	CloseOnEOF bool
+	// Refused, when set, says whether a direction's error is its source's
+	// refusal (a sandbox forwarder's access_denied: nothing it was asked for
+	// reached anyone). When a direction fails that way before it delivered
+	// a byte, its sink is ended with Refuse (Refuser, else as a failure)
+	// instead of Abort, so that the refusal travels on to the peer that
+	// asked: an edge gateway's user learns that nothing reached the sandbox.
+	Refused func(error) bool
 }
 
 // DirectionStats are one direction's counters. Bytes is exact: it is updated
@@ -379,13 +393,33 @@ func (t *Relay) Run(ctx context.Context) (Stats, error) {
 	err := t.resultErr(ctx, res)
 	for i, c := range t.conns {
 		// Connection i is the sink of direction 1-i.
-		if err != nil && res.Dir(Direction(1-i)).End != EndEOF {
-			Abort(c)
-		} else {
+		in := res.Dir(Direction(1 - i))
+		switch {
+		case err == nil || in.End == EndEOF:
 			c.Close()
+		case t.refused(in):
+			refuse(c)
+		default:
+			Abort(c)
 		}
 	}
 	return res, err
+}
+
+// refused reports whether ds, a direction that ended, failed with its
+// source's refusal (Options.Refused) before it delivered a byte.
+func (t *Relay) refused(ds DirectionStats) bool {
+	return t.opts.Refused != nil && ds.End == EndError && ds.Bytes == 0 && t.opts.Refused(ds.Err)
+}
+
+// refuse closes c as refused: c's own Refuse where it has one (Refuser),
+// else as a failure (Abort).
+func refuse(c net.Conn) {
+	if r, ok := c.(Refuser); ok {
+		r.Refuse()
+		return
+	}
+	Abort(c)
 }
 
 // Abort closes c as a failure, as a failed tunnel closes its sides: c's own

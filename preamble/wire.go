@@ -216,7 +216,7 @@ func parse(frame []byte, maxLen int) (parsed, error) {
 		return p, reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [A-Za-z0-9._-]", sid, MaxSandboxIDLen)
 	}
 	target := netip.AddrPortFrom(addr, port)
-	if err := checkTarget(target); err != nil {
+	if err := CheckTarget(target); err != nil {
 		return p, err
 	}
 	if bindLen != 0 && bindLen != BindingLen {
@@ -276,7 +276,10 @@ func parseExtensions(area []byte) ([]Extension, error) {
 	return exts, nil
 }
 
-func checkTarget(t netip.AddrPort) error {
+// CheckTarget returns the *Error (ReasonBadTarget) a frame naming target t
+// would be refused with, or nil when t can be a target: a unicast address
+// without zone, IPv4 as IPv4, and a port.
+func CheckTarget(t netip.AddrPort) error {
 	a := t.Addr()
 	switch {
 	case !a.IsValid():
@@ -341,16 +344,25 @@ func (d *decoder) u8() uint8   { return d.bytes(1)[0] }
 func (d *decoder) u16() uint16 { return binary.BigEndian.Uint16(d.bytes(2)) }
 func (d *decoder) u64() uint64 { return binary.BigEndian.Uint64(d.bytes(8)) }
 
+// CheckSandboxID returns the *Error (ReasonBadSandboxID) a frame naming
+// sandbox id would be refused with, or nil when id can name a sandbox.
+func CheckSandboxID(id string) error {
+	if len(id) == 0 || len(id) > MaxSandboxIDLen || !validID([]byte(id)) {
+		return reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [A-Za-z0-9._-]", id, MaxSandboxIDLen)
+	}
+	return nil
+}
+
 // encode validates c and returns the frame without its signature (header
 // and body up to the signature), with room for the signature appended later.
 func encode(keyID string, c *Claims) ([]byte, error) {
 	if len(keyID) == 0 || len(keyID) > MaxKeyIDLen || !validID([]byte(keyID)) {
 		return nil, reject(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", keyID, MaxKeyIDLen)
 	}
-	if len(c.SandboxID) == 0 || len(c.SandboxID) > MaxSandboxIDLen || !validID([]byte(c.SandboxID)) {
-		return nil, reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [A-Za-z0-9._-]", c.SandboxID, MaxSandboxIDLen)
+	if err := CheckSandboxID(c.SandboxID); err != nil {
+		return nil, err
 	}
-	if err := checkTarget(c.Target); err != nil {
+	if err := CheckTarget(c.Target); err != nil {
 		return nil, err
 	}
 	if c.Binding != nil && len(c.Binding) != BindingLen {

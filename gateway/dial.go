@@ -1,0 +1,197 @@
+package gateway
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// Defaults for the zero values of Config.
+const (
+	DefaultDialTimeout = 10 * time.Second
+	DefaultKeepAlive   = 30 * time.Second
+)
+
+// Route names one tunnel: the forwarder to dial, and what its preamble
+// asks for.
+type Route struct {
+	// Forwarder is the forwarder's host:port.
+	Forwarder string
+	// Sandbox is the sandbox ID (preamble.Claims.SandboxID).
+	Sandbox string
+	// Target is the sandbox service's private address and port.
+	Target netip.AddrPort
+}
+
+func (r Route) String() string {
+	return fmt.Sprintf("%s (target %s) via %s", r.Sandbox, r.Target, r.Forwarder)
+}
+
+// ParseRoute builds a Route from text, such as configuration placeholders
+// replaced for one request, and says which part is wrong when one is.
+func ParseRoute(forwarder, sandbox, target string) (Route, error) {
+	if _, _, err := net.SplitHostPort(forwarder); err != nil || forwarder == "" {
+		return Route{}, &RouteError{Field: "forwarder", Value: forwarder, Err: errors.New("want host:port")}
+	}
+	if err := preamble.CheckSandboxID(sandbox); err != nil {
+		return Route{}, &RouteError{Field: "sandbox", Value: sandbox, Err: err}
+	}
+	ap, err := netip.ParseAddrPort(target)
+	if err != nil {
+		return Route{}, &RouteError{Field: "target", Value: target, Err: errors.New("want an IP address and a port, such as 10.0.0.7:8080 or [fd00::7]:8080 (never a host name: the forwarder does no DNS)")}
+	}
+	ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	if err := preamble.CheckTarget(ap); err != nil {
+		return Route{}, &RouteError{Field: "target", Value: target, Err: err}
+	}
+	return Route{Forwarder: forwarder, Sandbox: sandbox, Target: ap}, nil
+}
+
+// RouteError is a Route that cannot be built: nothing was dialed.
+type RouteError struct {
+	Field, Value string
+	Err          error
+}
+
+func (e *RouteError) Error() string {
+	return fmt.Sprintf("gateway: route %s %q: %v", e.Field, e.Value, e.Err)
+}
+
+func (e *RouteError) Unwrap() error { return e.Err }
+
+// Config configures a Dialer.
+type Config struct {
+	// TLS is the gateway's side of the mutual TLS session with forwarders:
+	// its client certificate (Certificates or GetClientCertificate), the
+	// roots forwarders' certificates chain to (RootCAs) and, optionally,
+	// the name they must carry (ServerName; empty: the forwarder's host).
+	// Required. TLS 1.3 is required whatever MinVersion says: the
+	// preamble is bound to the session's exporter. When ClientSessionCache
+	// is nil the Dialer keeps none: an offloaded client receives no session
+	// ticket (ktls.Client), so a cache only serves sessions in userspace.
+	TLS *tls.Config
+	// Signer signs the preambles. Required.
+	Signer *preamble.Signer
+	// KTLS says how each forwarder connection is offloaded to kernel TLS;
+	// the zero value seals and opens in the kernel where it can and falls
+	// back to crypto/tls where it cannot. KTLS.Disable keeps every session
+	// in userspace.
+	KTLS ktls.Options
+	// DialTimeout bounds the connect, the TLS handshake and the preamble's
+	// write together. Zero means DefaultDialTimeout.
+	DialTimeout time.Duration
+	// KeepAlive is the TCP keepalive idle time and probe interval of
+	// forwarder connections (three unanswered probes end one). Zero means
+	// DefaultKeepAlive; negative disables keepalive.
+	KeepAlive time.Duration
+	// PreambleTTL is the validity each preamble claims. Zero means
+	// preamble.DefaultTTL.
+	PreambleTTL time.Duration
+}
+
+// Dialer opens tunnels to forwarders. It is safe for concurrent use.
+type Dialer struct {
+	cfg Config
+	tls *tls.Config
+	net net.Dialer
+}
+
+// New returns a Dialer for cfg.
+func New(cfg Config) (*Dialer, error) {
+	if cfg.TLS == nil {
+		return nil, errors.New("gateway: no TLS configuration: the forwarder needs the gateway's client certificate")
+	}
+	if cfg.TLS.InsecureSkipVerify {
+		return nil, errors.New("gateway: the TLS configuration skips verifying the forwarder's certificate: a tunnel's preamble would go to whoever answers")
+	}
+	if len(cfg.TLS.Certificates) == 0 && cfg.TLS.GetClientCertificate == nil {
+		return nil, errors.New("gateway: the TLS configuration has no client certificate: forwarders refuse gateways without one")
+	}
+	if cfg.Signer == nil {
+		return nil, errors.New("gateway: no preamble signer")
+	}
+	if cfg.DialTimeout == 0 {
+		cfg.DialTimeout = DefaultDialTimeout
+	}
+	if cfg.DialTimeout < 0 || cfg.PreambleTTL < 0 {
+		return nil, errors.New("gateway: negative dial timeout or preamble TTL")
+	}
+	if cfg.KeepAlive == 0 {
+		cfg.KeepAlive = DefaultKeepAlive
+	}
+	if cfg.PreambleTTL == 0 {
+		cfg.PreambleTTL = preamble.DefaultTTL
+	}
+	t := cfg.TLS.Clone()
+	t.MinVersion = tls.VersionTLS13
+	if t.MaxVersion != 0 && t.MaxVersion < tls.VersionTLS13 {
+		return nil, errors.New("gateway: the TLS configuration's MaxVersion is below TLS 1.3, which the preamble's channel binding needs")
+	}
+	d := &Dialer{cfg: cfg, tls: t}
+	d.net.KeepAliveConfig = net.KeepAliveConfig{Enable: cfg.KeepAlive > 0, Idle: cfg.KeepAlive, Interval: cfg.KeepAlive, Count: 3}
+	if cfg.KeepAlive < 0 {
+		d.net.KeepAlive = -1
+	}
+	return d, nil
+}
+
+// Dial opens a tunnel for r: it connects to r.Forwarder, completes mutual
+// TLS (offloaded as Config.KTLS says), then signs and writes r's preamble,
+// bound to the session. The returned connection carries the tenant's bytes;
+// how it ends is the forwarder's verdict (EndOf). Every error is a
+// *DialError, and then nothing was sent past the preamble: nothing reached
+// the sandbox. ctx and Config.DialTimeout bound the whole of it.
+func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.DialTimeout)
+	defer cancel()
+	raw, err := d.net.DialContext(ctx, "tcp", r.Forwarder)
+	if err != nil {
+		return nil, &DialError{Route: r, Step: StepConnect, Err: err}
+	}
+	cfg := d.tls
+	if cfg.ServerName == "" {
+		host, _, _ := net.SplitHostPort(r.Forwarder)
+		cfg = cfg.Clone()
+		cfg.ServerName = host
+	}
+	conn := ktls.Client(raw, cfg, d.cfg.KTLS)
+	if err := conn.HandshakeContext(ctx); err != nil {
+		conn.Close()
+		return nil, &DialError{Route: r, Step: StepHandshake, Err: err}
+	}
+	now := time.Now()
+	claims := preamble.Claims{SandboxID: r.Sandbox, Target: r.Target, IssuedAt: now, ExpiresAt: now.Add(d.cfg.PreambleTTL)}
+	if err := preamble.Send(ctx, conn, d.cfg.Signer, claims); err != nil {
+		conn.Abort()
+		return nil, &DialError{Route: r, Step: StepPreamble, Err: err}
+	}
+	return conn, nil
+}
+
+// The steps of a Dial, as DialError names them.
+const (
+	StepConnect   = "connect"
+	StepHandshake = "handshake"
+	StepPreamble  = "preamble"
+)
+
+// DialError is a tunnel that could not be opened: no byte of the tenant's
+// was sent, so whatever asked for it may be tried again.
+type DialError struct {
+	Route Route
+	Step  string // StepConnect, StepHandshake or StepPreamble
+	Err   error
+}
+
+func (e *DialError) Error() string {
+	return fmt.Sprintf("gateway: tunnel to %s: %s: %v", e.Route, e.Step, e.Err)
+}
+
+func (e *DialError) Unwrap() error { return e.Err }

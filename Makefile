@@ -9,7 +9,7 @@ KERNEL ?= 6.1
 DEMO_KERNEL ?= 7.3
 # MiB the demo sends through the tunnel inside the (slow, emulated) VM.
 DEMO_VM_MIB ?= 4
-# Flags of the host test run (-race roughly doubles its time; see README).
+# Flags of the host test run (-race roughly doubles its time; see docs/testing.md).
 HOST_TEST_FLAGS ?= -race
 XCADDY_VERSION = v0.4.5
 CADDY_VERSION = v2.11.9

@@ -24,6 +24,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -338,6 +339,16 @@ func runListenerWrapperSnippet(t *testing.T, files *snippetFiles, where string, 
 		apps["http"].(map[string]any)["http_port"] = r
 	})
 
+	// The listener wrapper's completed handshakes, offloaded or not.
+	wrapped := func() (n uint64) {
+		for k, v := range handshakeOutcomes.snapshot() {
+			if k.module == moduleListenerWrapper && k.reason != ktls.ReasonHandshakeFailed {
+				n += v
+			}
+		}
+		return n
+	}
+	before := wrapped()
 	client := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{
 		ForceAttemptHTTP2: true,
 		TLSClientConfig:   &tls.Config{RootCAs: files.ca.Pool, ServerName: "forwarder.internal"},
@@ -355,5 +366,8 @@ func runListenerWrapperSnippet(t *testing.T, files *snippetFiles, where string, 
 	if err != nil || res.StatusCode != http.StatusOK || !bytes.Equal(got, body) {
 		t.Fatalf("GET through %s's listener wrapper: %s %q, %v; want 200 %q", where, res.Status, got, err, body)
 	}
-	t.Logf("%s ran and served %d bytes over %s", where, len(got), res.Proto)
+	if wrapped() == before {
+		t.Errorf("%s served the file, but no handshake of the ktls listener wrapper was counted", where)
+	}
+	t.Logf("%s ran and served %d bytes over %s through the ktls listener wrapper", where, len(got), res.Proto)
 }

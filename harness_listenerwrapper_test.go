@@ -49,7 +49,7 @@ const caddyMaxWriteChunk = 64 << 10
 
 // lwKTLSSeries are the metric families whose every series the metrics test
 // accounts for.
-var lwKTLSSeries = []string{"caddy_ktls_handshakes_total{", "caddy_ktls_offload_directions_total{", "caddy_ktls_http_readfrom_",
+var lwKTLSSeries = []string{"caddy_ktls_handshakes_total{", "caddy_ktls_offload_directions_total{", "caddy_ktls_http_body_",
 	`caddy_ktls_connections_closed_total{event="refused",module="caddy.listeners.ktls"}`}
 
 // lwCheckSeries checks that every kTLS series of after moved from before

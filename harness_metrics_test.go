@@ -236,8 +236,10 @@ func handshakeDeltas(before, after map[string]int64) map[string]int64 {
 	return out
 }
 
+// handshakeSeries is the layer4 ktls handler's caddy_ktls_handshakes_total
+// series of reason.
 func handshakeSeries(reason ktls.Reason) string {
-	return fmt.Sprintf("caddy_ktls_handshakes_total{reason=%q}", reason)
+	return fmt.Sprintf("caddy_ktls_handshakes_total{module=%q,reason=%q}", moduleL4Handler, reason)
 }
 
 // checkHandshakes checks that the handshakes counted since before are

@@ -396,7 +396,7 @@ https://mtls.localhost:%[4]d {
 	// runCaddy's readiness probe connected and closed without a
 	// handshake: wait until the binary has counted it, so that it is
 	// outside the deltas.
-	const failed = `caddy_ktls_handshakes_total{reason="handshake-failed"}`
+	const failed = `caddy_ktls_handshakes_total{module="caddy.listeners.ktls",reason="handshake-failed"}`
 	before := metrics()
 	for deadline := time.Now().Add(15 * time.Second); before[failed] < 1; before = metrics() {
 		if time.Now().After(deadline) {
@@ -421,12 +421,12 @@ https://mtls.localhost:%[4]d {
 		reason, path, summary = "none", "sendfile", "kernel TLS available"
 	}
 	for series, want := range map[string]float64{
-		`caddy_ktls_handshakes_total{reason="` + reason + `"}`: float64(conns),
+		`caddy_ktls_handshakes_total{module="caddy.listeners.ktls",reason="` + reason + `"}`: float64(conns),
 		failed: 1, // the client without a certificate
 		// Only the HTTP/1.1 download: once per Caddy chunk, less the 512
 		// bytes net/http sniffs.
-		`caddy_ktls_http_readfrom_total{path="` + path + `"}`:       float64((len(s.file) + caddyMaxWriteChunk - 1) / caddyMaxWriteChunk),
-		`caddy_ktls_http_readfrom_bytes_total{path="` + path + `"}`: float64(len(s.file) - 512),
+		`caddy_ktls_http_body_writes_total{path="` + path + `"}`: float64((len(s.file) + caddyMaxWriteChunk - 1) / caddyMaxWriteChunk),
+		`caddy_ktls_http_body_bytes_total{path="` + path + `"}`:  float64(len(s.file) - 512),
 	} {
 		if got := after[series] - before[series]; got != want {
 			t.Errorf("binary's /metrics: %s moved by %v, want %v", series, got, want)

@@ -8,8 +8,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// HTTP response bodies the ktls listener wrapper's connections copied with
-// ReadFrom (sendfile mode), by path. Handshake outcomes (offloaded TX/RX by
+// HTTP response body writes that net/http handed whole to the ktls listener
+// wrapper's connections (ReadFrom, `sendfile` on), by path:
+// caddy_ktls_http_body_writes_total and caddy_ktls_http_body_bytes_total. Handshake outcomes (offloaded TX/RX by
 // mode, fallbacks by reason) are exported by the package collector in
 // metrics.go, which the wrapper registers as well.
 var (
@@ -37,11 +38,11 @@ func countReadFrom(sendfile bool, n int64) {
 type listenerCollector struct{ calls, bytes *prometheus.Desc }
 
 var listenerMetrics = &listenerCollector{
-	calls: prometheus.NewDesc("caddy_ktls_http_readfrom_total",
-		"HTTP response bodies copied by ReadFrom on kTLS connections (listener wrapper with sendfile), by path: sendfile (a file, encrypted by the kernel) or copy.",
+	calls: prometheus.NewDesc("caddy_ktls_http_body_writes_total",
+		"HTTP/1.1 response body writes that net/http handed whole to a ktls listener wrapper connection (only with its sendfile option; Caddy writes a file in chunks, one write each), by path: sendfile (a file sent with sendfile(2), encrypted by the kernel) or copy (written through a userspace buffer: not a file, or TX not in the kernel).",
 		[]string{"path"}, nil),
-	bytes: prometheus.NewDesc("caddy_ktls_http_readfrom_bytes_total",
-		"Bytes of HTTP response bodies copied by ReadFrom on kTLS connections, by path: sendfile or copy.",
+	bytes: prometheus.NewDesc("caddy_ktls_http_body_bytes_total",
+		"Bytes of the writes counted by caddy_ktls_http_body_writes_total, by path (sendfile, copy); net/http writes the first 512 bytes of a body itself, outside these.",
 		[]string{"path"}, nil),
 }
 

@@ -38,11 +38,11 @@ func lwMetrics(t *testing.T, kernel bool) {
 	// chunk; net/http writes the first 512 bytes itself to sniff the
 	// content type) and an HTTP/2 request (never ReadFrom).
 	want := map[string]float64{
-		`caddy_ktls_handshakes_total{reason="` + reason + `"}`:                    2,
-		`caddy_ktls_offload_directions_total{direction="tx",mode="` + mode + `"}`: 2,
-		`caddy_ktls_offload_directions_total{direction="rx",mode="` + mode + `"}`: 2,
-		`caddy_ktls_http_readfrom_total{path="` + path + `"}`:                     float64((len(s.file) + caddyMaxWriteChunk - 1) / caddyMaxWriteChunk),
-		`caddy_ktls_http_readfrom_bytes_total{path="` + path + `"}`:               float64(len(s.file) - 512),
+		`caddy_ktls_handshakes_total{module="caddy.listeners.ktls",reason="` + reason + `"}`: 2,
+		`caddy_ktls_offload_directions_total{direction="tx",mode="` + mode + `"}`:            2,
+		`caddy_ktls_offload_directions_total{direction="rx",mode="` + mode + `"}`:            2,
+		`caddy_ktls_http_body_writes_total{path="` + path + `"}`:                             float64((len(s.file) + caddyMaxWriteChunk - 1) / caddyMaxWriteChunk),
+		`caddy_ktls_http_body_bytes_total{path="` + path + `"}`:                              float64(len(s.file) - 512),
 	}
 	traffic := func(version string) {
 		t.Helper()

@@ -97,16 +97,16 @@ func lwOption(t *testing.T, tc lwOptionCase, kernel bool) {
 		reason, tx, rx = tc.kernelReason, tc.kernelTX, tc.kernelRX
 	}
 	want := map[string]float64{
-		`caddy_ktls_handshakes_total{reason="` + reason + `"}`:                  2,
-		`caddy_ktls_offload_directions_total{direction="tx",mode="` + tx + `"}`: 2,
-		`caddy_ktls_offload_directions_total{direction="rx",mode="` + rx + `"}`: 2,
+		`caddy_ktls_handshakes_total{module="caddy.listeners.ktls",reason="` + reason + `"}`: 2,
+		`caddy_ktls_offload_directions_total{direction="tx",mode="` + tx + `"}`:              2,
+		`caddy_ktls_offload_directions_total{direction="rx",mode="` + rx + `"}`:              2,
 	}
 	if tc.refused {
 		want[`caddy_ktls_connections_closed_total{event="refused",module="caddy.listeners.ktls"}`] = 1
 	}
 	if tc.cbc {
 		// Userspace both ways whether served or refused.
-		want[`caddy_ktls_handshakes_total{reason="cipher"}`]++
+		want[`caddy_ktls_handshakes_total{module="caddy.listeners.ktls",reason="cipher"}`]++
 		want[`caddy_ktls_offload_directions_total{direction="tx",mode="userspace"}`]++
 		want[`caddy_ktls_offload_directions_total{direction="rx",mode="userspace"}`]++
 	}

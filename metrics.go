@@ -33,15 +33,21 @@ var metrics = &collector{
 	tunnelsRevoked: prometheus.NewDesc("caddy_ktls_sandbox_tunnels_revoked_total", "Sandbox tunnels ended because a reload left their signing key trusted by no configuration.", nil, nil),
 	bytes:          prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil),
 	rejects:        prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil),
-	relayBytes:     prometheus.NewDesc("caddy_ktls_relay_bytes_total", "Bytes of closed tunnels by data path: splice (never in userspace) or copy.", []string{"path"}, nil),
-	controlRecords: prometheus.NewDesc("caddy_ktls_relay_control_records_total", "kTLS control records handled in userspace during relays of closed tunnels.", nil, nil),
+	relayBytes: prometheus.NewDesc("caddy_ktls_relay_bytes_total",
+		"Bytes of closed sandbox tunnels by data path: splice (socket to socket through a kernel pipe, never in userspace) or copy (through a userspace buffer: a direction in userspace TLS, or a burst without a pipe).",
+		[]string{"path"}, nil),
+	controlRecords: prometheus.NewDesc("caddy_ktls_relay_control_records_total", "TLS control records (alerts, post-handshake messages such as KeyUpdate) read in userspace from kernel-TLS sockets during the relays of closed sandbox tunnels.", nil, nil),
 	pipeShortages: prometheus.NewDesc("caddy_ktls_relay_pipe_shortages_total",
 		"Transfer bursts of closed tunnels copied through userspace because no pipe could be opened (the process or system out of file descriptors).", nil, nil),
-	pushReports:  prometheus.NewDesc("caddy_ktls_activity_reports_total", "Activity reports by outcome (sent, retried, dropped).", []string{"outcome"}, nil),
-	offloads:     prometheus.NewDesc("caddy_ktls_handshakes_total", "kTLS handshakes by offload outcome reason (none = fully offloaded).", []string{"reason"}, nil),
-	offloadModes: prometheus.NewDesc("caddy_ktls_offload_directions_total", "Offloaded connections by direction (tx, rx) and mode (userspace, sw, hw).", []string{"direction", "mode"}, nil),
+	pushReports: prometheus.NewDesc("caddy_ktls_activity_reports_total", "Activity reports by outcome (sent, retried, dropped).", []string{"outcome"}, nil),
+	offloads: prometheus.NewDesc("caddy_ktls_handshakes_total",
+		"TLS handshakes of the ktls modules' connections, by module and offload outcome (reason): none, TX and RX in the kernel; rx-disabled, TX in the kernel and RX in userspace (rx off); handshake-failed, the handshake itself failed (see caddy_ktls_handshake_failures_total); any other reason, served in userspace TLS for that reason (or refused, with fallback refuse).",
+		[]string{"module", "reason"}, nil),
+	offloadModes: prometheus.NewDesc("caddy_ktls_offload_directions_total",
+		"Completed TLS handshakes of every module, by direction (tx, rx) and where that direction's records are processed (mode): sw, the kernel in software; hw, the kernel on the NIC; userspace, Go's crypto/tls (not offloaded).",
+		[]string{"direction", "mode"}, nil),
 	connCloses: prometheus.NewDesc("caddy_ktls_connections_closed_total",
-		"Offloaded connections the ktls engine closed, by module and event (rate-limited: KeyUpdates above keyupdate_rate; alert: the peer's fatal alert; closed-after-tx: a step after installing TLS_TX failed; rekey-unsupported: a KeyUpdate on a kernel without rekey; refused: fallback refuse and the session could not be offloaded; bad-record, layer4 tunnels only: a record that failed authentication).",
+		"Connections the kTLS engine ended after their handshake, by module and event: rate-limited, KeyUpdates above keyupdate_rate; alert, the peer's fatal alert; closed-after-tx, a step after installing TLS_TX failed; rekey-unsupported, a KeyUpdate on a kernel without rekey; key-exhausted, a traffic key reached key_record_limit and could not be renewed; refused, fallback refuse and the session could not be offloaded (never offloaded); bad-record (layer4 handler only), a record that failed authentication.",
 		[]string{"module", "event"}, nil),
 	handshakeFails: prometheus.NewDesc("caddy_ktls_handshake_failures_total",
 		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, timeout, closed, other).",
@@ -116,13 +122,14 @@ func init() {
 }
 
 // observeHandshake records ev, an EventHandshake of module's engine, in
-// caddy_ktls_handshake_duration_seconds.
+// caddy_ktls_handshake_duration_seconds and caddy_ktls_handshakes_total.
 func observeHandshake(module string, ev ktls.Event) {
 	result := handshakeResultOK
 	if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
 		result = handshakeResultFailed
 	}
 	handshakeDuration.WithLabelValues(module, result).Observe(ev.Duration.Seconds())
+	handshakeOutcomes.add(outcomeKey{module, ev.Offload.Reason})
 }
 
 // observeStep records a timed step of a tunnel's opening (forward.Config.OnStep).
@@ -180,10 +187,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Sent), "sent")
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Retries), "retried")
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Dropped), "dropped")
-	ks := ktls.Stats()
-	for _, r := range ktls.Reasons() {
-		ch <- prometheus.MustNewConstMetric(c.offloads, prometheus.CounterValue, float64(ks.Outcomes[r]), string(r))
+	for k, n := range handshakeOutcomes.snapshot() {
+		ch <- prometheus.MustNewConstMetric(c.offloads, prometheus.CounterValue, float64(n), k.module, string(k.reason))
 	}
+	ks := ktls.Stats()
 	for dir, modes := range map[string]map[ktls.Mode]uint64{"tx": ks.TX, "rx": ks.RX} {
 		for mode, n := range modes {
 			ch <- prometheus.MustNewConstMetric(c.offloadModes, prometheus.CounterValue, float64(n), dir, mode.String())

@@ -231,7 +231,8 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 		t.Errorf("%d refused peers reached the preamble parser", n)
 	}
 	metrics := string(e.adminBody(t, "/metrics"))
-	if line := fmt.Sprintf("caddy_ktls_handshakes_total{reason=%q} %d\n", ktls.ReasonHandshakeFailed, failed()); !strings.Contains(metrics, line) {
+	l4Failed := handshakeOutcomes.snapshot()[outcomeKey{moduleL4Handler, ktls.ReasonHandshakeFailed}]
+	if line := fmt.Sprintf("%s %d\n", handshakeSeries(ktls.ReasonHandshakeFailed), l4Failed); !strings.Contains(metrics, line) {
 		t.Errorf("/metrics lacks %q", line)
 	}
 	// No refused peer got an offload outcome of its own.

@@ -144,6 +144,23 @@ func countClose(module string, ev ktls.EventKind) {
 	}
 }
 
+type outcomeKey struct {
+	module string
+	reason ktls.Reason
+}
+
+// handshakeOutcomes counts the handshakes of each module's connections by
+// offload outcome (caddy_ktls_handshakes_total{module,reason}).
+var handshakeOutcomes = func() *seriesCounts[outcomeKey] {
+	var keys []outcomeKey
+	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+		for _, r := range ktls.Reasons() {
+			keys = append(keys, outcomeKey{m, r})
+		}
+	}
+	return newSeriesCounts(keys)
+}()
+
 type failKey struct{ module, reason string }
 
 // handshakeFails counts failed TLS handshakes per module and reason.

@@ -127,5 +127,5 @@ echo "== GET /sandbox/activity"
 curl -fsS "http://$DEMO_ADMIN/sandbox/activity"
 echo
 echo "== metrics"
-curl -fsS "http://$DEMO_ADMIN/metrics" | grep -E '^caddy_ktls_(sandbox_(tunnels|bytes|rejects_total\{reason="target-denied"\})|handshakes_total\{reason="(none|no-kernel-support)"\}|relay_bytes)'
+curl -fsS "http://$DEMO_ADMIN/metrics" | grep -E '^caddy_ktls_(sandbox_(tunnels|bytes|rejects_total\{reason="target-denied"\})|handshakes_total\{module="layer4\.handlers\.ktls",reason="(none|no-kernel-support)"\}|relay_bytes)'
 echo "== demo OK"

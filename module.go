@@ -37,4 +37,5 @@ const (
 	moduleSandboxHandler  = "layer4.handlers.sandbox"
 	moduleSandboxMatcher  = "layer4.matchers.sandbox"
 	moduleAdminSandbox    = "admin.api.sandbox"
+	moduleSandboxProxy    = "layer4.handlers.sandbox_proxy"
 )

@@ -45,6 +45,9 @@ func addTLSPlaceholders(repl *caddy.Replacer, cs *tls.ConnectionState) {
 			}
 			return clientCertPlaceholder(cs, client)
 		}
+		if n, ok := strings.CutPrefix(field, "server_name.labels."); ok {
+			return serverNameLabel(cs.ServerName, n)
+		}
 		switch field {
 		case "version":
 			return caddytls.ProtocolName(cs.Version), true
@@ -65,6 +68,22 @@ func addTLSPlaceholders(repl *caddy.Replacer, cs *tls.ConnectionState) {
 		}
 		return nil, false
 	})
+}
+
+// serverNameLabel is l4.tls.server_name.labels.<n>: the n-th label of the
+// server name counted from the right, from 0, as Caddy's
+// {http.request.host.labels.<n>} counts a request's host (this one is not
+// caddy-l4's: sandbox_proxy routes by it).
+func serverNameLabel(name, n string) (any, bool) {
+	i, err := strconv.Atoi(n)
+	if err != nil || i < 0 || name == "" {
+		return nil, false
+	}
+	labels := strings.Split(strings.TrimSuffix(name, "."), ".")
+	if i >= len(labels) {
+		return nil, false
+	}
+	return labels[len(labels)-1-i], true
 }
 
 // clientCertPlaceholder is l4.tls.client.<field> for the peer's leaf

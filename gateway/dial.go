@@ -87,6 +87,9 @@ type Config struct {
 	// DialTimeout bounds the connect, the TLS handshake and the preamble's
 	// write together. Zero means DefaultDialTimeout.
 	DialTimeout time.Duration
+	// HandshakeTimeout, when positive, bounds the TLS handshake within
+	// DialTimeout.
+	HandshakeTimeout time.Duration
 	// KeepAlive is the TCP keepalive idle time and probe interval of
 	// forwarder connections (three unanswered probes end one). Zero means
 	// DefaultKeepAlive; negative disables keepalive.
@@ -120,8 +123,8 @@ func New(cfg Config) (*Dialer, error) {
 	if cfg.DialTimeout == 0 {
 		cfg.DialTimeout = DefaultDialTimeout
 	}
-	if cfg.DialTimeout < 0 || cfg.PreambleTTL < 0 {
-		return nil, errors.New("gateway: negative dial timeout or preamble TTL")
+	if cfg.DialTimeout < 0 || cfg.HandshakeTimeout < 0 || cfg.PreambleTTL < 0 {
+		return nil, errors.New("gateway: negative dial timeout, handshake timeout or preamble TTL")
 	}
 	if cfg.KeepAlive == 0 {
 		cfg.KeepAlive = DefaultKeepAlive
@@ -162,7 +165,13 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 		cfg.ServerName = host
 	}
 	conn := ktls.Client(raw, cfg, d.cfg.KTLS)
-	if err := conn.HandshakeContext(ctx); err != nil {
+	hctx := ctx
+	if d.cfg.HandshakeTimeout > 0 {
+		var cancel context.CancelFunc
+		hctx, cancel = context.WithTimeout(ctx, d.cfg.HandshakeTimeout)
+		defer cancel()
+	}
+	if err := conn.HandshakeContext(hctx); err != nil {
 		conn.Close()
 		return nil, &DialError{Route: r, Step: StepHandshake, Err: err}
 	}

@@ -1,0 +1,141 @@
+package caddyktls
+
+import (
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/caddyserver/caddy/v2/modules/caddytls"
+)
+
+// unmarshalCaddyfileOption reads one gateway dial option, with the names
+// reverse_proxy's http transport gives the TLS ones, and the offload
+// options (OffloadOptions.unmarshalCaddyfileOption):
+//
+//	tls_client_auth  <cert_file> <key_file> | <automate_name>   # required
+//	tls_trust_pool   <module> ...           # the forwarders' CA, e.g. file /etc/caddy/forwarders-ca.pem
+//	tls_server_name  <name>                 # default: the forwarder's host
+//	signing_key_file <path>                 # required: from `caddy sandbox keygen`
+//	key_id           <id>                   # default: the key file's Key-Id
+//	dial_timeout     <duration>             # default 10s: connect, handshake, preamble
+//	keepalive        <duration>             # default 30s
+//	preamble_ttl     <duration>             # default 30s
+//	<offload option> ...                     # offload on|off, rx on|off, fallback allow|refuse, handshake_timeout, ...
+func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
+	if handled, err := g.OffloadOptions.unmarshalCaddyfileOption(d); handled {
+		return true, err
+	}
+	tlsCfg := func() *reverseproxy.TLSConfig {
+		if g.TLS == nil {
+			g.TLS = new(reverseproxy.TLSConfig)
+		}
+		return g.TLS
+	}
+	switch opt := d.Val(); opt {
+	case "tls_client_auth":
+		switch args := d.RemainingArgs(); len(args) {
+		case 1:
+			tlsCfg().ClientCertificateAutomate = args[0]
+		case 2:
+			tlsCfg().ClientCertificateFile, tlsCfg().ClientCertificateKeyFile = args[0], args[1]
+		default:
+			return true, d.Errf("tls_client_auth takes a certificate file and its key file, or a name whose certificate Caddy manages; got %d arguments", len(args))
+		}
+	case "tls_trust_pool":
+		if !d.NextArg() {
+			return true, d.ArgErr()
+		}
+		stem := d.Val()
+		unm, err := caddyfile.UnmarshalModule(d, "tls.ca_pool.source."+stem)
+		if err != nil {
+			return true, err
+		}
+		if _, ok := unm.(caddytls.CA); !ok {
+			return true, d.Errf("tls_trust_pool: module %s is not a CA pool source", stem)
+		}
+		if tlsCfg().CARaw != nil {
+			return true, d.Err("tls_trust_pool given twice")
+		}
+		g.TLS.CARaw = caddyconfig.JSONModuleObject(unm, "provider", stem, nil)
+	case "tls_server_name":
+		if !d.NextArg() {
+			return true, d.ArgErr()
+		}
+		tlsCfg().ServerName = d.Val()
+		if d.NextArg() {
+			return true, d.ArgErr()
+		}
+	case "signing_key_file", "key_id":
+		if !d.NextArg() {
+			return true, d.ArgErr()
+		}
+		if opt == "signing_key_file" {
+			g.SigningKeyFile = d.Val()
+		} else {
+			g.KeyID = d.Val()
+		}
+		if d.NextArg() {
+			return true, d.ArgErr()
+		}
+	case "dial_timeout", "keepalive", "preamble_ttl":
+		dur, err := durationArg(d)
+		if err != nil {
+			return true, err
+		}
+		switch opt {
+		case "dial_timeout":
+			g.DialTimeout = dur
+		case "keepalive":
+			g.KeepAlive = dur
+		default:
+			g.PreambleTTL = dur
+		}
+	default:
+		return false, nil
+	}
+	return true, nil
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens:
+//
+//	sandbox_proxy {
+//		forwarder <host:port>      # placeholders allowed
+//		sandbox   <id>             # e.g. {l4.tls.server_name.labels.2}
+//		target    <ip:port>        # placeholders allowed
+//		<gateway dial option> ...  # tls_client_auth, tls_trust_pool, signing_key_file, ... (GatewayDial)
+//	}
+func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the handler name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if handled, err := h.GatewayDial.unmarshalCaddyfileOption(d); handled {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		switch opt := d.Val(); opt {
+		case "forwarder", "sandbox", "target":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			switch opt {
+			case "forwarder":
+				h.Forwarder = d.Val()
+			case "sandbox":
+				h.Sandbox = d.Val()
+			default:
+				h.Target = d.Val()
+			}
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+		default:
+			return d.Errf("unknown sandbox_proxy option %q", opt)
+		}
+	}
+	return nil
+}
+
+var _ caddyfile.Unmarshaler = (*SandboxProxy)(nil)

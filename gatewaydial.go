@@ -1,0 +1,134 @@
+package caddyktls
+
+import (
+	"crypto/ed25519"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// GatewayDial is how the gateway modules (the layer4 `sandbox_proxy`
+// handler and the `sandbox` reverse_proxy transport) reach forwarders:
+// mutual TLS with the gateway's client certificate, the key that signs the
+// preambles, and the offload of each forwarder connection to kernel TLS.
+// Both embed it, so its fields sit at the top level of their JSON and of
+// their Caddyfile blocks.
+type GatewayDial struct {
+	// TLS is the gateway's side of the mutual TLS session with forwarders,
+	// as reverse_proxy's http transport configures it: the client
+	// certificate (client_certificate_file and client_certificate_key_file,
+	// or client_certificate_automate), the trust pool forwarders'
+	// certificates must chain to (ca), and server_name (default: the
+	// forwarder's host). Required, with a client certificate: forwarders
+	// serve only gateways they verified. TLS 1.3 is always used (the
+	// preamble is bound to the session's exporter); insecure_skip_verify
+	// is refused, and the handshake's bound is handshake_timeout.
+	TLS *reverseproxy.TLSConfig `json:"tls,omitempty"`
+
+	// SigningKeyFile is the gateway's Ed25519 private key for preambles,
+	// as `caddy sandbox keygen` writes it (a PEM "PRIVATE KEY" block whose
+	// Key-Id header names it). Required.
+	SigningKeyFile string `json:"signing_key_file,omitempty"`
+
+	// KeyID names the signing key in the forwarders' keyrings, overriding
+	// the key file's Key-Id header. Default: that header, or without one
+	// the key's derived ID (as a forwarder names a keyring entry without
+	// Key-Id).
+	KeyID string `json:"key_id,omitempty"`
+
+	// DialTimeout bounds opening a tunnel: the connect to the forwarder, the
+	// TLS handshake and the preamble's write together. Default: 10s.
+	DialTimeout caddy.Duration `json:"dial_timeout,omitempty"`
+
+	// KeepAlive is the TCP keepalive idle time and interval on forwarder
+	// connections. Default: 30s.
+	KeepAlive caddy.Duration `json:"keepalive,omitempty"`
+
+	// PreambleTTL is the validity each preamble claims; forwarders refuse
+	// one above their max_preamble_ttl. Default: 30s.
+	PreambleTTL caddy.Duration `json:"preamble_ttl,omitempty"`
+
+	// The offload options of the forwarder connections (OffloadOptions):
+	// disable_offload keeps them in crypto/tls, require_offload fails a
+	// tunnel whose connection cannot be offloaded, handshake_timeout bounds
+	// the TLS handshake (within dial_timeout).
+	OffloadOptions
+}
+
+// validate checks what needs no files or apps.
+func (g *GatewayDial) validate() error {
+	switch {
+	case g.TLS == nil || (g.TLS.ClientCertificateFile == "" && g.TLS.ClientCertificateAutomate == ""):
+		return errors.New("no client certificate (tls_client_auth <cert_file> <key_file>): forwarders serve only gateways with a certificate they verify")
+	case g.TLS.InsecureSkipVerify:
+		return errors.New("tls_insecure_skip_verify: the preamble would go to whoever answers; give the forwarders' CA with tls_trust_pool")
+	case g.TLS.HandshakeTimeout != 0:
+		return errors.New("tls_timeout (tls.handshake_timeout): use handshake_timeout, the offload options' name for it")
+	case len(g.TLS.ExceptPorts) > 0:
+		return errors.New("tls_except_ports: every forwarder connection is TLS")
+	case g.SigningKeyFile == "":
+		return errors.New("no signing_key_file: the gateway's preamble key, from `caddy sandbox keygen`")
+	case g.DialTimeout < 0 || g.KeepAlive < 0 || g.PreambleTTL < 0:
+		return errors.New("dial_timeout, keepalive and preamble_ttl must not be negative")
+	}
+	return nil
+}
+
+// dialer builds the gateway.Dialer, loading the certificate, trust pool
+// and signing key. module labels its handshake metrics and logs.
+func (g *GatewayDial) dialer(ctx caddy.Context, module string, logger *zap.Logger) (*gateway.Dialer, error) {
+	if err := g.validate(); err != nil {
+		return nil, err
+	}
+	if err := g.OffloadOptions.provision(); err != nil {
+		return nil, err
+	}
+	tlsCfg, err := g.TLS.MakeTLSClientConfig(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("tls: %w", err)
+	}
+	data, err := os.ReadFile(g.SigningKeyFile)
+	if err != nil {
+		return nil, fmt.Errorf("signing_key_file: %w", err)
+	}
+	key, keyID, err := preamble.ParseSigningKey(data)
+	if err != nil {
+		return nil, fmt.Errorf("signing_key_file %s: %w", g.SigningKeyFile, err)
+	}
+	if g.KeyID != "" {
+		keyID = g.KeyID
+	}
+	if keyID == "" {
+		// As a forwarder names a keyring entry without a Key-Id.
+		keyID = preamble.KeyIDFor(key.Public().(ed25519.PublicKey))
+	}
+	signer, err := preamble.NewSigner(keyID, key)
+	if err != nil {
+		return nil, fmt.Errorf("key_id: %w", err)
+	}
+	observer := func(ev ktls.Event) {
+		countClose(module, ev.Kind)
+		if ev.Kind == ktls.EventHandshake {
+			observeHandshake(module, ev)
+			logHandshake(logger, ev)
+		}
+	}
+	return gateway.New(gateway.Config{
+		TLS:              tlsCfg,
+		Signer:           signer,
+		KTLS:             g.ktlsOptions(observer),
+		DialTimeout:      time.Duration(g.DialTimeout),
+		HandshakeTimeout: time.Duration(g.HandshakeTimeout),
+		KeepAlive:        time.Duration(g.KeepAlive),
+		PreambleTTL:      time.Duration(g.PreambleTTL),
+	})
+}

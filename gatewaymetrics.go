@@ -1,0 +1,35 @@
+package caddyktls
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// The gateway modules' counters, process-level like the other metrics.
+var (
+	gatewayDials = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "caddy_ktls_gateway_dials_total",
+		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
+	}, []string{"module", "result"})
+	gatewayEnds = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "caddy_ktls_gateway_tunnel_ends_total",
+		Help: "Opened gateway tunnels by module and how they ended: closed (in order), refused (the forwarder's access_denied: nothing reached the sandbox), failed (internal_error, a reset, a timeout).",
+	}, []string{"module", "end"})
+	gatewayRelayBytes = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "caddy_ktls_gateway_relay_bytes_total",
+		Help: "Bytes the layer4 sandbox_proxy relayed, both directions, by data path: splice (never in userspace) or copy.",
+	}, []string{"path"})
+)
+
+// The caddy_ktls_gateway_dials_total results besides the failed steps.
+const (
+	gatewayDialOK      = "ok"
+	gatewayDialNoRoute = "no-route"
+)
+
+// The relay byte paths.
+const (
+	relayPathSplice = "splice"
+	relayPathCopy   = "copy"
+)
+
+func init() {
+	metrics.histograms = append(metrics.histograms, gatewayDials, gatewayEnds, gatewayRelayBytes)
+}

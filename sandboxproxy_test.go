@@ -1,0 +1,347 @@
+package caddyktls
+
+import (
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/tls"
+	"encoding/base64"
+	"errors"
+	"flag"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// gatewayEnv is a sandboxEnv (the forwarder) plus, in the same Caddy, an
+// edge gateway: a layer4 server that terminates the user's TLS with `ktls`
+// and opens tunnels to the forwarder with `sandbox_proxy`, its sandbox ID
+// taken from the user's server name (<sandbox>.sandbox.test).
+type gatewayEnv struct {
+	*sandboxEnv
+	gwAddr string
+	files  gatewayFiles
+}
+
+// gatewayFiles are what a gateway module loads: its client certificate
+// and key, the forwarders' CA, its signing key (with its Key-Id).
+type gatewayFiles struct {
+	cert, key, ca, signingKey string
+	keyID                     string
+	pub                       ed25519.PublicKey
+}
+
+// gatewayKeyIDEdge is the edge gateway's signing key ID in these tests.
+const gatewayKeyIDEdge = "edge-1"
+
+func writeGatewayFiles(t testing.TB, ca *testpki.CA, client *testpki.Leaf) gatewayFiles {
+	t.Helper()
+	dir := t.TempDir()
+	pub, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pemKey, err := preamble.MarshalSigningKey(gatewayKeyIDEdge, priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := gatewayFiles{cert: filepath.Join(dir, "gw.crt"), key: filepath.Join(dir, "gw.key"), ca: ca.WriteFile(t, dir, "ca.pem"),
+		signingKey: filepath.Join(dir, "preamble.key"), keyID: gatewayKeyIDEdge, pub: pub}
+	for path, data := range map[string][]byte{f.cert: client.CertPEM, f.key: client.KeyPEM, f.signingKey: pemKey} {
+		if err := os.WriteFile(path, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return f
+}
+
+// dialJSON is the GatewayDial JSON of files.
+func (f gatewayFiles) dialJSON() map[string]any {
+	return map[string]any{
+		"tls": map[string]any{
+			"client_certificate_file": f.cert, "client_certificate_key_file": f.key,
+			"ca":          map[string]any{"provider": "file", "pem_files": []string{f.ca}},
+			"server_name": "localhost",
+		},
+		"signing_key_file": f.signingKey,
+	}
+}
+
+// newGatewayEnv starts the forwarder and the gateway; proxyOpts are merged
+// into the sandbox_proxy handler's JSON.
+func newGatewayEnv(t *testing.T, proxyOpts map[string]any) *gatewayEnv {
+	t.Helper()
+	e := &gatewayEnv{sandboxEnv: newSandboxConfig(t, nil), gwAddr: loopbackAddr(t)}
+	e.files = writeGatewayFiles(t, e.ca, e.client)
+	sh := e.sandboxHandler()
+	sh["keys"] = append(sh["keys"].([]any), map[string]any{"id": e.files.keyID, "public_key": base64.StdEncoding.EncodeToString(e.files.pub)})
+	userCert := e.ca.Server(t, "*.sandbox.test")
+	tlsApp := e.cfg["apps"].(map[string]any)["tls"].(map[string]any)
+	loads := tlsApp["certificates"].(map[string]any)["load_pem"].([]any)
+	tlsApp["certificates"].(map[string]any)["load_pem"] = append(loads, map[string]any{"certificate": string(userCert.CertPEM), "key": string(userCert.KeyPEM)})
+	proxy := e.files.dialJSON()
+	proxy["handler"] = "sandbox_proxy"
+	proxy["forwarder"] = e.addr
+	proxy["sandbox"] = "{l4.tls.server_name.labels.2}"
+	for k, v := range proxyOpts {
+		proxy[k] = v
+	}
+	servers := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)
+	servers["edge"] = map[string]any{
+		"listen": []string{e.gwAddr},
+		"routes": []any{map[string]any{"handle": []any{
+			map[string]any{"handler": "ktls", "handshake_timeout": "2m"},
+			proxy,
+		}}},
+	}
+	e.start(t)
+	return e
+}
+
+// userDial is a user's TLS session to the gateway for sandbox.
+func (e *gatewayEnv) userDial(t *testing.T, sandbox string) *tls.Conn {
+	t.Helper()
+	c, err := tls.Dial("tcp", e.gwAddr, &tls.Config{RootCAs: e.ca.Pool, ServerName: sandbox + ".sandbox.test"})
+	if err != nil {
+		t.Fatalf("user dial: %v", err)
+	}
+	return c
+}
+
+// The gateway series.
+func gatewayDialsSeries(result string) string {
+	return `caddy_ktls_gateway_dials_total{module="layer4.handlers.sandbox_proxy",result="` + result + `"}`
+}
+
+func gatewayEndsSeries(end string) string {
+	return `caddy_ktls_gateway_tunnel_ends_total{end="` + end + `",module="layer4.handlers.sandbox_proxy"}`
+}
+
+// A user's TLS stream goes through the gateway's sandbox_proxy, the
+// forwarder and reaches the sandbox exact both ways; the sandbox named by
+// the server name; every counter on the way agrees.
+func TestSandboxProxyEndToEnd(t *testing.T) { sandboxProxyEndToEnd(t, false) }
+
+// TestKernelSandboxProxyEndToEnd is TestSandboxProxyEndToEnd on kTLS: the
+// gateway splices kTLS to kTLS, copying nothing, as the forwarder does.
+func TestKernelSandboxProxyEndToEnd(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxProxyEndToEnd(t, true)
+}
+
+func sandboxProxyEndToEnd(t *testing.T, kernel bool) {
+	size := forwardtest.TransferMiB(t, 16) << 20
+	up := forwardtest.NewUpstream(t, size+3)
+	sandbox := uniqueSandbox("sbx-edge")
+	e := newGatewayEnv(t, map[string]any{"target": up.Addr().String()})
+	waitIdle(t)
+	m0 := e.metrics(t)
+	var n int64
+	var recvSum [32]byte
+	var err error
+	run := func() { n, recvSum, err = transfer(e.userDial(t, sandbox), size, 7) }
+	var delta kerneltest.Stat
+	if kernel {
+		delta = kerneltest.StatDelta(t, run)
+	} else {
+		run()
+	}
+	if err != nil {
+		t.Fatalf("transfer: %v", err)
+	}
+	checkTunnelTransfer(t, up, size, 7, n, recvSum)
+	waitUntil(t, 10*time.Second, func() bool {
+		return e.metrics(t)[gatewayEndsSeries("closed")]-m0[gatewayEndsSeries("closed")] == 1
+	}, "the gateway to count the tunnel's end")
+	m1 := e.metrics(t)
+	if d := m1[gatewayDialsSeries("ok")] - m0[gatewayDialsSeries("ok")]; d != 1 {
+		t.Errorf("gateway dials ok moved by %d, want 1", d)
+	}
+	spliced := m1[`caddy_ktls_gateway_relay_bytes_total{path="splice"}`] - m0[`caddy_ktls_gateway_relay_bytes_total{path="splice"}`]
+	copied := m1[`caddy_ktls_gateway_relay_bytes_total{path="copy"}`] - m0[`caddy_ktls_gateway_relay_bytes_total{path="copy"}`]
+	if spliced+copied != 2*size+3 {
+		t.Errorf("gateway relay bytes moved by %d spliced + %d copied, want %d in all", spliced, copied, 2*size+3)
+	}
+	if kernel {
+		if copied != 0 {
+			t.Errorf("the gateway copied %d bytes through userspace, want 0 (kTLS to kTLS)", copied)
+		}
+		// The gateway's two sessions and the forwarder's one (the user's is
+		// crypto/tls).
+		if delta["TlsTxSw"] < 3 || delta["TlsRxSw"] < 3 {
+			t.Errorf("tls_stat delta %v: want at least 3 TX and 3 RX sessions", delta)
+		}
+	}
+}
+
+// A target outside the forwarder's allowlist: the forwarder refuses,
+// nothing reaches any sandbox, and the gateway counts and logs the end. On
+// kTLS the refusal reaches the user as access_denied.
+func TestSandboxProxyRefusal(t *testing.T) { sandboxProxyRefusal(t, false) }
+
+func TestKernelSandboxProxyRefusal(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxProxyRefusal(t, true)
+}
+
+func sandboxProxyRefusal(t *testing.T, kernel bool) {
+	trap := forwardtest.NewUpstreamOn(t, ":0", 1)
+	e := newGatewayEnv(t, map[string]any{"target": "10.255.0.1:" + strconv.Itoa(int(trap.Addr().Port()))})
+	m0 := e.metrics(t)
+	n, err := userEnded(t, e.userDial(t, uniqueSandbox("sbx-refused")), 4<<10)
+	if n != 0 || err == nil {
+		t.Fatalf("user read %d bytes, err %v: want none and an error", n, err)
+	}
+	want := "failed"
+	if kernel {
+		want = "refused"
+		if !strings.Contains(err.Error(), "access denied") {
+			t.Errorf("user's error %v, want access denied", err)
+		}
+		e.waitLogLine(t, "sandbox_proxy: the forwarder refused the tunnel (its log names the reason); nothing reached the sandbox", 0)
+	}
+	waitUntil(t, 10*time.Second, func() bool { return e.metrics(t)[gatewayEndsSeries(want)]-m0[gatewayEndsSeries(want)] == 1 },
+		"the gateway to count the tunnel's end as "+want)
+	if got := e.metrics(t)[`caddy_ktls_sandbox_rejects_total{reason="target-denied"}`] - m0[`caddy_ktls_sandbox_rejects_total{reason="target-denied"}`]; got != 1 {
+		t.Errorf("forwarder target-denied rejects moved by %d, want 1", got)
+	}
+	if trap.Accepted() != 0 {
+		t.Errorf("a sandbox was dialed %d times", trap.Accepted())
+	}
+}
+
+// Placeholders that give no valid route: the connection is refused before
+// anything is dialed, counted and logged with the part that is wrong.
+func TestSandboxProxyNoRoute(t *testing.T) {
+	e := newGatewayEnv(t, map[string]any{"target": "{l4.tls.server_name.labels.9}:80"})
+	m0 := e.metrics(t)
+	if n, err := userEnded(t, e.userDial(t, "sbx-x"), 0); n != 0 || err == nil {
+		t.Errorf("user read %d bytes, err %v: want the connection ended", n, err)
+	}
+	line := e.waitLogLine(t, "sandbox_proxy: no route for the connection; refused", 0)
+	if msg, _ := line["error"].(string); !strings.Contains(msg, `route target ":80"`) {
+		t.Errorf("log error %q, want it to name the target", msg)
+	}
+	if got := e.metrics(t)[gatewayDialsSeries("no-route")] - m0[gatewayDialsSeries("no-route")]; got != 1 {
+		t.Errorf("no-route dials moved by %d, want 1", got)
+	}
+	if got := e.metrics(t)[tunnelsTotalSeries] - m0[tunnelsTotalSeries]; got != 0 {
+		t.Errorf("the forwarder opened %d tunnels", got)
+	}
+}
+
+// Forwarder unreachable: the user's connection is refused, the failed step
+// counted and logged.
+func TestSandboxProxyForwarderDown(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := ln.Addr().String()
+	ln.Close()
+	e := newGatewayEnv(t, map[string]any{"target": "127.0.0.1:9", "forwarder": down})
+	m0 := e.metrics(t)
+	if n, err := userEnded(t, e.userDial(t, "sbx-x"), 0); n != 0 || err == nil {
+		t.Errorf("user read %d bytes, err %v: want the connection ended", n, err)
+	}
+	e.waitLogLine(t, "sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", 0)
+	if got := e.metrics(t)[gatewayDialsSeries("connect")] - m0[gatewayDialsSeries("connect")]; got != 1 {
+		t.Errorf("connect failures moved by %d, want 1", got)
+	}
+}
+
+// userEnded sends send bytes on c (a write may fail: the gateway may
+// have ended c already), then reads until c ends, within 10 s, and checks
+// that it did not end in order; it returns what it read and the error c
+// ended with.
+func userEnded(t *testing.T, c *tls.Conn, send int64) (int64, error) {
+	t.Helper()
+	defer c.Close()
+	if send > 0 {
+		io.Copy(c, io.LimitReader(forwardtest.NewPattern(3), send))
+	}
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	n, err := io.Copy(io.Discard, c)
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("the user's connection was still open after 10 s")
+	}
+	if err == nil {
+		t.Errorf("the user's connection ended in order (close_notify) after %d bytes: want it refused or failed", n)
+		err = io.EOF
+	}
+	return n, err
+}
+
+func TestServerNameLabel(t *testing.T) {
+	for _, c := range []struct {
+		name, n string
+		want    any
+		ok      bool
+	}{
+		{"sbx-1.sandbox.test", "2", "sbx-1", true},
+		{"sbx-1.sandbox.test.", "0", "test", true},
+		{"sbx-1.sandbox.test", "3", nil, false},
+		{"sbx-1.sandbox.test", "-1", nil, false},
+		{"sbx-1.sandbox.test", "x", nil, false},
+		{"", "0", nil, false},
+	} {
+		if got, ok := serverNameLabel(c.name, c.n); got != c.want || ok != c.ok {
+			t.Errorf("serverNameLabel(%q, %q) = %v, %v; want %v, %v", c.name, c.n, got, ok, c.want, c.ok)
+		}
+	}
+}
+
+var updateGatewayGolden = flag.Bool("update-gateway-golden", false, "rewrite the expected JSON of testdata/caddyfile_adapt/gateway_*.caddytest")
+
+// TestGatewayCaddyfileAdapt checks every
+// testdata/caddyfile_adapt/gateway_*.caddytest, which together use every
+// option of the gateway modules.
+func TestGatewayCaddyfileAdapt(t *testing.T) {
+	checkAdaptGolden(t, "testdata/caddyfile_adapt/gateway_*.caddytest", *updateGatewayGolden)
+}
+
+// Bad gateway Caddyfile input gets a clear error naming the problem, at
+// adapt time or, for what only a loaded module can check, at validation.
+func TestSandboxProxyCaddyfileErrors(t *testing.T) {
+	for _, tc := range []struct{ body, want string }{
+		{"sandbox_proxy {\n\ttls_client_auth a b c\n}", "tls_client_auth takes a certificate file and its key file"},
+		{"sandbox_proxy {\n\tdial_timeout soon\n}", `dial_timeout: "soon" is not a positive duration`},
+		{"sandbox_proxy {\n\tforwarder a b\n}", "wrong argument count"},
+		{"sandbox_proxy {\n\ttls_trust_pool nonesuch\n}", "nonesuch"},
+		{"sandbox_proxy {\n\tfrobnicate\n}", `unknown sandbox_proxy option "frobnicate"`},
+		{"sandbox_proxy on", "wrong argument count"},
+	} {
+		_, err := adaptCaddyfile(t, "{\n\tlayer4 {\n\t\t:9443 {\n\t\t\troute {\n"+tc.body+"\n\t\t\t}\n\t\t}\n\t}\n}\n")
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v, want it to contain %q", tc.body, err, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		h    SandboxProxy
+		want string
+	}{
+		{"no route", SandboxProxy{}, "forwarder, sandbox and target are required"},
+		{"no certificate", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1"}, "no client certificate (tls_client_auth"},
+		{"insecure", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
+			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c", InsecureSkipVerify: true}}}, "tls_insecure_skip_verify"},
+		{"no signing key", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
+			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c"}}}, "no signing_key_file"},
+		{"tls_timeout", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
+			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c", HandshakeTimeout: 1}, SigningKeyFile: "k"}}, "use handshake_timeout"},
+	} {
+		if err := tc.h.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Validate() = %v, want it to contain %q", tc.name, err, tc.want)
+		}
+	}
+}

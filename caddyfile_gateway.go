@@ -139,3 +139,76 @@ func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 }
 
 var _ caddyfile.Unmarshaler = (*SandboxProxy)(nil)
+
+// UnmarshalCaddyfile sets up the transport from Caddyfile tokens:
+//
+//	reverse_proxy <forwarder host:port> {
+//		transport sandbox {
+//			sandbox  <id>                  # e.g. {http.request.host.labels.2}
+//			target   <ip:port>             # e.g. {vars.sandbox_target}, set by map
+//			versions 1.1|h2c               # default 1.1
+//			max_idle_conns_per_route <n>   # default 8
+//			max_conns_per_route      <n>   # default: no cap
+//			idle_timeout             <duration>  # default 2m
+//			max_routes               <n>   # default 4096
+//			<gateway dial option> ...      # tls_client_auth, tls_trust_pool, signing_key_file, ... (GatewayDial)
+//		}
+//	}
+func (t *SandboxTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the transport name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if handled, err := t.GatewayDial.unmarshalCaddyfileOption(d); handled {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		switch opt := d.Val(); opt {
+		case "sandbox", "target":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			if opt == "sandbox" {
+				t.Sandbox = d.Val()
+			} else {
+				t.Target = d.Val()
+			}
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+		case "versions":
+			v, err := oneOf(d, "1.1", "h2c")
+			if err != nil {
+				return err
+			}
+			t.Versions = []string{v}
+		case "max_idle_conns_per_route", "max_conns_per_route", "max_routes":
+			n, err := positiveIntArg(d)
+			if err != nil {
+				return err
+			}
+			switch opt {
+			case "max_idle_conns_per_route":
+				t.MaxIdleConnsPerRoute = n
+			case "max_conns_per_route":
+				t.MaxConnsPerRoute = n
+			default:
+				t.MaxRoutes = n
+			}
+		case "idle_timeout":
+			dur, err := durationArg(d)
+			if err != nil {
+				return err
+			}
+			t.IdleTimeout = dur
+		default:
+			return d.Errf("unknown sandbox transport option %q", opt)
+		}
+	}
+	return nil
+}
+
+var _ caddyfile.Unmarshaler = (*SandboxTransport)(nil)

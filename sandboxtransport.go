@@ -1,0 +1,341 @@
+package caddyktls
+
+import (
+	"container/list"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/ktlsingress/caddy-ktls/gateway"
+)
+
+func init() {
+	caddy.RegisterModule(new(SandboxTransport))
+}
+
+// SandboxTransport is the edge gateway for HTTP: a reverse_proxy transport
+// whose upstream is the forwarder on the sandbox's host. Each new upstream
+// connection is a tunnel: mutual TLS to the forwarder (kernel TLS where it
+// can), a signed preamble naming the sandbox and its target, then HTTP/1.1
+// or h2c to the sandbox's app on it. WebSocket upgrades, streams and server-
+// sent events pass as reverse_proxy passes them (flush_interval -1 for
+// unbuffered streaming).
+//
+// Idle connections are pooled per route (forwarder, sandbox, target) and
+// never shared between routes, so a connection opened for one sandbox
+// never carries another's request.
+//
+// A forwarder's refusal (access_denied: nothing reached the sandbox) is a
+// 502, logged as a refusal, and retried by reverse_proxy's load balancing
+// where the request's body was not yet read (as a dial error is); a
+// failure after the tunnel opened (internal_error, a reset) is logged as
+// a failure and retried only as reverse_proxy retries any such error (GET
+// by default, never a non-idempotent method unless retry_match says so).
+type SandboxTransport struct {
+	// Sandbox is the sandbox ID the preambles name; placeholders are
+	// replaced per request: e.g. {http.request.host.labels.2}, or a var
+	// set by `map`.
+	Sandbox string `json:"sandbox,omitempty"`
+
+	// Target is the sandbox app's private IP address and port; placeholders
+	// are replaced per request.
+	Target string `json:"target,omitempty"`
+
+	// Versions is the HTTP version spoken to the sandbox app: "1.1"
+	// (default) or "h2c" (HTTP/2 with prior knowledge: gRPC).
+	Versions []string `json:"versions,omitempty"`
+
+	// MaxIdleConnsPerRoute is how many idle connections each route keeps.
+	// Default: 8.
+	MaxIdleConnsPerRoute int `json:"max_idle_conns_per_route,omitempty"`
+
+	// MaxConnsPerRoute caps the connections of one route, idle or not (a
+	// request waits for one). Default: 0, no cap.
+	MaxConnsPerRoute int `json:"max_conns_per_route,omitempty"`
+
+	// IdleTimeout closes a pooled connection idle this long. Default: 2m.
+	IdleTimeout caddy.Duration `json:"idle_timeout,omitempty"`
+
+	// MaxRoutes bounds how many routes keep a pool; beyond it the least
+	// recently used route's idle connections are closed. Default: 4096.
+	MaxRoutes int `json:"max_routes,omitempty"`
+
+	// How forwarders are reached (GatewayDial), at the top level of the
+	// JSON.
+	GatewayDial
+
+	logger *zap.Logger
+	dialer *gateway.Dialer
+	pools  *routePools
+}
+
+// The SandboxTransport defaults.
+const (
+	defaultMaxIdleConnsPerRoute = 8
+	defaultRouteIdleTimeout     = 2 * time.Minute
+	defaultMaxRoutes            = 4096
+)
+
+// CaddyModule returns the Caddy module information.
+func (*SandboxTransport) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleSandboxTransport, New: func() caddy.Module { return new(SandboxTransport) }}
+}
+
+// Validate checks the configuration without loading anything.
+func (t *SandboxTransport) Validate() error {
+	if t.Sandbox == "" || t.Target == "" {
+		return errors.New("sandbox transport: sandbox and target are required (placeholders allowed)")
+	}
+	if len(t.Versions) > 1 || (len(t.Versions) == 1 && t.Versions[0] != "1.1" && t.Versions[0] != "h2c") {
+		return fmt.Errorf("sandbox transport: versions %q: want one of 1.1, h2c", t.Versions)
+	}
+	if t.MaxIdleConnsPerRoute < 0 || t.MaxConnsPerRoute < 0 || t.MaxRoutes < 0 || t.IdleTimeout < 0 {
+		return errors.New("sandbox transport: max_idle_conns_per_route, max_conns_per_route, max_routes and idle_timeout must not be negative")
+	}
+	if err := t.GatewayDial.validate(); err != nil {
+		return fmt.Errorf("sandbox transport: %w", err)
+	}
+	return nil
+}
+
+// EnableH2C makes the transport speak h2c, for upstreams written h2c://.
+func (t *SandboxTransport) EnableH2C() error {
+	t.Versions = []string{"h2c"}
+	return nil
+}
+
+// Provision sets up the transport.
+func (t *SandboxTransport) Provision(ctx caddy.Context) error {
+	t.logger = ctx.Logger(t)
+	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
+	if err := t.Validate(); err != nil {
+		return err
+	}
+	d, err := t.GatewayDial.dialer(ctx, moduleSandboxTransport, t.logger)
+	if err != nil {
+		return fmt.Errorf("sandbox transport: %w", err)
+	}
+	t.dialer = d
+	if t.MaxIdleConnsPerRoute == 0 {
+		t.MaxIdleConnsPerRoute = defaultMaxIdleConnsPerRoute
+	}
+	if t.IdleTimeout == 0 {
+		t.IdleTimeout = caddy.Duration(defaultRouteIdleTimeout)
+	}
+	if t.MaxRoutes == 0 {
+		t.MaxRoutes = defaultMaxRoutes
+	}
+	t.pools = &routePools{max: t.MaxRoutes, index: map[gateway.Route]*list.Element{}, lru: list.New(), newTransport: t.routeTransport}
+	t.OffloadOptions.warnRefuseAll(t.logger)
+	return nil
+}
+
+// Cleanup closes the idle connections of every route.
+func (t *SandboxTransport) Cleanup() error {
+	if t.pools != nil {
+		t.pools.closeIdle()
+	}
+	return nil
+}
+
+// RoundTrip sends req to the sandbox its placeholders name, through the
+// forwarder reverse_proxy chose (req.URL.Host).
+func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	repl, _ := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if repl == nil {
+		repl = caddy.NewReplacer()
+	}
+	route, err := gateway.ParseRoute(req.URL.Host, repl.ReplaceAll(t.Sandbox, ""), repl.ReplaceAll(t.Target, ""))
+	if err != nil {
+		gatewayDials.WithLabelValues(moduleSandboxTransport, gatewayDialNoRoute).Inc()
+		t.logger.Warn("sandbox transport: no route for the request", zap.String("uri", req.RequestURI), zap.Error(err))
+		return nil, err
+	}
+	// The app's side of the tunnel is plain HTTP (or h2c); reverse_proxy
+	// leaves the scheme to the transport.
+	req.URL.Scheme = "http"
+	var body *countingBody
+	if req.Body != nil && req.Body != http.NoBody {
+		body = &countingBody{ReadCloser: req.Body}
+		req.Body = body
+	}
+	resp, err := t.pools.get(route).RoundTrip(req)
+	if err != nil {
+		var de *gateway.DialError
+		switch {
+		case errors.As(err, &de):
+			// Logged and counted where it happened (dial).
+			return nil, reverseproxy.NewDialError(err)
+		case gateway.Refused(err):
+			untouched := body == nil || body.n.Load() == 0
+			t.logger.Warn("sandbox transport: the forwarder refused the tunnel (its log names the reason); nothing reached the sandbox",
+				routeFields(route, zap.String("uri", req.RequestURI), zap.Bool("retry_safe", untouched), zap.Error(err))...)
+			if untouched {
+				return nil, reverseproxy.NewDialError(err)
+			}
+			return nil, err
+		default:
+			t.logger.Info("sandbox transport: the tunnel failed before the response", routeFields(route, zap.String("uri", req.RequestURI), zap.Error(err))...)
+			return nil, err
+		}
+	}
+	if resp.StatusCode != http.StatusSwitchingProtocols && resp.Body != nil {
+		resp.Body = &failureLoggingBody{ReadCloser: resp.Body, logger: t.logger, route: route, uri: req.RequestURI}
+	}
+	return resp, nil
+}
+
+func routeFields(r gateway.Route, more ...zap.Field) []zap.Field {
+	return append([]zap.Field{zap.String("sandbox", r.Sandbox), zap.Stringer("target", r.Target), zap.String("forwarder", r.Forwarder)}, more...)
+}
+
+// routeTransport is the HTTP transport of one route: its connections are
+// that route's tunnels.
+func (t *SandboxTransport) routeTransport(route gateway.Route) *http.Transport {
+	ht := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			conn, err := t.dialer.Dial(ctx, route)
+			if err != nil {
+				gatewayDials.WithLabelValues(moduleSandboxTransport, dialResult(err)).Inc()
+				t.logger.Warn("sandbox transport: cannot open the tunnel; nothing reached the sandbox", routeFields(route, zap.Error(err))...)
+				return nil, err
+			}
+			gatewayDials.WithLabelValues(moduleSandboxTransport, gatewayDialOK).Inc()
+			return &tunnelConn{Conn: conn}, nil
+		},
+		MaxIdleConnsPerHost: t.MaxIdleConnsPerRoute,
+		MaxConnsPerHost:     t.MaxConnsPerRoute,
+		IdleConnTimeout:     time.Duration(t.IdleTimeout),
+		DisableCompression:  true,
+	}
+	ht.Protocols = new(http.Protocols)
+	if len(t.Versions) == 1 && t.Versions[0] == "h2c" {
+		ht.Protocols.SetUnencryptedHTTP2(true)
+	} else {
+		ht.Protocols.SetHTTP1(true)
+	}
+	return ht
+}
+
+// tunnelConn is one pooled tunnel: it counts how the tunnel ended when
+// the HTTP transport closes it.
+type tunnelConn struct {
+	net.Conn
+	readErr atomic.Pointer[error]
+	closed  atomic.Bool
+}
+
+func (c *tunnelConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if err != nil {
+		c.readErr.CompareAndSwap(nil, &err)
+	}
+	return n, err
+}
+
+func (c *tunnelConn) Close() error {
+	if c.closed.CompareAndSwap(false, true) {
+		var err error
+		if p := c.readErr.Load(); p != nil {
+			err = *p
+		}
+		end := gateway.EndOf(err)
+		if err != nil && errors.Is(err, net.ErrClosed) {
+			end = gateway.EndClosed // closed by us, idle
+		}
+		gatewayEnds.WithLabelValues(moduleSandboxTransport, string(end)).Inc()
+	}
+	return c.Conn.Close()
+}
+
+// countingBody counts the request body bytes the transport read.
+type countingBody struct {
+	io.ReadCloser
+	n atomic.Int64
+}
+
+func (b *countingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.n.Add(int64(n))
+	return n, err
+}
+
+// failureLoggingBody logs a response cut short by the tunnel's failure.
+type failureLoggingBody struct {
+	io.ReadCloser
+	logger *zap.Logger
+	route  gateway.Route
+	uri    string
+	logged bool
+}
+
+func (b *failureLoggingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err != nil && err != io.EOF && !b.logged && gateway.EndOf(err) != gateway.EndClosed {
+		b.logged = true
+		b.logger.Info("sandbox transport: the tunnel failed mid-response", routeFields(b.route, zap.String("uri", b.uri), zap.Error(err))...)
+	}
+	return n, err
+}
+
+// routePools holds one HTTP transport per route, at most max of them; the
+// least recently used is dropped (its idle connections closed) beyond.
+type routePools struct {
+	mu           sync.Mutex
+	max          int
+	index        map[gateway.Route]*list.Element
+	lru          *list.List // of *routePool, front: most recently used
+	newTransport func(gateway.Route) *http.Transport
+}
+
+type routePool struct {
+	route gateway.Route
+	t     *http.Transport
+}
+
+func (p *routePools) get(r gateway.Route) *http.Transport {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if e, ok := p.index[r]; ok {
+		p.lru.MoveToFront(e)
+		return e.Value.(*routePool).t
+	}
+	rp := &routePool{route: r, t: p.newTransport(r)}
+	p.index[r] = p.lru.PushFront(rp)
+	for p.lru.Len() > p.max {
+		old := p.lru.Remove(p.lru.Back()).(*routePool)
+		delete(p.index, old.route)
+		// Connections in use finish their requests and close then.
+		old.t.CloseIdleConnections()
+	}
+	return rp.t
+}
+
+func (p *routePools) closeIdle() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for e := p.lru.Front(); e != nil; e = e.Next() {
+		e.Value.(*routePool).t.CloseIdleConnections()
+	}
+}
+
+// Interface guards.
+var (
+	_ http.RoundTripper         = (*SandboxTransport)(nil)
+	_ caddy.Provisioner         = (*SandboxTransport)(nil)
+	_ caddy.Validator           = (*SandboxTransport)(nil)
+	_ caddy.CleanerUpper        = (*SandboxTransport)(nil)
+	_ reverseproxy.H2CTransport = (*SandboxTransport)(nil)
+)

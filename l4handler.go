@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net"
+	"sync"
 	"syscall"
 	"time"
 
@@ -87,16 +88,34 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("ktls handler: connection policies: %v", err)
 	}
 	// The policies loaded the tls app.
+	var tlsApp *caddytls.TLS
 	if app, err := ctx.App("tls"); err == nil {
-		h.tickets = app.(*caddytls.TLS).SessionTickets
+		tlsApp = app.(*caddytls.TLS)
+		h.tickets = tlsApp.SessionTickets
 	}
 	if err := h.OffloadOptions.provision(); err != nil {
 		return fmt.Errorf("ktls handler: %w", err)
 	}
 	h.failures = newHandshakeFailureLog(moduleL4Handler, h.logger)
 	h.opts = h.ktlsOptions(h.observe)
-	h.OffloadOptions.warnRefuseAll(h.logger)
+	// What this kernel does for the handler's connections, and what to do
+	// if it cannot offload: once per config load (its tls app) and set of
+	// offload options, however many ktls handlers share them.
+	key := l4KernelLogKey{tlsApp, h.OffloadOptions}
+	if _, logged := l4KernelLogged.LoadOrStore(key, struct{}{}); !logged {
+		ctx.OnCancel(func() { l4KernelLogged.Delete(key) })
+		h.OffloadOptions.logKernel(h.logger)
+	}
 	return nil
+}
+
+// l4KernelLogged holds an l4KernelLogKey for each logKernel line the
+// layer4 ktls handlers of a loaded configuration logged.
+var l4KernelLogged sync.Map
+
+type l4KernelLogKey struct {
+	load *caddytls.TLS // one per config load
+	opts OffloadOptions
 }
 
 func (h *KTLSHandler) observe(ev ktls.Event) {
@@ -110,7 +129,7 @@ func (h *KTLSHandler) observe(ev ktls.Event) {
 		}
 		return
 	case ev.Kind == ktls.EventRefused:
-		// Counted; said once at load (warnRefuseAll) where the kernel
+		// Counted; said once at load (logKernel) where the kernel
 		// refuses every connection, so not at WARN for each.
 		h.logger.Debug("kTLS connection refused: it cannot be offloaded and fallback is refuse",
 			zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))

@@ -67,7 +67,11 @@ type ListenerWrapper struct {
 	// write(2), still encrypted by the kernel, and the logs stay clean.
 	// Sendfile is only possible when the server serves both HTTP/1.1 and
 	// HTTP/2 (Caddy's default); otherwise this option has no effect and a
-	// warning says so at start.
+	// warning says so at start. Nor does it have one where no connection
+	// can have its TX in the kernel (a kernel without kTLS, offload off):
+	// bodies are copied through userspace there either way, so the wrapper
+	// spares the logs Caddy's WARN per connection, and says so in its start
+	// line.
 	Sendfile bool `json:"sendfile,omitempty"`
 
 	ctx    caddy.Context
@@ -77,6 +81,9 @@ type ListenerWrapper struct {
 	// failures counts and logs failed handshakes.
 	failures *handshakeFailureLog
 	sendfile bool // Sendfile, and possible on this server
+	// sendfileIdle: Sendfile was set, but no connection can have its TX
+	// in the kernel here, so sendfile is off.
+	sendfileIdle bool
 	// gatePreface: net/http reads the connections this wrapper returns
 	// (no wrapper follows it), so their first bytes must agree with ALPN
 	// (prefaceGate). Behind a layer4 wrapper stock Caddy serves
@@ -127,10 +134,15 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	}
 	lw.failures = newHandshakeFailureLog(moduleListenerWrapper, lw.logger)
 	lw.opts = lw.ktlsOptions(lw.observe)
-	lw.OffloadOptions.warnRefuseAll(lw.logger)
 	lw.sendfile = lw.Sendfile && servesH1AndH2(srv)
 	if lw.Sendfile && !lw.sendfile {
 		lw.logger.Warn("sendfile needs both HTTP/1.1 and HTTP/2 enabled on every listener of this server (Caddy hides it otherwise): serving without sendfile")
+	}
+	if lw.sendfile && !lw.OffloadOptions.kernelCanOffload() {
+		// Without TX in the kernel every body is copied through userspace
+		// anyway, and a sendfile connection costs a Caddy WARN each
+		// (ListenerWrapper.Sendfile): said once, in the start line.
+		lw.sendfile, lw.sendfileIdle = false, true
 	}
 	srv.RegisterConnContext(connTLSState)
 	return nil
@@ -273,54 +285,54 @@ func (lw *ListenerWrapper) observe(ev ktls.Event) {
 }
 
 // WrapListener wraps ln, which is Caddy's TLS listener (or a plain listener
-// on the HTTP port, whose connections pass through untouched).
+// on the HTTP port, whose connections pass through untouched), and logs
+// what this kernel does for its connections: once per listener and config
+// load, naming the server and the listener.
 func (lw *ListenerWrapper) WrapListener(ln net.Listener) net.Listener {
 	lw.baseOnce.Do(lw.start)
+	lw.logStart(ln.Addr(), lw.servesTLS(ln.Addr()))
 	return &listener{Listener: ln, lw: lw}
 }
 
-// start builds the base TLS configuration and logs what this kernel can do.
-// It runs in WrapListener, not Provision, because Caddy provisions the
-// server's TLS connection policies after its listener wrappers.
+// start builds the base TLS configuration. It runs in WrapListener, not
+// Provision, because Caddy provisions the server's TLS connection policies
+// after its listener wrappers.
 func (lw *ListenerWrapper) start() {
 	lw.base = lw.srv.TLSConnPolicies.TLSConfig(lw.ctx)
-	caps := ktls.Probe()
-	fields := []zap.Field{
-		zap.String("kernel", caps.Kernel),
-		zap.Bool("rx_in_kernel", !lw.DisableRX && !lw.DisableOffload),
-		zap.Bool("fallback", !lw.RequireOffload),
-		zap.Bool("sendfile", lw.sendfile),
+}
+
+// servesTLS reports whether Caddy terminates TLS on the listener at addr:
+// the server has TLS connection policies and addr is not the HTTP port
+// (Caddy's rule in caddyhttp.App.Start).
+func (lw *ListenerWrapper) servesTLS(addr net.Addr) bool {
+	if len(lw.srv.TLSConnPolicies) == 0 {
+		return false
 	}
-	if lw.DisableOffload {
-		// Whatever the kernel can do, no connection is offloaded; the
-		// probe result still says whether turning offload on would help.
-		fields = append(fields, zap.String("offload", "off"), zap.String("why", "disabled by configuration (offload off)"),
-			zap.Bool("kernel_tls_available", caps.ULP == nil))
-		lw.logger.Info("kernel TLS offload disabled: connections use userspace TLS", fields...)
-		return
-	}
-	if caps.ULP != nil {
-		fields = append(fields, zap.String("offload", "off"), zap.NamedError("why", caps.ULP),
-			zap.Bool("cap_net_admin", caps.NetAdmin))
-		lw.logger.Info("kernel TLS unavailable: connections use userspace TLS", fields...)
-		return
-	}
-	var suites []string
-	for _, s := range caps.Ciphers {
-		if s.TX && (s.RX || lw.DisableRX) {
-			suites = append(suites, tls.VersionName(s.Version)+" "+s.Name)
+	httpPort := caddyhttp.DefaultHTTPPort
+	if app, err := lw.ctx.AppIfConfigured("http"); err == nil {
+		if a, ok := app.(*caddyhttp.App); ok && a.HTTPPort != 0 {
+			httpPort = a.HTTPPort
 		}
 	}
-	fields = append(fields, zap.String("offload", "on"), zap.Strings("suites", suites),
-		zap.Bool("rekey", caps.Rekey), zap.Bool("expect_no_pad_supported", caps.ExpectNoPad),
-		zap.Bool("tx_zerocopy_ro_supported", caps.TXZeroCopyRO))
-	lw.logger.Info("kernel TLS available", fields...)
-	if lw.ExpectNoPad && !caps.ExpectNoPad {
-		lw.logger.Warn("expect_no_pad is set but this kernel does not accept TLS_RX_EXPECT_NO_PAD: TLS 1.3 connections will fail to offload RX")
+	ta, ok := addr.(*net.TCPAddr)
+	return !ok || ta.Port != httpPort
+}
+
+// logStart logs the start line of the listener at addr: on a TLS
+// listener what this kernel does for its connections (logKernel), else
+// at DEBUG that its connections pass through.
+func (lw *ListenerWrapper) logStart(addr net.Addr, servesTLS bool) {
+	where := []zap.Field{zap.String("server", lw.srv.Name()), zap.Stringer("listener", addr)}
+	if !servesTLS {
+		lw.logger.Debug("ktls listener wrapper: this listener serves no TLS; its connections pass through", where...)
+		return
 	}
-	if lw.TXZeroCopyRO && !caps.TXZeroCopyRO {
-		lw.logger.Warn("tx_zerocopy_ro is set but this kernel does not accept TLS_TX_ZEROCOPY_RO: connections will fail to offload")
+	fields := append(where, zap.Bool("sendfile", lw.sendfile))
+	if lw.sendfileIdle {
+		fields = append(fields, zap.String("sendfile_off", "sendfile is set, but no connection can have its TX in the kernel here: "+
+			"bodies are written through userspace either way, so the wrapper does without it and Caddy's WARN per connection"))
 	}
+	lw.OffloadOptions.logKernel(lw.logger, fields...)
 }
 
 type listener struct {

@@ -420,13 +420,18 @@ https://mtls.localhost:%[4]d {
 	if kernel {
 		reason, path, summary = "none", "sendfile", "kernel TLS available"
 	}
+	// Only the HTTP/1.1 download, once per Caddy chunk, less the 512
+	// bytes net/http sniffs; without kTLS sendfile is not in effect, and
+	// nothing goes through ReadFrom.
+	writes, bytes := float64((len(s.file)+caddyMaxWriteChunk-1)/caddyMaxWriteChunk), float64(len(s.file)-512)
+	if !kernel {
+		writes, bytes = 0, 0
+	}
 	for series, want := range map[string]float64{
 		`caddy_ktls_handshakes_total{module="caddy.listeners.ktls",reason="` + reason + `"}`: float64(conns),
 		failed: 1, // the client without a certificate
-		// Only the HTTP/1.1 download: once per Caddy chunk, less the 512
-		// bytes net/http sniffs.
-		`caddy_ktls_http_body_writes_total{path="` + path + `"}`: float64((len(s.file) + caddyMaxWriteChunk - 1) / caddyMaxWriteChunk),
-		`caddy_ktls_http_body_bytes_total{path="` + path + `"}`:  float64(len(s.file) - 512),
+		`caddy_ktls_http_body_writes_total{path="` + path + `"}`: writes,
+		`caddy_ktls_http_body_bytes_total{path="` + path + `"}`:  bytes,
 	} {
 		if got := after[series] - before[series]; got != want {
 			t.Errorf("binary's /metrics: %s moved by %v, want %v", series, got, want)
@@ -434,8 +439,15 @@ https://mtls.localhost:%[4]d {
 			t.Logf("binary's /metrics: %s +%.0f", series, got)
 		}
 	}
-	if n := len(jsonLogLines(t, s.logFile, summary)); n != 1 {
-		t.Errorf("%d %q start summaries in the binary's log, want 1", n, summary)
+	if lines := jsonLogLines(t, s.logFile, summary); len(lines) != 1 {
+		t.Errorf("%d %q start summaries in the binary's log, want 1", len(lines), summary)
+	} else if l := lines[0]; l["server"] == nil || l["listener"] == nil || (!kernel && l["rx_in_kernel"] != nil) {
+		t.Errorf("start summary %v: want the server and listener it is about, and no rx_in_kernel where nothing is offloaded", l)
+	}
+	// sendfile is on, and on a host without kTLS not in effect: no WARN
+	// for each connection.
+	if warns := jsonLogLines(t, s.logFile, lwStaterWarning); !kernel && len(warns) != 0 {
+		t.Errorf("%d per-connection connectionStater WARNs on a host without kTLS, want none", len(warns))
 	}
 	checkAccessLogTLS(t, accessLog)
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddytls"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -100,36 +102,48 @@ localhost:%d {
 	}
 }
 
-// TestListenerWrapperStartSummary checks the info line the wrapper logs at
-// start: with `offload off` it says offload is off because of the
-// configuration (never "kernel TLS available ... offload on", whatever the
-// kernel can do), and otherwise it reports the kernel's probe.
+// TestListenerWrapperStartSummary checks the line the wrapper logs as it
+// wraps each listener: it names the server and the listener; with
+// `offload off` it says offload is off because of the configuration (never
+// "kernel TLS available ... offload on", whatever the kernel can do), and
+// otherwise it reports the kernel's probe, with what to do where it cannot
+// offload; it never claims RX in the kernel for connections that are not
+// offloaded, and says when sendfile is off for want of kernel TX. On the
+// HTTP port it says only, at DEBUG, that connections pass through.
 func TestListenerWrapperStartSummary(t *testing.T) {
 	kernelOK := kerneltest.Available() == nil
-	probed, offload := "kernel TLS unavailable: connections use userspace TLS", "off"
+	probed, offload, rxInKernel := "kernel TLS unavailable: connections use userspace TLS", "off", any(nil)
 	if kernelOK {
-		probed, offload = "kernel TLS available", "on"
+		probed, offload, rxInKernel = "kernel TLS available", "on", true
 	}
+	disabled := "kernel TLS offload disabled: connections use userspace TLS"
 	for name, tc := range map[string]struct {
 		opts               OffloadOptions
+		sendfile           bool
 		msg, offload, why  string
-		rxInKernel         bool
+		rxInKernel         any // absent (nil) where nothing is offloaded
 		kernelTLSAvailable any // logged only when offload is off by configuration
+		sendfileOn         bool
 	}{
-		"default":     {OffloadOptions{}, probed, offload, "", true, nil},
-		"offload off": {OffloadOptions{DisableOffload: true}, "kernel TLS offload disabled: connections use userspace TLS", "off", "disabled by configuration (offload off)", false, kernelOK},
+		"default":     {OffloadOptions{}, false, probed, offload, "", rxInKernel, nil, false},
+		"rx off":      {OffloadOptions{DisableRX: true}, false, probed, offload, "", map[bool]any{true: false, false: nil}[kernelOK], nil, false},
+		"offload off": {OffloadOptions{DisableOffload: true}, false, disabled, "off", "disabled by configuration (offload off)", nil, kernelOK, false},
 		// expect_no_pad would warn on a kernel without it; with offload off
 		// there is nothing to warn about.
-		"offload off, expect_no_pad": {OffloadOptions{DisableOffload: true, ExpectNoPad: true}, "kernel TLS offload disabled: connections use userspace TLS", "off", "disabled by configuration (offload off)", false, kernelOK},
+		"offload off, expect_no_pad": {OffloadOptions{DisableOffload: true, ExpectNoPad: true}, false, disabled, "off", "disabled by configuration (offload off)", nil, kernelOK, false},
+		"sendfile":                   {OffloadOptions{}, true, probed, offload, "", rxInKernel, nil, kernelOK},
+		"offload off, sendfile":      {OffloadOptions{DisableOffload: true}, true, disabled, "off", "disabled by configuration (offload off)", nil, kernelOK, false},
 	} {
 		t.Run(name, func(t *testing.T) {
 			core, logs := observer.New(zapcore.DebugLevel)
 			lw := &ListenerWrapper{OffloadOptions: tc.opts, ctx: caddy.Context{Context: context.Background()},
-				srv: new(caddyhttp.Server), logger: zap.New(core)}
-			lw.start()
-			if lw.base == nil {
-				t.Error("no base TLS configuration")
+				srv: &caddyhttp.Server{TLSConnPolicies: caddytls.ConnectionPolicies{new(caddytls.ConnectionPolicy)}}, logger: zap.New(core)}
+			lw.sendfile = tc.sendfile
+			if lw.sendfile && !lw.OffloadOptions.kernelCanOffload() {
+				lw.sendfile, lw.sendfileIdle = false, true // as Provision decides
 			}
+			addr := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 8443}
+			lw.logStart(addr, lw.servesTLS(addr))
 			entries := logs.All()
 			if len(entries) != 1 {
 				t.Fatalf("%d log lines, want exactly the summary: %v", len(entries), entries)
@@ -139,15 +153,34 @@ func TestListenerWrapperStartSummary(t *testing.T) {
 			if e.Level != zapcore.InfoLevel || e.Message != tc.msg {
 				t.Errorf("summary %s %q, want INFO %q", e.Level, e.Message, tc.msg)
 			}
+			if fields["listener"] != "127.0.0.1:8443" || fields["server"] == nil {
+				t.Errorf("summary fields %v: want the server and listener 127.0.0.1:8443", fields)
+			}
 			if fields["offload"] != tc.offload || fields["rx_in_kernel"] != tc.rxInKernel {
 				t.Errorf("summary fields %v: want offload %q, rx_in_kernel %v", fields, tc.offload, tc.rxInKernel)
 			}
 			if tc.why != "" && fields["why"] != tc.why {
 				t.Errorf("summary why %q, want %q", fields["why"], tc.why)
 			}
+			if tc.offload == "off" && tc.why == "" && fields["fix"] == nil {
+				t.Errorf("summary fields %v: no fix where the kernel cannot offload", fields)
+			}
 			if fields["kernel_tls_available"] != tc.kernelTLSAvailable {
 				t.Errorf("summary kernel_tls_available %v, want %v", fields["kernel_tls_available"], tc.kernelTLSAvailable)
 			}
+			if fields["sendfile"] != tc.sendfileOn || (tc.sendfile && !tc.sendfileOn) != (fields["sendfile_off"] != nil) {
+				t.Errorf("summary fields %v: want sendfile %v, and sendfile_off exactly where sendfile is set but off", fields, tc.sendfileOn)
+			}
 		})
 	}
+	t.Run("http port", func(t *testing.T) {
+		core, logs := observer.New(zapcore.DebugLevel)
+		lw := &ListenerWrapper{ctx: caddy.Context{Context: context.Background()},
+			srv: &caddyhttp.Server{TLSConnPolicies: caddytls.ConnectionPolicies{new(caddytls.ConnectionPolicy)}}, logger: zap.New(core)}
+		addr := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: caddyhttp.DefaultHTTPPort}
+		lw.logStart(addr, lw.servesTLS(addr))
+		if e := logs.All(); len(e) != 1 || e[0].Level != zapcore.DebugLevel {
+			t.Errorf("HTTP port: log lines %v, want one DEBUG line (its connections pass through)", e)
+		}
+	})
 }

@@ -127,19 +127,83 @@ func (o *OffloadOptions) ktlsOptions(observer func(ktls.Event)) ktls.Options {
 	}
 }
 
-// refuseAllWarning is the WARN of warnRefuseAll.
+// Messages of the line logKernel logs.
+const (
+	kernelAvailableMsg   = "kernel TLS available"
+	kernelUnavailableMsg = "kernel TLS unavailable: connections use userspace TLS"
+	offloadDisabledMsg   = "kernel TLS offload disabled: connections use userspace TLS"
+)
+
+// kernelCanOffload reports whether connections under o can have their TX
+// in the kernel: offload is on and the kernel accepts TLS_TX.
+func (o *OffloadOptions) kernelCanOffload() bool {
+	if o.DisableOffload {
+		return false
+	}
+	return kernelFeatures(ktls.Probe())["tx"]
+}
+
+// logKernel logs, in one INFO line, what this kernel does for o's
+// connections and, when it cannot offload, why and what to do: at a
+// module's start, never per connection. fields say where (a server and
+// its listener). The line holds only what is true: rx_in_kernel and the
+// kernel's suites only when connections are offloaded.
+func (o *OffloadOptions) logKernel(logger *zap.Logger, fields ...zap.Field) {
+	caps := ktls.Probe()
+	fallback := "allow"
+	if o.RequireOffload {
+		fallback = "refuse"
+	}
+	fields = append(fields, zap.String("kernel", caps.Kernel), zap.String("fallback", fallback))
+	switch {
+	case o.DisableOffload:
+		// Whatever the kernel can do, no connection is offloaded; the
+		// probe result still says whether turning offload on would help.
+		logger.Info(offloadDisabledMsg, append(fields, zap.String("offload", "off"),
+			zap.String("why", "disabled by configuration (offload off)"), zap.Bool("kernel_tls_available", caps.ULP == nil))...)
+		return
+	case caps.ULP != nil:
+		fields = append(fields, zap.String("offload", "off"), zap.NamedError("why", caps.ULP),
+			zap.String("fix", probeHint(caps.Config)), zap.Bool("cap_net_admin", caps.NetAdmin))
+		if o.RequireOffload {
+			// Not a load error: what a configuration means must not
+			// depend on the kernel of the machine that validates it.
+			logger.Warn(refuseAllWarning, fields...)
+			return
+		}
+		logger.Info(kernelUnavailableMsg, fields...)
+		return
+	}
+	var suites []string
+	for _, s := range caps.Ciphers {
+		if s.TX && (s.RX || o.DisableRX) {
+			suites = append(suites, tls.VersionName(s.Version)+" "+s.Name)
+		}
+	}
+	logger.Info(kernelAvailableMsg, append(fields, zap.String("offload", "on"), zap.Bool("rx_in_kernel", !o.DisableRX),
+		zap.Strings("suites", suites), zap.Bool("rekey", caps.Rekey), zap.Bool("expect_no_pad_supported", caps.ExpectNoPad),
+		zap.Bool("tx_zerocopy_ro_supported", caps.TXZeroCopyRO))...)
+	if o.ExpectNoPad && !caps.ExpectNoPad {
+		logger.Warn("expect_no_pad is set but this kernel does not accept TLS_RX_EXPECT_NO_PAD: TLS 1.3 connections will fail to offload RX")
+	}
+	if o.TXZeroCopyRO && !caps.TXZeroCopyRO {
+		logger.Warn("tx_zerocopy_ro is set but this kernel does not accept TLS_TX_ZEROCOPY_RO: connections will fail to offload")
+	}
+}
+
+// refuseAllWarning is what logKernel says, at WARN, for fallback refuse on
+// a kernel that cannot offload TLS.
 const refuseAllWarning = "fallback refuse is set but this kernel cannot offload TLS: every connection will be refused (see `caddy ktls probe`)"
 
-// warnRefuseAll says, once per load, that fallback refuse on a kernel that
-// cannot offload TLS refuses every connection. It is no load error: what a
-// configuration means must not depend on the kernel of the machine that
-// validates it.
+// warnRefuseAll says refuseAllWarning alone, for a module that logs no
+// logKernel line (the ktls handler and the listener wrapper say it there).
 func (o *OffloadOptions) warnRefuseAll(logger *zap.Logger) {
 	if !o.RequireOffload {
 		return
 	}
 	if caps := ktls.Probe(); caps.ULP != nil {
-		logger.Warn(refuseAllWarning, zap.String("kernel", caps.Kernel), zap.NamedError("why", caps.ULP))
+		logger.Warn(refuseAllWarning, zap.String("kernel", caps.Kernel), zap.NamedError("why", caps.ULP),
+			zap.String("fix", probeHint(caps.Config)))
 	}
 }
 

@@ -98,9 +98,10 @@ func TestListenerWrapperFallbackRefuse(t *testing.T) {
 		t.Skip("kTLS is available here: TestKernelListenerWrapperOptions refuses a CBC client on this kernel")
 	}
 	s := lwStart(t, &lwSite{wrapper: map[string]any{"require_offload": true}, refusesAll: true})
-	// One per wrapper: the site's HTTPS and HTTP servers each load one.
-	if n := len(jsonLogLines(t, s.logFile, refuseAllWarning)); n != 2 {
-		t.Errorf("%d load WARNs that every connection will be refused, want 2", n)
+	// One per TLS listener: the site's HTTPS listener, not its HTTP one
+	// (whose plain connections are not refused).
+	if n := len(jsonLogLines(t, s.logFile, refuseAllWarning)); n != 1 {
+		t.Errorf("%d load WARNs that every connection will be refused, want 1 (the HTTPS listener's)", n)
 	}
 	refused := `caddy_ktls_connections_closed_total{event="refused",module="caddy.listeners.ktls"}`
 	before := parseMetrics(t, adminGet(t, s.adminAddr, "/metrics"))

@@ -1,0 +1,281 @@
+package gateway
+
+import (
+	"container/list"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// Defaults for the zero values of LookupConfig.
+const (
+	DefaultLookupTimeout     = 5 * time.Second
+	DefaultLookupTTL         = 30 * time.Second
+	DefaultLookupNegativeTTL = 5 * time.Second
+	DefaultLookupMaxEntries  = 65536
+	// maxLookupAnswer bounds a control plane's answer.
+	maxLookupAnswer = 64 << 10
+)
+
+// Location is where a sandbox is: the forwarder on its host and its app's
+// private address.
+type Location struct {
+	Forwarder string
+	Target    netip.AddrPort
+}
+
+// LookupConfig configures a Lookup.
+type LookupConfig struct {
+	// URL is the control plane's endpoint, with "{sandbox}" where the
+	// sandbox ID goes (path-escaped), e.g.
+	// https://cp.internal/v1/sandboxes/{sandbox}/route. Required. The
+	// answer to a GET is 200 with {"forwarder": "host:port", "target":
+	// "ip:port", "ttl": seconds (optional, at most TTL)}; 404 means there
+	// is no such sandbox; anything else is an error (docs/gateway.md).
+	URL string
+	// Header is sent with every request (e.g. Authorization).
+	Header http.Header
+	// Client makes the requests; nil means a client of its own.
+	Client *http.Client
+	// Timeout bounds one request. Zero means DefaultLookupTimeout.
+	Timeout time.Duration
+	// TTL is how long an answer is used; an answer's own "ttl" may only
+	// shorten it. Zero means DefaultLookupTTL.
+	TTL time.Duration
+	// NegativeTTL is how long "no such sandbox" (404) is remembered. Zero
+	// means DefaultLookupNegativeTTL; negative: never.
+	NegativeTTL time.Duration
+	// MaxEntries bounds the cache (answers and negative answers); the
+	// least recently used goes first. Zero means DefaultLookupMaxEntries.
+	MaxEntries int
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// Lookup finds sandboxes through a control plane: cached for a TTL,
+// "not found" remembered for a shorter one, concurrent lookups of one
+// sandbox coalesced into one request, the cache bounded. It is safe for
+// concurrent use.
+type Lookup struct {
+	cfg      LookupConfig
+	mu       sync.Mutex
+	entries  map[string]*list.Element // of *lookupEntry
+	lru      *list.List
+	inflight map[string]*lookupCall
+}
+
+type lookupEntry struct {
+	sandbox string
+	loc     Location
+	missing bool // a negative entry: no such sandbox
+	expires time.Time
+}
+
+type lookupCall struct {
+	done chan struct{}
+	loc  Location
+	err  error
+}
+
+// Where a Resolve's answer came from.
+type Source string
+
+const (
+	SourceCache        Source = "cache"         // a cached answer or negative answer
+	SourceControlPlane Source = "control-plane" // a request this Resolve made
+	SourceCoalesced    Source = "coalesced"     // another Resolve's request for the same sandbox
+)
+
+// The LookupError reasons.
+const (
+	LookupNotFound    = "not-found"   // the control plane knows no such sandbox (404)
+	LookupUnavailable = "unavailable" // no answer: a network error, a timeout, a status other than 200 and 404
+	LookupBadAnswer   = "bad-answer"  // an answer that is not a valid location
+	LookupBadSandbox  = "bad-sandbox" // the sandbox ID itself cannot be in a preamble
+)
+
+// LookupError is a sandbox that could not be found; Reason says why.
+type LookupError struct {
+	Sandbox string
+	Reason  string
+	Err     error
+}
+
+func (e *LookupError) Error() string {
+	return fmt.Sprintf("gateway: lookup of sandbox %q: %s: %v", e.Sandbox, e.Reason, e.Err)
+}
+
+func (e *LookupError) Unwrap() error { return e.Err }
+
+// NewLookup returns a Lookup for cfg.
+func NewLookup(cfg LookupConfig) (*Lookup, error) {
+	if !strings.Contains(cfg.URL, "{sandbox}") {
+		return nil, errors.New("gateway: lookup URL has no {sandbox} where the sandbox ID goes")
+	}
+	u, err := url.Parse(strings.ReplaceAll(cfg.URL, "{sandbox}", "x"))
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("gateway: lookup URL %q: want http(s)://host/...{sandbox}...", cfg.URL)
+	}
+	if cfg.Timeout < 0 || cfg.TTL < 0 || cfg.MaxEntries < 0 {
+		return nil, errors.New("gateway: negative lookup timeout, TTL or size")
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = DefaultLookupTimeout
+	}
+	if cfg.TTL == 0 {
+		cfg.TTL = DefaultLookupTTL
+	}
+	if cfg.NegativeTTL == 0 {
+		cfg.NegativeTTL = DefaultLookupNegativeTTL
+	}
+	if cfg.MaxEntries == 0 {
+		cfg.MaxEntries = DefaultLookupMaxEntries
+	}
+	if cfg.Client == nil {
+		cfg.Client = &http.Client{}
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return &Lookup{cfg: cfg, entries: map[string]*list.Element{}, lru: list.New(), inflight: map[string]*lookupCall{}}, nil
+}
+
+// Resolve returns where sandbox is, and where the answer came from. Every
+// error is a *LookupError. ctx bounds this caller's wait only: a request
+// to the control plane that others wait on too runs to its own timeout.
+func (l *Lookup) Resolve(ctx context.Context, sandbox string) (Location, Source, error) {
+	if err := preamble.CheckSandboxID(sandbox); err != nil {
+		return Location{}, "", &LookupError{Sandbox: sandbox, Reason: LookupBadSandbox, Err: err}
+	}
+	now := l.cfg.Now()
+	l.mu.Lock()
+	if e, ok := l.entries[sandbox]; ok {
+		ent := e.Value.(*lookupEntry)
+		if now.Before(ent.expires) {
+			l.lru.MoveToFront(e)
+			l.mu.Unlock()
+			if ent.missing {
+				return Location{}, SourceCache, &LookupError{Sandbox: sandbox, Reason: LookupNotFound, Err: errors.New("no such sandbox (remembered)")}
+			}
+			return ent.loc, SourceCache, nil
+		}
+		l.lru.Remove(e)
+		delete(l.entries, sandbox)
+	}
+	call, coalesced := l.inflight[sandbox]
+	if !coalesced {
+		call = &lookupCall{done: make(chan struct{})}
+		l.inflight[sandbox] = call
+		go l.fetch(sandbox, call)
+	}
+	l.mu.Unlock()
+	source := SourceControlPlane
+	if coalesced {
+		source = SourceCoalesced
+	}
+	select {
+	case <-call.done:
+		return call.loc, source, call.err
+	case <-ctx.Done():
+		return Location{}, source, &LookupError{Sandbox: sandbox, Reason: LookupUnavailable, Err: ctx.Err()}
+	}
+}
+
+// fetch asks the control plane and caches what it says.
+func (l *Lookup) fetch(sandbox string, call *lookupCall) {
+	loc, ttl, err := l.request(sandbox)
+	call.loc, call.err = loc, err
+	l.mu.Lock()
+	delete(l.inflight, sandbox)
+	var le *LookupError
+	switch {
+	case err == nil && ttl > 0:
+		l.store(&lookupEntry{sandbox: sandbox, loc: loc, expires: l.cfg.Now().Add(ttl)})
+	case errors.As(err, &le) && le.Reason == LookupNotFound && l.cfg.NegativeTTL > 0:
+		l.store(&lookupEntry{sandbox: sandbox, missing: true, expires: l.cfg.Now().Add(l.cfg.NegativeTTL)})
+	}
+	l.mu.Unlock()
+	close(call.done)
+}
+
+// store adds e, dropping the least recently used entries beyond the
+// bound. l.mu is held.
+func (l *Lookup) store(e *lookupEntry) {
+	l.entries[e.sandbox] = l.lru.PushFront(e)
+	for l.lru.Len() > l.cfg.MaxEntries {
+		old := l.lru.Remove(l.lru.Back()).(*lookupEntry)
+		delete(l.entries, old.sandbox)
+	}
+}
+
+// lookupAnswer is the control plane's 200 answer.
+type lookupAnswer struct {
+	Forwarder string `json:"forwarder"`
+	Target    string `json:"target"`
+	TTL       *int64 `json:"ttl"`
+}
+
+func (l *Lookup) request(sandbox string) (Location, time.Duration, error) {
+	fail := func(reason string, err error) (Location, time.Duration, error) {
+		return Location{}, 0, &LookupError{Sandbox: sandbox, Reason: reason, Err: err}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), l.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.ReplaceAll(l.cfg.URL, "{sandbox}", url.PathEscape(sandbox)), nil)
+	if err != nil {
+		return fail(LookupUnavailable, err)
+	}
+	for k, v := range l.cfg.Header {
+		req.Header[k] = v
+	}
+	req.Header.Set("Accept", "application/json")
+	resp, err := l.cfg.Client.Do(req)
+	if err != nil {
+		return fail(LookupUnavailable, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxLookupAnswer+1))
+	switch {
+	case resp.StatusCode == http.StatusNotFound:
+		return fail(LookupNotFound, errors.New("the control plane knows no such sandbox (404)"))
+	case resp.StatusCode != http.StatusOK:
+		return fail(LookupUnavailable, fmt.Errorf("the control plane answered %s", resp.Status))
+	case err != nil:
+		return fail(LookupUnavailable, fmt.Errorf("reading the answer: %w", err))
+	case len(body) > maxLookupAnswer:
+		return fail(LookupBadAnswer, fmt.Errorf("an answer over %d bytes", maxLookupAnswer))
+	}
+	var a lookupAnswer
+	if err := json.Unmarshal(body, &a); err != nil {
+		return fail(LookupBadAnswer, fmt.Errorf("not the JSON of a location: %w", err))
+	}
+	r, err := ParseRoute(a.Forwarder, sandbox, a.Target)
+	if err != nil {
+		return fail(LookupBadAnswer, err)
+	}
+	ttl := l.cfg.TTL
+	if a.TTL != nil {
+		if *a.TTL < 0 {
+			return fail(LookupBadAnswer, fmt.Errorf("ttl %d", *a.TTL))
+		}
+		ttl = min(ttl, time.Duration(*a.TTL)*time.Second)
+	}
+	return Location{Forwarder: r.Forwarder, Target: r.Target}, ttl, nil
+}
+
+// Len is how many entries (answers and negative answers) the cache holds.
+func (l *Lookup) Len() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.lru.Len()
+}

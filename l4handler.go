@@ -93,9 +93,7 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 		tlsApp = app.(*caddytls.TLS)
 		h.tickets = tlsApp.SessionTickets
 	}
-	if err := h.OffloadOptions.provision(); err != nil {
-		return fmt.Errorf("ktls handler: %w", err)
-	}
+	h.OffloadOptions.setDefaults()
 	h.failures = newHandshakeFailureLog(moduleL4Handler, h.logger)
 	h.opts = h.ktlsOptions(h.observe)
 	// What this kernel does for the handler's connections, and what to do
@@ -116,6 +114,15 @@ var l4KernelLogged sync.Map
 type l4KernelLogKey struct {
 	load *caddytls.TLS // one per config load
 	opts OffloadOptions
+}
+
+// Validate checks the offload options (caddy.Validator): Caddy calls it
+// after Provision, before the handler serves.
+func (h *KTLSHandler) Validate() error {
+	if err := h.OffloadOptions.validate(); err != nil {
+		return fmt.Errorf("ktls handler: %w", err)
+	}
+	return nil
 }
 
 func (h *KTLSHandler) observe(ev ktls.Event) {
@@ -248,5 +255,6 @@ func (l layeredConn) SyscallConn() (syscall.RawConn, error) {
 var (
 	_ layer4.NextHandler = (*KTLSHandler)(nil)
 	_ caddy.Provisioner  = (*KTLSHandler)(nil)
+	_ caddy.Validator    = (*KTLSHandler)(nil)
 	_ ktls.Layered       = layeredConn{}
 )

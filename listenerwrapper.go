@@ -120,12 +120,7 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	if layer4WithoutSession(srv.ListenerWrappersRaw) {
 		lw.logger.Warn(layer4WithoutSessionWarning)
 	}
-	if err := lw.OffloadOptions.provision(); err != nil {
-		return fmt.Errorf("ktls listener wrapper: %w", err)
-	}
-	if lw.TXZeroCopyRO && !lw.Sendfile {
-		return errors.New("ktls listener wrapper: tx_zerocopy_ro only affects sendfile: enable sendfile too, or remove it")
-	}
+	lw.OffloadOptions.setDefaults()
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
@@ -145,6 +140,18 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 		lw.sendfile, lw.sendfileIdle = false, true
 	}
 	srv.RegisterConnContext(connTLSState)
+	return nil
+}
+
+// Validate checks the options (caddy.Validator): Caddy calls it after
+// Provision, before the server starts.
+func (lw *ListenerWrapper) Validate() error {
+	if err := lw.OffloadOptions.validate(); err != nil {
+		return fmt.Errorf("ktls listener wrapper: %w", err)
+	}
+	if lw.TXZeroCopyRO && !lw.Sendfile {
+		return errors.New("ktls listener wrapper: `tx_zerocopy_ro` only affects sendfile: add `sendfile`, or remove `tx_zerocopy_ro`")
+	}
 	return nil
 }
 
@@ -554,6 +561,7 @@ func innermostReader(r io.Reader) io.Reader {
 // Interface guards.
 var (
 	_ caddy.Provisioner     = (*ListenerWrapper)(nil)
+	_ caddy.Validator       = (*ListenerWrapper)(nil)
 	_ caddy.ListenerWrapper = (*ListenerWrapper)(nil)
 	_ io.ReaderFrom         = (*sendfileConn)(nil)
 )

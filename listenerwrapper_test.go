@@ -288,10 +288,10 @@ func TestListenerWrapperRejectsBadOptions(t *testing.T) {
 		wrapper string
 		want    string
 	}{
-		"zerocopy without sendfile": {`{"wrapper":"ktls","tx_zerocopy_ro":true}`, "tx_zerocopy_ro only affects sendfile"},
+		"zerocopy without sendfile": {`{"wrapper":"ktls","tx_zerocopy_ro":true}`, "`tx_zerocopy_ro` only affects sendfile: add `sendfile`"},
 		"negative rate":             {`{"wrapper":"ktls","keyupdate_rate":-1}`, "must not be negative"},
-		"record limit above 2^24":   {`{"wrapper":"ktls","key_record_limit":16777217}`, "key_record_limit 16777217 is above 16777216"},
-		"offload off but required":  {`{"wrapper":"ktls","disable_offload":true,"require_offload":true}`, "would refuse every connection"},
+		"record limit above 2^24":   {`{"wrapper":"ktls","key_record_limit":16777217}`, "`key_record_limit` 16777217 is above 16777216"},
+		"offload off but required":  {`{"wrapper":"ktls","disable_offload":true,"require_offload":true}`, "`offload off` (JSON disable_offload) and `fallback refuse` (JSON require_offload) together would refuse every connection"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {

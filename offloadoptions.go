@@ -94,22 +94,53 @@ type OffloadOptions struct {
 // defaultHandshakeTimeout bounds handshakes when HandshakeTimeout is zero.
 const defaultHandshakeTimeout = 10 * time.Second
 
-// provision rejects negative limits and fills in the default handshake
-// timeout. Callers prefix the error with their module's name.
+// provision validates the options and fills in the defaults, for a module
+// that checks them in its Provision. Callers prefix the error with their
+// module's name.
 func (o *OffloadOptions) provision() error {
-	if o.KeyUpdateRate < 0 || o.KeyUpdateBurst < 0 || o.HandshakeTimeout < 0 {
-		return errors.New("keyupdate_rate, keyupdate_burst and handshake_timeout must not be negative")
+	if err := o.validate(); err != nil {
+		return err
 	}
-	if o.KeyRecordLimit > ktls.MaxRecordLimit {
-		return fmt.Errorf("key_record_limit %d is above %d (2^24): RFC 8446 bounds an AES-GCM key to 2^24.5 records", o.KeyRecordLimit, ktls.MaxRecordLimit)
-	}
-	if o.DisableOffload && o.RequireOffload {
-		return errors.New("disable_offload and require_offload together would refuse every connection")
-	}
+	o.setDefaults()
+	return nil
+}
+
+// setDefaults fills in the default handshake timeout.
+func (o *OffloadOptions) setDefaults() {
 	if o.HandshakeTimeout == 0 {
 		o.HandshakeTimeout = caddy.Duration(defaultHandshakeTimeout)
 	}
+}
+
+// validate rejects what no kernel could make work: negative limits, a
+// record limit above RFC 8446's, offload off with fallback refuse. Its
+// errors name the Caddyfile option and the JSON field, and the fix.
+func (o *OffloadOptions) validate() error {
+	if o.KeyUpdateRate < 0 || o.KeyUpdateBurst < 0 {
+		return fmt.Errorf("%s must not be negative: give a rate per second and a burst above 0, or leave it out (10/s, 20)", option("keyupdate_rate", "keyupdate_rate, keyupdate_burst"))
+	}
+	if o.HandshakeTimeout < 0 {
+		return fmt.Errorf("%s must not be negative: give a duration such as 10s, or leave it out (10s)", option("handshake_timeout", "handshake_timeout"))
+	}
+	if o.KeyRecordLimit > ktls.MaxRecordLimit {
+		return fmt.Errorf("%s %d is above %d (2^24): RFC 8446 bounds an AES-GCM key to 2^24.5 records; give at most %d, or leave it out (2^23)",
+			option("key_record_limit", "key_record_limit"), o.KeyRecordLimit, ktls.MaxRecordLimit, ktls.MaxRecordLimit)
+	}
+	if o.DisableOffload && o.RequireOffload {
+		return fmt.Errorf("%s and %s together would refuse every connection: remove one of them",
+			option("offload off", "disable_offload"), option("fallback refuse", "require_offload"))
+	}
 	return nil
+}
+
+// option names a configuration option in an error the way both forms of
+// configuration spell it: the Caddyfile option, and the JSON field where it
+// differs. A load error cannot tell which form the configuration came in.
+func option(caddyfile, json string) string {
+	if caddyfile == json {
+		return "`" + caddyfile + "`"
+	}
+	return "`" + caddyfile + "` (JSON " + json + ")"
 }
 
 // ktlsOptions converts the options for the ktls engine, with observer as

@@ -102,12 +102,12 @@ func TestSandboxRejectsBadOptions(t *testing.T) {
 		opts map[string]any
 		want string
 	}{
-		"key_clients of no key":        {map[string]any{"key_clients": map[string][]string{"gw-typo": {"gateway-1"}}}, `key_clients "gw-typo": no such key`},
+		"key_clients of no key":        {map[string]any{"key_clients": map[string][]string{"gw-typo": {"gateway-1"}}}, "`key_clients` \"gw-typo\": no such key"},
 		"key_clients naming no client": {map[string]any{"key_clients": map[string][]string{gatewayKeyID: {}}}, "no client named"},
-		"negative tunnel cap":          {map[string]any{"max_tunnels_per_sandbox": -1}, "negative MaxTunnelsPerSandbox or MaxTunnelLifetime"},
-		"negative lifetime":            {map[string]any{"max_tunnel_lifetime": "-1s"}, "negative MaxTunnelsPerSandbox or MaxTunnelLifetime"},
-		"no allow entry":               {map[string]any{"allow_cidrs": []string{}}, "sandbox handler: no allow entry: name the sandbox networks this forwarder may reach (allow <cidr> ...)"},
-		"allow_ports but no allow":     {map[string]any{"allow_cidrs": nil, "allow_ports": []string{"443"}}, "no allow entry"},
+		"negative tunnel cap":          {map[string]any{"max_tunnels_per_sandbox": -1}, "`max_tunnels_per_sandbox` must not be negative"},
+		"negative lifetime":            {map[string]any{"max_tunnel_lifetime": "-1s"}, "`max_tunnel_lifetime` must not be negative"},
+		"no allow entry":               {map[string]any{"allow_cidrs": []string{}}, "sandbox handler: no `allow` (JSON allow_cidrs) entry: name the sandbox networks this forwarder may reach, e.g. `allow 10.0.0.0/8`"},
+		"allow_ports but no allow":     {map[string]any{"allow_cidrs": nil, "allow_ports": []string{"443"}}, "no `allow` (JSON allow_cidrs) entry"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			raw, err := json.Marshal(newSandboxConfig(t, tc.opts).cfg)

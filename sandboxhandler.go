@@ -15,6 +15,7 @@ import (
 	"regexp"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -142,6 +143,7 @@ type SandboxHandler struct {
 	ctx       caddy.Context
 	logger    *zap.Logger
 	fwd       *forward.Forwarder
+	keys      map[string]ed25519.PublicKey // the gateway keys, by ID (Provision)
 	pusher    *forward.Pusher
 	events    *caddyevents.App
 	replayKey replayCacheKey // set while this handler holds a replayCaches reference
@@ -191,15 +193,16 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx); err != nil {
 		return err
 	}
+	// The checks that need nothing loaded come first (Validate runs
+	// after Provision, whose effects a failed load then undoes).
+	if err := h.validateOptions(); err != nil {
+		return err
+	}
 	keys, err := h.keyring()
 	if err != nil {
 		return err
 	}
-	for id, clients := range h.KeyClients {
-		if _, ok := keys[id]; !ok || len(clients) == 0 {
-			return fmt.Errorf("sandbox handler: key_clients %q: no such key, or no client named", id)
-		}
-	}
+	h.keys = keys
 	replay, err := h.loadReplayCache()
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
@@ -214,12 +217,9 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
 	}
-	if len(h.AllowCIDRs) == 0 {
-		return errors.New("sandbox handler: no allow entry: name the sandbox networks this forwarder may reach (allow <cidr> ...)")
-	}
 	policy, err := forward.NewTargetPolicy(h.AllowCIDRs, h.AllowPorts)
 	if err != nil {
-		return fmt.Errorf("sandbox handler: %w", err)
+		return fmt.Errorf("sandbox handler: %s, %s: %w", option("allow", "allow_cidrs"), option("allow_ports", "allow_ports"), err)
 	}
 	h.fwd, err = forward.New(forward.Config{
 		Verifier:             verifier,
@@ -239,9 +239,6 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
-	}
-	if h.DrainGracePeriod < 0 {
-		return errors.New("sandbox handler: drain_grace_period must not be negative")
 	}
 	if h.DrainGracePeriod == 0 {
 		h.DrainGracePeriod = caddy.Duration(30 * time.Second)
@@ -279,6 +276,46 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		h.pusher.Start()
 	}
 	keyrings.add(h, keys)
+	return nil
+}
+
+// validateOptions checks what needs nothing loaded; its errors name the
+// Caddyfile option and the JSON field, and say the fix.
+func (h *SandboxHandler) validateOptions() error {
+	if len(h.AllowCIDRs) == 0 {
+		return fmt.Errorf("sandbox handler: no %s entry: name the sandbox networks this forwarder may reach, e.g. `allow 10.0.0.0/8`", option("allow", "allow_cidrs"))
+	}
+	for id, clients := range h.KeyClients {
+		if len(clients) == 0 {
+			return fmt.Errorf("sandbox handler: %s %q: no client named: list the gateways' client certificate names (Common Name or DNS name) after the key ID, e.g. `key_clients %s gateway-1`",
+				option("key_clients", "key_clients"), id, id)
+		}
+	}
+	if h.DrainGracePeriod < 0 {
+		return fmt.Errorf("sandbox handler: %s must not be negative: give a duration such as 30s, or leave it out (30s)", option("drain_grace_period", "drain_grace_period"))
+	}
+	if h.MaxTunnelsPerSandbox < 0 {
+		return fmt.Errorf("sandbox handler: %s must not be negative: give a number of tunnels, or leave it out (no cap)", option("max_tunnels_per_sandbox", "max_tunnels_per_sandbox"))
+	}
+	if h.MaxTunnelLifetime < 0 {
+		return fmt.Errorf("sandbox handler: %s must not be negative: give a duration such as 24h, or leave it out (none)", option("max_tunnel_lifetime", "max_tunnel_lifetime"))
+	}
+	return nil
+}
+
+// Validate checks the configuration (caddy.Validator): the options, and
+// that each key_clients entry names a key the handler holds (h.keys, which
+// Provision loaded from keys and key_files).
+func (h *SandboxHandler) Validate() error {
+	if err := h.validateOptions(); err != nil {
+		return err
+	}
+	for id := range h.KeyClients {
+		if _, ok := h.keys[id]; !ok {
+			return fmt.Errorf("sandbox handler: %s %q: no such key: no %s or %s holds the key ID %q (the keys are %s): correct the ID, or add the key",
+				option("key_clients", "key_clients"), id, option("key", "keys"), option("key_file", "key_files"), id, strings.Join(slices.Sorted(maps.Keys(h.keys)), ", "))
+		}
+	}
 	return nil
 }
 
@@ -357,10 +394,10 @@ func (h *SandboxHandler) keyring() (map[string]ed25519.PublicKey, error) {
 	for i, k := range h.Keys {
 		pub, err := preamble.ParsePublicKey(k.PublicKey)
 		if err != nil {
-			return nil, fmt.Errorf("sandbox handler: keys[%d] (%q): %w", i, k.ID, err)
+			return nil, fmt.Errorf("sandbox handler: %s %q (JSON keys[%d]): %w", option("key", "keys"), k.ID, i, err)
 		}
 		if k.ID == "" {
-			return nil, fmt.Errorf("sandbox handler: keys[%d] has no id", i)
+			return nil, fmt.Errorf("sandbox handler: %s (JSON keys[%d]) has no key ID: give it as `key <id> <base64>`", option("key", "keys"), i)
 		}
 		if err := add("inline", map[string]ed25519.PublicKey{k.ID: pub}); err != nil {
 			return nil, err
@@ -369,21 +406,21 @@ func (h *SandboxHandler) keyring() (map[string]ed25519.PublicKey, error) {
 	for _, f := range h.KeyFiles {
 		data, err := os.ReadFile(f)
 		if err != nil {
-			return nil, fmt.Errorf("sandbox handler: key file: %w", err)
+			return nil, fmt.Errorf("sandbox handler: %s: %w", option("key_file", "key_files"), err)
 		}
 		ring, err := preamble.ParseKeyring(data)
 		if err != nil {
-			return nil, fmt.Errorf("sandbox handler: key file %s: %w", f, err)
+			return nil, fmt.Errorf("sandbox handler: %s %s: %w", option("key_file", "key_files"), f, err)
 		}
 		if len(ring) == 0 {
-			return nil, fmt.Errorf("sandbox handler: key file %s holds no PUBLIC KEY block", f)
+			return nil, fmt.Errorf("sandbox handler: %s %s holds no PUBLIC KEY block: give the gateways' keyring (caddy sandbox keygen --pub-out)", option("key_file", "key_files"), f)
 		}
 		if err := add(f, ring); err != nil {
 			return nil, err
 		}
 	}
 	if len(keys) == 0 {
-		return nil, errors.New("sandbox handler: no gateway keys: set keys or key_files")
+		return nil, fmt.Errorf("sandbox handler: no gateway keys: add %s or %s with the gateways' Ed25519 public keys (caddy sandbox keygen --pub-out)", option("key <id> <base64>", "keys"), option("key_file <file>", "key_files"))
 	}
 	return keys, nil
 }
@@ -758,5 +795,6 @@ func checkRouteHandlers(handlers []json.RawMessage, tlsBefore bool, where string
 var (
 	_ layer4.NextHandler = (*SandboxHandler)(nil)
 	_ caddy.Provisioner  = (*SandboxHandler)(nil)
+	_ caddy.Validator    = (*SandboxHandler)(nil)
 	_ caddy.CleanerUpper = (*SandboxHandler)(nil)
 )

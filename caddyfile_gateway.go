@@ -1,8 +1,12 @@
 package caddyktls
 
 import (
+	"net/http"
+
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/caddyserver/caddy/v2/modules/caddytls"
 )
@@ -212,3 +216,92 @@ func (t *SandboxTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 }
 
 var _ caddyfile.Unmarshaler = (*SandboxTransport)(nil)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("sandbox_lookup", func(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+		l := new(SandboxLookup)
+		err := l.UnmarshalCaddyfile(h.Dispenser)
+		return l, err
+	})
+	// Its variables are for reverse_proxy.
+	httpcaddyfile.RegisterDirectiveOrder("sandbox_lookup", httpcaddyfile.Before, "reverse_proxy")
+}
+
+// unmarshalLookup reads a sandbox_lookup directive, HTTP or layer4:
+//
+//	sandbox_lookup <sandbox_id> {
+//		url          <url with {sandbox}>   # required
+//		header       <name> <value>         # repeatable; e.g. Authorization "Bearer {env.CP_TOKEN}"
+//		timeout      <duration>             # default 5s
+//		ttl          <duration>             # default 30s
+//		negative_ttl <duration>             # default 5s
+//		max_entries  <n>                    # default 65536
+//	}
+func unmarshalLookup(d *caddyfile.Dispenser, sandbox *string, o *LookupOptions) error {
+	d.Next() // the directive's name
+	if !d.NextArg() {
+		return d.Err("sandbox_lookup takes the sandbox ID to look up (a placeholder), then a block with its url")
+	}
+	*sandbox = d.Val()
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch opt := d.Val(); opt {
+		case "url":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			o.URL = d.Val()
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+		case "header":
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return d.Errf("header takes a field name and a value, got %d arguments", len(args))
+			}
+			if o.Headers == nil {
+				o.Headers = http.Header{}
+			}
+			o.Headers.Add(args[0], args[1])
+		case "timeout", "ttl", "negative_ttl":
+			dur, err := durationArg(d)
+			if err != nil {
+				return err
+			}
+			switch opt {
+			case "timeout":
+				o.Timeout = dur
+			case "ttl":
+				o.TTL = dur
+			default:
+				o.NegativeTTL = dur
+			}
+		case "max_entries":
+			n, err := positiveIntArg(d)
+			if err != nil {
+				return err
+			}
+			o.MaxEntries = n
+		default:
+			return d.Errf("unknown sandbox_lookup option %q", opt)
+		}
+	}
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the handler: see unmarshalLookup.
+func (h *SandboxLookup) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	return unmarshalLookup(d, &h.Sandbox, &h.LookupOptions)
+}
+
+// UnmarshalCaddyfile sets up the handler: see unmarshalLookup.
+func (h *SandboxLookupL4) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	return unmarshalLookup(d, &h.Sandbox, &h.LookupOptions)
+}
+
+var (
+	_ caddyfile.Unmarshaler = (*SandboxLookup)(nil)
+	_ caddyfile.Unmarshaler = (*SandboxLookupL4)(nil)
+)

@@ -31,12 +31,14 @@ package caddyktls
 
 // The module IDs, also the `module` label of the metrics.
 const (
-	moduleListenerWrapper  = "caddy.listeners.ktls"
-	moduleL4Handler        = "layer4.handlers.ktls"
-	moduleKTLSSession      = "layer4.handlers.ktls_session"
-	moduleSandboxHandler   = "layer4.handlers.sandbox"
-	moduleSandboxMatcher   = "layer4.matchers.sandbox"
-	moduleAdminSandbox     = "admin.api.sandbox"
-	moduleSandboxProxy     = "layer4.handlers.sandbox_proxy"
-	moduleSandboxTransport = "http.reverse_proxy.transport.sandbox"
+	moduleListenerWrapper   = "caddy.listeners.ktls"
+	moduleL4Handler         = "layer4.handlers.ktls"
+	moduleKTLSSession       = "layer4.handlers.ktls_session"
+	moduleSandboxHandler    = "layer4.handlers.sandbox"
+	moduleSandboxMatcher    = "layer4.matchers.sandbox"
+	moduleAdminSandbox      = "admin.api.sandbox"
+	moduleSandboxProxy      = "layer4.handlers.sandbox_proxy"
+	moduleSandboxTransport  = "http.reverse_proxy.transport.sandbox"
+	moduleSandboxLookupHTTP = "http.handlers.sandbox_lookup"
+	moduleSandboxLookupL4   = "layer4.handlers.sandbox_lookup"
 )

@@ -81,6 +81,13 @@ func (f gatewayFiles) dialJSON() map[string]any {
 // into the sandbox_proxy handler's JSON.
 func newGatewayEnv(t *testing.T, proxyOpts map[string]any) *gatewayEnv {
 	t.Helper()
+	return newGatewayEnvWith(t, proxyOpts)
+}
+
+// newGatewayEnvWith is newGatewayEnv with handlers placed between ktls
+// and sandbox_proxy.
+func newGatewayEnvWith(t *testing.T, proxyOpts map[string]any, before ...any) *gatewayEnv {
+	t.Helper()
 	e := &gatewayEnv{sandboxEnv: newSandboxConfig(t, nil), gwAddr: loopbackAddr(t)}
 	e.files = writeGatewayFiles(t, e.ca, e.client)
 	sh := e.sandboxHandler()
@@ -99,10 +106,10 @@ func newGatewayEnv(t *testing.T, proxyOpts map[string]any) *gatewayEnv {
 	servers := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)
 	servers["edge"] = map[string]any{
 		"listen": []string{e.gwAddr},
-		"routes": []any{map[string]any{"handle": []any{
-			map[string]any{"handler": "ktls", "handshake_timeout": "2m"},
+		"routes": []any{map[string]any{"handle": append(append([]any{
+			map[string]any{"handler": "ktls", "handshake_timeout": "2m"}}, before...),
 			proxy,
-		}}},
+		)}},
 	}
 	e.start(t)
 	return e

@@ -143,6 +143,12 @@ func newTransportEnvWith(t *testing.T, target string, edit func(cfg, sandbox map
 		}
 	}
 	proxy := map[string]any{"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": e.addr}}, "flush_interval": -1, "transport": transport}
+	e.cfg["apps"].(map[string]any)["http"] = map[string]any{"servers": map[string]any{"gateway": map[string]any{
+		"listen":                  []string{e.siteAddr},
+		"automatic_https":         map[string]any{"disable": true},
+		"tls_connection_policies": []any{map[string]any{}},
+		"routes":                  []any{map[string]any{"handle": []any{proxy}}},
+	}}}
 	for k, v := range edit(e.cfg, sh) {
 		if k == "upstreams" {
 			ups := v.([]any)
@@ -154,17 +160,11 @@ func newTransportEnvWith(t *testing.T, target string, edit func(cfg, sandbox map
 		}
 		proxy[k] = v
 	}
-	e.cfg["apps"].(map[string]any)["http"] = map[string]any{"servers": map[string]any{"gateway": map[string]any{
-		"listen":                  []string{e.siteAddr},
-		"automatic_https":         map[string]any{"disable": true},
-		"tls_connection_policies": []any{map[string]any{}},
-		"routes":                  []any{map[string]any{"handle": []any{proxy}}},
-	}}}
 	e.start(t)
 	return e
 }
 
-// client is a user's HTTP client to the site: HTTP/2 when h2, else 1.1.
+// user is a user's HTTP client to the site: HTTP/2 when h2, else 1.1.
 func (e *transportEnv) user(h2 bool) *http.Client {
 	tr := &http.Transport{
 		TLSClientConfig: &tls.Config{RootCAs: e.ca.Pool},
@@ -455,6 +455,8 @@ func TestKernelSandboxTransportRefusalRetried(t *testing.T) {
 		return map[string]any{
 			"upstreams":      []any{map[string]any{"dial": refusing}, map[string]any{"dial": "{self}"}},
 			"load_balancing": map[string]any{"retries": 1, "selection_policy": map[string]any{"policy": "first"}},
+			// A refusal counts as a failure: the retry goes elsewhere.
+			"health_checks": map[string]any{"passive": map[string]any{"fail_duration": "1m", "max_fails": 1}},
 		}
 	})
 	m0 := env.metrics(t)

@@ -1,0 +1,88 @@
+package caddyktls
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/mholt/caddy-l4/layer4"
+	"go.uber.org/zap"
+
+	"github.com/ktlsingress/caddy-ktls/gateway"
+)
+
+func init() {
+	caddy.RegisterModule(new(SandboxLookupL4))
+}
+
+// SandboxLookupL4 is the layer4 sandbox_lookup handler: it finds the
+// sandbox a connection is for through the control plane, as the HTTP
+// sandbox_lookup does, and sets the placeholders {l4.sandbox.id},
+// {l4.sandbox.forwarder} and {l4.sandbox.target} for the sandbox_proxy
+// after it. A failed lookup refuses the connection (access_denied on a kTLS
+// session) with the reason in the log.
+type SandboxLookupL4 struct {
+	// Sandbox is the sandbox ID to look up; placeholders are replaced per
+	// connection, e.g. {l4.tls.server_name.labels.2}. Required.
+	Sandbox string `json:"sandbox,omitempty"`
+
+	// How the control plane is asked (LookupOptions), at the top level of
+	// the JSON.
+	LookupOptions
+
+	logger *zap.Logger
+	lookup *gateway.Lookup
+}
+
+// The placeholders the layer4 lookup sets.
+const l4LookupPrefix = layer4.AppReplPrefix + "sandbox."
+
+// CaddyModule returns the Caddy module information.
+func (*SandboxLookupL4) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleSandboxLookupL4, New: func() caddy.Module { return new(SandboxLookupL4) }}
+}
+
+// Validate checks the configuration without loading anything.
+func (h *SandboxLookupL4) Validate() error {
+	if h.Sandbox == "" || h.URL == "" {
+		return errors.New("sandbox_lookup: sandbox and url are required")
+	}
+	return nil
+}
+
+// Provision sets up the handler.
+func (h *SandboxLookupL4) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger(h)
+	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
+	l, err := h.newLookup(h.logger)
+	if err != nil {
+		return fmt.Errorf("sandbox_lookup: %w", err)
+	}
+	h.lookup = l
+	return nil
+}
+
+// Handle looks the connection's sandbox up and sets its placeholders.
+func (h *SandboxLookupL4) Handle(cx *layer4.Connection, next layer4.Handler) error {
+	repl := cx.Replacer()
+	sandbox := repl.ReplaceAll(h.Sandbox, "")
+	loc, err := resolve(cx.Context, h.lookup, moduleSandboxLookupL4, sandbox, h.logger, zap.String("peer", cx.RemoteAddr().String()))
+	if err != nil {
+		user, _ := relayConn(cx)
+		refuseConn(user)
+		return nil
+	}
+	repl.Set(l4LookupPrefix+"id", sandbox)
+	repl.Set(l4LookupPrefix+"forwarder", loc.Forwarder)
+	repl.Set(l4LookupPrefix+"target", loc.Target.String())
+	return next.Handle(cx)
+}
+
+// Interface guards.
+var (
+	_ layer4.NextHandler = (*SandboxLookupL4)(nil)
+	_ caddy.Provisioner  = (*SandboxLookupL4)(nil)
+	_ caddy.Validator    = (*SandboxLookupL4)(nil)
+)

@@ -1,6 +1,10 @@
 package caddyktls
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ktlsingress/caddy-ktls/gateway"
+)
 
 // The gateway modules' counters, process-level like the other metrics.
 var (
@@ -32,4 +36,15 @@ const (
 
 func init() {
 	metrics.histograms = append(metrics.histograms, gatewayDials, gatewayEnds, gatewayRelayBytes)
+	// Every series exists from the start, as the forwarder's do.
+	for _, m := range []string{moduleSandboxProxy, moduleSandboxTransport} {
+		for _, r := range []string{gatewayDialOK, gatewayDialNoRoute, gateway.StepConnect, gateway.StepHandshake, gateway.StepPreamble} {
+			gatewayDials.WithLabelValues(m, r)
+		}
+		for _, e := range []gateway.End{gateway.EndClosed, gateway.EndRefused, gateway.EndFailed} {
+			gatewayEnds.WithLabelValues(m, string(e))
+		}
+	}
+	gatewayRelayBytes.WithLabelValues(relayPathSplice)
+	gatewayRelayBytes.WithLabelValues(relayPathCopy)
 }

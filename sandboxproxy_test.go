@@ -115,6 +115,13 @@ func newGatewayEnvWith(t *testing.T, proxyOpts map[string]any, before ...any) *g
 	return e
 }
 
+// proxyHandler returns the sandbox_proxy handler's JSON in e.cfg.
+func (e *gatewayEnv) proxyHandler() map[string]any {
+	edge := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["edge"].(map[string]any)
+	handle := edge["routes"].([]any)[0].(map[string]any)["handle"].([]any)
+	return handle[len(handle)-1].(map[string]any)
+}
+
 // userDial is a user's TLS session to the gateway for sandbox.
 func (e *gatewayEnv) userDial(t *testing.T, sandbox string) *tls.Conn {
 	t.Helper()
@@ -350,5 +357,39 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 		if err := tc.h.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: Validate() = %v, want it to contain %q", tc.name, err, tc.want)
 		}
+	}
+}
+
+// A reload (of the one Caddy that is both gateway and forwarder here)
+// leaves an open sandbox_proxy tunnel alone: bytes the user sends after it
+// still reach the sandbox, exact.
+func TestSandboxProxySurvivesReload(t *testing.T) {
+	const half = 256 << 10
+	up := forwardtest.NewUpstream(t, 1000)
+	e := newGatewayEnv(t, map[string]any{"target": up.Addr().String()})
+	c := e.userDial(t, uniqueSandbox("sbx-reload"))
+	defer c.Close()
+	src := forwardtest.NewPattern(11)
+	if _, err := io.CopyN(c, src, half); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, 30*time.Second, func() bool { return up.Received() == half }, "the first half to reach the sandbox")
+	// A changed configuration, or Caddy would skip the load.
+	e.proxyHandler()["dial_timeout"] = "9s"
+	e.postLoad(t)
+	if _, err := io.CopyN(c, src, half); err != nil {
+		t.Fatalf("after the reload: %v", err)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	n, err := io.Copy(io.Discard, c)
+	if err != nil || n != 1000 {
+		t.Errorf("the user read %d bytes, %v; want the sandbox's 1000 and an orderly end", n, err)
+	}
+	up.Close()
+	if r := up.Results()[0]; r.Received != 2*half || r.RecvSum != forwardtest.PatternSum(11, 2*half) {
+		t.Errorf("the sandbox received %d bytes (want %d with the user's hash)", r.Received, 2*half)
 	}
 }

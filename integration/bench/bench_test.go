@@ -355,6 +355,9 @@ func TestOffloadLeavesOutGatewayKeys(t *testing.T) {
 func TestKeyInstallsPerTunnel(t *testing.T) {
 	forwarder, _ := findContender("ktls")
 	rxOff, _ := findContender("ktls-rx-off")
+	l4l4, _ := findContender("l4-l4")
+	l7l4, _ := findContender("l7-l4")
+	l7l7, _ := findContender("l7-l7")
 	for _, tc := range []struct {
 		name            string
 		c               contender
@@ -367,6 +370,14 @@ func TestKeyInstallsPerTunnel(t *testing.T) {
 		{"no tunnel, no install", forwarder, 0, 0, 0, 2},
 		{"rx off: TX per tunnel, no RX", rxOff, 24, 0, 24, 0},
 		{"rx off with RX keys", rxOff, 24, 1, 24, 1},
+		// Chains: tunnels are the forwarder's (the upstream's connections).
+		{"l4-l4: user, gateway and forwarder sockets", l4l4, 3 * 24, 3 * 24, 24, 0},
+		{"l4-l4: the gateway's forwarder socket in userspace", l4l4, 2 * 24, 2 * 24, 24, 2},
+		{"l7-l4: gateway and forwarder sockets", l7l4, 2 * 24, 2 * 24, 24, 0},
+		{"l7-l4: only the forwarder in the kernel", l7l4, 24, 24, 24, 2},
+		{"l7-l4: a cell on pooled tunnels only", l7l4, 0, 0, 0, 0},
+		{"l7-l7: no kernel key anywhere", l7l7, 0, 0, 24, 0},
+		{"l7-l7 with a kernel key", l7l7, 1, 0, 24, 1},
 	} {
 		errs := keyInstallErrors(tc.c, tc.tx, tc.rx, tc.tunnels)
 		if len(errs) != tc.wantErrs {
@@ -382,28 +393,42 @@ func TestZeroCopyAllowance(t *testing.T) {
 	const tunnels, frame = 8, 161
 	ok := structural{Bytes: 40960, Tunnels: tunnels, PreambleBytes: tunnels * frame, PreOffloadBytes: tunnels * 1067}
 	ok.UserspaceBytes = ok.PreOffloadBytes + ok.PreambleBytes + tunnels*alertBytesPerTunnel
-	if e := zeroCopyError(&ok, true); e != "" {
+	if e := zeroCopyError(&ok, true, 1); e != "" {
 		t.Errorf("preambles and alerts only: %s", e)
 	}
 	copied := ok
 	copied.UserspaceBytes++
-	if e := zeroCopyError(&copied, true); e == "" {
+	if e := zeroCopyError(&copied, true, 1); e == "" {
 		t.Error("one byte above the preambles and alerts passed")
 	}
 	relay := ok // every payload byte read and written in userspace
 	relay.UserspaceBytes += 2 * relay.Bytes
-	if e := zeroCopyError(&relay, true); e == "" {
+	if e := zeroCopyError(&relay, true, 1); e == "" {
 		t.Error("a copying relay passed")
 	} else {
 		t.Log(e)
 	}
 	plain := structural{Bytes: 1 << 20, Tunnels: 3}
-	if e := zeroCopyError(&plain, false); e != "" {
+	if e := zeroCopyError(&plain, false, 1); e != "" {
 		t.Errorf("plain splice without userspace bytes: %s", e)
 	}
 	plain.UserspaceBytes = 1
-	if e := zeroCopyError(&plain, false); e == "" {
+	if e := zeroCopyError(&plain, false, 1); e == "" {
 		t.Error("plain splice: a byte through userspace passed")
+	}
+	// An edge gateway has two kTLS sockets per tunnel, the user's and the
+	// forwarder's, each with its close_notify each way.
+	gw := ok
+	gw.UserspaceBytes += tunnels * alertBytesPerTunnel
+	if e := zeroCopyError(&gw, true, 2); e != "" {
+		t.Errorf("gateway, preambles and both sockets' alerts: %s", e)
+	}
+	if e := zeroCopyError(&gw, true, 1); e == "" {
+		t.Error("one socket's allowance passed a second socket's alerts")
+	}
+	gw.UserspaceBytes++
+	if e := zeroCopyError(&gw, true, 2); e == "" {
+		t.Error("gateway: one byte above its allowance passed")
 	}
 }
 

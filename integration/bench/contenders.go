@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strings"
 	"text/template"
+
+	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
 // contender is one forwarder under test. Each terminates the gateway's TLS
@@ -34,13 +36,60 @@ type contender struct {
 	// command writes the contender's configuration into env.dir and returns
 	// the process to start; it must listen on env.listen.
 	command func(env *runEnv) (*exec.Cmd, error)
+	// chain, instead of command: an edge-gateway path of several processes
+	// (the gateway first, listening on env.listen, then the hop behind it,
+	// on env.hopListen). The CPU of every hop is measured, summed and per
+	// hop; the structural passes trace the first (the gateway).
+	chain func(env *runEnv) ([]hop, error)
+	// keySockets: for a chain, the sockets per tunnel (a TCP connection
+	// the app or upstream accepts: one per forwarder tunnel) that must
+	// install a kernel key in each kernel direction; tls_stat must show
+	// that many per tunnel at least. Single-process contenders: 1.
+	keySockets int
+	// alertSockets: for a zero-copy chain, the kTLS sockets per tunnel of
+	// the traced hop, each of which moves a close_notify each way through
+	// userspace (recvmsg/sendmsg with the record type).
+	alertSockets int
+}
+
+// hop is one process of a contender: its name in the results ("gateway",
+// "forwarder"), the address it listens on and its command.
+type hop struct {
+	name, listen string
+	cmd          *exec.Cmd
+}
+
+// gatewayFrameLen is the length of the preamble frame an edge gateway of
+// this run writes per tunnel (same key ID, sandbox and target, a 32-byte
+// channel binding): l4-l4's zero-copy allowance.
+func (env *runEnv) gatewayFrameLen() int {
+	frame, err := env.pki.signer.Sign(preamble.Claims{SandboxID: "bench", Target: env.up.raw.Addr().(*net.TCPAddr).AddrPort(), Binding: make([]byte, 32)})
+	if err != nil {
+		panic(err) // the same claims the bench's own preambles carry
+	}
+	return len(frame)
+}
+
+// hops returns the processes of c, the user-facing one first.
+func (c contender) hops(env *runEnv) ([]hop, error) {
+	if c.chain != nil {
+		return c.chain(env)
+	}
+	cmd, err := c.command(env)
+	if err != nil {
+		return nil, err
+	}
+	return []hop{{name: "forwarder", listen: env.listen, cmd: cmd}}, nil
 }
 
 // runEnv is what a contender's configuration refers to.
 type runEnv struct {
 	dir, caddy, self, listen string
-	up                       *upstream
-	pki                      *pki
+	// hopListen: the address of a chain's second hop (the forwarder, or
+	// l7-l7's dataplane reverse_proxy).
+	hopListen string
+	up        *upstream
+	pki       *pki
 	// countRequired: the VM's kernel (Debian's) has the syscall tracepoint,
 	// so there a structural pass without its untraced count is a failure;
 	// natively the host's kernel may lack it, and the count is left out.
@@ -67,6 +116,12 @@ var contenders = []contender{
 	{name: "floor-plain", dialKind: "plain", zeroCopy: true, command: floor("floor-plain")},
 	{name: "floor-rw-ktls", dialKind: "tls", kernelTX: true, kernelRX: true, command: floor("floor-rw-ktls")},
 	{name: "floor-rw-plain", dialKind: "plain", command: floor("floor-rw-plain")},
+	// The edge-gateway paths of issue 19: the bench's client is the user
+	// (plain TLS, no preamble, no client certificate); the gateway Caddy
+	// reaches the sandbox's host over mutual TLS.
+	{name: "l7-l7", dialKind: "https", chain: l7l7},
+	{name: "l7-l4", dialKind: "https", kernelTX: true, kernelRX: true, keySockets: 2, chain: l7l4},
+	{name: "l4-l4", dialKind: "tls", kernelTX: true, kernelRX: true, keySockets: 3, zeroCopy: true, alertSockets: 2, chain: l4l4},
 }
 
 func contenderNames() []string {
@@ -131,8 +186,12 @@ func caddyCommand(env *runEnv, name string, cfg map[string]any) (*exec.Cmd, erro
 }
 
 func layer4(env *runEnv, handlers ...any) map[string]any {
+	return layer4At(env.listen, handlers...)
+}
+
+func layer4At(listen string, handlers ...any) map[string]any {
 	return map[string]any{"layer4": map[string]any{"servers": map[string]any{"bench": map[string]any{
-		"listen": []string{env.listen},
+		"listen": []string{listen},
 		"routes": []any{map[string]any{"handle": handlers}},
 	}}}}
 }
@@ -143,20 +202,25 @@ func layer4(env *runEnv, handlers ...any) map[string]any {
 // upstream must be allowed explicitly.
 func caddySandbox(offload map[string]any) func(*runEnv) (*exec.Cmd, error) {
 	return func(env *runEnv) (*exec.Cmd, error) {
-		ktlsHandler := map[string]any{"handler": "ktls", "connection_policies": []any{map[string]any{
-			"client_authentication": map[string]any{"mode": "require_and_verify", "trusted_ca_certs": []string{env.pki.caDER}},
-		}}}
-		for k, v := range offload {
-			ktlsHandler[k] = v
-		}
-		sandbox := map[string]any{
-			"handler":                 "sandbox",
-			"keys":                    []any{map[string]any{"id": env.pki.signer.KeyID(), "public_key": env.pki.signingPub}},
-			"require_channel_binding": true,
-			"allow_cidrs":             []string{"127.0.0.1"},
-		}
-		return caddyCommand(env, "caddy-sandbox", caddyBase(env, layer4(env, ktlsHandler, sandbox)))
+		return caddyCommand(env, "caddy-sandbox", caddyBase(env, sandboxForwarder(env, env.listen, offload)))
 	}
+}
+
+// sandboxForwarder is the layer4 app of this project's forwarder on listen.
+func sandboxForwarder(env *runEnv, listen string, offload map[string]any) map[string]any {
+	ktlsHandler := map[string]any{"handler": "ktls", "connection_policies": []any{map[string]any{
+		"client_authentication": map[string]any{"mode": "require_and_verify", "trusted_ca_certs": []string{env.pki.caDER}},
+	}}}
+	for k, v := range offload {
+		ktlsHandler[k] = v
+	}
+	sandbox := map[string]any{
+		"handler":                 "sandbox",
+		"keys":                    []any{map[string]any{"id": env.pki.signer.KeyID(), "public_key": env.pki.signingPub}},
+		"require_channel_binding": true,
+		"allow_cidrs":             []string{"127.0.0.1"},
+	}
+	return layer4At(listen, ktlsHandler, sandbox)
 }
 
 // clientAuth is a Caddy connection policy's client authentication as the
@@ -194,6 +258,123 @@ func caddyReverseProxy(env *runEnv) (*exec.Cmd, error) {
 			"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": env.up.webAddr()}},
 		}}}},
 	}}}}))
+}
+
+// The edge-gateway chains (issue 19). Every hop is a Caddy of its own,
+// without admin endpoint (no -pprof), started back to front. The gateway
+// reaches the second hop over mutual TLS (its client certificate, the
+// run's CA, server name localhost), HTTP/1.1 on the L7 hops; the app (the
+// upstream's HTTP listener, or its raw one for l4-l4) is the sandbox.
+
+// gatewayTLSConfig is the gateway's side of the mutual TLS to the second
+// hop, as reverse_proxy's http transport and the gateway modules take it.
+func gatewayTLSConfig(env *runEnv) map[string]any {
+	return map[string]any{
+		"client_certificate_file":     env.pki.clientCertFile,
+		"client_certificate_key_file": env.pki.clientKeyFile,
+		"ca":                          map[string]any{"provider": "file", "pem_files": []string{env.pki.certFile}},
+		"server_name":                 "localhost",
+	}
+}
+
+// gatewayDial is the part of the gateway modules' JSON that says how the
+// forwarder is reached: mutual TLS, the preamble's key, and kernel TLS on
+// the forwarder connection or a failed tunnel (require_offload).
+func gatewayDial(env *runEnv, fields map[string]any) map[string]any {
+	fields["tls"] = gatewayTLSConfig(env)
+	fields["signing_key_file"] = env.pki.signingKeyFile
+	fields["require_offload"] = true
+	return fields
+}
+
+// httpsServer is a Caddy HTTP server on listen: TLS 1.3, HTTP/1.1 (the
+// bench's client speaks it, and so do the L7 hops), one route of handlers.
+func httpsServer(listen string, policy map[string]any, handlers ...any) map[string]any {
+	policy["protocol_min"] = "tls1.3"
+	return map[string]any{"http": map[string]any{"servers": map[string]any{"bench": map[string]any{
+		"listen":                  []string{listen},
+		"protocols":               []string{"h1"},
+		"automatic_https":         map[string]any{"disable": true},
+		"tls_connection_policies": []any{policy},
+		"routes":                  []any{map[string]any{"handle": handlers}},
+	}}}}
+}
+
+// poolConns is how many idle connections an L7 gateway keeps to its one
+// upstream: Caddy's http transport default (32), given to the sandbox
+// transport too (its default is 8 per route), so that 16 concurrent
+// small-call connections reuse their tunnels on both L7 paths alike.
+const poolConns = 32
+
+// chainHops starts the second hop's config, then the gateway's.
+func chainHops(env *runEnv, name string, gatewayApps, hopApps map[string]any, hopName string) ([]hop, error) {
+	back, err := caddyCommand(env, "caddy-"+name+"-"+hopName, caddyBase(env, hopApps))
+	if err != nil {
+		return nil, err
+	}
+	front, err := caddyCommand(env, "caddy-"+name+"-gateway", caddyBase(env, gatewayApps))
+	if err != nil {
+		return nil, err
+	}
+	return []hop{{name: "gateway", listen: env.listen, cmd: front}, {name: hopName, listen: env.hopListen, cmd: back}}, nil
+}
+
+// l7l7 is the old path: the gateway's reverse_proxy over mutual TLS to a
+// dataplane Caddy's reverse_proxy, and from it to the app; HTTP parsed and
+// re-sent on both hops, every record sealed and opened in userspace.
+func l7l7(env *runEnv) ([]hop, error) {
+	gw := httpsServer(env.listen, map[string]any{}, map[string]any{
+		"handler":   "reverse_proxy",
+		"upstreams": []any{map[string]any{"dial": env.hopListen}},
+		// The user's Host (localhost, the name the TLS client sends), not
+		// the TLS upstream's address, which reverse_proxy sends by
+		// default: the dataplane authenticates the gateway, and Caddy then
+		// answers 421 to a Host that differs from the server name.
+		"headers": map[string]any{"request": map[string]any{"set": map[string]any{"Host": []string{"{http.request.host}"}}}},
+		"transport": map[string]any{
+			"protocol":   "http",
+			"versions":   []string{"1.1"},
+			"tls":        gatewayTLSConfig(env),
+			"keep_alive": map[string]any{"max_idle_conns_per_host": poolConns},
+		},
+	})
+	dataplane := httpsServer(env.hopListen, map[string]any{
+		"client_authentication": map[string]any{"mode": "require_and_verify", "trusted_ca_certs": []string{env.pki.caDER}},
+	}, map[string]any{
+		"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": env.up.webAddr()}},
+	})
+	return chainHops(env, "l7-l7", gw, dataplane, "forwarder")
+}
+
+// l7l4 is the new HTTP path: the gateway's reverse_proxy with the sandbox
+// transport (a tunnel per pooled connection, kTLS on it) to this project's
+// forwarder, which splices to the app.
+func l7l4(env *runEnv) ([]hop, error) {
+	gw := httpsServer(env.listen, map[string]any{}, map[string]any{
+		"handler":   "reverse_proxy",
+		"upstreams": []any{map[string]any{"dial": env.hopListen}},
+		"transport": gatewayDial(env, map[string]any{
+			"protocol":                 "sandbox",
+			"sandbox":                  "bench",
+			"target":                   env.up.webAddr(),
+			"versions":                 []string{"1.1"},
+			"max_idle_conns_per_route": poolConns,
+		}),
+	})
+	return chainHops(env, "l7-l4", gw, sandboxForwarder(env, env.hopListen, nil), "forwarder")
+}
+
+// l4l4 is the raw TCP path: the gateway's ktls handler terminates the
+// user's TLS, sandbox_proxy opens the tunnel (kTLS) and splices between
+// the two kTLS sockets; the forwarder splices to the upstream.
+func l4l4(env *runEnv) ([]hop, error) {
+	gw := layer4At(env.listen, map[string]any{"handler": "ktls"}, gatewayDial(env, map[string]any{
+		"handler":   "sandbox_proxy",
+		"forwarder": env.hopListen,
+		"sandbox":   "bench",
+		"target":    env.up.rawAddr(),
+	}))
+	return chainHops(env, "l4-l4", gw, sandboxForwarder(env, env.hopListen, nil), "forwarder")
 }
 
 // HAProxy 2.6: TLS termination, mode tcp, one thread, no master process.

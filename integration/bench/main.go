@@ -2,7 +2,10 @@
 // every forwarder contender (this project with kTLS on, RX off and offload
 // off, caddy-l4's tls+proxy, Caddy's reverse_proxy, HAProxy, nginx, and four
 // floors of its own) against the same upstream, through the same gateway
-// client, and writes one JSON document (docs/bench/results.json).
+// client, and writes one JSON document (docs/bench/results.json). It also
+// runs the edge-gateway paths of issue 19 (l7-l7, l7-l4, l4-l4: a gateway
+// Caddy and the hop behind it, its client playing the user;
+// docs/bench/gateway.md).
 //
 // integration/bench.sh builds it and runs it in a VM under qemu -icount,
 // where guest time counts instructions; see that script for the modes.
@@ -102,7 +105,22 @@ type run struct {
 	P99us    float64 `json:"p99_us"`
 	SHA256OK bool    `json:"sha256_ok"`
 	CPUFrom  string  `json:"cpu_source"`
-	Error    string  `json:"error,omitempty"`
+	// Hops: a chain's CPU per process (cpu_s is their sum).
+	Hops  []hopRun `json:"hops,omitempty"`
+	Error string   `json:"error,omitempty"`
+}
+
+// hopRun is one process's CPU in a run of a chain.
+type hopRun struct {
+	Name string  `json:"name"`
+	CPUs float64 `json:"cpu_s"`
+}
+
+// hopResult is one process's share of a chain's cell.
+type hopResult struct {
+	Name         string  `json:"name"`
+	CPUPerGiB    spread  `json:"cpu_s_per_gib"`
+	CallsPerCPUs *spread `json:"calls_per_cpu_s,omitempty"`
 }
 
 type result struct {
@@ -125,8 +143,15 @@ type result struct {
 	Tunnels int64 `json:"tunnels,omitempty"`
 	// Resumed: of those tunnels, the ones whose TLS handshake resumed a
 	// session (small-per-call-resumed).
-	Resumed int64    `json:"resumed,omitempty"`
-	Errors  []string `json:"errors,omitempty"`
+	Resumed int64 `json:"resumed,omitempty"`
+	// Hops: a chain's figures per process (cpu_s_per_gib and
+	// calls_per_cpu_s above are of all its processes together).
+	Hops []hopResult `json:"hops,omitempty"`
+	// UpstreamConns: the connections the upstream accepted over the cell;
+	// for a chain, its forwarder's tunnels, the unit of its key-install
+	// check.
+	UpstreamConns int64    `json:"upstream_conns,omitempty"`
+	Errors        []string `json:"errors,omitempty"`
 }
 
 var shapes = []string{"upload", "download", "small-reuse", "small-per-call", "small-per-call-resumed"}
@@ -220,6 +245,7 @@ func runDriver(args []string) error {
 		return fmt.Errorf("mode %s (gateway kTLS %v) needs kernel TLS: %v", *mode, p.GatewayKTLS, kernelTLS)
 	}
 	stat0, _ := kerneltest.ReadStat()
+	chains := false
 	for _, name := range strings.Split(*only, ",") {
 		c, ok := findContender(name)
 		if !ok {
@@ -233,7 +259,11 @@ func runDriver(args []string) error {
 			continue
 		}
 		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, countRequired: *mode != "native", gatewayKTLS: p.GatewayKTLS, peersMTLS: p.PeersMTLS}
-		if *pprofDir != "" {
+		if c.chain != nil {
+			env.hopListen = freeAddr()
+			chains = true
+		}
+		if *pprofDir != "" && c.chain == nil {
 			env.adminSock = filepath.Join(dir, c.name+".admin.sock")
 		}
 		results, err := benchContender(c, env, p, shapeNames, !*noTrace, *timeout, *pprofDir)
@@ -247,6 +277,9 @@ func runDriver(args []string) error {
 				rep.OK = false
 			}
 		}
+	}
+	if chains {
+		rep.Notes = append(rep.Notes, chainNote)
 	}
 	if stat1, err := kerneltest.ReadStat(); err == nil {
 		rep.TLSStat = stat1.Sub(stat0)
@@ -268,37 +301,62 @@ func runDriver(args []string) error {
 
 // benchContender starts one contender and runs every shape on it.
 func benchContender(c contender, env *runEnv, p params, shapeNames []string, trace bool, timeout time.Duration, pprofDir string) ([]*result, error) {
-	cmd, err := c.command(env)
+	hops, err := c.hops(env)
 	if err != nil {
 		return nil, err
 	}
-	logFile, err := os.Create(filepath.Join(env.dir, c.name+".log"))
-	if err != nil {
-		return nil, err
+	// The hop behind starts first: the gateway in front of it dials it.
+	procs := make([]*process, len(hops))
+	for i := len(hops) - 1; i >= 0; i-- {
+		name := c.name
+		if c.chain != nil {
+			name += "." + hops[i].name
+		}
+		p, err := startProcess(hops[i], filepath.Join(env.dir, name+".log"))
+		if err != nil {
+			return nil, err
+		}
+		defer p.stop()
+		procs[i] = p
+		if err := waitListening(hops[i].listen, p.exited); err != nil {
+			return nil, fmt.Errorf("%s: %w; log:\n%s", hops[i].name, err, tail(p.log))
+		}
 	}
-	defer logFile.Close()
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start: %w", err)
+	front := procs[0]
+	pids := make([]int, len(procs))
+	for i, p := range procs {
+		pids[i] = p.cmd.Process.Pid
 	}
-	// exited is closed when the contender's process has ended.
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
-	defer stop(cmd, exited)
+	logs := func() string {
+		var b strings.Builder
+		for _, p := range procs {
+			fmt.Fprintf(&b, "%s log:\n%s", p.name, tail(p.log))
+		}
+		return b.String()
+	}
 	// Every shape has the gateway without a session cache but the resumed
 	// one, which has its own, filled by its first handshakes.
 	full, resuming := c.gateway(env, false), c.gateway(env, true)
 	g := full
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	if err := waitListening(env.listen, exited); err != nil {
-		return nil, fmt.Errorf("%w; log:\n%s", err, tail(logFile.Name()))
-	}
 	// A first transfer: the contender works end to end before any figure.
+	warm0, warmStatErr := kerneltest.ReadStat()
+	sealed0, conns0 := g.sealed.Load(), env.up.conns.Load()
 	if _, err := g.download(ctx, 64<<10); err != nil {
-		return nil, fmt.Errorf("warm-up download: %w; log:\n%s", err, tail(logFile.Name()))
+		return nil, fmt.Errorf("warm-up download: %w; %s", err, logs())
 	}
-	log.Printf("== %s (pid %d)", c.name, cmd.Process.Pid)
+	if warm1, err := kerneltest.ReadStat(); c.chain != nil && warmStatErr == nil && err == nil {
+		// The L7 gateways pool the tunnels the warm-up opens, and later
+		// cells may use them without opening any: their key installs are
+		// checked here.
+		d := warm1.Sub(warm0)
+		tx, rx := d["TlsTxSw"]+d["TlsTxDevice"]-(g.sealed.Load()-sealed0), d["TlsRxSw"]+d["TlsRxDevice"]
+		if errs := keyInstallErrors(c, tx, rx, env.up.conns.Load()-conns0); len(errs) > 0 {
+			return nil, fmt.Errorf("warm-up download: %s", strings.Join(errs, "; "))
+		}
+	}
+	log.Printf("== %s (pids %v)", c.name, pids)
 	var results []*result
 	for _, shape := range shapeNames {
 		g := full
@@ -309,13 +367,14 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 		results = append(results, r)
 		stat0, statErr := kerneltest.ReadStat()
 		sealed0, tunnels0, resumed0, asked0 := g.sealed.Load(), g.tunnels.Load(), g.resumed.Load(), g.certAsked.Load()
+		conns0 := env.up.conns.Load()
 		do := shapeFunc(g, shape, p)
 		for i := range p.Repetitions {
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
-			run := measure(ctx, cmd.Process.Pid, func(ctx context.Context, ready func()) (transfer, error) { return do(ctx, false, ready) })
+			run := measure(ctx, hops, pids, func(ctx context.Context, ready func()) (transfer, error) { return do(ctx, false, ready) })
 			cancel()
 			r.Runs = append(r.Runs, run)
-			log.Printf("   %s run %d: %d bytes, %d calls, forwarder cpu %.3fs, wall %.3fs %s", shape, i+1, run.Bytes, run.Calls, run.CPUs, run.Walls, run.Error)
+			log.Printf("   %s run %d: %d bytes, %d calls, forwarder cpu %.3fs%s, wall %.3fs %s", shape, i+1, run.Bytes, run.Calls, run.CPUs, hopsCPU(run.Hops), run.Walls, run.Error)
 		}
 		if _, err := os.Stat(env.adminSock); pprofDir != "" && err == nil {
 			// The profiler samples for a fixed span: runs as slow as the
@@ -332,11 +391,12 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			}
 		}
 		if trace {
-			untraced, untracedErr := countSyscalls(cmd.Process.Pid, do, timeout)
+			pid := front.cmd.Process.Pid
+			untraced, untracedErr := countSyscalls(pid, do, timeout)
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
 			var tr transfer
 			traced0, preamble0 := g.tunnels.Load(), g.preambleBytes.Load()
-			s, err := traceSyscalls(cmd.Process.Pid, filepath.Join(env.dir, "strace."+c.name+"."+shape), func() (err error) {
+			s, err := traceSyscalls(pid, filepath.Join(env.dir, "strace."+c.name+"."+shape), func() (err error) {
 				tr, err = do(ctx, true, nil)
 				return err
 			})
@@ -346,6 +406,10 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			} else {
 				s.Bytes, s.Calls = tr.bytes, tr.calls
 				s.Tunnels, s.PreambleBytes = g.tunnels.Load()-traced0, g.preambleBytes.Load()-preamble0
+				if c.chain != nil && c.dialKind == "tls" {
+					// The traced gateway writes a preamble per tunnel.
+					s.PreambleBytes = s.Tunnels * int64(env.gatewayFrameLen())
+				}
 				s.SyscallsPerGiB = round(float64(s.Syscalls)*gib/float64(tr.bytes), 0)
 				s.UserspaceBytesPerGiB = round(float64(s.UserspaceBytes)*gib/float64(tr.bytes), 0)
 				s.DataSyscallsPerGiB = round(float64(s.DataSyscalls)*gib/float64(tr.bytes), 0)
@@ -376,6 +440,7 @@ func benchContender(c contender, env *runEnv, p params, shapeNames []string, tra
 			r.GatewayTX = g.sealed.Load() - sealed0
 		}
 		r.Tunnels = g.tunnels.Load() - tunnels0
+		r.UpstreamConns = env.up.conns.Load() - conns0
 		if c.peer && p.PeersMTLS && g.certAsked.Load() == asked0 {
 			r.Errors = append(r.Errors, "peers_mtls: the server never asked the gateway for its certificate")
 		}
@@ -428,28 +493,50 @@ func shapeFunc(g *gateway, shape string, p params) func(ctx context.Context, str
 	return nil
 }
 
-// measure runs one shape and charges the forwarder process's CPU to it.
-// A shape that calls ready starts the measurement there instead.
-func measure(ctx context.Context, pid int, do func(context.Context, func()) (transfer, error)) run {
-	before, err := sampleCPU(pid)
+// measure runs one shape and charges the CPU of the contender's processes
+// (pids, one per hop) to it. A shape that calls ready starts the
+// measurement there instead.
+func measure(ctx context.Context, hops []hop, pids []int, do func(context.Context, func()) (transfer, error)) run {
+	sample := func() ([]cpuSample, error) {
+		out := make([]cpuSample, len(pids))
+		for i, pid := range pids {
+			s, err := sampleCPU(pid)
+			if err != nil {
+				return nil, fmt.Errorf("%s gone: %w", hops[i].name, err)
+			}
+			out[i] = s
+		}
+		return out, nil
+	}
+	before, err := sample()
 	if err != nil {
-		return run{Error: "forwarder gone: " + err.Error()}
+		return run{Error: err.Error()}
 	}
 	start := time.Now()
 	tr, runErr := do(ctx, func() {
-		if b, err := sampleCPU(pid); err == nil {
+		if b, err := sample(); err == nil {
 			before = b
 		}
 		start = time.Now()
 	})
 	wall := time.Since(start)
-	after, err := sampleCPU(pid)
+	after, err := sample()
 	if err != nil {
-		return run{Error: "forwarder gone: " + err.Error()}
+		return run{Error: err.Error()}
 	}
-	cpu, user, sys, from := cpuUsed(before, after)
-	r := run{CPUs: cpu, Users: user, Syss: sys, Walls: wall.Seconds(), Bytes: tr.bytes, Calls: tr.calls,
-		SHA256OK: runErr == nil, CPUFrom: from}
+	r := run{Walls: wall.Seconds(), Bytes: tr.bytes, Calls: tr.calls, SHA256OK: runErr == nil, CPUFrom: "schedstat"}
+	for i := range pids {
+		cpu, user, sys, from := cpuUsed(before[i], after[i])
+		r.CPUs += cpu
+		r.Users += user
+		r.Syss += sys
+		if from != "schedstat" {
+			r.CPUFrom = from
+		}
+		if len(pids) > 1 {
+			r.Hops = append(r.Hops, hopRun{Name: hops[i].name, CPUs: cpu})
+		}
+	}
 	if runErr != nil {
 		r.Error = runErr.Error()
 	}
@@ -458,6 +545,19 @@ func measure(ctx context.Context, pid int, do func(context.Context, func()) (tra
 		r.P50us, r.P99us = percentile(tr.latencies, 50), percentile(tr.latencies, 99)
 	}
 	return r
+}
+
+// hopsCPU formats a chain run's CPU per hop for the log ("" for one
+// process).
+func hopsCPU(hops []hopRun) string {
+	var b strings.Builder
+	for _, h := range hops {
+		fmt.Fprintf(&b, " %s %.3fs", h.Name, h.CPUs)
+	}
+	if b.Len() == 0 {
+		return ""
+	}
+	return " (" + strings.TrimSpace(b.String()) + ")"
 }
 
 // summarize fills a result's spreads and checks its data path: the exact
@@ -479,6 +579,7 @@ func summarize(r *result, c contender) {
 		}
 	}
 	r.CPUPerGiB, r.GiBPerS = spreadOf(cpuPerGiB), spreadOf(gibPerS)
+	r.Hops = hopResults(r.Runs)
 	if len(p50) > 0 {
 		cs := spreadOf(callsPerCPU)
 		r.CallsPerCPUs = &cs
@@ -486,10 +587,43 @@ func summarize(r *result, c contender) {
 	}
 	r.Offload = offloadOf(r, c)
 	if c.zeroCopy && r.Structural != nil {
-		if e := zeroCopyError(r.Structural, c.dialKind != "plain"); e != "" {
+		if e := zeroCopyError(r.Structural, c.dialKind != "plain", max(c.alertSockets, 1)); e != "" {
 			r.Errors = append(r.Errors, e)
 		}
 	}
+}
+
+// hopResults are a chain's per-process spreads over its good runs (nil for
+// one process).
+func hopResults(runs []run) []hopResult {
+	var names []string
+	var cpu, calls [][]float64
+	for _, run := range runs {
+		if !run.SHA256OK || len(run.Hops) == 0 {
+			continue
+		}
+		if names == nil {
+			names = make([]string, len(run.Hops))
+			cpu, calls = make([][]float64, len(run.Hops)), make([][]float64, len(run.Hops))
+		}
+		for i, h := range run.Hops {
+			names[i] = h.Name
+			cpu[i] = append(cpu[i], h.CPUs*gib/float64(run.Bytes))
+			if run.Calls > 0 && h.CPUs > 0 {
+				calls[i] = append(calls[i], float64(run.Calls)/h.CPUs)
+			}
+		}
+	}
+	var out []hopResult
+	for i, name := range names {
+		h := hopResult{Name: name, CPUPerGiB: spreadOf(cpu[i])}
+		if len(calls[i]) > 0 {
+			cs := spreadOf(calls[i])
+			h.CallsPerCPUs = &cs
+		}
+		out = append(out, h)
+	}
+	return out
 }
 
 // alertBytesPerTunnel is what a TLS tunnel's forwarder moves through
@@ -501,10 +635,13 @@ const alertBytesPerTunnel = 2 * 2
 // zeroCopyError checks a zero-copy contender's traced pass: after the
 // handshakes, the only bytes its forwarder may move through userspace are
 // the preambles' and the alerts'; a payload byte there is a copy.
-func zeroCopyError(s *structural, tls bool) string {
+//
+// sockets is how many kTLS sockets per tunnel the traced process has (an
+// edge gateway: the user's and the forwarder's), each with its alerts.
+func zeroCopyError(s *structural, tls bool, sockets int) string {
 	var alerts int64
 	if tls {
-		alerts = alertBytesPerTunnel
+		alerts = alertBytesPerTunnel * int64(sockets)
 	}
 	allowed := s.PreambleBytes + s.Tunnels*alerts
 	moved := s.UserspaceBytes - s.PreOffloadBytes
@@ -530,15 +667,33 @@ func offloadOf(r *result, c contender) string {
 			r.Errors = append(r.Errors, fmt.Sprintf("tls_stat %s +%d", k, v))
 		}
 	}
-	r.Errors = append(r.Errors, keyInstallErrors(c, tx, rx, r.Tunnels)...)
+	tunnels := r.Tunnels
+	if c.chain != nil {
+		tunnels = r.UpstreamConns
+	}
+	r.Errors = append(r.Errors, keyInstallErrors(c, tx, rx, tunnels)...)
 	where := map[bool]string{true: "kernel", false: "userspace"}
+	if c.chain != nil && tunnels == 0 && (c.kernelTX || c.kernelRX) {
+		return fmt.Sprintf("TX %s, RX %s on tunnels pooled before the cell (none opened in it; their key installs were checked where they opened)",
+			where[c.kernelTX], where[c.kernelRX])
+	}
 	return fmt.Sprintf("TX %s, RX %s (tls_stat TlsTxSw %+d, TlsRxSw %+d over the cell's connections)", where[tx > 0], where[rx > 0], tx, rx)
 }
 
 // keyInstallErrors checks a cell's kernel key installs (tls_stat, the
 // gateway's own left out) against the contender's claim: in a kernel
 // direction one per tunnel at least, in a userspace direction none.
+//
+// A chain's L7 gateway pools its tunnels, so a cell may open none: then it
+// installs no key, and the tunnels it used were checked in the cell (or
+// the warm-up) that opened them.
+//
+// A chain counts its tunnels at the upstream (one connection per forwarder
+// tunnel) and installs c.keySockets keys per tunnel in each kernel
+// direction: l4-l4 the gateway's user socket, its forwarder socket and the
+// forwarder's; l7-l4 the last two.
 func keyInstallErrors(c contender, tx, rx, tunnels int64) []string {
+	per := int64(max(c.keySockets, 1))
 	var errs []string
 	for _, d := range []struct {
 		name     string
@@ -546,8 +701,8 @@ func keyInstallErrors(c contender, tx, rx, tunnels int64) []string {
 		kernel   bool
 	}{{"TX", tx, c.kernelTX}, {"RX", rx, c.kernelRX}} {
 		switch {
-		case d.kernel && (d.installs < tunnels || d.installs == 0):
-			errs = append(errs, fmt.Sprintf("data path: tls_stat %s +%d key installs for %d tunnels, want one per tunnel (kernel %s)", d.name, d.installs, tunnels, d.name))
+		case d.kernel && (d.installs < per*tunnels || (d.installs == 0 && (c.chain == nil || tunnels > 0))):
+			errs = append(errs, fmt.Sprintf("data path: tls_stat %s +%d key installs for %d tunnels, want %d per tunnel (kernel %s)", d.name, d.installs, tunnels, per, d.name))
 		case !d.kernel && d.installs != 0:
 			errs = append(errs, fmt.Sprintf("data path: tls_stat %s +%d key installs, want none (%s in userspace)", d.name, d.installs, d.name))
 		}
@@ -555,9 +710,12 @@ func keyInstallErrors(c contender, tx, rx, tunnels int64) []string {
 	return errs
 }
 
+// chainNote is the report's note on the edge-gateway chains.
+const chainNote = "chains (l7-l7, l7-l4, l4-l4; issue 19): the bench's client is the user (TLS 1.3 with the pinned suite, no client certificate, no preamble) and the contender is two Caddy processes, the gateway (on the address the client dials) and the hop behind it (forwarder: this project's ktls+sandbox for l7-l4 and l4-l4; for l7-l7 a dataplane Caddy reverse_proxy with mutual TLS), which reach the app (the upstream's HTTP listener; its raw one for l4-l4). The gateway dials the second hop over mutual TLS with its client certificate (Go's default TLS 1.3 suite and key exchange there, not pinned), HTTP/1.1 on L7 hops, a signed channel-bound preamble per tunnel on the sandbox paths. cpu_s is the sum of both processes; hops[] has each one's share (run.hops, result.hops). The key-install check counts the tunnels as the upstream's accepted connections (upstream_conns; one per forwarder tunnel) and wants keySockets installs per tunnel in each direction: l4-l4 3 (the gateway's user socket, its forwarder socket, the forwarder's), l7-l4 2 (the gateway's forwarder socket, the forwarder's), l7-l7 none. The structural passes trace the gateway process; l4-l4's zero-copy check allows its preambles (one frame per tunnel) and a close_notify each way on each of its two kTLS sockets."
+
 func notes(mode string, gatewayKTLS, peersMTLS bool) []string {
 	n := []string{
-		"cpu_s: user+system CPU of the forwarder process (all its threads; every contender is one process) while one run of the shape ran; from the sum of /proc/<pid>/task/*/schedstat run times (ns) when no thread exited during the run (cpu_source schedstat), else /proc/<pid>/stat utime+stime (10 ms ticks, cpu_source stat). user_s/sys_s always come from the ticks. CPU pass: no tracing.",
+		"cpu_s: user+system CPU of the forwarder process (all its threads; every contender is one process but the chains, below, whose processes are summed) while one run of the shape ran; from the sum of /proc/<pid>/task/*/schedstat run times (ns) when no thread exited during the run (cpu_source schedstat), else /proc/<pid>/stat utime+stime (10 ms ticks, cpu_source stat). user_s/sys_s always come from the ticks. CPU pass: no tracing.",
 		"cpu_s_per_gib: cpu_s scaled to one GiB of payload (both directions of a small call count). The overhead above the crypto floor is ktls minus floor-ktls in the same run.",
 		"structural: two separate passes at params.structural_bytes / structural_calls: one with strace attached to the forwarder (see structural.source; syscalls_per_gib, data_syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB; tracing slows the forwarder, so only counts come from it), and one untraced, with the forwarder's syscalls counted in the kernel (structural.untraced_source; untraced_syscalls_per_gib and untraced_syscalls_per_call, or untraced_error where the kernel offers no counter).",
 		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs). small-reuse measures calls on established connections: each connection is opened and makes one uncounted call first (handshake, preamble, the forwarder's dial), and CPU and latencies are taken from when all are open; its structural passes count the setup too. small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption); small-per-call-resumed is the same with a gateway that keeps a TLS session cache, so a handshake can resume a session the contender issued before (resumed counts those that did, over every pass of the shape: a contender that issues no session tickets does full handshakes there too). calls_per_cpu_s = calls / forwarder cpu_s.",
@@ -628,15 +786,41 @@ func waitListening(addr string, exited <-chan struct{}) error {
 	return fmt.Errorf("not listening on %s after 2m", addr)
 }
 
-// stop ends a contender: SIGTERM, then SIGKILL after 15 s.
-func stop(cmd *exec.Cmd, exited <-chan struct{}) {
-	cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-exited:
-	case <-time.After(15 * time.Second):
-		cmd.Process.Kill()
-		<-exited
+// process is one running process of a contender.
+type process struct {
+	name, log string
+	cmd       *exec.Cmd
+	logFile   *os.File
+	// exited is closed when the process has ended.
+	exited chan struct{}
+}
+
+// startProcess starts h with its output in logName.
+func startProcess(h hop, logName string) (*process, error) {
+	f, err := os.Create(logName)
+	if err != nil {
+		return nil, err
 	}
+	h.cmd.Stdout, h.cmd.Stderr = f, f
+	if err := h.cmd.Start(); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("start %s: %w", h.name, err)
+	}
+	p := &process{name: h.name, log: logName, cmd: h.cmd, logFile: f, exited: make(chan struct{})}
+	go func() { h.cmd.Wait(); close(p.exited) }()
+	return p, nil
+}
+
+// stop ends a process: SIGTERM, then SIGKILL after 15 s.
+func (p *process) stop() {
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.exited:
+	case <-time.After(15 * time.Second):
+		p.cmd.Process.Kill()
+		<-p.exited
+	}
+	p.logFile.Close()
 }
 
 func tail(file string) string {

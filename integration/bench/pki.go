@@ -24,7 +24,9 @@ import (
 // presents (same certificate type, same signature cost) and the gateway
 // trusts directly, the gateway's client certificate that it signed (the
 // forwarder verifies it, as it must: mutual TLS), and the gateway's Ed25519
-// preamble signing key.
+// preamble signing key; and the same client certificate, trust anchor and
+// signing key as files, for the edge-gateway contenders, whose gateway is a
+// Caddy that dials the forwarder itself.
 // (internal/testpki needs a testing.TB, which a main package cannot make.)
 type pki struct {
 	certFile, keyFile, bundleFile string
@@ -33,6 +35,9 @@ type pki struct {
 	signingPub                    string // base64 raw Ed25519 public key, for the sandbox handler
 	caDER                         string // base64 DER of the server certificate, the client certificate's CA
 	client                        tls.Certificate
+	// clientCertFile, clientKeyFile: client as PEM files; signingKeyFile:
+	// the signer's key as `caddy sandbox keygen` writes it (Key-Id header).
+	clientCertFile, clientKeyFile, signingKeyFile string
 }
 
 func newPKI(dir string) (*pki, error) {
@@ -91,6 +96,9 @@ func newPKI(dir string) (*pki, error) {
 	if p.client, err = clientCertificate(cert, key); err != nil {
 		return nil, err
 	}
+	if err := p.writeGatewayFiles(dir, priv); err != nil {
+		return nil, err
+	}
 	return p, nil
 }
 
@@ -114,4 +122,30 @@ func clientCertificate(ca *x509.Certificate, caKey *ecdsa.PrivateKey) (tls.Certi
 		return tls.Certificate{}, err
 	}
 	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}, nil
+}
+
+// writeGatewayFiles writes what a Caddy gateway reads: its client
+// certificate and key, and its preamble signing key.
+func (p *pki) writeGatewayFiles(dir string, signing ed25519.PrivateKey) error {
+	keyDER, err := x509.MarshalPKCS8PrivateKey(p.client.PrivateKey)
+	if err != nil {
+		return err
+	}
+	signingPEM, err := preamble.MarshalSigningKey(p.signer.KeyID(), signing)
+	if err != nil {
+		return err
+	}
+	p.clientCertFile = filepath.Join(dir, "gateway.pem")
+	p.clientKeyFile = filepath.Join(dir, "gateway-key.pem")
+	p.signingKeyFile = filepath.Join(dir, "preamble.key")
+	for name, data := range map[string][]byte{
+		p.clientCertFile: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: p.client.Certificate[0]}),
+		p.clientKeyFile:  pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}),
+		p.signingKeyFile: signingPEM,
+	} {
+		if err := os.WriteFile(name, data, 0o600); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"sync/atomic"
 )
 
 // upstream is the one target every contender forwards to, in the driver's
@@ -19,6 +20,25 @@ import (
 type upstream struct {
 	raw, web net.Listener
 	srv      *http.Server
+	// conns counts the connections accepted on either listener: for an
+	// edge-gateway chain, one per tunnel its forwarder opened (the
+	// sandbox handler dials the target once per tunnel), which is how
+	// many key installs tls_stat must show.
+	conns atomic.Int64
+}
+
+// countingListener counts the connections it accepts.
+type countingListener struct {
+	net.Listener
+	n *atomic.Int64
+}
+
+func (l countingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.n.Add(1)
+	}
+	return c, err
 }
 
 func startUpstream() (*upstream, error) {
@@ -37,7 +57,7 @@ func startUpstream() (*upstream, error) {
 	mux.HandleFunc("GET /download", serveDownload)
 	mux.HandleFunc("POST /call", serveCall)
 	u.srv = &http.Server{Handler: mux, ErrorLog: log.New(io.Discard, "", 0)}
-	go u.srv.Serve(web)
+	go u.srv.Serve(countingListener{web, &u.conns})
 	go u.acceptRaw()
 	return u, nil
 }
@@ -56,6 +76,7 @@ func (u *upstream) acceptRaw() {
 		if err != nil {
 			return
 		}
+		u.conns.Add(1)
 		go func() {
 			defer c.Close()
 			if err := serveRaw(c); err != nil {

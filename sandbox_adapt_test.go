@@ -59,6 +59,7 @@ func TestSandboxExampleAdapt(t *testing.T) {
 	t.Setenv("DEMO_DIR", "/demo")
 	t.Setenv("DEMO_LISTEN", "127.0.0.1:19443")
 	t.Setenv("DEMO_UPSTREAM_PORT", "19000")
+	t.Setenv("DEMO_APP_PORT", "19001")
 	raw, err := os.ReadFile("examples/forwarder.Caddyfile")
 	if err != nil {
 		t.Fatal(err)
@@ -85,7 +86,7 @@ func TestSandboxExampleAdapt(t *testing.T) {
 				"verifiers": [{"verifier": "leaf", "leaf_certs_loaders": [{"loader": "file", "files": ["/demo/gateway.pem"]}]}]
 			}}]},
 			{"handler": "sandbox", "key_files": ["/demo/gateways.pem"], "require_channel_binding": true,
-				"allow_cidrs": ["127.0.0.1"], "allow_ports": ["19000"]}
+				"allow_cidrs": ["127.0.0.1"], "allow_ports": ["19000", "19001"]}
 		]}]
 	}}}`), &want); err != nil {
 		t.Fatal(err)

@@ -5,12 +5,14 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"flag"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -392,4 +394,70 @@ func TestSandboxProxySurvivesReload(t *testing.T) {
 	if r := up.Results()[0]; r.Received != 2*half || r.RecvSum != forwardtest.PatternSum(11, 2*half) {
 		t.Errorf("the sandbox received %d bytes (want %d with the user's hash)", r.Received, 2*half)
 	}
+}
+
+// examples/gateway.Caddyfile (what `make demo` runs as the edge gateway)
+// adapts, with the demo's environment, to a layer4 server whose route
+// terminates the user's TLS and tunnels by server name, and an HTTPS site
+// whose reverse_proxy tunnels with the sandbox transport; both sign with
+// the demo's key and present the demo's gateway certificate.
+func TestGatewayExampleAdapt(t *testing.T) {
+	for k, v := range map[string]string{"DEMO_DIR": "/demo", "DEMO_LISTEN": "127.0.0.1:19443", "DEMO_UPSTREAM_PORT": "19000",
+		"DEMO_APP_PORT": "19001", "DEMO_GATEWAY_TCP": "127.0.0.1:19445", "DEMO_GATEWAY_HTTPS_PORT": "18443"} {
+		t.Setenv(k, v)
+	}
+	raw, err := os.ReadFile("examples/gateway.Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := adaptCaddyfile(t, string(raw))
+	if err != nil {
+		t.Fatalf("adapt: %v", err)
+	}
+	dial := `"tls": {"client_certificate_file": "/demo/gateway.pem", "client_certificate_key_file": "/demo/gateway-key.pem",
+		"ca": {"provider": "file", "pem_files": ["/demo/ca.pem"]}, "server_name": "localhost"},
+		"signing_key_file": "/demo/gateway-signing.pem"`
+	for _, want := range []string{
+		`{"handler": "sandbox_proxy", "forwarder": "127.0.0.1:19443", "sandbox": "{l4.tls.server_name.labels.2}", "target": "127.0.0.1:19000", ` + dial + `}`,
+		`{"protocol": "sandbox", "sandbox": "{http.request.host.labels.2}", "target": "127.0.0.1:19001", "versions": ["h2c"], ` + dial + `}`,
+	} {
+		var w any
+		if err := json.Unmarshal([]byte(want), &w); err != nil {
+			t.Fatal(err)
+		}
+		if !containsJSON(t, out, w) {
+			t.Errorf("examples/gateway.Caddyfile adapts without\n%s\n\n%s", want, out)
+		}
+	}
+}
+
+// containsJSON reports whether the JSON document doc holds a value equal
+// to want anywhere.
+func containsJSON(t *testing.T, doc []byte, want any) bool {
+	var v any
+	if err := json.Unmarshal(doc, &v); err != nil {
+		t.Fatal(err)
+	}
+	var walk func(any) bool
+	walk = func(x any) bool {
+		if reflect.DeepEqual(x, want) {
+			return true
+		}
+		switch x := x.(type) {
+		case map[string]any:
+			for _, e := range x {
+				if walk(e) {
+					return true
+				}
+			}
+		case []any:
+			for _, e := range x {
+				if walk(e) {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	return walk(v)
 }

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # End-to-end demo of the sandbox data path. It makes a CA, a forwarder
 # certificate, a gateway client certificate and a gateway signing key,
-# starts the forwarder (examples/forwarder.Caddyfile) and an echo upstream,
-# then acts as the edge gateway with `caddy sandbox dial`: a greeting, then
-# DEMO_MIB MiB of random bytes through the tunnel and back, checked with
-# SHA-256. It prints the kernel probe (`caddy ktls probe`), the bytes
-# moved, whether the kernel path (kTLS, from /proc/net/tls_stat, and splice,
-# from the metrics) or the userspace fallback carried them, a refused
+# starts the forwarder (examples/forwarder.Caddyfile) and the sandbox (an
+# echo upstream and an HTTP app), then acts as the edge gateway with `caddy
+# sandbox dial`: a greeting, then DEMO_MIB MiB of random bytes through the
+# tunnel and back, checked with SHA-256. Then it starts the Caddy edge
+# gateway (examples/gateway.Caddyfile) and goes user → gateway → forwarder
+# → sandbox: curl over HTTP/1.1 and HTTP/2 (a greeting, an upload echoed
+# back), and a raw TCP tunnel routed by server name with openssl s_client.
+# It prints the kernel probe (`caddy ktls probe`), the bytes moved, whether
+# the kernel path (kTLS, from /proc/net/tls_stat, and splice, from the
+# metrics) or the userspace fallback carried them on each hop, a refused
 # target, the activity endpoint and the metrics.
 #
 # Usage: examples/demo.sh   (needs openssl and curl; go unless DEMO_PREBUILT=1)
@@ -19,7 +23,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MIB=${DEMO_MIB:-16}
 DEMO_DIR=$(mktemp -d)
-export DEMO_DIR DEMO_LISTEN=127.0.0.1:9443 DEMO_ADMIN=127.0.0.1:2999 DEMO_UPSTREAM_PORT=9000
+export DEMO_DIR DEMO_LISTEN=127.0.0.1:9443 DEMO_ADMIN=127.0.0.1:2999 DEMO_UPSTREAM_PORT=9000 DEMO_APP_PORT=9001
+export DEMO_GATEWAY_ADMIN=127.0.0.1:2998 DEMO_GATEWAY_TCP=127.0.0.1:9445 DEMO_GATEWAY_HTTPS_PORT=8443
 export XDG_DATA_HOME=$DEMO_DIR/data XDG_CONFIG_HOME=$DEMO_DIR/config
 pids=()
 cleanup() {
@@ -49,10 +54,12 @@ issue() { # name, subject CN, extensions
 issue server localhost "subjectAltName=DNS:localhost,IP:127.0.0.1
 extendedKeyUsage=serverAuth"
 issue gateway gateway-1 "extendedKeyUsage=clientAuth"
+issue site '*.sandbox.test' "subjectAltName=DNS:*.sandbox.test
+extendedKeyUsage=serverAuth"
 "$CADDY" sandbox keygen --key-out gateway-signing.pem --pub-out gateways.pem --key-id gw-1
 
 echo "== start the echo upstream and the forwarder"
-"$UPSTREAM" -listen 127.0.0.1:$DEMO_UPSTREAM_PORT 2>upstream.log &
+"$UPSTREAM" -listen 127.0.0.1:$DEMO_UPSTREAM_PORT -http 127.0.0.1:$DEMO_APP_PORT 2>upstream.log &
 pids+=($!)
 "$CADDY" run --adapter caddyfile --config "$ROOT/examples/forwarder.Caddyfile" 2>caddy.log &
 pids+=($!)
@@ -123,9 +130,58 @@ fi
 for _ in $(seq 20); do grep -q 'sandbox tunnel rejected' caddy.log && break; sleep 0.1; done
 grep -o '"msg":"sandbox tunnel rejected"[^}]*' caddy.log || { echo "FAIL: no rejection logged"; exit 1; }
 
+echo "== the edge gateway (examples/gateway.Caddyfile): user -> gateway -> forwarder -> sandbox"
+"$CADDY" run --adapter caddyfile --config "$ROOT/examples/gateway.Caddyfile" 2>gateway.log &
+pids+=($!)
+for _ in $(seq 300); do curl -fsS "http://$DEMO_GATEWAY_ADMIN/config/" >/dev/null 2>&1 && break; sleep 0.1; done
+gmetric() { # metric line pattern at the gateway: its value (sum), 0 when absent
+	curl -fsS "http://$DEMO_GATEWAY_ADMIN/metrics" | awk -v p="$1" 'index($0, p) == 1 { s += $NF } END { printf "%d", s }'
+}
+user_curl() { # curl as a user of sandbox demo-1 through the gateway
+	curl -fsS --cacert ca.pem --resolve "demo-1.sandbox.test:$DEMO_GATEWAY_HTTPS_PORT:127.0.0.1" "$@"
+}
+tx0=$(tls_stat TlsTxSw) rx0=$(tls_stat TlsRxSw)
+for v in --http1.1 --http2; do
+	out=$(user_curl "$v" "https://demo-1.sandbox.test:$DEMO_GATEWAY_HTTPS_PORT/hello")
+	echo "curl $v: $out"
+	[[ $out == "hello from the sandbox app: demo-1.sandbox.test:$DEMO_GATEWAY_HTTPS_PORT over HTTP/2.0" ]] ||
+		{ echo "FAIL: unexpected answer through the gateway"; tail -20 gateway.log; exit 1; }
+done
+user_curl --http2 -X POST --data-binary @payload -o http-echoed "https://demo-1.sandbox.test:$DEMO_GATEWAY_HTTPS_PORT/echo"
+got=$(sha256sum <http-echoed | cut -d' ' -f1)
+echo "curl --http2 upload of $(stat -c %s payload) bytes, echoed back: sha256 $got"
+[ "$sent" = "$got" ] || { echo "FAIL: SHA-256 mismatch through the HTTP gateway"; tail -20 gateway.log; exit 1; }
+spliced0=$(gmetric 'caddy_ktls_gateway_relay_bytes_total{path="splice"}') copied0=$(gmetric 'caddy_ktls_gateway_relay_bytes_total{path="copy"}')
+# -no_ign_eof: end the session (close_notify) once stdin ends, after the echo.
+reply=$( (printf 'hello over raw TCP\n'; sleep 2) | timeout 20 openssl s_client -quiet -no_ign_eof -connect "$DEMO_GATEWAY_TCP" \
+	-servername demo-1.sandbox.test -CAfile ca.pem 2>/dev/null || true)
+echo "openssl s_client -servername demo-1.sandbox.test: $reply"
+[ "$reply" = "hello over raw TCP" ] || { echo "FAIL: unexpected raw TCP echo"; tail -20 gateway.log; exit 1; }
+for _ in $(seq 50); do
+	[ "$(gmetric 'caddy_ktls_gateway_tunnel_ends_total{end="closed",module="layer4.handlers.sandbox_proxy"}')" -gt 0 ] && break
+	sleep 0.1
+done
+tx=$(( $(tls_stat TlsTxSw) - tx0 )) rx=$(( $(tls_stat TlsRxSw) - rx0 ))
+spliced=$(( $(gmetric 'caddy_ktls_gateway_relay_bytes_total{path="splice"}') - spliced0 ))
+copied=$(( $(gmetric 'caddy_ktls_gateway_relay_bytes_total{path="copy"}') - copied0 ))
+echo "== gateway data path: tls_stat TlsTxSw +$tx TlsRxSw +$rx (both hops); raw TCP relay at the gateway: $spliced spliced, $copied copied"
+# The HTTP tunnel: gateway client + forwarder server; the raw TCP one: the
+# user-facing session, the gateway client, the forwarder server.
+if [ "$tx" -ge 5 ] && [ "$rx" -ge 5 ] && [ "$spliced" -gt 0 ] && [ "$copied" = 0 ]; then
+	echo "KERNEL PATH ON BOTH HOPS: kTLS at the gateway and the forwarder; the raw TCP tunnel went kernel to kernel at the gateway too"
+else
+	echo "FALLBACK at the gateway: userspace TLS or copy"
+	if [ "${DEMO_REQUIRE_KERNEL:-}" = 1 ]; then
+		echo "FAIL: DEMO_REQUIRE_KERNEL=1 but the gateway hop did not run on the kernel path"
+		tail -20 gateway.log
+		exit 1
+	fi
+fi
+
 echo "== GET /sandbox/activity"
 curl -fsS "http://$DEMO_ADMIN/sandbox/activity"
 echo
 echo "== metrics"
 curl -fsS "http://$DEMO_ADMIN/metrics" | grep -E '^caddy_ktls_(sandbox_(tunnels|bytes|rejects_total\{reason="target-denied"\})|handshakes_total\{module="layer4\.handlers\.ktls",reason="(none|no-kernel-support)"\}|relay_bytes)'
+curl -fsS "http://$DEMO_GATEWAY_ADMIN/metrics" | grep -E '^caddy_ktls_gateway_(dials_total\{[^}]*result="ok"|tunnel_ends_total|relay_bytes_total)' | grep -v ' 0$'
 echo "== demo OK"

@@ -409,3 +409,34 @@ func TestRun(t *testing.T) {
 		t.Error("an unknown report accepted")
 	}
 }
+
+// The gateway report: both hops summed and apart, the ratios to l7-l7
+// beside the published design's, the references marked as one proxy.
+func TestGatewayReport(t *testing.T) {
+	doc := `{"schema": 1, "mode": "vm-icount", "kernel": "7.3", "params": {"bulk_bytes": 67108864, "repetitions": 3}, "ok": true, "results": [
+	{"contender": "l7-l7", "shape": "upload", "cpu_s_per_gib": {"median": 20}, "gib_per_s": {"median": 0.01},
+	 "hops": [{"name": "gateway", "cpu_s_per_gib": {"median": 12}}, {"name": "forwarder", "cpu_s_per_gib": {"median": 8}}]},
+	{"contender": "l4-l4", "shape": "upload", "cpu_s_per_gib": {"median": 5}, "gib_per_s": {"median": 0.025},
+	 "hops": [{"name": "gateway", "cpu_s_per_gib": {"median": 2}}, {"name": "forwarder", "cpu_s_per_gib": {"median": 3}}]},
+	{"contender": "ktls", "shape": "upload", "cpu_s_per_gib": {"median": 4}, "gib_per_s": {"median": 0.03}},
+	{"contender": "l7-l7", "shape": "small-reuse", "calls_per_cpu_s": {"median": 500}, "cpu_s_per_gib": {"median": 400}},
+	{"contender": "l4-l4", "shape": "small-reuse", "calls_per_cpu_s": {"median": 2000}, "cpu_s_per_gib": {"median": 100},
+	 "hops": [{"name": "gateway", "calls_per_cpu_s": {"median": 4000}}, {"name": "forwarder", "calls_per_cpu_s": {"median": 4000}}]}
+	]}`
+	r, err := parseResults([]byte(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	md := string(renderGatewayMarkdown(r, []string{"in.json"}, "full.md"))
+	for _, want := range []string{
+		"| `l4-l4` | — | 5 | 0 % | 2 (40 %) | 3 (60 %) | ×0.25 | 0.025 | ×2.5 |",
+		"| `ktls` (one proxy, for reference) |",
+		"| throughput | ×3.56 | — | ×2.5 |",
+		"| CPU per GB | ×0.155 | — | ×0.25 |",
+		"| `l4-l4` | — | 2000 | 0 % | 4000 | 4000 | 0.5 | ×0.25 | — | — |",
+		"CPU per small call, ÷ `l7-l7`'s: `small-reuse`: `l4-l4` ×0.25.",
+		"[full.md](full.md)",
+	} {
+		requireIn(t, "gateway report", md, want)
+	}
+}

@@ -4,6 +4,7 @@
 //
 //	benchreport results -in docs/bench/results-1.json,docs/bench/results-2.json -md docs/bench/results.md -png docs/bench/results.png
 //	benchreport host -in raw.txt -md docs/bench/host.md
+//	benchreport gateway -in docs/bench/gateway-results-1.json,docs/bench/gateway-results-2.json -md docs/bench/gateway.md -full gateway-results.md
 //
 // "results" reads the VM harness's results.json (integration/bench.sh), or
 // several of them from runs of one setup merged into one report, and
@@ -11,7 +12,10 @@
 // CPU seconds per GiB. "host" reads the output of the host Go benchmarks as
 // integration/bench-host.sh collects it (go test -bench lines plus "# key:
 // value" header lines) and writes their table with the ratios the goals ask
-// for.
+// for. "gateway" reads the same JSON as "results" and writes the edge-gateway
+// report of issue 19: the three paths' CPU summed and per hop, their ratios
+// to the old path beside the published design's, and what the cost model
+// can say; -full names the full report of the same run to link.
 package main
 
 import (
@@ -33,12 +37,13 @@ func main() {
 
 func run(args []string) error {
 	if len(args) == 0 {
-		return errors.New("usage: benchreport results|host -in FILE[,FILE...] -md FILE [-png FILE]")
+		return errors.New("usage: benchreport results|host|gateway -in FILE[,FILE...] -md FILE [-png FILE] [-full FILE]")
 	}
 	fs := flag.NewFlagSet("benchreport "+args[0], flag.ContinueOnError)
 	in := fs.String("in", "", "input file; for results, several comma-separated ones merge into one report (runs of one setup)")
 	md := fs.String("md", "", "markdown output file")
 	png := fs.String("png", "", "PNG chart output file (results only)")
+	full := fs.String("full", "", "gateway: the full report of the same run, linked from the gateway report (relative to it)")
 	if err := fs.Parse(args[1:]); err != nil {
 		return err
 	}
@@ -46,21 +51,21 @@ func run(args []string) error {
 		return errors.New("-in and -md are required")
 	}
 	switch args[0] {
+	case "gateway":
+		if *png != "" {
+			return errors.New("gateway: no chart")
+		}
+		names := strings.Split(*in, ",")
+		r, err := readMerged(names)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(*md, renderGatewayMarkdown(r, names, *full), 0o644)
 	case "results":
 		names := strings.Split(*in, ",")
-		docs := make([]*Results, len(names))
-		for i, name := range names {
-			data, err := os.ReadFile(name)
-			if err != nil {
-				return err
-			}
-			if docs[i], err = parseResults(data); err != nil {
-				return fmt.Errorf("%s: %w", name, err)
-			}
-		}
-		r, err := mergeResults(docs)
+		r, err := readMerged(names)
 		if err != nil {
-			return fmt.Errorf("merging %s: %w", *in, err)
+			return err
 		}
 		chart := ""
 		if *png != "" {
@@ -93,6 +98,25 @@ func run(args []string) error {
 		}
 		return os.WriteFile(*md, renderHostMarkdown(h), 0o644)
 	default:
-		return fmt.Errorf("unknown report %q: want results or host", args[0])
+		return fmt.Errorf("unknown report %q: want results, host or gateway", args[0])
 	}
+}
+
+// readMerged reads the results documents names and merges them into one.
+func readMerged(names []string) (*Results, error) {
+	docs := make([]*Results, len(names))
+	for i, name := range names {
+		data, err := os.ReadFile(name)
+		if err != nil {
+			return nil, err
+		}
+		if docs[i], err = parseResults(data); err != nil {
+			return nil, fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	r, err := mergeResults(docs)
+	if err != nil {
+		return nil, fmt.Errorf("merging %s: %w", strings.Join(names, ","), err)
+	}
+	return r, nil
 }

@@ -58,6 +58,19 @@ type Result struct {
 	// shape, how many of their handshakes resumed a session.
 	Tunnels int64 `json:"tunnels"`
 	Resumed int64 `json:"resumed"`
+	// Hops: an edge-gateway chain's figures per process (CPUPerGiB and
+	// CallsPerCPUS above are of all of them); UpstreamConns: the
+	// connections the upstream accepted over the cell (a chain's forwarder
+	// tunnels).
+	Hops          []Hop `json:"hops"`
+	UpstreamConns int64 `json:"upstream_conns"`
+}
+
+// Hop is one process of a chain over a cell.
+type Hop struct {
+	Name         string  `json:"name"`
+	CPUPerGiB    Summary `json:"cpu_s_per_gib"`
+	CallsPerCPUS Summary `json:"calls_per_cpu_s"`
 }
 
 // Run is one repetition.

@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"crypto/tls"
 	"encoding/json"
 	"fmt"
@@ -113,6 +115,19 @@ func newSnippetFiles(t *testing.T) *snippetFiles {
 	write("gateway.pem", s.gateway.CertPEM)
 	write("gateway-1.pem", s.gateway.CertPEM)
 	write("gateway-2.pem", s.ca.Client(t, "gateway-2").CertPEM)
+	// The edge gateway's side: its client key, the forwarders' CA, its
+	// preamble signing key.
+	write("gateway-key.pem", s.gateway.KeyPEM)
+	write("forwarders-ca.pem", s.ca.PEM)
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	signing, err := preamble.MarshalSigningKey("gw-edge", priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	write("gateway-signing.pem", signing)
 	keyring, err := preamble.MarshalPublicKey("gw-1", s.signer.Pub)
 	if err != nil {
 		t.Fatal(err)

@@ -10,7 +10,9 @@
 //   - preamble: the signed sandbox preamble (wire format, keys, signing,
 //     verification);
 //   - forward: the forwarder that serves one tunnel (preamble, policy, dial,
-//     relay, registry, activity reports).
+//     relay, registry, activity reports);
+//   - gateway: the edge gateway's side (dial a forwarder, sign, relay, look
+//     a sandbox up in the control plane).
 //
 // This package stays thin: configuration, Caddyfile parsing, logging and
 // metrics wiring. One file per module:
@@ -21,10 +23,15 @@
 //	sandboxhandler.go   layer4.handlers.sandbox        the tunnel forwarder
 //	matcher.go          layer4.matchers.sandbox        routes connections that start with a preamble
 //	admin.go            admin.api.sandbox              GET /sandbox/tunnels and /sandbox/activity
+//	sandboxtransport.go http.reverse_proxy.transport.sandbox  the edge gateway for HTTP
+//	sandboxproxy.go     layer4.handlers.sandbox_proxy  the edge gateway for raw TCP
+//	sandboxlookup.go    http.handlers.sandbox_lookup   where a sandbox is, from the control plane
+//	sandboxlookupl4.go  layer4.handlers.sandbox_lookup the same for layer4
 //
 // and beside them: caddyfile.go (all Caddyfile parsing), offloadoptions.go
-// (the options the two TLS-terminating modules share), state.go (what
-// outlives a configuration load), metrics.go, tlsplaceholders.go,
+// (the options the two TLS-terminating modules share), gatewaydial.go (how
+// the two gateway modules reach forwarders), state.go (what outlives a
+// configuration load), metrics.go and gatewaymetrics.go, tlsplaceholders.go,
 // acceptretry.go (the tcp-retry network), commands.go and sandboxcmd.go (the
 // `caddy ktls` and `caddy sandbox` subcommands).
 package caddyktls

@@ -300,7 +300,20 @@ func TestSandboxTransportPoolsPerSandbox(t *testing.T) {
 // sent events pass through the tunnel, each unbuffered: the stream's answer
 // to one message arrives before the next is sent, and each event before the
 // app writes the next.
-func TestSandboxTransportStreams(t *testing.T) {
+func TestSandboxTransportStreams(t *testing.T) { sandboxTransportStreams(t) }
+
+// TestKernelSandboxTransportStreams is TestSandboxTransportStreams with the
+// tunnels on kTLS at the gateway and the forwarder.
+func TestKernelSandboxTransportStreams(t *testing.T) {
+	kerneltest.Require(t)
+	delta := kerneltest.StatDelta(t, func() { sandboxTransportStreams(t) })
+	// Three tunnels (one per stream), each offloaded at both ends.
+	if delta["TlsTxSw"] < 6 || delta["TlsRxSw"] < 6 {
+		t.Errorf("tls_stat delta %v: want at least 6 TX and 6 RX sessions", delta)
+	}
+}
+
+func sandboxTransportStreams(t *testing.T) {
 	app := startSandboxApp(t)
 	t.Run("websocket", func(t *testing.T) {
 		e := newTransportEnv(t, app.addr, nil, nil)

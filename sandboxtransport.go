@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -171,8 +172,19 @@ func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 		body = &countingBody{ReadCloser: req.Body}
 		req.Body = body
 	}
+	// The tunnel that carries the request, to count how it ended where
+	// only the HTTP layer can tell (a response cut short).
+	var tunnel atomic.Pointer[tunnelConn]
+	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+		GotConn: func(info httptrace.GotConnInfo) {
+			if tc, ok := info.Conn.(*tunnelConn); ok {
+				tunnel.Store(tc)
+			}
+		},
+	}))
 	resp, err := t.pools.get(route).RoundTrip(req)
 	if err != nil {
+		tunnel.Load().ended(gateway.EndOf(err))
 		var de *gateway.DialError
 		switch {
 		case errors.As(err, &de):
@@ -192,7 +204,7 @@ func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 		}
 	}
 	if resp.StatusCode != http.StatusSwitchingProtocols && resp.Body != nil {
-		resp.Body = &failureLoggingBody{ReadCloser: resp.Body, logger: t.logger, route: route, uri: req.RequestURI}
+		resp.Body = &failureLoggingBody{ReadCloser: resp.Body, logger: t.logger, route: route, uri: req.RequestURI, tunnel: tunnel.Load()}
 	}
 	return resp, nil
 }
@@ -230,11 +242,21 @@ func (t *SandboxTransport) routeTransport(route gateway.Route) *http.Transport {
 }
 
 // tunnelConn is one pooled tunnel: it counts how the tunnel ended when
-// the HTTP transport closes it.
+// the HTTP transport closes it: as a request on it saw it end (ended),
+// else as its first read error says.
 type tunnelConn struct {
 	net.Conn
 	readErr atomic.Pointer[error]
+	end     atomic.Pointer[gateway.End]
 	closed  atomic.Bool
+}
+
+// ended records how a request saw the tunnel end, when it saw it refused
+// or failed; the first such end is the tunnel's. Nil-safe.
+func (c *tunnelConn) ended(e gateway.End) {
+	if c != nil && e != gateway.EndClosed {
+		c.end.CompareAndSwap(nil, &e)
+	}
 }
 
 func (c *tunnelConn) Read(p []byte) (int, error) {
@@ -254,6 +276,9 @@ func (c *tunnelConn) Close() error {
 		end := gateway.EndOf(err)
 		if err != nil && errors.Is(err, net.ErrClosed) {
 			end = gateway.EndClosed // closed by us, idle
+		}
+		if e := c.end.Load(); e != nil {
+			end = *e
 		}
 		gatewayEnds.WithLabelValues(moduleSandboxTransport, string(end)).Inc()
 	}
@@ -278,6 +303,7 @@ type failureLoggingBody struct {
 	logger *zap.Logger
 	route  gateway.Route
 	uri    string
+	tunnel *tunnelConn
 	logged bool
 }
 
@@ -285,6 +311,7 @@ func (b *failureLoggingBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
 	if err != nil && err != io.EOF && !b.logged && gateway.EndOf(err) != gateway.EndClosed {
 		b.logged = true
+		b.tunnel.ended(gateway.EndFailed)
 		b.logger.Info("sandbox transport: the tunnel failed mid-response", routeFields(b.route, zap.String("uri", b.uri), zap.Error(err))...)
 	}
 	return n, err

@@ -8,11 +8,13 @@ import (
 	"crypto/tls"
 	"encoding/base64"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -490,4 +492,82 @@ func TestKernelSandboxTransportRefusalRetried(t *testing.T) {
 	if got := env.metrics(t)[`caddy_ktls_sandbox_rejects_total{reason="target-denied"}`] - m0[`caddy_ktls_sandbox_rejects_total{reason="target-denied"}`]; got != 1 {
 		t.Errorf("target-denied rejects moved by %d, want 1", got)
 	}
+}
+
+// The forwarder, a process of its own, is killed while a response streams
+// through its tunnel: the user's response is cut, the gateway logs a
+// failure mid-response and counts the tunnel failed, and the POST is not
+// sent again (the app sees it once) although reverse_proxy may retry.
+func TestSandboxTransportForwarderKilled(t *testing.T) {
+	var posts atomic.Int32
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/stream", func(w http.ResponseWriter, r *http.Request) {
+		posts.Add(1)
+		io.Copy(io.Discard, r.Body)
+		rc := http.NewResponseController(w)
+		for range 600 { // a minute at most
+			if _, err := w.Write(make([]byte, 16<<10)); err != nil {
+				return
+			}
+			rc.Flush()
+			time.Sleep(100 * time.Millisecond)
+		}
+	})
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+
+	fwdAddr := loopbackAddr(t)
+	e := newTransportEnvWith(t, ln.Addr().String(), func(_, _ map[string]any) map[string]any {
+		return map[string]any{"upstreams": []any{map[string]any{"dial": fwdAddr}}, "load_balancing": map[string]any{"retries": 2}}
+	})
+	// The forwarder process: this configuration's forwarder (same
+	// certificates and keys) on its own address, without the gateway.
+	var fwd sandboxEnv = *e.sandboxEnv
+	fwd.cfg = cloneJSON(t, e.cfg)
+	apps := fwd.cfg["apps"].(map[string]any)
+	delete(apps, "http")
+	apps["layer4"].(map[string]any)["servers"].(map[string]any)["tunnels"].(map[string]any)["listen"] = []string{fwdAddr}
+	fwd.addr, fwd.adminAddr, fwd.logFile = fwdAddr, loopbackAddr(t), filepath.Join(t.TempDir(), "forwarder.log")
+	fwd.cfg["admin"].(map[string]any)["listen"] = fwd.adminAddr
+	fwd.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["writer"].(map[string]any)["filename"] = fwd.logFile
+	p := startCaddy(t, &fwd, "")
+
+	m0 := e.metrics(t)
+	resp, err := e.user(false).Post(siteURL("sbx-killed", "/stream"), "text/plain", strings.NewReader("order #2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if _, err := io.ReadFull(resp.Body, make([]byte, 32<<10)); err != nil {
+		t.Fatalf("the first chunks: %v", err)
+	}
+	p.cmd.Process.Kill()
+	n, err := io.Copy(io.Discard, resp.Body)
+	if err == nil {
+		t.Errorf("the user read the rest of a cut response (%d more bytes) without an error", n)
+	}
+	if got := posts.Load(); got != 1 {
+		t.Errorf("the app saw the POST %d times, want once", got)
+	}
+	e.waitLogLine(t, "sandbox transport: the tunnel failed mid-response", 0)
+	series := `caddy_ktls_gateway_tunnel_ends_total{end="failed",module="http.reverse_proxy.transport.sandbox"}`
+	waitUntil(t, 10*time.Second, func() bool { return e.metrics(t)[series]-m0[series] == 1 }, "the failed tunnel to be counted")
+}
+
+// cloneJSON deep-copies a configuration through JSON.
+func cloneJSON(t *testing.T, v map[string]any) map[string]any {
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out map[string]any
+	if err := json.Unmarshal(b, &out); err != nil {
+		t.Fatal(err)
+	}
+	return out
 }

@@ -294,6 +294,12 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.ActivityPush = p
+		case "wake":
+			w, err := unmarshalWake(d)
+			if err != nil {
+				return err
+			}
+			h.Wake = w
 		default:
 			return d.Errf("unknown sandbox handler option %q", opt)
 		}
@@ -348,6 +354,49 @@ func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
 		}
 	}
 	return p, nil
+}
+
+// unmarshalWake reads the sandbox handler's wake option:
+//
+//	wake <url> {
+//		header          <name> <value>   # repeatable; e.g. Authorization "Bearer {env.WAKE_TOKEN}"
+//		timeout         <duration>       # default 30s: how long a tunnel waits for its woken target
+//		request_timeout <duration>       # default 10s: the wake request
+//	}
+func unmarshalWake(d *caddyfile.Dispenser) (*SandboxWake, error) {
+	if !d.NextArg() {
+		return nil, d.Errf("wake needs the control plane's URL")
+	}
+	w := &SandboxWake{URL: d.Val()}
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch opt := d.Val(); opt {
+		case "timeout", "request_timeout":
+			dur, err := durationArg(d)
+			if err != nil {
+				return nil, err
+			}
+			if opt == "timeout" {
+				w.Timeout = dur
+			} else {
+				w.RequestTimeout = dur
+			}
+		case "header":
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return nil, d.Errf("header takes a field name and a value, got %d arguments", len(args))
+			}
+			if w.Headers == nil {
+				w.Headers = http.Header{}
+			}
+			w.Headers.Add(args[0], args[1])
+		default:
+			return nil, d.Errf("unknown wake option %q", opt)
+		}
+	}
+	return w, nil
 }
 
 // UnmarshalCaddyfile sets up the matcher: `sandbox`, no arguments.

@@ -142,6 +142,36 @@ func observeStep(s forward.Step, d time.Duration) {
 	}
 }
 
+// The wakes of sandboxes whose target did not answer (the sandbox
+// handler's wake option), by outcome, and how long each took: a paused
+// sandbox resumes in a second or a few (Kata: 2-5 s), a failed wake ends
+// at the request timeout, a silent target at the wake timeout (30 s by
+// default): 50 ms to 60 s.
+var (
+	sandboxWakes = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "caddy_ktls_sandbox_wakes_total",
+		Help: "Wakes of sandboxes whose target did not answer, by outcome: woken (the target answered after it), wake-failed (the control plane did not accept it), dial-failed (the target stayed silent for the wake timeout).",
+	}, []string{"outcome"})
+	sandboxWakeDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "caddy_ktls_sandbox_wake_duration_seconds",
+		Help:    "Wakes from the wake request to the target's answer or the wake's failure.",
+		Buckets: []float64{0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60},
+	})
+)
+
+func init() {
+	metrics.histograms = append(metrics.histograms, sandboxWakes, sandboxWakeDuration)
+	for _, o := range []string{forward.WakeWoken, forward.WakeFailed, forward.WakeDialFailed} {
+		sandboxWakes.WithLabelValues(o)
+	}
+}
+
+// observeWake records a wake (forward.Config.OnWake).
+func observeWake(outcome string, d time.Duration) {
+	sandboxWakes.WithLabelValues(outcome).Inc()
+	sandboxWakeDuration.Observe(d.Seconds())
+}
+
 // kernelFeatures says, by feature of caddy_ktls_kernel_support, whether the
 // kernel accepted it (ktls.Probe: probed once per process, then cached).
 func kernelFeatures(caps ktls.Capabilities) map[string]bool {

@@ -126,6 +126,16 @@ type SandboxHandler struct {
 	// control plane (format: forward.ActivityReport).
 	ActivityPush *ActivityPush `json:"activity_push,omitempty"`
 
+	// Wake, when set, wakes a sandbox whose target does not answer the dial
+	// (a paused or moved sandbox): it POSTs {"sandbox": ..., "target": ...}
+	// to the control plane (one request for concurrent tunnels of a
+	// sandbox) and dials again, backing off, until the target answers or
+	// the wake's timeout ends. The gateway's bytes wait in the kernel
+	// meanwhile. Refused as "wake-failed" when the control plane does not
+	// accept the wake, "dial-failed" when the target stays silent. Counted
+	// in caddy_ktls_sandbox_wakes_total{outcome}.
+	Wake *SandboxWake `json:"wake,omitempty"`
+
 	// DrainGracePeriod is how long open tunnels may keep running when the
 	// process exits before they are closed. Reloads do not drain.
 	// Default: 30s.
@@ -181,6 +191,22 @@ type ActivityPush struct {
 	Headers http.Header `json:"headers,omitempty"`
 }
 
+// SandboxWake configures waking sandboxes on connect.
+type SandboxWake struct {
+	// URL receives the wake POSTs; any 2xx status means the control plane
+	// is waking the sandbox.
+	URL string `json:"url"`
+	// Headers are sent with every wake (the control plane's credentials);
+	// values may use Caddy's global placeholders such as {env.WAKE_TOKEN},
+	// replaced once, at load.
+	Headers http.Header `json:"headers,omitempty"`
+	// Timeout is how long a tunnel waits for its woken target (the wake
+	// request and the dials after it). Default: 30s.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+	// RequestTimeout bounds the wake request. Default: 10s.
+	RequestTimeout caddy.Duration `json:"request_timeout,omitempty"`
+}
+
 // CaddyModule returns the Caddy module information.
 func (*SandboxHandler) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: moduleSandboxHandler, New: func() caddy.Module { return new(SandboxHandler) }}
@@ -221,7 +247,20 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %s, %s: %w", option("allow", "allow_cidrs"), option("allow_ports", "allow_ports"), err)
 	}
+	var waker *forward.Waker
+	var wakeTimeout time.Duration
+	if w := h.Wake; w != nil {
+		waker, err = forward.NewWaker(forward.WakerConfig{URL: w.URL, Header: loadHeaders(h.logger, w.Headers),
+			Timeout: time.Duration(w.RequestTimeout), UserAgent: userAgent()})
+		if err != nil {
+			return fmt.Errorf("sandbox handler: wake: %w", err)
+		}
+		wakeTimeout = time.Duration(w.Timeout)
+	}
 	h.fwd, err = forward.New(forward.Config{
+		Wake:                 waker,
+		WakeTimeout:          wakeTimeout,
+		OnWake:               observeWake,
 		Verifier:             verifier,
 		Policy:               policy,
 		Registry:             tunnels,
@@ -256,14 +295,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	}
 	h.events = events.(*caddyevents.App)
 	if p := h.ActivityPush; p != nil {
-		repl := caddy.NewReplacer()
-		header := make(http.Header, len(p.Headers))
-		for name, values := range p.Headers {
-			for _, v := range values {
-				warnEmptyEnv(h.logger, name, v)
-				header.Add(name, repl.ReplaceAll(v, ""))
-			}
-		}
+		header := loadHeaders(h.logger, p.Headers)
 		h.pusher, err = forward.NewPusher(forward.PusherConfig{
 			URL: p.URL, Interval: time.Duration(p.Interval), Timeout: time.Duration(p.Timeout),
 			Attempts: p.Attempts, Backoff: time.Duration(p.Backoff), Queue: p.QueueSize, Header: header,
@@ -291,6 +323,9 @@ func (h *SandboxHandler) validateOptions() error {
 				option("key_clients", "key_clients"), id, id)
 		}
 	}
+	if w := h.Wake; w != nil && (w.URL == "" || w.Timeout < 0 || w.RequestTimeout < 0) {
+		return fmt.Errorf("sandbox handler: %s needs a URL and no negative timeout: e.g. `wake https://cp.internal/v1/wake`", option("wake", "wake"))
+	}
 	if h.DrainGracePeriod < 0 {
 		return fmt.Errorf("sandbox handler: %s must not be negative: give a duration such as 30s, or leave it out (30s)", option("drain_grace_period", "drain_grace_period"))
 	}
@@ -317,6 +352,20 @@ func (h *SandboxHandler) Validate() error {
 		}
 	}
 	return nil
+}
+
+// loadHeaders replaces the global placeholders ({env.NAME}) of headers
+// sent to a control plane, once, at load; an empty one is a WARN.
+func loadHeaders(logger *zap.Logger, headers http.Header) http.Header {
+	repl := caddy.NewReplacer()
+	out := make(http.Header, len(headers))
+	for name, values := range headers {
+		for _, v := range values {
+			warnEmptyEnv(logger, name, v)
+			out.Add(name, repl.ReplaceAll(v, ""))
+		}
+	}
+	return out
 }
 
 // envPlaceholder is a {env.NAME} placeholder.

@@ -82,15 +82,10 @@ func (o *LookupOptions) newLookup(logger *zap.Logger) (*gateway.Lookup, error) {
 	if o.Timeout < 0 || o.TTL < 0 || o.NegativeTTL < 0 || o.MaxEntries < 0 {
 		return nil, errors.New("timeout, ttl, negative_ttl and max_entries must not be negative")
 	}
-	repl := caddy.NewReplacer()
-	header := make(http.Header, len(o.Headers)+1)
-	for name, values := range o.Headers {
-		for _, v := range values {
-			warnEmptyEnv(logger, name, v)
-			header.Add(name, repl.ReplaceAll(v, ""))
-		}
+	header := loadHeaders(logger, o.Headers)
+	if header.Get("User-Agent") == "" {
+		header.Set("User-Agent", userAgent())
 	}
-	header.Set("User-Agent", userAgent())
 	return gateway.NewLookup(gateway.LookupConfig{
 		URL: o.URL, Header: header, Timeout: time.Duration(o.Timeout),
 		TTL: time.Duration(o.TTL), NegativeTTL: time.Duration(o.NegativeTTL), MaxEntries: o.MaxEntries,

@@ -73,6 +73,20 @@ type Config struct {
 	// value) serves clients the caller vouches for itself, such as this
 	// package's tests on plain TCP.
 	RequireClientCertificate bool
+	// Wake, when set, is asked to wake a sandbox whose target does not
+	// answer the dial (refused, unreachable, timed out); the dial is then
+	// retried, backing off, until the target answers or WakeTimeout ends
+	// (ReasonWakeFailed when the control plane refuses the wake,
+	// ReasonDialFailed when the target stays silent). The gateway's bytes
+	// wait in the kernel meanwhile. Nil: a failed dial refuses at once.
+	Wake *Waker
+	// WakeTimeout bounds a wake and the dials after it. Zero means
+	// DefaultWakeTimeout.
+	WakeTimeout time.Duration
+	// OnWake, when set, is called after each wake with its outcome
+	// (WakeWoken, WakeFailed, WakeDialFailed) and how long it took, on the
+	// tunnel's goroutine.
+	OnWake func(outcome string, d time.Duration)
 	// OnStep, when set, is called as each timed Step of a tunnel's opening
 	// ends, with how long it took, whatever its outcome (a refusal is also
 	// counted by its reason in the Registry). It runs on the tunnel's
@@ -121,6 +135,12 @@ func New(cfg Config) (*Forwarder, error) {
 	}
 	if cfg.KeepAlive == 0 {
 		cfg.KeepAlive = DefaultKeepAlive
+	}
+	if cfg.WakeTimeout < 0 {
+		return nil, errors.New("forward: negative WakeTimeout")
+	}
+	if cfg.WakeTimeout == 0 {
+		cfg.WakeTimeout = DefaultWakeTimeout
 	}
 	return &Forwarder{cfg: cfg, sock: socketOptions{keepAlive: cfg.KeepAlive, userTimeout: cfg.TCPUserTimeout}}, nil
 }
@@ -308,6 +328,12 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	dialStart := time.Now()
 	up, err := f.sock.dial(context.Background(), target, f.cfg.DialTimeout)
 	f.step(StepDial, dialStart)
+	if err != nil && f.cfg.Wake != nil {
+		up, err = f.wakeAndDial(claims.SandboxID, claims.Target, err)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+	}
 	if err != nil {
 		return nil, nil, nil, &RejectError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}

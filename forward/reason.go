@@ -19,6 +19,9 @@ const (
 	ReasonTargetDenied Reason = "target-denied"
 	// ReasonDialFailed: the target could not be reached within the dial timeout.
 	ReasonDialFailed Reason = "dial-failed"
+	// ReasonWakeFailed: the target did not answer and the control plane
+	// did not accept the wake of its sandbox (Config.Wake).
+	ReasonWakeFailed Reason = "wake-failed"
 	// ReasonDraining: the process is exiting and accepts no new tunnels.
 	ReasonDraining Reason = "draining"
 	// ReasonTunnelLimit: the sandbox already has as many open tunnels as
@@ -30,7 +33,7 @@ const (
 )
 
 // The forwarder's own reasons, in the order Reasons returns them.
-var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate}
+var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonWakeFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate}
 
 // Reasons returns every rejection reason this package raises itself (a
 // refused preamble's reasons are preamble.Reasons), so that metrics can

@@ -1,0 +1,107 @@
+package caddyktls
+
+import (
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// A tunnel to a sandbox whose target is down wakes it through the control
+// plane (with the configured credentials), waits for it, and runs: the
+// bytes the gateway sent before the target listened arrive exact, and the
+// wake is counted; a wake the control plane refuses refuses the tunnel
+// with wake-failed.
+func TestSandboxWakeOnConnect(t *testing.T) { sandboxWakeOnConnect(t) }
+
+// TestKernelSandboxWakeOnConnect is TestSandboxWakeOnConnect on kTLS.
+func TestKernelSandboxWakeOnConnect(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxWakeOnConnect(t)
+}
+
+func sandboxWakeOnConnect(t *testing.T) {
+	t.Setenv("TEST_WAKE_TOKEN", "wake-token")
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := ln.Addr().(*net.TCPAddr).AddrPort()
+	ln.Close()
+	woken := make(chan string, 4)
+	plane := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer wake-token" {
+			http.Error(w, "no", http.StatusUnauthorized)
+			return
+		}
+		if r.URL.Path == "/refuse" {
+			http.Error(w, "no such sandbox", http.StatusNotFound)
+			return
+		}
+		woken <- r.URL.Path
+		w.WriteHeader(http.StatusAccepted)
+	}))
+	t.Cleanup(plane.Close)
+	e := newSandboxEnv(t, map[string]any{"wake": map[string]any{
+		"url": plane.URL + "/wake", "timeout": "20s",
+		"headers": map[string]any{"Authorization": []string{"Bearer {env.TEST_WAKE_TOKEN}"}},
+	}})
+	m0 := e.metrics(t)
+	size := forwardtest.TransferMiB(t, 4) << 20
+	type res struct {
+		n   int64
+		sum [32]byte
+		err error
+	}
+	done := make(chan res, 1)
+	go func() {
+		n, sum, err := transfer(e.dial(t, "sbx-paused", target), size, 21)
+		done <- res{n, sum, err}
+	}()
+	select {
+	case <-woken:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no wake call")
+	}
+	time.Sleep(200 * time.Millisecond) // the sandbox resumes a while later
+	up := forwardtest.NewUpstreamOn(t, target.String(), size+3)
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("transfer: %v", r.err)
+	}
+	checkTunnelTransfer(t, up, size, 21, r.n, r.sum)
+	m1 := e.metrics(t)
+	if got := m1[`caddy_ktls_sandbox_wakes_total{outcome="woken"}`] - m0[`caddy_ktls_sandbox_wakes_total{outcome="woken"}`]; got != 1 {
+		t.Errorf("woken wakes moved by %d, want 1", got)
+	}
+
+	// The control plane refuses the wake: the tunnel is refused with its
+	// reason, nothing dialed.
+	e.sandboxHandler()["wake"].(map[string]any)["url"] = plane.URL + "/refuse"
+	e.postLoad(t)
+	rejected := len(e.logLines(t, rejectedMsg))
+	c := e.dial(t, "sbx-gone", netip.AddrPortFrom(target.Addr(), freePortNumber(t)))
+	c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); n != 0 || err == nil {
+		t.Errorf("refused tunnel read %d bytes, %v", n, err)
+	}
+	c.Close()
+	if line := e.waitLogLine(t, rejectedMsg, rejected); line["reason"] != "wake-failed" {
+		t.Errorf("rejection %v, want reason wake-failed", line)
+	}
+}
+
+// freePortNumber is a loopback port nothing listens on.
+func freePortNumber(t *testing.T) uint16 {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return uint16(ln.Addr().(*net.TCPAddr).Port)
+}

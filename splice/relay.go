@@ -188,6 +188,13 @@ type Options struct {
 	// instead of Abort, so that the refusal travels on to the peer that
 	// asked: an edge gateway's user learns that nothing reached the sandbox.
 	Refused func(error) bool
+	// Limit, when set for a direction, bounds its rate: each splice(2) from
+	// the source (or read, on the copy path) asks for no more than the
+	// Limiter grants, and the direction waits while it grants nothing,
+	// with the bytes left in the source's kernel socket: the spliced path
+	// stays zero-copy. The time spent waiting is DirectionStats.Throttled.
+	// Nil (the default) costs one comparison per step.
+	Limit [2]Limiter
 }
 
 // DirectionStats are one direction's counters. Bytes is exact: it is updated
@@ -195,14 +202,15 @@ type Options struct {
 // it equals SpliceBytes + CopyBytes (a snapshot taken while it runs may see
 // the three counters one step apart).
 type DirectionStats struct {
-	Bytes          int64     // bytes delivered to the sink
-	SpliceBytes    int64     // of which moved by splice(2)
-	CopyBytes      int64     // of which copied through userspace (fallback, control-record data)
-	ControlRecords int64     // splice(2) failures handed to the source's Read (kTLS control records)
-	PipeShortages  int64     // bursts copied through userspace because no pipe could be opened (EMFILE, ENFILE)
-	Spliced        bool      // the direction runs on the splice path
-	End            EndReason // EndRunning while the direction runs
-	Err            error     // set when End is EndError
+	Bytes          int64         // bytes delivered to the sink
+	SpliceBytes    int64         // of which moved by splice(2)
+	CopyBytes      int64         // of which copied through userspace (fallback, control-record data)
+	ControlRecords int64         // splice(2) failures handed to the source's Read (kTLS control records)
+	PipeShortages  int64         // bursts copied through userspace because no pipe could be opened (EMFILE, ENFILE)
+	Spliced        bool          // the direction runs on the splice path
+	Throttled      time.Duration // time spent waiting for its Limiter (Options.Limit)
+	End            EndReason     // EndRunning while the direction runs
+	Err            error         // set when End is EndError
 }
 
 // Stats holds both directions' counters.
@@ -303,6 +311,7 @@ type Relay struct {
 
 	abortOnce   sync.Once
 	abortReason atomic.Uint32 // EndReason given to directions stopped by abort
+	aborted     chan struct{} // closed by abort: wakes a throttled direction
 	// peerGone aborts the tunnel peerGoneGrace after a direction found its
 	// sink's peer gone, unless Run has ended by then (see finish).
 	peerGone atomic.Pointer[time.Timer]
@@ -325,9 +334,9 @@ func sinkPeerGone(err error) bool {
 }
 
 type dirState struct {
-	bytes, spliceBytes, copyBytes, controlRecords, pipeShortages atomic.Int64
-	spliced                                                      atomic.Bool
-	end                                                          atomic.Uint32
+	bytes, spliceBytes, copyBytes, controlRecords, pipeShortages, throttled atomic.Int64
+	spliced                                                                 atomic.Bool
+	end                                                                     atomic.Uint32
 	// sinkClosing is set just before this direction half-closes its sink,
 	// whose FIN makes a later TCP_CLOSE on that socket an orderly end.
 	sinkClosing atomic.Bool
@@ -346,7 +355,7 @@ func New(a, b net.Conn, opts Options) *Relay {
 }
 
 func newRelay(a, b net.Conn, opts Options, splice spliceFunc) *Relay {
-	t := &Relay{conns: [2]net.Conn{a, b}, opts: opts, pipes: opts.Pipes, splice: splice}
+	t := &Relay{conns: [2]net.Conn{a, b}, opts: opts, pipes: opts.Pipes, splice: splice, aborted: make(chan struct{})}
 	if t.pipes == nil {
 		t.pipes = defaultPipes
 	}
@@ -475,6 +484,7 @@ func (s *dirState) snapshot() DirectionStats {
 		ControlRecords: s.controlRecords.Load(),
 		PipeShortages:  s.pipeShortages.Load(),
 		Spliced:        s.spliced.Load(),
+		Throttled:      time.Duration(s.throttled.Load()),
 		End:            EndReason(s.end.Load()),
 		Err:            err,
 	}
@@ -487,6 +497,7 @@ func (s *dirState) snapshot() DirectionStats {
 func (t *Relay) abort(reason EndReason) {
 	t.abortOnce.Do(func() {
 		t.abortReason.Store(uint32(reason))
+		close(t.aborted)
 		past := time.Unix(1, 0)
 		for _, c := range t.conns {
 			c.SetDeadline(past)
@@ -661,10 +672,20 @@ func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.
 		}
 	}()
 	controlInARow := 0
+	lim := t.opts.Limit[d]
 	for {
 		sd.n, sd.serr, sd.perr = 0, nil, nil
+		sd.lim, sd.wait = lim, 0
 		err := srcEnd.rc.Read(sd.fill)
 		n, serr, perr := sd.n, sd.serr, sd.perr
+		if sd.wait > 0 && err == nil && perr == nil {
+			// The source is readable but the Limiter grants nothing yet:
+			// wait with the bytes in the kernel, then splice again.
+			if !t.throttleWait(d, sd.wait) {
+				return t.stoppedErr()
+			}
+			continue
+		}
 		switch {
 		case err != nil:
 			return fmt.Errorf("source: %w", err)
@@ -725,6 +746,10 @@ type spliced struct {
 	werr error
 	// fill and flush as func values, made once (spliceLoop).
 	fill, flush func(fd uintptr) bool
+	// lim is the direction's Limiter (nil: none); wait, set by fill, is
+	// how long it asked the direction to wait before the next fill.
+	lim  Limiter
+	wait time.Duration
 }
 
 // fillPipe is the source's read callback: it takes a pipe if the burst has
@@ -744,6 +769,17 @@ func (sd *spliced) fillPipe(fd uintptr) bool {
 	ask := p.size
 	if sd.src.ktls {
 		ask = min(p.size, recordBatch)
+	}
+	if sd.lim != nil {
+		// Asked only now that the source is readable: an idle tunnel
+		// holds no grant.
+		grant, wait := sd.lim.Grant(ask)
+		if grant == 0 {
+			sd.wait = wait
+			return true
+		}
+		ask = grant
+		defer func() { sd.lim.Refund(ask - int(max(sd.n, 0))) }()
 	}
 	sd.n, sd.serr = t.splice(int(fd), p.wfd, ask, spliceFlags)
 	if sd.serr == unix.EAGAIN {
@@ -852,10 +888,20 @@ func (t *Relay) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
 	bufp := copyBuffers.Get().(*[]byte)
 	defer copyBuffers.Put(bufp)
 	n, rerr := src.Read(*bufp)
-	if n > 0 {
-		if werr := t.write(d, dst, (*bufp)[:n]); werr != nil {
+	lim := t.opts.Limit[d]
+	for off := 0; off < n; {
+		// The copy path holds the bytes already: it waits for their
+		// grant before it writes them, so an idle tunnel holds none.
+		m := n - off
+		if lim != nil {
+			if m = t.throttle(d, lim, m); m == 0 {
+				return true, t.stoppedErr()
+			}
+		}
+		if werr := t.write(d, dst, (*bufp)[off:off+m]); werr != nil {
 			return true, werr
 		}
+		off += m
 	}
 	switch {
 	case rerr == io.EOF:
@@ -864,6 +910,41 @@ func (t *Relay) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
 		return true, fmt.Errorf("source: %w", rerr)
 	}
 	return false, nil
+}
+
+// throttle waits until lim grants direction d some of want bytes and
+// returns the grant; 0 when the tunnel was aborted meanwhile.
+func (t *Relay) throttle(d Direction, lim Limiter, want int) int {
+	for {
+		n, wait := lim.Grant(want)
+		if n > 0 {
+			return n
+		}
+		if !t.throttleWait(d, wait) {
+			return 0
+		}
+	}
+}
+
+// throttleWait waits for wait, adding it to direction d's Throttled time;
+// false when the tunnel was aborted meanwhile.
+func (t *Relay) throttleWait(d Direction, wait time.Duration) bool {
+	start := time.Now()
+	timer := time.NewTimer(wait)
+	defer func() { t.dirs[d].throttled.Add(int64(time.Since(start))) }()
+	select {
+	case <-timer.C:
+		return true
+	case <-t.aborted:
+		timer.Stop()
+		return false
+	}
+}
+
+// stoppedErr is the error of a direction that abort stopped while it
+// waited for its Limiter: finish records the abort's reason for it.
+func (t *Relay) stoppedErr() error {
+	return fmt.Errorf("source: %w", os.ErrDeadlineExceeded)
 }
 
 func (t *Relay) write(d Direction, dst net.Conn, b []byte) error {

@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/caddyserver/caddy/v2/modules/caddytls"
+	"github.com/dustin/go-humanize"
 )
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens: the offload
@@ -294,6 +295,12 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.ActivityPush = p
+		case "max_bandwidth":
+			b, err := unmarshalBandwidth(d)
+			if err != nil {
+				return err
+			}
+			h.MaxBandwidth = b
 		case "wake":
 			w, err := unmarshalWake(d)
 			if err != nil {
@@ -354,6 +361,47 @@ func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
 		}
 	}
 	return p, nil
+}
+
+// unmarshalBandwidth reads the sandbox handler's max_bandwidth option, in
+// bytes per second (sizes as `10MB`, `512KiB` or a number of bytes):
+//
+//	max_bandwidth {
+//		to_sandbox   <rate>
+//		from_sandbox <rate>
+//		burst        <size>   # default: a tenth of a second's worth, at least 64KiB
+//	}
+func unmarshalBandwidth(d *caddyfile.Dispenser) (*SandboxBandwidth, error) {
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	b := new(SandboxBandwidth)
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		var dst *int64
+		switch opt {
+		case "to_sandbox":
+			dst = &b.ToSandbox
+		case "from_sandbox":
+			dst = &b.FromSandbox
+		case "burst":
+			dst = &b.Burst
+		default:
+			return nil, d.Errf("unknown max_bandwidth option %q", opt)
+		}
+		if !d.NextArg() {
+			return nil, d.ArgErr()
+		}
+		n, err := humanize.ParseBytes(d.Val())
+		if err != nil || n == 0 || n > math.MaxInt64 {
+			return nil, d.Errf("%s: %q is not a positive size such as 10MB", opt, d.Val())
+		}
+		*dst = int64(n)
+		if d.NextArg() {
+			return nil, d.ArgErr()
+		}
+	}
+	return b, nil
 }
 
 // unmarshalWake reads the sandbox handler's wake option:

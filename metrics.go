@@ -20,7 +20,7 @@ import (
 // kept in per-config metric objects.
 type collector struct {
 	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, bytes, rejects, relayBytes, controlRecords, pipeShortages,
-	pushReports, offloads, offloadModes, connCloses, handshakeFails, acceptRetries, kernelSupport *prometheus.Desc
+	pushReports, offloads, offloadModes, connCloses, handshakeFails, acceptRetries, kernelSupport, throttled *prometheus.Desc
 	// The histograms are process-level too: observed as events end,
 	// collected from here into every configuration's registry.
 	histograms []prometheus.Collector
@@ -57,6 +57,9 @@ var metrics = &collector{
 	kernelSupport: prometheus.NewDesc("caddy_ktls_kernel_support",
 		"What this host's kernel accepted when the process probed it at its first use (1 yes, 0 no), by feature: tx and rx (TLS_TX, TLS_RX for at least one TLS version and cipher), rekey (a TLS 1.3 KeyUpdate: a second key installed). See `caddy ktls probe`.",
 		[]string{"feature"}, nil),
+	throttled: prometheus.NewDesc("caddy_ktls_sandbox_throttled_seconds_total",
+		"Time the directions of closed sandbox tunnels waited for their sandbox's max_bandwidth cap, by direction (to_sandbox, from_sandbox).",
+		[]string{"direction"}, nil),
 	histograms: []prometheus.Collector{tunnelDuration, handshakeDuration, dialDuration, preambleVerifyDuration},
 }
 
@@ -186,7 +189,7 @@ func kernelFeatures(caps ktls.Capabilities) map[string]bool {
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.tunnelsRevoked, c.bytes, c.rejects, c.relayBytes,
-		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.handshakeFails, c.acceptRetries, c.kernelSupport} {
+		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.handshakeFails, c.acceptRetries, c.kernelSupport, c.throttled} {
 		ch <- d
 	}
 	for _, h := range c.histograms {
@@ -204,6 +207,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	to, from := tunnels.Totals()
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(to), "to_sandbox")
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(from), "from_sandbox")
+	throttledTo, throttledFrom := tunnels.Throttled()
+	ch <- prometheus.MustNewConstMetric(c.throttled, prometheus.CounterValue, throttledTo.Seconds(), "to_sandbox")
+	ch <- prometheus.MustNewConstMetric(c.throttled, prometheus.CounterValue, throttledFrom.Seconds(), "from_sandbox")
 	rejects := tunnels.Rejections()
 	for _, r := range rejectReasons() {
 		ch <- prometheus.MustNewConstMetric(c.rejects, prometheus.CounterValue, float64(rejects[r]), r)

@@ -126,6 +126,15 @@ type SandboxHandler struct {
 	// control plane (format: forward.ActivityReport).
 	ActivityPush *ActivityPush `json:"activity_push,omitempty"`
 
+	// MaxBandwidth caps each sandbox's tunnels together, per direction,
+	// in bytes per second: every tunnel of a sandbox in the process shares
+	// one token bucket per direction, so more tunnels do not raise the
+	// cap. The relay splices no more than the bucket grants (the fast path
+	// stays zero-copy); time spent waiting is counted in
+	// caddy_ktls_sandbox_throttled_seconds_total{direction}. Default: no
+	// cap.
+	MaxBandwidth *SandboxBandwidth `json:"max_bandwidth,omitempty"`
+
 	// Wake, when set, wakes a sandbox whose target does not answer the dial
 	// (a paused or moved sandbox): it POSTs {"sandbox": ..., "target": ...}
 	// to the control plane (one request for concurrent tunnels of a
@@ -189,6 +198,19 @@ type ActivityPush struct {
 	// secrets stay out of the configuration; they are replaced once, at
 	// load. Content-Type is always application/json.
 	Headers http.Header `json:"headers,omitempty"`
+}
+
+// SandboxBandwidth is a per-sandbox bandwidth cap.
+type SandboxBandwidth struct {
+	// ToSandbox caps the bytes per second from gateways to the sandbox;
+	// 0: no cap.
+	ToSandbox int64 `json:"to_sandbox,omitempty"`
+	// FromSandbox caps the bytes per second from the sandbox to gateways;
+	// 0: no cap.
+	FromSandbox int64 `json:"from_sandbox,omitempty"`
+	// Burst is how many bytes a capped direction may move at once after a
+	// quiet spell. Default: a tenth of a second's worth, at least 64 KiB.
+	Burst int64 `json:"burst,omitempty"`
 }
 
 // SandboxWake configures waking sandboxes on connect.
@@ -257,7 +279,14 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		}
 		wakeTimeout = time.Duration(w.Timeout)
 	}
+	var toSandbox, fromSandbox forward.Bandwidth
+	if b := h.MaxBandwidth; b != nil {
+		toSandbox = forward.Bandwidth{BytesPerSecond: b.ToSandbox, Burst: b.Burst}
+		fromSandbox = forward.Bandwidth{BytesPerSecond: b.FromSandbox, Burst: b.Burst}
+	}
 	h.fwd, err = forward.New(forward.Config{
+		BandwidthToSandbox:   toSandbox,
+		BandwidthFromSandbox: fromSandbox,
 		Wake:                 waker,
 		WakeTimeout:          wakeTimeout,
 		OnWake:               observeWake,
@@ -322,6 +351,9 @@ func (h *SandboxHandler) validateOptions() error {
 			return fmt.Errorf("sandbox handler: %s %q: no client named: list the gateways' client certificate names (Common Name or DNS name) after the key ID, e.g. `key_clients %s gateway-1`",
 				option("key_clients", "key_clients"), id, id)
 		}
+	}
+	if b := h.MaxBandwidth; b != nil && (b.ToSandbox < 0 || b.FromSandbox < 0 || b.Burst < 0 || (b.ToSandbox == 0 && b.FromSandbox == 0)) {
+		return fmt.Errorf("sandbox handler: %s takes a positive to_sandbox or from_sandbox rate (bytes per second, e.g. `to_sandbox 10MB`) and no negative burst", option("max_bandwidth", "max_bandwidth"))
 	}
 	if w := h.Wake; w != nil && (w.URL == "" || w.Timeout < 0 || w.RequestTimeout < 0) {
 		return fmt.Errorf("sandbox handler: %s needs a URL and no negative timeout: e.g. `wake https://cp.internal/v1/wake`", option("wake", "wake"))

@@ -73,6 +73,13 @@ type Config struct {
 	// value) serves clients the caller vouches for itself, such as this
 	// package's tests on plain TCP.
 	RequireClientCertificate bool
+	// BandwidthToSandbox and BandwidthFromSandbox cap each sandbox's
+	// tunnels, per direction, together: every tunnel of a sandbox in the
+	// process shares one token bucket per direction (the Registry's). The
+	// relay splices no more than the bucket grants, so the fast path stays
+	// zero-copy; capped waits are counted (Registry.Throttled). Zero: no
+	// cap.
+	BandwidthToSandbox, BandwidthFromSandbox Bandwidth
 	// Wake, when set, is asked to wake a sandbox whose target does not
 	// answer the dial (refused, unreachable, timed out); the dial is then
 	// retried, backing off, until the target answers or WakeTimeout ends
@@ -135,6 +142,10 @@ func New(cfg Config) (*Forwarder, error) {
 	}
 	if cfg.KeepAlive == 0 {
 		cfg.KeepAlive = DefaultKeepAlive
+	}
+	if cfg.BandwidthToSandbox.BytesPerSecond < 0 || cfg.BandwidthFromSandbox.BytesPerSecond < 0 ||
+		cfg.BandwidthToSandbox.Burst < 0 || cfg.BandwidthFromSandbox.Burst < 0 {
+		return nil, errors.New("forward: negative bandwidth cap or burst")
 	}
 	if cfg.WakeTimeout < 0 {
 		return nil, errors.New("forward: negative WakeTimeout")
@@ -238,8 +249,11 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 			return ended(Result{}, fmt.Errorf("forward: buffered client bytes to target: %w", werr))
 		}
 	}
+	limit, release := f.cfg.Registry.limits(tun.Sandbox, f.cfg.BandwidthToSandbox, f.cfg.BandwidthFromSandbox)
+	defer release()
 	res, err := splice.New(relay, upstream, splice.Options{
 		Pipes: f.cfg.Pipes,
+		Limit: limit,
 		OnBytes: func(d splice.Direction, n int) {
 			if d == splice.AToB {
 				tun.AddToSandbox(int64(n))
@@ -249,6 +263,7 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		},
 	}).Run(ctx)
 	f.cfg.Registry.addDataPath(res)
+	f.cfg.Registry.addThrottled(res)
 	if errors.As(err, new(*LifetimeError)) {
 		f.cfg.Registry.expired.Add(1)
 	}

@@ -35,6 +35,8 @@ type Registry struct {
 	toSandbox, fromSandbox atomic.Int64
 	// Data-path totals of closed tunnels' relays (package splice's counters).
 	spliceBytes, copyBytes, controlRecords, pipeShortages atomic.Int64
+	// The buckets of bandwidth-capped sandboxes (bandwidth.go).
+	bandwidth limiterTable
 
 	// Retention is how long a sandbox with no open tunnel keeps its entry
 	// (totals and unreported deltas) after its last activity. Zero means one

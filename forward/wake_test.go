@@ -83,7 +83,9 @@ func (l *wakeLog) get() []string {
 // was down arriving exact.
 func TestWakeOnConnect(t *testing.T) {
 	forwardtest.CheckLeaks(t)
-	plane, waker := newWakePlane(t, http.StatusAccepted, 0)
+	// The control plane takes a while to answer, so every tunnel's dial
+	// fails while the first wake is in flight.
+	plane, waker := newWakePlane(t, http.StatusAccepted, 500*time.Millisecond)
 	var log wakeLog
 	f := newFixture(t, func(c *Config) { c.Wake, c.WakeTimeout, c.OnWake = waker, 10*time.Second, log.observe })
 	target := freePort(t)
@@ -158,8 +160,9 @@ func TestWakeFailures(t *testing.T) {
 			f := newFixture(t, func(cfg *Config) { cfg.Wake, cfg.WakeTimeout, cfg.OnWake = waker, 600*time.Millisecond, log.observe })
 			start := time.Now()
 			f.refused(t, 1, c.reason, func(conn *net.TCPConn) {
-				conn.Write(f.gw.Frame(t, "sbx-gone", freePort(t)))
-				conn.Write([]byte("tenant bytes"))
+				// One write: a second one after a fast refusal's reset
+				// would take the reset's error, leaving the read an EOF.
+				conn.Write(append(f.gw.Frame(t, "sbx-gone", freePort(t)), "tenant bytes"...))
 			})
 			if d := time.Since(start); c.outcome == WakeDialFailed && d < 600*time.Millisecond {
 				t.Errorf("refused after %v, before the wake timeout", d)

@@ -741,12 +741,12 @@ func init() {
 //		negative_ttl <duration>             # default 5s
 //		max_entries  <n>                    # default 65536
 //	}
-func unmarshalLookup(d *caddyfile.Dispenser, sandbox *string, o *LookupOptions) error {
+func unmarshalLookup(d *caddyfile.Dispenser, o *LookupOptions) error {
 	d.Next() // the directive's name
 	if !d.NextArg() {
 		return d.Err("sandbox_lookup takes the sandbox ID to look up (a placeholder), then a block with its url")
 	}
-	*sandbox = d.Val()
+	o.Sandbox = d.Val()
 	if d.NextArg() {
 		return d.ArgErr()
 	}
@@ -797,12 +797,12 @@ func unmarshalLookup(d *caddyfile.Dispenser, sandbox *string, o *LookupOptions) 
 
 // UnmarshalCaddyfile sets up the handler: see unmarshalLookup.
 func (h *SandboxLookup) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	return unmarshalLookup(d, &h.Sandbox, &h.LookupOptions)
+	return unmarshalLookup(d, &h.LookupOptions)
 }
 
 // UnmarshalCaddyfile sets up the handler: see unmarshalLookup.
 func (h *SandboxLookupL4) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	return unmarshalLookup(d, &h.Sandbox, &h.LookupOptions)
+	return unmarshalLookup(d, &h.LookupOptions)
 }
 
 // Interface guards.

@@ -27,21 +27,19 @@ func init() {
 // plane does not know, or a control plane that does not answer, ends the
 // request with 502 and the reason in the log; nothing is proxied.
 type SandboxLookup struct {
-	// Sandbox is the sandbox ID to look up; placeholders are replaced per
-	// request, e.g. {http.request.host.labels.2}. Required.
-	Sandbox string `json:"sandbox,omitempty"`
-
-	// How the control plane is asked (LookupOptions), at the top level of
-	// the JSON.
+	// The sandbox to look up and how the control plane is asked
+	// (LookupOptions), at the top level of the JSON.
 	LookupOptions
-
-	logger *zap.Logger
-	lookup *gateway.Lookup
 }
 
 // LookupOptions configure a control plane lookup (gateway.LookupConfig);
 // the HTTP and layer4 sandbox_lookup handlers embed them.
 type LookupOptions struct {
+	// Sandbox is the sandbox ID to look up; placeholders are replaced per
+	// request or connection, e.g. {http.request.host.labels.2} or
+	// {l4.tls.server_name.labels.2}. Required.
+	Sandbox string `json:"sandbox,omitempty"`
+
 	// URL is the control plane's endpoint, with {sandbox} where the
 	// sandbox ID goes: a GET answers 200 {"forwarder": "host:port",
 	// "target": "ip:port", "ttl": seconds} or 404 (docs/gateway.md).
@@ -67,6 +65,31 @@ type LookupOptions struct {
 	// MaxEntries bounds the cache; the least recently used entry goes
 	// first. Default: 65536.
 	MaxEntries int `json:"max_entries,omitempty"`
+
+	logger *zap.Logger
+	lookup *gateway.Lookup
+}
+
+// Validate checks the configuration without loading anything.
+func (o *LookupOptions) Validate() error {
+	if o.Sandbox == "" || o.URL == "" {
+		return errors.New("sandbox_lookup: sandbox and url are required")
+	}
+	return nil
+}
+
+// provision sets up the lookup of a handler that logs to logger.
+func (o *LookupOptions) provision(ctx caddy.Context, logger *zap.Logger) error {
+	o.logger = logger
+	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
+	l, err := o.newLookup(logger)
+	if err != nil {
+		return fmt.Errorf("sandbox_lookup: %w", err)
+	}
+	o.lookup = l
+	return nil
 }
 
 // The variables (and replacer keys) a lookup sets.
@@ -142,26 +165,9 @@ func (*SandboxLookup) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: moduleSandboxLookupHTTP, New: func() caddy.Module { return new(SandboxLookup) }}
 }
 
-// Validate checks the configuration without loading anything.
-func (h *SandboxLookup) Validate() error {
-	if h.Sandbox == "" || h.URL == "" {
-		return errors.New("sandbox_lookup: sandbox and url are required")
-	}
-	return nil
-}
-
 // Provision sets up the handler.
 func (h *SandboxLookup) Provision(ctx caddy.Context) error {
-	h.logger = ctx.Logger(h)
-	if err := registerMetrics(ctx); err != nil {
-		return err
-	}
-	l, err := h.newLookup(h.logger)
-	if err != nil {
-		return fmt.Errorf("sandbox_lookup: %w", err)
-	}
-	h.lookup = l
-	return nil
+	return h.provision(ctx, ctx.Logger(h))
 }
 
 // ServeHTTP looks the request's sandbox up and sets its variables.

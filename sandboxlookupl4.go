@@ -1,14 +1,9 @@
 package caddyktls
 
 import (
-	"errors"
-	"fmt"
-
 	"github.com/caddyserver/caddy/v2"
 	"github.com/mholt/caddy-l4/layer4"
 	"go.uber.org/zap"
-
-	"github.com/ktlsingress/caddy-ktls/gateway"
 )
 
 func init() {
@@ -22,16 +17,9 @@ func init() {
 // after it. A failed lookup refuses the connection (access_denied on a kTLS
 // session) with the reason in the log.
 type SandboxLookupL4 struct {
-	// Sandbox is the sandbox ID to look up; placeholders are replaced per
-	// connection, e.g. {l4.tls.server_name.labels.2}. Required.
-	Sandbox string `json:"sandbox,omitempty"`
-
-	// How the control plane is asked (LookupOptions), at the top level of
-	// the JSON.
+	// The sandbox to look up and how the control plane is asked
+	// (LookupOptions), at the top level of the JSON.
 	LookupOptions
-
-	logger *zap.Logger
-	lookup *gateway.Lookup
 }
 
 // The placeholders the layer4 lookup sets.
@@ -42,26 +30,9 @@ func (*SandboxLookupL4) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: moduleSandboxLookupL4, New: func() caddy.Module { return new(SandboxLookupL4) }}
 }
 
-// Validate checks the configuration without loading anything.
-func (h *SandboxLookupL4) Validate() error {
-	if h.Sandbox == "" || h.URL == "" {
-		return errors.New("sandbox_lookup: sandbox and url are required")
-	}
-	return nil
-}
-
 // Provision sets up the handler.
 func (h *SandboxLookupL4) Provision(ctx caddy.Context) error {
-	h.logger = ctx.Logger(h)
-	if err := registerMetrics(ctx); err != nil {
-		return err
-	}
-	l, err := h.newLookup(h.logger)
-	if err != nil {
-		return fmt.Errorf("sandbox_lookup: %w", err)
-	}
-	h.lookup = l
-	return nil
+	return h.provision(ctx, ctx.Logger(h))
 }
 
 // Handle looks the connection's sandbox up and sets its placeholders.

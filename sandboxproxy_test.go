@@ -67,6 +67,21 @@ func writeGatewayFiles(t testing.TB, ca *testpki.CA, client *testpki.Leaf) gatew
 	return f
 }
 
+// addGatewaySide prepares e's configuration for an edge gateway in the
+// same Caddy: the gateway's files (its client certificate is e's trusted
+// gateway certificate), its signing key in the forwarder's keys, and a
+// certificate for users' *.sandbox.test in the tls app.
+func addGatewaySide(t *testing.T, e *sandboxEnv) gatewayFiles {
+	t.Helper()
+	files := writeGatewayFiles(t, e.ca, e.client)
+	sh := e.sandboxHandler()
+	sh["keys"] = append(sh["keys"].([]any), map[string]any{"id": files.keyID, "public_key": base64.StdEncoding.EncodeToString(files.pub)})
+	site := e.ca.Server(t, "*.sandbox.test")
+	certs := e.cfg["apps"].(map[string]any)["tls"].(map[string]any)["certificates"].(map[string]any)
+	certs["load_pem"] = append(certs["load_pem"].([]any), map[string]any{"certificate": string(site.CertPEM), "key": string(site.KeyPEM)})
+	return files
+}
+
 // dialJSON is the GatewayDial JSON of files.
 func (f gatewayFiles) dialJSON() map[string]any {
 	return map[string]any{
@@ -91,13 +106,7 @@ func newGatewayEnv(t *testing.T, proxyOpts map[string]any) *gatewayEnv {
 func newGatewayEnvWith(t *testing.T, proxyOpts map[string]any, before ...any) *gatewayEnv {
 	t.Helper()
 	e := &gatewayEnv{sandboxEnv: newSandboxConfig(t, nil), gwAddr: loopbackAddr(t)}
-	e.files = writeGatewayFiles(t, e.ca, e.client)
-	sh := e.sandboxHandler()
-	sh["keys"] = append(sh["keys"].([]any), map[string]any{"id": e.files.keyID, "public_key": base64.StdEncoding.EncodeToString(e.files.pub)})
-	userCert := e.ca.Server(t, "*.sandbox.test")
-	tlsApp := e.cfg["apps"].(map[string]any)["tls"].(map[string]any)
-	loads := tlsApp["certificates"].(map[string]any)["load_pem"].([]any)
-	tlsApp["certificates"].(map[string]any)["load_pem"] = append(loads, map[string]any{"certificate": string(userCert.CertPEM), "key": string(userCert.KeyPEM)})
+	e.files = addGatewaySide(t, e.sandboxEnv)
 	proxy := e.files.dialJSON()
 	proxy["handler"] = "sandbox_proxy"
 	proxy["forwarder"] = e.addr

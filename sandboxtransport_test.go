@@ -6,7 +6,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
-	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -128,13 +127,8 @@ func newTransportEnv(t *testing.T, target string, transportOpts, proxyOpts map[s
 func newTransportEnvWith(t *testing.T, target string, edit func(cfg, sandbox map[string]any) map[string]any, transportOpts ...map[string]any) *transportEnv {
 	t.Helper()
 	e := &transportEnv{sandboxEnv: newSandboxConfig(t, nil), siteAddr: loopbackAddr(t)}
-	e.files = writeGatewayFiles(t, e.ca, e.client)
+	e.files = addGatewaySide(t, e.sandboxEnv)
 	sh := e.sandboxHandler()
-	sh["keys"] = append(sh["keys"].([]any), map[string]any{"id": e.files.keyID, "public_key": base64.StdEncoding.EncodeToString(e.files.pub)})
-	site := e.ca.Server(t, "*.sandbox.test")
-	tlsApp := e.cfg["apps"].(map[string]any)["tls"].(map[string]any)
-	loads := tlsApp["certificates"].(map[string]any)["load_pem"].([]any)
-	tlsApp["certificates"].(map[string]any)["load_pem"] = append(loads, map[string]any{"certificate": string(site.CertPEM), "key": string(site.KeyPEM)})
 	transport := e.files.dialJSON()
 	transport["protocol"] = "sandbox"
 	transport["sandbox"] = "{http.request.host.labels.2}"

@@ -1,11 +1,9 @@
 package forward
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -205,23 +203,8 @@ func (p *Pusher) post(ctx context.Context, rep ActivityReport) {
 func (p *Pusher) postOnce(ctx context.Context, body []byte) error {
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.cfg.URL, bytes.NewReader(body))
-	if err != nil {
-		return err
-	}
-	req.Header.Set("User-Agent", p.cfg.UserAgent)
-	for name, values := range p.cfg.Header {
-		req.Header[name] = values
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := p.cfg.Client.Do(req)
-	if err != nil {
-		return err
-	}
-	io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
-	resp.Body.Close()
-	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("activity pusher: %s answered %s", p.cfg.URL, resp.Status)
+	if err := postJSON(ctx, p.cfg.Client, p.cfg.URL, p.cfg.Header, p.cfg.UserAgent, body); err != nil {
+		return fmt.Errorf("activity pusher: %w", err)
 	}
 	return nil
 }

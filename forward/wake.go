@@ -1,12 +1,10 @@
 package forward
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -108,23 +106,8 @@ func (w *Waker) request(sandbox string, target netip.AddrPort) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), w.cfg.Timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.cfg.URL, bytes.NewReader(body))
-	if err != nil {
-		return err
-	}
-	req.Header.Set("User-Agent", w.cfg.UserAgent)
-	for name, values := range w.cfg.Header {
-		req.Header[name] = values
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := w.cfg.Client.Do(req)
-	if err != nil {
+	if err := postJSON(ctx, w.cfg.Client, w.cfg.URL, w.cfg.Header, w.cfg.UserAgent, body); err != nil {
 		return fmt.Errorf("wake request: %w", err)
-	}
-	io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
-	resp.Body.Close()
-	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("wake request: the control plane answered %s", resp.Status)
 	}
 	return nil
 }

@@ -26,13 +26,24 @@ func TestBandwidthCapPerSandbox(t *testing.T) {
 			t.Errorf("tunnel: %v", err)
 		}
 	}
-	// How long each sandbox's tunnels ran (registration to end).
-	took := map[string]time.Duration{}
+	// How long each sandbox's tunnels ran together: from the first
+	// registration to the last end.
+	first, last := map[string]time.Time{}, map[string]time.Time{}
 	f.mu.Lock()
 	for _, r := range f.res {
-		took[r.Tunnel.Sandbox] = max(took[r.Tunnel.Sandbox], r.Duration)
+		sb, opened := r.Tunnel.Sandbox, r.Tunnel.Opened
+		if f, ok := first[sb]; !ok || opened.Before(f) {
+			first[sb] = opened
+		}
+		if end := opened.Add(r.Duration); end.After(last[sb]) {
+			last[sb] = end
+		}
 	}
 	f.mu.Unlock()
+	took := map[string]time.Duration{}
+	for sb := range first {
+		took[sb] = last[sb].Sub(first[sb])
+	}
 	up.Close()
 	sums := map[[32]byte]bool{}
 	for _, r := range up.Results() {

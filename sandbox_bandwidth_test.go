@@ -24,7 +24,7 @@ func TestKernelSandboxBandwidthCap(t *testing.T) {
 }
 
 func sandboxBandwidthCap(t *testing.T, span time.Duration) {
-	const rate = 2 << 20 // bytes per second
+	const rate = 1 << 20 // bytes per second
 	up := forwardtest.NewUpstream(t, 0)
 	e := newSandboxEnv(t, map[string]any{"max_bandwidth": map[string]any{"to_sandbox": rate}})
 	m0 := e.metrics(t)

@@ -165,7 +165,7 @@ func TestKernelSandboxProxyEndToEnd(t *testing.T) {
 }
 
 func sandboxProxyEndToEnd(t *testing.T, kernel bool) {
-	size := forwardtest.TransferMiB(t, 16) << 20
+	size := forwardtest.TransferMiB(t, 4) << 20
 	up := forwardtest.NewUpstream(t, size+3)
 	sandbox := uniqueSandbox("sbx-edge")
 	e := newGatewayEnv(t, map[string]any{"target": up.Addr().String()})

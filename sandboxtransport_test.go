@@ -191,7 +191,7 @@ func TestKernelSandboxTransportExact(t *testing.T) {
 
 func sandboxTransportExact(t *testing.T, kernel bool) {
 	app := startSandboxApp(t)
-	size := forwardtest.TransferMiB(t, 8) << 20
+	size := forwardtest.TransferMiB(t, 2) << 20
 	for _, version := range []string{"1.1", "h2c"} {
 		t.Run(version, func(t *testing.T) {
 			e := newTransportEnv(t, app.addr, map[string]any{"versions": []string{version}}, nil)

@@ -11,8 +11,9 @@
 #      all; packages without a top-level match are left out),
 #      VM_TEST_COUNT (-test.count: reruns each selected test in one VM; the
 #      summary then counts failures per test), VM_TEST_TIMEOUT (seconds per
-#      test binary, default 600 x VM_TEST_COUNT),
-#      VM_TIMEOUT (seconds per kernel, boot included, default 1200), VM_* (see vm.sh)
+#      test binary, default 900 x VM_TEST_COUNT: the root package's kernel tests take
+#      5-10 minutes on a loaded 2-core host),
+#      VM_TIMEOUT (seconds per kernel, boot included, default 1500), VM_* (see vm.sh)
 # exit: 0 only if every kernel passed.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
@@ -54,8 +55,8 @@ for k in "${kernels[@]}"; do
   mkdir -p "$out"
   log "=== vmtest: kernel $k"
   rc=0
-  VM_OUT=$out VM_TIMEOUT=${VM_TIMEOUT:-$((1200 * count))} "$REPO/integration/vm.sh" "$k" \
-    "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} KTLS_BINARY_DOWNLOAD_MIB=${KTLS_BINARY_DOWNLOAD_MIB:-} VM_TEST_RUN='${VM_TEST_RUN:-^TestKernel}' VM_TEST_COUNT=$count VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-$((600 * count))} integration/guest-suite.sh ${manifest#"$REPO"/}" || rc=$?
+  VM_OUT=$out VM_TIMEOUT=${VM_TIMEOUT:-$((1500 * count))} "$REPO/integration/vm.sh" "$k" \
+    "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} KTLS_BINARY_DOWNLOAD_MIB=${KTLS_BINARY_DOWNLOAD_MIB:-} VM_TEST_RUN='${VM_TEST_RUN:-^TestKernel}' VM_TEST_COUNT=$count VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-$((900 * count))} integration/guest-suite.sh ${manifest#"$REPO"/}" || rc=$?
   verdict=PASS
   [ $rc -eq 0 ] || verdict="FAIL (exit $rc)"
   # The kernel's own counters: a suite that never reached TLS_SW in the

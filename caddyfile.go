@@ -196,6 +196,7 @@ func (*KTLSSession) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		replay_cache_size  <n>
 //		max_tunnels_per_sandbox <n>
 //		max_tunnel_lifetime <duration>
+//		proxy_protocol     v2                # PROXY v2 header to the target: the signed client address, sandbox ID TLV
 //		preamble_timeout   <duration>
 //		dial_timeout       <duration>
 //		keepalive          <duration>
@@ -275,6 +276,17 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.ReplayCacheSize = n
 			} else {
 				h.MaxTunnelsPerSandbox = n
+			}
+		case "proxy_protocol":
+			if !d.NextArg() {
+				return d.Errf("proxy_protocol needs a version: v2")
+			}
+			h.ProxyProtocol = d.Val()
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			if h.ProxyProtocol != "v2" {
+				return d.Errf("proxy_protocol %q: the only version is v2", h.ProxyProtocol)
 			}
 		case "allow":
 			args := d.RemainingArgs()

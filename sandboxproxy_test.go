@@ -90,7 +90,14 @@ func newGatewayEnv(t *testing.T, proxyOpts map[string]any) *gatewayEnv {
 // and sandbox_proxy.
 func newGatewayEnvWith(t *testing.T, proxyOpts map[string]any, before ...any) *gatewayEnv {
 	t.Helper()
-	e := &gatewayEnv{sandboxEnv: newSandboxConfig(t, nil), gwAddr: loopbackAddr(t)}
+	return newGatewayEnvFull(t, nil, proxyOpts, before...)
+}
+
+// newGatewayEnvFull is newGatewayEnvWith with sandboxOpts merged into the
+// forwarder's sandbox handler.
+func newGatewayEnvFull(t *testing.T, sandboxOpts, proxyOpts map[string]any, before ...any) *gatewayEnv {
+	t.Helper()
+	e := &gatewayEnv{sandboxEnv: newSandboxConfig(t, sandboxOpts), gwAddr: loopbackAddr(t)}
 	e.files = writeGatewayFiles(t, e.ca, e.client)
 	sh := e.sandboxHandler()
 	sh["keys"] = append(sh["keys"].([]any), map[string]any{"id": e.files.keyID, "public_key": base64.StdEncoding.EncodeToString(e.files.pub)})

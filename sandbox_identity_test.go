@@ -2,12 +2,15 @@ package caddyktls
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -157,5 +160,112 @@ func sandboxMalformedClientIdentity(t *testing.T, kernel bool) {
 	up.Close()
 	if up.Accepted() != 0 {
 		t.Errorf("the target was dialed %d times", up.Accepted())
+	}
+}
+
+// proxyListener accepts connections that open with a PROXY v2 header and
+// hands them on with the header's source and 0xE1 TLV readable per
+// connection (proxyConn).
+type proxyListener struct {
+	net.Listener
+	accepted atomic.Int64
+}
+
+type proxyConn struct {
+	net.Conn
+	src, id string
+}
+
+func (l *proxyListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	l.accepted.Add(1)
+	fixed := make([]byte, 16)
+	if _, err := io.ReadFull(c, fixed); err != nil {
+		return &proxyConn{Conn: c}, nil
+	}
+	rest := make([]byte, binary.BigEndian.Uint16(fixed[14:]))
+	io.ReadFull(c, rest)
+	pc := &proxyConn{Conn: c}
+	if fixed[13] == 0x11 && len(rest) >= 12 {
+		a, _ := netip.AddrFromSlice(rest[0:4])
+		pc.src = netip.AddrPortFrom(a, binary.BigEndian.Uint16(rest[8:])).String()
+		for tl := rest[12:]; len(tl) >= 3; {
+			n := int(binary.BigEndian.Uint16(tl[1:]))
+			if len(tl) < 3+n {
+				break
+			}
+			if tl[0] == 0xE1 {
+				pc.id = string(tl[3 : 3+n])
+			}
+			tl = tl[3+n:]
+		}
+	}
+	return pc, nil
+}
+
+// The sandbox transport with send_client: each request's client address
+// (and X-User, through client_id) reaches the app in the PROXY header of the
+// tunnel that carried it; requests of one user connection share a tunnel,
+// two users never do.
+func TestSandboxTransportSendClient(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pl := &proxyListener{Listener: ln}
+	type ctxKey struct{}
+	srv := &http.Server{
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			pc := r.Context().Value(ctxKey{}).(*proxyConn)
+			w.Header().Set("X-Proxy-Src", pc.src)
+			w.Header().Set("X-Proxy-Id", pc.id)
+		}),
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context { return context.WithValue(ctx, ctxKey{}, c) },
+	}
+	go srv.Serve(pl)
+	t.Cleanup(func() { srv.Close() })
+	e := newTransportEnvWith(t, ln.Addr().String(), func(_, sandbox map[string]any) map[string]any {
+		sandbox["proxy_protocol"] = "v2"
+		return nil
+	}, map[string]any{"send_client": true, "client_id": "{http.request.header.X-User}"})
+	sandbox := uniqueSandbox("sbx-tr-id")
+	for _, user := range []string{"alice", "bob"} {
+		var local atomic.Value
+		c := e.user(false)
+		c.Transport.(*http.Transport).DialContext = func(ctx context.Context, network, _ string) (net.Conn, error) {
+			conn, err := (&net.Dialer{}).DialContext(ctx, network, e.siteAddr)
+			if err == nil {
+				local.Store(conn.LocalAddr().String())
+			}
+			return conn, err
+		}
+		for range 2 {
+			req, _ := http.NewRequest("GET", siteURL(sandbox, "/"), nil)
+			req.Header.Set("X-User", user)
+			resp, err := c.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 || resp.Header.Get("X-Proxy-Src") != local.Load() || resp.Header.Get("X-Proxy-Id") != user {
+				t.Errorf("%s: status %d, PROXY source %q identity %q; want %v and %q", user, resp.StatusCode,
+					resp.Header.Get("X-Proxy-Src"), resp.Header.Get("X-Proxy-Id"), local.Load(), user)
+			}
+		}
+		c.CloseIdleConnections()
+	}
+	if n := pl.accepted.Load(); n != 2 {
+		t.Errorf("the app accepted %d tunnels, want 2 (one per user connection)", n)
+	}
+}
+
+func TestSandboxTransportClientIDNeedsSendClient(t *testing.T) {
+	err := (&SandboxTransport{Sandbox: "s", Target: "10.0.0.1:80", ClientID: "{http.request.header.X-User}"}).Validate()
+	if err == nil || err.Error() != "sandbox transport: client_id needs send_client: the identity travels with the client's address" {
+		t.Fatalf("Validate: %v", err)
 	}
 }

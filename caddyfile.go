@@ -197,6 +197,7 @@ func (*KTLSSession) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		replay_cache_size  <n>
 //		max_tunnels_per_sandbox <n>
 //		max_tunnel_lifetime <duration>
+//		proxy_protocol     v2                # PROXY v2 header to the target: the signed client address, sandbox ID TLV
 //		preamble_timeout   <duration>
 //		dial_timeout       <duration>
 //		keepalive          <duration>
@@ -276,6 +277,17 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.ReplayCacheSize = n
 			} else {
 				h.MaxTunnelsPerSandbox = n
+			}
+		case "proxy_protocol":
+			if !d.NextArg() {
+				return d.Errf("proxy_protocol needs a version: v2")
+			}
+			h.ProxyProtocol = d.Val()
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			if h.ProxyProtocol != "v2" {
+				return d.Errf("proxy_protocol %q: the only version is v2", h.ProxyProtocol)
 			}
 		case "allow":
 			args := d.RemainingArgs()
@@ -613,6 +625,7 @@ func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled 
 //		forwarder <host:port>      # placeholders allowed
 //		sandbox   <id>             # e.g. {l4.tls.server_name.labels.2}
 //		target    <ip:port>        # placeholders allowed
+//		client_id <identity>       # signed with the user's address; e.g. {l4.tls.client.subject}
 //		<gateway dial option> ...  # tls_client_auth, tls_trust_pool, signing_key_file, ... (GatewayDial)
 //	}
 func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -628,7 +641,7 @@ func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			continue
 		}
 		switch opt := d.Val(); opt {
-		case "forwarder", "sandbox", "target":
+		case "forwarder", "sandbox", "target", "client_id":
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
@@ -637,6 +650,8 @@ func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.Forwarder = d.Val()
 			case "sandbox":
 				h.Sandbox = d.Val()
+			case "client_id":
+				h.ClientID = d.Val()
 			default:
 				h.Target = d.Val()
 			}
@@ -661,6 +676,8 @@ func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //			max_conns_per_route      <n>   # default: no cap
 //			idle_timeout             <duration>  # default 2m
 //			max_routes               <n>   # default 4096
+//			send_client                    # sign the request's client address into each tunnel's preamble
+//			client_id <identity>           # with send_client; e.g. {http.request.header.X-User}
 //			<gateway dial option> ...      # tls_client_auth, tls_trust_pool, signing_key_file, ... (GatewayDial)
 //		}
 //	}
@@ -677,18 +694,26 @@ func (t *SandboxTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			continue
 		}
 		switch opt := d.Val(); opt {
-		case "sandbox", "target":
+		case "sandbox", "target", "client_id":
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
-			if opt == "sandbox" {
+			switch opt {
+			case "sandbox":
 				t.Sandbox = d.Val()
-			} else {
+			case "client_id":
+				t.ClientID = d.Val()
+			default:
 				t.Target = d.Val()
 			}
 			if d.NextArg() {
 				return d.ArgErr()
 			}
+		case "send_client":
+			if err := noArgs(d); err != nil {
+				return err
+			}
+			t.SendClient = true
 		case "versions":
 			v, err := oneOf(d, "1.1", "h2c")
 			if err != nil {

@@ -34,6 +34,9 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\tmax_tunnels_per_sandbox 8 16\n}", "wrong argument count"},
 		{"sandbox {\n\tmax_tunnel_lifetime forever\n}", `max_tunnel_lifetime: "forever" is not a positive duration`},
 		{"sandbox {\n\tactivity_push\n}", "activity_push needs a URL"},
+		{"sandbox {\n\tproxy_protocol\n}", "proxy_protocol needs a version: v2"},
+		{"sandbox {\n\tproxy_protocol v1\n}", `proxy_protocol "v1": the only version is v2`},
+		{"sandbox {\n\tproxy_protocol v2 v2\n}", "wrong argument count"},
 		{"sandbox {\n\tkey_clients gw-1\n}", "key_clients takes a key ID and one or more client names, got 1 arguments"},
 		{"sandbox {\n\tactivity_push http://x {\n\t\theader Authorization\n\t}\n}", "header takes a field name and a value, got 1 arguments"},
 		{"sandbox {\n\tinsecure_plaintext yes\n}", "insecure_plaintext takes no arguments"},
@@ -107,6 +110,7 @@ func TestSandboxRejectsBadOptions(t *testing.T) {
 		"key_clients naming no client": {map[string]any{"key_clients": map[string][]string{gatewayKeyID: {}}}, "no client named"},
 		"negative tunnel cap":          {map[string]any{"max_tunnels_per_sandbox": -1}, "`max_tunnels_per_sandbox` must not be negative"},
 		"negative lifetime":            {map[string]any{"max_tunnel_lifetime": "-1s"}, "`max_tunnel_lifetime` must not be negative"},
+		"proxy_protocol v1":            {map[string]any{"proxy_protocol": "v1"}, "`proxy_protocol` \"v1\": the only version is v2 (PROXY protocol version 2)"},
 		"no allow entry":               {map[string]any{"allow_cidrs": []string{}}, "sandbox handler: no `allow` (JSON allow_cidrs) entry: name the sandbox networks this forwarder may reach, e.g. `allow 10.0.0.0/8`"},
 		"allow_ports but no allow":     {map[string]any{"allow_cidrs": nil, "allow_ports": []string{"443"}}, "no `allow` (JSON allow_cidrs) entry"},
 	} {

@@ -186,6 +186,7 @@ func appendKeyring(path string, ring, pubPEM []byte) error {
 // claimFlags are the flags shared by sign and dial.
 type claimFlags struct {
 	keyFile, keyID, sandbox, target string
+	clientAddr, clientID            string
 	ttl                             time.Duration
 }
 
@@ -195,6 +196,8 @@ func (f *claimFlags) register(cmd *cobra.Command, keyFlag string) {
 	cmd.Flags().StringVar(&f.sandbox, "sandbox", "", "sandbox ID ([A-Za-z0-9._-], up to 128 bytes)")
 	cmd.Flags().StringVar(&f.target, "target", "", "target ip:port inside the sandbox (IPv6 as [addr]:port)")
 	cmd.Flags().DurationVar(&f.ttl, "ttl", preamble.DefaultTTL, "validity of the preamble")
+	cmd.Flags().StringVar(&f.clientAddr, "client-addr", "", "end user's ip:port, signed as the client identity (extension 0x0010)")
+	cmd.Flags().StringVar(&f.clientID, "client-id", "", "end user's identity string (up to 255 bytes, no control characters); needs --client-addr")
 }
 
 func (f *claimFlags) signerAndClaims(keyFlag string) (*preamble.Signer, preamble.Claims, error) {
@@ -230,7 +233,22 @@ func (f *claimFlags) signerAndClaims(keyFlag string) (*preamble.Signer, preamble
 		return nil, preamble.Claims{}, fmt.Errorf("--ttl %v: want at least 1s", f.ttl)
 	}
 	now := time.Now()
-	return signer, preamble.Claims{SandboxID: f.sandbox, Target: target, IssuedAt: now, ExpiresAt: now.Add(f.ttl)}, nil
+	claims := preamble.Claims{SandboxID: f.sandbox, Target: target, IssuedAt: now, ExpiresAt: now.Add(f.ttl)}
+	if f.clientID != "" && f.clientAddr == "" {
+		return nil, preamble.Claims{}, errors.New("--client-id needs --client-addr: the client identity always carries the end user's address")
+	}
+	if f.clientAddr != "" {
+		ap, err := netip.ParseAddrPort(f.clientAddr)
+		if err != nil {
+			return nil, preamble.Claims{}, fmt.Errorf("--client-addr %q: want an IP address and port: %v", f.clientAddr, err)
+		}
+		ext, err := preamble.ClientIdentity{Addr: netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), ID: f.clientID}.Extension()
+		if err != nil {
+			return nil, preamble.Claims{}, fmt.Errorf("--client-addr/--client-id: %w", err)
+		}
+		claims.Extensions = []preamble.Extension{ext}
+	}
+	return signer, claims, nil
 }
 
 // warnTTL tells the operator, on w, when --ttl is longer than a forwarder
@@ -307,6 +325,10 @@ type verifiedClaims struct {
 	Nonce      string    `json:"nonce"`
 	Binding    string    `json:"binding,omitempty"`
 	Extensions []string  `json:"extensions,omitempty"`
+	// ClientAddr and ClientID are the client identity extension (0x0010)
+	// decoded, when the frame carries one.
+	ClientAddr string `json:"client_addr,omitempty"`
+	ClientID   string `json:"client_id,omitempty"`
 }
 
 func verifyCommand() *cobra.Command {
@@ -366,6 +388,9 @@ rejected (binding-mismatch).
 			}
 			for _, e := range c.Extensions {
 				out.Extensions = append(out.Extensions, fmt.Sprintf("%#04x:%x", e.Type, e.Value))
+			}
+			if ci, ok := c.ClientIdentity(); ok {
+				out.ClientAddr, out.ClientID = ci.Addr.String(), ci.ID
 			}
 			enc := json.NewEncoder(cmd.OutOrStdout())
 			enc.SetIndent("", "  ")

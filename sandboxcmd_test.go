@@ -664,3 +664,50 @@ func TestKernelSandboxDialRefusedWhileWriting(t *testing.T) {
 	sandboxDialRefusedStdin(t, true, bytes.NewReader(bytes.Repeat([]byte("x"), 16<<20)),
 		"the forwarder refused the tunnel before its first byte (remote error: tls: access denied)")
 }
+
+// TestSandboxSignClientIdentity: sign --client-addr/--client-id writes the
+// client identity extension (0x0010), which verify decodes; bad values are
+// refused with what is wrong, before anything is signed.
+func TestSandboxSignClientIdentity(t *testing.T) {
+	dir := t.TempDir()
+	key := filepath.Join(dir, "gw.key")
+	pubPEM, err := runSandbox(t, nil, "keygen", "--key-out", key, "--key-id", "gw-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyring := filepath.Join(dir, "keyring.pem")
+	if err := os.WriteFile(keyring, []byte(pubPEM), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	hexFrame, err := runSandbox(t, nil, "sign", "--key", key, "--sandbox", "sbx-42", "--target", "10.9.8.7:80",
+		"--client-addr", "192.0.2.7:50000", "--client-id", "alice@example.com")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := runSandbox(t, strings.NewReader(hexFrame), "verify", "--keyring", keyring)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got verifiedClaims
+	if err := json.Unmarshal([]byte(out), &got); err != nil {
+		t.Fatal(err)
+	}
+	if got.ClientAddr != "192.0.2.7:50000" || got.ClientID != "alice@example.com" ||
+		len(got.Extensions) != 1 || got.Extensions[0] != "0x0010:04c0000207c350"+hex.EncodeToString([]byte("alice@example.com")) {
+		t.Fatalf("verify printed %s", out)
+	}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--client-id", "alice"}, "--client-id needs --client-addr"},
+		{[]string{"--client-addr", "user.example:5"}, `--client-addr "user.example:5": want an IP address and port`},
+		{[]string{"--client-addr", "192.0.2.7:0"}, "--client-addr/--client-id: preamble rejected (bad-extension): client identity 0x0010: address: port 0"},
+		{[]string{"--client-addr", "192.0.2.7:5", "--client-id", "a\nb"}, "control character U+000A"},
+	} {
+		args := append([]string{"sign", "--key", key, "--sandbox", "sbx-42", "--target", "10.9.8.7:80"}, tc.args...)
+		if _, err := runSandbox(t, nil, args...); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: %v, want %q", tc.args, err, tc.want)
+		}
+	}
+}

@@ -95,6 +95,17 @@ type SandboxHandler struct {
 	// limit.
 	MaxTunnelLifetime caddy.Duration `json:"max_tunnel_lifetime,omitempty"`
 
+	// ProxyProtocol, when "v2", writes a PROXY protocol v2 header to each
+	// target right after it is dialed, before any tenant byte: the source
+	// is the end user's address from the signed preamble's client identity
+	// (extension 0x0010, docs/preamble.md §3.1), or the gateway connection's
+	// own peer address when the frame carries none; the destination is the
+	// target; TLV 0xE0 holds the sandbox ID and TLV 0xE1 the client's
+	// identity string when the frame has one. The header is not counted as
+	// tenant bytes (metrics, activity). The target must expect the header:
+	// turn it on only for targets that parse PROXY v2. Default: "" (none).
+	ProxyProtocol string `json:"proxy_protocol,omitempty"`
+
 	// PreambleTimeout bounds the wait for the whole preamble: the only
 	// deadline a tunnel ever has. Default: 5s.
 	PreambleTimeout caddy.Duration `json:"preamble_timeout,omitempty"`
@@ -300,6 +311,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		MaxTunnelsPerSandbox: h.MaxTunnelsPerSandbox,
 		KeyClients:           h.KeyClients,
 		MaxTunnelLifetime:    time.Duration(h.MaxTunnelLifetime),
+		ProxyProtocol:        proxyProtocolVersion(h.ProxyProtocol),
 		// Only gateways whose TLS session verified their client
 		// certificate reach the preamble (Handle says which did).
 		RequireClientCertificate: !h.InsecurePlaintext,
@@ -367,7 +379,19 @@ func (h *SandboxHandler) validateOptions() error {
 	if h.MaxTunnelLifetime < 0 {
 		return fmt.Errorf("sandbox handler: %s must not be negative: give a duration such as 24h, or leave it out (none)", option("max_tunnel_lifetime", "max_tunnel_lifetime"))
 	}
+	if h.ProxyProtocol != "" && h.ProxyProtocol != "v2" {
+		return fmt.Errorf("sandbox handler: %s %q: the only version is v2 (PROXY protocol version 2), or leave it out (none)", option("proxy_protocol", "proxy_protocol"), h.ProxyProtocol)
+	}
 	return nil
+}
+
+// proxyProtocolVersion maps the proxy_protocol option to
+// forward.Config.ProxyProtocol (validateOptions accepted it).
+func proxyProtocolVersion(opt string) int {
+	if opt == "v2" {
+		return 2
+	}
+	return 0
 }
 
 // Validate checks the configuration (caddy.Validator): the options, and

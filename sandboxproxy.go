@@ -47,6 +47,16 @@ type SandboxProxy struct {
 	// Placeholders are replaced per connection.
 	Target string `json:"target,omitempty"`
 
+	// ClientID, when set, is the end user's identity string signed into
+	// each preamble beside the user's address (the client identity
+	// extension, docs/preamble.md §3.1; a forwarder with proxy_protocol v2
+	// hands both to the target). Placeholders are replaced per connection,
+	// e.g. {l4.tls.client.subject}; one that gives an empty string sends the
+	// address alone. The user's address is always signed. At most 255 bytes
+	// of UTF-8 without control characters: a connection whose value breaks
+	// that is refused, and nothing reaches the sandbox.
+	ClientID string `json:"client_id,omitempty"`
+
 	// How forwarders are reached (GatewayDial), at the top level of the
 	// JSON.
 	GatewayDial
@@ -100,6 +110,8 @@ func (h *SandboxProxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		refuseConn(user)
 		return nil
 	}
+	// The user, as this gateway saw them, signed into the preamble.
+	route.Client = gateway.ClientFrom(peer, repl.ReplaceAll(h.ClientID, ""))
 	tunnel, err := h.dialer.Dial(cx.Context, route)
 	if err != nil {
 		gatewayDials.WithLabelValues(moduleSandboxProxy, dialResult(err)).Inc()

@@ -105,7 +105,14 @@ func newGatewayEnv(t *testing.T, proxyOpts map[string]any) *gatewayEnv {
 // and sandbox_proxy.
 func newGatewayEnvWith(t *testing.T, proxyOpts map[string]any, before ...any) *gatewayEnv {
 	t.Helper()
-	e := &gatewayEnv{sandboxEnv: newSandboxConfig(t, nil), gwAddr: loopbackAddr(t)}
+	return newGatewayEnvFull(t, nil, proxyOpts, before...)
+}
+
+// newGatewayEnvFull is newGatewayEnvWith with sandboxOpts merged into the
+// forwarder's sandbox handler.
+func newGatewayEnvFull(t *testing.T, sandboxOpts, proxyOpts map[string]any, before ...any) *gatewayEnv {
+	t.Helper()
+	e := &gatewayEnv{sandboxEnv: newSandboxConfig(t, sandboxOpts), gwAddr: loopbackAddr(t)}
 	e.files = addGatewaySide(t, e.sandboxEnv)
 	proxy := e.files.dialJSON()
 	proxy["handler"] = "sandbox_proxy"

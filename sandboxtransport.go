@@ -71,6 +71,24 @@ type SandboxTransport struct {
 	// recently used route's idle connections are closed. Default: 4096.
 	MaxRoutes int `json:"max_routes,omitempty"`
 
+	// SendClient signs the request's client into each preamble: its
+	// remote address (the peer of the user's connection to this server)
+	// and, with ClientID, an identity string (the client identity
+	// extension, docs/preamble.md §3.1; a forwarder with proxy_protocol v2
+	// hands both to the target). A tunnel carries one preamble, so with it
+	// on the route of a request includes its client: connections are
+	// pooled per user connection (and identity), never lent to another
+	// user, which costs the pooling across users. Default: off.
+	SendClient bool `json:"send_client,omitempty"`
+
+	// ClientID is the identity string signed with the client's address
+	// when SendClient is on; placeholders are replaced per request, e.g.
+	// {http.request.header.X-User} or {http.auth.user.id}; an empty result
+	// sends the address alone. At most 255 bytes of UTF-8 without control
+	// characters: a request whose value breaks that fails (502) before
+	// anything is dialed.
+	ClientID string `json:"client_id,omitempty"`
+
 	// How forwarders are reached (GatewayDial), at the top level of the
 	// JSON.
 	GatewayDial
@@ -102,6 +120,9 @@ func (t *SandboxTransport) Validate() error {
 	}
 	if t.MaxIdleConnsPerRoute < 0 || t.MaxConnsPerRoute < 0 || t.MaxRoutes < 0 || t.IdleTimeout < 0 {
 		return errors.New("sandbox transport: max_idle_conns_per_route, max_conns_per_route, max_routes and idle_timeout must not be negative")
+	}
+	if t.ClientID != "" && !t.SendClient {
+		return errors.New("sandbox transport: client_id needs send_client: the identity travels with the client's address")
 	}
 	if err := t.GatewayDial.validate(); err != nil {
 		return fmt.Errorf("sandbox transport: %w", err)
@@ -163,6 +184,14 @@ func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 		gatewayDials.WithLabelValues(moduleSandboxTransport, gatewayDialNoRoute).Inc()
 		t.logger.Warn("sandbox transport: no route for the request", zap.String("uri", req.RequestURI), zap.Error(err))
 		return nil, err
+	}
+	if t.SendClient {
+		route.Client = gateway.ClientFrom(req.RemoteAddr, repl.ReplaceAll(t.ClientID, ""))
+		if err := route.Client.Check(); err != nil && route.Client.Addr.IsValid() {
+			gatewayDials.WithLabelValues(moduleSandboxTransport, gatewayDialNoRoute).Inc()
+			t.logger.Warn("sandbox transport: the request's client cannot be signed", zap.String("uri", req.RequestURI), zap.Error(err))
+			return nil, err
+		}
 	}
 	// The app's side of the tunnel is plain HTTP (or h2c); reverse_proxy
 	// leaves the scheme to the transport.

@@ -94,6 +94,16 @@ type Config struct {
 	// (WakeWoken, WakeFailed, WakeDialFailed) and how long it took, on the
 	// tunnel's goroutine.
 	OnWake func(outcome string, d time.Duration)
+	// ProxyProtocol, when 2, writes a PROXY protocol v2 header
+	// (ProxyV2Header) to every target right after it is dialed, before any
+	// tenant byte: source the client identity the signed preamble carries
+	// (extension 0x0010, docs/preamble.md §3.1), or the gateway connection's
+	// own peer when it carries none; destination the target; TLVs the sandbox
+	// ID (PP2TypeSandboxID) and the client's identity string
+	// (PP2TypeClientID) when it has one. The header's bytes are not tenant
+	// bytes: no counter of the tunnel includes them. Zero writes none; other
+	// values are refused by New.
+	ProxyProtocol int
 	// OnStep, when set, is called as each timed Step of a tunnel's opening
 	// ends, with how long it took, whatever its outcome (a refusal is also
 	// counted by its reason in the Registry). It runs on the tunnel's
@@ -133,6 +143,9 @@ func New(cfg Config) (*Forwarder, error) {
 	}
 	if cfg.MaxTunnelsPerSandbox < 0 || cfg.MaxTunnelLifetime < 0 {
 		return nil, errors.New("forward: negative MaxTunnelsPerSandbox or MaxTunnelLifetime")
+	}
+	if cfg.ProxyProtocol != 0 && cfg.ProxyProtocol != 2 {
+		return nil, fmt.Errorf("forward: ProxyProtocol %d, want 0 (none) or 2", cfg.ProxyProtocol)
 	}
 	if cfg.PreambleTimeout == 0 {
 		cfg.PreambleTimeout = DefaultPreambleTimeout
@@ -209,7 +222,7 @@ type Result struct {
 // the relay or in it, ends both connections as failures (splice.Abort), so
 // neither peer takes it for complete.
 func (f *Forwarder) Serve(c Client) (Result, error) {
-	upstream, tun, ctx, err := f.open(c)
+	upstream, tun, ctx, proxyHdr, err := f.open(c)
 	if err != nil {
 		refuse(c)
 		f.cfg.Registry.Reject(ReasonOf(err))
@@ -237,6 +250,15 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 		splice.Abort(relay)
 		splice.Abort(upstream)
 		return ended(Result{}, fmt.Errorf("forward: client socket: %w", err))
+	}
+	if proxyHdr != nil {
+		// First on the target's socket, before any tenant byte, and counted
+		// as none of the tunnel's bytes.
+		if _, err := upstream.Write(proxyHdr); err != nil {
+			splice.Abort(relay)
+			splice.Abort(upstream)
+			return ended(Result{}, fmt.Errorf("forward: PROXY header to target: %w", err))
+		}
 	}
 	if len(buffered) > 0 {
 		// Bytes the client sent right behind the preamble that a wrapper
@@ -302,25 +324,39 @@ var errNoClientCertificate = errors.New("the connection carries no verified clie
 
 // open runs everything up to a connected target: client certificate,
 // preamble, verification, key binding, policy, tunnel cap, dial and
-// registration.
-func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, error) {
+// registration; and the PROXY header to write first when Config.ProxyProtocol
+// asks for one.
+func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, []byte, error) {
+	up, tun, ctx, claims, err := f.openClaims(c)
+	if err != nil || f.cfg.ProxyProtocol != 2 {
+		return up, tun, ctx, nil, err
+	}
+	src, id := peerAddrPort(c.Conn, c.Peer), ""
+	if ci, ok := claims.ClientIdentity(); ok {
+		src, id = ci.Addr, ci.ID
+	}
+	return up, tun, ctx, ProxyV2Header(src, claims.Target, claims.SandboxID, id), nil
+}
+
+func (f *Forwarder) openClaims(c Client) (*net.TCPConn, *Tunnel, context.Context, preamble.Claims, error) {
+	var none preamble.Claims
 	// First: an unauthenticated client gets nothing from this forwarder,
 	// not even a read of its bytes.
 	if f.cfg.RequireClientCertificate && !c.ClientCertificateVerified {
-		return nil, nil, nil, &RejectError{Reason: ReasonNoClientCertificate, Err: errNoClientCertificate}
+		return nil, nil, nil, none, &RejectError{Reason: ReasonNoClientCertificate, Err: errNoClientCertificate}
 	}
 	if f.cfg.Registry.Draining() {
-		return nil, nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
+		return nil, nil, nil, none, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
 	}
 	if err := c.Conn.SetReadDeadline(time.Now().Add(f.cfg.PreambleTimeout)); err != nil {
-		return nil, nil, nil, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "set preamble deadline", Err: err}
+		return nil, nil, nil, none, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "set preamble deadline", Err: err}
 	}
 	frame, err := preamble.ReadFrame(c.Conn, f.cfg.Verifier.MaxFrameLen())
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, nil, none, err
 	}
 	if err := c.Conn.SetReadDeadline(time.Time{}); err != nil {
-		return nil, nil, nil, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "clear preamble deadline", Err: err}
+		return nil, nil, nil, none, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "clear preamble deadline", Err: err}
 	}
 	verifyStart := time.Now()
 	claims, err := f.cfg.Verifier.Verify(frame, c.Binding)
@@ -329,15 +365,15 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	}
 	f.step(StepPreambleVerify, verifyStart)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, nil, none, err
 	}
 	if err := f.cfg.Policy.Check(claims.Target); err != nil {
-		return nil, nil, nil, &RejectError{Reason: ReasonTargetDenied, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
+		return nil, nil, nil, none, &RejectError{Reason: ReasonTargetDenied, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}
 	// Checked before the dial, so that a sandbox at its cap costs its
 	// target nothing; Open checks again, for tunnels opening at once.
 	if err := f.cfg.Registry.checkLimit(claims.SandboxID, f.cfg.MaxTunnelsPerSandbox); err != nil {
-		return nil, nil, nil, err
+		return nil, nil, nil, none, err
 	}
 	target := claims.Target.String()
 	dialStart := time.Now()
@@ -346,11 +382,11 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	if err != nil && f.cfg.Wake != nil {
 		up, err = f.wakeAndDial(claims.SandboxID, claims.Target, err)
 		if err != nil {
-			return nil, nil, nil, err
+			return nil, nil, nil, none, err
 		}
 	}
 	if err != nil {
-		return nil, nil, nil, &RejectError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
+		return nil, nil, nil, none, &RejectError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}
 	// Register only once the target answered, so open-tunnel counts never
 	// include dials that fail; a drain that began meanwhile still wins.
@@ -359,9 +395,9 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, erro
 	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, origin, f.cfg.MaxTunnelsPerSandbox)
 	if err != nil {
 		up.Close()
-		return nil, nil, nil, err
+		return nil, nil, nil, none, err
 	}
-	return up, tun, ctx, nil
+	return up, tun, ctx, claims, nil
 }
 
 // step reports to Config.OnStep that s, begun at start, has ended.

@@ -28,6 +28,25 @@ type Route struct {
 	Sandbox string
 	// Target is the sandbox service's private address and port.
 	Target netip.AddrPort
+	// Client, when its Addr is valid, is the end user the tunnel is for:
+	// Dial signs it into the preamble as the client identity extension
+	// (preamble.ExtClientIdentity, docs/preamble.md §3.1), which a forwarder
+	// may pass to the target (proxy_protocol v2). The zero value sends none.
+	// Tunnels of different clients are different routes: a connection pool
+	// keyed by Route never lends one client's tunnel to another.
+	Client preamble.ClientIdentity
+}
+
+// ClientFrom is the client identity of a user connecting from addr (a
+// net.Addr's String form, ip:port; an IPv4-mapped address is written as
+// IPv4) with identity id: the zero ClientIdentity, no client, when addr
+// names no IP address and port (a Unix socket, an empty string).
+func ClientFrom(addr, id string) preamble.ClientIdentity {
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return preamble.ClientIdentity{}
+	}
+	return preamble.ClientIdentity{Addr: netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), ID: id}
 }
 
 func (r Route) String() string {
@@ -152,6 +171,16 @@ func New(cfg Config) (*Dialer, error) {
 // *DialError, and then nothing was sent past the preamble: nothing reached
 // the sandbox. ctx and Config.DialTimeout bound the whole of it.
 func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
+	var exts []preamble.Extension
+	if r.Client.Addr.IsValid() || r.Client.ID != "" {
+		// Checked before anything is dialed: a client the preamble cannot
+		// carry costs the forwarder nothing.
+		ext, err := r.Client.Extension()
+		if err != nil {
+			return nil, &DialError{Route: r, Step: StepPreamble, Err: err}
+		}
+		exts = []preamble.Extension{ext}
+	}
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.DialTimeout)
 	defer cancel()
 	raw, err := d.net.DialContext(ctx, "tcp", r.Forwarder)
@@ -176,7 +205,7 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 		return nil, &DialError{Route: r, Step: StepHandshake, Err: err}
 	}
 	now := time.Now()
-	claims := preamble.Claims{SandboxID: r.Sandbox, Target: r.Target, IssuedAt: now, ExpiresAt: now.Add(d.cfg.PreambleTTL)}
+	claims := preamble.Claims{SandboxID: r.Sandbox, Target: r.Target, IssuedAt: now, ExpiresAt: now.Add(d.cfg.PreambleTTL), Extensions: exts}
 	if err := preamble.Send(ctx, conn, d.cfg.Signer, claims); err != nil {
 		conn.Abort()
 		return nil, &DialError{Route: r, Step: StepPreamble, Err: err}

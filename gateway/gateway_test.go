@@ -52,6 +52,12 @@ func newPKI(t *testing.T) pki {
 
 func startForwarder(t *testing.T, p pki, gw *forwardtest.Gateway, allow string) *forwarder {
 	t.Helper()
+	return startForwarderWith(t, p, gw, allow, nil)
+}
+
+// startForwarderWith is startForwarder with mod applied to its Config.
+func startForwarderWith(t *testing.T, p pki, gw *forwardtest.Gateway, allow string, mod func(*forward.Config)) *forwarder {
+	t.Helper()
 	v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{gw.Signer.KeyID(): gw.Pub}, RequireBinding: true})
 	if err != nil {
 		t.Fatal(err)
@@ -61,7 +67,11 @@ func startForwarder(t *testing.T, p pki, gw *forwardtest.Gateway, allow string) 
 		t.Fatal(err)
 	}
 	f := &forwarder{reg: forward.NewRegistry()}
-	f.fwd, err = forward.New(forward.Config{Verifier: v, Policy: pol, Registry: f.reg, RequireClientCertificate: true})
+	cfg := forward.Config{Verifier: v, Policy: pol, Registry: f.reg, RequireClientCertificate: true}
+	if mod != nil {
+		mod(&cfg)
+	}
+	f.fwd, err = forward.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 )
 
 var update = flag.Bool("update", false, "rewrite testdata/*.hex from the generators")
@@ -152,6 +153,12 @@ var goldenCases = []goldenCase{
 	{"valid-noncritical-extension", "", false, func(f *rawFrame) {
 		f.extensions = append(tlv(0x0001, "hello"), tlv(0x7fff, "")...)
 	}},
+	{"valid-client-identity", "", false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice@example.com")
+	}},
+	{"valid-client-identity-ipv6", "", false, func(f *rawFrame) {
+		f.extensions = append(tlv(0x0001, "hello"), tlv(0x0010, "\x06\x20\x01\x0d\xb8\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01\x01\xbb")...)
+	}},
 	{"reject-bad-magic", ReasonBadMagic, false, func(f *rawFrame) { f.magic = "PROX" }},
 	{"reject-bad-version", ReasonBadVersion, false, func(f *rawFrame) { f.version = 2 }},
 	{"reject-oversized", ReasonOversized, false, func(f *rawFrame) { f.extensions = tlv(0x0001, strings.Repeat("x", 900)) }},
@@ -171,6 +178,24 @@ var goldenCases = []goldenCase{
 	{"reject-bad-target-ipv4-compatible", ReasonBadTarget, false, func(f *rawFrame) { f.target("::10.1.2.3") }},
 	{"reject-bad-extension", ReasonBadExtension, false, func(f *rawFrame) {
 		f.extensions = append(tlv(0x0002, "b"), tlv(0x0001, "a")...)
+	}},
+	{"reject-bad-extension-client-identity-family", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x05\xc0\x00\x02\x07\xc3\x50")
+	}},
+	{"reject-bad-extension-client-identity-short", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x06\xc0\x00\x02\x07\xc3\x50")
+	}},
+	{"reject-bad-extension-client-identity-address", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\x00\x00\x00\x00\xc3\x50")
+	}},
+	{"reject-bad-extension-client-identity-port", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\x00\x00")
+	}},
+	{"reject-bad-extension-client-identity-control", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\nadmin")
+	}},
+	{"reject-bad-extension-client-identity-long", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50"+strings.Repeat("u", 256))
 	}},
 	{"reject-unknown-critical-extension", ReasonUnknownCriticalExtension, false, func(f *rawFrame) {
 		f.extensions = tlv(0x8001, "must-understand")
@@ -259,7 +284,19 @@ func TestSignerMatchesGolden(t *testing.T) {
 	bound.Binding = exampleBinding
 	ext := base
 	ext.Extensions = []Extension{{Type: 0x0001, Value: []byte("hello")}, {Type: 0x7fff}}
-	for name, c := range map[string]Claims{"valid-ipv4": base, "valid-ipv6-bound": bound, "valid-noncritical-extension": ext} {
+	ci4, err := ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:50000"), ID: "alice@example.com"}.Extension()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ci6, err := ClientIdentity{Addr: netip.MustParseAddrPort("[2001:db8::1]:443")}.Extension()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id4, id6 := base, base
+	id4.Extensions = []Extension{ci4}
+	id6.Extensions = []Extension{{Type: 0x0001, Value: []byte("hello")}, ci6}
+	for name, c := range map[string]Claims{"valid-ipv4": base, "valid-ipv6-bound": bound, "valid-noncritical-extension": ext,
+		"valid-client-identity": id4, "valid-client-identity-ipv6": id6} {
 		got, err := s.Sign(c)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
@@ -281,6 +318,41 @@ type specClaims struct {
 	iat, exp         uint64
 	nonce            []byte
 	binding          []byte
+	client           netip.AddrPort // from extension 0x0010 (§3.1)
+	clientID         string
+}
+
+// specClientIdentity checks the value of extension 0x0010 by §3.1 alone.
+func specClientIdentity(v []byte, c *specClaims) bool {
+	if len(v) < 1 || (v[0] != 4 && v[0] != 6) {
+		return false
+	}
+	n := 4
+	if v[0] == 6 {
+		n = 16
+	}
+	if len(v) < 1+n+2 || len(v)-(1+n+2) > 255 {
+		return false
+	}
+	a, _ := netip.AddrFromSlice(v[1 : 1+n])
+	port := uint16(v[1+n])<<8 | uint16(v[2+n])
+	if port == 0 || a.IsUnspecified() || a.IsMulticast() || a == netip.AddrFrom4([4]byte{255, 255, 255, 255}) {
+		return false
+	}
+	if v[0] == 6 && bytes.Equal(v[1:11], make([]byte, 10)) && (v[11] == 0xff && v[12] == 0xff || v[11] == 0 && v[12] == 0 && !bytes.Equal(v[13:17], []byte{0, 0, 0, 1})) {
+		return false // IPv4-mapped, or IPv4-compatible other than ::1 (:: is unspecified)
+	}
+	id := v[1+n+2:]
+	if !utf8.Valid(id) {
+		return false
+	}
+	for _, r := range string(id) {
+		if r < 0x20 || r >= 0x7f && r <= 0x9f {
+			return false
+		}
+	}
+	c.client, c.clientID = netip.AddrPortFrom(a, port), string(id)
+	return true
 }
 
 func specVerdict(frame []byte, keys map[string]ed25519.PublicKey, now int64, skew, maxTTL int64, connBinding []byte, requireBinding bool) (specClaims, string) {
@@ -407,6 +479,9 @@ func specVerdict(frame []byte, keys map[string]ed25519.PublicKey, now int64, ske
 		if typ&0x8000 != 0 {
 			return c, "unknown-critical-extension"
 		}
+		if typ == 0x0010 && !specClientIdentity(ext[j:j+l], &c) {
+			return c, "bad-extension"
+		}
 		last = typ
 		j += l
 	}
@@ -458,6 +533,9 @@ func TestIndependentDecoderAgrees(t *testing.T) {
 			int64(sc.iat) != c.IssuedAt.Unix() || int64(sc.exp) != c.ExpiresAt.Unix() ||
 			!bytes.Equal(sc.nonce, c.Nonce[:]) || !bytes.Equal(sc.binding, c.Binding) {
 			t.Errorf("%s: spec decoder claims %+v, package claims %+v", gc.name, sc, c)
+		}
+		if ci, ok := c.ClientIdentity(); ci.Addr != sc.client || ci.ID != sc.clientID || ok != sc.client.IsValid() {
+			t.Errorf("%s: spec decoder client %v %q, package client %v %q (%v)", gc.name, sc.client, sc.clientID, ci.Addr, ci.ID, ok)
 		}
 	}
 }

@@ -249,7 +249,8 @@ const maxUnixSeconds = math.MaxInt64/int64(time.Second) - 1
 
 // parseExtensions walks the TLV area. Types must be strictly ascending (which
 // also forbids duplicates) so that every claim set has one encoding. Critical
-// extensions are all unknown in version 1.
+// extensions are all unknown in version 1; a known non-critical one
+// (ExtClientIdentity) must hold a well-formed value.
 func parseExtensions(area []byte) ([]Extension, error) {
 	var exts []Extension
 	prev := -1
@@ -269,6 +270,9 @@ func parseExtensions(area []byte) ([]Extension, error) {
 		prev = int(typ)
 		if typ&CriticalBit != 0 {
 			return nil, reject(ReasonUnknownCriticalExtension, "critical extension %#04x is not understood", typ)
+		}
+		if err := checkKnownExtension(typ, area[off:off+n]); err != nil {
+			return nil, err
 		}
 		exts = append(exts, Extension{Type: typ, Value: area[off : off+n : off+n]})
 		off += n
@@ -380,6 +384,9 @@ func encode(keyID string, c *Claims) ([]byte, error) {
 		}
 		if len(e.Value) > 0xffff {
 			return nil, reject(ReasonBadExtension, "extension %#04x value of %d bytes", e.Type, len(e.Value))
+		}
+		if err := checkKnownExtension(e.Type, e.Value); err != nil {
+			return nil, err
 		}
 		prev = int(e.Type)
 		extLen += 4 + len(e.Value)

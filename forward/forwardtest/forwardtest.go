@@ -29,6 +29,8 @@ import (
 type Gateway struct {
 	Signer *preamble.Signer
 	Pub    ed25519.PublicKey
+	// Key is the private key, for frames the Signer refuses to write.
+	Key ed25519.PrivateKey
 }
 
 // NewGateway makes a gateway with a fresh Ed25519 key named keyID.
@@ -42,7 +44,24 @@ func NewGateway(t testing.TB, keyID string) *Gateway {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Gateway{Signer: s, Pub: pub}
+	return &Gateway{Signer: s, Pub: pub, Key: priv}
+}
+
+// WithExtensionArea returns frame, signed by g's key and carrying no
+// extensions, with area as its extension area, re-signed: a frame the
+// Signer would refuse to write (a malformed value of a known extension).
+func (g *Gateway) WithExtensionArea(t testing.TB, frame, area []byte) []byte {
+	t.Helper()
+	body := frame[:len(frame)-preamble.SignatureLen]
+	if len(body) < 2 || body[len(body)-1] != 0 || body[len(body)-2] != 0 {
+		t.Fatal("WithExtensionArea: frame already has extensions")
+	}
+	out := append(append([]byte(nil), body[:len(body)-2]...), byte(len(area)>>8), byte(len(area)))
+	out = append(out, area...)
+	bodyLen := len(out) - preamble.HeaderLen + preamble.SignatureLen
+	out[6], out[7] = byte(bodyLen>>8), byte(bodyLen)
+	sig := ed25519.Sign(g.Key, append([]byte(preamble.SignatureContext), out...))
+	return append(out, sig...)
 }
 
 // Frame signs an unbound preamble for sandbox and target.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -130,13 +131,15 @@ func serveClose(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("POST /sandbox/close: %w", err)}
 	}
 	logger := caddy.Log().Named("admin.api.sandbox")
-	fields := []zap.Field{zap.String("sandbox", req.Sandbox), zap.String("client_certificate", req.ClientCertificate),
+	// what names the close in every line it logs; the grace end's line
+	// adds the tunnels it cut, the answer's those it selected.
+	what := []zap.Field{zap.String("sandbox", req.Sandbox), zap.String("client_certificate", req.ClientCertificate),
 		zap.String("mode", req.Mode)}
 	res, err := tunnels.Close(forward.CloseRequest{
 		Sandbox: req.Sandbox, Certificate: req.ClientCertificate,
 		Grace: time.Duration(req.Grace), RefuseFor: time.Duration(req.RefuseFor),
 		OnGraceEnd: func(ended []forward.TunnelInfo) {
-			f := append(fields, zap.Int("tunnels", len(ended)), zap.Uint64s("ids", tunnelIDs(ended)))
+			f := append(slices.Clip(what), zap.Int("tunnels", len(ended)), zap.Uint64s("ids", tunnelIDs(ended)))
 			if len(ended) > 0 {
 				logger.Warn("closed tunnels still open after the close grace period", f...)
 			} else {
@@ -150,7 +153,7 @@ func serveClose(w http.ResponseWriter, r *http.Request) error {
 	closeRequests.add(req.Mode)
 	out := CloseResponse{Sandbox: req.Sandbox, ClientCertificate: req.ClientCertificate, Mode: req.Mode,
 		Tunnels: tunnelIDs(res.Tunnels), Count: len(res.Tunnels)}
-	fields = append(fields, zap.Int("tunnels", out.Count), zap.Uint64s("ids", out.Tunnels))
+	fields := append(slices.Clip(what), zap.Int("tunnels", out.Count), zap.Uint64s("ids", out.Tunnels))
 	if !res.RefusingUntil.IsZero() {
 		out.RefusingUntil = &res.RefusingUntil
 		fields = append(fields, zap.Time("refusing_until", res.RefusingUntil))

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -255,6 +256,12 @@ func TestSandboxCloseGraceful(t *testing.T) {
 	w := e.waitLogLine(t, "closed tunnels still open after the close grace period", 0)
 	if w["level"] != "warn" || w["tunnels"] != 1.0 || w["sandbox"] != sb {
 		t.Errorf("log line %v, want a WARN with the 1 tunnel cut", w)
+	}
+	raw, _ := os.ReadFile(e.logFile)
+	for line := range strings.Lines(string(raw)) {
+		if strings.Contains(line, "closed tunnels still open after the close grace period") && strings.Count(line, `"tunnels":`) != 1 {
+			t.Errorf("log line %s: want one tunnels field", line)
+		}
 	}
 	waitIdle(t)
 	up.Close()

@@ -112,10 +112,9 @@ func (r *Registry) Close(req CloseRequest) (CloseResult, error) {
 			}
 		}
 		r.mu.Unlock()
-		for _, t := range open {
+		for _, t := range r.end(open, cause) {
 			ended = append(ended, t.Info())
 		}
-		r.end(open, cause)
 		if req.OnGraceEnd != nil {
 			req.OnGraceEnd(ended)
 		}
@@ -130,11 +129,18 @@ func (req CloseRequest) selects(t *Tunnel) bool {
 	return t.Certificate == req.Certificate || slices.Contains(t.names, req.Certificate)
 }
 
-func (r *Registry) end(list []*Tunnel, cause error) {
+// end ends the tunnels of list that no close has ended yet with cause,
+// counts them and returns them.
+func (r *Registry) end(list []*Tunnel, cause error) []*Tunnel {
+	var ended []*Tunnel
 	for _, t := range list {
-		t.cancel(cause)
+		if t.closing.CompareAndSwap(false, true) {
+			t.cancel(cause)
+			ended = append(ended, t)
+		}
 	}
-	r.closed.Add(uint64(len(list)))
+	r.closed.Add(uint64(len(ended)))
+	return ended
 }
 
 // Closed returns how many tunnels Close has ended since the registry was

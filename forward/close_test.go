@@ -79,6 +79,17 @@ func TestRegistryCloseGraceful(t *testing.T) {
 	if len(e) != 1 || e[0].ID != left.ID || lctx.Err() == nil || reg.Closed() != 1 {
 		t.Errorf("grace end: %+v, ctx %v, closed %d; want only the tunnel left open ended", e, lctx.Err(), reg.Closed())
 	}
+	// A tunnel a close ended, still registered while its relay winds down,
+	// is not ended (nor counted) again.
+	again, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{}, 0)
+	defer again.Close()
+	if _, err := reg.Close(CloseRequest{Sandbox: "sbx", Grace: 10 * time.Millisecond, OnGraceEnd: func(e []TunnelInfo) { ended <- e }}); err != nil {
+		t.Fatal(err)
+	}
+	reg.Close(CloseRequest{Sandbox: "sbx"})
+	if e := <-ended; len(e) != 0 || reg.Closed() != 2 {
+		t.Errorf("the grace end after a fail close reported %+v, closed %d; want none and 2 (the first close's and the new tunnel)", e, reg.Closed())
+	}
 }
 
 // Reports are numbered from 1 with consecutive sequences; each sandbox's

@@ -92,8 +92,11 @@ type Tunnel struct {
 	lastActive  atomic.Int64
 
 	// cancel stops the tunnel's relay with a cause (nil: context.Canceled);
-	// a forced drain and Revoke call it.
+	// a forced drain, Revoke and Close call it.
 	cancel context.CancelCauseFunc
+	// closing is set by the Close that ends the tunnel, so that another
+	// one neither counts nor reports it again.
+	closing atomic.Bool
 }
 
 // TunnelInfo is a snapshot of one tunnel, as served by the admin API.

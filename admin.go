@@ -3,9 +3,14 @@ package caddyktls
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"net/http"
+	"slices"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 )
@@ -19,10 +24,14 @@ func init() {
 //
 //   - GET /sandbox/tunnels: the open tunnels (forward.TunnelInfo), oldest
 //     first;
-//   - GET /sandbox/activity: per-sandbox totals (forward.SandboxActivity)
-//     and the rejections counted so far by reason.
+//   - GET /sandbox/activity: per-sandbox totals (forward.SandboxActivity),
+//     the latest activity report's identity (its sequence), the sandboxes
+//     refused after a close, and the rejections counted so far by reason;
+//   - POST /sandbox/close: ends the tunnels of a sandbox or of a client
+//     certificate (CloseRequest), at once or after a grace period, and
+//     optionally refuses new tunnels to the sandbox for a while.
 //
-// Both read live counters and never block the data path.
+// The GETs read live counters and never block the data path.
 type AdminSandbox struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -35,13 +44,21 @@ func (AdminSandbox) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{
 		{Pattern: "/sandbox/tunnels", Handler: caddy.AdminHandlerFunc(serveTunnels)},
 		{Pattern: "/sandbox/activity", Handler: caddy.AdminHandlerFunc(serveActivity)},
+		{Pattern: "/sandbox/close", Handler: caddy.AdminHandlerFunc(serveClose)},
 	}
 }
 
 // ActivityResponse is the body of GET /sandbox/activity.
 type ActivityResponse struct {
-	Sandboxes  []forward.SandboxActivity `json:"sandboxes"`
-	Rejections map[string]uint64         `json:"rejections"`
+	Sandboxes []forward.SandboxActivity `json:"sandboxes"`
+	// LastReport identifies the latest activity report taken (by any
+	// pusher of the process): its id and sequence, the same as in the
+	// report itself; zero before the first. The sandboxes'
+	// reported_bytes_* are the totals of the reports up to it.
+	LastReport forward.ReportID `json:"last_report"`
+	// Refusing are the sandboxes a close refuses new tunnels to, until when.
+	Refusing   []forward.Refusal `json:"refusing"`
+	Rejections map[string]uint64 `json:"rejections"`
 }
 
 func serveTunnels(w http.ResponseWriter, r *http.Request) error {
@@ -55,7 +72,146 @@ func serveActivity(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: errMethod}
 	}
-	return writeJSON(w, ActivityResponse{Sandboxes: tunnels.Activity(), Rejections: tunnels.Rejections()})
+	return writeJSON(w, ActivityResponse{Sandboxes: tunnels.Activity(), LastReport: tunnels.LastReport(),
+		Refusing: tunnels.Refusals(), Rejections: tunnels.Rejections()})
+}
+
+// The close modes.
+const (
+	closeModeFail     = "fail"
+	closeModeGraceful = "graceful"
+)
+
+// CloseRequest is the body of POST /sandbox/close.
+type CloseRequest struct {
+	// Sandbox ends the tunnels to this sandbox ID.
+	Sandbox string `json:"sandbox,omitempty"`
+	// ClientCertificate ends the tunnels opened with this client
+	// certificate: its subject (as GET /sandbox/tunnels shows it, e.g.
+	// "CN=gateway-1"), Common Name or a DNS name. Exactly one of sandbox
+	// and client_certificate.
+	ClientCertificate string `json:"client_certificate,omitempty"`
+	// Mode is "fail" (the tunnels end now, as failures: both sides are
+	// aborted) or "graceful" (they may run for grace, then those still
+	// open end as failures). Required.
+	Mode string `json:"mode"`
+	// Grace is how long "graceful" lets the tunnels run. Required with
+	// "graceful", refused with "fail".
+	Grace caddy.Duration `json:"grace,omitempty"`
+	// RefuseFor refuses new tunnels to the sandbox for this long (reason
+	// "sandbox-closed"), across configuration reloads. Only with sandbox.
+	RefuseFor caddy.Duration `json:"refuse_for,omitempty"`
+}
+
+// CloseResponse is the answer to POST /sandbox/close.
+type CloseResponse struct {
+	Sandbox           string `json:"sandbox,omitempty"`
+	ClientCertificate string `json:"client_certificate,omitempty"`
+	Mode              string `json:"mode"`
+	// Tunnels are the IDs of the tunnels the close ended ("fail"), or
+	// that it ends at deadline unless they end first ("graceful").
+	Tunnels []uint64 `json:"tunnels"`
+	// Count is len(tunnels).
+	Count int `json:"count"`
+	// Deadline is when "graceful" ends the tunnels still open.
+	Deadline *time.Time `json:"deadline,omitempty"`
+	// RefusingUntil is when new tunnels to the sandbox are admitted again.
+	RefusingUntil *time.Time `json:"refusing_until,omitempty"`
+}
+
+// closeRequests counts the served POST /sandbox/close by mode.
+var closeRequests = newSeriesCounts([]string{closeModeFail, closeModeGraceful})
+
+func serveClose(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodPost {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: errors.New("method not allowed: use POST")}
+	}
+	req, err := decodeCloseRequest(r.Body)
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("POST /sandbox/close: %w", err)}
+	}
+	logger := caddy.Log().Named("admin.api.sandbox")
+	// what names the close in every line it logs; the grace end's line
+	// adds the tunnels it cut, the answer's those it selected.
+	what := []zap.Field{zap.String("sandbox", req.Sandbox), zap.String("client_certificate", req.ClientCertificate),
+		zap.String("mode", req.Mode)}
+	res, err := tunnels.Close(forward.CloseRequest{
+		Sandbox: req.Sandbox, Certificate: req.ClientCertificate,
+		Grace: time.Duration(req.Grace), RefuseFor: time.Duration(req.RefuseFor),
+		OnGraceEnd: func(ended []forward.TunnelInfo) {
+			f := append(slices.Clip(what), zap.Int("tunnels", len(ended)), zap.Uint64s("ids", tunnelIDs(ended)))
+			if len(ended) > 0 {
+				logger.Warn("closed tunnels still open after the close grace period", f...)
+			} else {
+				logger.Info("every closed tunnel ended within the close grace period", f...)
+			}
+		},
+	})
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("POST /sandbox/close: %w", err)}
+	}
+	closeRequests.add(req.Mode)
+	out := CloseResponse{Sandbox: req.Sandbox, ClientCertificate: req.ClientCertificate, Mode: req.Mode,
+		Tunnels: tunnelIDs(res.Tunnels), Count: len(res.Tunnels)}
+	fields := append(slices.Clip(what), zap.Int("tunnels", out.Count), zap.Uint64s("ids", out.Tunnels))
+	if !res.RefusingUntil.IsZero() {
+		out.RefusingUntil = &res.RefusingUntil
+		fields = append(fields, zap.Time("refusing_until", res.RefusingUntil))
+	}
+	if req.Mode == closeModeGraceful {
+		out.Deadline = &res.Deadline
+		logger.Info("closing sandbox tunnels on demand: those still open at the deadline end as failures",
+			append(fields, zap.Time("deadline", res.Deadline))...)
+	} else {
+		logger.Warn("closed sandbox tunnels on demand", fields...)
+	}
+	return writeJSON(w, out)
+}
+
+// decodeCloseRequest reads and checks a POST /sandbox/close body.
+func decodeCloseRequest(body io.Reader) (CloseRequest, error) {
+	var req CloseRequest
+	dec := json.NewDecoder(io.LimitReader(body, 64<<10))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		return req, fmt.Errorf(`the body is not a close request (%v): send {"sandbox": "<id>", "mode": "fail"}, or "graceful" with "grace", and optionally "refuse_for"`, err)
+	}
+	if dec.More() {
+		return req, errors.New("the body holds more than one JSON value: send one close request")
+	}
+	switch {
+	case req.Sandbox == "" && req.ClientCertificate == "":
+		return req, errors.New(`name what to close: "sandbox" (a sandbox ID) or "client_certificate" (a subject, Common Name or DNS name)`)
+	case req.Sandbox != "" && req.ClientCertificate != "":
+		return req, errors.New(`name one of "sandbox" and "client_certificate", not both`)
+	case req.Grace < 0 || req.RefuseFor < 0:
+		return req, errors.New(`"grace" and "refuse_for" must not be negative`)
+	case req.RefuseFor > 0 && req.Sandbox == "":
+		return req, errors.New(`"refuse_for" applies to a sandbox: to refuse a client certificate, remove it from the TLS connection policy`)
+	}
+	switch req.Mode {
+	case closeModeFail:
+		if req.Grace != 0 {
+			return req, errors.New(`"grace" is for mode "graceful": mode "fail" ends the tunnels at once`)
+		}
+	case closeModeGraceful:
+		if req.Grace == 0 {
+			return req, errors.New(`mode "graceful" needs "grace", how long the tunnels may run (e.g. "30s")`)
+		}
+	case "":
+		return req, errors.New(`no "mode": give "fail" (end the tunnels now) or "graceful" (with "grace")`)
+	default:
+		return req, fmt.Errorf(`unknown mode %q: give "fail" (end the tunnels now) or "graceful" (with "grace")`, req.Mode)
+	}
+	return req, nil
+}
+
+func tunnelIDs(list []forward.TunnelInfo) []uint64 {
+	ids := make([]uint64, len(list))
+	for i, ti := range list {
+		ids[i] = ti.ID
+	}
+	return ids
 }
 
 var errMethod = errors.New("method not allowed: use GET")

@@ -213,6 +213,7 @@ func (*KTLSSession) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //			backoff    <duration>
 //			queue_size <n>
 //			header     <name> <value>   # repeatable; e.g. Authorization "Bearer {env.ACTIVITY_TOKEN}"
+//			instance   <name>           # in every report's ID; default: the host name
 //		}
 //	}
 func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -368,6 +369,12 @@ func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
 				p.Headers = http.Header{}
 			}
 			p.Headers.Add(args[0], args[1])
+		case "instance":
+			args := d.RemainingArgs()
+			if len(args) != 1 {
+				return nil, d.Errf("instance takes one name, got %d arguments", len(args))
+			}
+			p.Instance = args[0]
 		default:
 			return nil, d.Errf("unknown activity_push option %q", opt)
 		}

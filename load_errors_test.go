@@ -49,6 +49,8 @@ func TestLoadErrorsNameOptionsAndFix(t *testing.T) {
 			want: []string{"no `allow` (JSON allow_cidrs) entry", "e.g. `allow 10.0.0.0/8`"}},
 		"negative drain": {sandbox: map[string]any{"drain_grace_period": "-1s"},
 			want: []string{"`drain_grace_period` must not be negative", "or leave it out (30s)"}},
+		"activity_push instance with a slash": {sandbox: map[string]any{"activity_push": map[string]any{"url": "http://127.0.0.1:1/a", "instance": "fwd/1"}},
+			want: []string{"`activity_push instance` (JSON activity_push.instance)", `instance name "fwd/1": a slash or a control character`, "or leave it out (the host name)"}},
 		"bad allow": {sandbox: map[string]any{"allow_cidrs": []string{"10.0.0.0/33"}},
 			want: []string{"`allow` (JSON allow_cidrs)"}},
 		"private key as key_file": {sandbox: map[string]any{"keys": nil, "key_files": []string{privFile}},

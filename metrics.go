@@ -19,7 +19,7 @@ import (
 // values are read from the process state at scrape time instead of being
 // kept in per-config metric objects.
 type collector struct {
-	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, bytes, rejects, relayBytes, controlRecords, pipeShortages,
+	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, tunnelsClosed, closeRequests, bytes, rejects, relayBytes, controlRecords, pipeShortages,
 	pushReports, offloads, offloadModes, connCloses, handshakeFails, acceptRetries, kernelSupport, throttled *prometheus.Desc
 	// The histograms are process-level too: observed as events end,
 	// collected from here into every configuration's registry.
@@ -31,8 +31,11 @@ var metrics = &collector{
 	tunnelsOpened:  prometheus.NewDesc("caddy_ktls_sandbox_tunnels_total", "Sandbox tunnels opened since the process started.", nil, nil),
 	tunnelsExpired: prometheus.NewDesc("caddy_ktls_sandbox_tunnels_expired_total", "Sandbox tunnels ended for reaching max_tunnel_lifetime.", nil, nil),
 	tunnelsRevoked: prometheus.NewDesc("caddy_ktls_sandbox_tunnels_revoked_total", "Sandbox tunnels ended because a reload left their signing key trusted by no configuration.", nil, nil),
-	bytes:          prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil),
-	rejects:        prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil),
+	tunnelsClosed:  prometheus.NewDesc("caddy_ktls_sandbox_tunnels_closed_total", "Sandbox tunnels ended as failures by POST /sandbox/close (at once, or still open when its grace period ended).", nil, nil),
+	closeRequests: prometheus.NewDesc("caddy_ktls_sandbox_close_requests_total",
+		"POST /sandbox/close requests served, by mode: fail (end the tunnels at once), graceful (end those still open after a grace period).", []string{"mode"}, nil),
+	bytes:   prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil),
+	rejects: prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil),
 	relayBytes: prometheus.NewDesc("caddy_ktls_relay_bytes_total",
 		"Bytes of closed sandbox tunnels by data path: splice (socket to socket through a kernel pipe, never in userspace) or copy (through a userspace buffer: a direction in userspace TLS, or a burst without a pipe).",
 		[]string{"path"}, nil),
@@ -188,7 +191,7 @@ func kernelFeatures(caps ktls.Capabilities) map[string]bool {
 
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.tunnelsRevoked, c.bytes, c.rejects, c.relayBytes,
+	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.tunnelsRevoked, c.tunnelsClosed, c.closeRequests, c.bytes, c.rejects, c.relayBytes,
 		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.handshakeFails, c.acceptRetries, c.kernelSupport, c.throttled} {
 		ch <- d
 	}
@@ -204,6 +207,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.tunnelsOpened, prometheus.CounterValue, float64(opened))
 	ch <- prometheus.MustNewConstMetric(c.tunnelsExpired, prometheus.CounterValue, float64(tunnels.Expired()))
 	ch <- prometheus.MustNewConstMetric(c.tunnelsRevoked, prometheus.CounterValue, float64(tunnels.Revoked()))
+	ch <- prometheus.MustNewConstMetric(c.tunnelsClosed, prometheus.CounterValue, float64(tunnels.Closed()))
+	for mode, n := range closeRequests.snapshot() {
+		ch <- prometheus.MustNewConstMetric(c.closeRequests, prometheus.CounterValue, float64(n), mode)
+	}
 	to, from := tunnels.Totals()
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(to), "to_sandbox")
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(from), "from_sandbox")

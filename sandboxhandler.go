@@ -133,8 +133,10 @@ type SandboxHandler struct {
 	// empty allows all.
 	AllowPorts []string `json:"allow_ports,omitempty"`
 
-	// ActivityPush, when set, POSTs per-sandbox byte deltas as JSON to a
-	// control plane (format: forward.ActivityReport).
+	// ActivityPush, when set, POSTs per-sandbox byte deltas and cumulative
+	// totals as JSON to a control plane, each report with an ID to
+	// deduplicate (format: forward.ActivityReport, JSON Schema
+	// docs/activity-report.schema.json; delivery at least once).
 	ActivityPush *ActivityPush `json:"activity_push,omitempty"`
 
 	// MaxBandwidth caps each sandbox's tunnels together, per direction,
@@ -209,6 +211,10 @@ type ActivityPush struct {
 	// secrets stay out of the configuration; they are replaced once, at
 	// load. Content-Type is always application/json.
 	Headers http.Header `json:"headers,omitempty"`
+	// Instance names this forwarder in every report (its "instance", and
+	// the first part of its "id": <instance>/<process start>/<sequence>).
+	// No slash or control character. Default: the host name.
+	Instance string `json:"instance,omitempty"`
 }
 
 // SandboxBandwidth is a per-sandbox bandwidth cap.
@@ -340,7 +346,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		h.pusher, err = forward.NewPusher(forward.PusherConfig{
 			URL: p.URL, Interval: time.Duration(p.Interval), Timeout: time.Duration(p.Timeout),
 			Attempts: p.Attempts, Backoff: time.Duration(p.Backoff), Queue: p.QueueSize, Header: header,
-			UserAgent: userAgent(),
+			UserAgent: userAgent(), Instance: p.Instance,
 		}, tunnels)
 		if err != nil {
 			return fmt.Errorf("sandbox handler: %w", err)
@@ -375,6 +381,11 @@ func (h *SandboxHandler) validateOptions() error {
 	}
 	if h.MaxTunnelsPerSandbox < 0 {
 		return fmt.Errorf("sandbox handler: %s must not be negative: give a number of tunnels, or leave it out (no cap)", option("max_tunnels_per_sandbox", "max_tunnels_per_sandbox"))
+	}
+	if p := h.ActivityPush; p != nil && p.Instance != "" {
+		if err := forward.CheckInstance(p.Instance); err != nil {
+			return fmt.Errorf("sandbox handler: %s: %w: use letters, digits, dots and dashes, or leave it out (the host name)", option("activity_push instance", "activity_push.instance"), err)
+		}
 	}
 	if h.MaxTunnelLifetime < 0 {
 		return fmt.Errorf("sandbox handler: %s must not be negative: give a duration such as 24h, or leave it out (none)", option("max_tunnel_lifetime", "max_tunnel_lifetime"))

@@ -370,9 +370,10 @@ func (f *Forwarder) openClaims(c Client) (*net.TCPConn, *Tunnel, context.Context
 	if err := f.cfg.Policy.Check(claims.Target); err != nil {
 		return nil, nil, nil, none, &RejectError{Reason: ReasonTargetDenied, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}
-	// Checked before the dial, so that a sandbox at its cap costs its
-	// target nothing; Open checks again, for tunnels opening at once.
-	if err := f.cfg.Registry.checkLimit(claims.SandboxID, f.cfg.MaxTunnelsPerSandbox); err != nil {
+	// Checked before the dial, so that a sandbox at its cap or closed
+	// (Registry.Close) costs its target nothing; Open checks again, for
+	// tunnels opening at once.
+	if err := f.cfg.Registry.checkAdmit(claims.SandboxID, f.cfg.MaxTunnelsPerSandbox); err != nil {
 		return nil, nil, nil, none, err
 	}
 	target := claims.Target.String()
@@ -391,7 +392,7 @@ func (f *Forwarder) openClaims(c Client) (*net.TCPConn, *Tunnel, context.Context
 	// Register only once the target answered, so open-tunnel counts never
 	// include dials that fail; a drain that began meanwhile still wins.
 	key, _ := f.cfg.Verifier.Key(claims.KeyID)
-	origin := Origin{Peer: c.Peer, Certificate: c.Certificate, KeyID: claims.KeyID, key: key}
+	origin := Origin{Peer: c.Peer, Certificate: c.Certificate, KeyID: claims.KeyID, key: key, names: c.CertificateNames}
 	tun, ctx, err := f.cfg.Registry.Open(claims.SandboxID, target, origin, f.cfg.MaxTunnelsPerSandbox)
 	if err != nil {
 		up.Close()

@@ -5,21 +5,35 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode"
 )
 
-// ActivityReport is the JSON body a Pusher POSTs. Each entry is the bytes a
-// sandbox moved since the entry before it: a receiver sums the deltas to get
-// totals, and a sandbox that is open but idle appears with zero deltas so
-// the receiver can tell idle from gone.
+// ActivityReport is the JSON body a Pusher POSTs (its JSON Schema is
+// docs/activity-report.schema.json). Each entry is the bytes a sandbox
+// moved since the entry before it, and the cumulative totals of all its
+// entries since `since`; a sandbox that is open but idle appears with zero
+// deltas so the receiver can tell idle from gone.
 //
-//	{"sent_at":"2026-11-29T22:41:28Z","sandboxes":[
+// Delivery is at least once: a report is retried until a 2xx answer or its
+// attempts run out, every attempt with the same body. A receiver
+// deduplicates by id (or by instance, process_start and sequence) and may
+// sum the deltas of the reports it kept; the totals make a lost report's
+// bytes recoverable (the difference between two totals of one sandbox and
+// since) and a repeated report harmless.
+//
+//	{"id":"fwd-1/1764456000000000000/42","instance":"fwd-1",
+//	 "process_start":"2026-11-29T22:40:00Z","sequence":42,
+//	 "sent_at":"2026-11-29T22:41:28Z","sandboxes":[
 //	  {"sandbox":"sbx-1","bytes_to_sandbox":1024,"bytes_from_sandbox":4096,
-//	   "open_tunnels":1,"last_activity":"2026-11-29T22:41:27.5Z"}]}
+//	   "open_tunnels":1,"last_activity":"2026-11-29T22:41:27.5Z",
+//	   "total_bytes_to_sandbox":8192,"total_bytes_from_sandbox":65536,
+//	   "since":"2026-11-29T22:40:03Z"}]}
 type ActivityReport struct {
-	SentAt    time.Time      `json:"sent_at"`
+	ReportID
 	Sandboxes []SandboxDelta `json:"sandboxes"`
 }
 
@@ -37,6 +51,9 @@ type PusherConfig struct {
 	// UserAgent is sent as User-Agent unless Header sets one; default
 	// "caddy-ktls".
 	UserAgent string
+	// Instance names this forwarder in the reports' IDs (ReportID); default
+	// the host name. It must not contain a slash or a control character.
+	Instance string
 }
 
 // PusherStats counts what a Pusher did.
@@ -87,6 +104,16 @@ func NewPusher(cfg PusherConfig, reg *Registry) (*Pusher, error) {
 	if cfg.UserAgent == "" {
 		cfg.UserAgent = "caddy-ktls"
 	}
+	if cfg.Instance == "" {
+		host, err := os.Hostname()
+		if err != nil || host == "" {
+			return nil, fmt.Errorf("activity pusher: no instance name, and the host name is unknown (%v): name the instance", err)
+		}
+		cfg.Instance = host
+	}
+	if err := CheckInstance(cfg.Instance); err != nil {
+		return nil, fmt.Errorf("activity pusher: %w", err)
+	}
 	if cfg.Client == nil {
 		// Its own transport, so that Stop can close the idle connections
 		// of a pusher that a configuration reload retired.
@@ -94,6 +121,20 @@ func NewPusher(cfg PusherConfig, reg *Registry) (*Pusher, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Pusher{cfg: cfg, reg: reg, queue: make(chan ActivityReport, cfg.Queue), stop: make(chan struct{}), ctx: ctx, cancel: cancel}, nil
+}
+
+// CheckInstance says what is wrong with an instance name for the reports'
+// IDs: empty, a slash (the ID's separator) or a control character.
+func CheckInstance(name string) error {
+	if name == "" {
+		return fmt.Errorf("empty instance name")
+	}
+	for _, c := range name {
+		if c == '/' || unicode.IsControl(c) {
+			return fmt.Errorf("instance name %q: a slash or a control character: the report ID is <instance>/<process start>/<sequence>", name)
+		}
+	}
+	return nil
 }
 
 // Start runs the pusher until Stop.
@@ -140,11 +181,10 @@ func (p *Pusher) collect() {
 }
 
 func (p *Pusher) enqueue() {
-	ds := p.reg.TakeDeltas()
-	if len(ds) == 0 {
+	rep, ok := p.reg.TakeReport(p.cfg.Instance)
+	if !ok {
 		return
 	}
-	rep := ActivityReport{SentAt: time.Now().UTC(), Sandboxes: ds}
 	for {
 		select {
 		case p.queue <- rep:

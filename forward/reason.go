@@ -30,10 +30,13 @@ const (
 	// ReasonKeyNotForClient: the frame's key is bound to other clients
 	// (Config.KeyClients) than the certificate the connection arrived with.
 	ReasonKeyNotForClient Reason = "key-not-for-client"
+	// ReasonSandboxClosed: Registry.Close closed the sandbox and refuses
+	// new tunnels to it for a while (CloseRequest.RefuseFor).
+	ReasonSandboxClosed Reason = "sandbox-closed"
 )
 
 // The forwarder's own reasons, in the order Reasons returns them.
-var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonWakeFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate}
+var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonWakeFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate, ReasonSandboxClosed}
 
 // Reasons returns every rejection reason this package raises itself (a
 // refused preamble's reasons are preamble.Reasons), so that metrics can

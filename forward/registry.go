@@ -27,10 +27,20 @@ type Registry struct {
 	draining  bool
 	idle      chan struct{} // closed and replaced whenever the last open tunnel closes
 	lastPrune time.Time
+	// started identifies this registry's counters (the process, normally)
+	// in activity reports; seq numbers the reports taken (TakeReport), and
+	// last is the latest one's identity.
+	started time.Time
+	seq     uint64
+	last    ReportID
+	// refusing holds the sandboxes that Close refuses new tunnels to, until
+	// when.
+	refusing map[string]time.Time
 
 	opened  atomic.Uint64
 	expired atomic.Uint64 // tunnels ended at Config.MaxTunnelLifetime
 	revoked atomic.Uint64 // tunnels ended by Revoke
+	closed  atomic.Uint64 // tunnels ended as failures by Close
 	// Bytes of all tunnels ever, by direction (sandbox entries are pruned).
 	toSandbox, fromSandbox atomic.Int64
 	// Data-path totals of closed tunnels' relays (package splice's counters).
@@ -49,6 +59,11 @@ type sandboxCounters struct {
 	toSandbox, fromSandbox atomic.Int64
 	pendingTo, pendingFrom atomic.Int64 // not yet taken by TakeDeltas
 	lastActivity           atomic.Int64 // unix nanoseconds
+	// since is when the registry made this entry: the start of its totals.
+	since time.Time
+	// reportedTo and reportedFrom sum the deltas TakeReport and TakeDeltas
+	// took (under Registry.mu): the cumulative totals of the reports.
+	reportedTo, reportedFrom int64
 }
 
 // NewRegistry returns an empty registry.
@@ -58,6 +73,8 @@ func NewRegistry() *Registry {
 		sandboxes: make(map[string]*sandboxCounters),
 		rejects:   make(map[string]uint64),
 		idle:      make(chan struct{}),
+		started:   time.Now(),
+		refusing:  make(map[string]time.Time),
 	}
 }
 
@@ -77,8 +94,11 @@ type Tunnel struct {
 	lastActive  atomic.Int64
 
 	// cancel stops the tunnel's relay with a cause (nil: context.Canceled);
-	// a forced drain and Revoke call it.
+	// a forced drain, Revoke and Close call it.
 	cancel context.CancelCauseFunc
+	// closing is set by the Close that ends the tunnel, so that another
+	// one neither counts nor reports it again.
+	closing atomic.Bool
 }
 
 // TunnelInfo is a snapshot of one tunnel, as served by the admin API.
@@ -102,15 +122,38 @@ type SandboxActivity struct {
 	BytesToSandbox   int64     `json:"bytes_to_sandbox"`
 	BytesFromSandbox int64     `json:"bytes_from_sandbox"`
 	LastActivity     time.Time `json:"last_activity"`
+	// Since is when the registry made the sandbox's entry: the start of
+	// its totals (an entry idle for Retention is forgotten, and a later
+	// tunnel starts a new one).
+	Since time.Time `json:"since"`
+	// ReportedBytesToSandbox and ReportedBytesFromSandbox are the
+	// cumulative totals of the activity reports taken so far (the
+	// total_bytes_* of the latest report that carried this sandbox): the
+	// live counters above less what the next report will carry.
+	ReportedBytesToSandbox   int64 `json:"reported_bytes_to_sandbox"`
+	ReportedBytesFromSandbox int64 `json:"reported_bytes_from_sandbox"`
 }
 
-// SandboxDelta is what a sandbox moved since the previous TakeDeltas.
+// SandboxDelta is what a sandbox moved since the previous TakeDeltas (or
+// TakeReport), and the cumulative totals of all of them.
 type SandboxDelta struct {
 	Sandbox          string    `json:"sandbox"`
 	BytesToSandbox   int64     `json:"bytes_to_sandbox"`
 	BytesFromSandbox int64     `json:"bytes_from_sandbox"`
 	OpenTunnels      int64     `json:"open_tunnels"`
 	LastActivity     time.Time `json:"last_activity"`
+	// TotalBytesToSandbox and TotalBytesFromSandbox are the sum of this
+	// sandbox's deltas in every report taken since Since, this one's
+	// included: a receiver that lost a report recovers its bytes as the
+	// difference of two totals, and one that sees a report twice
+	// (at-least-once delivery) sees the same totals again.
+	TotalBytesToSandbox   int64 `json:"total_bytes_to_sandbox"`
+	TotalBytesFromSandbox int64 `json:"total_bytes_from_sandbox"`
+	// Since is when the registry made the sandbox's entry, where its totals
+	// start. An entry with no open tunnel is forgotten after
+	// Registry.Retention idle; a later tunnel starts a new entry, totals
+	// from zero, with a new Since.
+	Since time.Time `json:"since"`
 }
 
 // drainingError is the cause in the RejectError (ReasonDraining) that Open
@@ -132,6 +175,9 @@ type Origin struct {
 	// key is that key, so that a key ID given to another key is a
 	// revocation too (Revoke).
 	key ed25519.PublicKey
+	// names are the client certificate's names (Client.CertificateNames),
+	// which Close matches as well as the subject.
+	names []string
 }
 
 // Open registers a new tunnel, or refuses it while the registry drains or
@@ -145,6 +191,9 @@ func (r *Registry) Open(sandbox, target string, origin Origin, maxTunnelsPerSand
 	if r.draining {
 		return nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
 	}
+	if err := r.checkRefusedLocked(sandbox, now); err != nil {
+		return nil, nil, err
+	}
 	if err := r.checkLimitLocked(sandbox, maxTunnelsPerSandbox); err != nil {
 		return nil, nil, err
 	}
@@ -152,7 +201,7 @@ func (r *Registry) Open(sandbox, target string, origin Origin, maxTunnelsPerSand
 	r.nextID++
 	sb := r.sandboxes[sandbox]
 	if sb == nil {
-		sb = new(sandboxCounters)
+		sb = &sandboxCounters{since: now}
 		r.sandboxes[sandbox] = sb
 	}
 	sb.open.Add(1)
@@ -166,14 +215,19 @@ func (r *Registry) Open(sandbox, target string, origin Origin, maxTunnelsPerSand
 	return t, ctx, nil
 }
 
-// checkLimit refuses a tunnel to sandbox when it has maxTunnelsPerSandbox tunnels open
-// already (zero: no cap).
-func (r *Registry) checkLimit(sandbox string, maxTunnelsPerSandbox int) error {
+// checkAdmit refuses a tunnel to sandbox that Close refuses, or that has
+// maxTunnelsPerSandbox tunnels open already (zero: no cap).
+func (r *Registry) checkAdmit(sandbox string, maxTunnelsPerSandbox int) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if err := r.checkRefusedLocked(sandbox, time.Now()); err != nil {
+		return err
+	}
 	return r.checkLimitLocked(sandbox, maxTunnelsPerSandbox)
 }
 
+// checkLimitLocked refuses a tunnel to sandbox when it has
+// maxTunnelsPerSandbox tunnels open already (zero: no cap).
 func (r *Registry) checkLimitLocked(sandbox string, maxTunnelsPerSandbox int) error {
 	if sb := r.sandboxes[sandbox]; maxTunnelsPerSandbox > 0 && sb != nil && sb.open.Load() >= int64(maxTunnelsPerSandbox) {
 		return &RejectError{Reason: ReasonTunnelLimit, Err: fmt.Errorf("sandbox %s has %d tunnels open, the most allowed", sandbox, maxTunnelsPerSandbox)}
@@ -193,6 +247,11 @@ func (r *Registry) pruneLocked(now time.Time) {
 	for id, sb := range r.sandboxes {
 		if sb.open.Load() == 0 && now.Sub(time.Unix(0, sb.lastActivity.Load())) > keep {
 			delete(r.sandboxes, id)
+		}
+	}
+	for id, until := range r.refusing {
+		if !now.Before(until) {
+			delete(r.refusing, id)
 		}
 	}
 }
@@ -371,7 +430,8 @@ func (r *Registry) Activity() []SandboxActivity {
 		out = append(out, SandboxActivity{
 			Sandbox: id, OpenTunnels: sb.open.Load(), TotalTunnels: sb.total.Load(),
 			BytesToSandbox: sb.toSandbox.Load(), BytesFromSandbox: sb.fromSandbox.Load(),
-			LastActivity: time.Unix(0, sb.lastActivity.Load()),
+			LastActivity: time.Unix(0, sb.lastActivity.Load()), Since: sb.since,
+			ReportedBytesToSandbox: sb.reportedTo, ReportedBytesFromSandbox: sb.reportedFrom,
 		})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Sandbox < out[j].Sandbox })
@@ -386,6 +446,10 @@ func (r *Registry) Activity() []SandboxActivity {
 func (r *Registry) TakeDeltas() []SandboxDelta {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	return r.takeDeltasLocked()
+}
+
+func (r *Registry) takeDeltasLocked() []SandboxDelta {
 	var out []SandboxDelta
 	for id, sb := range r.sandboxes {
 		to, from := sb.pendingTo.Swap(0), sb.pendingFrom.Swap(0)
@@ -393,9 +457,12 @@ func (r *Registry) TakeDeltas() []SandboxDelta {
 		if to == 0 && from == 0 && open == 0 {
 			continue
 		}
+		sb.reportedTo += to
+		sb.reportedFrom += from
 		out = append(out, SandboxDelta{
 			Sandbox: id, BytesToSandbox: to, BytesFromSandbox: from, OpenTunnels: open,
-			LastActivity: time.Unix(0, sb.lastActivity.Load()),
+			LastActivity:        time.Unix(0, sb.lastActivity.Load()),
+			TotalBytesToSandbox: sb.reportedTo, TotalBytesFromSandbox: sb.reportedFrom, Since: sb.since,
 		})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Sandbox < out[j].Sandbox })

@@ -1,0 +1,131 @@
+package forward
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"testing"
+	"time"
+)
+
+// Close ends exactly the selected tunnels with a *ClosedError cause,
+// counts them, refuses the sandbox until RefuseFor has passed (a shorter
+// later refusal does not shorten it), and rejects requests naming nothing,
+// both, a negative duration, or a refusal for a certificate.
+func TestRegistryClose(t *testing.T) {
+	reg := NewRegistry()
+	a, actx, _ := reg.Open("sbx-a", "10.0.0.1:1", Origin{Certificate: "CN=gw-1", names: []string{"gw-1"}}, 0)
+	b, bctx, _ := reg.Open("sbx-b", "10.0.0.1:1", Origin{Certificate: "CN=gw-2", names: []string{"gw-2", "gw-2.example"}}, 0)
+	defer a.Close()
+	defer b.Close()
+	for _, bad := range []CloseRequest{{}, {Sandbox: "sbx-a", Certificate: "gw-1"}, {Sandbox: "sbx-a", Grace: -1},
+		{Certificate: "gw-1", RefuseFor: time.Second}} {
+		if _, err := reg.Close(bad); err == nil {
+			t.Errorf("Close(%+v) accepted", bad)
+		}
+	}
+	if actx.Err() != nil || bctx.Err() != nil || reg.Closed() != 0 {
+		t.Fatal("a refused close ended a tunnel")
+	}
+	res, err := reg.Close(CloseRequest{Certificate: "gw-2.example"})
+	if err != nil || len(res.Tunnels) != 1 || res.Tunnels[0].ID != b.ID {
+		t.Fatalf("close by DNS name: %+v, %v", res, err)
+	}
+	var ce *ClosedError
+	if !errors.As(context.Cause(bctx), &ce) || ce.Certificate != "gw-2.example" || actx.Err() != nil {
+		t.Errorf("b's cause %v, a's %v: want b closed, a open", context.Cause(bctx), actx.Err())
+	}
+	res, err = reg.Close(CloseRequest{Sandbox: "sbx-a", RefuseFor: 200 * time.Millisecond})
+	if err != nil || len(res.Tunnels) != 1 || res.RefusingUntil.IsZero() || reg.Closed() != 2 {
+		t.Fatalf("close sbx-a: %+v, %v, closed %d", res, err, reg.Closed())
+	}
+	if res2, _ := reg.Close(CloseRequest{Sandbox: "sbx-a", RefuseFor: time.Millisecond}); !res2.RefusingUntil.Equal(res.RefusingUntil) {
+		t.Errorf("a shorter refusal moved the end from %v to %v", res.RefusingUntil, res2.RefusingUntil)
+	}
+	if _, _, err := reg.Open("sbx-a", "10.0.0.1:1", Origin{}, 0); ReasonOf(err) != string(ReasonSandboxClosed) {
+		t.Errorf("Open during the refusal: %v, want %s", err, ReasonSandboxClosed)
+	}
+	if err := reg.checkAdmit("sbx-b", 0); err != nil {
+		t.Errorf("another sandbox refused: %v", err)
+	}
+	time.Sleep(time.Until(res.RefusingUntil))
+	c, _, err := reg.Open("sbx-a", "10.0.0.1:1", Origin{}, 0)
+	if err != nil {
+		t.Fatalf("Open after the refusal: %v", err)
+	}
+	c.Close()
+	if r := reg.Refusals(); len(r) != 0 {
+		t.Errorf("refusals after expiry: %v", r)
+	}
+}
+
+// A graceful close leaves the tunnels open for the grace period, then ends
+// those still open and reports them.
+func TestRegistryCloseGraceful(t *testing.T) {
+	reg := NewRegistry()
+	done, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{}, 0)
+	left, lctx, _ := reg.Open("sbx", "10.0.0.1:1", Origin{}, 0)
+	defer left.Close()
+	ended := make(chan []TunnelInfo, 1)
+	res, err := reg.Close(CloseRequest{Sandbox: "sbx", Grace: 50 * time.Millisecond, OnGraceEnd: func(e []TunnelInfo) { ended <- e }})
+	if err != nil || len(res.Tunnels) != 2 || res.Deadline.IsZero() {
+		t.Fatalf("%+v, %v", res, err)
+	}
+	done.Close()
+	if lctx.Err() != nil {
+		t.Fatal("ended before the grace period")
+	}
+	e := <-ended
+	if len(e) != 1 || e[0].ID != left.ID || lctx.Err() == nil || reg.Closed() != 1 {
+		t.Errorf("grace end: %+v, ctx %v, closed %d; want only the tunnel left open ended", e, lctx.Err(), reg.Closed())
+	}
+	// A tunnel a close ended, still registered while its relay winds down,
+	// is not ended (nor counted) again.
+	again, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{}, 0)
+	defer again.Close()
+	if _, err := reg.Close(CloseRequest{Sandbox: "sbx", Grace: 10 * time.Millisecond, OnGraceEnd: func(e []TunnelInfo) { ended <- e }}); err != nil {
+		t.Fatal(err)
+	}
+	reg.Close(CloseRequest{Sandbox: "sbx"})
+	if e := <-ended; len(e) != 0 || reg.Closed() != 2 {
+		t.Errorf("the grace end after a fail close reported %+v, closed %d; want none and 2 (the first close's and the new tunnel)", e, reg.Closed())
+	}
+}
+
+// Reports are numbered from 1 with consecutive sequences; each sandbox's
+// totals are the sum of its deltas, so a lost report's bytes are the
+// difference of the totals around it.
+func TestRegistryTakeReport(t *testing.T) {
+	reg := NewRegistry()
+	if _, ok := reg.TakeReport("fwd"); ok {
+		t.Fatal("a report with nothing to say")
+	}
+	tun, _, _ := reg.Open("sbx", "10.0.0.1:1", Origin{}, 0)
+	var reps []ActivityReport
+	for i := range 3 {
+		tun.AddToSandbox(int64(100 * (i + 1)))
+		tun.AddFromSandbox(7)
+		rep, ok := reg.TakeReport("fwd")
+		if !ok {
+			t.Fatal("no report")
+		}
+		reps = append(reps, rep)
+	}
+	tun.Close()
+	for i, rep := range reps {
+		d := rep.Sandboxes[0]
+		if rep.Sequence != uint64(i+1) || rep.ID != "fwd/"+strconv.FormatInt(reg.Started().UnixNano(), 10)+"/"+strconv.Itoa(i+1) || d.BytesToSandbox != int64(100*(i+1)) {
+			t.Errorf("report %d: %+v", i, rep)
+		}
+	}
+	// Report 2 lost: its bytes are report 3's totals less report 1's.
+	if lost := reps[2].Sandboxes[0].TotalBytesToSandbox - reps[0].Sandboxes[0].TotalBytesToSandbox - reps[2].Sandboxes[0].BytesToSandbox; lost != 200 {
+		t.Errorf("recovered %d bytes of the lost report, want 200", lost)
+	}
+	if got := reps[2].Sandboxes[0]; got.TotalBytesToSandbox != 600 || got.TotalBytesFromSandbox != 21 {
+		t.Errorf("totals %+v, want 600/21", got)
+	}
+	if last := reg.LastReport(); last != reps[2].ReportID {
+		t.Errorf("LastReport %+v, want %+v", last, reps[2].ReportID)
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"text/template"
 
+	gw "github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -61,9 +62,15 @@ type hop struct {
 
 // gatewayFrameLen is the length of the preamble frame an edge gateway of
 // this run writes per tunnel (same key ID, sandbox and target, a 32-byte
-// channel binding): l4-l4's zero-copy allowance.
+// channel binding, and the user's loopback address, which sandbox_proxy
+// signs in): l4-l4's zero-copy allowance.
 func (env *runEnv) gatewayFrameLen() int {
-	frame, err := env.pki.signer.Sign(preamble.Claims{SandboxID: "bench", Target: env.up.raw.Addr().(*net.TCPAddr).AddrPort(), Binding: make([]byte, 32)})
+	user, err := gw.ClientFrom("127.0.0.1:40000", "").Extension()
+	if err != nil {
+		panic(err)
+	}
+	frame, err := env.pki.signer.Sign(preamble.Claims{SandboxID: "bench", Target: env.up.raw.Addr().(*net.TCPAddr).AddrPort(),
+		Binding: make([]byte, 32), Extensions: []preamble.Extension{user}})
 	if err != nil {
 		panic(err) // the same claims the bench's own preambles carry
 	}

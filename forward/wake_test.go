@@ -185,3 +185,35 @@ func TestNewWakerRejectsBadConfig(t *testing.T) {
 		t.Error("a negative timeout")
 	}
 }
+
+// A wake endpoint that answers garbage (not HTTP) refuses the tunnel with
+// wake-failed, as one that fails does.
+func TestWakeGarbageAnswer(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte("\x00\x01garbage, not HTTP\r\n\r\n"))
+			c.Close()
+		}
+	}()
+	waker, err := NewWaker(WakerConfig{URL: "http://" + ln.Addr().String() + "/wake", Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var log wakeLog
+	f := newFixture(t, func(cfg *Config) { cfg.Wake, cfg.WakeTimeout, cfg.OnWake = waker, 2*time.Second, log.observe })
+	f.refused(t, 1, string(ReasonWakeFailed), func(conn *net.TCPConn) {
+		conn.Write(append(f.gw.Frame(t, "sbx-x", freePort(t)), "tenant bytes"...))
+	})
+	if o := log.get(); len(o) != 1 || o[0] != WakeFailed {
+		t.Errorf("wake outcomes %v, want [%s]", o, WakeFailed)
+	}
+}

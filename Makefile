@@ -38,8 +38,10 @@ help:
 	@echo 'make bench-report re-renders docs/bench/results.md, bulk-1gib.md, gateway.md and their charts from the JSON'
 	@echo 'make clean        remove bin/ and the harness build dir'
 
+# Built beside bin/caddy and renamed over it: a VM running it from this
+# checkout (9p) never sees a half-written binary.
 build:
-	$(GO) build -o bin/caddy ./cmd/caddy
+	$(GO) build -o bin/.caddy.tmp ./cmd/caddy && mv bin/.caddy.tmp bin/caddy
 
 # Test tools at the versions integration/tools/go.mod pins, from the module
 # proxy: h2spec for TestListenerWrapperConformance (host and VM).

@@ -291,12 +291,19 @@ func builtCaddy(t *testing.T) string {
 		if err != nil {
 			t.Fatalf("building bin/caddy needs the go command (or set KTLS_CADDY_BIN): %v", err)
 		}
-		args := []string{goTool, "build", "-o", filepath.Join("bin", "caddy"), "./cmd/caddy"}
+		// Built beside it and renamed over it: a VM that runs bin/caddy
+		// from this checkout (9p) keeps the file it started, never a
+		// half-written one.
+		tmp := filepath.Join("bin", fmt.Sprintf(".caddy.%d", os.Getpid()))
+		args := []string{goTool, "build", "-o", tmp, "./cmd/caddy"}
 		if nice, err := exec.LookPath("nice"); err == nil {
 			args = append([]string{nice, "-n", "10"}, args...)
 		}
 		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
 			t.Fatalf("go build ./cmd/caddy: %v\n%s", err, out)
+		}
+		if err := os.Rename(tmp, filepath.Join("bin", "caddy")); err != nil {
+			t.Fatal(err)
 		}
 	}
 	return caddyBinary(t)

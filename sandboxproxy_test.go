@@ -230,7 +230,8 @@ func sandboxProxyRefusal(t *testing.T, kernel bool) {
 	trap := forwardtest.NewUpstreamOn(t, ":0", 1)
 	e := newGatewayEnv(t, map[string]any{"target": "10.255.0.1:" + strconv.Itoa(int(trap.Addr().Port()))})
 	m0 := e.metrics(t)
-	n, err := userEnded(t, e.userDial(t, uniqueSandbox("sbx-refused")), 4<<10)
+	// The user sends nothing before the refusal (see TestKernelRelayRefusalTravels).
+	n, err := userEnded(t, e.userDial(t, uniqueSandbox("sbx-refused")), 0)
 	if n != 0 || err == nil {
 		t.Fatalf("user read %d bytes, err %v: want none and an error", n, err)
 	}

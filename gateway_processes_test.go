@@ -168,24 +168,10 @@ func gatewayTwoProcesses(t *testing.T, kernel bool) {
 
 // startEcho is a sandbox's raw TCP service that echoes each connection.
 func startEcho(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-			}()
-		}
-	}()
-	return ln.Addr().String()
+	return forwardtest.ServeTCP(t, func(c net.Conn) {
+		defer c.Close()
+		io.Copy(c, c)
+	})
 }
 
 func readAll(t *testing.T, r io.Reader) []byte {

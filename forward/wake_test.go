@@ -189,22 +189,11 @@ func TestNewWakerRejectsBadConfig(t *testing.T) {
 // A wake endpoint that answers garbage (not HTTP) refuses the tunnel with
 // wake-failed, as one that fails does.
 func TestWakeGarbageAnswer(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			c.Write([]byte("\x00\x01garbage, not HTTP\r\n\r\n"))
-			c.Close()
-		}
-	}()
-	waker, err := NewWaker(WakerConfig{URL: "http://" + ln.Addr().String() + "/wake", Timeout: time.Second})
+	addr := forwardtest.ServeTCP(t, func(c net.Conn) {
+		c.Write([]byte("\x00\x01garbage, not HTTP\r\n\r\n"))
+		c.Close()
+	})
+	waker, err := NewWaker(WakerConfig{URL: "http://" + addr + "/wake", Timeout: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

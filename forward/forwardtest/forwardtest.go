@@ -404,3 +404,25 @@ func HostAddress(t testing.TB) netip.Addr {
 	t.Skip("SKIP: " + why)
 	return netip.Addr{}
 }
+
+// ServeTCP listens on a loopback port and runs serve on its own goroutine
+// for every connection accepted, until the test ends; it returns the
+// address.
+func ServeTCP(t testing.TB, serve func(c net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go serve(c)
+		}
+	}()
+	return ln.Addr().String()
+}

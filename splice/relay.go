@@ -111,6 +111,19 @@ type Aborter interface {
 	Abort() error
 }
 
+// CloseNotifier is implemented by connections whose orderly end is a
+// message before the transport's end (*ktls.Conn: TLS close_notify).
+// CloseNotified reports, once the connection's Read (or splice(2) from it)
+// has ended, whether that message came; false means the stream was cut
+// (the peer's FIN alone, or a reset the kernel reported as an end).
+type CloseNotifier interface {
+	CloseNotified() bool
+}
+
+// ErrTruncated ends a direction whose source ended without the close_notify
+// Options.RequireCloseNotify asks of it.
+var ErrTruncated = errors.New("the peer ended the stream without close_notify: truncated")
+
 // Refuser is implemented by connections that can tell their peer that what
 // it asked for was refused, distinctly from a failure (*ktls.Conn: the fatal
 // alert access_denied, where Abort sends internal_error).
@@ -188,6 +201,16 @@ type Options struct {
 	// instead of Abort, so that the refusal travels on to the peer that
 	// asked: an edge gateway's user learns that nothing reached the sandbox.
 	Refused func(error) bool
+	// RequireCloseNotify, for a direction, makes its source's end an orderly
+	// end only when the source says it ended with close_notify
+	// (CloseNotifier): an end without it fails the direction with
+	// ErrTruncated, so the other side is ended as a failure, never
+	// half-closed as if the stream were complete. For a source whose peer
+	// always ends with close_notify, as both sides of a sandbox tunnel do:
+	// there a bare end is a peer that died, or a reset that the kernel
+	// reported as an end of stream. A source that is no CloseNotifier
+	// ends as before.
+	RequireCloseNotify [2]bool
 	// Limit, when set for a direction, bounds its rate: each splice(2) from
 	// the source (or read, on the copy path) asks for no more than the
 	// Limiter grants, and the direction waits while it grants nothing,
@@ -522,6 +545,11 @@ func (t *Relay) runDirection(d Direction) {
 // finish records how direction d ended; err == nil means its source ended.
 func (t *Relay) finish(d Direction, dst net.Conn, err error) {
 	s := &t.dirs[d]
+	if err == nil && t.opts.RequireCloseNotify[d] {
+		if cn, ok := t.conns[d].(CloseNotifier); ok && !cn.CloseNotified() {
+			err = fmt.Errorf("source: %w", ErrTruncated)
+		}
+	}
 	// The state is read before the other direction's sinkClosing. That
 	// direction sets sinkClosing just before it half-closes this socket, and
 	// once the peer has sent its FIN, our FIN leaves the socket in TCP_CLOSE

@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"sync"
@@ -42,6 +43,9 @@ type Conn struct {
 	hsDone atomic.Bool
 	hsErr  error
 	off    Offload
+	// hsWrites: the record conn's writes when the handshake ended; more
+	// since mean crypto/tls has sealed records under its application key.
+	hsWrites int64
 
 	// Set once by the handshake when a direction runs in the kernel.
 	sock    *net.TCPConn
@@ -49,12 +53,18 @@ type Conn struct {
 	txSeq   uint64 // TX rec_seq installed (records already sealed under the key)
 
 	readMu   sync.Mutex
-	pending  []byte // decrypted bytes not yet returned by Read
-	readErr  error  // sticky: io.EOF after close_notify, or a fatal error
-	rxSecret []byte // current TLS 1.3 RX secret (for KeyUpdate)
-	opener   *recordOpener
-	limiter  tokenBucket
-	ctrlBuf  []byte
+	pending  []byte      // decrypted bytes not yet returned by Read
+	readErr  error       // sticky: io.EOF after close_notify, or a fatal error
+	notified atomic.Bool // the peer's close_notify was read
+
+	// Client session tickets (ticket.go), under readMu.
+	resume      bool   // the client config has a session cache and tickets on
+	ticketsFed  uint64 // records fed to crypto/tls under the server's first key
+	ticketsLost bool   // crypto/tls's input is out of step: feed no more
+	rxSecret    []byte // current TLS 1.3 RX secret (for KeyUpdate)
+	opener      *recordOpener
+	limiter     tokenBucket
+	ctrlBuf     []byte
 
 	// Key wear (wear.go): upper bounds of the records the current keys
 	// protect, under readMu (rx*) and writeMu (txBound).
@@ -77,12 +87,13 @@ func Server(raw net.Conn, cfg *tls.Config, opts Options) *Conn {
 }
 
 // Client returns a client-side Conn over raw, with the same lazy handshake.
-// Two limits follow from the offload: a TLS 1.3 NewSessionTicket that
-// arrives after the handshake is dropped (kernel RX or DisableRX: it never
-// reaches crypto/tls), so an offloaded client never resumes a TLS 1.3
-// session; and crypto/tls logs no master secret for a resumed TLS 1.2
-// session, so a client that resumes one (its ClientSessionCache holds the
-// session from the handshake) stays in userspace TLS with ReasonKeyCapture.
+// With a ClientSessionCache in cfg, the TLS 1.3 session tickets the server
+// sends after the handshake reach the cache although reads run in the
+// kernel (ticket.go), so a later Client resumes, and a resumed session is
+// offloaded like a full one. crypto/tls logs no master secret for a resumed
+// TLS 1.2 session, so a client that resumes one (its ClientSessionCache
+// holds the session from the handshake) stays in userspace TLS with
+// ReasonKeyCapture.
 func Client(raw net.Conn, cfg *tls.Config, opts Options) *Conn {
 	return newConn(raw, cfg, opts, true)
 }
@@ -92,6 +103,7 @@ func newConn(raw net.Conn, cfg *tls.Config, opts Options, isClient bool) *Conn {
 	c.limiter = newTokenBucket(opts.KeyUpdateLimit)
 	if isClient {
 		c.tlsConn = tls.Client(c.record, c.keys.clientConfig(cfg))
+		c.resume = cfg != nil && cfg.ClientSessionCache != nil && !cfg.SessionTicketsDisabled
 	} else {
 		c.tlsConn = tls.Server(c.record, c.keys.serverConfig(cfg))
 	}
@@ -288,6 +300,7 @@ func (c *Conn) handshake(ctx context.Context) error {
 		return err
 	}
 	state := c.tlsConn.ConnectionState()
+	c.hsWrites = c.record.writes.Load()
 	c.off = Offload{Version: state.Version, CipherSuite: state.CipherSuite}
 	reason, err := c.offload(state)
 	c.off.Reason = reason
@@ -648,8 +661,21 @@ func (c *Conn) Abort() error { return c.abort(alertInternalError) }
 // Refuse closes c as a refused connection: as Abort, but the fatal alert is
 // access_denied, so that the peer can tell a request refused after the
 // handshake (a sandbox forwarder's rejected preamble: nothing reached any
-// target) from a stream cut short (internal_error).
+// target) from a stream cut short (internal_error). On the kernel path the
+// alert is followed by FIN, and what the peer still sends is read and
+// discarded until it closes, for at most RefuseLinger: closed with unread
+// bytes, the socket would answer them with a reset, and at the peer a
+// reset can overtake the alert (kTLS reports a pending reset before the
+// records queued ahead of it, and once a write has consumed the reset the
+// next read is a plain end of stream), so the refusal would arrive as a
+// failure or as an orderly end. With TX in userspace (kernel TLS off, or
+// the ULP refused because the peer's FIN came first) a TLS 1.3 session
+// that has written nothing since the handshake is refused the same way,
+// with the alert sealed by this package; otherwise it is reset, as Abort.
 func (c *Conn) Refuse() error { return c.abort(alertAccessDenied) }
+
+// RefuseLinger bounds how long Refuse reads what the peer still sends.
+const RefuseLinger = time.Second
 
 // abort is Abort and Refuse, with the alert description to send.
 func (c *Conn) abort(alert uint8) error {
@@ -661,6 +687,9 @@ func (c *Conn) abort(alert uint8) error {
 	}
 	c.closeOnce.Do(func() {
 		if !c.hsDone.Load() || !c.kernelTX() {
+			if alert == alertAccessDenied && c.hsDone.Load() && c.refuseInUserspace() {
+				return
+			}
 			// Not through tls.Conn.Close: its close_notify would reach the
 			// peer ahead of the reset.
 			if rc, err := c.SyscallConn(); err == nil {
@@ -671,7 +700,7 @@ func (c *Conn) abort(alert uint8) error {
 		}
 		c.writeMu.Lock()
 		c.wroteEOF = true
-		if err := controlFD(c.rawSock, func(fd int) error {
+		err := controlFD(c.rawSock, func(fd int) error {
 			_, err := unix.SendmsgN(fd, []byte{alertLevelFatal, alert}, recordTypeCmsg(recordAlert), nil, unix.MSG_DONTWAIT)
 			if err == nil && !tcpTookAll(fd) {
 				// close(2) drops what kTLS sealed but TCP did not take (a
@@ -679,14 +708,85 @@ func (c *Conn) abort(alert uint8) error {
 				// FIN): the reset is the failure end then.
 				err = unix.ENOBUFS
 			}
+			if err == nil && alert == alertAccessDenied {
+				err = unix.Shutdown(fd, unix.SHUT_WR)
+			}
 			return err
-		}); err != nil {
+		})
+		if err != nil {
 			setResetOnClose(c.rawSock)
 		}
 		c.writeMu.Unlock()
+		if err == nil && alert == alertAccessDenied {
+			c.discardUntilEOF(time.Now().Add(RefuseLinger))
+		}
 		c.closeErr = errors.Join(ignoreClosed(c.sock.Close()), closeIfDifferent(c.raw, c.sock))
 	})
 	return c.closeErr
+}
+
+// refuseInUserspace sends access_denied, then FIN, on a session whose TX
+// runs in crypto/tls, which sends alerts only of its own failures, and
+// drains the peer as the kernel path does. The record is sealed here with
+// the captured key, at the sequence number crypto/tls would use: known
+// while it has sealed nothing since the handshake (a server's tickets are
+// part of that). Only TLS 1.3. false: nothing was sent, and the caller
+// resets the connection.
+func (c *Conn) refuseInUserspace() bool {
+	if c.hsErr != nil || c.off.Version != tls.VersionTLS13 || c.record.writes.Load() != c.hsWrites {
+		return false
+	}
+	ours, seq := "SERVER_TRAFFIC_SECRET_0", c.keys.tickets()
+	if c.isClient {
+		ours, seq = "CLIENT_TRAFFIC_SECRET_0", 0
+	}
+	secret := c.keys.get(ours)
+	if secret == nil {
+		return false
+	}
+	record, err := sealRecord13(c.off.CipherSuite, secret, seq, recordAlert, []byte{alertLevelFatal, alertAccessDenied})
+	if err != nil {
+		return false
+	}
+	sock, _, err := kernelSocket(c.raw)
+	if err != nil {
+		return false
+	}
+	c.raw.SetWriteDeadline(time.Now().Add(time.Second))
+	if _, err := c.raw.Write(record); err != nil {
+		// The caller's reset ends it, and cuts off any part sent.
+		return false
+	}
+	c.writeMu.Lock()
+	c.wroteEOF = true
+	c.writeMu.Unlock()
+	sock.CloseWrite()
+	c.raw.SetReadDeadline(time.Now().Add(RefuseLinger))
+	io.Copy(io.Discard, c.raw)
+	c.closeErr = ignoreClosed(c.raw.Close())
+	return true
+}
+
+// discardUntilEOF reads and drops what the peer sends, records of any type
+// (recvmsg with room for the record type: read(2) would stop at a control
+// record), until the peer's end, an error or deadline. It does not take
+// readMu: it runs while c closes, after its readers.
+func (c *Conn) discardUntilEOF(deadline time.Time) {
+	if c.sock.SetReadDeadline(deadline) != nil {
+		return
+	}
+	buf, oob := make([]byte, 16<<10), make([]byte, unix.CmsgSpace(1))
+	for {
+		var n int
+		var serr error
+		err := c.rawSock.Read(func(fd uintptr) bool {
+			n, _, _, _, serr = unix.Recvmsg(int(fd), buf, oob, 0)
+			return serr != unix.EAGAIN
+		})
+		if err != nil || serr != nil || n == 0 {
+			return
+		}
+	}
 }
 
 // tcpTookAll reports whether the socket's send buffer has room (64 KiB of

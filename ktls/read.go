@@ -73,13 +73,19 @@ func (e *protocolError) Unwrap() error { return e.err }
 // Read reads application data. On the kernel path a control record at the
 // head of the queue makes read(2) fail; it is then received with recvmsg(2)
 // and handled here: close_notify → io.EOF, KeyUpdate → rekey, NewSessionTicket
-// (client) → dropped, another alert → an AlertError naming it.
+// (client) → its session cache (ticket.go), another alert → an AlertError
+// naming it. After a KeyUpdate or a ticket Read returns (0, nil) rather
+// than wait for data: that comes through the kernel again (splice.Source).
 func (c *Conn) Read(p []byte) (int, error) {
 	if err := c.Handshake(); err != nil {
 		return 0, err
 	}
 	if !c.kernelRX() && c.opener == nil {
-		return c.tlsConn.Read(p)
+		n, err := c.tlsConn.Read(p)
+		if err == io.EOF && !c.record.eof.Load() {
+			c.notified.Store(true)
+		}
+		return n, err
 	}
 	c.readMu.Lock()
 	defer c.readMu.Unlock()
@@ -122,9 +128,23 @@ func (c *Conn) Read(p []byte) (int, error) {
 				return 0, err
 			}
 			c.fail(err)
+			continue
+		}
+		if len(c.pending) == 0 {
+			// A control record handled (a KeyUpdate, a session ticket):
+			// the bytes behind it stay in the kernel, where a relay
+			// splices them (splice.Source).
+			return 0, nil
 		}
 	}
 }
+
+// CloseNotified reports whether the peer ended its stream with close_notify.
+// Read returns io.EOF for that and, as crypto/tls does, for a transport
+// end at a record boundary (the peer's FIN alone, or a reset the kernel
+// reports as an end): a peer that always sends close_notify first was
+// truncated when Read ended and this is false (splice.CloseNotifier).
+func (c *Conn) CloseNotified() bool { return c.notified.Load() }
 
 // isControlRecordErrno reports the errnos with which read(2) and splice(2)
 // refuse a non-data record at the head of a kTLS receive queue: EIO from
@@ -253,6 +273,7 @@ func (c *Conn) handleControl(recordType uint8, payload []byte) error {
 			return &protocolError{alertDecodeError, fmt.Errorf("ktls: alert record of %d bytes", len(payload))}
 		}
 		if payload[1] == 0 {
+			c.notified.Store(true)
 			return io.EOF // close_notify: the write side stays usable until Close
 		}
 		err := AlertError(payload[1])
@@ -288,12 +309,11 @@ func (c *Conn) handlePostHandshake(msgs []byte) error {
 		if len(msgs) < 4+length {
 			return &protocolError{alertDecodeError, errors.New("ktls: handshake message split across records is not supported")}
 		}
-		body := msgs[4 : 4+length]
+		msg, body := msgs[:4+length], msgs[4:4+length]
 		msgs = msgs[4+length:]
 		switch {
 		case msgType == msgNewSessionTicket && c.isClient:
-			// Resumption is not offered on offloaded client conns: the ticket is dropped.
-			continue
+			c.keepTicket(msg)
 		case msgType == msgKeyUpdate:
 			// RFC 8446 section 5.1: a KeyUpdate must end its record,
 			// because the next record is under the new key.

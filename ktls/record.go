@@ -2,7 +2,9 @@ package ktls
 
 import (
 	"encoding/binary"
+	"io"
 	"net"
+	"sync/atomic"
 )
 
 const (
@@ -28,13 +30,39 @@ type recordConn struct {
 	remaining int // body bytes of the current record not yet returned
 
 	firstIn, firstOut []byte // first helloPrefixLen bytes read and written
+
+	// eof: a Read of the raw conn returned io.EOF. crypto/tls returns
+	// io.EOF for close_notify and for the peer's FIN alike; only the FIN
+	// comes through here.
+	eof atomic.Bool
+	// writes counts Write calls (ktls.Conn.refuseInUserspace).
+	writes atomic.Int64
+
+	// fed, while feeding: one record for crypto/tls to read instead of the
+	// socket (ticket.go), then errTicketFed. Nothing is written meanwhile.
+	fed     []byte
+	feeding bool
 }
+
+// feed makes Read return record, then errTicketFed; nil ends feeding.
+func (c *recordConn) feed(record []byte) { c.fed, c.feeding = record, record != nil }
 
 func newRecordConn(c net.Conn) *recordConn { return &recordConn{Conn: c} }
 
 // Read returns bytes of at most the current record.
 func (c *recordConn) Read(p []byte) (int, error) {
+	if c.feeding {
+		if len(c.fed) == 0 {
+			return 0, errTicketFed
+		}
+		n := copy(p, c.fed)
+		c.fed = c.fed[n:]
+		return n, nil
+	}
 	n, err := c.readBounded(p)
+	if err == io.EOF {
+		c.eof.Store(true)
+	}
 	if n > 0 && len(c.firstIn) < helloPrefixLen {
 		c.firstIn = appendUpTo(c.firstIn, p[:n], helloPrefixLen)
 	}
@@ -70,6 +98,12 @@ func (c *recordConn) readBounded(p []byte) (int, error) {
 
 // Write passes through, keeping the first bytes written.
 func (c *recordConn) Write(p []byte) (int, error) {
+	if c.feeding {
+		// crypto/tls's alert about a fed record: the socket belongs to
+		// the kernel, and our own end follows from the error.
+		return 0, errTicketFed
+	}
+	c.writes.Add(1)
 	if len(c.firstOut) < helloPrefixLen {
 		c.firstOut = appendUpTo(c.firstOut, p, helloPrefixLen)
 	}

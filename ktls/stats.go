@@ -15,6 +15,8 @@ type StatsSnapshot struct {
 	KeyExhausted     uint64            // connections failed with ErrKeyExhausted
 	RateLimitedClose uint64            // connections closed for exceeding KeyUpdateLimit
 	ClosedAfterTX    uint64            // connections closed because a step after TLS_TX failed
+	TicketsKept      uint64            // TLS 1.3 session tickets an offloaded client passed to its session cache
+	TicketsDropped   uint64            // TLS 1.3 session tickets crypto/tls refused from an offloaded client
 }
 
 type counters struct {
@@ -23,7 +25,7 @@ type counters struct {
 	outcomes map[Reason]uint64
 	control  map[string]uint64
 
-	keyUpdates, keyUpdatesSent, keyExhausted, rateLimited, closedAfterTX atomic.Uint64
+	keyUpdates, keyUpdatesSent, keyExhausted, rateLimited, closedAfterTX, ticketsKept, ticketsDropped atomic.Uint64
 }
 
 var stats = counters{tx: map[Mode]uint64{}, rx: map[Mode]uint64{}, outcomes: map[Reason]uint64{}, control: map[string]uint64{}}
@@ -36,6 +38,7 @@ func Stats() StatsSnapshot {
 		TX: map[Mode]uint64{}, RX: map[Mode]uint64{}, Outcomes: map[Reason]uint64{}, ControlRecords: map[string]uint64{},
 		KeyUpdates: stats.keyUpdates.Load(), KeyUpdatesSent: stats.keyUpdatesSent.Load(), KeyExhausted: stats.keyExhausted.Load(),
 		RateLimitedClose: stats.rateLimited.Load(), ClosedAfterTX: stats.closedAfterTX.Load(),
+		TicketsKept: stats.ticketsKept.Load(), TicketsDropped: stats.ticketsDropped.Load(),
 	}
 	for k, v := range stats.tx {
 		s.TX[k] = v

@@ -258,20 +258,21 @@ func checkTunnelTransfer(t testing.TB, up *forwardtest.Upstream, size int64, see
 	}
 }
 
-// checkGatewayEnd fails t unless err, how a gateway's read of a tunnel
-// ended, says what the forwarder meant where TX is in the kernel (kernel):
-// refused (the access_denied alert, preamble.Refused) or failed (the
-// internal_error alert); in userspace TLS, where crypto/tls sends no alert
-// of the forwarder's choosing, a reset either way.
+// checkGatewayEnd fails t unless err, how a gateway's read of a TLS 1.3
+// tunnel ended, says what the forwarder meant: refused (the access_denied
+// alert, preamble.Refused, with TX in the kernel or not) or failed (the
+// internal_error alert where TX is in the kernel (kernel); in userspace
+// TLS, where crypto/tls sends no alert of the forwarder's choosing after
+// data, a reset).
 func checkGatewayEnd(t testing.TB, err error, kernel, refused bool) {
 	t.Helper()
 	var ok bool
 	var want string
 	switch {
-	case !kernel:
-		ok, want = errors.Is(err, syscall.ECONNRESET), "a reset"
 	case refused:
 		ok, want = preamble.Refused(err), "the access_denied alert (preamble.Refused)"
+	case !kernel:
+		ok, want = errors.Is(err, syscall.ECONNRESET), "a reset"
 	default:
 		ok, want = err != nil && strings.Contains(err.Error(), "remote error: tls: internal error"), "the internal_error alert"
 	}

@@ -276,6 +276,10 @@ func (f *Forwarder) Serve(c Client) (Result, error) {
 	res, err := splice.New(relay, upstream, splice.Options{
 		Pipes: f.cfg.Pipes,
 		Limit: limit,
+		// A gateway ends its tunnel in order with close_notify: without
+		// it the stream was cut, and the target must not read a complete
+		// request in what is left of it.
+		RequireCloseNotify: [2]bool{splice.AToB: true},
 		OnBytes: func(d splice.Direction, n int) {
 			if d == splice.AToB {
 				tun.AddToSandbox(int64(n))

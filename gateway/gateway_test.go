@@ -303,37 +303,53 @@ func TestKernelRelaySplicesKTLSToKTLS(t *testing.T) {
 
 // TestKernelRelayRefusalTravels: the forwarder refuses a target outside
 // its allowlist with access_denied; the gateway's relay ends the user's
-// session with access_denied too, and nothing reached the sandbox.
+// session with access_denied too, and nothing reached the sandbox. Also
+// with the user's bytes in flight, which the forwarder never reads: it
+// lingers after the alert (ktls.Conn.Refuse) so that no reset overtakes
+// the alert, and the tunnel's end without close_notify could not reach
+// the user as an orderly end in any case (Options.RequireCloseNotify).
 func TestKernelRelayRefusalTravels(t *testing.T) {
 	kerneltest.Require(t)
 	p := newPKI(t)
 	gw := forwardtest.NewGateway(t, "gw-1")
-	up := forwardtest.NewUpstream(t, 1<<10)
-	f := startForwarder(t, p, gw, "10.255.0.0/16") // the upstream's 127.0.0.1 is not allowed
-	fr := startFront(t, p, newDialer(t, p, gw), Route{Forwarder: f.addr(), Sandbox: "sbx-1", Target: up.Addr()})
-
-	// The user sends nothing: with its bytes in flight the forwarder's
-	// close after the alert would be a reset (unread data), which can
-	// reach the user as an orderly end (issue 19's note).
-	c, err := tls.Dial("tcp", fr.ln.Addr().String(), &tls.Config{RootCAs: p.client.RootCAs, ServerName: "localhost"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetReadDeadline(time.Now().Add(30 * time.Second))
-	n, err := io.Copy(io.Discard, c)
-	c.Close()
-	if n != 0 || err == nil || !strings.Contains(err.Error(), "access denied") {
-		t.Errorf("user read %d bytes, error %v: want none and access denied", n, err)
-	}
-	r := fr.result(t)
-	if e := RelayEnd(r.stats, r.err); e != EndRefused {
-		t.Errorf("relay end %s (%v), want %s", e, r.err, EndRefused)
-	}
-	if _, errs := f.served(t, 1); forward.ReasonOf(errs[0]) != string(forward.ReasonTargetDenied) {
-		t.Errorf("forwarder: %v, want reason %s", errs[0], forward.ReasonTargetDenied)
-	}
-	if up.Accepted() != 0 || up.Received() != 0 {
-		t.Errorf("sandbox accepted %d connections, received %d bytes: want none", up.Accepted(), up.Received())
+	for _, c := range []struct {
+		name string
+		send int
+	}{
+		{"nothing sent", 0},
+		{"bytes in flight", 64 << 10},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			up := forwardtest.NewUpstream(t, 1<<10)
+			f := startForwarder(t, p, gw, "10.255.0.0/16") // the upstream's 127.0.0.1 is not allowed
+			fr := startFront(t, p, newDialer(t, p, gw), Route{Forwarder: f.addr(), Sandbox: "sbx-1", Target: up.Addr()})
+			var n int64
+			var err error
+			if c.send > 0 {
+				_, _, n, err = userTunnel(t, fr.ln.Addr().String(), p.client, int64(c.send), 7)
+			} else {
+				c2, derr := tls.Dial("tcp", fr.ln.Addr().String(), &tls.Config{RootCAs: p.client.RootCAs, ServerName: "localhost"})
+				if derr != nil {
+					t.Fatal(derr)
+				}
+				c2.SetDeadline(time.Now().Add(30 * time.Second))
+				n, err = io.Copy(io.Discard, c2)
+				c2.Close()
+			}
+			if n != 0 || err == nil || !strings.Contains(err.Error(), "access denied") {
+				t.Errorf("user read %d bytes, error %v: want none and access denied", n, err)
+			}
+			r := fr.result(t)
+			if e := RelayEnd(r.stats, r.err); e != EndRefused {
+				t.Errorf("relay end %s (%v), want %s", e, r.err, EndRefused)
+			}
+			if _, errs := f.served(t, 1); forward.ReasonOf(errs[0]) != string(forward.ReasonTargetDenied) {
+				t.Errorf("forwarder: %v, want reason %s", errs[0], forward.ReasonTargetDenied)
+			}
+			if up.Accepted() != 0 || up.Received() != 0 {
+				t.Errorf("sandbox accepted %d connections, received %d bytes: want none", up.Accepted(), up.Received())
+			}
+		})
 	}
 }
 

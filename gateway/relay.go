@@ -19,7 +19,11 @@ import (
 // The ends travel on: an orderly end on one side half-closes the other; a
 // forwarder's refusal (EndRefused, before the sandbox sent a byte) ends
 // user as refused too (its Refuse: access_denied on a kTLS session), and
-// any failure ends both sides as failures. opts.Refused is set here.
+// any failure ends both sides as failures. The forwarder ends every tunnel
+// it ends in order with close_notify, so the tunnel's end without one (a
+// forwarder that died, or a reset the kernel reported as an end) is a
+// failure too, never an orderly end for the user. opts.Refused and
+// opts.RequireCloseNotify[BToA] are set here.
 func Relay(ctx context.Context, user net.Conn, buffered []byte, tunnel net.Conn, opts splice.Options) (splice.Stats, error) {
 	if len(buffered) > 0 {
 		n, err := tunnel.Write(buffered)
@@ -35,6 +39,7 @@ func Relay(ctx context.Context, user net.Conn, buffered []byte, tunnel net.Conn,
 		}
 	}
 	opts.Refused = Refused
+	opts.RequireCloseNotify[splice.BToA] = true
 	st, err := splice.Run(ctx, user, tunnel, opts)
 	if len(buffered) > 0 {
 		st.AToB.Bytes += int64(len(buffered))

@@ -550,6 +550,7 @@ func oneOf(d *caddyfile.Dispenser, choices ...string) (string, error) {
 //	dial_timeout     <duration>             # default 10s: connect, handshake, preamble
 //	keepalive        <duration>             # default 30s
 //	preamble_ttl     <duration>             # default 30s
+//	resumption       on|off                 # default on: resume forwarder sessions
 //	<offload option> ...                     # offload on|off, rx on|off, fallback allow|refuse, handshake_timeout, ...
 func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
 	if handled, err := g.OffloadOptions.unmarshalCaddyfileOption(d); handled {
@@ -620,6 +621,12 @@ func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled 
 		default:
 			g.PreambleTTL = dur
 		}
+	case "resumption":
+		v, err := oneOf(d, "on", "off")
+		if err != nil {
+			return true, err
+		}
+		g.DisableResumption = v == "off"
 	default:
 		return false, nil
 	}

@@ -57,6 +57,15 @@ type GatewayDial struct {
 	// one above their max_preamble_ttl. Default: 30s.
 	PreambleTTL caddy.Duration `json:"preamble_ttl,omitempty"`
 
+	// DisableResumption makes every forwarder connection a full TLS
+	// handshake. By default a connection resumes the session of an earlier
+	// one to the same forwarder address (a session ticket from the
+	// forwarder's `ktls` handler, whose `resumption` must be on too): the
+	// forwarder then checks the gateway's stored chain (expiry, trust pool)
+	// instead of verifying its signatures, and signs nothing. Sessions are
+	// kept until the config is reloaded.
+	DisableResumption bool `json:"disable_resumption,omitempty"`
+
 	// The offload options of the forwarder connections (OffloadOptions):
 	// disable_offload keeps them in crypto/tls, require_offload fails a
 	// tunnel whose connection cannot be offloaded, handshake_timeout bounds
@@ -130,5 +139,7 @@ func (g *GatewayDial) dialer(ctx caddy.Context, module string, logger *zap.Logge
 		HandshakeTimeout: time.Duration(g.HandshakeTimeout),
 		KeepAlive:        time.Duration(g.KeepAlive),
 		PreambleTTL:      time.Duration(g.PreambleTTL),
+
+		DisableResumption: g.DisableResumption,
 	})
 }

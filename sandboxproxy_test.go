@@ -359,6 +359,7 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 		{"sandbox_proxy {\n\ttls_trust_pool nonesuch\n}", "nonesuch"},
 		{"sandbox_proxy {\n\tfrobnicate\n}", `unknown sandbox_proxy option "frobnicate"`},
 		{"sandbox_proxy on", "wrong argument count"},
+		{"sandbox_proxy {\n\tresumption maybe\n}", "resumption"},
 	} {
 		_, err := adaptCaddyfile(t, "{\n\tlayer4 {\n\t\t:9443 {\n\t\t\troute {\n"+tc.body+"\n\t\t\t}\n\t\t}\n\t}\n}\n")
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -92,10 +92,18 @@ type Config struct {
 	// roots forwarders' certificates chain to (RootCAs) and, optionally,
 	// the name they must carry (ServerName; empty: the forwarder's host).
 	// Required. TLS 1.3 is required whatever MinVersion says: the
-	// preamble is bound to the session's exporter. When ClientSessionCache
-	// is nil the Dialer keeps none: an offloaded client receives no session
-	// ticket (ktls.Client), so a cache only serves sessions in userspace.
+	// preamble is bound to the session's exporter. ClientSessionCache, when
+	// set, holds the sessions DisableResumption does not turn off; nil: the
+	// Dialer keeps its own of DefaultSessionCacheSize.
 	TLS *tls.Config
+	// DisableResumption makes every forwarder connection a full handshake.
+	// By default a connection resumes the TLS session of an earlier one to
+	// the same forwarder address (sessions are kept per address, whatever
+	// ServerName says), which spares the forwarder the certificate
+	// verification and the signature of a full handshake; a resumed session
+	// is offloaded like a full one, and the preamble is bound to its own
+	// exporter all the same.
+	DisableResumption bool
 	// Signer signs the preambles. Required.
 	Signer *preamble.Signer
 	// KTLS says how each forwarder connection is offloaded to kernel TLS;
@@ -117,6 +125,10 @@ type Config struct {
 	// preamble.DefaultTTL.
 	PreambleTTL time.Duration
 }
+
+// DefaultSessionCacheSize is how many forwarder sessions a Dialer keeps for
+// resumption when Config.TLS has no ClientSessionCache.
+const DefaultSessionCacheSize = 1024
 
 // Dialer opens tunnels to forwarders. It is safe for concurrent use.
 type Dialer struct {
@@ -156,6 +168,12 @@ func New(cfg Config) (*Dialer, error) {
 	if t.MaxVersion != 0 && t.MaxVersion < tls.VersionTLS13 {
 		return nil, errors.New("gateway: the TLS configuration's MaxVersion is below TLS 1.3, which the preamble's channel binding needs")
 	}
+	switch {
+	case cfg.DisableResumption:
+		t.ClientSessionCache = nil
+	case t.ClientSessionCache == nil:
+		t.ClientSessionCache = tls.NewLRUClientSessionCache(DefaultSessionCacheSize)
+	}
 	d := &Dialer{cfg: cfg, tls: t}
 	d.net.KeepAliveConfig = net.KeepAliveConfig{Enable: cfg.KeepAlive > 0, Idle: cfg.KeepAlive, Interval: cfg.KeepAlive, Count: 3}
 	if cfg.KeepAlive < 0 {
@@ -188,10 +206,14 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 		return nil, &DialError{Route: r, Step: StepConnect, Err: err}
 	}
 	cfg := d.tls
-	if cfg.ServerName == "" {
-		host, _, _ := net.SplitHostPort(r.Forwarder)
+	if cfg.ServerName == "" || cfg.ClientSessionCache != nil {
 		cfg = cfg.Clone()
-		cfg.ServerName = host
+		if cfg.ServerName == "" {
+			cfg.ServerName, _, _ = net.SplitHostPort(r.Forwarder)
+		}
+		if cfg.ClientSessionCache != nil {
+			cfg.ClientSessionCache = forwarderSessions{cfg.ClientSessionCache, r.Forwarder}
+		}
 	}
 	conn := ktls.Client(raw, cfg, d.cfg.KTLS)
 	hctx := ctx
@@ -233,3 +255,19 @@ func (e *DialError) Error() string {
 }
 
 func (e *DialError) Unwrap() error { return e.Err }
+
+// forwarderSessions keys a session cache by forwarder address too:
+// crypto/tls keys it by ServerName alone, which forwarders may share while
+// each holds its own ticket keys.
+type forwarderSessions struct {
+	tls.ClientSessionCache
+	addr string
+}
+
+func (c forwarderSessions) Get(key string) (*tls.ClientSessionState, bool) {
+	return c.ClientSessionCache.Get(c.addr + " " + key)
+}
+
+func (c forwarderSessions) Put(key string, cs *tls.ClientSessionState) {
+	c.ClientSessionCache.Put(c.addr+" "+key, cs)
+}

@@ -120,7 +120,7 @@ func (h *SandboxProxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		refuseConn(user)
 		return nil
 	}
-	gatewayDials.WithLabelValues(moduleSandboxProxy, gatewayDialOK).Inc()
+	countDialOK(moduleSandboxProxy, tunnel)
 	// The relay is not bound to the connection's context: tunnels outlive
 	// configuration reloads, as the forwarder's do.
 	st, err := gateway.Relay(context.Background(), user, buffered, tunnel, splice.Options{})

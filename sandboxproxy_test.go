@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -484,4 +485,72 @@ func containsJSON(t *testing.T, doc []byte, want any) bool {
 		return false
 	}
 	return walk(v)
+}
+
+// Tunnels to one forwarder resume the first one's TLS session (the
+// forwarder's ktls handler issues tickets to the authenticated gateway),
+// counted in caddy_ktls_gateway_dials_resumed_total, and move the same
+// exact bytes; `resumption off` makes every tunnel a full handshake.
+func TestSandboxProxyResumption(t *testing.T) { sandboxProxyResumption(t, false) }
+
+// TestKernelSandboxProxyResumption is TestSandboxProxyResumption on kTLS:
+// a resumed tunnel is offloaded and spliced as a full one.
+func TestKernelSandboxProxyResumption(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxProxyResumption(t, true)
+}
+
+func sandboxProxyResumption(t *testing.T, kernel bool) {
+	const size, tunnels = 256 << 10, 3
+	for _, off := range []bool{false, true} {
+		t.Run(fmt.Sprintf("resumption off %v", off), func(t *testing.T) {
+			up := forwardtest.NewUpstream(t, size+3)
+			e := newGatewayEnv(t, map[string]any{"target": up.Addr().String(), "disable_resumption": off})
+			waitIdle(t)
+			m0 := e.metrics(t)
+			for i := range tunnels {
+				n, recvSum, err := transfer(e.userDial(t, uniqueSandbox("sbx-resume")), size, uint64(10+i))
+				if err != nil {
+					t.Fatalf("tunnel %d: %v", i, err)
+				}
+				if n != size+3 || recvSum != forwardtest.PatternSum(2, size+3) {
+					t.Errorf("tunnel %d: the user received %d bytes, want %d with the upstream's hash", i, n, size+3)
+				}
+			}
+			waitUntil(t, 10*time.Second, func() bool {
+				return e.metrics(t)[gatewayEndsSeries("closed")]-m0[gatewayEndsSeries("closed")] == tunnels
+			}, "the gateway to count the tunnels' ends")
+			up.Close()
+			// One upstream connection per tunnel, each with its tunnel's
+			// bytes (in whatever order they finished).
+			want := map[[32]byte]bool{}
+			for i := range tunnels {
+				want[forwardtest.PatternSum(uint64(10+i), size)] = true
+			}
+			for i, r := range up.Results() {
+				if r.Received != size || !want[r.RecvSum] {
+					t.Errorf("upstream connection %d received %d bytes, want %d with a tunnel's hash, once", i, r.Received, size)
+				}
+				delete(want, r.RecvSum)
+			}
+			if len(want) != 0 {
+				t.Errorf("%d tunnels' bytes never reached the upstream", len(want))
+			}
+			m1 := e.metrics(t)
+			resumed := `caddy_ktls_gateway_dials_resumed_total{module="layer4.handlers.sandbox_proxy"}`
+			wantResumed := int64(tunnels - 1)
+			if off {
+				wantResumed = 0
+			}
+			if d := m1[gatewayDialsSeries("ok")] - m0[gatewayDialsSeries("ok")]; d != tunnels {
+				t.Errorf("gateway dials ok moved by %d, want %d", d, tunnels)
+			}
+			if d := m1[resumed] - m0[resumed]; d != wantResumed {
+				t.Errorf("%s moved by %d, want %d", resumed, d, wantResumed)
+			}
+			if copied := m1[`caddy_ktls_gateway_relay_bytes_total{path="copy"}`] - m0[`caddy_ktls_gateway_relay_bytes_total{path="copy"}`]; kernel && copied != 0 {
+				t.Errorf("the gateway copied %d bytes through userspace, want 0 (resumed sessions are offloaded too)", copied)
+			}
+		})
+	}
 }

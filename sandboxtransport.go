@@ -253,7 +253,7 @@ func (t *SandboxTransport) routeTransport(route gateway.Route) *http.Transport {
 				t.logger.Warn("sandbox transport: cannot open the tunnel; nothing reached the sandbox", routeFields(route, zap.Error(err))...)
 				return nil, err
 			}
-			gatewayDials.WithLabelValues(moduleSandboxTransport, gatewayDialOK).Inc()
+			countDialOK(moduleSandboxTransport, conn)
 			return &tunnelConn{Conn: conn}, nil
 		},
 		MaxIdleConnsPerHost: t.MaxIdleConnsPerRoute,

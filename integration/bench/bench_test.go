@@ -47,6 +47,7 @@ func TestParseStrace(t *testing.T) {
 1700000000.000000460 setsockopt(11<socket:[99]>, SOL_TLS, TLS_TX, ""..., 40) = -1 ENOENT (No such file or directory)
 1700000000.000000470 sendmsg(11<socket:[99]>, {msg_name=NULL, msg_iov=[{iov_base=""..., iov_len=5}], msg_controllen=0, msg_flags=0}, 0) = 5
 1700000000.000000480 epoll_pwait(4<anon_inode:[eventpoll]>,  <detached ...>
+1700000000.000000490 recvmsg(7<` + gw + `>, {msg_name=NULL, msg_namelen=0, msg_iov=[{iov_base=""..., iov_len=16384}], msg_iovlen=1, msg_control=[{cmsg_len=17, cmsg_level=SOL_TLS, cmsg_type=0x2}], msg_controllen=24, msg_flags=0}, 0) = 1100
 `
 	for name, data := range map[string]string{prefix + ".101": thread1, prefix + ".102": thread2} {
 		if err := os.WriteFile(name, []byte(data), 0o644); err != nil {
@@ -57,16 +58,16 @@ func TestParseStrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Syscalls != 15 {
-		t.Errorf("syscalls = %d, want 15 (%+v)", s.Syscalls, s.Top)
+	if s.Syscalls != 16 {
+		t.Errorf("syscalls = %d, want 16 (%+v)", s.Syscalls, s.Top)
 	}
 	// The TCP reads and writes, the recvfrom (its EAGAIN was entered too),
-	// the socket sendmsg and the splice; not the file read, connect,
-	// setsockopt, close or epoll.
-	if s.DataSyscalls != 8 {
-		t.Errorf("data syscalls = %d, want 8", s.DataSyscalls)
+	// the socket sendmsg and recvmsg, and the splice; not the file read,
+	// connect, setsockopt, close or epoll.
+	if s.DataSyscalls != 9 {
+		t.Errorf("data syscalls = %d, want 9", s.DataSyscalls)
 	}
-	if want := int64(300 + 700 + 160 + 16384 + 50 + 5); s.UserspaceBytes != want {
+	if want := int64(300 + 700 + 160 + 16384 + 50 + 5 + 1100); s.UserspaceBytes != want {
 		t.Errorf("userspace bytes = %d, want %d", s.UserspaceBytes, want)
 	}
 	// The handshake before TLS_TX; not the preamble after it, the upstream
@@ -74,6 +75,10 @@ func TestParseStrace(t *testing.T) {
 	// the socket whose install failed.
 	if s.PreOffloadBytes != 300+700 {
 		t.Errorf("pre-offload bytes = %d, want %d", s.PreOffloadBytes, 300+700)
+	}
+	// The recvmsg after the key install: a control record.
+	if s.ControlRecordBytes != 1100 {
+		t.Errorf("control record bytes = %d, want 1100", s.ControlRecordBytes)
 	}
 	if s.Top[0] != (count{"read", 4}) {
 		t.Errorf("top syscall = %+v, want read ×4", s.Top[0])
@@ -387,8 +392,9 @@ func TestKeyInstallsPerTunnel(t *testing.T) {
 }
 
 // A zero-copy contender may move through userspace, after its key
-// installs, its preambles and a close_notify each way per TLS tunnel; one
-// payload byte more fails, whatever the handshakes took before.
+// installs, its preambles, a close_notify each way per TLS tunnel and the
+// control records recvmsg reads (a record per socket at most); one payload
+// byte more fails, whatever the handshakes took before.
 func TestZeroCopyAllowance(t *testing.T) {
 	const tunnels, frame = 8, 161
 	ok := structural{Bytes: 40960, Tunnels: tunnels, PreambleBytes: tunnels * frame, PreOffloadBytes: tunnels * 1067}
@@ -429,6 +435,20 @@ func TestZeroCopyAllowance(t *testing.T) {
 	gw.UserspaceBytes++
 	if e := zeroCopyError(&gw, true, 2); e == "" {
 		t.Error("gateway: one byte above its allowance passed")
+	}
+	// A resuming gateway reads each tunnel's session ticket by recvmsg
+	// (control records); payload through recvmsg beyond a record per
+	// socket fails.
+	tickets := ok
+	tickets.ControlRecordBytes = tunnels * 1100
+	tickets.UserspaceBytes += tickets.ControlRecordBytes
+	if e := zeroCopyError(&tickets, true, 1); e != "" {
+		t.Errorf("session tickets as control records: %s", e)
+	}
+	tickets.ControlRecordBytes = tunnels*maxControlBytesPerSocket + 1
+	tickets.UserspaceBytes = ok.UserspaceBytes + tickets.ControlRecordBytes
+	if e := zeroCopyError(&tickets, true, 1); e == "" {
+		t.Error("payload read through recvmsg passed as control records")
 	}
 }
 

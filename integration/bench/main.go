@@ -643,14 +643,25 @@ func zeroCopyError(s *structural, tls bool, sockets int) string {
 	if tls {
 		alerts = alertBytesPerTunnel * int64(sockets)
 	}
+	if limit := s.Tunnels * int64(sockets) * maxControlBytesPerSocket; s.ControlRecordBytes > limit {
+		return fmt.Sprintf("zero copy: %d control-record bytes read by recvmsg after the key installs, want at most %d (%d tunnels × %d sockets × %d)",
+			s.ControlRecordBytes, limit, s.Tunnels, sockets, maxControlBytesPerSocket)
+	}
 	allowed := s.PreambleBytes + s.Tunnels*alerts
-	moved := s.UserspaceBytes - s.PreOffloadBytes
+	moved := s.UserspaceBytes - s.PreOffloadBytes - s.ControlRecordBytes
 	if moved <= allowed {
 		return ""
 	}
-	return fmt.Sprintf("zero copy: %d bytes through the forwarder's userspace after the key installs (%d in all, %d before them) while it moved %d payload bytes, want at most %d (%d preamble bytes + %d tunnels × %d alert bytes)",
-		moved, s.UserspaceBytes, s.PreOffloadBytes, s.Bytes, allowed, s.PreambleBytes, s.Tunnels, alerts)
+	return fmt.Sprintf("zero copy: %d bytes through the forwarder's userspace after the key installs (%d in all, %d before them, %d control records read by recvmsg) while it moved %d payload bytes, want at most %d (%d preamble bytes + %d tunnels × %d alert bytes)",
+		moved, s.UserspaceBytes, s.PreOffloadBytes, s.ControlRecordBytes, s.Bytes, allowed, s.PreambleBytes, s.Tunnels, alerts)
 }
+
+// maxControlBytesPerSocket bounds the control records one kTLS socket of a
+// tunnel may read in userspace: one record's plaintext (a TLS 1.3 server's
+// session ticket to a resuming client, which carries the client's
+// certificate, is about 1 KiB; an alert 2 bytes). More is payload read
+// through recvmsg.
+const maxControlBytesPerSocket = 16 << 10
 
 // offloadOf says which data path the kernel's counters show and records a
 // mismatch with the contender's claim as an error.

@@ -95,6 +95,12 @@ type structural struct {
 	// forwarder installed kernel TLS keys on it (the handshake, which runs
 	// in userspace everywhere).
 	PreOffloadBytes int64 `json:"pre_offload_bytes"`
+	// ControlRecordBytes: of UserspaceBytes, those recvmsg returned on a
+	// connection after its key install. Kernel TLS hands a control record
+	// (an alert, a session ticket, a KeyUpdate) only to recvmsg, and the
+	// ktls package reads data with read(2) or splice, so these are the
+	// records it must handle in userspace, not payload.
+	ControlRecordBytes int64 `json:"control_record_bytes,omitempty"`
 	// Tunnels: the tunnels the gateway opened during the pass (L4
 	// contenders); PreambleBytes: the preamble frames' bytes it wrote.
 	Tunnels       int64 `json:"tunnels,omitempty"`
@@ -113,7 +119,7 @@ type count struct {
 	Count int64  `json:"count"`
 }
 
-const straceSource = "strace -f -ff -yy -s 0 --absolute-timestamps=format:unix,precision:ns -e signal=none -p <forwarder pid>, attached for this pass only: syscalls = every syscall entered by any forwarder thread; data syscalls = those that move payload (read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets, and every splice/sendfile); userspace bytes = sum of positive returns of read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets; pre_offload_bytes = those of them on a connection before its first successful setsockopt(SOL_TLS) (kernel TLS key install)"
+const straceSource = "strace -f -ff -yy -s 0 --absolute-timestamps=format:unix,precision:ns -e signal=none -p <forwarder pid>, attached for this pass only: syscalls = every syscall entered by any forwarder thread; data syscalls = those that move payload (read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets, and every splice/sendfile); userspace bytes = sum of positive returns of read/readv/recvfrom/recvmsg/write/writev/sendto/sendmsg on TCP sockets; pre_offload_bytes = those of them on a connection before its first successful setsockopt(SOL_TLS) (kernel TLS key install); control_record_bytes = those recvmsg returned on a connection after its key install (control records: alerts, session tickets, KeyUpdates)"
 
 // userspaceIO are the calls whose return value counts bytes copied between
 // a socket and a userspace buffer (splice and sendfile move none).
@@ -135,37 +141,37 @@ var straceCall = regexp.MustCompile(`^(?:(\d+)\.(\d+) )?([a-z_0-9]+)\(([^,)]*)`)
 // through userspace, installed a kernel TLS key, or closed the socket.
 type sockEvent struct {
 	at   int64 // entry time, ns since the epoch
-	kind byte  // 'n' bytes, 'k' key install, 'c' close
+	kind byte  // 'n' bytes, 'r' bytes by recvmsg, 'k' key install, 'c' close
 	n    int64
 }
 
-// preOffload sums, over every connection, the userspace bytes moved on it
-// before a kernel TLS key install that came before its close. A connection
-// is its -yy decoration (protocol and both addresses), which a later
-// connection may reuse once the first is closed.
-func preOffload(events map[string][]sockEvent) int64 {
-	var total int64
+// offloadSplit returns, over every connection, the userspace bytes moved
+// on it before a kernel TLS key install that came before its close, and
+// those recvmsg returned on it after the install (control records). A
+// connection is its -yy decoration (protocol and both addresses), which a
+// later connection may reuse once the first is closed.
+func offloadSplit(events map[string][]sockEvent) (pre, control int64) {
 	for _, evs := range events {
 		slices.SortStableFunc(evs, func(a, b sockEvent) int { return cmp.Compare(a.at, b.at) })
 		var pending int64 // bytes since the open, no key yet
 		keyed := false
 		for _, e := range evs {
-			switch e.kind {
-			case 'n':
+			switch {
+			case e.kind == 'r' && keyed:
+				control += e.n
+			case (e.kind == 'n' || e.kind == 'r') && !keyed:
+				pending += e.n
+			case e.kind == 'k':
 				if !keyed {
-					pending += e.n
-				}
-			case 'k':
-				if !keyed {
-					total += pending
+					pre += pending
 				}
 				pending, keyed = 0, true
-			case 'c':
+			case e.kind == 'c':
 				pending, keyed = 0, false
 			}
 		}
 	}
-	return total
+	return pre, control
 }
 
 // entryTime is a strace timestamp, seconds and their decimal fraction, in
@@ -262,6 +268,9 @@ func parseStrace(prefix string) (structural, error) {
 			n, err := strconv.ParseInt(ret, 10, 64)
 			switch {
 			case err != nil:
+			case call == "recvmsg" && n > 0:
+				s.UserspaceBytes += n
+				events[conn] = append(events[conn], sockEvent{at, 'r', n})
 			case userspaceIO[call] && n > 0:
 				s.UserspaceBytes += n
 				events[conn] = append(events[conn], sockEvent{at, 'n', n})
@@ -276,7 +285,7 @@ func parseStrace(prefix string) (structural, error) {
 			return s, err
 		}
 	}
-	s.PreOffloadBytes = preOffload(events)
+	s.PreOffloadBytes, s.ControlRecordBytes = offloadSplit(events)
 	for name, n := range counts {
 		s.Syscalls += n
 		s.Top = append(s.Top, count{name, n})

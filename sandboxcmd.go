@@ -581,7 +581,7 @@ func dialEnd(received int64, rerr, werr error) error {
 				err = werr
 			}
 			return &dialError{err: err, msg: "the forwarder reset the tunnel before its first byte (" + syscall.ECONNRESET.Error() + "): " +
-				"a refusal (a forwarder in userspace TLS refuses this way) or a failure; its log names which"}
+				"a refusal (a forwarder that cannot send the alert, such as one behind caddy-l4's tls handler, refuses this way) or a failure; its log names which"}
 		}
 	}
 	switch {

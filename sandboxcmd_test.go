@@ -372,29 +372,34 @@ func TestSandboxDial(t *testing.T) {
 }
 
 // A forwarder that refuses the preamble: "caddy sandbox dial" fails saying
-// so, with nothing on stdout. In userspace TLS the refusal is a reset, and
-// the command says what a reset before the first byte can mean.
+// so, with nothing on stdout. In userspace TLS 1.3 the refusal is the
+// access_denied alert too. A forwarder that can only reset (a crypto/tls
+// conn, or one that already wrote; Abort here) gets a reset, and the
+// command says what a reset before the first byte can mean.
 func TestSandboxDialRefused(t *testing.T) {
-	sandboxDialRefused(t, false, "the forwarder reset the tunnel before its first byte", syscall.ECONNRESET.Error())
-	sandboxDialRefused(t, false, "the forwarder reset the tunnel before its first byte (connection reset by peer): a refusal")
+	sandboxDialRefused(t, false, (*ktls.Conn).Refuse, "the forwarder refused the tunnel before its first byte (remote error: tls: access denied): nothing reached the target")
+	sandboxDialRefused(t, false, (*ktls.Conn).Abort, "the forwarder reset the tunnel before its first byte", syscall.ECONNRESET.Error())
+	sandboxDialRefused(t, false, (*ktls.Conn).Abort, "the forwarder reset the tunnel before its first byte (connection reset by peer): a refusal")
 }
 
 // TestKernelSandboxDialRefused is TestSandboxDialRefused against a
 // forwarder on kernel TLS TX, whose refusal is the alert access_denied.
 func TestKernelSandboxDialRefused(t *testing.T) {
 	kerneltest.Require(t)
-	sandboxDialRefused(t, true, "the forwarder refused the tunnel before its first byte (remote error: tls: access denied): nothing reached the target")
+	sandboxDialRefused(t, true, (*ktls.Conn).Refuse, "the forwarder refused the tunnel before its first byte (remote error: tls: access denied): nothing reached the target")
 }
 
-func sandboxDialRefused(t *testing.T, kernel bool, want ...string) {
+// sandboxDialRefused runs a dial that the forwarder ends with end after
+// reading the preamble; the command's error must contain each of want.
+func sandboxDialRefused(t *testing.T, kernel bool, end func(*ktls.Conn) error, want ...string) {
 	// stdin stays open, so the command writes nothing after the preamble
 	// that could meet the reset first.
 	stdin, stdinW := io.Pipe()
 	defer stdinW.Close()
-	sandboxDialRefusedStdin(t, kernel, stdin, want...)
+	sandboxDialRefusedStdin(t, kernel, stdin, end, want...)
 }
 
-func sandboxDialRefusedStdin(t *testing.T, kernel bool, stdin io.Reader, want ...string) {
+func sandboxDialRefusedStdin(t *testing.T, kernel bool, stdin io.Reader, end func(*ktls.Conn) error, want ...string) {
 	fdsBefore := kerneltest.OpenFDs(t)
 	f := newDialFixture(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -424,7 +429,7 @@ func sandboxDialRefusedStdin(t *testing.T, kernel bool, stdin io.Reader, want ..
 			refused <- fmt.Errorf("claims %+v, %v", claims, err)
 			return
 		}
-		refused <- conn.Refuse()
+		refused <- end(conn)
 	}()
 	out, err := f.dial(t, ln.Addr().String(), stdin)
 	if rerr := <-refused; rerr != nil {
@@ -611,7 +616,7 @@ func TestSandboxDialEnd(t *testing.T) {
 	}
 	const (
 		refusedMsg = `the forwarder refused the tunnel before its first byte (remote error: tls: access denied): nothing reached the target; its log ("sandbox tunnel rejected") and metrics name the reason`
-		resetMsg   = "the forwarder reset the tunnel before its first byte (connection reset by peer): a refusal (a forwarder in userspace TLS refuses this way) or a failure; its log names which"
+		resetMsg   = "the forwarder reset the tunnel before its first byte (connection reset by peer): a refusal (a forwarder that cannot send the alert, such as one behind caddy-l4's tls handler, refuses this way) or a failure; its log names which"
 	)
 	for _, tc := range []struct {
 		name       string
@@ -646,12 +651,20 @@ func TestSandboxDialEnd(t *testing.T) {
 }
 
 // TestSandboxDialRefusedWhileWriting is TestSandboxDialRefused with a
-// client that is still writing when the refusal comes: the reset may meet
-// the upload first, and dial reports it as it does when the read meets it.
+// client that is still writing when the refusal comes: the alert arrives
+// all the same (the forwarder drains the upload), and a reset may meet the
+// upload first, which dial reports as it does when the read meets it.
 func TestSandboxDialRefusedWhileWriting(t *testing.T) {
+	upload := func() io.Reader { return bytes.NewReader(bytes.Repeat([]byte("x"), 16<<20)) }
+	for i := range 3 {
+		t.Run(fmt.Sprint("refused ", i), func(t *testing.T) {
+			sandboxDialRefusedStdin(t, false, upload(), (*ktls.Conn).Refuse,
+				"the forwarder refused the tunnel before its first byte (remote error: tls: access denied)")
+		})
+	}
 	for i := range 5 {
-		t.Run(fmt.Sprint(i), func(t *testing.T) {
-			sandboxDialRefusedStdin(t, false, bytes.NewReader(bytes.Repeat([]byte("x"), 16<<20)),
+		t.Run(fmt.Sprint("reset ", i), func(t *testing.T) {
+			sandboxDialRefusedStdin(t, false, upload(), (*ktls.Conn).Abort,
 				"the forwarder reset the tunnel before its first byte (connection reset by peer): a refusal")
 		})
 	}
@@ -661,7 +674,7 @@ func TestSandboxDialRefusedWhileWriting(t *testing.T) {
 // against a forwarder on kernel TLS TX, whose refusal is the alert.
 func TestKernelSandboxDialRefusedWhileWriting(t *testing.T) {
 	kerneltest.Require(t)
-	sandboxDialRefusedStdin(t, true, bytes.NewReader(bytes.Repeat([]byte("x"), 16<<20)),
+	sandboxDialRefusedStdin(t, true, bytes.NewReader(bytes.Repeat([]byte("x"), 16<<20)), (*ktls.Conn).Refuse,
 		"the forwarder refused the tunnel before its first byte (remote error: tls: access denied)")
 }
 

@@ -356,6 +356,15 @@ func sinkPeerGone(err error) bool {
 	return errors.As(err, &se) && (errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET))
 }
 
+// sinkClosedUnder reports whether err says that the sink was closed under
+// the direction by the connection itself: a ktls.Conn closes its socket
+// when its reader meets a fatal error (the peer's alert), so the other
+// direction, which reads that connection, is about to report the cause.
+func sinkClosedUnder(err error) bool {
+	var se sinkError
+	return errors.As(err, &se) && errors.Is(err, net.ErrClosed)
+}
+
 type dirState struct {
 	bytes, spliceBytes, copyBytes, controlRecords, pipeShortages, throttled atomic.Int64
 	spliced                                                                 atomic.Bool
@@ -480,8 +489,10 @@ func Abort(c net.Conn) {
 }
 
 func (t *Relay) resultErr(ctx context.Context, res Stats) error {
+	// A sink closed under a direction is the other direction's failure,
+	// which names the cause.
 	for _, d := range []Direction{AToB, BToA} {
-		if ds := res.Dir(d); ds.End == EndError {
+		if ds, other := res.Dir(d), res.Dir(1-d); ds.End == EndError && !(sinkClosedUnder(ds.Err) && other.End == EndError) {
 			return fmt.Errorf("splice: %s: %w", d, ds.Err)
 		}
 	}
@@ -588,13 +599,15 @@ func (t *Relay) finish(d Direction, dst net.Conn, err error) {
 	s.err = err
 	s.mu.Unlock()
 	s.end.Store(uint32(EndError))
-	if sinkPeerGone(err) && EndReason(t.dirs[1-d].end.Load()) == EndRunning {
+	if (sinkPeerGone(err) || sinkClosedUnder(err)) && EndReason(t.dirs[1-d].end.Load()) == EndRunning {
 		// The sink's peer reset the connection or closed it with our bytes
 		// unread, but what it sent before that is still queued on the
 		// socket the other direction reads: let it deliver those bytes and
 		// meet the reset (or EOF) itself, which comes right after them. An
 		// abort now would drop them (a target's last answer before it
-		// hangs up). The timer bounds a sink on the other side that stalls.
+		// hangs up). A sink closed under us: the other direction reports
+		// why (a refusal must be passed on as one). The timer bounds a sink
+		// on the other side that stalls.
 		// Only one direction gets here: each stores its end above before it
 		// looks at the other's.
 		t.peerGone.Store(time.AfterFunc(peerGoneGrace, func() { t.abort(EndAborted) }))

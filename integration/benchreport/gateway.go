@@ -29,7 +29,7 @@ var gatewayPaths = []struct{ name, user, gw, back, keys string }{
 var gatewayShapes = map[string]string{
 	"small-reuse":            "calls on the user's reused connections (the L7 gateways reuse their pooled tunnels; l4-l4 has one tunnel per user connection)",
 	"small-per-call":         "a new user connection (full TLS handshake) per call; l4-l4 opens a new tunnel for each",
-	"small-per-call-resumed": "the same, the user's client resuming its TLS session (session cache); the gateway's own tunnels never resume",
+	"small-per-call-resumed": "the same, the user's client resuming its TLS session (session cache)",
 }
 
 // gatewayRefs are the single-process contenders of the same run shown for
@@ -333,8 +333,12 @@ const gatewayLimitsText = `- **What it measures well: work per byte and per call
   behind it. An L4 gateway cannot pool: every user connection is a tunnel
   of its own, a mutual TLS handshake (Go's default key exchange,
   X25519MLKEM768, on this hop; the user's is pinned to X25519) and a signed
-  preamble on the gateway and on the forwarder. A connection-per-call
-  workload pays that on every call, which the small-per-call rows show.
+  preamble on the gateway and on the forwarder. Since the gateway resumes
+  its forwarder sessions (` + "`resumption`" + `, on by default) a tunnel after the
+  first verifies and signs no certificate, but its key exchange, the
+  preamble's signature and verification, and the key installs of three
+  kTLS sockets remain. A connection-per-call workload pays that on every
+  call, which the small-per-call rows show.
 - **Not in the model:** NIC TLS offload, multi-core scaling, many
   concurrent tunnels' memory, HTTP/2 to the app (the L7 hops speak
   HTTP/1.1 here; ` + "`versions h2c`" + ` exists), and the gateway's placeholder

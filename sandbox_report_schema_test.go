@@ -60,6 +60,12 @@ func TestSandboxActivityReportSchema(t *testing.T) {
 		movedTo, movedFrom = movedTo+size, movedFrom+size+3
 	}
 	var reports []forward.ActivityReport
+	var lastSeen forward.SandboxDelta
+	defer func() {
+		if t.Failed() {
+			t.Logf("the last entry for %s: %+v; pushers %+v", sandbox, lastSeen, pushers.stats())
+		}
+	}()
 	waitUntil(t, 10*time.Second, func() bool {
 		mu.Lock()
 		defer mu.Unlock()
@@ -78,6 +84,7 @@ func TestSandboxActivityReportSchema(t *testing.T) {
 		for _, rep := range slices.Backward(reports) {
 			for _, d := range rep.Sandboxes {
 				if d.Sandbox == sandbox {
+					lastSeen = d
 					return d.TotalBytesToSandbox == movedTo && d.TotalBytesFromSandbox == movedFrom && d.OpenTunnels == 0
 				}
 			}

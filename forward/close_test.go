@@ -94,7 +94,8 @@ func TestRegistryCloseGraceful(t *testing.T) {
 
 // Reports are numbered from 1 with consecutive sequences; each sandbox's
 // totals are the sum of its deltas, so a lost report's bytes are the
-// difference of the totals around it.
+// difference of the totals around it; a sandbox's last entry says no tunnel
+// is open.
 func TestRegistryTakeReport(t *testing.T) {
 	reg := NewRegistry()
 	if _, ok := reg.TakeReport("fwd"); ok {
@@ -111,7 +112,16 @@ func TestRegistryTakeReport(t *testing.T) {
 		}
 		reps = append(reps, rep)
 	}
+	// The last tunnel closed after its bytes were taken: one more entry
+	// says so, with zero deltas and the same totals; then nothing.
 	tun.Close()
+	if rep, ok := reg.TakeReport("fwd"); !ok || len(rep.Sandboxes) != 1 || rep.Sandboxes[0].OpenTunnels != 0 ||
+		rep.Sandboxes[0].BytesToSandbox != 0 || rep.Sandboxes[0].TotalBytesToSandbox != 600 {
+		t.Errorf("after the last tunnel closed: %+v, %v; want one entry with open_tunnels 0, no bytes, totals 600", rep, ok)
+	}
+	if rep, ok := reg.TakeReport("fwd"); ok {
+		t.Errorf("a report after the close was reported: %+v", rep)
+	}
 	for i, rep := range reps {
 		d := rep.Sandboxes[0]
 		if rep.Sequence != uint64(i+1) || rep.ID != "fwd/"+strconv.FormatInt(reg.Started().UnixNano(), 10)+"/"+strconv.Itoa(i+1) || d.BytesToSandbox != int64(100*(i+1)) {
@@ -125,7 +135,7 @@ func TestRegistryTakeReport(t *testing.T) {
 	if got := reps[2].Sandboxes[0]; got.TotalBytesToSandbox != 600 || got.TotalBytesFromSandbox != 21 {
 		t.Errorf("totals %+v, want 600/21", got)
 	}
-	if last := reg.LastReport(); last != reps[2].ReportID {
-		t.Errorf("LastReport %+v, want %+v", last, reps[2].ReportID)
+	if last := reg.LastReport(); last.Sequence != 4 {
+		t.Errorf("LastReport %+v, want sequence 4 (the close's)", last)
 	}
 }

@@ -16,7 +16,8 @@ import (
 // docs/activity-report.schema.json). Each entry is the bytes a sandbox
 // moved since the entry before it, and the cumulative totals of all its
 // entries since `since`; a sandbox that is open but idle appears with zero
-// deltas so the receiver can tell idle from gone.
+// deltas so the receiver can tell idle from gone, and one whose last tunnel
+// closed appears once more with open_tunnels 0.
 //
 // Delivery is at least once: a report is retried until a 2xx answer or its
 // attempts run out, every attempt with the same body. A receiver

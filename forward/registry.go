@@ -64,6 +64,10 @@ type sandboxCounters struct {
 	// reportedTo and reportedFrom sum the deltas TakeReport and TakeDeltas
 	// took (under Registry.mu): the cumulative totals of the reports.
 	reportedTo, reportedFrom int64
+	// reportedOpen is the open tunnels of the last delta taken (under
+	// Registry.mu), so that a sandbox whose last tunnel closed after its
+	// bytes were taken still gets the entry that says so.
+	reportedOpen int64
 }
 
 // NewRegistry returns an empty registry.
@@ -438,8 +442,9 @@ func (r *Registry) Activity() []SandboxActivity {
 	return out
 }
 
-// TakeDeltas returns, for every sandbox that moved bytes or has an open
-// tunnel, the bytes moved since the previous call, and resets them. Each byte
+// TakeDeltas returns, for every sandbox that moved bytes, has an open tunnel
+// or had one open at its previous entry, the bytes moved since the previous
+// call, and resets them: a sandbox's last entry says open_tunnels 0. Each byte
 // is returned by exactly one call, however many callers there are, so the
 // deltas of all calls sum to the bytes moved (which is what lets a new
 // configuration's pusher take over from the old one's during a reload).
@@ -454,11 +459,12 @@ func (r *Registry) takeDeltasLocked() []SandboxDelta {
 	for id, sb := range r.sandboxes {
 		to, from := sb.pendingTo.Swap(0), sb.pendingFrom.Swap(0)
 		open := sb.open.Load()
-		if to == 0 && from == 0 && open == 0 {
+		if to == 0 && from == 0 && open == 0 && sb.reportedOpen == 0 {
 			continue
 		}
 		sb.reportedTo += to
 		sb.reportedFrom += from
+		sb.reportedOpen = open
 		out = append(out, SandboxDelta{
 			Sandbox: id, BytesToSandbox: to, BytesFromSandbox: from, OpenTunnels: open,
 			LastActivity:        time.Unix(0, sb.lastActivity.Load()),

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,11 +15,13 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/mholt/caddy-l4/layer4"
 )
 
 // Test-only Caddy modules (an events handler that records tunnel events, a
-// layer4 handler that records placeholders) and `caddy adapt` helpers.
+// layer4 handler that records placeholders, an HTTP handler that answers
+// late) and `caddy adapt` helpers.
 
 func init() { caddy.RegisterModule(eventRecorder{}) }
 
@@ -201,4 +205,27 @@ func tlsPlaceholderKeys() []string {
 		}
 	}
 	return keys
+}
+
+func init() { caddy.RegisterModule(delayedResponder{}) }
+
+// delayedResponder is a test HTTP handler that answers "delayed\n" after
+// Delay, or ends when the request's context does (the client reset the
+// stream or left). It does not read the request body.
+type delayedResponder struct {
+	Delay caddy.Duration `json:"delay"`
+}
+
+func (delayedResponder) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "http.handlers.test_delayed_response", New: func() caddy.Module { return new(delayedResponder) }}
+}
+
+func (d delayedResponder) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	select {
+	case <-time.After(time.Duration(d.Delay)):
+		_, err := io.WriteString(w, "delayed\n")
+		return err
+	case <-r.Context().Done():
+		return nil
+	}
 }

@@ -207,13 +207,16 @@ func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
 		GotConn: func(info httptrace.GotConnInfo) {
 			if tc, ok := info.Conn.(*tunnelConn); ok {
-				tunnel.Store(tc)
+				tc.begin()
+				// The HTTP transport retries on another tunnel only when
+				// this one failed before the request reached it.
+				tunnel.Swap(tc).done(gateway.EndClosed)
 			}
 		},
 	}))
 	resp, err := t.pools.get(route).RoundTrip(req)
 	if err != nil {
-		tunnel.Load().ended(gateway.EndOf(err))
+		tunnel.Load().done(gateway.EndOf(err))
 		var de *gateway.DialError
 		switch {
 		case errors.As(err, &de):
@@ -232,8 +235,10 @@ func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 			return nil, err
 		}
 	}
-	if resp.StatusCode != http.StatusSwitchingProtocols && resp.Body != nil {
+	if resp.StatusCode != http.StatusSwitchingProtocols && resp.Body != nil && resp.Body != http.NoBody {
 		resp.Body = &failureLoggingBody{ReadCloser: resp.Body, logger: t.logger, route: route, uri: req.RequestURI, tunnel: tunnel.Load()}
+	} else {
+		tunnel.Load().done(gateway.EndClosed)
 	}
 	return resp, nil
 }
@@ -270,22 +275,44 @@ func (t *SandboxTransport) routeTransport(route gateway.Route) *http.Transport {
 	return ht
 }
 
-// tunnelConn is one pooled tunnel: it counts how the tunnel ended when
-// the HTTP transport closes it: as a request on it saw it end (ended),
-// else as its first read error says.
+// tunnelConn is one pooled tunnel. It counts how the tunnel ended once
+// it is closed and no request on it is still in flight, so that what a
+// request saw (a response cut short is visible only to the HTTP layer)
+// counts even when the HTTP transport closes the tunnel first: it does
+// so as soon as a body read fails, while the error is still on its way
+// to the reader. Otherwise the tunnel's first read error says.
 type tunnelConn struct {
 	net.Conn
 	readErr atomic.Pointer[error]
-	end     atomic.Pointer[gateway.End]
-	closed  atomic.Bool
+
+	mu       sync.Mutex
+	end      gateway.End // the first refused or failed end a request saw
+	inFlight int         // requests between GotConn and their done
+	closed   bool
+	counted  bool
 }
 
-// ended records how a request saw the tunnel end, when it saw it refused
-// or failed; the first such end is the tunnel's. Nil-safe.
-func (c *tunnelConn) ended(e gateway.End) {
-	if c != nil && e != gateway.EndClosed {
-		c.end.CompareAndSwap(nil, &e)
+// begin marks a request in flight on the tunnel.
+func (c *tunnelConn) begin() {
+	c.mu.Lock()
+	c.inFlight++
+	c.mu.Unlock()
+}
+
+// done ends a request begun on the tunnel, with how it saw the tunnel
+// end: refused or failed, or EndClosed for nothing to say. The first
+// refused or failed end is the tunnel's. Nil-safe.
+func (c *tunnelConn) done(e gateway.End) {
+	if c == nil {
+		return
 	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e != gateway.EndClosed && c.end == "" {
+		c.end = e
+	}
+	c.inFlight--
+	c.countLocked()
 }
 
 func (c *tunnelConn) Read(p []byte) (int, error) {
@@ -297,21 +324,30 @@ func (c *tunnelConn) Read(p []byte) (int, error) {
 }
 
 func (c *tunnelConn) Close() error {
-	if c.closed.CompareAndSwap(false, true) {
+	c.mu.Lock()
+	c.closed = true
+	c.countLocked()
+	c.mu.Unlock()
+	return c.Conn.Close()
+}
+
+func (c *tunnelConn) countLocked() {
+	if !c.closed || c.inFlight > 0 || c.counted {
+		return
+	}
+	c.counted = true
+	end := c.end
+	if end == "" {
 		var err error
 		if p := c.readErr.Load(); p != nil {
 			err = *p
 		}
-		end := gateway.EndOf(err)
+		end = gateway.EndOf(err)
 		if err != nil && errors.Is(err, net.ErrClosed) {
 			end = gateway.EndClosed // closed by us, idle
 		}
-		if e := c.end.Load(); e != nil {
-			end = *e
-		}
-		gatewayEnds.WithLabelValues(moduleSandboxTransport, string(end)).Inc()
 	}
-	return c.Conn.Close()
+	gatewayEnds.WithLabelValues(moduleSandboxTransport, string(end)).Inc()
 }
 
 // countingBody counts the request body bytes the transport read.
@@ -326,24 +362,38 @@ func (b *countingBody) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// failureLoggingBody logs a response cut short by the tunnel's failure.
+// failureLoggingBody logs a response cut short by the tunnel's failure;
+// the request is done on its tunnel at the body's first error or close.
 type failureLoggingBody struct {
 	io.ReadCloser
 	logger *zap.Logger
 	route  gateway.Route
 	uri    string
 	tunnel *tunnelConn
-	logged bool
+	once   sync.Once
 }
 
 func (b *failureLoggingBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
-	if err != nil && err != io.EOF && !b.logged && gateway.EndOf(err) != gateway.EndClosed {
-		b.logged = true
-		b.tunnel.ended(gateway.EndFailed)
-		b.logger.Info("sandbox transport: the tunnel failed mid-response", routeFields(b.route, zap.String("uri", b.uri), zap.Error(err))...)
+	if err != nil {
+		end := gateway.EndClosed
+		if err != io.EOF && gateway.EndOf(err) != gateway.EndClosed {
+			end = gateway.EndFailed
+		}
+		b.once.Do(func() {
+			if end == gateway.EndFailed {
+				b.logger.Info("sandbox transport: the tunnel failed mid-response", routeFields(b.route, zap.String("uri", b.uri), zap.Error(err))...)
+			}
+			b.tunnel.done(end)
+		})
 	}
 	return n, err
+}
+
+func (b *failureLoggingBody) Close() error {
+	err := b.ReadCloser.Close()
+	b.once.Do(func() { b.tunnel.done(gateway.EndClosed) })
+	return err
 }
 
 // routePools holds one HTTP transport per route, at most max of them; the

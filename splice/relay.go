@@ -729,7 +729,7 @@ func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.
 		}
 		switch {
 		case err != nil:
-			return fmt.Errorf("source: %w", err)
+			return fmt.Errorf("source: %w", socketError(src, err))
 		case pipeShortage(perr):
 			t.dirs[d].pipeShortages.Add(1)
 			if end, err := t.copyOnce(d, src, dst); end {
@@ -948,9 +948,57 @@ func (t *Relay) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
 	case rerr == io.EOF:
 		return true, nil
 	case rerr != nil:
-		return true, fmt.Errorf("source: %w", rerr)
+		return true, fmt.Errorf("source: %w", socketError(src, rerr))
 	}
 	return false, nil
+}
+
+// socketError returns the error a read on c failed with, except where Go
+// reported the failure as "not pollable" (internal/poll.ErrNotPollable):
+// epoll can see a reset (EPOLLERR alone) before the kernel has closed the
+// connection, and a read parked in the netpoller then returns without
+// calling read(2). The reset is still the TCP socket's pending error
+// (SO_ERROR, reached through NetConn as Abort reaches it), and that is what
+// the direction's end names.
+func socketError(c net.Conn, err error) error {
+	if !notPollable(err) {
+		return err
+	}
+	for inner := c; ; {
+		if tc, ok := inner.(*net.TCPConn); ok {
+			if errno := pendingError(tc); errno != 0 {
+				return os.NewSyscallError("read", errno)
+			}
+			return err
+		}
+		nc, ok := inner.(interface{ NetConn() net.Conn })
+		if !ok {
+			return err
+		}
+		inner = nc.NetConn()
+	}
+}
+
+func notPollable(err error) bool {
+	for ; err != nil; err = errors.Unwrap(err) {
+		if err.Error() == "not pollable" {
+			return true
+		}
+	}
+	return false
+}
+
+// pendingError takes c's pending socket error (SO_ERROR); 0 when none.
+func pendingError(c *net.TCPConn) syscall.Errno {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var soErr int
+	if rc.Control(func(fd uintptr) { soErr, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ERROR) }) != nil {
+		return 0
+	}
+	return syscall.Errno(soErr)
 }
 
 // throttle waits until lim grants direction d some of want bytes and

@@ -190,18 +190,9 @@ func runDriver(args []string) error {
 		return errors.New("sizes must be positive (small sizes at most 1 MiB)")
 	}
 	shapeNames := strings.Split(*shapeList, ",")
-	if p.GatewayKTLS && *shapeList == strings.Join(shapes, ",") {
-		// Every shape but the one a kTLS gateway cannot run (below).
-		shapeNames = slices.DeleteFunc(shapeNames, func(s string) bool { return s == resumedShape })
-		log.Printf("bench: -gateway-ktls: shape %s left out (an offloaded client receives no session ticket)", resumedShape)
-	}
 	for _, s := range shapeNames {
 		if !slices.Contains(shapes, s) {
 			return fmt.Errorf("unknown shape %q (have %s)", s, strings.Join(shapes, ", "))
-		}
-		if s == resumedShape && p.GatewayKTLS {
-			// ktls.Client drops the tickets that arrive after its offload.
-			return fmt.Errorf("shape %s needs the gateway's own TLS in userspace: an offloaded client never receives a session ticket (-gateway-ktls)", s)
 		}
 	}
 	if *pprofDir != "" {

@@ -377,7 +377,7 @@ func (b *failureLoggingBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
 	if err != nil {
 		end := gateway.EndClosed
-		if err != io.EOF && gateway.EndOf(err) != gateway.EndClosed {
+		if gateway.EndOf(err) != gateway.EndClosed {
 			end = gateway.EndFailed
 		}
 		b.once.Do(func() {

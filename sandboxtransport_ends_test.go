@@ -3,9 +3,11 @@ package caddyktls
 import (
 	"io"
 	"net"
+	"net/http/httptest"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/ktlsingress/caddy-ktls/gateway"
 )
@@ -79,25 +81,12 @@ func TestSandboxTransportTunnelEndOrder(t *testing.T) {
 }
 
 // transportEnds reads caddy_ktls_gateway_tunnel_ends_total of the sandbox
-// transport for end.
+// transport for end, from the exposition Prometheus scrapes.
 func transportEnds(t *testing.T, end gateway.End) float64 {
 	t.Helper()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(gatewayEnds)
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		for _, m := range mf.GetMetric() {
-			labels := map[string]string{}
-			for _, l := range m.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			if labels["module"] == moduleSandboxTransport && labels["end"] == string(end) {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return 0
+	rec := httptest.NewRecorder()
+	promhttp.HandlerFor(reg, promhttp.HandlerOpts{}).ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	return parseMetrics(t, rec.Body.Bytes())[`caddy_ktls_gateway_tunnel_ends_total{end="`+string(end)+`",module="`+moduleSandboxTransport+`"}`]
 }

@@ -473,19 +473,26 @@ func Abort(c net.Conn) {
 		a.Abort()
 		return
 	}
-	for inner := c; ; {
-		if tc, ok := inner.(*net.TCPConn); ok {
-			tc.SetLinger(0)
-			tc.Close()
-			break
-		}
-		nc, ok := inner.(interface{ NetConn() net.Conn })
-		if !ok {
-			break
-		}
-		inner = nc.NetConn()
+	if tc := tcpConnUnder(c); tc != nil {
+		tc.SetLinger(0)
+		tc.Close()
 	}
 	c.Close()
+}
+
+// tcpConnUnder returns the TCP socket under c: c itself, or what its
+// NetConn chain (as *tls.Conn offers it) leads to; nil without one.
+func tcpConnUnder(c net.Conn) *net.TCPConn {
+	for {
+		if tc, ok := c.(*net.TCPConn); ok {
+			return tc
+		}
+		nc, ok := c.(interface{ NetConn() net.Conn })
+		if !ok {
+			return nil
+		}
+		c = nc.NetConn()
+	}
 }
 
 func (t *Relay) resultErr(ctx context.Context, res Stats) error {
@@ -964,19 +971,12 @@ func socketError(c net.Conn, err error) error {
 	if !notPollable(err) {
 		return err
 	}
-	for inner := c; ; {
-		if tc, ok := inner.(*net.TCPConn); ok {
-			if errno := pendingError(tc); errno != 0 {
-				return os.NewSyscallError("read", errno)
-			}
-			return err
+	if tc := tcpConnUnder(c); tc != nil {
+		if errno := pendingError(tc); errno != 0 {
+			return os.NewSyscallError("read", errno)
 		}
-		nc, ok := inner.(interface{ NetConn() net.Conn })
-		if !ok {
-			return err
-		}
-		inner = nc.NetConn()
 	}
+	return err
 }
 
 func notPollable(err error) bool {

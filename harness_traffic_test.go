@@ -23,6 +23,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -222,8 +223,11 @@ func transfer(c halfCloser, send int64, seed uint64) (recvN int64, recvSum [32]b
 	}()
 	h := sha256.New()
 	recvN, err = io.Copy(h, c)
+	err = sockerr.ReadError(c, err)
 	copy(recvSum[:], h.Sum(nil))
-	if e := <-werr; err == nil {
+	// A write woken by the same reset can take the socket's pending error
+	// before ReadError does: the write's error then names the end.
+	if e := <-werr; err == nil || (sockerr.NotPollable(err) && e != nil) {
 		err = e
 	}
 	return recvN, recvSum, err
@@ -361,6 +365,7 @@ func checkAnswerThenFailure(t *testing.T, c *tls.Conn, kernel bool, upReceived <
 	c.SetReadDeadline(time.Now().Add(20 * time.Second))
 	h := sha256.New()
 	got, err := io.Copy(h, c)
+	err = sockerr.ReadError(c, err)
 	if intact := [32]byte(h.Sum(nil)) == forwardtest.PatternSum(3, resetAnswer); got != resetAnswer || !intact {
 		t.Errorf("the gateway read %d bytes (intact: %v); the sandbox answered %d", got, intact, resetAnswer)
 	}

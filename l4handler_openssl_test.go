@@ -14,6 +14,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -51,6 +52,7 @@ func echoUpstream(t *testing.T) (netip.AddrPort, <-chan echoResult) {
 		defer c.Close()
 		h := sha256.New()
 		n, err := io.Copy(io.MultiWriter(c, h), c)
+		err = sockerr.ReadError(c, err)
 		c.CloseWrite()
 		done <- echoResult{n: n, sum: hex.EncodeToString(h.Sum(nil)), err: err}
 	}()

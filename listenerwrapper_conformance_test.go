@@ -25,6 +25,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
@@ -240,7 +241,7 @@ func (s *confSite) exchange(t *testing.T, addr string, alpn []string, version ui
 				n, err := c.Read(buf)
 				got.Write(buf[:n])
 				if err != nil {
-					end = confErr(err)
+					end = confErr(sockerr.ReadError(c, err))
 				}
 			}
 		}
@@ -250,7 +251,7 @@ func (s *confSite) exchange(t *testing.T, addr string, alpn []string, version ui
 	}
 	if end == "" {
 		_, err := got.ReadFrom(c)
-		end = confErr(err)
+		end = confErr(sockerr.ReadError(c, err))
 	}
 	state := c.ConnectionState()
 	desc := fmt.Sprintf("alpn=%q %s\n", state.NegotiatedProtocol, end)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -71,6 +72,7 @@ func l4FallbackRefuse(t *testing.T, kernel bool) {
 		}
 		c.SetReadDeadline(time.Now().Add(30 * time.Second))
 		n, err := io.Copy(io.Discard, c)
+		err = sockerr.ReadError(c, err)
 		c.Close()
 		if n != 0 || !errors.Is(err, syscall.ECONNRESET) {
 			t.Errorf("the client read %d bytes, then %v; want a reset (a refusal in userspace TLS), never an orderly end", n, err)
@@ -116,6 +118,7 @@ func TestListenerWrapperFallbackRefuse(t *testing.T) {
 		c.SetDeadline(time.Now().Add(30 * time.Second))
 		_, werr := c.Write([]byte("GET /tls HTTP/1.1\r\nHost: localhost\r\n\r\n"))
 		n, err := io.Copy(io.Discard, c)
+		err = sockerr.ReadError(c, err)
 		c.Close()
 		// The kernel reports a reset once: to the write when it arrived
 		// first (the read then sees the end of the stream), else to the read.

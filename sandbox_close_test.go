@@ -16,6 +16,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 )
 
 // adminPost POSTs body to path on the env's admin endpoint and returns the
@@ -65,7 +66,7 @@ func readTunnel(c *tls.Conn) *tunnelReader {
 			n, err := c.Read(buf)
 			r.n.Add(int64(n))
 			if err != nil {
-				r.end <- err
+				r.end <- sockerr.ReadError(c, err)
 				return
 			}
 		}

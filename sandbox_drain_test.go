@@ -15,6 +15,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 )
 
 // SIGTERM with 100 tunnels moving data: the real binary stops accepting at
@@ -194,6 +195,7 @@ func sandboxDrainStalledGateway(t *testing.T, kernel bool) {
 	p.exitedAfterDrain(t, e, 1)
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	_, err := io.Copy(io.Discard, c)
+	err = sockerr.ReadError(c, err)
 	reset := errors.Is(err, syscall.ECONNRESET)
 	alert := err != nil && strings.Contains(err.Error(), "remote error: tls: internal error")
 	switch {

@@ -14,6 +14,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
@@ -345,6 +346,7 @@ func sandboxTunnelLifetime(t *testing.T, kernel bool) {
 	defer c.Close()
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	n, err := io.Copy(io.Discard, c)
+	err = sockerr.ReadError(c, err)
 	if age := time.Since(start); n == 0 || age < lifetime {
 		t.Errorf("the gateway read %d bytes in %v; want the trickle for the %v lifetime", n, age, lifetime)
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
@@ -565,6 +566,7 @@ func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
 			_, werr := c.Write(e.gw.Frame(t, "sbx-unverified", up.Addr()))
 			c.SetReadDeadline(time.Now().Add(10 * time.Second))
 			n, err := io.Copy(io.Discard, c)
+			err = sockerr.ReadError(c, err)
 			if n != 0 {
 				t.Errorf("refused client read %d bytes (err %v); want none", n, err)
 			}

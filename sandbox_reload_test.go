@@ -8,7 +8,6 @@ import (
 	"runtime"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -47,29 +46,10 @@ func sandboxReloadRevokesKey(t *testing.T, kernel bool) {
 		t.Helper()
 		return e.dialWith(t, e.tlsConfig(e.client), signer, uniqueSandbox("sbx-revoke"), target)
 	}
-	type reader struct {
-		n   atomic.Int64
-		end chan error
-	}
-	read := func(c *tls.Conn) *reader {
-		r := &reader{end: make(chan error, 1)}
-		go func() {
-			buf := make([]byte, 16<<10)
-			for {
-				n, err := c.Read(buf)
-				r.n.Add(int64(n))
-				if err != nil {
-					r.end <- err
-					return
-				}
-			}
-		}()
-		return r
-	}
 	keptConn, goneConn := dial(e.gw.Signer), dial(retired.Signer)
 	defer keptConn.Close()
 	defer goneConn.Close()
-	kept, gone := read(keptConn), read(goneConn)
+	kept, gone := readTunnel(keptConn), readTunnel(goneConn)
 	waitUntil(t, 10*time.Second, func() bool { return kept.n.Load() > 0 && gone.n.Load() > 0 }, "both tunnels to move bytes")
 
 	e.sandboxHandler()["keys"] = trusted

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
@@ -463,7 +464,7 @@ func TestTunnelLifetime(t *testing.T) {
 		}
 		defer c.Close()
 		n, err := io.Copy(io.Discard, c)
-		upDone <- upResult{n, err}
+		upDone <- upResult{n, sockerr.ReadError(c, err)}
 	}()
 	const lifetime = 300 * time.Millisecond
 	f := newFixture(t, func(c *Config) { c.MaxTunnelLifetime = lifetime })
@@ -475,7 +476,7 @@ func TestTunnelLifetime(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if n, err := io.Copy(io.Discard, c); n != 0 || !errors.Is(err, syscall.ECONNRESET) {
+	if n, err := io.Copy(io.Discard, c); n != 0 || !errors.Is(sockerr.ReadError(c, err), syscall.ECONNRESET) {
 		t.Errorf("client read %d bytes, err %v; want the tunnel reset at its lifetime", n, err)
 	}
 	var le *LifetimeError
@@ -575,6 +576,7 @@ func TestRequireClientCertificate(t *testing.T) {
 		_, werr := c.Write(f.gw.Frame(t, "sbx", up.Addr()))
 		c.SetReadDeadline(time.Now().Add(10 * time.Second))
 		n, rerr := io.Copy(io.Discard, c)
+		rerr = sockerr.ReadError(c, rerr)
 		c.Close()
 		if n != 0 || !errors.Is(rerr, syscall.ECONNRESET) && !errors.Is(werr, syscall.ECONNRESET) {
 			t.Errorf("refused client read %d bytes, write err %v, read err %v; want none, then a reset", n, werr, rerr)
@@ -600,7 +602,7 @@ func TestRequireClientCertificate(t *testing.T) {
 		t.Errorf("Serve: %v (tunnel %d) after %d reads; want no-client-certificate, no tunnel, no read", err, res.Tunnel.ID, rc.reads.Load())
 	}
 	b.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if n, err := io.Copy(io.Discard, b); n != 0 || !errors.Is(err, syscall.ECONNRESET) {
+	if n, err := io.Copy(io.Discard, b); n != 0 || !errors.Is(sockerr.ReadError(b, err), syscall.ECONNRESET) {
 		t.Errorf("refused client read %d bytes, err %v; want none, then a reset", n, err)
 	}
 	if got := f.reg.Rejections()[string(ReasonNoClientCertificate)]; got != 2 {

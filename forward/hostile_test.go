@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -28,7 +29,7 @@ func (f *fixture) refused(t *testing.T, nth int, reason string, send func(c *net
 	defer c.Close()
 	send(c)
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if n, err := io.Copy(io.Discard, c); n != 0 || !errors.Is(err, syscall.ECONNRESET) {
+	if n, err := io.Copy(io.Discard, c); n != 0 || !errors.Is(sockerr.ReadError(c, err), syscall.ECONNRESET) {
 		t.Errorf("client read %d bytes, err %v; want none, then a reset", n, err)
 	}
 	err := f.wait(t, nth)[nth-1]
@@ -189,6 +190,7 @@ func TestUpstreamClosesEarly(t *testing.T) {
 	go io.Copy(c, io.LimitReader(forwardtest.NewPattern(3), 64<<20)) // more than the upstream will ever read
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	got, err := io.ReadAll(c)
+	err = sockerr.ReadError(c, err)
 	if !bytes.Equal(got, answer) || (err != nil && !errors.Is(err, syscall.ECONNRESET)) {
 		t.Errorf("client read %q, err %v; want %q then the end", got, err, answer)
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 )
 
 // TestAbort: the client reads every byte the server wrote before Abort (or
@@ -62,6 +63,7 @@ func abort(t *testing.T, kernel bool) {
 			pr.client.SetReadDeadline(time.Now().Add(10 * time.Second))
 			h := sha256.New()
 			got, readErr := io.Copy(h, pr.client)
+			readErr = sockerr.ReadError(pr.client, readErr)
 			want, _, _ := sum256(payload(8, n))
 			if got != n || [32]byte(h.Sum(nil)) != want {
 				t.Errorf("%s, half-closed %v: the client read %d bytes (intact: %v), want the %d written before it", e.name, halfClosed, got, [32]byte(h.Sum(nil)) == want, n)

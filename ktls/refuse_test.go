@@ -8,6 +8,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 )
 
 // TestRefuseUserspace: with TX in crypto/tls (kernel TLS off, as when the
@@ -75,6 +77,7 @@ func TestRefuseUserspace(t *testing.T) {
 				t.Fatalf("Refuse: %v", err)
 			}
 			_, err := io.Copy(io.Discard, peer)
+			err = sockerr.ReadError(peer, err)
 			switch {
 			case c.wantAlert && (err == nil || !strings.Contains(err.Error(), "access denied")):
 				t.Errorf("the peer's read ended with %v, want access denied", err)

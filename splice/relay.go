@@ -56,6 +56,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 )
 
 // Source is implemented by connections whose receive side may be in the
@@ -473,26 +475,11 @@ func Abort(c net.Conn) {
 		a.Abort()
 		return
 	}
-	if tc := tcpConnUnder(c); tc != nil {
+	if tc := sockerr.TCPConn(c); tc != nil {
 		tc.SetLinger(0)
 		tc.Close()
 	}
 	c.Close()
-}
-
-// tcpConnUnder returns the TCP socket under c: c itself, or what its
-// NetConn chain (as *tls.Conn offers it) leads to; nil without one.
-func tcpConnUnder(c net.Conn) *net.TCPConn {
-	for {
-		if tc, ok := c.(*net.TCPConn); ok {
-			return tc
-		}
-		nc, ok := c.(interface{ NetConn() net.Conn })
-		if !ok {
-			return nil
-		}
-		c = nc.NetConn()
-	}
 }
 
 func (t *Relay) resultErr(ctx context.Context, res Stats) error {
@@ -573,7 +560,7 @@ func (t *Relay) finish(d Direction, dst net.Conn, err error) {
 	// once the peer has sent its FIN, our FIN leaves the socket in TCP_CLOSE
 	// as soon as the peer acknowledges it, like a reset: read after a
 	// sinkClosing that was still false, the state could show that orderly end.
-	if err == nil && wasReset(t.conns[d]) && !t.dirs[1-d].sinkClosing.Load() {
+	if err == nil && sockerr.Reset(t.conns[d]) && !t.dirs[1-d].sinkClosing.Load() {
 		// A kTLS source can report the end of a reset connection as a plain
 		// end of stream (as on Linux 6.1: docs/kernel/behaviour.md), and the kernel
 		// then lets splice keep "writing" into the dead socket: half-closing
@@ -621,35 +608,6 @@ func (t *Relay) finish(d Direction, dst net.Conn, err error) {
 		return
 	}
 	t.abort(EndAborted)
-}
-
-// tcpStateClose is TCP_CLOSE (include/net/tcp_states.h): the state a reset
-// leaves a socket in. While we have not sent our FIN, an orderly end (the
-// peer's FIN) leaves it in CLOSE_WAIT, and a close_notify without FIN in
-// ESTABLISHED; after our FIN, both FINs also end in TCP_CLOSE (the socket
-// moves to TIME_WAIT as a separate timewait socket), so the check only
-// applies before it.
-const tcpStateClose = 7
-
-// wasReset reports whether the socket under c was reset by its peer.
-func wasReset(c net.Conn) bool {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return false
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	var state uint8
-	if err := rc.Control(func(fd uintptr) {
-		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-			state = info.State
-		}
-	}); err != nil {
-		return false
-	}
-	return state == tcpStateClose
 }
 
 // spliceEnd is a connection's socket as one end of a spliced direction.
@@ -736,7 +694,7 @@ func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.
 		}
 		switch {
 		case err != nil:
-			return fmt.Errorf("source: %w", socketError(src, err))
+			return fmt.Errorf("source: %w", sockerr.ReadError(src, err))
 		case pipeShortage(perr):
 			t.dirs[d].pipeShortages.Add(1)
 			if end, err := t.copyOnce(d, src, dst); end {
@@ -955,50 +913,9 @@ func (t *Relay) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
 	case rerr == io.EOF:
 		return true, nil
 	case rerr != nil:
-		return true, fmt.Errorf("source: %w", socketError(src, rerr))
+		return true, fmt.Errorf("source: %w", sockerr.ReadError(src, rerr))
 	}
 	return false, nil
-}
-
-// socketError returns the error a read on c failed with, except where Go
-// reported the failure as "not pollable" (internal/poll.ErrNotPollable):
-// epoll can see a reset (EPOLLERR alone) before the kernel has closed the
-// connection, and a read parked in the netpoller then returns without
-// calling read(2). The reset is still the TCP socket's pending error
-// (SO_ERROR, reached through NetConn as Abort reaches it), and that is what
-// the direction's end names.
-func socketError(c net.Conn, err error) error {
-	if !notPollable(err) {
-		return err
-	}
-	if tc := tcpConnUnder(c); tc != nil {
-		if errno := pendingError(tc); errno != 0 {
-			return os.NewSyscallError("read", errno)
-		}
-	}
-	return err
-}
-
-func notPollable(err error) bool {
-	for ; err != nil; err = errors.Unwrap(err) {
-		if err.Error() == "not pollable" {
-			return true
-		}
-	}
-	return false
-}
-
-// pendingError takes c's pending socket error (SO_ERROR); 0 when none.
-func pendingError(c *net.TCPConn) syscall.Errno {
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return 0
-	}
-	var soErr int
-	if rc.Control(func(fd uintptr) { soErr, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ERROR) }) != nil {
-		return 0
-	}
-	return syscall.Errno(soErr)
 }
 
 // throttle waits until lim grants direction d some of want bytes and

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 )
 
 // bigTransfer is the per-direction size of the big echo tests: 64 MiB, or
@@ -344,7 +345,7 @@ func TestRelayIdleHoldsNoPipe(t *testing.T) {
 			t.Errorf("tunnel %d after cancel: %v, %+v", i, err, res)
 		}
 		// Canceled mid-stream, the tunnel is cut, not complete: a reset.
-		if n, err := tops[i].client.Read(make([]byte, 1)); n != 0 || !errors.Is(socketError(tops[i].client, err), syscall.ECONNRESET) {
+		if n, err := tops[i].client.Read(make([]byte, 1)); n != 0 || !errors.Is(sockerr.ReadError(tops[i].client, err), syscall.ECONNRESET) {
 			t.Errorf("tunnel %d: client read after cancel: %d, %v; want a reset", i, n, err)
 		}
 	}
@@ -373,7 +374,7 @@ func TestRelayDeliversBeforePeerReset(t *testing.T) {
 				tp.client.SetReadDeadline(time.Now().Add(10 * time.Second))
 				got, err := io.ReadAll(tp.client)
 				// A reset can reach a parked read as "not pollable".
-				err = socketError(tp.client, err)
+				err = sockerr.ReadError(tp.client, err)
 				res, rerr := wait()
 				for _, c := range []*net.TCPConn{tp.client, tp.relayA, tp.relayB} {
 					c.Close()
@@ -425,11 +426,11 @@ func TestRelayFailureResetsPeers(t *testing.T) {
 				if !errors.Is(err, context.Canceled) {
 					t.Fatalf("relay: %v, %+v; want canceled", err, res)
 				}
-				if n, err := tp.client.Read(make([]byte, 1)); n != 0 || !errors.Is(socketError(tp.client, err), syscall.ECONNRESET) {
+				if n, err := tp.client.Read(make([]byte, 1)); n != 0 || !errors.Is(sockerr.ReadError(tp.client, err), syscall.ECONNRESET) {
 					t.Errorf("half-closed %v: client read after cancel: %d, %v; want a reset", halfClosed, n, err)
 				}
 				n, err := tp.upstream.Read(make([]byte, 1))
-				err = socketError(tp.upstream, err)
+				err = sockerr.ReadError(tp.upstream, err)
 				if halfClosed && (n != 0 || err != io.EOF) {
 					t.Errorf("upstream read after its orderly end and the cancel: %d, %v; want EOF still", n, err)
 				}

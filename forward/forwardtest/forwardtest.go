@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
@@ -225,6 +226,7 @@ func (u *Upstream) serve(c *net.TCPConn, conn int) {
 	}()
 	h := sha256.New()
 	res.Received, res.ReadErr = io.Copy(io.MultiWriter(h, countWriter{&u.received}), c)
+	res.ReadErr = sockerr.ReadError(c, res.ReadErr)
 	copy(res.RecvSum[:], h.Sum(nil))
 	close(clientDone)
 	wg.Wait()

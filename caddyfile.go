@@ -551,8 +551,21 @@ func oneOf(d *caddyfile.Dispenser, choices ...string) (string, error) {
 //	keepalive        <duration>             # default 30s
 //	preamble_ttl     <duration>             # default 30s
 //	resumption       on|off                 # default on: resume forwarder sessions
+//	expect_no_pad    [on|off]               # default: on where the kernel allows it
 //	<offload option> ...                     # offload on|off, rx on|off, fallback allow|refuse, handshake_timeout, ...
 func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
+	if d.Val() == "expect_no_pad" {
+		// A gateway's default is on where the kernel allows it, so it
+		// takes off as well as the offload option's bare form (on).
+		v := "on"
+		if d.CountRemainingArgs() > 0 {
+			if v, err = oneOf(d, "on", "off"); err != nil {
+				return true, err
+			}
+		}
+		g.ExpectNoPad, g.DisableExpectNoPad = v == "on", v == "off"
+		return true, nil
+	}
 	if handled, err := g.OffloadOptions.unmarshalCaddyfileOption(d); handled {
 		return true, err
 	}

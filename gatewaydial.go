@@ -66,11 +66,28 @@ type GatewayDial struct {
 	// kept until the config is reloaded.
 	DisableResumption bool `json:"disable_resumption,omitempty"`
 
+	// DisableExpectNoPad keeps TLS_RX_EXPECT_NO_PAD off on forwarder
+	// connections. By default it is on wherever the kernel accepts it
+	// (Linux 6.0+): a forwarder never pads its records (the kernel's TLS
+	// and crypto/tls send none), so the kernel decrypts each one straight
+	// into the gateway's buffer instead of decrypting, then copying. Turn
+	// it off for a forwarder behind something that pads: each padded record
+	// would be decrypted twice (TlsRxNoPadViolation in /proc/net/tls_stat).
+	// expect_no_pad (OffloadOptions) sets it even where the kernel's probe
+	// says no; the two contradict.
+	DisableExpectNoPad bool `json:"disable_expect_no_pad,omitempty"`
+
 	// The offload options of the forwarder connections (OffloadOptions):
 	// disable_offload keeps them in crypto/tls, require_offload fails a
 	// tunnel whose connection cannot be offloaded, handshake_timeout bounds
 	// the TLS handshake (within dial_timeout).
 	OffloadOptions
+}
+
+// expectNoPad says whether forwarder connections set TLS_RX_EXPECT_NO_PAD,
+// where kernelAccepts is the kernel's answer to the probe.
+func (g *GatewayDial) expectNoPad(kernelAccepts bool) bool {
+	return g.ExpectNoPad || (kernelAccepts && !g.DisableExpectNoPad)
 }
 
 // validate checks what needs no files or apps.
@@ -88,6 +105,8 @@ func (g *GatewayDial) validate() error {
 		return errors.New("no signing_key_file: the gateway's preamble key, from `caddy sandbox keygen`")
 	case g.DialTimeout < 0 || g.KeepAlive < 0 || g.PreambleTTL < 0:
 		return errors.New("dial_timeout, keepalive and preamble_ttl must not be negative")
+	case g.ExpectNoPad && g.DisableExpectNoPad:
+		return errors.New("expect_no_pad and disable_expect_no_pad together: give one (a gateway expects no padding by default where the kernel allows it)")
 	}
 	return nil
 }
@@ -131,10 +150,12 @@ func (g *GatewayDial) dialer(ctx caddy.Context, module string, logger *zap.Logge
 			logHandshake(logger, ev)
 		}
 	}
+	opts := g.ktlsOptions(observer)
+	opts.ExpectNoPad = g.expectNoPad(ktls.Probe().ExpectNoPad)
 	return gateway.New(gateway.Config{
 		TLS:              tlsCfg,
 		Signer:           signer,
-		KTLS:             g.ktlsOptions(observer),
+		KTLS:             opts,
 		DialTimeout:      time.Duration(g.DialTimeout),
 		HandshakeTimeout: time.Duration(g.HandshakeTimeout),
 		KeepAlive:        time.Duration(g.KeepAlive),

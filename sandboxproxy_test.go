@@ -23,6 +23,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -361,6 +362,7 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 		{"sandbox_proxy {\n\tfrobnicate\n}", `unknown sandbox_proxy option "frobnicate"`},
 		{"sandbox_proxy on", "wrong argument count"},
 		{"sandbox_proxy {\n\tresumption maybe\n}", "resumption"},
+		{"sandbox_proxy {\n\texpect_no_pad sometimes\n}", "expect_no_pad takes one of on, off"},
 	} {
 		_, err := adaptCaddyfile(t, "{\n\tlayer4 {\n\t\t:9443 {\n\t\t\troute {\n"+tc.body+"\n\t\t\t}\n\t\t}\n\t}\n}\n")
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -380,6 +382,9 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c"}}}, "no signing_key_file"},
 		{"tls_timeout", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c", HandshakeTimeout: 1}, SigningKeyFile: "k"}}, "use handshake_timeout"},
+		{"expect_no_pad both ways", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
+			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c"}, SigningKeyFile: "k", DisableExpectNoPad: true,
+			OffloadOptions: OffloadOptions{ExpectNoPad: true}}}, "expect_no_pad and disable_expect_no_pad together"},
 	} {
 		if err := tc.h.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: Validate() = %v, want it to contain %q", tc.name, err, tc.want)
@@ -550,6 +555,95 @@ func sandboxProxyResumption(t *testing.T, kernel bool) {
 			}
 			if copied := m1[`caddy_ktls_gateway_relay_bytes_total{path="copy"}`] - m0[`caddy_ktls_gateway_relay_bytes_total{path="copy"}`]; kernel && copied != 0 {
 				t.Errorf("the gateway copied %d bytes through userspace, want 0 (resumed sessions are offloaded too)", copied)
+			}
+		})
+	}
+}
+
+// A gateway expects no padding from forwarders wherever the kernel allows
+// it, unless told otherwise; `expect_no_pad` (bare or on) sets it even
+// where the probe says no, `expect_no_pad off` never.
+func TestGatewayExpectNoPadOption(t *testing.T) {
+	for _, tc := range []struct {
+		option         string
+		on, off        bool // the JSON fields
+		kernel, refuse bool // with and without the kernel's support
+	}{
+		{"", false, false, true, false},
+		{"expect_no_pad", true, false, true, true},
+		{"expect_no_pad on", true, false, true, true},
+		{"expect_no_pad off", false, true, false, false},
+	} {
+		out, err := adaptCaddyfile(t, "{\n\tlayer4 {\n\t\t:9443 {\n\t\t\troute {\nsandbox_proxy {\n"+tc.option+"\n}\n\t\t\t}\n\t\t}\n\t}\n}\n")
+		if err != nil {
+			t.Fatalf("%q: %v", tc.option, err)
+		}
+		var cfg struct {
+			Apps struct {
+				Layer4 struct {
+					Servers map[string]struct {
+						Routes []struct{ Handle []SandboxProxy }
+					}
+				}
+			}
+		}
+		if err := json.Unmarshal(out, &cfg); err != nil {
+			t.Fatal(err)
+		}
+		g := cfg.Apps.Layer4.Servers["srv0"].Routes[0].Handle[0].GatewayDial
+		if g.ExpectNoPad != tc.on || g.DisableExpectNoPad != tc.off {
+			t.Errorf("%q: expect_no_pad %v, disable_expect_no_pad %v; want %v, %v", tc.option, g.ExpectNoPad, g.DisableExpectNoPad, tc.on, tc.off)
+		}
+		if got := g.expectNoPad(true); got != tc.kernel {
+			t.Errorf("%q on a kernel that accepts it: %v, want %v", tc.option, got, tc.kernel)
+		}
+		if got := g.expectNoPad(false); got != tc.refuse {
+			t.Errorf("%q on a kernel that refuses it: %v, want %v", tc.option, got, tc.refuse)
+		}
+	}
+}
+
+// TestKernelSandboxProxyExpectNoPad: by default the gateway's forwarder
+// connection has TLS_RX_EXPECT_NO_PAD in effect, as the kernel reports it;
+// with disable_expect_no_pad it has not. Either way the bytes are exact and
+// no record was padded (TlsRxNoPadViolation stays 0).
+func TestKernelSandboxProxyExpectNoPad(t *testing.T) {
+	kerneltest.Require(t)
+	if !ktls.Probe().ExpectNoPad {
+		t.Fatal("this kernel refuses TLS_RX_EXPECT_NO_PAD; every kernel of the suite (6.1+) accepts it")
+	}
+	const size = 1 << 20
+	for _, off := range []bool{false, true} {
+		t.Run(fmt.Sprintf("disable_expect_no_pad %v", off), func(t *testing.T) {
+			up := forwardtest.NewUpstream(t, size+3)
+			e := newGatewayEnv(t, map[string]any{"target": up.Addr().String(), "disable_expect_no_pad": off})
+			// The handshake lines are DEBUG.
+			e.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["level"] = "DEBUG"
+			e.postLoad(t)
+			waitIdle(t)
+			var n int64
+			var recvSum [32]byte
+			var err error
+			delta := kerneltest.StatDelta(t, func() { n, recvSum, err = transfer(e.userDial(t, uniqueSandbox("sbx-nopad")), size, 5) })
+			if err != nil {
+				t.Fatalf("transfer: %v", err)
+			}
+			checkTunnelTransfer(t, up, size, 5, n, recvSum)
+			if delta["TlsRxNoPadViolation"] != 0 || delta["TlsRxSw"] < 3 {
+				t.Errorf("tls_stat delta %v: want no padded record and at least 3 RX sessions", delta)
+			}
+			lines := 0
+			for _, l := range e.logLines(t, "kernel TLS handshake") {
+				if l["logger"] != "layer4.handlers.sandbox_proxy" {
+					continue
+				}
+				lines++
+				if l["rx"] != "sw" || l["rx_no_pad"] != !off {
+					t.Errorf("the gateway's forwarder connection: %v; want rx sw, rx_no_pad %v", l, !off)
+				}
+			}
+			if lines != 1 {
+				t.Errorf("%d handshake lines of the gateway's forwarder connections, want 1", lines)
 			}
 		})
 	}

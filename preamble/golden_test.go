@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -68,7 +69,7 @@ func exampleFrame() rawFrame {
 	return rawFrame{
 		magic: "KTLP", version: 1, keyID: exampleKeyID,
 		iat: exampleIssued, exp: exampleIssued + 30, nonce: exampleNonce,
-		sandboxID: "sbx-0123.example_A", family: 4, addr: []byte{10, 1, 2, 3}, port: 8080,
+		sandboxID: "sbx-0123.example_a", family: 4, addr: []byte{10, 1, 2, 3}, port: 8080,
 		signer: exampleKey,
 	}
 }
@@ -167,6 +168,9 @@ var goldenCases = []goldenCase{
 	{"reject-malformed", ReasonMalformed, false, func(f *rawFrame) { f.reserved = 1 }},
 	{"reject-bad-key-id", ReasonBadKeyID, false, func(f *rawFrame) { f.keyID = "example 1" }},
 	{"reject-bad-sandbox-id", ReasonBadSandboxID, false, func(f *rawFrame) { f.sandboxID = "sbx/../etc" }},
+	{"reject-bad-sandbox-id-uppercase", ReasonBadSandboxID, false, func(f *rawFrame) { f.sandboxID = "sbx-0123.example_A" }},
+	{"reject-bad-sandbox-id-dots", ReasonBadSandboxID, false, func(f *rawFrame) { f.sandboxID = ".." }},
+	{"reject-bad-sandbox-id-leading-dot", ReasonBadSandboxID, false, func(f *rawFrame) { f.sandboxID = ".sbx" }},
 	{"reject-bad-target", ReasonBadTarget, false, func(f *rawFrame) { f.port = 0 }},
 	{"reject-bad-target-family", ReasonBadTarget, false, func(f *rawFrame) { f.family = 5 }},
 	{"reject-bad-target-unspecified-ipv4", ReasonBadTarget, false, func(f *rawFrame) { f.target("0.0.0.0") }},
@@ -273,7 +277,7 @@ func TestSignerMatchesGolden(t *testing.T) {
 		t.Fatal(err)
 	}
 	base := Claims{
-		SandboxID: "sbx-0123.example_A",
+		SandboxID: "sbx-0123.example_a",
 		Target:    netip.MustParseAddrPort("10.1.2.3:8080"),
 		IssuedAt:  time.Unix(int64(exampleIssued), 0),
 		ExpiresAt: time.Unix(int64(exampleIssued)+30, 0),
@@ -449,7 +453,8 @@ func specVerdict(frame []byte, keys map[string]ed25519.PublicKey, now int64, ske
 	if !charset(kid, 64) {
 		return c, "bad-key-id"
 	}
-	if !charset(sid, 128) {
+	// A sandbox ID is lowercase and starts with a letter or a digit.
+	if !charset(sid, 128) || !bytes.Equal(sid, bytes.ToLower(sid)) || !strings.ContainsRune("abcdefghijklmnopqrstuvwxyz0123456789", rune(sid[0])) {
 		return c, "bad-sandbox-id"
 	}
 	a, _ := netip.AddrFromSlice(addr)
@@ -657,4 +662,28 @@ func TestCheckOrder(t *testing.T) {
 			f.extensions = append(append(tlv(0x0002, ""), tlv(0x0001, "")...), tlv(0x8001, "")...)
 		}})
 	})
+}
+
+// TestWorkedExampleMatchesVector checks that the frame docs/preamble.md §8
+// spells out, field by field, is the bytes of testdata/valid-ipv4.hex.
+func TestWorkedExampleMatchesVector(t *testing.T) {
+	section := specSection(t, 8)
+	_, block, ok := strings.Cut(section, "`preamble/testdata/valid-ipv4.hex`):\n\n")
+	if !ok {
+		t.Fatal("docs/preamble.md §8 does not introduce the frame of valid-ipv4.hex")
+	}
+	block, _, _ = strings.Cut(block, "\n\n")
+	var text strings.Builder
+	for line := range strings.Lines(block) {
+		// Each line is indented hex, then, after two spaces or more, a comment.
+		fields := regexp.MustCompile(`\s{2,}`).Split(strings.TrimSpace(line), 2)
+		text.WriteString(strings.ReplaceAll(fields[0], " ", ""))
+	}
+	doc, err := hex.DecodeString(text.String())
+	if err != nil {
+		t.Fatalf("§8's frame is not hex: %v", err)
+	}
+	if want := readGolden(t, "valid-ipv4"); !bytes.Equal(doc, want) {
+		t.Errorf("docs/preamble.md §8 spells out\n%x\nvalid-ipv4.hex holds\n%x", doc, want)
+	}
 }

@@ -61,7 +61,10 @@ type Claims struct {
 	// KeyID names the signing key in the verifier's keyring. Sign fills it
 	// from the Signer.
 	KeyID string
-	// SandboxID names the sandbox: 1..128 bytes of [A-Za-z0-9._-].
+	// SandboxID names the sandbox: 1..128 bytes of [a-z0-9._-], the first
+	// a letter or a digit (CheckSandboxID). Sandbox IDs are
+	// case-insensitive and a frame carries the lowercase form:
+	// CanonicalSandboxID turns an ID from outside into it.
 	SandboxID string
 	// Target is the private IPv4 or IPv6 address and port of the sandbox
 	// service. Never a host name: the forwarder does no DNS.
@@ -212,8 +215,8 @@ func parse(frame []byte, maxLen int) (parsed, error) {
 	if kidLen == 0 || kidLen > MaxKeyIDLen || !validID(p.keyID) {
 		return p, reject(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", p.keyID, MaxKeyIDLen)
 	}
-	if sidLen == 0 || sidLen > MaxSandboxIDLen || !validID(sid) {
-		return p, reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [A-Za-z0-9._-]", sid, MaxSandboxIDLen)
+	if err := checkSandboxID(sid); err != nil {
+		return p, err
 	}
 	target := netip.AddrPortFrom(addr, port)
 	if err := CheckTarget(target); err != nil {
@@ -314,7 +317,8 @@ func isIPv4Compatible(a netip.Addr) bool {
 	return [12]byte(b[:12]) == [12]byte{}
 }
 
-// validID reports whether b is made only of [A-Za-z0-9._-].
+// validID reports whether b is made only of [A-Za-z0-9._-], the key ID
+// charset.
 func validID(b []byte) bool {
 	for _, c := range b {
 		switch {
@@ -349,12 +353,86 @@ func (d *decoder) u16() uint16 { return binary.BigEndian.Uint16(d.bytes(2)) }
 func (d *decoder) u64() uint64 { return binary.BigEndian.Uint64(d.bytes(8)) }
 
 // CheckSandboxID returns the *Error (ReasonBadSandboxID) a frame naming
-// sandbox id would be refused with, or nil when id can name a sandbox.
+// sandbox id would be refused with, or nil when id is a sandbox ID in its
+// canonical form: 1..128 bytes of [a-z0-9._-] that start with [a-z0-9].
+// An ID with an uppercase letter is refused: sandbox IDs are
+// case-insensitive and a frame carries only the lowercase form, so each
+// sandbox has one encoding. Where an ID comes from outside (a server name,
+// a Host header, a request, an admin call), CanonicalSandboxID lowercases
+// and checks it.
 func CheckSandboxID(id string) error {
-	if len(id) == 0 || len(id) > MaxSandboxIDLen || !validID([]byte(id)) {
-		return reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [A-Za-z0-9._-]", id, MaxSandboxIDLen)
+	return checkSandboxID(unsafe.Slice(unsafe.StringData(id), len(id)))
+}
+
+func checkSandboxID(b []byte) error {
+	switch {
+	case len(b) == 0 || len(b) > MaxSandboxIDLen:
+		return reject(ReasonBadSandboxID, "sandbox ID %q is %d bytes: want 1..%d bytes of [a-z0-9._-]", b, len(b), MaxSandboxIDLen)
+	case !validSandboxID(b):
+		if hasUpper(b) && validSandboxID(asciiLower(b)) {
+			return reject(ReasonBadSandboxID, "sandbox ID %q has uppercase letters: sandbox IDs are case-insensitive and travel lowercase (%q)", b, asciiLower(b))
+		}
+		return reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [a-z0-9._-], the first a letter or a digit", b, MaxSandboxIDLen)
 	}
 	return nil
+}
+
+// CanonicalSandboxID returns the canonical form of a sandbox ID taken
+// from outside (a TLS server name label, an HTTP Host label or header, a
+// placeholder, an admin request, a command-line flag): the ASCII letters
+// A-Z lowercased, nothing else changed (no Unicode case folding: the
+// Kelvin sign is no "k"). Sandbox IDs are case-insensitive, like DNS
+// labels, so every spelling of one sandbox shares its limits, refusals,
+// activity and metrics. An ID that is not valid even lowercased is the
+// *Error (ReasonBadSandboxID) CheckSandboxID gives.
+func CanonicalSandboxID(id string) (string, error) {
+	b := unsafe.Slice(unsafe.StringData(id), len(id))
+	if hasUpper(b) {
+		b = asciiLower(b)
+		id = string(b)
+	}
+	if err := checkSandboxID(b); err != nil {
+		return "", err
+	}
+	return id, nil
+}
+
+// validSandboxID reports whether b is a sandbox ID's canonical charset:
+// [a-z0-9._-], the first byte [a-z0-9], so that no ID is a path segment
+// of dots ("." or "..") or looks like an option or a hidden name.
+func validSandboxID(b []byte) bool {
+	if len(b) == 0 || !('a' <= b[0] && b[0] <= 'z' || '0' <= b[0] && b[0] <= '9') {
+		return false
+	}
+	for _, c := range b[1:] {
+		switch {
+		case 'a' <= c && c <= 'z', '0' <= c && c <= '9', c == '.', c == '_', c == '-':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+func hasUpper(b []byte) bool {
+	for _, c := range b {
+		if 'A' <= c && c <= 'Z' {
+			return true
+		}
+	}
+	return false
+}
+
+// asciiLower returns a copy of b with A-Z lowercased.
+func asciiLower(b []byte) []byte {
+	out := make([]byte, len(b))
+	for i, c := range b {
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
+		}
+		out[i] = c
+	}
+	return out
 }
 
 // encode validates c and returns the frame without its signature (header

@@ -24,7 +24,9 @@ const (
 type Route struct {
 	// Forwarder is the forwarder's host:port.
 	Forwarder string
-	// Sandbox is the sandbox ID (preamble.Claims.SandboxID).
+	// Sandbox is the sandbox ID (preamble.Claims.SandboxID) in its
+	// canonical, lowercase form: ParseRoute makes it so, and Dial refuses
+	// another before it dials.
 	Sandbox string
 	// Target is the sandbox service's private address and port.
 	Target netip.AddrPort
@@ -54,12 +56,15 @@ func (r Route) String() string {
 }
 
 // ParseRoute builds a Route from text, such as configuration placeholders
-// replaced for one request, and says which part is wrong when one is.
+// replaced for one request, and says which part is wrong when one is. The
+// sandbox ID is case-insensitive: the Route holds its lowercase form
+// (preamble.CanonicalSandboxID), so every spelling is one sandbox.
 func ParseRoute(forwarder, sandbox, target string) (Route, error) {
 	if _, _, err := net.SplitHostPort(forwarder); err != nil || forwarder == "" {
 		return Route{}, &RouteError{Field: "forwarder", Value: forwarder, Err: errors.New("want host:port")}
 	}
-	if err := preamble.CheckSandboxID(sandbox); err != nil {
+	canonical, err := preamble.CanonicalSandboxID(sandbox)
+	if err != nil {
 		return Route{}, &RouteError{Field: "sandbox", Value: sandbox, Err: err}
 	}
 	ap, err := netip.ParseAddrPort(target)
@@ -70,7 +75,7 @@ func ParseRoute(forwarder, sandbox, target string) (Route, error) {
 	if err := preamble.CheckTarget(ap); err != nil {
 		return Route{}, &RouteError{Field: "target", Value: target, Err: err}
 	}
-	return Route{Forwarder: forwarder, Sandbox: sandbox, Target: ap}, nil
+	return Route{Forwarder: forwarder, Sandbox: canonical, Target: ap}, nil
 }
 
 // RouteError is a Route that cannot be built: nothing was dialed.
@@ -189,10 +194,13 @@ func New(cfg Config) (*Dialer, error) {
 // *DialError, and then nothing was sent past the preamble: nothing reached
 // the sandbox. ctx and Config.DialTimeout bound the whole of it.
 func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
+	// Checked before anything is dialed, as the client below: a preamble
+	// that cannot be signed costs the forwarder nothing.
+	if err := preamble.CheckSandboxID(r.Sandbox); err != nil {
+		return nil, &DialError{Route: r, Step: StepPreamble, Err: err}
+	}
 	var exts []preamble.Extension
 	if r.Client.Addr.IsValid() || r.Client.ID != "" {
-		// Checked before anything is dialed: a client the preamble cannot
-		// carry costs the forwarder nothing.
 		ext, err := r.Client.Extension()
 		if err != nil {
 			return nil, &DialError{Route: r, Step: StepPreamble, Err: err}

@@ -30,6 +30,9 @@ const (
 // Location is where a sandbox is: the forwarder on its host and its app's
 // private address.
 type Location struct {
+	// Sandbox is the sandbox ID the location is for, in its canonical,
+	// lowercase form (preamble.CanonicalSandboxID).
+	Sandbox   string
 	Forwarder string
 	Target    netip.AddrPort
 }
@@ -37,7 +40,7 @@ type Location struct {
 // LookupConfig configures a Lookup.
 type LookupConfig struct {
 	// URL is the control plane's endpoint, with "{sandbox}" where the
-	// sandbox ID goes (path-escaped), e.g.
+	// sandbox ID goes (lowercase and path-escaped: never "." or ".."), e.g.
 	// https://cp.internal/v1/sandboxes/{sandbox}/route. Required. The
 	// answer to a GET is 200 with {"forwarder": "host:port", "target":
 	// "ip:port", "ttl": seconds (optional, at most TTL)}; 404 means there
@@ -151,12 +154,18 @@ func NewLookup(cfg LookupConfig) (*Lookup, error) {
 }
 
 // Resolve returns where sandbox is, and where the answer came from. Every
-// error is a *LookupError. ctx bounds this caller's wait only: a request
-// to the control plane that others wait on too runs to its own timeout.
+// error is a *LookupError. The sandbox ID is case-insensitive: it is
+// looked up, cached and answered (Location.Sandbox) in its lowercase form,
+// and one that is not a valid sandbox ID even lowercased (such as "..")
+// fails LookupBadSandbox without asking the control plane. ctx bounds this
+// caller's wait only: a request to the control plane that others wait on
+// too runs to its own timeout.
 func (l *Lookup) Resolve(ctx context.Context, sandbox string) (Location, Source, error) {
-	if err := preamble.CheckSandboxID(sandbox); err != nil {
+	canonical, err := preamble.CanonicalSandboxID(sandbox)
+	if err != nil {
 		return Location{}, "", &LookupError{Sandbox: sandbox, Reason: LookupBadSandbox, Err: err}
 	}
+	sandbox = canonical
 	now := l.cfg.Now()
 	l.mu.Lock()
 	if e, ok := l.entries[sandbox]; ok {
@@ -231,7 +240,7 @@ func (l *Lookup) request(sandbox string) (Location, time.Duration, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), l.cfg.Timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.ReplaceAll(l.cfg.URL, "{sandbox}", url.PathEscape(sandbox)), nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.ReplaceAll(l.cfg.URL, "{sandbox}", sandboxPath(sandbox)), nil)
 	if err != nil {
 		return fail(LookupUnavailable, err)
 	}
@@ -270,7 +279,19 @@ func (l *Lookup) request(sandbox string) (Location, time.Duration, error) {
 		}
 		ttl = min(ttl, time.Duration(*a.TTL)*time.Second)
 	}
-	return Location{Forwarder: r.Forwarder, Target: r.Target}, ttl, nil
+	return Location{Sandbox: r.Sandbox, Forwarder: r.Forwarder, Target: r.Target}, ttl, nil
+}
+
+// sandboxPath is a sandbox ID as one segment of the lookup URL's path:
+// path-escaped, and a segment made only of dots, which a valid ID never
+// is, spelled %2E so that no client or server takes it for "this" or "the
+// parent" directory.
+func sandboxPath(id string) string {
+	esc := url.PathEscape(id)
+	if strings.Trim(esc, ".") == "" {
+		return strings.ReplaceAll(esc, ".", "%2E")
+	}
+	return esc
 }
 
 // Len is how many entries (answers and negative answers) the cache holds.

@@ -94,7 +94,7 @@ func TestLookupCachesForTTL(t *testing.T) {
 	cp.set("sbx-2", jsonAnswer(`{"forwarder":"10.0.0.6:8443","target":"[fd00::9]:80","ttl":2}`))
 	l, now := cp.lookup(t, nil)
 	ctx := context.Background()
-	want := Location{Forwarder: "10.0.0.5:8443", Target: netip.MustParseAddrPort("10.1.0.7:8080")}
+	want := Location{Sandbox: "sbx-1", Forwarder: "10.0.0.5:8443", Target: netip.MustParseAddrPort("10.1.0.7:8080")}
 	for i, wantSource := range []Source{SourceControlPlane, SourceCache, SourceCache} {
 		loc, src, err := l.Resolve(ctx, "sbx-1")
 		if err != nil || loc != want || src != wantSource {

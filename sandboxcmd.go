@@ -27,7 +27,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "sandbox",
-		Short: "Make keys for, sign, verify and dial with sandbox preambles",
+		Short: "Make keys and certificates for, sign, verify and dial with sandbox preambles",
 		Long: `
 Tools for the signed sandbox preamble that an edge gateway writes first on
 its mutual-TLS connection to the forwarder:
@@ -36,6 +36,7 @@ its mutual-TLS connection to the forwarder:
   sign    sign a preamble and print it (hex) or write it raw
   verify  check a preamble against a keyring; exit status 1 on rejection
   dial    connect to a forwarder like a gateway and pipe stdin/stdout through
+  certs   make the CA, forwarder and gateway certificates of the mutual TLS
 ` + preambleSpecRef,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.AddCommand(sandboxSubcommands()...)
@@ -56,7 +57,7 @@ The preamble (byte layout, a worked example, every rejection reason):
 // sandboxSubcommands builds the subcommands of "caddy sandbox". They read
 // and write through cmd.InOrStdin/OutOrStdout so that tests can drive them.
 func sandboxSubcommands() []*cobra.Command {
-	return []*cobra.Command{keygenCommand(), signCommand(), verifyCommand(), dialCommand()}
+	return []*cobra.Command{keygenCommand(), signCommand(), verifyCommand(), dialCommand(), certsCommand()}
 }
 
 func keygenCommand() *cobra.Command {

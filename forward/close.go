@@ -6,12 +6,16 @@ import (
 	"slices"
 	"sort"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
 // CloseRequest selects the open tunnels Registry.Close ends: those of one
 // sandbox, or those one client certificate opened (exactly one of the two).
 type CloseRequest struct {
-	// Sandbox selects the tunnels to this sandbox ID.
+	// Sandbox selects the tunnels to this sandbox ID. It is
+	// case-insensitive, as sandbox IDs are: Close takes its lowercase form
+	// (preamble.CanonicalSandboxID), the one tunnels carry.
 	Sandbox string
 	// Certificate selects the tunnels whose client certificate has this
 	// subject (as Origin.Certificate shows it, e.g. "CN=gateway-1") or this
@@ -68,6 +72,13 @@ func (e *ClosedError) Error() string {
 func (r *Registry) Close(req CloseRequest) (CloseResult, error) {
 	if (req.Sandbox == "") == (req.Certificate == "") {
 		return CloseResult{}, errors.New("name exactly one of a sandbox and a client certificate")
+	}
+	if req.Sandbox != "" {
+		id, err := preamble.CanonicalSandboxID(req.Sandbox)
+		if err != nil {
+			return CloseResult{}, err
+		}
+		req.Sandbox = id
 	}
 	if req.Grace < 0 || req.RefuseFor < 0 {
 		return CloseResult{}, errors.New("negative grace or refusal period")

@@ -3,6 +3,7 @@ package forward
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
@@ -10,6 +11,8 @@ import (
 	"sync/atomic"
 	"time"
 	"unicode"
+
+	"github.com/ktlsingress/caddy-ktls/internal/cphttp"
 )
 
 // ActivityReport is the JSON body a Pusher POSTs (its JSON Schema is
@@ -47,7 +50,7 @@ type PusherConfig struct {
 	Attempts int           // POST attempts per report before it is dropped; default 4
 	Backoff  time.Duration // wait before the second attempt, doubled after each failure; default 500ms
 	Queue    int           // reports waiting for delivery; when full the oldest is dropped; default 16
-	Client   *http.Client  // default: a client with Timeout
+	Client   *http.Client  // default: a client with Timeout; it never follows a redirect (a 3xx is a failed attempt, counted Redirected)
 	Header   http.Header   // sent with every POST (a control plane's credentials); Content-Type is always JSON
 	// UserAgent is sent as User-Agent unless Header sets one; default
 	// "caddy-ktls".
@@ -62,6 +65,10 @@ type PusherStats struct {
 	Sent    uint64 // reports accepted with a 2xx status
 	Retries uint64 // failed attempts that were retried
 	Dropped uint64 // reports given up on (attempts exhausted, or evicted from a full queue)
+	// Redirected counts the attempts the receiver answered with a redirect,
+	// which is not followed (*cphttp.RedirectError); each is also a retry
+	// or ends in a drop.
+	Redirected uint64
 }
 
 // Pusher reports per-sandbox byte deltas from a Registry to a URL. The data
@@ -76,7 +83,7 @@ type Pusher struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	sent, retries, dropped atomic.Uint64
+	sent, retries, dropped, redirected atomic.Uint64
 }
 
 // NewPusher validates cfg and returns a Pusher that is not yet running.
@@ -120,6 +127,7 @@ func NewPusher(cfg PusherConfig, reg *Registry) (*Pusher, error) {
 		// of a pusher that a configuration reload retired.
 		cfg.Client = &http.Client{Timeout: cfg.Timeout, Transport: http.DefaultTransport.(*http.Transport).Clone()}
 	}
+	cfg.Client = cphttp.NoRedirects(cfg.Client)
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Pusher{cfg: cfg, reg: reg, queue: make(chan ActivityReport, cfg.Queue), stop: make(chan struct{}), ctx: ctx, cancel: cancel}, nil
 }
@@ -162,7 +170,7 @@ func (p *Pusher) Stop(ctx context.Context) {
 
 // Stats returns the pusher's counters.
 func (p *Pusher) Stats() PusherStats {
-	return PusherStats{Sent: p.sent.Load(), Retries: p.retries.Load(), Dropped: p.dropped.Load()}
+	return PusherStats{Sent: p.sent.Load(), Retries: p.retries.Load(), Dropped: p.dropped.Load(), Redirected: p.redirected.Load()}
 }
 
 func (p *Pusher) collect() {
@@ -245,6 +253,9 @@ func (p *Pusher) postOnce(ctx context.Context, body []byte) error {
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	defer cancel()
 	if err := postJSON(ctx, p.cfg.Client, p.cfg.URL, p.cfg.Header, p.cfg.UserAgent, body); err != nil {
+		if _, ok := errors.AsType[*cphttp.RedirectError](err); ok {
+			p.redirected.Add(1)
+		}
 		return fmt.Errorf("activity pusher: %w", err)
 	}
 	return nil

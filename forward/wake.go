@@ -10,6 +10,8 @@ import (
 	"net/netip"
 	"sync"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/cphttp"
 )
 
 // Defaults for the zero values of WakerConfig and Config's wake fields.
@@ -35,7 +37,9 @@ type WakerConfig struct {
 	UserAgent string
 	// Timeout bounds one request. Zero means DefaultWakeRequestTimeout.
 	Timeout time.Duration
-	// Client makes the requests; nil means a client of its own.
+	// Client makes the requests; nil means a client of its own. It never
+	// follows a redirect: a 3xx answer fails the wake
+	// (*cphttp.RedirectError, outcome WakeRedirected).
 	Client *http.Client
 }
 
@@ -66,9 +70,7 @@ func NewWaker(cfg WakerConfig) (*Waker, error) {
 	if cfg.UserAgent == "" {
 		cfg.UserAgent = "caddy-ktls"
 	}
-	if cfg.Client == nil {
-		cfg.Client = &http.Client{}
-	}
+	cfg.Client = cphttp.NoRedirects(cfg.Client)
 	return &Waker{cfg: cfg, inflight: map[string]*wakeCall{}}, nil
 }
 
@@ -117,7 +119,15 @@ const (
 	WakeWoken      = "woken"       // the target answered after the wake
 	WakeFailed     = "wake-failed" // the control plane did not accept the wake
 	WakeDialFailed = "dial-failed" // the wake was accepted, the target never answered within the wake timeout
+	// WakeRedirected: the control plane answered the wake with a redirect,
+	// which is not followed (the tunnel is refused as ReasonWakeFailed).
+	WakeRedirected = "redirected"
 )
+
+// WakeOutcomes are every outcome Config.OnWake reports.
+func WakeOutcomes() []string {
+	return []string{WakeWoken, WakeFailed, WakeDialFailed, WakeRedirected}
+}
 
 // wakeAndDial wakes the sandbox of a target that did not answer and dials
 // it again, backing off, until it answers or the wake timeout ends. The
@@ -135,6 +145,9 @@ func (f *Forwarder) wakeAndDial(sandbox string, target netip.AddrPort, first err
 	}()
 	if _, err := f.cfg.Wake.Wake(ctx, sandbox, target); err != nil {
 		outcome = WakeFailed
+		if _, ok := errors.AsType[*cphttp.RedirectError](err); ok {
+			outcome = WakeRedirected
+		}
 		return nil, &RejectError{Reason: ReasonWakeFailed, Err: fmt.Errorf("sandbox %s: target %s: %v; the wake failed: %w", sandbox, target, first, err)}
 	}
 	backoff := wakeBackoffFirst

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ktlsingress/caddy-ktls/internal/cphttp"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -48,7 +49,8 @@ type LookupConfig struct {
 	URL string
 	// Header is sent with every request (e.g. Authorization).
 	Header http.Header
-	// Client makes the requests; nil means a client of its own.
+	// Client makes the requests; nil means a client of its own. It never
+	// follows a redirect: a 3xx answer fails the lookup (LookupRedirect).
 	Client *http.Client
 	// Timeout bounds one request. Zero means DefaultLookupTimeout.
 	Timeout time.Duration
@@ -102,10 +104,19 @@ const (
 // The LookupError reasons.
 const (
 	LookupNotFound    = "not-found"   // the control plane knows no such sandbox (404)
-	LookupUnavailable = "unavailable" // no answer: a network error, a timeout, a status other than 200 and 404
+	LookupUnavailable = "unavailable" // no answer: a network error, a timeout, a status other than 200, 404 and 3xx
 	LookupBadAnswer   = "bad-answer"  // an answer that is not a valid location
 	LookupBadSandbox  = "bad-sandbox" // the sandbox ID itself cannot be in a preamble
+	// LookupRedirect: the control plane answered with a redirect, which is
+	// not followed (the Err is a *cphttp.RedirectError naming the status
+	// and the Location).
+	LookupRedirect = "redirect"
 )
+
+// LookupReasons are every LookupError reason.
+func LookupReasons() []string {
+	return []string{LookupNotFound, LookupUnavailable, LookupBadAnswer, LookupBadSandbox, LookupRedirect}
+}
 
 // LookupError is a sandbox that could not be found; Reason says why.
 type LookupError struct {
@@ -144,9 +155,7 @@ func NewLookup(cfg LookupConfig) (*Lookup, error) {
 	if cfg.MaxEntries == 0 {
 		cfg.MaxEntries = DefaultLookupMaxEntries
 	}
-	if cfg.Client == nil {
-		cfg.Client = &http.Client{}
-	}
+	cfg.Client = cphttp.NoRedirects(cfg.Client)
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
@@ -255,6 +264,8 @@ func (l *Lookup) request(sandbox string) (Location, time.Duration, error) {
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, maxLookupAnswer+1))
 	switch {
+	case resp.StatusCode/100 == 3:
+		return fail(LookupRedirect, cphttp.Redirect(req.URL.String(), resp))
 	case resp.StatusCode == http.StatusNotFound:
 		return fail(LookupNotFound, errors.New("the control plane knows no such sandbox (404)"))
 	case resp.StatusCode != http.StatusOK:

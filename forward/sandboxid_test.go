@@ -1,10 +1,14 @@
 package forward
 
 import (
+	"bytes"
+	"crypto/ed25519"
+	"net"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -37,5 +41,37 @@ func TestRegistryCloseSandboxIDCase(t *testing.T) {
 	}
 	if _, _, err := reg.Open("sbx-r2", "10.0.0.1:1", Origin{}, 0); ReasonOf(err) != string(ReasonSandboxClosed) {
 		t.Errorf("Open(sbx-r2) after a close of SBX-R2: %v, want %s", err, ReasonSandboxClosed)
+	}
+}
+
+// A frame that names a sandbox in another case than the canonical
+// lowercase, or by dots, authentic as it may be (signed by a trusted key,
+// so no gateway of this module wrote it), is refused bad-sandbox-id and
+// counted before its target is dialed: no spelling of a sandbox opens a
+// tunnel that its limits and refusals do not see.
+func TestForwarderRefusesNonCanonicalSandboxID(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up := forwardtest.NewUpstream(t, 0)
+	f := newFixture(t, func(c *Config) { c.MaxTunnelsPerSandbox = 1 })
+	// resign returns f.gw's frame for sandbox "sbx-xx" with the ID's bytes
+	// replaced by id (as long), signed again.
+	resign := func(id string) []byte {
+		frame := f.gw.Frame(t, "sbx-xx", up.Addr())
+		i := bytes.Index(frame, []byte("\x06sbx-xx"))
+		copy(frame[i+1:], id)
+		body := frame[:len(frame)-preamble.SignatureLen]
+		return append(body, ed25519.Sign(f.gw.Key, append([]byte(preamble.SignatureContext), body...))...)
+	}
+	for i, id := range []string{"SBX-XX", "Sbx-xx", "..sbx-", ".sbx-x"} {
+		err := f.refused(t, i+1, string(preamble.ReasonBadSandboxID), func(c *net.TCPConn) { c.Write(resign(id)) })
+		if !strings.Contains(err.Error(), id) {
+			t.Errorf("sandbox %q: error %v does not name the ID", id, err)
+		}
+	}
+	if n := f.reg.Rejections()[string(preamble.ReasonBadSandboxID)]; n != 4 {
+		t.Errorf("rejections[bad-sandbox-id] = %d, want 4", n)
+	}
+	if up.Accepted() != 0 || len(f.reg.Activity()) != 0 {
+		t.Errorf("the upstream accepted %d connections, the registry knows %+v; want none", up.Accepted(), f.reg.Activity())
 	}
 }

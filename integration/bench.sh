@@ -35,6 +35,18 @@
 #      their merged report goes to ${BENCH_OUT%.json}.md and .png.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
+# -h/--help anywhere: this header and the driver's flags, on this host,
+# before anything is installed, built into the VM or booted.
+for a in "$@"; do
+  case $a in
+    -h | -help | --help)
+      sed -n '2,/^set -euo pipefail$/{/^set /d;s/^# \{0,1\}//;p}' "$0"
+      echo
+      echo "The driver's flags:"
+      cd "$REPO" && go run ./integration/bench run -h 2>&1 | sed 1d
+      exit 0 ;;
+  esac
+done
 WHERE=vm SIZE=full
 while [ $# -gt 0 ]; do
   case $1 in

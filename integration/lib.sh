@@ -30,3 +30,58 @@ die() { printf 'ERROR: %s\n' "$*" >&2; exit 1; }
 now() { date +%s.%N; }
 # elapsed START prints seconds since START with one decimal.
 elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+
+# apt_lock_holder FILE prints the PID of a process that holds a lock on
+# FILE (from /proc/locks: apt and dpkg lock with fcntl), "-1" for an open
+# file description lock, nothing when none does.
+apt_lock_holder() {
+  local ino dev maj min
+  [ -e "$1" ] || return 0
+  read -r ino dev < <(stat -L -c '%i %d' "$1") || return 0
+  maj=$(( (dev >> 8) & 0xfff )) min=$(( (dev & 0xff) | ((dev >> 12) & 0xfff00) ))
+  awk -v id="$(printf '%02x:%02x:%s' "$maj" "$min" "$ino")" \
+    '$2 != "->" && $6 == id { print $5; exit }' /proc/locks
+}
+
+# apt_wait_locks waits until no process holds apt's or dpkg's locks (on a
+# fresh cloud VM unattended-upgrades holds them for minutes), at most
+# APT_LOCK_WAIT seconds (default 600), saying on stderr which lock it waits
+# for and who holds it; it fails when the time is up. APT_LOCK_ROOT
+# prefixes the lock paths (the tests' own root).
+apt_wait_locks() {
+  local root=${APT_LOCK_ROOT:-} bound=${APT_LOCK_WAIT:-600} start=$SECONDS said= held f pid
+  while :; do
+    held=
+    for f in "$root"/var/lib/dpkg/lock-frontend "$root"/var/lib/dpkg/lock \
+      "$root"/var/lib/apt/lists/lock "$root"/var/cache/apt/archives/lock; do
+      pid=$(apt_lock_holder "$f")
+      [ -n "$pid" ] || continue
+      if [ "$pid" = -1 ]; then
+        held="$f (held through an open file description)"
+      else
+        held="$f (held by process $pid, $(cat "/proc/$pid/comm" 2>/dev/null || echo 'gone'))"
+      fi
+      break
+    done
+    if [ -z "$held" ]; then
+      [ -z "$said" ] || log "apt: the lock is free after $(( SECONDS - start )) s"
+      return 0
+    fi
+    if (( SECONDS - start >= bound )); then
+      log "ERROR: apt: $held is still locked after $bound s: another apt or dpkg is installing; let it finish (or raise APT_LOCK_WAIT=<seconds>) and run this again"
+      return 1
+    fi
+    if [ "$held" != "$said" ]; then
+      log "apt: waiting up to $bound s for $held: another apt or dpkg (unattended-upgrades on a fresh machine) is installing"
+      said=$held
+    fi
+    sleep 1
+  done
+}
+
+# apt_get runs apt-get once no other process holds apt's locks
+# (apt_wait_locks); DPkg::Lock::Timeout covers a process that takes the
+# dpkg lock in between.
+apt_get() {
+  apt_wait_locks && apt-get -o "DPkg::Lock::Timeout=${APT_LOCK_WAIT:-600}" "$@"
+}

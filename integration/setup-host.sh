@@ -7,6 +7,8 @@
 # benchmark's HAProxy and nginx; and the checkers of the operator kit under
 # deploy/ (systemd-analyze, promtool).
 set -euo pipefail
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
 have qemu-system-x86_64 || need+=(qemu-system-x86)
@@ -58,5 +60,5 @@ if [ ! -e /usr/sbin/policy-rc.d ]; then
   printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
   trap 'rm -f /usr/sbin/policy-rc.d' EXIT
 fi
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+apt_get update -qq
+apt_get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

@@ -21,6 +21,7 @@ import (
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/spf13/cobra"
 
+	"github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -477,7 +478,11 @@ refused the tunnel before its first byte (remote error: tls: access
 denied): ..."), in userspace TLS with a reset ("the forwarder reset the
 tunnel before its first byte (connection reset by peer): ..."); either is
 reported the same way whether the command met it reading or writing. Its
-log and metrics carry the reason.
+log and metrics carry the reason. A forwarder that refuses the client
+certificate sends a certificate alert, which with TLS 1.3 arrives after the
+handshake ("the forwarder refused the gateway's client certificate
+(bad_certificate) ...: it lacks the clientAuth extended key usage ...");
+nothing reached the target.
 ` + preambleSpecRef,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -501,11 +506,18 @@ log and metrics carry the reason.
 			if !roots.AppendCertsFromPEM(caPEM) {
 				return fmt.Errorf("--ca %s holds no PEM certificate", caFile)
 			}
-			tlsConfig := &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: roots, ServerName: serverName, MinVersion: tls.VersionTLS12}
+			// The certificate goes whatever CAs the forwarder names (crypto/tls
+			// would send none for an issuer outside them), so that a refusal
+			// says what is wrong with it.
+			tlsConfig := &tls.Config{RootCAs: roots, ServerName: serverName, MinVersion: tls.VersionTLS12,
+				GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &cert, nil }}
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
 			defer cancel()
-			conn, err := preamble.Dial(ctx, "tcp", addr, tlsConfig, signer, claims)
+			conn, err := dialTunnel(ctx, addr, tlsConfig, signer, claims)
 			if err != nil {
+				if refused := certificateRefused(cert.Leaf, err); refused != nil {
+					return refused
+				}
 				return err
 			}
 			defer conn.Close()
@@ -535,6 +547,11 @@ log and metrics carry the reason.
 				default:
 				}
 			}
+			if received == 0 {
+				if refused := certificateRefused(cert.Leaf, rerr, werr); refused != nil {
+					return refused
+				}
+			}
 			return dialEnd(received, rerr, werr)
 		},
 	}
@@ -546,6 +563,44 @@ log and metrics carry the reason.
 	cmd.Flags().StringVar(&serverName, "server-name", "", "name to verify in the forwarder's certificate (default: host of --addr)")
 	cmd.Flags().DurationVar(&timeout, "timeout", 10*time.Second, "bound on connecting, handshake and writing the preamble")
 	return cmd
+}
+
+// dialTunnel is preamble.Dial that, when the preamble's write fails,
+// reads what the forwarder sent before it closed: with TLS 1.3 the refusal
+// of the client certificate comes after the client's handshake, and the
+// forwarder may close before the preamble reaches it.
+func dialTunnel(ctx context.Context, addr string, cfg *tls.Config, signer *preamble.Signer, claims preamble.Claims) (*tls.Conn, error) {
+	nc, err := (&tls.Dialer{Config: cfg}).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	conn := nc.(*tls.Conn)
+	if err := preamble.Send(ctx, conn, signer, claims); err != nil {
+		conn.SetReadDeadline(time.Now().Add(pendingAlertWait))
+		_, rerr := conn.Read(make([]byte, 1))
+		conn.Close()
+		if _, ok := gateway.CertificateAlert(rerr); ok {
+			return nil, rerr
+		}
+		return nil, err
+	}
+	return conn, nil
+}
+
+// pendingAlertWait bounds the read, after the preamble's write failed,
+// for an alert the forwarder sent before it closed.
+const pendingAlertWait = 100 * time.Millisecond
+
+// certificateRefused is the error that says the forwarder refused the
+// client certificate leaf, when one of errs, met before the tunnel's
+// first byte, is that refusal (gateway.CertificateAlert); nil otherwise.
+func certificateRefused(leaf *x509.Certificate, errs ...error) error {
+	for _, err := range errs {
+		if name, ok := gateway.CertificateAlert(err); ok {
+			return &gateway.CertificateRefusedError{Alert: name, Certificate: leaf, Err: err}
+		}
+	}
+	return nil
 }
 
 // refusalOnWriteWait bounds how long dial waits, after a tunnel that ended

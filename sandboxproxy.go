@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/mholt/caddy-l4/layer4"
@@ -120,10 +121,33 @@ func (h *SandboxProxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		refuseConn(user)
 		return nil
 	}
-	countDialOK(moduleSandboxProxy, tunnel)
+	// The tunnel is open once the forwarder has taken the gateway's
+	// certificate: with TLS 1.3 that is known from its first byte, or from
+	// how the tunnel ended (CertificateRefusal).
+	var opened atomic.Bool
+	open := func() {
+		if opened.CompareAndSwap(false, true) {
+			countDialOK(moduleSandboxProxy, tunnel)
+		}
+	}
+	opts := splice.Options{OnBytes: func(dir splice.Direction, _ int) {
+		if dir == splice.BToA && !opened.Load() {
+			open()
+		}
+	}}
 	// The relay is not bound to the connection's context: tunnels outlive
 	// configuration reloads, as the forwarder's do.
-	st, err := gateway.Relay(context.Background(), user, buffered, tunnel, splice.Options{})
+	st, err := gateway.Relay(context.Background(), user, buffered, tunnel, opts)
+	if st.BToA.Bytes == 0 {
+		if de := h.dialer.CertificateRefusal(route, st.BToA.Err); de != nil {
+			// The relay refused the user's connection.
+			gatewayDials.WithLabelValues(moduleSandboxProxy, dialResult(de)).Inc()
+			h.logger.Warn("sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", zap.String("peer", peer),
+				zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target), zap.String("forwarder", route.Forwarder), zap.Error(de))
+			return nil
+		}
+	}
+	open()
 	end := gateway.RelayEnd(st, err)
 	gatewayEnds.WithLabelValues(moduleSandboxProxy, string(end)).Inc()
 	for _, d := range []splice.DirectionStats{st.AToB, st.BToA} {

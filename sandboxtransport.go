@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
 func init() {
@@ -216,7 +217,14 @@ func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 	}))
 	resp, err := t.pools.get(route).RoundTrip(req)
 	if err != nil {
-		tunnel.Load().done(gateway.EndOf(err))
+		tc := tunnel.Load()
+		if de := tc.refusal(); de != nil {
+			// The forwarder refused the gateway's certificate: the
+			// tunnel never opened (logged and counted as it was read).
+			tc.done(gateway.EndClosed)
+			return nil, reverseproxy.NewDialError(de)
+		}
+		tc.done(gateway.EndOf(err))
 		var de *gateway.DialError
 		switch {
 		case errors.As(err, &de):
@@ -258,8 +266,7 @@ func (t *SandboxTransport) routeTransport(route gateway.Route) *http.Transport {
 				t.logger.Warn("sandbox transport: cannot open the tunnel; nothing reached the sandbox", routeFields(route, zap.Error(err))...)
 				return nil, err
 			}
-			countDialOK(moduleSandboxTransport, conn)
-			return &tunnelConn{Conn: conn}, nil
+			return &tunnelConn{Conn: conn, t: t, route: route, readFailed: make(chan struct{})}, nil
 		},
 		MaxIdleConnsPerHost: t.MaxIdleConnsPerRoute,
 		MaxConnsPerHost:     t.MaxConnsPerRoute,
@@ -281,9 +288,22 @@ func (t *SandboxTransport) routeTransport(route gateway.Route) *http.Transport {
 // counts even when the HTTP transport closes the tunnel first: it does
 // so as soon as a body read fails, while the error is still on its way
 // to the reader. Otherwise the tunnel's first read error says.
+//
+// Its dial is counted ok once the forwarder is known to have taken the
+// gateway's certificate, which with TLS 1.3 only what the tunnel reads
+// tells: its first byte, or a first read error other than the
+// forwarder's refusal of the certificate (gateway.CertificateAlert),
+// or its close. A refusal read before any byte makes the tunnel one that
+// could not be opened: counted and logged as a failed dial, with no end.
 type tunnelConn struct {
 	net.Conn
-	readErr atomic.Pointer[error]
+	t          *SandboxTransport // nil: nothing to count or classify
+	route      gateway.Route
+	readErr    atomic.Pointer[error]
+	readFailed chan struct{} // closed at the first read error
+	read       atomic.Bool   // a byte came from the forwarder
+	state      atomic.Int32  // tunnelDialing, tunnelOpen or tunnelRefused
+	refused    *gateway.DialError
 
 	mu       sync.Mutex
 	end      gateway.End // the first refused or failed end a request saw
@@ -315,12 +335,60 @@ func (c *tunnelConn) done(e gateway.End) {
 	c.countLocked()
 }
 
+// The states of a tunnelConn's dial.
+const (
+	tunnelDialing int32 = iota // nothing read yet
+	tunnelOpen                 // counted ok
+	tunnelRefused              // the forwarder refused the certificate
+)
+
 func (c *tunnelConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)
-	if err != nil {
-		c.readErr.CompareAndSwap(nil, &err)
+	if n > 0 && !c.read.Load() {
+		c.read.Store(true)
+		c.open()
+	}
+	if err != nil && c.readErr.CompareAndSwap(nil, &err) && c.t != nil {
+		if de := c.t.dialer.CertificateRefusal(c.route, err); de != nil && !c.read.Load() && c.state.Load() == tunnelDialing {
+			c.refused = de // published by the state's store
+		}
+		if c.refused != nil && c.state.CompareAndSwap(tunnelDialing, tunnelRefused) {
+			de := c.refused
+			gatewayDials.WithLabelValues(moduleSandboxTransport, dialResult(de)).Inc()
+			c.t.logger.Warn("sandbox transport: cannot open the tunnel; nothing reached the sandbox", routeFields(c.route, zap.Error(de))...)
+		}
+		close(c.readFailed)
 	}
 	return n, err
+}
+
+// open counts the tunnel's dial ok, once, unless it was refused.
+func (c *tunnelConn) open() {
+	if kc, ok := c.Conn.(*ktls.Conn); ok && c.state.CompareAndSwap(tunnelDialing, tunnelOpen) {
+		countDialOK(moduleSandboxTransport, kc)
+	}
+}
+
+// refusalWait bounds how long a request that failed on a tunnel from
+// which nothing was read waits for the tunnel's read to say whether the
+// forwarder refused the certificate: a write that met the reset after
+// the refusal fails first.
+const refusalWait = 100 * time.Millisecond
+
+// refusal returns the forwarder's refusal of the gateway's certificate
+// when the tunnel met one before its first byte, nil otherwise. Nil-safe.
+func (c *tunnelConn) refusal() *gateway.DialError {
+	if c == nil || c.read.Load() {
+		return nil
+	}
+	select {
+	case <-c.readFailed:
+	case <-time.After(refusalWait):
+	}
+	if c.state.Load() == tunnelRefused {
+		return c.refused
+	}
+	return nil
 }
 
 func (c *tunnelConn) Close() error {
@@ -336,6 +404,10 @@ func (c *tunnelConn) countLocked() {
 		return
 	}
 	c.counted = true
+	if c.state.Load() == tunnelRefused {
+		return // never opened: counted as a failed dial
+	}
+	c.open()
 	end := c.end
 	if end == "" {
 		var err error

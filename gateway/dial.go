@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
@@ -140,6 +141,9 @@ type Dialer struct {
 	cfg Config
 	tls *tls.Config
 	net net.Dialer
+	// cert is the client certificate's leaf, for the errors that concern
+	// it; nil when GetClientCertificate gives it.
+	cert *x509.Certificate
 }
 
 // New returns a Dialer for cfg.
@@ -180,6 +184,15 @@ func New(cfg Config) (*Dialer, error) {
 		t.ClientSessionCache = tls.NewLRUClientSessionCache(DefaultSessionCacheSize)
 	}
 	d := &Dialer{cfg: cfg, tls: t}
+	if t.GetClientCertificate == nil {
+		// crypto/tls sends no certificate whose issuer is not among the
+		// CAs the server names (a forwarder's client_auth trust_pool):
+		// that forwarder would see none and say only that. Sent, it is
+		// refused as untrusted (unknown_ca), on both sides.
+		cert := &t.Certificates[0]
+		d.cert = leafOf(cert)
+		t.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return cert, nil }
+	}
 	d.net.KeepAliveConfig = net.KeepAliveConfig{Enable: cfg.KeepAlive > 0, Idle: cfg.KeepAlive, Interval: cfg.KeepAlive, Count: 3}
 	if cfg.KeepAlive < 0 {
 		d.net.KeepAlive = -1
@@ -232,15 +245,57 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 	}
 	if err := conn.HandshakeContext(hctx); err != nil {
 		conn.Close()
+		if de := d.CertificateRefusal(r, err); de != nil {
+			return nil, de
+		}
+		if a, ok := remoteAlert(err); ok && a == alertInternalError {
+			err = fmt.Errorf("%w: the forwarder failed the handshake; it does so when it has no certificate for the server name %q "+
+				"(set tls_server_name to a name its certificate carries; its log says \"no certificate available\")", err, cfg.ServerName)
+		}
 		return nil, &DialError{Route: r, Step: StepHandshake, Err: err}
 	}
 	now := time.Now()
 	claims := preamble.Claims{SandboxID: r.Sandbox, Target: r.Target, IssuedAt: now, ExpiresAt: now.Add(d.cfg.PreambleTTL), Extensions: exts}
 	if err := preamble.Send(ctx, conn, d.cfg.Signer, claims); err != nil {
+		// A forwarder that refused the certificate may have closed the
+		// connection before the preamble reached it, which then fails
+		// with a reset: its alert, sent before, is still to be read.
+		if de := d.CertificateRefusal(r, pendingAlert(conn)); de != nil {
+			conn.Close()
+			return nil, de
+		}
 		conn.Abort()
 		return nil, &DialError{Route: r, Step: StepPreamble, Err: err}
 	}
 	return conn, nil
+}
+
+// pendingAlertWait bounds the read that looks for an alert the forwarder
+// sent before the reset that failed a preamble's write.
+const pendingAlertWait = 100 * time.Millisecond
+
+// pendingAlert reads what conn still holds after a failed write: the
+// error the read ends with, such as an alert the peer sent before it
+// reset the connection.
+func pendingAlert(conn *ktls.Conn) error {
+	conn.SetReadDeadline(time.Now().Add(pendingAlertWait))
+	_, err := conn.Read(make([]byte, 1))
+	return err
+}
+
+// CertificateRefusal returns the DialError (StepHandshake, a
+// *CertificateRefusedError) for err, read from a tunnel of r before the
+// forwarder's first byte, when err is the forwarder's refusal of the
+// gateway's client certificate (CertificateAlert); nil otherwise. With
+// TLS 1.3 such a refusal comes after Dial returned: whatever reads the
+// tunnel first (an HTTP transport, Relay) meets it, and the tunnel is
+// then one that could not be opened.
+func (d *Dialer) CertificateRefusal(r Route, err error) *DialError {
+	name, ok := CertificateAlert(err)
+	if !ok {
+		return nil
+	}
+	return &DialError{Route: r, Step: StepHandshake, Err: &CertificateRefusedError{Alert: name, Certificate: d.cert, Err: err}}
 }
 
 // The steps of a Dial, as DialError names them.
@@ -251,11 +306,14 @@ const (
 )
 
 // DialError is a tunnel that could not be opened: no byte of the tenant's
-// was sent, so whatever asked for it may be tried again.
+// reached the sandbox, so whatever asked for it may be tried again.
 type DialError struct {
 	Route Route
-	Step  string // StepConnect, StepHandshake or StepPreamble
-	Err   error
+	// Step is StepConnect, StepHandshake (with a *CertificateRefusedError
+	// when the forwarder refused the gateway's certificate) or
+	// StepPreamble.
+	Step string
+	Err  error
 }
 
 func (e *DialError) Error() string {

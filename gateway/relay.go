@@ -18,7 +18,9 @@ import (
 //
 // The ends travel on: an orderly end on one side half-closes the other; a
 // forwarder's refusal (EndRefused, before the sandbox sent a byte) ends
-// user as refused too (its Refuse: access_denied on a kTLS session), and
+// user as refused too (its Refuse: access_denied on a kTLS session), as
+// does the forwarder's refusal of the gateway's certificate
+// (CertificateAlert; with TLS 1.3 it arrives after Dial returned), and
 // any failure ends both sides as failures. The forwarder ends every tunnel
 // it ends in order with close_notify, so the tunnel's end without one (a
 // forwarder that died, or a reset the kernel reported as an end) is a
@@ -38,7 +40,10 @@ func Relay(ctx context.Context, user net.Conn, buffered []byte, tunnel net.Conn,
 			return st, fmt.Errorf("gateway: bytes buffered before the tunnel: %w", err)
 		}
 	}
-	opts.Refused = Refused
+	opts.Refused = func(err error) bool {
+		_, cert := CertificateAlert(err)
+		return cert || Refused(err)
+	}
 	opts.RequireCloseNotify[splice.BToA] = true
 	st, err := splice.Run(ctx, user, tunnel, opts)
 	if len(buffered) > 0 {

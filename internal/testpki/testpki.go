@@ -82,6 +82,14 @@ func (ca *CA) Client(t testing.TB, commonName string) *Leaf {
 	return ca.issue(t, commonName, nil, x509.ExtKeyUsageClientAuth)
 }
 
+// Leaf issues a certificate with the given common name whose only extended
+// key usage is usage: e.g. a serverAuth certificate a gateway must not be
+// able to use as its client certificate.
+func (ca *CA) Leaf(t testing.TB, commonName string, usage x509.ExtKeyUsage) *Leaf {
+	t.Helper()
+	return ca.issue(t, commonName, nil, usage)
+}
+
 func (ca *CA) issue(t testing.TB, cn string, dnsNames []string, usage x509.ExtKeyUsage) *Leaf {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)

@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
 func init() {
@@ -85,6 +86,8 @@ const (
 // CloseRequest is the body of POST /sandbox/close.
 type CloseRequest struct {
 	// Sandbox ends the tunnels to this sandbox ID.
+	// It is case-insensitive; the answer and the logs give its lowercase
+	// form, the one tunnels carry.
 	Sandbox string `json:"sandbox,omitempty"`
 	// ClientCertificate ends the tunnels opened with this client
 	// certificate: its subject (as GET /sandbox/tunnels shows it, e.g.
@@ -178,6 +181,17 @@ func decodeCloseRequest(body io.Reader) (CloseRequest, error) {
 	}
 	if dec.More() {
 		return req, errors.New("the body holds more than one JSON value: send one close request")
+	}
+	if req.Sandbox != "" {
+		// Sandbox IDs are case-insensitive: a close of any spelling
+		// closes and refuses the one sandbox, by its lowercase ID.
+		id, err := preamble.CanonicalSandboxID(req.Sandbox)
+		if err != nil {
+			var pe *preamble.Error
+			errors.As(err, &pe)
+			return req, fmt.Errorf(`"sandbox": %s`, pe.Detail)
+		}
+		req.Sandbox = id
 	}
 	switch {
 	case req.Sandbox == "" && req.ClientCertificate == "":

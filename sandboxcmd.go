@@ -195,7 +195,7 @@ type claimFlags struct {
 func (f *claimFlags) register(cmd *cobra.Command, keyFlag string) {
 	cmd.Flags().StringVar(&f.keyFile, keyFlag, "", "Ed25519 private key file (PEM PKCS#8, as keygen --key-out writes it)")
 	cmd.Flags().StringVar(&f.keyID, "key-id", "", "key ID (default: the one kept in the key file, else derived from the key); must match the key file's")
-	cmd.Flags().StringVar(&f.sandbox, "sandbox", "", "sandbox ID ([A-Za-z0-9._-], up to 128 bytes)")
+	cmd.Flags().StringVar(&f.sandbox, "sandbox", "", "sandbox ID ([a-z0-9._-], up to 128 bytes, starting with a letter or digit; case-insensitive: signed lowercase)")
 	cmd.Flags().StringVar(&f.target, "target", "", "target ip:port inside the sandbox (IPv6 as [addr]:port)")
 	cmd.Flags().DurationVar(&f.ttl, "ttl", preamble.DefaultTTL, "validity of the preamble")
 	cmd.Flags().StringVar(&f.clientAddr, "client-addr", "", "end user's ip:port, signed as the client identity (extension 0x0010)")
@@ -227,6 +227,10 @@ func (f *claimFlags) signerAndClaims(keyFlag string) (*preamble.Signer, preamble
 	if err != nil {
 		return nil, preamble.Claims{}, err
 	}
+	sandbox, err := preamble.CanonicalSandboxID(f.sandbox)
+	if err != nil {
+		return nil, preamble.Claims{}, fmt.Errorf("--sandbox: %w", err)
+	}
 	target, err := netip.ParseAddrPort(f.target)
 	if err != nil {
 		return nil, preamble.Claims{}, fmt.Errorf("--target %q: want an IP address and port, no host names: %v", f.target, err)
@@ -235,7 +239,7 @@ func (f *claimFlags) signerAndClaims(keyFlag string) (*preamble.Signer, preamble
 		return nil, preamble.Claims{}, fmt.Errorf("--ttl %v: want at least 1s", f.ttl)
 	}
 	now := time.Now()
-	claims := preamble.Claims{SandboxID: f.sandbox, Target: target, IssuedAt: now, ExpiresAt: now.Add(f.ttl)}
+	claims := preamble.Claims{SandboxID: sandbox, Target: target, IssuedAt: now, ExpiresAt: now.Add(f.ttl)}
 	if f.clientID != "" && f.clientAddr == "" {
 		return nil, preamble.Claims{}, errors.New("--client-id needs --client-addr: the client identity always carries the end user's address")
 	}

@@ -23,7 +23,8 @@ func init() {
 // for through the control plane (gateway.Lookup: cached, coalesced,
 // bounded) and sets the variables sandbox_id, sandbox_forwarder and
 // sandbox_target ({http.vars.*}, {vars.*} in a Caddyfile) for the
-// reverse_proxy with the sandbox transport after it. A sandbox the control
+// reverse_proxy with the sandbox transport after it; sandbox_id is the
+// lowercase form of the ID (sandbox IDs are case-insensitive). A sandbox the control
 // plane does not know, or a control plane that does not answer, ends the
 // request with 502 and the reason in the log; nothing is proxied.
 type SandboxLookup struct {
@@ -124,7 +125,8 @@ func resolve(ctx context.Context, l *gateway.Lookup, module, sandbox string, log
 	if err != nil {
 		var le *gateway.LookupError
 		if errors.As(err, &le) {
-			result = le.Reason
+			// The ID as looked up: lowercase, unless it was refused.
+			result, sandbox = le.Reason, le.Sandbox
 		}
 		logger.Warn("sandbox lookup failed; nothing is proxied", append(fields, zap.String("sandbox", sandbox), zap.String("reason", result), zap.Error(err))...)
 	}
@@ -178,7 +180,7 @@ func (h *SandboxLookup) ServeHTTP(w http.ResponseWriter, r *http.Request, next c
 	if err != nil {
 		return caddyhttp.Error(http.StatusBadGateway, err)
 	}
-	caddyhttp.SetVar(r.Context(), lookupVarSandbox, sandbox)
+	caddyhttp.SetVar(r.Context(), lookupVarSandbox, loc.Sandbox)
 	caddyhttp.SetVar(r.Context(), lookupVarForwarder, loc.Forwarder)
 	caddyhttp.SetVar(r.Context(), lookupVarTarget, loc.Target.String())
 	return next.ServeHTTP(w, r)

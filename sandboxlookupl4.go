@@ -14,8 +14,9 @@ func init() {
 // sandbox a connection is for through the control plane, as the HTTP
 // sandbox_lookup does, and sets the placeholders {l4.sandbox.id},
 // {l4.sandbox.forwarder} and {l4.sandbox.target} for the sandbox_proxy
-// after it. A failed lookup refuses the connection (access_denied on a kTLS
-// session) with the reason in the log.
+// after it; {l4.sandbox.id} is the lowercase form of the ID (sandbox IDs
+// are case-insensitive). A failed lookup refuses the connection
+// (access_denied on a kTLS session) with the reason in the log.
 type SandboxLookupL4 struct {
 	// The sandbox to look up and how the control plane is asked
 	// (LookupOptions), at the top level of the JSON.
@@ -45,7 +46,7 @@ func (h *SandboxLookupL4) Handle(cx *layer4.Connection, next layer4.Handler) err
 		refuseConn(user)
 		return nil
 	}
-	repl.Set(l4LookupPrefix+"id", sandbox)
+	repl.Set(l4LookupPrefix+"id", loc.Sandbox)
 	repl.Set(l4LookupPrefix+"forwarder", loc.Forwarder)
 	repl.Set(l4LookupPrefix+"target", loc.Target.String())
 	return next.Handle(cx)

@@ -41,7 +41,10 @@ type SandboxProxy struct {
 
 	// Sandbox is the sandbox ID the preamble names. Placeholders are
 	// replaced per connection: e.g. {l4.tls.server_name.labels.2}, the
-	// third label from the right of the name the user asked for.
+	// third label from the right of the name the user asked for. Sandbox
+	// IDs are case-insensitive: the preamble names the lowercase form, and
+	// a connection whose ID is not valid even lowercased ("..", ".a") is
+	// refused before anything is dialed.
 	Sandbox string `json:"sandbox,omitempty"`
 
 	// Target is the sandbox service's private IP address and port.

@@ -46,7 +46,10 @@ func init() {
 type SandboxTransport struct {
 	// Sandbox is the sandbox ID the preambles name; placeholders are
 	// replaced per request: e.g. {http.request.host.labels.2}, or a var
-	// set by `map`.
+	// set by `map`. Sandbox IDs are case-insensitive: the preambles (and
+	// the route the tunnels are pooled by) name the lowercase form, and a
+	// request whose ID is not valid even lowercased ("..", ".a") fails
+	// (502) before anything is dialed.
 	Sandbox string `json:"sandbox,omitempty"`
 
 	// Target is the sandbox app's private IP address and port; placeholders

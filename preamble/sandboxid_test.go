@@ -2,6 +2,7 @@ package preamble
 
 import (
 	"crypto/ed25519"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -50,8 +51,8 @@ func TestCanonicalSandboxID(t *testing.T) {
 			continue
 		}
 		wantReason(t, err, ReasonBadSandboxID)
-		if !strings.Contains(err.Error(), detail) {
-			t.Errorf("CanonicalSandboxID(%q): %v; want it to say %q", in, err, detail)
+		if !strings.Contains(err.Error(), detail) || !strings.Contains(err.Error(), fmt.Sprintf("sandbox ID %q", in)) {
+			t.Errorf("CanonicalSandboxID(%q): %v; want it to name the ID as given and say %q", in, err, detail)
 		}
 		if ReasonOf(CheckSandboxID(in)) != string(ReasonBadSandboxID) {
 			t.Errorf("CheckSandboxID(%q) accepted it", in)

@@ -387,14 +387,18 @@ func checkSandboxID(b []byte) error {
 // *Error (ReasonBadSandboxID) CheckSandboxID gives.
 func CanonicalSandboxID(id string) (string, error) {
 	b := unsafe.Slice(unsafe.StringData(id), len(id))
-	if hasUpper(b) {
-		b = asciiLower(b)
-		id = string(b)
+	if !hasUpper(b) {
+		if err := checkSandboxID(b); err != nil {
+			return "", err
+		}
+		return id, nil
 	}
-	if err := checkSandboxID(b); err != nil {
-		return "", err
+	lower := asciiLower(b)
+	if checkSandboxID(lower) != nil {
+		// The error names the ID as given.
+		return "", checkSandboxID(b)
 	}
-	return id, nil
+	return string(lower), nil
 }
 
 // validSandboxID reports whether b is a sandbox ID's canonical charset:

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"crypto/x509"
 	"errors"
-	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
@@ -52,6 +51,27 @@ var refusedCertificates = []refusedCertificate{
 	},
 }
 
+// reloaded loads e's configuration again and waits until the admin
+// endpoint answers from the new one: until the replaced admin server has
+// stopped, its socket takes a share of the connections and closes them
+// unanswered.
+func reloaded(t *testing.T, e *sandboxEnv) {
+	t.Helper()
+	e.load(t)
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	ok := 0
+	waitUntil(t, 10*time.Second, func() bool {
+		resp, err := client.Get("http://" + e.adminAddr + "/metrics")
+		if err == nil {
+			resp.Body.Close()
+			ok++
+		} else {
+			ok = 0
+		}
+		return ok >= 20
+	}, "the admin endpoint to answer 20 times in a row after the reload")
+}
+
 // useGatewayCertificate makes the gateway modules of e use leaf as their
 // client certificate, from the next load.
 func useGatewayCertificate(t *testing.T, files gatewayFiles, leaf *testpki.Leaf) {
@@ -71,10 +91,14 @@ func forwarderFailuresSeries(reason string) string {
 // the alert and what to do, and that no line calls a refusal anything else.
 func checkRefusalLogs(t *testing.T, e *sandboxEnv, msg string, n int, c refusedCertificate, never ...string) {
 	t.Helper()
-	waitUntil(t, 10*time.Second, func() bool { return len(e.logLines(t, msg)) >= n }, fmt.Sprintf("%d log lines %q", n, msg))
+	deadline := time.Now().Add(10 * time.Second)
+	for len(e.logLines(t, msg)) < n && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
 	lines := e.logLines(t, msg)
 	if len(lines) != n {
-		t.Errorf("%d log lines %q, want %d", len(lines), msg, n)
+		log, _ := os.ReadFile(e.logFile)
+		t.Errorf("%d log lines %q, want %d; the log:\n%s", len(lines), msg, n, log)
 	}
 	for _, l := range lines {
 		errText, _ := l["error"].(string)
@@ -111,7 +135,7 @@ func sandboxProxyCertificateRefused(t *testing.T) {
 			up := forwardtest.NewUpstream(t, 1)
 			e := newGatewayEnv(t, map[string]any{"target": up.Addr().String()})
 			useGatewayCertificate(t, e.files, c.leaf(t, e.ca))
-			e.load(t)
+			reloaded(t, e.sandboxEnv)
 			waitIdle(t)
 			m0 := e.metrics(t)
 			for i := range n {
@@ -164,7 +188,7 @@ func sandboxTransportCertificateRefused(t *testing.T) {
 			app := startSandboxApp(t)
 			e := newTransportEnv(t, app.addr, nil, map[string]any{"load_balancing": map[string]any{"retries": 1}})
 			useGatewayCertificate(t, e.files, c.leaf(t, e.ca))
-			e.load(t)
+			reloaded(t, e.sandboxEnv)
 			waitIdle(t)
 			m0 := e.metrics(t)
 			user := e.user(false)

@@ -365,6 +365,23 @@ func (c *tunnelConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// Write writes to the tunnel. A write that fails before anything was read
+// from the tunnel waits, at most refusalWait, for the tunnel's reader (the
+// HTTP transport reads every tunnel all along) to meet what came before
+// the reset that failed it: the forwarder's refusal of the certificate.
+// The HTTP transport closes the tunnel as soon as the write fails, which
+// would leave the refusal unread.
+func (c *tunnelConn) Write(p []byte) (int, error) {
+	n, err := c.Conn.Write(p)
+	if err != nil && c.t != nil && !c.read.Load() {
+		select {
+		case <-c.readFailed:
+		case <-time.After(refusalWait):
+		}
+	}
+	return n, err
+}
+
 // open counts the tunnel's dial ok, once, unless it was refused.
 func (c *tunnelConn) open() {
 	if kc, ok := c.Conn.(*ktls.Conn); ok && c.state.CompareAndSwap(tunnelDialing, tunnelOpen) {

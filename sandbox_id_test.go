@@ -294,3 +294,41 @@ func TestSandboxSignSandboxIDCase(t *testing.T) {
 		}
 	}
 }
+
+// A gateway module's sandbox option without a placeholder is checked at
+// load: one that is no sandbox ID even lowercased does not load, with the
+// rule and the fix; an uppercase one loads and names its lowercase form,
+// as a placeholder's value would.
+func TestSandboxOptionLiteral(t *testing.T) {
+	for _, tc := range []struct {
+		module string
+		v      interface{ Validate() error }
+	}{
+		{"sandbox_proxy", &SandboxProxy{Forwarder: "f:1", Sandbox: "..", Target: "10.0.0.1:1"}},
+		{"sandbox transport", &SandboxTransport{Sandbox: ".a", Target: "10.0.0.1:1"}},
+		{"sandbox_lookup", &LookupOptions{Sandbox: ".", URL: "http://cp/{sandbox}"}},
+	} {
+		err := tc.v.Validate()
+		if err == nil || !strings.HasPrefix(err.Error(), tc.module+": `sandbox`: sandbox ID ") ||
+			!strings.Contains(err.Error(), "the first a letter or a digit: give a sandbox ID or a placeholder such as {") {
+			t.Errorf("%s with a literal dot ID: %v; want the rule and the fix", tc.module, err)
+		}
+	}
+	for _, v := range []interface{ Validate() error }{&SandboxProxy{Forwarder: "f:1", Sandbox: "{l4.tls.server_name.labels.2}", Target: "10.0.0.1:1"},
+		&LookupOptions{Sandbox: "SBX-1", URL: "http://cp/{sandbox}"}} {
+		if err := v.Validate(); err != nil && strings.Contains(err.Error(), "`sandbox`") {
+			t.Errorf("%T: %v; a placeholder or an uppercase ID is no load error", v, err)
+		}
+	}
+
+	sandbox := uniqueSandbox("sbx-literal")
+	up := forwardtest.NewUpstream(t, 100)
+	e := newGatewayEnv(t, map[string]any{"sandbox": strings.ToUpper(sandbox), "target": up.Addr().String()})
+	if n, _, err := transfer(e.userDial(t, "anything"), 10, 1); err != nil || n != 100 {
+		t.Fatalf("tunnel: %d bytes back, %v", n, err)
+	}
+	waitIdle(t)
+	if a := activityOf(t, e.sandboxEnv, sandbox); a.TotalTunnels != 1 {
+		t.Errorf("the literal %s opened no tunnel of %s: %+v", strings.ToUpper(sandbox), sandbox, a)
+	}
+}

@@ -76,7 +76,7 @@ func (o *LookupOptions) Validate() error {
 	if o.Sandbox == "" || o.URL == "" {
 		return errors.New("sandbox_lookup: sandbox and url are required")
 	}
-	return nil
+	return checkSandboxOption("sandbox_lookup", o.Sandbox, "{http.request.host.labels.2}")
 }
 
 // provision sets up the lookup of a handler that logs to logger.

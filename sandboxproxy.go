@@ -80,6 +80,9 @@ func (h *SandboxProxy) Validate() error {
 	if h.Forwarder == "" || h.Sandbox == "" || h.Target == "" {
 		return errors.New("sandbox_proxy: forwarder, sandbox and target are required (placeholders allowed)")
 	}
+	if err := checkSandboxOption("sandbox_proxy", h.Sandbox, "{l4.tls.server_name.labels.2}"); err != nil {
+		return err
+	}
 	if err := h.GatewayDial.validate(); err != nil {
 		return fmt.Errorf("sandbox_proxy: %w", err)
 	}

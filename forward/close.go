@@ -10,6 +10,25 @@ import (
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
+// MaxRefusals bounds the sandboxes that Close refuses new tunnels to at
+// once (CloseRequest.RefuseFor). A Close that would refuse one more is
+// itself refused, before it ends anything, with a *RefusalsFullError; a
+// refusal frees its place when its period ends, and a Close that only
+// lengthens the refusal of a sandbox already refused always passes.
+const MaxRefusals = 4096
+
+// RefusalsFullError is a Close refused because MaxRefusals sandboxes are
+// refused already.
+type RefusalsFullError struct {
+	Sandbox string
+	Max     int
+}
+
+func (e *RefusalsFullError) Error() string {
+	return fmt.Sprintf("sandbox %s cannot be refused: %d sandboxes are refused already, the most at once; "+
+		"a place frees when a refusal's period ends", e.Sandbox, e.Max)
+}
+
 // CloseRequest selects the open tunnels Registry.Close ends: those of one
 // sandbox, or those one client certificate opened (exactly one of the two).
 type CloseRequest struct {
@@ -27,6 +46,7 @@ type CloseRequest struct {
 	// RefuseFor, when positive, refuses new tunnels to Sandbox for that
 	// long (ReasonSandboxClosed), across configuration reloads. Only with
 	// Sandbox.
+	// At most MaxRefusals sandboxes are refused at once.
 	RefuseFor time.Duration
 	// OnGraceEnd, when set, is called once Grace has passed with the
 	// tunnels it then ended (none when all had ended by themselves), on a
@@ -67,8 +87,9 @@ func (e *ClosedError) Error() string {
 // a *ClosedError, and both sides see a failure end: splice.Abort), at once
 // or once req.Grace has passed, and with req.RefuseFor refuses new tunnels
 // to req.Sandbox until then. The refusal lives in the registry, so it
-// outlives configuration reloads; a later Close can only lengthen it. The
-// tunnels it ends are counted (Closed).
+// outlives configuration reloads; a later Close can only lengthen it. A
+// refusal beyond MaxRefusals fails the Close (*RefusalsFullError) with
+// nothing ended. The tunnels it ends are counted (Closed).
 func (r *Registry) Close(req CloseRequest) (CloseResult, error) {
 	if (req.Sandbox == "") == (req.Certificate == "") {
 		return CloseResult{}, errors.New("name exactly one of a sandbox and a client certificate")
@@ -90,6 +111,17 @@ func (r *Registry) Close(req CloseRequest) (CloseResult, error) {
 	var res CloseResult
 	r.mu.Lock()
 	if req.RefuseFor > 0 {
+		if _, ok := r.refusing[req.Sandbox]; !ok && len(r.refusing) >= MaxRefusals {
+			for id, until := range r.refusing {
+				if !now.Before(until) {
+					delete(r.refusing, id)
+				}
+			}
+			if len(r.refusing) >= MaxRefusals {
+				r.mu.Unlock()
+				return CloseResult{}, &RefusalsFullError{Sandbox: req.Sandbox, Max: MaxRefusals}
+			}
+		}
 		until := now.Add(req.RefuseFor)
 		if prev, ok := r.refusing[req.Sandbox]; !ok || until.After(prev) {
 			r.refusing[req.Sandbox] = until

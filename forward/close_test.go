@@ -139,3 +139,38 @@ func TestRegistryTakeReport(t *testing.T) {
 		t.Errorf("LastReport %+v, want sequence 4 (the close's)", last)
 	}
 }
+
+// At most MaxRefusals sandboxes are refused at once: one more is refused
+// with a *RefusalsFullError naming the bound, before its tunnels are ended;
+// lengthening a refusal already held passes at the bound; a refusal whose
+// period has ended frees its place.
+func TestRegistryCloseRefusalBound(t *testing.T) {
+	reg := NewRegistry()
+	for i := range MaxRefusals - 1 {
+		if _, err := reg.Close(CloseRequest{Sandbox: "sbx-" + strconv.Itoa(i), RefuseFor: time.Hour}); err != nil {
+			t.Fatalf("refusal %d: %v", i, err)
+		}
+	}
+	if _, err := reg.Close(CloseRequest{Sandbox: "sbx-short", RefuseFor: 100 * time.Millisecond}); err != nil {
+		t.Fatalf("refusal %d: %v", MaxRefusals, err)
+	}
+	over, ctx, _ := reg.Open("sbx-over", "10.0.0.1:1", Origin{}, 0)
+	defer over.Close()
+	_, err := reg.Close(CloseRequest{Sandbox: "sbx-over", RefuseFor: time.Minute})
+	full, ok := errors.AsType[*RefusalsFullError](err)
+	if !ok || full.Max != MaxRefusals || full.Sandbox != "sbx-over" ||
+		err.Error() != "sandbox sbx-over cannot be refused: 4096 sandboxes are refused already, the most at once; a place frees when a refusal's period ends" {
+		t.Fatalf("close beyond the bound: %v, want a *RefusalsFullError", err)
+	}
+	if ctx.Err() != nil || reg.Closed() != 0 || len(reg.Refusals()) != MaxRefusals {
+		t.Errorf("the refused close ended a tunnel (%v, closed %d) or changed the refusals (%d)", ctx.Err(), reg.Closed(), len(reg.Refusals()))
+	}
+	if _, err := reg.Close(CloseRequest{Sandbox: "sbx-7", RefuseFor: 2 * time.Hour}); err != nil {
+		t.Errorf("lengthening a refusal at the bound: %v", err)
+	}
+	time.Sleep(150 * time.Millisecond) // sbx-short's refusal ends
+	res, err := reg.Close(CloseRequest{Sandbox: "sbx-over", RefuseFor: time.Minute})
+	if err != nil || len(res.Tunnels) != 1 || res.RefusingUntil.IsZero() || len(reg.Refusals()) != MaxRefusals {
+		t.Errorf("close once a place freed: %+v, %v, %d refused", res, err, len(reg.Refusals()))
+	}
+}

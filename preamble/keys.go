@@ -2,7 +2,10 @@ package preamble
 
 import (
 	"bytes"
+	"crypto/ecdh"
+	"crypto/ecdsa"
 	"crypto/ed25519"
+	"crypto/rsa"
 	"crypto/sha256"
 	"crypto/x509"
 	"encoding/base64"
@@ -65,22 +68,16 @@ func ParsePrivateKey(data []byte) (ed25519.PrivateKey, error) {
 // keygen); the caller then derives it with KeyIDFor or takes it from
 // elsewhere.
 func ParseSigningKey(data []byte) (key ed25519.PrivateKey, keyID string, err error) {
-	sawPublic := false
+	var seen []string // the PEM block types before a PRIVATE KEY
 	for {
 		before := data
 		var block *pem.Block
 		block, data = pem.Decode(data)
 		if block == nil {
-			if sawPublic {
-				return nil, "", errors.New("preamble: this is a keyring or public key (PEM PUBLIC KEY), not a private key: " +
-					"give the private key file (the one caddy sandbox keygen --key-out wrote)")
-			}
-			return nil, "", errors.New("preamble: no PEM PRIVATE KEY block")
-		}
-		if block.Type == "PUBLIC KEY" {
-			sawPublic = true
+			return nil, "", noSigningKey(seen)
 		}
 		if block.Type != "PRIVATE KEY" {
+			seen = append(seen, block.Type)
 			continue
 		}
 		k, err := x509.ParsePKCS8PrivateKey(block.Bytes)
@@ -89,7 +86,8 @@ func ParseSigningKey(data []byte) (key ed25519.PrivateKey, keyID string, err err
 		}
 		ek, ok := k.(ed25519.PrivateKey)
 		if !ok {
-			return nil, "", fmt.Errorf("preamble: private key is %T, want Ed25519", k)
+			return nil, "", fmt.Errorf("preamble: this is %s private key (%T), not Ed25519: the preamble signing key is an Ed25519 key of its own; %s",
+				keyAlgorithm(k), k, makeSigningKey)
 		}
 		// The text between the previous block (or the start) and this one.
 		text := before
@@ -119,6 +117,46 @@ func ParseSigningKey(data []byte) (key ed25519.PrivateKey, keyID string, err err
 		}
 		return ek, keyID, nil
 	}
+}
+
+// makeSigningKey says how to make a signing key, for the errors of a file
+// that holds none.
+const makeSigningKey = "make one with `caddy sandbox keygen --key-out <file>` (or `openssl genpkey -algorithm ed25519`)"
+
+// noSigningKey is the error for a file without a PEM PRIVATE KEY block,
+// whose blocks had the types seen: it says what the file is instead.
+func noSigningKey(seen []string) error {
+	for _, t := range seen {
+		switch t {
+		case "PUBLIC KEY":
+			return errors.New("preamble: this is a keyring or public key (PEM PUBLIC KEY), not a private key: " +
+				"give the private key file (the one caddy sandbox keygen --key-out wrote)")
+		case "CERTIFICATE":
+			return errors.New("preamble: this is an X.509 certificate (PEM CERTIFICATE), not a private key: the preamble signing key " +
+				"is an Ed25519 key of its own, not the TLS certificate or its key; " + makeSigningKey)
+		case "EC PRIVATE KEY", "RSA PRIVATE KEY", "OPENSSH PRIVATE KEY", "ENCRYPTED PRIVATE KEY":
+			return fmt.Errorf("preamble: this is a PEM %s, not an Ed25519 PRIVATE KEY (PKCS#8): the preamble signing key is an Ed25519 key of its own; %s",
+				t, makeSigningKey)
+		}
+	}
+	if len(seen) > 0 {
+		return fmt.Errorf("preamble: no PEM PRIVATE KEY block (the file holds %s): %s", strings.Join(seen, ", "), makeSigningKey)
+	}
+	return errors.New("preamble: no PEM PRIVATE KEY block: give the private key file caddy sandbox keygen --key-out wrote, or " + makeSigningKey)
+}
+
+// keyAlgorithm names the algorithm of a PKCS#8 private key other than
+// Ed25519.
+func keyAlgorithm(k any) string {
+	switch k.(type) {
+	case *ecdsa.PrivateKey:
+		return "an ECDSA"
+	case *rsa.PrivateKey:
+		return "an RSA"
+	case *ecdh.PrivateKey:
+		return "an X25519 (ECDH)"
+	}
+	return "a non-Ed25519"
 }
 
 func validKeyID(id string) bool {

@@ -332,3 +332,28 @@ func TestSandboxOptionLiteral(t *testing.T) {
 		t.Errorf("the literal %s opened no tunnel of %s: %+v", strings.ToUpper(sandbox), sandbox, a)
 	}
 }
+
+// The layer4 sandbox_lookup takes the ID from the server name, whose case
+// the user chose: SBX-L4 and sbx-l4 are one lookup (asked once, for the
+// lowercase ID, then cached) and one sandbox at the forwarder.
+func TestSandboxIDCaseLookupL4(t *testing.T) {
+	t.Setenv("TEST_CP_TOKEN", "cp-token")
+	cp := newFakeControlPlane(t)
+	up := forwardtest.NewUpstream(t, 100)
+	e := newGatewayEnvWith(t, map[string]any{"forwarder": "{l4.sandbox.forwarder}", "sandbox": "{l4.sandbox.id}", "target": "{l4.sandbox.target}"},
+		cp.handler("sandbox_lookup", "{l4.tls.server_name.labels.2}"))
+	sandbox := uniqueSandbox("sbx-l4c")
+	cp.set(sandbox, e.addr, up.Addr().String())
+	for i, name := range []string{strings.ToUpper(sandbox), sandbox} {
+		if n, _, err := transfer(e.userDial(t, name), 10, uint64(i)); err != nil || n != 100 {
+			t.Fatalf("%s: %d bytes back, %v", name, n, err)
+		}
+	}
+	if n, upper := cp.count(sandbox), cp.count(strings.ToUpper(sandbox)); n != 1 || upper != 0 {
+		t.Errorf("the control plane was asked %d times for %s and %d for %s, want once, lowercase", n, sandbox, upper, strings.ToUpper(sandbox))
+	}
+	waitIdle(t)
+	if a := activityOf(t, e.sandboxEnv, sandbox); a.TotalTunnels != 2 {
+		t.Errorf("%s has had %d tunnels, want 2 (both spellings)", sandbox, a.TotalTunnels)
+	}
+}

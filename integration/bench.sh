@@ -65,6 +65,10 @@ if [ -z "${CADDY:-}" ]; then
   go build -o "$CADDY" ./cmd/caddy
 fi
 go build -o "$OUT/bench" ./integration/bench
+# The commit measured, recorded in the JSON: a report is stale once the
+# code it measures changed after it (integration/benchreport's tests).
+COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+git diff --quiet HEAD -- . ':(exclude)docs' 2>/dev/null || COMMIT+=-dirty
 
 if [ $SIZE = smoke ]; then
   SIZES=(-bulk-bytes $((1 << 20)) -reps 1 -small-conns 4 -small-calls 40 -small-per-call-calls 8
@@ -83,7 +87,7 @@ start=$(now)
 if [ $WHERE = native ]; then
   "$(dirname "$0")/setup-host.sh"
   rc=0
-  "$OUT/bench" run -mode native -caddy "$CADDY" -out "$DEST" "${SIZES[@]}" "$@" || rc=$?
+  "$OUT/bench" run -mode native -caddy "$CADDY" -commit "$COMMIT" -out "$DEST" "${SIZES[@]}" "$@" || rc=$?
 else
   [ $SIZE = smoke ] && timeout=1800 || timeout=14400
   read -ra groups <<<"${BENCH_SPLIT:-}"
@@ -96,7 +100,7 @@ else
     mkdir -p "$vm_out"
     # The command line is one string the guest's sh runs: quote every word.
     local cmd vrc=0
-    cmd=$(printf '%q ' "$OUT/bench" run -mode vm-icount -caddy "$CADDY" -out /run/vm-out/results.json "${SIZES[@]}" "$@")
+    cmd=$(printf '%q ' "$OUT/bench" run -mode vm-icount -caddy "$CADDY" -commit "$COMMIT" -out /run/vm-out/results.json "${SIZES[@]}" "$@")
     VM_ICOUNT=1 VM_OUT=$vm_out VM_TIMEOUT=${VM_TIMEOUT:-$timeout} \
       "$(dirname "$0")/vm.sh" "${BENCH_KERNEL:-7.3}" "$cmd" || vrc=$?
     # The JSON comes back even from a failing run: its errors say what failed.

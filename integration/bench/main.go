@@ -79,6 +79,7 @@ type report struct {
 	Mode    string          `json:"mode"`
 	Kernel  string          `json:"kernel"`
 	Date    string          `json:"date"`
+	Commit  string          `json:"commit,omitempty"` // the checkout measured: git rev-parse HEAD, "-dirty" when code differed from it
 	Host    string          `json:"host"`
 	Go      string          `json:"go"`
 	Params  params          `json:"params"`
@@ -183,6 +184,7 @@ func runDriver(args []string) error {
 	out := fs.String("out", "results.json", "JSON output file")
 	noTrace := fs.Bool("no-structural", false, "skip the structural passes (untraced count and strace)")
 	timeout := fs.Duration("run-timeout", 30*time.Minute, "bound on one run of one shape")
+	commit := fs.String("commit", "", "the commit of the checkout the binaries were built from, recorded (bench.sh passes git rev-parse HEAD, with -dirty when tracked code differs from it)")
 	pprofDir := fs.String("pprof", "", "after each shape's CPU pass, profile more runs of it with the forwarder's Go CPU profiler (Caddy contenders: their admin endpoint on a unix socket) and write the profiles to this directory")
 	fs.Parse(args)
 	if p.Repetitions < 1 || p.SmallConns < 1 || p.BulkBytes < 1 || p.SmallReq < 1 || p.SmallResp < 1 ||
@@ -226,7 +228,7 @@ func runDriver(args []string) error {
 	var uts syscall.Utsname
 	syscall.Uname(&uts)
 	rep := &report{
-		Schema: 1, Mode: *mode, Kernel: utsString(uts.Release[:]), Date: time.Now().UTC().Format(time.RFC3339),
+		Schema: 1, Mode: *mode, Kernel: utsString(uts.Release[:]), Date: time.Now().UTC().Format(time.RFC3339), Commit: *commit,
 		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Nodename[:]), utsString(uts.Release[:]),
 			utsString(uts.Version[:]), utsString(uts.Machine[:])}, " "),
 		Go: runtime.Version(), Params: p, Notes: notes(*mode, p.GatewayKTLS, p.PeersMTLS), TLSStat: kerneltest.Stat{}, OK: true,

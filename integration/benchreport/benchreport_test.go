@@ -269,8 +269,17 @@ func TestMerge(t *testing.T) {
 			t.Errorf("ok of runs %v, %v: %v, want %v", c.a, c.b, got, c.want)
 		}
 	}
+	if strings.Contains(string(renderResultsMarkdown(m, []string{"a.json", "b.json"}, "")), "- Commit:") {
+		t.Error("runs that recorded no commit render a Commit line")
+	}
+	a.Commit, b.Commit = "0123456789abcdef0123456789abcdef01234567", "0123456789abcdef0123456789abcdef01234567"
+	if m, err = mergeResults([]*Results{a, b}); err != nil {
+		t.Fatal(err)
+	}
 	md := string(renderResultsMarkdown(m, []string{"a.json", "b.json"}, ""))
 	for _, want := range []string{
+		"- Go: ",
+		"- Commit: 0123456789abcdef0123456789abcdef01234567\n",
 		"from `a.json` and `b.json` (written by `integration/bench.sh`); do not edit by hand.\n",
 		"- Date: 2000-01-01T00:00:00Z, 2000-01-02T00:00:00Z",
 		"The cells come from 2 runs of the harness",
@@ -289,6 +298,7 @@ func TestMergeRefused(t *testing.T) {
 		"mode":         func(a, b *Results) { b.Mode = "native" },
 		"parameters":   func(a, b *Results) { b.Params["bulk_bytes"] = []byte("1073741824") },
 		"a cell twice": func(a, b *Results) { b.Results = append(b.Results, a.Results[0]) },
+		"commit":       func(a, b *Results) { a.Commit, b.Commit = "1111111", "2222222" },
 	} {
 		a, b := splitFixture(t)
 		spoil(a, b)

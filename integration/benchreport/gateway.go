@@ -84,6 +84,9 @@ tunnel, which the forwarder verifies.
 		}
 		fmt.Fprintf(&b, "- %s: %s\n", kv[0], v)
 	}
+	if r.Commit != "" {
+		fmt.Fprintf(&b, "- Commit: %s\n", r.Commit)
+	}
 	params := paramText(r)
 	if params != "" {
 		fmt.Fprintf(&b, "- Sizes: %s\n", params)

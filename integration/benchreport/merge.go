@@ -32,7 +32,7 @@ func mergeResults(docs []*Results) (*Results, error) {
 	for i, d := range docs {
 		for _, f := range []struct{ name, a, b string }{
 			{"mode", first.Mode, d.Mode}, {"kernel", first.Kernel, d.Kernel},
-			{"host", first.Host, d.Host}, {"go", first.Go, d.Go},
+			{"host", first.Host, d.Host}, {"go", first.Go, d.Go}, {"commit", first.Commit, d.Commit},
 		} {
 			if f.a != f.b {
 				return nil, fmt.Errorf("run %d: %s %q, run 1: %q: only runs of one setup merge", i+1, f.name, f.b, f.a)

@@ -20,6 +20,7 @@ type Results struct {
 	Mode         string                     `json:"mode"` // vm-icount, vm or native
 	Kernel       string                     `json:"kernel"`
 	Date         string                     `json:"date"`
+	Commit       string                     `json:"commit"` // the checkout measured (git rev-parse HEAD); empty in runs before it was recorded
 	Host         string                     `json:"host"`
 	Go           string                     `json:"go"`
 	Params       map[string]json.RawMessage `json:"params"`
@@ -482,6 +483,9 @@ func renderResultsMarkdown(r *Results, sources []string, chart string) []byte {
 			v = dash
 		}
 		fmt.Fprintf(&b, "- %s: %s\n", kv[0], v)
+	}
+	if r.Commit != "" {
+		fmt.Fprintf(&b, "- Commit: %s\n", r.Commit)
 	}
 	if len(r.merged) > 0 {
 		fmt.Fprintf(&b, "\nThe cells come from %d runs of the harness with the same kernel, binaries and parameters, one after another or side by side on the host:\n\n", len(r.merged))

@@ -1,0 +1,174 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// The code a benchmark report measures, as git pathspecs from the
+// repository root: the forwarder (Caddy with this module, the mechanisms
+// under it) and the harness's driver, which is the gateway and the
+// upstream. Tests, test support the binaries do not link, documentation
+// and the report renderer are not measured.
+var (
+	measuredCommon = []string{
+		"go.mod", "go.sum", ":(glob)*.go", "ktls", "splice", "forward", "preamble",
+		"internal/sockerr", "internal/loopback", "cmd/caddy", "integration/bench",
+		":(exclude,glob)**/*_test.go",
+	}
+	// The gateway modules, which only the gateway chains (l7-l7, l7-l4,
+	// l4-l4) run in a Caddy process.
+	gatewayCode = []string{"gateway", "gatewaydial.go", "gatewaymetrics.go", "sandboxtransport.go", "sandboxproxy.go",
+		"sandboxlookup.go", "sandboxlookupl4.go"}
+	measuredForwarder = append(append([]string{}, measuredCommon...), excludeAll(gatewayCode)...)
+	measuredGateway   = append(append([]string{}, measuredCommon...), gatewayCode...)
+)
+
+func excludeAll(paths []string) []string {
+	var out []string
+	for _, p := range paths {
+		out = append(out, ":(exclude)"+p)
+	}
+	return out
+}
+
+// benchReports are the committed reports (docs/bench), each with the JSON
+// it is rendered from, the code it measures and how to measure it again.
+var benchReports = []struct {
+	md       []string
+	json     []string
+	measures []string
+	redo     string
+}{
+	{[]string{"results.md"}, []string{"results-1.json", "results-2.json"}, measuredForwarder, "make bench && make bench-report"},
+	{[]string{"bulk-1gib.md"}, []string{"bulk-1gib-1.json", "bulk-1gib-2.json"}, measuredForwarder, "make bench-bulk && make bench-report"},
+	{[]string{"small-calls.md"}, []string{"small-calls-1.json", "small-calls-2.json"}, measuredForwarder, "the command in docs/bench/README.md (small shapes rerun)"},
+	{[]string{"small-mtls.md"}, []string{"small-mtls-1.json", "small-mtls-2.json"}, measuredForwarder, "integration/bench.sh -peers-mtls with the small shapes (docs/bench/README.md)"},
+	{[]string{"gateway.md", "gateway-results.md"}, []string{"gateway-results-1.json", "gateway-results-2.json"}, measuredGateway, "make bench-gateway && make bench-report"},
+	{[]string{"gateway-resumption.md"}, []string{"gateway-resumption.json"}, measuredGateway, "the command in docs/bench/gateway-resumption.md"},
+}
+
+// knownStale are reports measured before a change to the code they
+// measure and not measured again yet, each with why. The test fails for a
+// stale report that is not listed here, and for a listed one that is
+// current (remove it once it is measured again).
+var knownStale = map[string]string{
+	"results.md":            "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03, the bulk shapes were not rerun",
+	"bulk-1gib.md":          "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since",
+	"small-calls.md":        "measured 2026-12-03 08:32 (inferred: 81c077a); the relay's end handling and sandbox-ID checks changed since",
+	"small-mtls.md":         "measured 2026-12-02 (inferred: 8824782); the forwarder changed since, as for results.md",
+	"gateway.md":            "measured 2026-12-03 21:32 on b5f2df8 (inferred; expect_no_pad), then the gateway's refusal classification and sandbox-ID checks changed (2026-12-04): a per-dial check, not measured again",
+	"gateway-resumption.md": "measured 2026-12-03 07:02 (inferred: fb1513f); expect_no_pad and the gateway changes since were not measured with resumption alone (gateway.md's run resumes too)",
+}
+
+// git runs git in the repository root and returns its trimmed output.
+func git(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	cmd := exec.Command("git", args...)
+	cmd.Dir = filepath.Join("..", "..")
+	out, err := cmd.Output()
+	return strings.TrimSpace(string(out)), err
+}
+
+// TestBenchReportsMeasureCurrentCode: every committed report was measured
+// on a commit that holds the last change to the code it measures; a report
+// older than that names the commits it misses and how to measure it again.
+// The commit comes from the JSON ("commit", which bench.sh records), or for
+// runs before it was recorded, from the run's date (the last commit before
+// it). A stale report listed in knownStale is logged, not failed.
+func TestBenchReportsMeasureCurrentCode(t *testing.T) {
+	if _, err := exec.LookPath("git"); err != nil {
+		t.Skip("SKIP: no git: which commit a report measured cannot be checked")
+	}
+	if inside, err := git(t, "rev-parse", "--is-inside-work-tree"); err != nil || inside != "true" {
+		t.Skip("SKIP: not a git checkout (a source archive): which commit a report measured cannot be checked")
+	}
+	if shallow, _ := git(t, "rev-parse", "--is-shallow-repository"); shallow == "true" {
+		t.Skip("SKIP: a shallow clone lacks the history that says whether a report is older than its code: run in a full clone (git fetch --unshallow)")
+	}
+	for _, rep := range benchReports {
+		name := rep.md[0]
+		var commits []string
+		var inferred bool
+		for _, file := range rep.json {
+			data, err := os.ReadFile(filepath.Join("..", "..", "docs", "bench", file))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var doc struct{ Date, Commit string }
+			if err := json.Unmarshal(data, &doc); err != nil {
+				t.Fatalf("%s: %v", file, err)
+			}
+			commit := strings.TrimSuffix(doc.Commit, "-dirty")
+			if commit == "" {
+				// Recorded before the harness kept the commit: the last one
+				// before the run.
+				c, err := git(t, "log", "-1", "--format=%H", "--before="+doc.Date, "HEAD")
+				if err != nil || c == "" {
+					t.Errorf("%s: no commit recorded and none before its date %q: %v", file, doc.Date, err)
+					continue
+				}
+				commit, inferred = c, true
+			}
+			if _, err := git(t, "cat-file", "-e", commit+"^{commit}"); err != nil {
+				t.Errorf("%s names commit %s, which this repository does not have", file, commit)
+				continue
+			}
+			commits = append(commits, commit)
+		}
+		if len(commits) != len(rep.json) {
+			continue
+		}
+		last, err := git(t, append([]string{"log", "-1", "--format=%H", "HEAD", "--"}, rep.measures...)...)
+		if err != nil || last == "" {
+			t.Fatalf("git log of the code %s measures: %v", name, err)
+		}
+		var stale []string
+		for _, c := range commits {
+			if _, err := git(t, "merge-base", "--is-ancestor", last, c); err != nil {
+				missed, _ := git(t, append([]string{"log", "--format=%h %cs %s", c + "..HEAD", "--"}, rep.measures...)...)
+				lines := strings.Split(missed, "\n")
+				stale = append(stale, c[:12])
+				how := "recorded"
+				if inferred {
+					how = "inferred from the run's date"
+				}
+				msg := "docs/bench/" + name + " was measured on " + c[:12] + " (" + how + "), but " +
+					strings.Join(lines[:min(len(lines), 3)], "; ")
+				if len(lines) > 3 {
+					msg += " and " + itoa(len(lines)-3) + " more commits"
+				}
+				msg += " changed the code it measures since: measure it again (" + rep.redo + ")"
+				if reason, ok := knownStale[name]; ok {
+					t.Logf("KNOWN STALE (%d commits behind): %s; why it stays: %s", len(lines), msg, reason)
+				} else {
+					t.Error(msg + ", or, if it must stay, list it in knownStale with why")
+				}
+				break
+			}
+		}
+		if len(stale) == 0 {
+			if _, ok := knownStale[name]; ok {
+				t.Errorf("docs/bench/%s is current (measured on %s, after the last change to its code): remove it from knownStale", name, commits[0][:12])
+			}
+		}
+	}
+	for name := range knownStale {
+		found := false
+		for _, rep := range benchReports {
+			found = found || rep.md[0] == name
+		}
+		if !found {
+			t.Errorf("knownStale lists %s, which is no report of benchReports", name)
+		}
+	}
+}
+
+func itoa(n int) string {
+	b, _ := json.Marshal(n)
+	return string(b)
+}

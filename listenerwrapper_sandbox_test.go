@@ -110,7 +110,7 @@ func lwStartForwarder(t *testing.T, target netip.AddrPort, session bool) *lwForw
 	if err != nil {
 		t.Fatal(err)
 	}
-	for name, data := range map[string][]byte{"server.pem": server.CertPEM, "server-key.pem": server.KeyPEM,
+	for name, data := range map[string][]byte{"forwarder.pem": server.CertPEM, "forwarder-key.pem": server.KeyPEM,
 		"ca.pem": ca.PEM, "gateway.pem": client.CertPEM, "gateways.pem": keyring} {
 		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
 			t.Fatal(err)

@@ -59,10 +59,10 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 // the gateway-certificate allowlist and hands the tunnel to the sandbox
 // handler, with the demo's environment substituted.
 func TestSandboxExampleAdapt(t *testing.T) {
-	t.Setenv("DEMO_DIR", "/demo")
-	t.Setenv("DEMO_LISTEN", "127.0.0.1:19443")
-	t.Setenv("DEMO_UPSTREAM_PORT", "19000")
-	t.Setenv("DEMO_APP_PORT", "19001")
+	t.Setenv("FWD_DIR", "/demo")
+	t.Setenv("FWD_LISTEN", "127.0.0.1:19443")
+	t.Setenv("FWD_ALLOW", "127.0.0.1")
+	t.Setenv("FWD_ALLOW_PORTS", "19000-19001")
 	raw, err := os.ReadFile("examples/forwarder.Caddyfile")
 	if err != nil {
 		t.Fatal(err)

@@ -432,8 +432,8 @@ func TestSandboxProxySurvivesReload(t *testing.T) {
 // whose reverse_proxy tunnels with the sandbox transport; both sign with
 // the demo's key and present the demo's gateway certificate.
 func TestGatewayExampleAdapt(t *testing.T) {
-	for k, v := range map[string]string{"DEMO_DIR": "/demo", "DEMO_LISTEN": "127.0.0.1:19443", "DEMO_UPSTREAM_PORT": "19000",
-		"DEMO_APP_PORT": "19001", "DEMO_GATEWAY_TCP": "127.0.0.1:19445", "DEMO_GATEWAY_HTTPS_PORT": "18443"} {
+	for k, v := range map[string]string{"GW_DIR": "/demo", "GW_FORWARDER": "127.0.0.1:19443", "GW_TCP_TARGET": "127.0.0.1:19000",
+		"GW_APP_TARGET": "127.0.0.1:19001", "GW_TCP": "127.0.0.1:19445", "GW_HTTPS_PORT": "18443", "GW_FORWARDER_NAME": "localhost"} {
 		t.Setenv(k, v)
 	}
 	raw, err := os.ReadFile("examples/gateway.Caddyfile")
@@ -449,7 +449,7 @@ func TestGatewayExampleAdapt(t *testing.T) {
 		"signing_key_file": "/demo/gateway-signing.pem"`
 	for _, want := range []string{
 		`{"handler": "sandbox_proxy", "forwarder": "127.0.0.1:19443", "sandbox": "{l4.tls.server_name.labels.2}", "target": "127.0.0.1:19000", ` + dial + `}`,
-		`{"protocol": "sandbox", "sandbox": "{http.request.host.labels.2}", "target": "127.0.0.1:19001", "versions": ["h2c"], ` + dial + `}`,
+		`{"protocol": "sandbox", "sandbox": "{http.request.host.labels.2}", "target": "127.0.0.1:19001", ` + dial + `}`,
 	} {
 		var w any
 		if err := json.Unmarshal([]byte(want), &w); err != nil {

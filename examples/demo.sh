@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end demo of the sandbox data path. It makes a CA, a forwarder
-# certificate, a gateway client certificate and a gateway signing key,
+# certificate, a gateway client certificate (`caddy sandbox certs`) and a
+# gateway signing key (`caddy sandbox keygen`),
 # starts the forwarder (examples/forwarder.Caddyfile) and the sandbox (an
 # echo upstream and an HTTP app), then acts as the edge gateway with `caddy
 # sandbox dial`: a greeting, then DEMO_MIB MiB of random bytes through the
@@ -23,8 +24,13 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MIB=${DEMO_MIB:-16}
 DEMO_DIR=$(mktemp -d)
-export DEMO_DIR DEMO_LISTEN=127.0.0.1:9443 DEMO_ADMIN=127.0.0.1:2999 DEMO_UPSTREAM_PORT=9000 DEMO_APP_PORT=9001
-export DEMO_GATEWAY_ADMIN=127.0.0.1:2998 DEMO_GATEWAY_TCP=127.0.0.1:9445 DEMO_GATEWAY_HTTPS_PORT=8443
+DEMO_LISTEN=127.0.0.1:9443 DEMO_ADMIN=127.0.0.1:2999 DEMO_UPSTREAM_PORT=9000 DEMO_APP_PORT=9001
+DEMO_GATEWAY_ADMIN=127.0.0.1:2998 DEMO_GATEWAY_TCP=127.0.0.1:9445 DEMO_GATEWAY_HTTPS_PORT=8443
+# The examples' environment (listed at the top of each): every sandbox on
+# this host's loopback, which the forwarder refuses unless allowed by name.
+export FWD_DIR=$DEMO_DIR FWD_LISTEN=$DEMO_LISTEN FWD_ADMIN=$DEMO_ADMIN FWD_ALLOW=127.0.0.1 FWD_ALLOW_PORTS=$DEMO_UPSTREAM_PORT-$DEMO_APP_PORT
+export GW_DIR=$DEMO_DIR GW_FORWARDER=$DEMO_LISTEN GW_ADMIN=$DEMO_GATEWAY_ADMIN GW_TCP=$DEMO_GATEWAY_TCP GW_HTTPS_PORT=$DEMO_GATEWAY_HTTPS_PORT
+export GW_APP_TARGET=127.0.0.1:$DEMO_APP_PORT GW_TCP_TARGET=127.0.0.1:$DEMO_UPSTREAM_PORT
 export XDG_DATA_HOME=$DEMO_DIR/data XDG_CONFIG_HOME=$DEMO_DIR/config
 pids=()
 cleanup() {
@@ -42,20 +48,15 @@ fi
 echo "== kernel $(uname -r): caddy ktls probe"
 "$CADDY" ktls probe
 
-echo "== PKI and gateway signing key in $DEMO_DIR"
+echo "== certificates (caddy sandbox certs) and gateway signing key in $DEMO_DIR"
 cd "$DEMO_DIR"
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=demo-ca \
-	-keyout ca-key.pem -out ca.pem 2>/dev/null
-issue() { # name, subject CN, extensions
-	openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$2" -keyout "$1-key.pem" -out "$1.csr" 2>/dev/null
-	printf '%s\n' "$3" >"$1.ext" # a file, not <(...): a bare VM has no /dev/fd
-	openssl x509 -req -in "$1.csr" -CA ca.pem -CAkey ca-key.pem -CAcreateserial -days 1 -out "$1.pem" -extfile "$1.ext" 2>/dev/null
-}
-issue server localhost "subjectAltName=DNS:localhost,IP:127.0.0.1
-extendedKeyUsage=serverAuth"
-issue gateway gateway-1 "extendedKeyUsage=clientAuth"
-issue site '*.sandbox.test' "subjectAltName=DNS:*.sandbox.test
-extendedKeyUsage=serverAuth"
+# One CA for both sides; the forwarder's certificate for the name the
+# gateway dials; the gateway's client certificate; the users' certificate
+# for the gateway's sites.
+"$CADDY" sandbox certs ca --dir . | grep '^wrote'
+"$CADDY" sandbox certs forwarder --dir . --san forwarder.internal | grep '^wrote'
+"$CADDY" sandbox certs gateway --dir . --cn gateway-1 | grep '^wrote'
+"$CADDY" sandbox certs forwarder --dir . --name site --san '*.sandbox.test' | grep '^wrote'
 "$CADDY" sandbox keygen --key-out gateway-signing.pem --pub-out gateways.pem --key-id gw-1
 
 echo "== start the echo upstream and the forwarder"
@@ -68,7 +69,7 @@ for _ in $(seq 300); do curl -fsS "http://$DEMO_ADMIN/config/" >/dev/null 2>&1 &
 # The gateway: mTLS to the forwarder, a preamble bound to that session and
 # signed with the gateway key, then stdin/stdout through the tunnel.
 dial() { # target
-	"$CADDY" sandbox dial --addr "$DEMO_LISTEN" --server-name localhost \
+	"$CADDY" sandbox dial --addr "$DEMO_LISTEN" --server-name forwarder.internal \
 		--cert gateway.pem --key gateway-key.pem --ca ca.pem --signing-key gateway-signing.pem --key-id gw-1 \
 		--sandbox demo-1 --target "$1"
 }
@@ -144,7 +145,7 @@ tx0=$(tls_stat TlsTxSw) rx0=$(tls_stat TlsRxSw)
 for v in --http1.1 --http2; do
 	out=$(user_curl "$v" "https://demo-1.sandbox.test:$DEMO_GATEWAY_HTTPS_PORT/hello")
 	echo "curl $v: $out"
-	[[ $out == "hello from the sandbox app: demo-1.sandbox.test:$DEMO_GATEWAY_HTTPS_PORT over HTTP/2.0" ]] ||
+	[[ $out == "hello from the sandbox app: demo-1.sandbox.test:$DEMO_GATEWAY_HTTPS_PORT over HTTP/1.1" ]] ||
 		{ echo "FAIL: unexpected answer through the gateway"; tail -20 gateway.log; exit 1; }
 done
 user_curl --http2 -X POST --data-binary @payload -o http-echoed "https://demo-1.sandbox.test:$DEMO_GATEWAY_HTTPS_PORT/echo"

@@ -204,6 +204,7 @@ func (*KTLSSession) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		tcp_user_timeout   <duration>
 //		allow              <cidr|ip>...      # required; e.g. 10.0.0.0/8; 127.0.0.0/8 opens loopback (demo only)
 //		allow_ports        <port|lo-hi>...
+//		nat64_prefix       <cidr>...         # RFC 6052 prefixes of NAT64 translators (/32../96), e.g. 64:ff9b:1:a::/64
 //		drain_grace_period <duration>
 //		insecure_plaintext                   # tests only: no TLS, no client certificate needed
 //		activity_push <url> {
@@ -296,6 +297,12 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			h.AllowCIDRs = append(h.AllowCIDRs, args...)
+		case "nat64_prefix":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			h.NAT64Prefixes = append(h.NAT64Prefixes, args...)
 		case "allow_ports":
 			args := d.RemainingArgs()
 			if len(args) == 0 {

@@ -40,6 +40,7 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\tkey_clients gw-1\n}", "key_clients takes a key ID and one or more client names, got 1 arguments"},
 		{"sandbox {\n\tactivity_push http://x {\n\t\theader Authorization\n\t}\n}", "header takes a field name and a value, got 1 arguments"},
 		{"sandbox {\n\tinsecure_plaintext yes\n}", "insecure_plaintext takes no arguments"},
+		{"sandbox {\n\tnat64_prefix\n}", "wrong argument count"},
 		{"sandbox {\n\tfrobnicate\n}", `unknown sandbox handler option "frobnicate"`},
 		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},
 		{"ktls {\n\tkeyupdate_rate fast\n}", "not a positive number"},
@@ -113,6 +114,9 @@ func TestSandboxRejectsBadOptions(t *testing.T) {
 		"proxy_protocol v1":            {map[string]any{"proxy_protocol": "v1"}, "`proxy_protocol` \"v1\": the only version is v2 (PROXY protocol version 2)"},
 		"no allow entry":               {map[string]any{"allow_cidrs": []string{}}, "sandbox handler: no `allow` (JSON allow_cidrs) entry: name the sandbox networks this forwarder may reach, e.g. `allow 10.0.0.0/8`"},
 		"allow_ports but no allow":     {map[string]any{"allow_cidrs": nil, "allow_ports": []string{"443"}}, "no `allow` (JSON allow_cidrs) entry"},
+		"nat64 prefix of no RFC 6052 length": {map[string]any{"nat64_prefixes": []string{"2001:db8::/33"}},
+			"`nat64_prefix` (JSON nat64_prefixes): target policy: NAT64 prefix \"2001:db8::/33\": RFC 6052 prefixes are /32, /40, /48, /56, /64 or /96"},
+		"nat64 prefix with a u octet": {map[string]any{"nat64_prefixes": []string{"2001:db8:0:0:100::/96"}}, "bits 64-71 of a /96 must be zero"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			raw, err := json.Marshal(newSandboxConfig(t, tc.opts).cfg)

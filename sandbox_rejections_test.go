@@ -323,7 +323,8 @@ func sandboxRejections(t *testing.T, kernel bool) {
 		ports = append(ports, fmt.Sprint(a.Port()))
 	}
 	e := newSandboxConfig(t, map[string]any{"preamble_timeout": "300ms", "dial_timeout": "1s",
-		"allow_cidrs": []string{"0.0.0.0/0", "::/0", opened + "/32"}, "allow_ports": ports})
+		"allow_cidrs": []string{"0.0.0.0/0", "::/0", opened + "/32"}, "allow_ports": ports,
+		"nat64_prefixes": []string{"2001:db8:64::/96"}})
 	// A second key, bound to another gateway's certificate; the gateway's
 	// own key is bound to its certificate (every accepted frame here shows
 	// that the binding lets it through).
@@ -384,7 +385,9 @@ func sandboxRejections(t *testing.T, kernel bool) {
 		{"bad-key-id", "", "", golden("reject-bad-key-id")},
 		{"bad-sandbox-id", "", "", golden("reject-bad-sandbox-id")},
 		{"bad-target", "", "", golden("reject-bad-target")},
+		{"bad-target", "nat64-u-octet", "u octet", golden("reject-bad-target-nat64-u-octet")},
 		{"bad-extension", "", "", golden("reject-bad-extension")},
+		{"bad-extension", "client-identity-bidi", "bidirectional formatting character U+202E", golden("reject-bad-extension-client-identity-bidi-override")},
 		{"unknown-critical-extension", "", "", golden("reject-unknown-critical-extension")},
 		{"expired", "", "", signed(preamble.Claims{IssuedAt: now.Add(-10 * time.Minute), ExpiresAt: now.Add(-9 * time.Minute)})},
 		{"not-yet-valid", "", "", signed(preamble.Claims{IssuedAt: now.Add(9 * time.Minute), ExpiresAt: now.Add(10 * time.Minute)})},
@@ -400,6 +403,15 @@ func sandboxRejections(t *testing.T, kernel bool) {
 		{"target-denied", "loopback", "is loopback", trapped(ip("127.0.0.1"))},
 		{"target-denied", "loopback6", "is loopback", trapped(ip("::1"))},
 		{"target-denied", "host-address", "is host interface address", trapped(forwardtest.HostAddress)},
+		// Addresses that reach 169.254.169.254 or 127.0.0.1 through a
+		// translator or a tunnel, under ::/0 (#31 item 1): the /48 reading
+		// of the NAT64 local-use prefix behind a suffix that reads
+		// 10.1.2.3, SIIT, 6to4, and the declared NAT64 prefix (nat64_prefixes),
+		// without which that address would be plain IPv6.
+		{"target-denied", "nat64-local-use", "reaches 169.254.169.254 as NAT64 in 64:ff9b:1::/48 (the /48 reading)", trapped(ip("64:ff9b:1:a9fe:a9:fe00:a01:203"))},
+		{"target-denied", "siit", "reaches 169.254.169.254 as SIIT", trapped(ip("::ffff:0:a9fe:a9fe"))},
+		{"target-denied", "6to4", "reaches 127.0.0.1 as 6to4", trapped(ip("2002:7f00:1::1"))},
+		{"target-denied", "nat64-declared", "reaches 127.0.0.1 as NAT64 in the declared prefix 2001:db8:64::/96", trapped(ip("2001:db8:64::7f00:1"))},
 		{"target-denied", "port", "not in the allowed ports", to(netip.AddrPortFrom(up.Addr().Addr(), 1))},
 		{"target-denied", "pipelined", "not in the allowed ports", func(t *testing.T) *tls.Conn {
 			// A gateway writes its tenant's first bytes right behind the

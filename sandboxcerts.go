@@ -202,6 +202,7 @@ forwarders and gateways). Refuses to overwrite either file.
 			}
 			w := cmd.OutOrStdout()
 			fmt.Fprintf(w, "wrote %s (CA certificate %q, valid until %s)\n", certFile, cn, tmpl.NotAfter.UTC().Format(time.DateOnly))
+			certFile = absPath(certFile)
 			fmt.Fprintf(w, "wrote %s (its key, mode 0600: keep it where you issue certificates, not on the forwarders or gateways)\n", keyFile)
 			fmt.Fprintf(w, "\nAt the forwarder, trusting the gateways it issued (ktls connection_policy):\n\tclient_auth {\n\t\tmode require_and_verify\n\t\ttrust_pool file %s\n\t}\n", certFile)
 			fmt.Fprintf(w, "At the gateway, trusting the forwarders it issued (transport sandbox, sandbox_proxy):\n\ttls_trust_pool file %s\n", certFile)
@@ -335,9 +336,21 @@ func firstSAN(tmpl *x509.Certificate) string {
 	return tmpl.IPAddresses[0].String()
 }
 
-// printLeaf says what a leaf command wrote and the Caddyfile lines that use it.
+// absPath is path made absolute, for the Caddyfile lines: Caddy resolves
+// a relative path against its own working directory.
+func absPath(path string) string {
+	if abs, err := filepath.Abs(path); err == nil {
+		return abs
+	}
+	return path
+}
+
+// printLeaf says what a leaf command wrote and the Caddyfile lines that use
+// it (with absolute paths).
 func printLeaf(w io.Writer, kind certKind, tmpl *x509.Certificate, certFile, keyFile, caCert string) {
 	until := tmpl.NotAfter.UTC().Format(time.DateOnly)
+	wroteCert, wroteKey := certFile, keyFile
+	certFile, keyFile, caCert = absPath(certFile), absPath(keyFile), absPath(caCert)
 	switch kind {
 	case certForwarder:
 		var names []string
@@ -345,13 +358,13 @@ func printLeaf(w io.Writer, kind certKind, tmpl *x509.Certificate, certFile, key
 		for _, ip := range tmpl.IPAddresses {
 			names = append(names, ip.String())
 		}
-		fmt.Fprintf(w, "wrote %s (forwarder certificate, serverAuth, SANs %s, valid until %s)\n", certFile, strings.Join(names, ", "), until)
-		fmt.Fprintf(w, "wrote %s (its key, mode 0600)\n", keyFile)
+		fmt.Fprintf(w, "wrote %s (forwarder certificate, serverAuth, SANs %s, valid until %s)\n", wroteCert, strings.Join(names, ", "), until)
+		fmt.Fprintf(w, "wrote %s (its key, mode 0600)\n", wroteKey)
 		fmt.Fprintf(w, "\nAt the forwarder, in the site that loads its certificate:\n\ttls %s %s\n", certFile, keyFile)
 		fmt.Fprintf(w, "At the gateways, which trust %s:\n\ttls_trust_pool file %s\n\ttls_server_name %s\n", caCert, caCert, firstSAN(tmpl))
 	case certGateway:
-		fmt.Fprintf(w, "wrote %s (gateway client certificate, clientAuth, CN %s, valid until %s)\n", certFile, tmpl.Subject.CommonName, until)
-		fmt.Fprintf(w, "wrote %s (its key, mode 0600)\n", keyFile)
+		fmt.Fprintf(w, "wrote %s (gateway client certificate, clientAuth, CN %s, valid until %s)\n", wroteCert, tmpl.Subject.CommonName, until)
+		fmt.Fprintf(w, "wrote %s (its key, mode 0600)\n", wroteKey)
 		fmt.Fprintf(w, "\nAt the gateway (transport sandbox, sandbox_proxy):\n\ttls_client_auth %s %s\n", certFile, keyFile)
 		fmt.Fprintf(w, "At the forwarder (ktls connection_policy), which trusts %s and allows this certificate:\n\tclient_auth {\n\t\tmode require_and_verify\n\t\ttrust_pool file %s\n\t\tverifier leaf file %s\n\t}\n", caCert, caCert, certFile)
 	}

@@ -300,3 +300,28 @@ func TestSandboxCertsHelp(t *testing.T) {
 		}
 	}
 }
+
+// TestSandboxCertsAbsolutePaths: run in the directory it writes to (the
+// default --dir "."), certs prints the Caddyfile lines with absolute paths:
+// Caddy would resolve a relative one against its own working directory.
+func TestSandboxCertsAbsolutePaths(t *testing.T) {
+	dir := t.TempDir()
+	t.Chdir(dir)
+	out, err := runSandbox(t, nil, "certs", "ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out, "wrote ca.pem ") || !strings.Contains(out, "trust_pool file "+filepath.Join(dir, "ca.pem")+"\n") {
+		t.Errorf("certs ca in its directory printed %q", out)
+	}
+	out, err = runSandbox(t, nil, "certs", "gateway", "--cn", "gw-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"wrote gateway.pem ", "tls_client_auth " + filepath.Join(dir, "gateway.pem") + " " + filepath.Join(dir, "gateway-key.pem") + "\n",
+		"trust_pool file " + filepath.Join(dir, "ca.pem") + "\n"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("certs gateway in its directory printed %q, which lacks %q", out, want)
+		}
+	}
+}

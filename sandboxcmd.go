@@ -199,7 +199,7 @@ func (f *claimFlags) register(cmd *cobra.Command, keyFlag string) {
 	cmd.Flags().StringVar(&f.target, "target", "", "target ip:port inside the sandbox (IPv6 as [addr]:port)")
 	cmd.Flags().DurationVar(&f.ttl, "ttl", preamble.DefaultTTL, "validity of the preamble")
 	cmd.Flags().StringVar(&f.clientAddr, "client-addr", "", "end user's ip:port, signed as the client identity (extension 0x0010)")
-	cmd.Flags().StringVar(&f.clientID, "client-id", "", "end user's identity string (up to 255 bytes, no control characters); needs --client-addr")
+	cmd.Flags().StringVar(&f.clientID, "client-id", "", "end user's identity string (up to 255 bytes of UTF-8, no control, line-separator or bidi formatting characters); needs --client-addr")
 }
 
 func (f *claimFlags) signerAndClaims(keyFlag string) (*preamble.Signer, preamble.Claims, error) {

@@ -133,6 +133,17 @@ type SandboxHandler struct {
 	// empty allows all.
 	AllowPorts []string `json:"allow_ports,omitempty"`
 
+	// NAT64Prefixes declares the network-specific prefixes (RFC 6052: /32,
+	// /40, /48, /56, /64 or /96) of the NAT64 translators targets may be
+	// reached through. A target in one is also judged by the IPv4 address
+	// that prefix length embeds, against the ranges refused by default
+	// (169.254.169.254 behind NAT64 is refused as 169.254.169.254 is).
+	// 64:ff9b::/96 needs no declaration, and an address in 64:ff9b:1::/48
+	// that no declared prefix holds is judged by all four readings (/48,
+	// /56, /64, /96) its translator could use: declare the local-use
+	// prefix in use to be judged by its reading alone. Default: none.
+	NAT64Prefixes []string `json:"nat64_prefixes,omitempty"`
+
 	// ActivityPush, when set, POSTs per-sandbox byte deltas and cumulative
 	// totals as JSON to a control plane, each report with an ID to
 	// deduplicate (format: forward.ActivityReport, JSON Schema
@@ -282,9 +293,9 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
 	}
-	policy, err := forward.NewTargetPolicy(h.AllowCIDRs, h.AllowPorts)
+	policy, err := forward.NewTargetPolicy(h.AllowCIDRs, h.AllowPorts, h.NAT64Prefixes...)
 	if err != nil {
-		return fmt.Errorf("sandbox handler: %s, %s: %w", option("allow", "allow_cidrs"), option("allow_ports", "allow_ports"), err)
+		return fmt.Errorf("sandbox handler: %s, %s, %s: %w", option("allow", "allow_cidrs"), option("allow_ports", "allow_ports"), option("nat64_prefix", "nat64_prefixes"), err)
 	}
 	var waker *forward.Waker
 	var wakeTimeout time.Duration

@@ -57,8 +57,9 @@ type SandboxProxy struct {
 	// hands both to the target). Placeholders are replaced per connection,
 	// e.g. {l4.tls.client.subject}; one that gives an empty string sends the
 	// address alone. The user's address is always signed. At most 255 bytes
-	// of UTF-8 without control characters: a connection whose value breaks
-	// that is refused, and nothing reaches the sandbox.
+	// of well-formed UTF-8 without control, line-separator or bidirectional
+	// formatting characters (docs/preamble.md §3.1): a connection whose
+	// value breaks that is refused, and nothing reaches the sandbox.
 	ClientID string `json:"client_id,omitempty"`
 
 	// How forwarders are reached (GatewayDial), at the top level of the

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -160,6 +161,11 @@ var goldenCases = []goldenCase{
 	{"valid-client-identity-ipv6", "", false, func(f *rawFrame) {
 		f.extensions = append(tlv(0x0001, "hello"), tlv(0x0010, "\x06\x20\x01\x0d\xb8\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01\x01\xbb")...)
 	}},
+	// Beyond ASCII: é (U+00EB) and the emoji sequence 👩‍💻, whose zero
+	// width joiner U+200D is a format character that §3.1 lets through.
+	{"valid-client-identity-utf8", "", false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50zo\u00eb \U0001f469\u200d\U0001f4bb")
+	}},
 	{"reject-bad-magic", ReasonBadMagic, false, func(f *rawFrame) { f.magic = "PROX" }},
 	{"reject-bad-version", ReasonBadVersion, false, func(f *rawFrame) { f.version = 2 }},
 	{"reject-oversized", ReasonOversized, false, func(f *rawFrame) { f.extensions = tlv(0x0001, strings.Repeat("x", 900)) }},
@@ -180,6 +186,8 @@ var goldenCases = []goldenCase{
 	{"reject-bad-target-broadcast", ReasonBadTarget, false, func(f *rawFrame) { f.target("255.255.255.255") }},
 	{"reject-bad-target-ipv4-mapped", ReasonBadTarget, false, func(f *rawFrame) { f.target("::ffff:10.1.2.3") }},
 	{"reject-bad-target-ipv4-compatible", ReasonBadTarget, false, func(f *rawFrame) { f.target("::10.1.2.3") }},
+	// 64:ff9b:1::/48 with the RFC 6052 u octet (bits 64-71) 0xff.
+	{"reject-bad-target-nat64-u-octet", ReasonBadTarget, false, func(f *rawFrame) { f.target("64:ff9b:1:0:ff00::a01:203") }},
 	{"reject-bad-extension", ReasonBadExtension, false, func(f *rawFrame) {
 		f.extensions = append(tlv(0x0002, "b"), tlv(0x0001, "a")...)
 	}},
@@ -197,6 +205,30 @@ var goldenCases = []goldenCase{
 	}},
 	{"reject-bad-extension-client-identity-control", ReasonBadExtension, false, func(f *rawFrame) {
 		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\nadmin")
+	}},
+	{"reject-bad-extension-client-identity-c1", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\u0085admin") // NEL
+	}},
+	{"reject-bad-extension-client-identity-line-separator", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\u2028admin")
+	}},
+	{"reject-bad-extension-client-identity-bidi-override", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\u202enimda") // RLO: shown as "alice" + "admin"
+	}},
+	{"reject-bad-extension-client-identity-bidi-isolate", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\u2066admin\u2069") // LRI ... PDI
+	}},
+	{"reject-bad-extension-client-identity-bidi-mark", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\u200f") // RLM
+	}},
+	{"reject-bad-extension-client-identity-overlong", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\xc0\xafadmin") // "/" in two bytes
+	}},
+	{"reject-bad-extension-client-identity-surrogate", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50alice\xed\xa0\x80") // U+D800 encoded
+	}},
+	{"reject-bad-extension-client-identity-nat64-u-octet", ReasonBadExtension, false, func(f *rawFrame) {
+		f.extensions = tlv(0x0010, "\x06\x00\x64\xff\x9b\x00\x01\x00\x00\xff\x00\x00\x00\xc0\x00\x02\x07\xc3\x50")
 	}},
 	{"reject-bad-extension-client-identity-long", ReasonBadExtension, false, func(f *rawFrame) {
 		f.extensions = tlv(0x0010, "\x04\xc0\x00\x02\x07\xc3\x50"+strings.Repeat("u", 256))
@@ -296,11 +328,16 @@ func TestSignerMatchesGolden(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	id4, id6 := base, base
+	ciUTF8, err := ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:50000"), ID: "zoë 👩\u200d💻"}.Extension()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id4, id6, idUTF8 := base, base, base
 	id4.Extensions = []Extension{ci4}
 	id6.Extensions = []Extension{{Type: 0x0001, Value: []byte("hello")}, ci6}
+	idUTF8.Extensions = []Extension{ciUTF8}
 	for name, c := range map[string]Claims{"valid-ipv4": base, "valid-ipv6-bound": bound, "valid-noncritical-extension": ext,
-		"valid-client-identity": id4, "valid-client-identity-ipv6": id6} {
+		"valid-client-identity": id4, "valid-client-identity-ipv6": id6, "valid-client-identity-utf8": idUTF8} {
 		got, err := s.Sign(c)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
@@ -346,12 +383,15 @@ func specClientIdentity(v []byte, c *specClaims) bool {
 	if v[0] == 6 && bytes.Equal(v[1:11], make([]byte, 10)) && (v[11] == 0xff && v[12] == 0xff || v[11] == 0 && v[12] == 0 && !bytes.Equal(v[13:17], []byte{0, 0, 0, 1})) {
 		return false // IPv4-mapped, or IPv4-compatible other than ::1 (:: is unspecified)
 	}
+	if v[0] == 6 && bytes.Equal(v[1:7], []byte{0, 0x64, 0xff, 0x9b, 0, 1}) && v[9] != 0 {
+		return false // 64:ff9b:1::/48 with a u octet
+	}
 	id := v[1+n+2:]
 	if !utf8.Valid(id) {
 		return false
 	}
 	for _, r := range string(id) {
-		if r < 0x20 || r >= 0x7f && r <= 0x9f {
+		if r < 0x20 || r >= 0x7f && r <= 0x9f || strings.ContainsRune("\u2028\u2029\u200e\u200f\u061c\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069", r) {
 			return false
 		}
 	}
@@ -463,6 +503,9 @@ func specVerdict(frame []byte, keys map[string]ed25519.PublicKey, now int64, ske
 	}
 	if len(addr) == 16 && bytes.Equal(addr[:12], make([]byte, 12)) && a != netip.IPv6Loopback() {
 		return c, "bad-target" // IPv4-compatible ::a.b.c.d (:: is caught above)
+	}
+	if len(addr) == 16 && bytes.Equal(addr[:6], []byte{0, 0x64, 0xff, 0x9b, 0, 1}) && addr[8] != 0 {
+		return c, "bad-target" // 64:ff9b:1::/48 with a u octet
 	}
 	if len(bind) != 0 && len(bind) != 32 {
 		return c, "malformed"
@@ -636,6 +679,14 @@ func TestCheckOrder(t *testing.T) {
 	}{
 		{"key-id-length-overrun-is-truncated", ReasonTruncated, func(f *rawFrame) { f.kidLen = 200 }},
 		{"key-id-too-long-but-fitting-is-bad-key-id", ReasonBadKeyID, func(f *rawFrame) { f.keyID = strings.Repeat("k", 65) }},
+		// §2.2's example: the same length 200 in a 427-byte frame fits, so
+		// the walk reads on and meets family 0x78 ("x").
+		{"key-id-length-200-that-fits-is-read-on", ReasonBadTarget, func(f *rawFrame) {
+			f.kidLen, f.extensions = 200, tlv(0x0001, strings.Repeat("x", 280))
+		}},
+		{"key-id-length-200-one-byte-short-is-truncated", ReasonTruncated, func(f *rawFrame) {
+			f.kidLen, f.extensions = 200, tlv(0x0001, strings.Repeat("x", 279))
+		}},
 		{"binding-length-overrun-is-truncated", ReasonTruncated, func(f *rawFrame) { f.bindLen = 200 }},
 		{"binding-length-short-of-its-bytes-is-trailing-bytes", ReasonTrailingBytes, func(f *rawFrame) {
 			f.binding, f.bindLen = make([]byte, 32), 3 // ext_length reads 0 from the binding, 29+2 bytes remain
@@ -685,5 +736,64 @@ func TestWorkedExampleMatchesVector(t *testing.T) {
 	}
 	if want := readGolden(t, "valid-ipv4"); !bytes.Equal(doc, want) {
 		t.Errorf("docs/preamble.md §8 spells out\n%x\nvalid-ipv4.hex holds\n%x", doc, want)
+	}
+}
+
+// TestExtensionVectorsFromSpec rebuilds, byte for byte, every vector of the
+// table in docs/preamble.md §8 that gives a vector's extension area (the
+// client identity vectors among them) from the worked example and that area
+// alone, checks the verdict the table states, and requires the table to
+// hold every client identity vector: an implementer can rebuild each from
+// the spec.
+func TestExtensionVectorsFromSpec(t *testing.T) {
+	row := regexp.MustCompile("^\\| `([a-z0-9-]+)` \\| `([0-9a-f× ]+)` \\| [^|]+ \\| ([^|]+) \\|$")
+	repeat := regexp.MustCompile(`^([0-9a-f]{2})×([0-9]+)$`)
+	reasons := map[string]Reason{}
+	for _, gc := range goldenCases {
+		reasons[gc.name] = gc.reason
+	}
+	seen := map[string]bool{}
+	for line := range strings.Lines(specSection(t, 8)) {
+		m := row.FindStringSubmatch(strings.TrimSpace(line))
+		if m == nil {
+			continue
+		}
+		name, verdict := m[1], strings.TrimSpace(m[3])
+		var area []byte
+		for _, tok := range strings.Fields(m[2]) {
+			if r := repeat.FindStringSubmatch(tok); r != nil {
+				b, _ := hex.DecodeString(r[1])
+				n, _ := strconv.Atoi(r[2])
+				area = append(area, bytes.Repeat(b, n)...)
+				continue
+			}
+			b, err := hex.DecodeString(tok)
+			if err != nil {
+				t.Fatalf("§8 row %s: %q is not hex", name, tok)
+			}
+			area = append(area, b...)
+		}
+		want, known := reasons[name]
+		if !known || seen[name] {
+			t.Errorf("§8 row %s: no such vector, or listed twice", name)
+			continue
+		}
+		seen[name] = true
+		if wantVerdict := "`" + string(want) + "`"; want == "" && verdict != "valid" || want != "" && verdict != wantVerdict {
+			t.Errorf("§8 row %s: verdict %q, the vector's is %q", name, verdict, want)
+		}
+		f := exampleFrame()
+		f.extensions = area
+		if got := buildFrame(f); !bytes.Equal(got, readGolden(t, name)) {
+			t.Errorf("§8 row %s: the worked example with extension area %x is\n%x\nthe vector holds\n%x", name, area, got, readGolden(t, name))
+		}
+	}
+	for _, gc := range goldenCases {
+		if strings.Contains(gc.name, "client-identity") && !seen[gc.name] {
+			t.Errorf("§8 gives no extension area for %s", gc.name)
+		}
+	}
+	if len(seen) == 0 {
+		t.Fatal("§8 has no extension-area table")
 	}
 }

@@ -20,7 +20,8 @@ const (
 // ClientIdentity is the value of extension ExtClientIdentity: who the gateway
 // is connecting on behalf of. Layout: family (u8, 4 or 6), address (4 or 16
 // bytes), port (u16), then the identity string, the rest of the value (0..255
-// bytes of UTF-8 without control characters; empty when there is none).
+// bytes of well-formed UTF-8 without control, line-separator or
+// bidirectional formatting characters; empty when there is none).
 type ClientIdentity struct {
 	// Addr is the end user's address and port. Its address and port follow
 	// the target rules (CheckTarget): a unicast host without zone, IPv4 as
@@ -45,14 +46,37 @@ func checkClientID(id string) error {
 		return reject(ReasonBadExtension, "client identity %#04x: identity of %d bytes, at most %d", ExtClientIdentity, len(id), MaxClientIDLen)
 	}
 	if !utf8.ValidString(id) {
-		return reject(ReasonBadExtension, "client identity %#04x: identity %q is not UTF-8", ExtClientIdentity, id)
+		return reject(ReasonBadExtension, "client identity %#04x: identity %q is not well-formed UTF-8", ExtClientIdentity, id)
 	}
 	for _, r := range id {
-		if r < 0x20 || (r >= 0x7f && r <= 0x9f) {
-			return reject(ReasonBadExtension, "client identity %#04x: identity %q holds control character %U", ExtClientIdentity, id, r)
+		if class := refusedIdentityRune(r); class != "" {
+			return reject(ReasonBadExtension, "client identity %#04x: identity %q holds %s %U", ExtClientIdentity, id, class, r)
 		}
 	}
 	return nil
+}
+
+// refusedIdentityRune names the class of r when an identity string may not
+// hold it (docs/preamble.md §3.1), or returns "": the C0 and C1 controls
+// (U+0000-U+001F, U+007F-U+009F); the line and paragraph separators
+// U+2028 and U+2029, which end a line as a newline does; and the
+// bidirectional formatting characters, which reorder the text shown around
+// them (a log line or a user list could then display another name than the
+// bytes hold): the marks U+200E, U+200F and U+061C, the embeddings and
+// overrides U+202A-U+202E, and the isolates U+2066-U+2069. Other format
+// characters (U+200B-U+200D, U+FEFF, U+00AD, tag characters) neither
+// break lines nor reorder text, and pass: names and emoji sequences use
+// some of them.
+func refusedIdentityRune(r rune) string {
+	switch {
+	case r < 0x20 || (r >= 0x7f && r <= 0x9f):
+		return "control character"
+	case r == 0x2028 || r == 0x2029:
+		return "line or paragraph separator"
+	case r == 0x200e || r == 0x200f || r == 0x061c || (0x202a <= r && r <= 0x202e) || (0x2066 <= r && r <= 0x2069):
+		return "bidirectional formatting character"
+	}
+	return ""
 }
 
 // Extension encodes ci as an ExtClientIdentity TLV for Claims.Extensions, or

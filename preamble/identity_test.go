@@ -2,6 +2,7 @@ package preamble
 
 import (
 	"bytes"
+	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
@@ -49,11 +50,43 @@ func TestClientIdentityRejects(t *testing.T) {
 		{ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: strings.Repeat("x", 256)}, "identity of 256 bytes, at most 255"},
 		{ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: "a\x00b"}, "control character U+0000"},
 		{ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: "a\u0085b"}, "control character U+0085"},
-		{ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: "\xff"}, "is not UTF-8"},
+		{ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: "\xff"}, "is not well-formed UTF-8"},
+		{ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: "a\xc0\xafb"}, "is not well-formed UTF-8"},        // overlong "/"
+		{ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: "a\xed\xa0\x80b"}, "is not well-formed UTF-8"},    // U+D800
+		{ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: "a\xf4\x90\x80\x80"}, "is not well-formed UTF-8"}, // above U+10FFFF
+		{ClientIdentity{Addr: netip.MustParseAddrPort("[64:ff9b:1:0:100::1]:1")}, "u octet"},
 	} {
 		_, err := tc.ci.Extension()
 		if ReasonOf(err) != string(ReasonBadExtension) || !strings.Contains(err.Error(), tc.detail) {
 			t.Errorf("%+v: %v, want bad-extension with %q", tc.ci, err, tc.detail)
+		}
+	}
+	// Every character §3.1 refuses, alone and between letters, and the
+	// neighbours it lets through.
+	refused := map[rune]string{0x2028: "line or paragraph separator", 0x2029: "line or paragraph separator",
+		0x200e: "bidirectional formatting character", 0x200f: "bidirectional formatting character", 0x061c: "bidirectional formatting character"}
+	for r := rune(0); r <= 0x1f; r++ {
+		refused[r] = "control character"
+	}
+	for r := rune(0x7f); r <= 0x9f; r++ {
+		refused[r] = "control character"
+	}
+	for _, span := range [][2]rune{{0x202a, 0x202e}, {0x2066, 0x2069}} {
+		for r := span[0]; r <= span[1]; r++ {
+			refused[r] = "bidirectional formatting character"
+		}
+	}
+	for r, class := range refused {
+		for _, id := range []string{string(r), "a" + string(r) + "b"} {
+			_, err := ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: id}.Extension()
+			if want := fmt.Sprintf("holds %s %U", class, r); ReasonOf(err) != string(ReasonBadExtension) || !strings.Contains(err.Error(), want) {
+				t.Errorf("identity %q: %v, want bad-extension with %q", id, err, want)
+			}
+		}
+	}
+	for _, r := range []rune{' ', '~', 0xa0, 0xad, 0x200b, 0x200c, 0x200d, 0x2027, 0x202f, 0x2065, 0x206a, 0x061b, 0x061d, 0xfeff, 0xfffd, 0x10ffff} {
+		if _, err := (ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.7:1"), ID: "a" + string(r) + "b"}).Extension(); err != nil {
+			t.Errorf("identity with %U refused: %v", r, err)
 		}
 	}
 	for _, v := range [][]byte{nil, {5}, {4, 1, 2, 3}, {6, 1, 2, 3, 4, 5, 6, 7}} {

@@ -504,9 +504,11 @@ func TestSignRefusesBadClaims(t *testing.T) {
 // TestTargetEncodings: an IPv4 target has one encoding, family 4. Its
 // IPv4-mapped (::ffff:a.b.c.d) and IPv4-compatible (::a.b.c.d, all of ::/96
 // but :: and ::1) forms in family 6 are bad-target, judged by the package
-// and the spec-only decoder alike; other IPv6 unicast addresses, loopback
-// and NAT64 ones included, are valid frames (what they may reach is the
-// forwarder's target policy).
+// and the spec-only decoder alike, and so is an address of the NAT64
+// local-use prefix 64:ff9b:1::/48 whose u octet (bits 64-71) is not zero;
+// other IPv6 unicast addresses, loopback, NAT64, SIIT and 6to4 ones
+// included, are valid frames (what they may reach is the forwarder's
+// target policy).
 func TestTargetEncodings(t *testing.T) {
 	keys := map[string]ed25519.PublicKey{exampleKeyID: examplePub}
 	for _, tc := range []struct {
@@ -527,6 +529,17 @@ func TestTargetEncodings(t *testing.T) {
 		{"::fffe:0:1", ""}, // nor is ::fffe:0:0/96
 		{"64:ff9b::a9fe:a9fe", ""},
 		{"64:ff9b:1::a01:203", ""},
+		{"64:ff9b:1:a9fe:a9:fe00:a01:203", ""}, // a well-formed /48 reading: the policy judges it
+		// 64:ff9b:1::/48 with the u octet (bits 64-71) not zero: no
+		// RFC 6052 address, whatever the translator's prefix length.
+		{"64:ff9b:1:0:100::", ReasonBadTarget},
+		{"64:ff9b:1:0:ff00::a01:203", ReasonBadTarget},
+		{"64:ff9b:1:a9fe:a9fe:a9fe:a9fe:a9fe", ReasonBadTarget},
+		{"64:ff9b:1:0:ff::a01:203", ""},   // byte 9 is not the u octet
+		{"64:ff9b:2:0:ff00::a01:203", ""}, // outside 64:ff9b:1::/48
+		{"64:ff9b::ff00:0:a01:203", ""},   // 64:ff9b::/32 outside both NAT64 prefixes
+		{"::ffff:0:a9fe:a9fe", ""},        // SIIT IPv4-translated: the policy judges it
+		{"2002:a9fe:a9fe::1", ""},         // 6to4: the policy judges it
 		{"10.1.2.3", ""},
 	} {
 		f := exampleFrame()

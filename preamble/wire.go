@@ -285,7 +285,9 @@ func parseExtensions(area []byte) ([]Extension, error) {
 
 // CheckTarget returns the *Error (ReasonBadTarget) a frame naming target t
 // would be refused with, or nil when t can be a target: a unicast address
-// without zone, IPv4 as IPv4, and a port.
+// without zone, IPv4 as IPv4 (not IPv4-mapped or IPv4-compatible), not a
+// malformed NAT64 address (64:ff9b:1::/48 with a non-zero u octet), and a
+// port.
 func CheckTarget(t netip.AddrPort) error {
 	a := t.Addr()
 	switch {
@@ -299,6 +301,8 @@ func CheckTarget(t netip.AddrPort) error {
 		return reject(ReasonBadTarget, "address %s is not a unicast host", a)
 	case isIPv4Compatible(a):
 		return reject(ReasonBadTarget, "IPv4-compatible address %s (deprecated ::/96): encode it as IPv4", a)
+	case nat64UOctetSet(a):
+		return reject(ReasonBadTarget, "address %s in the NAT64 local-use prefix 64:ff9b:1::/48 has bits 64-71 (the RFC 6052 u octet) set", a)
 	case t.Port() == 0:
 		return reject(ReasonBadTarget, "port 0")
 	}
@@ -315,6 +319,19 @@ func isIPv4Compatible(a netip.Addr) bool {
 	}
 	b := a.As16()
 	return [12]byte(b[:12]) == [12]byte{}
+}
+
+// nat64LocalUse is the local-use NAT64 prefix of RFC 8215, inside which
+// the operator's translator prefix (RFC 6052, /48 to /96) lies.
+var nat64LocalUse = netip.MustParsePrefix("64:ff9b:1::/48")
+
+// nat64UOctetSet reports whether a lies in 64:ff9b:1::/48 with bits 64-71,
+// the "u" octet, not zero. RFC 6052 §2.2 requires that octet to be zero in
+// every translated address, whatever the prefix length (a /96 prefix must
+// hold a zero there), so such an address is no valid NAT64 address. The
+// well-known 64:ff9b::/96 has a zero there by construction.
+func nat64UOctetSet(a netip.Addr) bool {
+	return a.Is6() && nat64LocalUse.Contains(a) && a.As16()[8] != 0
 }
 
 // validID reports whether b is made only of [A-Za-z0-9._-], the key ID

@@ -399,7 +399,8 @@ func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
 //	}
 func unmarshalBandwidth(d *caddyfile.Dispenser) (*SandboxBandwidth, error) {
 	if d.NextArg() {
-		return nil, d.ArgErr()
+		return nil, d.Errf("max_bandwidth %[1]s: max_bandwidth takes a block, not a rate: put `to_sandbox %[1]s` and `from_sandbox %[1]s` "+
+			"(bytes per second, each direction capped on its own) on lines of their own inside max_bandwidth { }", d.Val())
 	}
 	b := new(SandboxBandwidth)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
@@ -583,6 +584,9 @@ func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled 
 		return g.TLS
 	}
 	switch opt := d.Val(); opt {
+	case "tls_insecure_skip_verify", "tls_timeout", "tls_except_ports":
+		// reverse_proxy's http transport has them; a gateway refuses each.
+		return true, d.Errf("%s: %s", opt, refusedGatewayTLSOptions[opt])
 	case "tls_client_auth":
 		switch args := d.RemainingArgs(); len(args) {
 		case 1:
@@ -850,6 +854,9 @@ func unmarshalLookup(d *caddyfile.Dispenser, o *LookupOptions) error {
 		default:
 			return d.Errf("unknown sandbox_lookup option %q", opt)
 		}
+	}
+	if o.URL == "" {
+		return d.Err("sandbox_lookup: no url: " + lookupURLHint)
 	}
 	return nil
 }

@@ -96,11 +96,11 @@ func (g *GatewayDial) validate() error {
 	case g.TLS == nil || (g.TLS.ClientCertificateFile == "" && g.TLS.ClientCertificateAutomate == ""):
 		return errors.New("no client certificate (tls_client_auth <cert_file> <key_file>): forwarders serve only gateways with a certificate they verify")
 	case g.TLS.InsecureSkipVerify:
-		return errors.New("tls_insecure_skip_verify: the preamble would go to whoever answers; give the forwarders' CA with tls_trust_pool")
+		return errors.New("tls_insecure_skip_verify (tls.insecure_skip_verify): " + refusedGatewayTLSOptions["tls_insecure_skip_verify"])
 	case g.TLS.HandshakeTimeout != 0:
-		return errors.New("tls_timeout (tls.handshake_timeout): use handshake_timeout, the offload options' name for it")
+		return errors.New("tls_timeout (tls.handshake_timeout): " + refusedGatewayTLSOptions["tls_timeout"])
 	case len(g.TLS.ExceptPorts) > 0:
-		return errors.New("tls_except_ports: every forwarder connection is TLS")
+		return errors.New("tls_except_ports (tls.except_ports): " + refusedGatewayTLSOptions["tls_except_ports"])
 	case g.SigningKeyFile == "":
 		return errors.New("no signing_key_file: the gateway's preamble key, from `caddy sandbox keygen`")
 	case g.DialTimeout < 0 || g.KeepAlive < 0 || g.PreambleTTL < 0:

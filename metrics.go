@@ -53,7 +53,7 @@ var metrics = &collector{
 		"Connections the kTLS engine ended after their handshake, by module and event: rate-limited, KeyUpdates above keyupdate_rate; alert, the peer's fatal alert; closed-after-tx, a step after installing TLS_TX failed; rekey-unsupported, a KeyUpdate on a kernel without rekey; key-exhausted, a traffic key reached key_record_limit and could not be renewed; refused, fallback refuse and the session could not be offloaded (never offloaded); bad-record (layer4 handler only), a record that failed authentication.",
 		[]string{"module", "event"}, nil),
 	handshakeFails: prometheus.NewDesc("caddy_ktls_handshake_failures_total",
-		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, timeout, closed, other).",
+		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, unknown-server-name, timeout, closed, other).",
 		[]string{"module", "reason"}, nil),
 	acceptRetries: prometheus.NewDesc("caddy_ktls_accept_retries_total",
 		"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil),

@@ -246,6 +246,7 @@ var handshakeFailureReasons = []string{
 	"no-client-certificate",   // mutual TLS and the client sent no certificate
 	"untrusted-certificate",   // the client's certificate chain does not verify (another CA, expired)
 	"certificate-not-allowed", // a verifier refused the certificate (not on the leaf allowlist)
+	reasonUnknownServerName,   // the client asked for a server name no certificate carries
 	"timeout",                 // no complete handshake within handshake_timeout
 	"closed",                  // the peer closed or reset the connection during the handshake
 	"other",                   // any other handshake error (no common version or cipher, a bad message)
@@ -264,6 +265,8 @@ func handshakeFailureReason(err error) string {
 		return "untrusted-certificate"
 	case strings.Contains(err.Error(), "client leaf certificate failed validation"):
 		return "certificate-not-allowed"
+	case unknownServerName(err):
+		return reasonUnknownServerName
 	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded):
 		return "timeout"
 	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
@@ -300,7 +303,8 @@ func newHandshakeFailureLog(module string, logger *zap.Logger) *handshakeFailure
 func (f *handshakeFailureLog) record(ev ktls.Event) {
 	reason := handshakeFailureReason(ev.Err)
 	handshakeFails.add(failKey{f.module, reason})
-	f.logger.Debug("TLS handshake failed", zap.String("reason", reason), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
+	f.logger.Debug("TLS handshake failed", append([]zap.Field{zap.String("reason", reason), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err)},
+		handshakeFailureDetail(reason, ev.Err)...)...)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.counts[reason]++

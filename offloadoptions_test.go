@@ -145,6 +145,7 @@ func TestHandshakeFailureReason(t *testing.T) {
 		{fmt.Errorf("ktls: %w", errors.New("tls: client didn't provide a certificate")), "no-client-certificate"},
 		{&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, "untrusted-certificate"},
 		{errors.New("client leaf certificate failed validation"), "certificate-not-allowed"},
+		{fmt.Errorf("ktls: %w", errors.New("no certificate available for 'nosuch.example'")), "unknown-server-name"},
 		{context.DeadlineExceeded, "timeout"},
 		{op(os.ErrDeadlineExceeded), "timeout"},
 		{io.EOF, "closed"},

@@ -73,8 +73,11 @@ type LookupOptions struct {
 
 // Validate checks the configuration without loading anything.
 func (o *LookupOptions) Validate() error {
-	if o.Sandbox == "" || o.URL == "" {
-		return errors.New("sandbox_lookup: sandbox and url are required")
+	if o.Sandbox == "" {
+		return errors.New("sandbox_lookup: no sandbox: give the sandbox ID to look up, a placeholder such as {http.request.host.labels.2}")
+	}
+	if o.URL == "" {
+		return errors.New("sandbox_lookup: no url: " + lookupURLHint)
 	}
 	return checkSandboxOption("sandbox_lookup", o.Sandbox, "{http.request.host.labels.2}")
 }
@@ -83,6 +86,10 @@ func (o *LookupOptions) Validate() error {
 func (o *LookupOptions) provision(ctx caddy.Context, logger *zap.Logger) error {
 	o.logger = logger
 	if err := registerMetrics(ctx); err != nil {
+		return err
+	}
+	// Caddy validates after provisioning, which would fail first.
+	if err := o.Validate(); err != nil {
 		return err
 	}
 	l, err := o.newLookup(logger)

@@ -84,6 +84,12 @@ func (h *SandboxProxy) Validate() error {
 	if err := checkSandboxOption("sandbox_proxy", h.Sandbox, "{l4.tls.server_name.labels.2}"); err != nil {
 		return err
 	}
+	if err := checkTargetOption("sandbox_proxy", h.Target); err != nil {
+		return err
+	}
+	if err := checkForwarderOption("sandbox_proxy", h.Forwarder); err != nil {
+		return err
+	}
 	if err := h.GatewayDial.validate(); err != nil {
 		return fmt.Errorf("sandbox_proxy: %w", err)
 	}

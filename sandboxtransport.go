@@ -122,6 +122,9 @@ func (t *SandboxTransport) Validate() error {
 	if err := checkSandboxOption("sandbox transport", t.Sandbox, "{http.request.host.labels.2}"); err != nil {
 		return err
 	}
+	if err := checkTargetOption("sandbox transport", t.Target); err != nil {
+		return err
+	}
 	if len(t.Versions) > 1 || (len(t.Versions) == 1 && t.Versions[0] != "1.1" && t.Versions[0] != "h2c") {
 		return fmt.Errorf("sandbox transport: versions %q: want one of 1.1, h2c", t.Versions)
 	}

@@ -394,3 +394,21 @@ func TestExamples(t *testing.T) {
 		})
 	}
 }
+
+// TestExampleHTTPKTLS runs examples/http-ktls.Caddyfile as README's
+// listener-wrapper snippet runs: its site on a free loopback port with a
+// certificate of the test CA instead of ACME's, its root a directory with
+// one file, which it serves through the ktls listener wrapper.
+func TestExampleHTTPKTLS(t *testing.T) {
+	t.Setenv("XDG_DATA_HOME", t.TempDir())
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	raw, err := os.ReadFile("examples/http-ktls.Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := adaptCaddyfile(t, string(raw))
+	if err != nil {
+		t.Fatalf("examples/http-ktls.Caddyfile does not adapt: %v", err)
+	}
+	runListenerWrapperSnippet(t, newSnippetFiles(t), "examples/http-ktls.Caddyfile", cfg)
+}

@@ -123,7 +123,7 @@ type CloseResponse struct {
 }
 
 // closeRequests counts the served POST /sandbox/close by mode.
-var closeRequests = newSeriesCounts([]string{closeModeFail, closeModeGraceful})
+var closeRequests = newSeriesCounts("caddy_ktls_sandbox_close_requests_total", []string{closeModeFail, closeModeGraceful})
 
 func serveClose(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodPost {

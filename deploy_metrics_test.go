@@ -49,13 +49,24 @@ var targetLabels = []string{"job", "instance"}
 // describe, so that no family goes missing for want of traffic.
 func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 	e := newSandboxConfig(t, nil)
-	httpAddr := loopbackAddr(t)
-	e.cfg["apps"].(map[string]any)["http"] = map[string]any{"servers": map[string]any{"wrapped": map[string]any{
-		"listen":            []string{httpAddr},
+	// Every module that moves metrics: a configuration exports the
+	// families its modules can move. The gateway modules, the lookups
+	// (a control plane nobody asks: no request reaches them).
+	addGatewayModules(t, e, addGatewaySide(t, e), nil)
+	lookup := map[string]any{"handler": "sandbox_lookup", "sandbox": "x", "url": "http://127.0.0.1:9/lookup/{sandbox}"}
+	e.cfg["apps"].(map[string]any)["http"].(map[string]any)["servers"].(map[string]any)["wrapped"] = map[string]any{
+		"listen":            []string{loopbackAddr(t)},
 		"listener_wrappers": []any{map[string]any{"wrapper": "ktls"}},
 		"automatic_https":   map[string]any{"disable": true},
-		"routes":            []any{map[string]any{"handle": []any{map[string]any{"handler": "static_response", "body": "ok"}}}},
-	}}}
+		"routes": []any{
+			map[string]any{"match": []any{map[string]any{"path": []string{"/lookup"}}}, "handle": []any{lookup}},
+			map[string]any{"handle": []any{map[string]any{"handler": "static_response", "body": "ok"}}},
+		},
+	}
+	e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["lookups"] = map[string]any{
+		"listen": []string{loopbackAddr(t)},
+		"routes": []any{map[string]any{"handle": []any{lookup}}},
+	}
 	e.start(t)
 
 	const reply = 4 << 10
@@ -91,6 +102,23 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 			t.Errorf("check(%s) found nothing wrong", bad)
 		}
 	}
+	for _, bad := range []string{
+		`caddy_ktls_handshakes_total{module="layer4.handlers.ktls"}`,
+		`caddy_ktls_handshakes_total{module=~"layer4.handlers.ktls|caddy.listeners.ktls"}`,
+		`caddy_ktls_handshake_duration_seconds_bucket{module!="layer4.handlers.sandbox_proxy"}`,
+	} {
+		if errs := coversModules(t, bad, engineModules); len(errs) == 0 {
+			t.Errorf("coversModules(%s) found nothing wrong", bad)
+		}
+	}
+
+	// Every module's series are in the scrape: the handshakes of every
+	// module that serves TLS, the gateway modules' included.
+	for _, m := range engineModules {
+		if !exported["caddy_ktls_handshakes_total"]["module"][m] {
+			t.Errorf("/metrics has no caddy_ktls_handshakes_total series of %s", m)
+		}
+	}
 
 	used := map[string]bool{}
 	queries := 0
@@ -99,12 +127,20 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 		for _, err := range exported.check(t, expr) {
 			t.Errorf("%s %s: %s", dashboardFile, where, err)
 		}
+		for _, err := range coversModules(t, expr, engineModules) {
+			t.Errorf("%s %s: %s", dashboardFile, where, err)
+		}
 		markUsed(t, expr, used)
 	}
 	alerts := ruleExprs(t, rulesFile)
 	for name, expr := range alerts {
 		for _, err := range exported.check(t, expr) {
 			t.Errorf("%s alert %s: %s", rulesFile, name, err)
+		}
+		if name != "CaddyKTLSGatewayCertificateRefused" { // the forwarder's ktls handler's, by design
+			for _, err := range coversModules(t, expr, engineModules) {
+				t.Errorf("%s alert %s: %s", rulesFile, name, err)
+			}
 		}
 		markUsed(t, expr, used)
 	}
@@ -118,6 +154,52 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 		}
 	}
 	t.Logf("%d dashboard queries and %d alerts read %d metrics; module families on neither: %v", queries, len(alerts), len(used), unused)
+}
+
+// coversModules returns an error for each selector of expr on a
+// per-module metric of the kTLS engine (handshakes, their failures and
+// durations, engine closes) whose module matcher leaves out one of modules:
+// the series of every module that serves TLS count in the dashboard's
+// ratios and the alerts.
+func coversModules(t *testing.T, expr string, modules []string) []error {
+	t.Helper()
+	q, err := parsePromQL(expr)
+	if err != nil {
+		t.Fatalf("%s: %v", expr, err)
+	}
+	var errs []error
+	for _, s := range q.selectors {
+		if !strings.HasPrefix(s.metric, "caddy_ktls_handshake") && s.metric != "caddy_ktls_connections_closed_total" {
+			continue
+		}
+		for _, m := range s.matchers {
+			if m.label != "module" {
+				continue
+			}
+			for _, mod := range modules {
+				if !matcherAccepts(t, m, mod) {
+					errs = append(errs, fmt.Errorf("%s{module%s%q} leaves out the module %s", s.metric, m.op, m.value, mod))
+				}
+			}
+		}
+	}
+	return errs
+}
+
+// matcherAccepts says whether the label matcher m accepts the value v.
+func matcherAccepts(t *testing.T, m promMatcher, v string) bool {
+	t.Helper()
+	switch m.op {
+	case "=":
+		return v == m.value
+	case "!=":
+		return v != m.value
+	}
+	re, err := regexp.Compile("^(?:" + m.value + ")$")
+	if err != nil {
+		t.Fatalf("matcher %v: %v", m, err)
+	}
+	return re.MatchString(v) == (m.op == "=~")
 }
 
 // families maps each metric of a scrape to its labels and their values.

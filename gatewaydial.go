@@ -1,10 +1,12 @@
 package caddyktls
 
 import (
+	"context"
 	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -39,10 +41,11 @@ type GatewayDial struct {
 	// Key-Id header names it). Required.
 	SigningKeyFile string `json:"signing_key_file,omitempty"`
 
-	// KeyID names the signing key in the forwarders' keyrings, overriding
-	// the key file's Key-Id header. Default: that header, or without one
-	// the key's derived ID (as a forwarder names a keyring entry without
-	// Key-Id).
+	// KeyID names the signing key in the forwarders' keyrings. Default:
+	// the key file's Key-Id header, or without one the key's derived ID
+	// (as a forwarder names a keyring entry without Key-Id). Given with a
+	// key file that has a Key-Id, it must be that ID: the configuration
+	// does not load otherwise (forwarders would refuse every preamble).
 	KeyID string `json:"key_id,omitempty"`
 
 	// DialTimeout bounds opening a tunnel: the connect to the forwarder, the
@@ -111,6 +114,30 @@ func (g *GatewayDial) validate() error {
 	return nil
 }
 
+// logStart logs module's start line (logKernel): what this kernel does for
+// the forwarder connections, once per configuration load, module and set of
+// offload options, however many instances share them.
+func (g *GatewayDial) logStart(ctx caddy.Context, module string, logger *zap.Logger) {
+	key := gatewayStartKey{ctx.Context, module, g.OffloadOptions}
+	if _, logged := gatewayStartLogged.LoadOrStore(key, struct{}{}); logged {
+		return
+	}
+	if ctx.Context != nil {
+		context.AfterFunc(ctx, func() { gatewayStartLogged.Delete(key) })
+	}
+	g.OffloadOptions.logKernel(logger)
+}
+
+// gatewayStartLogged holds a gatewayStartKey for each start line the
+// gateway modules of a loaded configuration logged.
+var gatewayStartLogged sync.Map
+
+type gatewayStartKey struct {
+	load   context.Context // one per config load
+	module string
+	opts   OffloadOptions
+}
+
 // dialer builds the gateway.Dialer, loading the certificate, trust pool
 // and signing key. module labels its handshake metrics and logs.
 func (g *GatewayDial) dialer(ctx caddy.Context, module string, logger *zap.Logger) (*gateway.Dialer, error) {
@@ -132,7 +159,13 @@ func (g *GatewayDial) dialer(ctx caddy.Context, module string, logger *zap.Logge
 	if err != nil {
 		return nil, fmt.Errorf("signing_key_file %s: %w", g.SigningKeyFile, err)
 	}
-	if g.KeyID != "" {
+	switch {
+	case keyID != "" && g.KeyID != "" && g.KeyID != keyID:
+		// Forwarders name the key by the ID kept with it: preambles
+		// signed under another would all be refused (unknown-key).
+		return nil, fmt.Errorf("key_id %q does not match the key ID %q kept with the key in signing_key_file %s: "+
+			"leave key_id out, or give %q", g.KeyID, keyID, g.SigningKeyFile, keyID)
+	case g.KeyID != "":
 		keyID = g.KeyID
 	}
 	if keyID == "" {

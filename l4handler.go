@@ -78,7 +78,7 @@ func (*KTLSHandler) CaddyModule() caddy.ModuleInfo {
 func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
-	if err := registerMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx, moduleL4Handler); err != nil {
 		return err
 	}
 	if len(h.ConnectionPolicies) == 0 {
@@ -101,7 +101,9 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 	// offload options, however many ktls handlers share them.
 	key := l4KernelLogKey{tlsApp, h.OffloadOptions}
 	if _, logged := l4KernelLogged.LoadOrStore(key, struct{}{}); !logged {
-		ctx.OnCancel(func() { l4KernelLogged.Delete(key) })
+		// The load's context ends when the configuration is unloaded
+		// (ctx.OnCancel on a module's copy of the context never runs).
+		context.AfterFunc(ctx, func() { l4KernelLogged.Delete(key) })
 		h.OffloadOptions.logKernel(h.logger)
 	}
 	return nil

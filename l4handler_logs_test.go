@@ -41,11 +41,11 @@ func TestL4HandlerKernelLine(t *testing.T) {
 		t.Errorf("start line %v: want INFO from %s naming the kernel", l, moduleL4Handler)
 	}
 	if kernel {
-		if l["offload"] != "on" || l["rx_in_kernel"] != true || l["suites"] == nil {
-			t.Errorf("start line %v: want offload on, RX in the kernel and the suites", l)
+		if l["offloaded"] != true || l["rx_in_kernel"] != true || l["suites"] == nil {
+			t.Errorf("start line %v: want offloaded, RX in the kernel and the suites", l)
 		}
-	} else if fix, _ := l["fix"].(string); l["offload"] != "off" || l["why"] == nil || l["rx_in_kernel"] != nil || !strings.Contains(fix, "modprobe tls") && !strings.Contains(fix, "CONFIG_TLS") {
-		t.Errorf("start line %v: want offload off, why, no rx_in_kernel, and a fix (modprobe tls or the kernel's CONFIG_TLS)", l)
+	} else if fix, _ := l["fix"].(string); l["offloaded"] != false || l["why"] == nil || l["rx_in_kernel"] != nil || !strings.Contains(fix, "modprobe tls") && !strings.Contains(fix, "CONFIG_TLS") {
+		t.Errorf("start line %v: want offloaded false, why, no rx_in_kernel, and a fix (modprobe tls or the kernel's CONFIG_TLS)", l)
 	}
 
 	// Connections: offloaded or not, none logs a line of this kind, nor a

@@ -57,7 +57,7 @@ func closesMetric(t *testing.T) map[string]float64 {
 // TestKernelKeyUpdateFlood).
 func TestConnectionCloseEventsCounted(t *testing.T) {
 	before := closesMetric(t)
-	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+	for _, m := range engineModules {
 		for _, ev := range closeEvents {
 			if _, ok := before[m+" "+string(ev)]; !ok {
 				t.Errorf("no series for %s %s before any close", m, ev)
@@ -90,8 +90,8 @@ func TestConnectionCloseEventsCounted(t *testing.T) {
 			t.Errorf("%s: counted %v, want %v", key, got, want)
 		}
 	}
-	if len(after) != 2*len(closeEvents)+1 {
-		t.Errorf("series %v, want exactly modules x close events, and bad-record for layer4", after)
+	if len(after) != len(engineModules)*len(closeEvents)+1 {
+		t.Errorf("series %v, want exactly the engine's modules x close events, and bad-record for layer4", after)
 	}
 	if _, ok := before[moduleL4Handler+" "+string(eventBadRecord)]; !ok {
 		t.Errorf("no layer4 bad-record series before any close")

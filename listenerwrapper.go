@@ -121,7 +121,7 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 		lw.logger.Warn(layer4WithoutSessionWarning)
 	}
 	lw.OffloadOptions.setDefaults()
-	if err := registerMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx, moduleListenerWrapper); err != nil {
 		return err
 	}
 	if err := registerListenerMetrics(ctx); err != nil {

@@ -1,69 +1,136 @@
 package caddyktls
 
 import (
-	"errors"
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
+// Which modules move which metrics: one table per fact. The metrics'
+// series are declared from them, and a configuration's registry exports
+// the families its loaded modules can move (metricsView).
+var (
+	// engineModules serve connections through the kTLS engine: each
+	// reports every handshake (observeHandshake) and every connection the
+	// engine ends (countClose).
+	engineModules = []string{moduleListenerWrapper, moduleL4Handler, moduleSandboxProxy, moduleSandboxTransport}
+	// serverModules accept TLS handshakes and count the failed ones by
+	// reason (handshakeFailureLog). The gateway modules count theirs as
+	// dials that failed at the handshake (caddy_ktls_gateway_dials_total).
+	serverModules = []string{moduleListenerWrapper, moduleL4Handler}
+	// forwarderModules carry sandbox tunnels (the registry, the pushers,
+	// the wakes).
+	forwarderModules = []string{moduleSandboxHandler}
+	// gatewayModules open tunnels to forwarders.
+	gatewayModules = []string{moduleSandboxProxy, moduleSandboxTransport}
+	// relayModules relay a gateway's tunnels themselves (the transport
+	// leaves its bytes to net/http).
+	relayModules = []string{moduleSandboxProxy}
+	// lookupModules ask the control plane where a sandbox is.
+	lookupModules = []string{moduleSandboxLookupHTTP, moduleSandboxLookupL4}
+	// anyModule: every module that registers metrics (what any of them
+	// may serve, such as a tcp-retry listener).
+	anyModule = slices.Concat(engineModules, forwarderModules, lookupModules)
+)
+
 // collector exposes the process-level state (tunnel registry, pushers, ktls
-// counters) to Prometheus. It is created once per process and registered in
-// every configuration's registry: Caddy makes a new metrics registry for
-// each config load, while tunnels and counters outlive reloads, so the
-// values are read from the process state at scrape time instead of being
-// kept in per-config metric objects.
+// counters) to Prometheus. It is created once per process and exported
+// into every configuration's registry through a metricsView: Caddy makes a
+// new metrics registry for each config load, while tunnels and counters
+// outlive reloads, so the values are read from the process state at scrape
+// time instead of being kept in per-config metric objects.
 type collector struct {
 	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, tunnelsClosed, closeRequests, bytes, rejects, relayBytes, controlRecords, pipeShortages,
 	pushReports, offloads, offloadModes, connCloses, handshakeFails, acceptRetries, kernelSupport, throttled *prometheus.Desc
-	// The histograms are process-level too: observed as events end,
-	// collected from here into every configuration's registry.
-	histograms []prometheus.Collector
+	// The metric vectors and histograms are process-level too: observed
+	// as events end, collected from here into every configuration's
+	// registry.
+	vecs []prometheus.Collector
+	// movers says, for every family (its Desc), the modules that can move
+	// it.
+	movers map[*prometheus.Desc][]string
+}
+
+// familyMovers collects the movers of the families as they are made (the
+// collector's movers; package initialization fills it).
+var familyMovers = map[*prometheus.Desc][]string{}
+
+// movedBy notes that the modules by move the family d and returns it.
+func movedBy(by []string, d *prometheus.Desc) *prometheus.Desc {
+	familyMovers[d] = by
+	return d
+}
+
+// addVecs adds vectors (counters, histograms) that the modules by move to
+// the collector.
+func (c *collector) addVecs(by []string, vecs ...prometheus.Collector) {
+	for _, v := range vecs {
+		ch := make(chan *prometheus.Desc, 4)
+		v.Describe(ch)
+		close(ch)
+		for d := range ch {
+			c.movers[d] = by
+		}
+		c.vecs = append(c.vecs, v)
+	}
 }
 
 var metrics = &collector{
-	tunnelsOpen:    prometheus.NewDesc("caddy_ktls_sandbox_tunnels_active", "Sandbox tunnels open now.", nil, nil),
-	tunnelsOpened:  prometheus.NewDesc("caddy_ktls_sandbox_tunnels_total", "Sandbox tunnels opened since the process started.", nil, nil),
-	tunnelsExpired: prometheus.NewDesc("caddy_ktls_sandbox_tunnels_expired_total", "Sandbox tunnels ended for reaching max_tunnel_lifetime.", nil, nil),
-	tunnelsRevoked: prometheus.NewDesc("caddy_ktls_sandbox_tunnels_revoked_total", "Sandbox tunnels ended because a reload left their signing key trusted by no configuration.", nil, nil),
-	tunnelsClosed:  prometheus.NewDesc("caddy_ktls_sandbox_tunnels_closed_total", "Sandbox tunnels ended as failures by POST /sandbox/close (at once, or still open when its grace period ended).", nil, nil),
-	closeRequests: prometheus.NewDesc("caddy_ktls_sandbox_close_requests_total",
-		"POST /sandbox/close requests served, by mode: fail (end the tunnels at once), graceful (end those still open after a grace period).", []string{"mode"}, nil),
-	bytes:   prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil),
-	rejects: prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil),
-	relayBytes: prometheus.NewDesc("caddy_ktls_relay_bytes_total",
+	tunnelsOpen:    movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_tunnels_active", "Sandbox tunnels open now.", nil, nil)),
+	tunnelsOpened:  movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_tunnels_total", "Sandbox tunnels opened since the process started.", nil, nil)),
+	tunnelsExpired: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_tunnels_expired_total", "Sandbox tunnels ended for reaching max_tunnel_lifetime.", nil, nil)),
+	tunnelsRevoked: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_tunnels_revoked_total", "Sandbox tunnels ended because a reload left their signing key trusted by no configuration.", nil, nil)),
+	tunnelsClosed:  movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_tunnels_closed_total", "Sandbox tunnels ended as failures by POST /sandbox/close (at once, or still open when its grace period ended).", nil, nil)),
+	closeRequests: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_close_requests_total",
+		"POST /sandbox/close requests served, by mode: fail (end the tunnels at once), graceful (end those still open after a grace period).", []string{"mode"}, nil)),
+	bytes:   movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil)),
+	rejects: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil)),
+	relayBytes: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_relay_bytes_total",
 		"Bytes of closed sandbox tunnels by data path: splice (socket to socket through a kernel pipe, never in userspace) or copy (through a userspace buffer: a direction in userspace TLS, or a burst without a pipe).",
-		[]string{"path"}, nil),
-	controlRecords: prometheus.NewDesc("caddy_ktls_relay_control_records_total", "TLS control records (alerts, post-handshake messages such as KeyUpdate) read in userspace from kernel-TLS sockets during the relays of closed sandbox tunnels.", nil, nil),
-	pipeShortages: prometheus.NewDesc("caddy_ktls_relay_pipe_shortages_total",
-		"Transfer bursts of closed tunnels copied through userspace because no pipe could be opened (the process or system out of file descriptors).", nil, nil),
-	pushReports: prometheus.NewDesc("caddy_ktls_activity_reports_total", "Activity reports by outcome (sent, retried, dropped).", []string{"outcome"}, nil),
-	offloads: prometheus.NewDesc("caddy_ktls_handshakes_total",
+		[]string{"path"}, nil)),
+	controlRecords: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_relay_control_records_total", "TLS control records (alerts, post-handshake messages such as KeyUpdate) read in userspace from kernel-TLS sockets during the relays of closed sandbox tunnels.", nil, nil)),
+	pipeShortages: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_relay_pipe_shortages_total",
+		"Transfer bursts of closed tunnels copied through userspace because no pipe could be opened (the process or system out of file descriptors).", nil, nil)),
+	pushReports: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_activity_reports_total", "Activity reports by outcome (sent, retried, dropped), and the POST attempts answered with a redirect, which is not followed (redirected; each is also retried or ends in dropped).", []string{"outcome"}, nil)),
+	offloads: movedBy(engineModules, prometheus.NewDesc("caddy_ktls_handshakes_total",
 		"TLS handshakes of the ktls modules' connections, by module and offload outcome (reason): none, TX and RX in the kernel; rx-disabled, TX in the kernel and RX in userspace (rx off); handshake-failed, the handshake itself failed (see caddy_ktls_handshake_failures_total); any other reason, served in userspace TLS for that reason (or refused, with fallback refuse).",
-		[]string{"module", "reason"}, nil),
-	offloadModes: prometheus.NewDesc("caddy_ktls_offload_directions_total",
+		[]string{"module", "reason"}, nil)),
+	offloadModes: movedBy(engineModules, prometheus.NewDesc("caddy_ktls_offload_directions_total",
 		"Completed TLS handshakes of every module, by direction (tx, rx) and where that direction's records are processed (mode): sw, the kernel in software; hw, the kernel on the NIC; userspace, Go's crypto/tls (not offloaded).",
-		[]string{"direction", "mode"}, nil),
-	connCloses: prometheus.NewDesc("caddy_ktls_connections_closed_total",
+		[]string{"direction", "mode"}, nil)),
+	connCloses: movedBy(engineModules, prometheus.NewDesc("caddy_ktls_connections_closed_total",
 		"Connections the kTLS engine ended after their handshake, by module and event: rate-limited, KeyUpdates above keyupdate_rate; alert, the peer's fatal alert; closed-after-tx, a step after installing TLS_TX failed; rekey-unsupported, a KeyUpdate on a kernel without rekey; key-exhausted, a traffic key reached key_record_limit and could not be renewed; refused, fallback refuse and the session could not be offloaded (never offloaded); bad-record (layer4 handler only), a record that failed authentication.",
-		[]string{"module", "event"}, nil),
-	handshakeFails: prometheus.NewDesc("caddy_ktls_handshake_failures_total",
+		[]string{"module", "event"}, nil)),
+	handshakeFails: movedBy(serverModules, prometheus.NewDesc("caddy_ktls_handshake_failures_total",
 		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, unknown-server-name, timeout, closed, other).",
-		[]string{"module", "reason"}, nil),
-	acceptRetries: prometheus.NewDesc("caddy_ktls_accept_retries_total",
-		"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil),
-	kernelSupport: prometheus.NewDesc("caddy_ktls_kernel_support",
+		[]string{"module", "reason"}, nil)),
+	acceptRetries: movedBy(anyModule, prometheus.NewDesc("caddy_ktls_accept_retries_total",
+		"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil)),
+	kernelSupport: movedBy(engineModules, prometheus.NewDesc("caddy_ktls_kernel_support",
 		"What this host's kernel accepted when the process probed it at its first use (1 yes, 0 no), by feature: tx and rx (TLS_TX, TLS_RX for at least one TLS version and cipher), rekey (a TLS 1.3 KeyUpdate: a second key installed). See `caddy ktls probe`.",
-		[]string{"feature"}, nil),
-	throttled: prometheus.NewDesc("caddy_ktls_sandbox_throttled_seconds_total",
+		[]string{"feature"}, nil)),
+	throttled: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_throttled_seconds_total",
 		"Time the directions of closed sandbox tunnels waited for their sandbox's max_bandwidth cap, by direction (to_sandbox, from_sandbox).",
-		[]string{"direction"}, nil),
-	histograms: []prometheus.Collector{tunnelDuration, handshakeDuration, dialDuration, preambleVerifyDuration},
+		[]string{"direction"}, nil)),
+	movers: familyMovers,
+}
+
+func init() {
+	metrics.addVecs(forwarderModules, tunnelDuration, dialDuration, preambleVerifyDuration)
+	metrics.addVecs(engineModules, handshakeDuration)
 }
 
 // The duration histograms. Their buckets cover what each measures, from
@@ -86,11 +153,11 @@ var (
 	// 10 s by default, and would swamp the latency of the real ones). A
 	// loopback TLS 1.3 handshake takes about a millisecond, one across a
 	// continent a few hundred: 0.5 ms to 10 s.
-	handshakeDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+	handshakeDuration = newHistogramFamily(prometheus.HistogramOpts{
 		Name:    "caddy_ktls_handshake_duration_seconds",
 		Help:    "TLS handshakes including the kTLS offload (key install), by module and result (ok: completed, offloaded or not; failed: the handshake failed, see caddy_ktls_handshake_failures_total).",
 		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10},
-	}, []string{"module", "result"})
+	}, []string{"module", "result"}, engineModules, []string{handshakeResultOK, handshakeResultFailed})
 	// The connect to a sandbox's target, successful or not. Sandbox
 	// networks are local: a connect takes tens to hundreds of
 	// microseconds, a slow or overloaded host milliseconds, and a failed
@@ -116,16 +183,6 @@ const (
 	handshakeResultOK     = "ok"
 	handshakeResultFailed = "failed"
 )
-
-func init() {
-	// Every module and result has its series from the start, as the
-	// counters do.
-	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
-		for _, r := range []string{handshakeResultOK, handshakeResultFailed} {
-			handshakeDuration.WithLabelValues(m, r)
-		}
-	}
-}
 
 // observeHandshake records ev, an EventHandshake of module's engine, in
 // caddy_ktls_handshake_duration_seconds and caddy_ktls_handshakes_total.
@@ -154,10 +211,10 @@ func observeStep(s forward.Step, d time.Duration) {
 // at the request timeout, a silent target at the wake timeout (30 s by
 // default): 50 ms to 60 s.
 var (
-	sandboxWakes = prometheus.NewCounterVec(prometheus.CounterOpts{
+	sandboxWakes = newCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_sandbox_wakes_total",
-		Help: "Wakes of sandboxes whose target did not answer, by outcome: woken (the target answered after it), wake-failed (the control plane did not accept it), dial-failed (the target stayed silent for the wake timeout).",
-	}, []string{"outcome"})
+		Help: "Wakes of sandboxes whose target did not answer, by outcome: woken (the target answered after it), wake-failed (the control plane did not accept it), dial-failed (the target stayed silent for the wake timeout), redirected (the control plane answered with a redirect, which is not followed).",
+	}, []string{"outcome"}, forward.WakeOutcomes())
 	sandboxWakeDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Name:    "caddy_ktls_sandbox_wake_duration_seconds",
 		Help:    "Wakes from the wake request to the target's answer or the wake's failure.",
@@ -166,10 +223,7 @@ var (
 )
 
 func init() {
-	metrics.histograms = append(metrics.histograms, sandboxWakes, sandboxWakeDuration)
-	for _, o := range []string{forward.WakeWoken, forward.WakeFailed, forward.WakeDialFailed} {
-		sandboxWakes.WithLabelValues(o)
-	}
+	metrics.addVecs(forwarderModules, sandboxWakes, sandboxWakeDuration)
 }
 
 // observeWake records a wake (forward.Config.OnWake).
@@ -195,13 +249,20 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.handshakeFails, c.acceptRetries, c.kernelSupport, c.throttled} {
 		ch <- d
 	}
-	for _, h := range c.histograms {
-		h.Describe(ch)
+	for _, v := range c.vecs {
+		v.Describe(ch)
 	}
 }
 
-// Collect implements prometheus.Collector.
+// Collect implements prometheus.Collector: every family, every series.
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	c.collect(ch, true)
+}
+
+// collect sends every series to ch; the kernel's answer to the probe
+// (caddy_ktls_kernel_support) only where probe is set, as the probe is
+// made once, by the first module that uses the kernel's TLS.
+func (c *collector) collect(ch chan<- prometheus.Metric, probe bool) {
 	open, opened := tunnels.Counts()
 	ch <- prometheus.MustNewConstMetric(c.tunnelsOpen, prometheus.GaugeValue, float64(open))
 	ch <- prometheus.MustNewConstMetric(c.tunnelsOpened, prometheus.CounterValue, float64(opened))
@@ -230,6 +291,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Sent), "sent")
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Retries), "retried")
 	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Dropped), "dropped")
+	ch <- prometheus.MustNewConstMetric(c.pushReports, prometheus.CounterValue, float64(ps.Redirected), "redirected")
 	for k, n := range handshakeOutcomes.snapshot() {
 		ch <- prometheus.MustNewConstMetric(c.offloads, prometheus.CounterValue, float64(n), k.module, string(k.reason))
 	}
@@ -246,15 +308,17 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.handshakeFails, prometheus.CounterValue, float64(n), k.module, k.reason)
 	}
 	ch <- prometheus.MustNewConstMetric(c.acceptRetries, prometheus.CounterValue, float64(acceptRetries.Load()))
-	for feature, ok := range kernelFeatures(ktls.Probe()) {
-		v := 0.0
-		if ok {
-			v = 1
+	if probe {
+		for feature, ok := range kernelFeatures(ktls.Probe()) {
+			v := 0.0
+			if ok {
+				v = 1
+			}
+			ch <- prometheus.MustNewConstMetric(c.kernelSupport, prometheus.GaugeValue, v, feature)
 		}
-		ch <- prometheus.MustNewConstMetric(c.kernelSupport, prometheus.GaugeValue, v, feature)
 	}
-	for _, h := range c.histograms {
-		h.Collect(ch)
+	for _, v := range c.vecs {
+		v.Collect(ch)
 	}
 }
 
@@ -281,13 +345,200 @@ func rejectReasons() []string {
 	return append(rs, preamble.ReasonOther)
 }
 
-// registerMetrics adds the process collector to this configuration's
-// registry; a second module in the same configuration finds it there.
-func registerMetrics(ctx caddy.Context) error {
-	err := ctx.GetMetricsRegistry().Register(metrics)
-	var are prometheus.AlreadyRegisteredError
-	if err != nil && !errors.As(err, &are) {
-		return err
+// metricsView is what one configuration's metrics registry exports of the
+// process's metrics (the collector): the families and series its loaded
+// modules can move, and every series that has moved, so that a reload that
+// removes a module hides nothing it counted. A series with a module label
+// is that module's; one without, its family's (collector.movers). Caddy
+// makes a registry for each configuration load; each module adds itself to
+// its load's view as it provisions (registerMetrics).
+type metricsView struct {
+	c       *collector
+	mu      sync.Mutex
+	modules map[string]bool
+}
+
+// views holds the view of each loaded configuration's registry.
+var views = struct {
+	sync.Mutex
+	m map[*prometheus.Registry]*metricsView
+}{m: map[*prometheus.Registry]*metricsView{}}
+
+// registerMetrics exports the process's metrics into this configuration's
+// registry, with what module can move among them.
+func registerMetrics(ctx caddy.Context, module string) error {
+	if !slices.Contains(anyModule, module) {
+		return fmt.Errorf("metrics: %s is not in the tables of the modules that move metrics (metrics.go)", module)
 	}
+	reg := ctx.GetMetricsRegistry()
+	views.Lock()
+	v := views.m[reg]
+	if v == nil {
+		v = &metricsView{c: metrics, modules: map[string]bool{}}
+		if err := reg.Register(v); err != nil {
+			views.Unlock()
+			return err
+		}
+		views.m[reg] = v
+		if ctx.Context != nil {
+			// The load's context ends when the configuration is unloaded.
+			context.AfterFunc(ctx, func() {
+				views.Lock()
+				delete(views.m, reg)
+				views.Unlock()
+			})
+		}
+	}
+	views.Unlock()
+	v.mu.Lock()
+	v.modules[module] = true
+	v.mu.Unlock()
 	return nil
+}
+
+// Describe implements prometheus.Collector: every family the collector
+// has, whether or not this configuration exports it.
+func (v *metricsView) Describe(ch chan<- *prometheus.Desc) {
+	v.c.Describe(ch)
+}
+
+// Collect implements prometheus.Collector.
+func (v *metricsView) Collect(ch chan<- prometheus.Metric) {
+	v.mu.Lock()
+	loaded := maps.Clone(v.modules)
+	v.mu.Unlock()
+	all := make(chan prometheus.Metric, 64)
+	go func() {
+		v.c.collect(all, slices.ContainsFunc(engineModules, func(m string) bool { return loaded[m] }))
+		close(all)
+	}()
+	for m := range all {
+		if v.c.exports(m, loaded) {
+			ch <- m
+		}
+	}
+}
+
+// exports says whether a configuration whose modules are loaded exports m:
+// when one of them can move it, or it has moved.
+func (c *collector) exports(m prometheus.Metric, loaded map[string]bool) bool {
+	movers, ok := c.movers[m.Desc()]
+	if !ok {
+		undeclaredSeries(m.Desc().String(), "a family no module is declared to move")
+		return true
+	}
+	var pb dto.Metric
+	if err := m.Write(&pb); err != nil {
+		return true
+	}
+	for _, l := range pb.GetLabel() {
+		if l.GetName() == "module" {
+			movers = []string{l.GetValue()}
+		}
+	}
+	if slices.ContainsFunc(movers, func(m string) bool { return loaded[m] }) {
+		return true
+	}
+	switch {
+	case pb.Counter != nil:
+		return pb.Counter.GetValue() != 0
+	case pb.Gauge != nil:
+		return pb.Gauge.GetValue() != 0
+	case pb.Histogram != nil:
+		return pb.Histogram.GetSampleCount() != 0
+	}
+	return true
+}
+
+// counterFamily is a CounterVec whose series are declared where it is
+// made, from the tables of the code that observes it: each exists from
+// zero, and one that was not declared is counted all the same and
+// reported (undeclaredSeries).
+type counterFamily struct {
+	*prometheus.CounterVec
+	name     string
+	declared map[string]bool
+}
+
+// newCounterFamily makes a counterFamily with a series for every
+// combination of the label values (one list per label).
+func newCounterFamily(opts prometheus.CounterOpts, labels []string, values ...[]string) *counterFamily {
+	f := &counterFamily{CounterVec: prometheus.NewCounterVec(opts, labels), name: opts.Name, declared: map[string]bool{}}
+	for _, lvs := range labelSets(values) {
+		f.CounterVec.WithLabelValues(lvs...)
+		f.declared[strings.Join(lvs, "\x00")] = true
+	}
+	return f
+}
+
+// WithLabelValues returns the counter of lvs.
+func (f *counterFamily) WithLabelValues(lvs ...string) prometheus.Counter {
+	if !f.declared[strings.Join(lvs, "\x00")] {
+		undeclaredSeries(f.name, strings.Join(lvs, ","))
+	}
+	return f.CounterVec.WithLabelValues(lvs...)
+}
+
+// histogramFamily is counterFamily's HistogramVec.
+type histogramFamily struct {
+	*prometheus.HistogramVec
+	name     string
+	declared map[string]bool
+}
+
+func newHistogramFamily(opts prometheus.HistogramOpts, labels []string, values ...[]string) *histogramFamily {
+	f := &histogramFamily{HistogramVec: prometheus.NewHistogramVec(opts, labels), name: opts.Name, declared: map[string]bool{}}
+	for _, lvs := range labelSets(values) {
+		f.HistogramVec.WithLabelValues(lvs...)
+		f.declared[strings.Join(lvs, "\x00")] = true
+	}
+	return f
+}
+
+// WithLabelValues returns the histogram of lvs.
+func (f *histogramFamily) WithLabelValues(lvs ...string) prometheus.Observer {
+	if !f.declared[strings.Join(lvs, "\x00")] {
+		undeclaredSeries(f.name, strings.Join(lvs, ","))
+	}
+	return f.HistogramVec.WithLabelValues(lvs...)
+}
+
+// labelSets returns every combination of one value from each list.
+func labelSets(values [][]string) [][]string {
+	sets := [][]string{nil}
+	for _, vs := range values {
+		var next [][]string
+		for _, set := range sets {
+			for _, v := range vs {
+				next = append(next, append(slices.Clip(set), v))
+			}
+		}
+		sets = next
+	}
+	return sets
+}
+
+// undeclaredPanics makes undeclaredSeries panic: the tests set it, so that
+// an observation the tables miss fails the test that made it.
+var undeclaredPanics bool
+
+// undeclaredSeries reports an observation of series, which metric did not
+// declare: a table that misses a value some code observes. The observation
+// is counted all the same; this is said once per series, at ERROR.
+func undeclaredSeries(metric, series string) {
+	if undeclaredPanics {
+		panic(fmt.Sprintf("metric %s: series %s was not declared: add its label values to the table that declares them", metric, series))
+	}
+	logUndeclared(caddy.Log(), metric, series)
+}
+
+// undeclaredLogged holds the series logUndeclared has logged.
+var undeclaredLogged sync.Map
+
+func logUndeclared(logger *zap.Logger, metric, series string) {
+	if _, logged := undeclaredLogged.LoadOrStore(metric+"\x00"+series, true); logged {
+		return
+	}
+	logger.Error("metric series not declared: counted, but it had no series from zero (a bug in caddy-ktls: please report it)",
+		zap.String("metric", metric), zap.String("series", series))
 }

@@ -177,8 +177,10 @@ func (o *OffloadOptions) kernelCanOffload() bool {
 // logKernel logs, in one INFO line, what this kernel does for o's
 // connections and, when it cannot offload, why and what to do: at a
 // module's start, never per connection. fields say where (a server and
-// its listener). The line holds only what is true: rx_in_kernel and the
-// kernel's suites only when connections are offloaded.
+// its listener). offloaded says whether the connections' records go to the
+// kernel (each may still fall back, counted by reason); the line holds
+// only what is true: rx_in_kernel and the kernel's suites only when they
+// do.
 func (o *OffloadOptions) logKernel(logger *zap.Logger, fields ...zap.Field) {
 	caps := ktls.Probe()
 	fallback := "allow"
@@ -190,11 +192,11 @@ func (o *OffloadOptions) logKernel(logger *zap.Logger, fields ...zap.Field) {
 	case o.DisableOffload:
 		// Whatever the kernel can do, no connection is offloaded; the
 		// probe result still says whether turning offload on would help.
-		logger.Info(offloadDisabledMsg, append(fields, zap.String("offload", "off"),
+		logger.Info(offloadDisabledMsg, append(fields, zap.Bool("offloaded", false),
 			zap.String("why", "disabled by configuration (offload off)"), zap.Bool("kernel_tls_available", caps.ULP == nil))...)
 		return
 	case caps.ULP != nil:
-		fields = append(fields, zap.String("offload", "off"), zap.NamedError("why", caps.ULP),
+		fields = append(fields, zap.Bool("offloaded", false), zap.NamedError("why", caps.ULP),
 			zap.String("fix", probeHint(caps.Config)), zap.Bool("cap_net_admin", caps.NetAdmin))
 		if o.RequireOffload {
 			// Not a load error: what a configuration means must not
@@ -211,7 +213,7 @@ func (o *OffloadOptions) logKernel(logger *zap.Logger, fields ...zap.Field) {
 			suites = append(suites, tls.VersionName(s.Version)+" "+s.Name)
 		}
 	}
-	logger.Info(kernelAvailableMsg, append(fields, zap.String("offload", "on"), zap.Bool("rx_in_kernel", !o.DisableRX),
+	logger.Info(kernelAvailableMsg, append(fields, zap.Bool("offloaded", true), zap.Bool("rx_in_kernel", !o.DisableRX),
 		zap.Strings("suites", suites), zap.Bool("rekey", caps.Rekey), zap.Bool("expect_no_pad_supported", caps.ExpectNoPad),
 		zap.Bool("tx_zerocopy_ro_supported", caps.TXZeroCopyRO))...)
 	if o.ExpectNoPad && !caps.ExpectNoPad {
@@ -225,18 +227,6 @@ func (o *OffloadOptions) logKernel(logger *zap.Logger, fields ...zap.Field) {
 // refuseAllWarning is what logKernel says, at WARN, for fallback refuse on
 // a kernel that cannot offload TLS.
 const refuseAllWarning = "fallback refuse is set but this kernel cannot offload TLS: every connection will be refused (see `caddy ktls probe`)"
-
-// warnRefuseAll says refuseAllWarning alone, for a module that logs no
-// logKernel line (the ktls handler and the listener wrapper say it there).
-func (o *OffloadOptions) warnRefuseAll(logger *zap.Logger) {
-	if !o.RequireOffload {
-		return
-	}
-	if caps := ktls.Probe(); caps.ULP != nil {
-		logger.Warn(refuseAllWarning, zap.String("kernel", caps.Kernel), zap.NamedError("why", caps.ULP),
-			zap.String("fix", probeHint(caps.Config)))
-	}
-}
 
 // handshakeFailureReasons are why a TLS handshake failed, as counted in
 // caddy_ktls_handshake_failures_total and logged: the reasons a peer that

@@ -266,7 +266,7 @@ func (*SandboxHandler) CaddyModule() caddy.ModuleInfo {
 func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
-	if err := registerMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx, moduleSandboxHandler); err != nil {
 		return err
 	}
 	// The checks that need nothing loaded come first (Validate runs

@@ -83,9 +83,9 @@ func (o *LookupOptions) Validate() error {
 }
 
 // provision sets up the lookup of a handler that logs to logger.
-func (o *LookupOptions) provision(ctx caddy.Context, logger *zap.Logger) error {
+func (o *LookupOptions) provision(ctx caddy.Context, module string, logger *zap.Logger) error {
 	o.logger = logger
-	if err := registerMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx, module); err != nil {
 		return err
 	}
 	// Caddy validates after provisioning, which would fail first.
@@ -146,10 +146,10 @@ func resolve(ctx context.Context, l *gateway.Lookup, module, sandbox string, log
 
 // The lookup metrics.
 var (
-	gatewayLookups = prometheus.NewCounterVec(prometheus.CounterOpts{
+	gatewayLookups = newCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_lookups_total",
-		Help: "Sandbox lookups by module and result: cache, control-plane, coalesced (answered, from where), or why none was: not-found, unavailable, bad-answer, bad-sandbox.",
-	}, []string{"module", "result"})
+		Help: "Sandbox lookups by module and result: cache, control-plane, coalesced (answered, from where), or why none was: not-found, unavailable, bad-answer, bad-sandbox, redirect (the control plane answered with a redirect, which is not followed).",
+	}, []string{"module", "result"}, lookupModules, lookupResults())
 	// A control plane on the local network answers in a millisecond or
 	// two, a loaded one in tens; the timeout (5 s by default) bounds it.
 	gatewayLookupDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
@@ -160,13 +160,14 @@ var (
 )
 
 func init() {
-	metrics.histograms = append(metrics.histograms, gatewayLookups, gatewayLookupDuration)
-	for _, m := range []string{moduleSandboxLookupHTTP, moduleSandboxLookupL4} {
-		for _, r := range []string{string(gateway.SourceCache), string(gateway.SourceControlPlane), string(gateway.SourceCoalesced),
-			gateway.LookupNotFound, gateway.LookupUnavailable, gateway.LookupBadAnswer, gateway.LookupBadSandbox} {
-			gatewayLookups.WithLabelValues(m, r)
-		}
-	}
+	metrics.addVecs(lookupModules, gatewayLookups, gatewayLookupDuration)
+}
+
+// lookupResults are the results resolve counts a lookup as: where the
+// answer came from, or why there was none.
+func lookupResults() []string {
+	return append([]string{string(gateway.SourceCache), string(gateway.SourceControlPlane), string(gateway.SourceCoalesced)},
+		gateway.LookupReasons()...)
 }
 
 // CaddyModule returns the Caddy module information.
@@ -176,7 +177,7 @@ func (*SandboxLookup) CaddyModule() caddy.ModuleInfo {
 
 // Provision sets up the handler.
 func (h *SandboxLookup) Provision(ctx caddy.Context) error {
-	return h.provision(ctx, ctx.Logger(h))
+	return h.provision(ctx, moduleSandboxLookupHTTP, ctx.Logger(h))
 }
 
 // ServeHTTP looks the request's sandbox up and sets its variables.

@@ -33,7 +33,7 @@ func (*SandboxLookupL4) CaddyModule() caddy.ModuleInfo {
 
 // Provision sets up the handler.
 func (h *SandboxLookupL4) Provision(ctx caddy.Context) error {
-	return h.provision(ctx, ctx.Logger(h))
+	return h.provision(ctx, moduleSandboxLookupL4, ctx.Logger(h))
 }
 
 // Handle looks the connection's sandbox up and sets its placeholders.

@@ -100,7 +100,7 @@ func (h *SandboxProxy) Validate() error {
 func (h *SandboxProxy) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
-	if err := registerMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx, moduleSandboxProxy); err != nil {
 		return err
 	}
 	d, err := h.GatewayDial.dialer(ctx, moduleSandboxProxy, h.logger)
@@ -108,7 +108,7 @@ func (h *SandboxProxy) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("sandbox_proxy: %w", err)
 	}
 	h.dialer = d
-	h.OffloadOptions.warnRefuseAll(h.logger)
+	h.GatewayDial.logStart(ctx, moduleSandboxProxy, h.logger)
 	return nil
 }
 

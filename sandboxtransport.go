@@ -149,7 +149,7 @@ func (t *SandboxTransport) EnableH2C() error {
 // Provision sets up the transport.
 func (t *SandboxTransport) Provision(ctx caddy.Context) error {
 	t.logger = ctx.Logger(t)
-	if err := registerMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx, moduleSandboxTransport); err != nil {
 		return err
 	}
 	if err := t.Validate(); err != nil {
@@ -170,7 +170,7 @@ func (t *SandboxTransport) Provision(ctx caddy.Context) error {
 		t.MaxRoutes = defaultMaxRoutes
 	}
 	t.pools = &routePools{max: t.MaxRoutes, index: map[gateway.Route]*list.Element{}, lru: list.New(), newTransport: t.routeTransport}
-	t.OffloadOptions.warnRefuseAll(t.logger)
+	t.GatewayDial.logStart(ctx, moduleSandboxTransport, t.logger)
 	return nil
 }
 

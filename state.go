@@ -2,6 +2,7 @@ package caddyktls
 
 import (
 	"crypto/ed25519"
+	"fmt"
 	"maps"
 	"slices"
 	"sync"
@@ -88,28 +89,33 @@ type replayCacheEntry struct{ *preamble.ReplayCache }
 
 func (replayCacheEntry) Destruct() error { return nil }
 
-// seriesCounts counts events per metric series (K: the labels). Every
-// series it is made with exists from zero (alerts on rate() need them);
-// add counts those only. The modules' observers count, the collector reads.
+// seriesCounts counts events per metric series (K: the labels). It is made
+// with every series its observers can report, each from zero (alerts on
+// rate() need them), from the tables of those observers. add never drops an
+// event: a series that was not declared is counted all the same, and
+// reported as the bug it is (undeclaredSeries).
 type seriesCounts[K comparable] struct {
-	mu sync.Mutex
-	n  map[K]uint64
+	metric string
+	mu     sync.Mutex
+	n      map[K]uint64
 }
 
-func newSeriesCounts[K comparable](keys []K) *seriesCounts[K] {
-	c := &seriesCounts[K]{n: make(map[K]uint64, len(keys))}
+func newSeriesCounts[K comparable](metric string, keys []K) *seriesCounts[K] {
+	c := &seriesCounts[K]{metric: metric, n: make(map[K]uint64, len(keys))}
 	for _, k := range keys {
 		c.n[k] = 0
 	}
 	return c
 }
 
-// add counts one event of k, when k has a series.
+// add counts one event of k.
 func (c *seriesCounts[K]) add(k K) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if _, ok := c.n[k]; ok {
-		c.n[k]++
+	_, declared := c.n[k]
+	c.n[k]++
+	c.mu.Unlock()
+	if !declared {
+		undeclaredSeries(c.metric, fmt.Sprintf("%+v", k))
 	}
 }
 
@@ -128,12 +134,12 @@ type closeKey struct {
 // event (and the layer4 handler's bad records).
 var connCloses = func() *seriesCounts[closeKey] {
 	var keys []closeKey
-	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+	for _, m := range engineModules {
 		for _, ev := range closeEvents {
 			keys = append(keys, closeKey{m, ev})
 		}
 	}
-	return newSeriesCounts(append(keys, closeKey{moduleL4Handler, eventBadRecord}))
+	return newSeriesCounts("caddy_ktls_connections_closed_total", append(keys, closeKey{moduleL4Handler, eventBadRecord}))
 }()
 
 // countClose records ev for module when it is a close event. Every
@@ -153,12 +159,12 @@ type outcomeKey struct {
 // offload outcome (caddy_ktls_handshakes_total{module,reason}).
 var handshakeOutcomes = func() *seriesCounts[outcomeKey] {
 	var keys []outcomeKey
-	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+	for _, m := range engineModules {
 		for _, r := range ktls.Reasons() {
 			keys = append(keys, outcomeKey{m, r})
 		}
 	}
-	return newSeriesCounts(keys)
+	return newSeriesCounts("caddy_ktls_handshakes_total", keys)
 }()
 
 type failKey struct{ module, reason string }
@@ -166,12 +172,12 @@ type failKey struct{ module, reason string }
 // handshakeFails counts failed TLS handshakes per module and reason.
 var handshakeFails = func() *seriesCounts[failKey] {
 	var keys []failKey
-	for _, m := range []string{moduleL4Handler, moduleListenerWrapper} {
+	for _, m := range serverModules {
 		for _, r := range handshakeFailureReasons {
 			keys = append(keys, failKey{m, r})
 		}
 	}
-	return newSeriesCounts(keys)
+	return newSeriesCounts("caddy_ktls_handshake_failures_total", keys)
 }()
 
 // pusherSet tracks the activity pushers of all loaded configurations, and
@@ -203,6 +209,7 @@ func (s *pusherSet) remove(p *forward.Pusher) {
 	s.retired.Sent += st.Sent
 	s.retired.Retries += st.Retries
 	s.retired.Dropped += st.Dropped
+	s.retired.Redirected += st.Redirected
 }
 
 func (s *pusherSet) stats() forward.PusherStats {
@@ -214,6 +221,7 @@ func (s *pusherSet) stats() forward.PusherStats {
 		t.Sent += st.Sent
 		t.Retries += st.Retries
 		t.Dropped += st.Dropped
+		t.Redirected += st.Redirected
 	}
 	return t
 }

@@ -1,0 +1,343 @@
+package caddyktls
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+)
+
+// In this package's tests an observation of a series that its metric did
+// not declare panics, so that the test that made it fails (in production it
+// is counted and logged once at ERROR).
+func init() { undeclaredPanics = true }
+
+// An observation of a series that was not declared is counted all the
+// same, and reported: a panic in tests, one ERROR per series in production.
+func TestUndeclaredSeriesCountedAndReported(t *testing.T) {
+	c := newSeriesCounts("caddy_ktls_test_total", []string{"known"})
+	c.add("known")
+	panicked := func(f func()) (msg string) {
+		defer func() {
+			if r := recover(); r != nil {
+				msg = fmt.Sprint(r)
+			}
+		}()
+		f()
+		return ""
+	}
+	msg := panicked(func() { c.add("unknown") })
+	if !strings.Contains(msg, "caddy_ktls_test_total") || !strings.Contains(msg, "unknown") {
+		t.Errorf("an undeclared series: panic %q, want one naming the metric and the series", msg)
+	}
+	if got := c.snapshot(); got["known"] != 1 || got["unknown"] != 1 {
+		t.Errorf("counts %v, want known 1 and unknown 1: an undeclared observation is counted all the same", got)
+	}
+	// Once declared by its first observation, the series is not reported
+	// again.
+	if msg := panicked(func() { c.add("unknown") }); msg != "" || c.snapshot()["unknown"] != 2 {
+		t.Errorf("second observation: panic %q, count %d; want no panic and 2", msg, c.snapshot()["unknown"])
+	}
+
+	f := newCounterFamily(prometheus.CounterOpts{Name: "caddy_ktls_test_family_total", Help: "test"}, []string{"module", "result"},
+		[]string{"a"}, []string{"ok", "failed"})
+	if msg := panicked(func() { f.WithLabelValues("a", "failed").Inc() }); msg != "" {
+		t.Errorf("a declared series panicked: %s", msg)
+	}
+	if msg := panicked(func() { f.WithLabelValues("b", "ok").Inc() }); !strings.Contains(msg, "b,ok") {
+		t.Errorf("an undeclared counterFamily series: panic %q, want one naming b,ok", msg)
+	}
+	h := newHistogramFamily(prometheus.HistogramOpts{Name: "caddy_ktls_test_seconds", Help: "test"}, []string{"module"}, []string{"a"})
+	if msg := panicked(func() { h.WithLabelValues("c").Observe(1) }); !strings.Contains(msg, "caddy_ktls_test_seconds") {
+		t.Errorf("an undeclared histogramFamily series: panic %q", msg)
+	}
+
+	// Production: one ERROR per series, however often it is observed.
+	core, logs := observer.New(zapcore.DebugLevel)
+	for range 3 {
+		logUndeclared(zap.New(core), "caddy_ktls_test_total", "{module:x}")
+	}
+	if entries := logs.All(); len(entries) != 1 || entries[0].Level != zapcore.ErrorLevel ||
+		entries[0].ContextMap()["metric"] != "caddy_ktls_test_total" || entries[0].ContextMap()["series"] != "{module:x}" {
+		t.Errorf("log %v, want one ERROR naming the metric and the series", entries)
+	}
+}
+
+// Every observation the modules' code can make lands in a series declared
+// from zero: the handshakes and engine closes of every engine module (the
+// gateway modules' included), the failed handshakes of every module that
+// accepts them, the dials and ends of every gateway module, the lookups of
+// every lookup module. Each moves its series by exactly one.
+func TestEveryObservationLands(t *testing.T) {
+	for _, m := range engineModules {
+		for _, r := range ktls.Reasons() {
+			before := handshakeOutcomes.snapshot()[outcomeKey{m, r}]
+			observeHandshake(m, ktls.Event{Kind: ktls.EventHandshake, Offload: ktls.Offload{Reason: r}, Duration: time.Millisecond})
+			if got := handshakeOutcomes.snapshot()[outcomeKey{m, r}] - before; got != 1 {
+				t.Errorf("caddy_ktls_handshakes_total{module=%q,reason=%q} moved by %d, want 1", m, r, got)
+			}
+		}
+		for _, ev := range closeEvents {
+			before := connCloses.snapshot()[closeKey{m, ev}]
+			countClose(m, ev)
+			if got := connCloses.snapshot()[closeKey{m, ev}] - before; got != 1 {
+				t.Errorf("caddy_ktls_connections_closed_total{module=%q,event=%q} moved by %d, want 1", m, ev, got)
+			}
+		}
+	}
+	for _, m := range serverModules {
+		f := newHandshakeFailureLog(m, zap.NewNop())
+		for _, reason := range handshakeFailureReasons {
+			before := handshakeFails.snapshot()[failKey{m, reason}]
+			handshakeFails.add(failKey{m, reason})
+			if got := handshakeFails.snapshot()[failKey{m, reason}] - before; got != 1 {
+				t.Errorf("caddy_ktls_handshake_failures_total{module=%q,reason=%q} moved by %d, want 1", m, reason, got)
+			}
+		}
+		before := handshakeFails.snapshot()[failKey{m, "closed"}]
+		f.record(ktls.Event{Kind: ktls.EventHandshake, Offload: ktls.Offload{Reason: ktls.ReasonHandshakeFailed}, Err: io.EOF})
+		if got := handshakeFails.snapshot()[failKey{m, "closed"}] - before; got != 1 {
+			t.Errorf("%s: a failed handshake (EOF) moved its closed series by %d, want 1", m, got)
+		}
+	}
+	for _, m := range gatewayModules {
+		for _, r := range gatewayDialResults {
+			gatewayDials.WithLabelValues(m, r).Inc()
+		}
+		gatewayResumed.WithLabelValues(m).Inc()
+	}
+	for _, m := range lookupModules {
+		for _, r := range lookupResults() {
+			gatewayLookups.WithLabelValues(m, r).Inc()
+		}
+	}
+	// Every family the collector has says which modules move it, and every
+	// module that registers metrics is in the tables.
+	ch := make(chan *prometheus.Desc, 256)
+	metrics.Describe(ch)
+	close(ch)
+	for d := range ch {
+		if len(metrics.movers[d]) == 0 {
+			t.Errorf("%s: no module is declared to move it; no configuration would export it", d)
+		}
+	}
+	for _, m := range []string{moduleListenerWrapper, moduleL4Handler, moduleSandboxHandler, moduleSandboxProxy, moduleSandboxTransport,
+		moduleSandboxLookupHTTP, moduleSandboxLookupL4} {
+		if !slices.Contains(anyModule, m) {
+			t.Errorf("%s registers metrics but is in no table", m)
+		}
+	}
+}
+
+// TestMetricsPerModule runs a forwarder and a gateway as two processes of
+// the real binary and carries one HTTPS request (the listener wrapper, the
+// sandbox transport) and one raw TCP session (the layer4 ktls handler,
+// sandbox_proxy) through them. Every module's handshakes are counted under
+// its own name, exactly (fresh processes), with the offload outcome this
+// kernel gives; and each process exports the families its modules can
+// move, and none at zero of the modules it does not load: the gateway no
+// forwarder family, the forwarder no gateway family.
+func TestMetricsPerModule(t *testing.T) { metricsPerModule(t, false) }
+
+// TestKernelMetricsPerModule is TestMetricsPerModule on kTLS: every
+// handshake offloaded both ways (reason none).
+func TestKernelMetricsPerModule(t *testing.T) {
+	kerneltest.Require(t)
+	metricsPerModule(t, true)
+}
+
+func metricsPerModule(t *testing.T, kernel bool) {
+	reason := ktls.ReasonNoKernelSupport
+	if kernel || kerneltest.Available() == nil {
+		reason = ktls.ReasonNone
+	}
+	app := startSandboxApp(t)
+	echo := startEcho(t)
+
+	fwd := newSandboxConfig(t, nil)
+	files := addGatewaySide(t, fwd)
+	startCaddy(t, fwd, "")
+
+	dir := t.TempDir()
+	gwHTTPS, gwTCP, gwAdmin := loopbackAddr(t), loopbackAddr(t), loopbackAddr(t)
+	logFile := filepath.Join(dir, "gateway.log")
+	transport := files.dialJSON()
+	transport["protocol"], transport["sandbox"], transport["target"] = "sandbox", "{http.request.host.labels.2}", app.addr
+	proxy := files.dialJSON()
+	proxy["handler"], proxy["forwarder"], proxy["sandbox"], proxy["target"] = "sandbox_proxy", fwd.addr, "{l4.tls.server_name.labels.2}", echo
+	cfg := cloneJSON(t, map[string]any{
+		"admin":   map[string]any{"listen": gwAdmin, "config": map[string]any{"persist": false}},
+		"logging": fwd.cfg["logging"],
+		"apps": map[string]any{
+			"tls": fwd.cfg["apps"].(map[string]any)["tls"],
+			"http": map[string]any{"servers": map[string]any{"gateway": map[string]any{
+				"listen": []string{gwHTTPS}, "automatic_https": map[string]any{"disable": true},
+				"listener_wrappers":       []any{map[string]any{"wrapper": "ktls"}},
+				"tls_connection_policies": []any{map[string]any{}},
+				"routes": []any{map[string]any{"handle": []any{map[string]any{
+					"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": fwd.addr}}, "transport": transport}}}},
+			}}},
+			"layer4": map[string]any{"servers": map[string]any{"edge": map[string]any{
+				"listen": []string{gwTCP},
+				"routes": []any{map[string]any{"handle": []any{map[string]any{"handler": "ktls"}, proxy}}},
+			}}},
+		},
+	})
+	cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["writer"].(map[string]any)["filename"] = logFile
+	raw, err := json.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfgFile := filepath.Join(dir, "gateway.json")
+	if err := os.WriteFile(cfgFile, raw, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	runCaddy(t, "", gwTCP, logFile, "--config", cfgFile)
+
+	gwMetrics := func() map[string]float64 { return parseMetrics(t, adminGet(t, gwAdmin, "/metrics")) }
+	fwdMetrics := func() map[string]float64 { return parseMetrics(t, adminGet(t, fwd.adminAddr, "/metrics")) }
+
+	// Before any traffic: what each process exports.
+	checkExports(t, "gateway", gwMetrics(),
+		[]string{"caddy_ktls_gateway_dials_total", "caddy_ktls_gateway_relay_bytes_total", "caddy_ktls_handshakes_total",
+			"caddy_ktls_http_body_writes_total", "caddy_ktls_kernel_support", "caddy_ktls_accept_retries_total"},
+		[]string{moduleL4Handler, moduleListenerWrapper, moduleSandboxProxy, moduleSandboxTransport},
+		[]string{"caddy_ktls_sandbox_", "caddy_ktls_relay_", "caddy_ktls_activity_reports_total", "caddy_ktls_gateway_lookup"})
+	checkExports(t, "forwarder", fwdMetrics(),
+		[]string{"caddy_ktls_sandbox_tunnels_total", "caddy_ktls_sandbox_rejects_total", "caddy_ktls_relay_bytes_total", "caddy_ktls_handshakes_total",
+			"caddy_ktls_kernel_support", "caddy_ktls_accept_retries_total"},
+		[]string{moduleL4Handler},
+		[]string{"caddy_ktls_gateway_", "caddy_ktls_http_body_"})
+
+	// One HTTPS request: the user's handshake through the listener
+	// wrapper, the tunnel's through the sandbox transport.
+	caPool := fwd.ca.Pool
+	user := &http.Client{Timeout: time.Minute, Transport: &http.Transport{
+		TLSClientConfig: &tls.Config{RootCAs: caPool, ServerName: "sbx-metrics.sandbox.test"},
+		DialContext: func(ctx context.Context, network, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, network, gwHTTPS)
+		},
+	}}
+	resp, err := user.Get("https://sbx-metrics.sandbox.test/echo?size=10")
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("HTTPS request: %s", resp.Status)
+	}
+	user.CloseIdleConnections()
+
+	// One raw TCP session: the user's handshake through the layer4 ktls
+	// handler, the tunnel's through sandbox_proxy.
+	c, err := tls.Dial("tcp", gwTCP, &tls.Config{RootCAs: caPool, ServerName: "sbx-metrics-tcp.sandbox.test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(time.Minute))
+	if _, err := c.Write([]byte("ping\n")); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := io.ReadAll(io.LimitReader(c, 5)); err != nil || string(b) != "ping\n" {
+		t.Fatalf("echo: %q, %v", b, err)
+	}
+	c.Close()
+
+	handshakes := func(module string) string {
+		return fmt.Sprintf("caddy_ktls_handshakes_total{module=%q,reason=%q}", module, reason)
+	}
+	durations := func(module string) string {
+		return fmt.Sprintf("caddy_ktls_handshake_duration_seconds_count{module=%q,result=\"ok\"}", module)
+	}
+	want := map[string]map[string]float64{
+		"gateway": {
+			handshakes(moduleListenerWrapper): 1, durations(moduleListenerWrapper): 1,
+			handshakes(moduleSandboxTransport): 1, durations(moduleSandboxTransport): 1,
+			handshakes(moduleL4Handler): 1, durations(moduleL4Handler): 1,
+			handshakes(moduleSandboxProxy): 1, durations(moduleSandboxProxy): 1,
+		},
+		// The two tunnels' handshakes, the transport's and sandbox_proxy's.
+		"forwarder": {handshakes(moduleL4Handler): 2, durations(moduleL4Handler): 2},
+	}
+	scrape := map[string]func() map[string]float64{"gateway": gwMetrics, "forwarder": fwdMetrics}
+	for proc, series := range want {
+		var got map[string]float64
+		waitUntil(t, 10*time.Second, func() bool {
+			got = scrape[proc]()
+			for s, v := range series {
+				if got[s] != v {
+					return false
+				}
+			}
+			return true
+		}, "the handshakes counted")
+		for s, v := range series {
+			if got[s] != v {
+				t.Errorf("%s: %s = %v, want %v", proc, s, got[s], v)
+			}
+		}
+		// No other handshake outcome moved (runCaddy's readiness probe,
+		// a connect and a close, is a failed handshake of each layer4
+		// listener).
+		for s, v := range got {
+			if strings.HasPrefix(s, "caddy_ktls_handshakes_total{") && !strings.Contains(s, `reason="handshake-failed"`) && v != 0 && series[s] == 0 {
+				t.Errorf("%s: %s = %v, want 0 (every handshake is counted once, under its module)", proc, s, v)
+			}
+		}
+	}
+}
+
+// checkExports checks one process's scrape: the families it must have,
+// the modules whose handshakes it counts (exactly those), and the family
+// prefixes it must not export.
+func checkExports(t *testing.T, proc string, scrape map[string]float64, have, modules, absent []string) {
+	t.Helper()
+	families := map[string]bool{}
+	engine := map[string]bool{}
+	for s := range scrape {
+		name, labels, _ := strings.Cut(s, "{")
+		families[name] = true
+		if name == "caddy_ktls_handshakes_total" {
+			_, rest, _ := strings.Cut(labels, `module="`)
+			m, _, _ := strings.Cut(rest, `"`)
+			engine[m] = true
+		}
+		for _, p := range absent {
+			if strings.HasPrefix(s, p) {
+				t.Errorf("%s exports %s, which none of its modules moves", proc, s)
+			}
+		}
+	}
+	for _, f := range have {
+		if !families[f] {
+			t.Errorf("%s exports no %s", proc, f)
+		}
+	}
+	var got []string
+	for m := range engine {
+		got = append(got, m)
+	}
+	slices.Sort(got)
+	wantModules := slices.Sorted(slices.Values(modules))
+	if !slices.Equal(got, wantModules) {
+		t.Errorf("%s: caddy_ktls_handshakes_total has the modules %v, want %v (those loaded that serve TLS)", proc, got, wantModules)
+	}
+}

@@ -1,10 +1,12 @@
 package caddyktls
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"slices"
 	"time"
@@ -99,11 +101,52 @@ type CloseRequest struct {
 	// open end as failures). Required.
 	Mode string `json:"mode"`
 	// Grace is how long "graceful" lets the tunnels run. Required with
-	// "graceful", refused with "fail".
+	// "graceful", refused with "fail". In the JSON, a duration string with
+	// its unit ("30s", "1m30s", "1d"); a bare number is refused, it has no
+	// unit.
 	Grace caddy.Duration `json:"grace,omitempty"`
 	// RefuseFor refuses new tunnels to the sandbox for this long (reason
 	// "sandbox-closed"), across configuration reloads. Only with sandbox.
+	// A duration string, as Grace. At most forward.MaxRefusals sandboxes
+	// are refused at once: a close that would refuse one more is refused
+	// (429) and ends nothing.
 	RefuseFor caddy.Duration `json:"refuse_for,omitempty"`
+}
+
+// closeRequestJSON is CloseRequest as the body spells it: the durations
+// raw, so that parseCloseDuration can refuse a bare number by its field.
+type closeRequestJSON struct {
+	CloseRequest
+	Grace     json.RawMessage `json:"grace"`
+	RefuseFor json.RawMessage `json:"refuse_for"`
+}
+
+// maxCloseBody bounds a POST /sandbox/close body; a close request is a few
+// hundred bytes.
+const maxCloseBody = 64 << 10
+
+// Why a POST /sandbox/close was refused, as
+// caddy_ktls_sandbox_close_refused_total counts it and its log line says.
+const (
+	closeRefusedMethod      = "method"        // not a POST (405)
+	closeRefusedContentType = "content-type"  // not Content-Type: application/json (415)
+	closeRefusedTooLarge    = "too-large"     // a body over maxCloseBody (413)
+	closeRefusedBadRequest  = "bad-request"   // a body that is no valid close request (400)
+	closeRefusedFull        = "refusals-full" // refuse_for beyond forward.MaxRefusals (429)
+)
+
+// closeRefusals counts the refused POST /sandbox/close by reason.
+var closeRefusals = newSeriesCounts("caddy_ktls_sandbox_close_refused_total", []string{
+	closeRefusedMethod, closeRefusedContentType, closeRefusedTooLarge, closeRefusedBadRequest, closeRefusedFull})
+
+// refuseClose counts and logs a refused POST /sandbox/close, and returns
+// the admin API's answer to it: status, and err as the body's "error".
+func refuseClose(status int, reason string, err error) error {
+	closeRefusals.add(reason)
+	err = fmt.Errorf("POST /sandbox/close: %w", err)
+	caddy.Log().Named("admin.api.sandbox").Warn("POST /sandbox/close refused; nothing was closed",
+		zap.String("reason", reason), zap.Int("status", status), zap.Error(err))
+	return caddy.APIError{HTTPStatus: status, Err: err}
 }
 
 // CloseResponse is the answer to POST /sandbox/close.
@@ -127,11 +170,26 @@ var closeRequests = newSeriesCounts("caddy_ktls_sandbox_close_requests_total", [
 
 func serveClose(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodPost {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: errors.New("method not allowed: use POST")}
+		return refuseClose(http.StatusMethodNotAllowed, closeRefusedMethod, errors.New("method not allowed: use POST"))
 	}
-	req, err := decodeCloseRequest(r.Body)
+	if ct := r.Header.Get("Content-Type"); mediaType(ct) != "application/json" {
+		return refuseClose(http.StatusUnsupportedMediaType, closeRefusedContentType,
+			fmt.Errorf("Content-Type %q: send the close request as JSON, with the header Content-Type: application/json", ct))
+	}
+	tooLarge := fmt.Errorf("the body is over the limit of %d bytes: send one close request", maxCloseBody)
+	if r.ContentLength > maxCloseBody {
+		return refuseClose(http.StatusRequestEntityTooLarge, closeRefusedTooLarge, tooLarge)
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxCloseBody))
+	if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+		return refuseClose(http.StatusRequestEntityTooLarge, closeRefusedTooLarge, tooLarge)
+	}
 	if err != nil {
-		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("POST /sandbox/close: %w", err)}
+		return refuseClose(http.StatusBadRequest, closeRefusedBadRequest, fmt.Errorf("reading the body: %w", err))
+	}
+	req, err := decodeCloseRequest(body)
+	if err != nil {
+		return refuseClose(http.StatusBadRequest, closeRefusedBadRequest, err)
 	}
 	logger := caddy.Log().Named("admin.api.sandbox")
 	// what names the close in every line it logs; the grace end's line
@@ -150,8 +208,12 @@ func serveClose(w http.ResponseWriter, r *http.Request) error {
 			}
 		},
 	})
+	if full, ok := errors.AsType[*forward.RefusalsFullError](err); ok {
+		return refuseClose(http.StatusTooManyRequests, closeRefusedFull, fmt.Errorf("%w: nothing was closed; retry once a refusal has ended "+
+			`(GET /sandbox/activity lists them under "refusing"), or close without "refuse_for" (the limit is %d sandboxes)`, full, full.Max))
+	}
 	if err != nil {
-		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("POST /sandbox/close: %w", err)}
+		return refuseClose(http.StatusBadRequest, closeRefusedBadRequest, err)
 	}
 	closeRequests.add(req.Mode)
 	out := CloseResponse{Sandbox: req.Sandbox, ClientCertificate: req.ClientCertificate, Mode: req.Mode,
@@ -172,15 +234,23 @@ func serveClose(w http.ResponseWriter, r *http.Request) error {
 }
 
 // decodeCloseRequest reads and checks a POST /sandbox/close body.
-func decodeCloseRequest(body io.Reader) (CloseRequest, error) {
-	var req CloseRequest
-	dec := json.NewDecoder(io.LimitReader(body, 64<<10))
+func decodeCloseRequest(body []byte) (CloseRequest, error) {
+	var wire closeRequestJSON
+	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
-	if err := dec.Decode(&req); err != nil {
-		return req, fmt.Errorf(`the body is not a close request (%v): send {"sandbox": "<id>", "mode": "fail"}, or "graceful" with "grace", and optionally "refuse_for"`, err)
+	if err := dec.Decode(&wire); err != nil {
+		return wire.CloseRequest, fmt.Errorf(`the body is not a close request (%v): send {"sandbox": "<id>", "mode": "fail"}, or "graceful" with "grace", and optionally "refuse_for"`, err)
 	}
 	if dec.More() {
-		return req, errors.New("the body holds more than one JSON value: send one close request")
+		return wire.CloseRequest, errors.New("the body holds more than one JSON value: send one close request")
+	}
+	req := wire.CloseRequest
+	var err error
+	if req.Grace, err = parseCloseDuration("grace", wire.Grace); err != nil {
+		return req, err
+	}
+	if req.RefuseFor, err = parseCloseDuration("refuse_for", wire.RefuseFor); err != nil {
+		return req, err
 	}
 	if req.Sandbox != "" {
 		// Sandbox IDs are case-insensitive: a close of any spelling
@@ -218,6 +288,35 @@ func decodeCloseRequest(body io.Reader) (CloseRequest, error) {
 		return req, fmt.Errorf(`unknown mode %q: give "fail" (end the tunnels now) or "graceful" (with "grace")`, req.Mode)
 	}
 	return req, nil
+}
+
+// parseCloseDuration reads the duration field name of a close request: a
+// JSON string with a unit, as Caddy parses durations. A bare number is
+// refused: it has no unit (Caddy's own duration fields read it as
+// nanoseconds, so "grace": 30 would be 30ns).
+func parseCloseDuration(name string, raw json.RawMessage) (caddy.Duration, error) {
+	if len(raw) == 0 {
+		return 0, nil
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return 0, fmt.Errorf(`%q: %s is not a duration string: give the duration with its unit, e.g. %q: "30s"`, name, raw, name)
+	}
+	d, err := caddy.ParseDuration(s)
+	if err != nil {
+		return 0, fmt.Errorf(`%q: %q is not a duration (%v): give it with its unit, e.g. "30s", "1m30s" or "2h"`, name, s, err)
+	}
+	return caddy.Duration(d), nil
+}
+
+// mediaType is the media type of a Content-Type header, lowercased and
+// without parameters; "" when it has none or cannot be parsed.
+func mediaType(contentType string) string {
+	mt, _, err := mime.ParseMediaType(contentType)
+	if err != nil {
+		return ""
+	}
+	return mt
 }
 
 func tunnelIDs(list []forward.TunnelInfo) []uint64 {

@@ -53,7 +53,7 @@ var (
 // outlive reloads, so the values are read from the process state at scrape
 // time instead of being kept in per-config metric objects.
 type collector struct {
-	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, tunnelsClosed, closeRequests, bytes, rejects, relayBytes, controlRecords, pipeShortages,
+	tunnelsOpen, tunnelsOpened, tunnelsExpired, tunnelsRevoked, tunnelsClosed, closeRequests, closeRefused, bytes, rejects, relayBytes, controlRecords, pipeShortages,
 	pushReports, offloads, offloadModes, connCloses, handshakeFails, acceptRetries, kernelSupport, throttled *prometheus.Desc
 	// The metric vectors and histograms are process-level too: observed
 	// as events end, collected from here into every configuration's
@@ -96,6 +96,8 @@ var metrics = &collector{
 	tunnelsClosed:  movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_tunnels_closed_total", "Sandbox tunnels ended as failures by POST /sandbox/close (at once, or still open when its grace period ended).", nil, nil)),
 	closeRequests: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_close_requests_total",
 		"POST /sandbox/close requests served, by mode: fail (end the tunnels at once), graceful (end those still open after a grace period).", []string{"mode"}, nil)),
+	closeRefused: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_close_refused_total",
+		"POST /sandbox/close requests refused, nothing closed, by reason: method (not POST, 405), content-type (not application/json, 415), too-large (a body over 64 KiB, 413), bad-request (no valid close request, 400), refusals-full (refuse_for beyond the sandboxes refused at once, 429).", []string{"reason"}, nil)),
 	bytes:   movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil)),
 	rejects: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil)),
 	relayBytes: movedBy(forwarderModules, prometheus.NewDesc("caddy_ktls_relay_bytes_total",
@@ -245,7 +247,7 @@ func kernelFeatures(caps ktls.Capabilities) map[string]bool {
 
 // Describe implements prometheus.Collector.
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.tunnelsRevoked, c.tunnelsClosed, c.closeRequests, c.bytes, c.rejects, c.relayBytes,
+	for _, d := range []*prometheus.Desc{c.tunnelsOpen, c.tunnelsOpened, c.tunnelsExpired, c.tunnelsRevoked, c.tunnelsClosed, c.closeRequests, c.closeRefused, c.bytes, c.rejects, c.relayBytes,
 		c.controlRecords, c.pipeShortages, c.pushReports, c.offloads, c.offloadModes, c.connCloses, c.handshakeFails, c.acceptRetries, c.kernelSupport, c.throttled} {
 		ch <- d
 	}
@@ -271,6 +273,9 @@ func (c *collector) collect(ch chan<- prometheus.Metric, probe bool) {
 	ch <- prometheus.MustNewConstMetric(c.tunnelsClosed, prometheus.CounterValue, float64(tunnels.Closed()))
 	for mode, n := range closeRequests.snapshot() {
 		ch <- prometheus.MustNewConstMetric(c.closeRequests, prometheus.CounterValue, float64(n), mode)
+	}
+	for reason, n := range closeRefusals.snapshot() {
+		ch <- prometheus.MustNewConstMetric(c.closeRefused, prometheus.CounterValue, float64(n), reason)
 	}
 	to, from := tunnels.Totals()
 	ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(to), "to_sandbox")

@@ -9,7 +9,6 @@ import (
 	"net"
 	"os"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -268,24 +267,20 @@ func handshakeFailureReason(err error) string {
 
 // handshakeFailureLog counts one module's failed handshakes by reason and
 // logs each at DEBUG: anyone who can reach the port can fail a handshake, so
-// each one is no WARN or ERROR of its own. At most once per
-// handshakeSummaryEvery it WARNs a summary of the failures since the last.
+// each one is no WARN or ERROR of its own. A failureSummary WARNs, at most
+// once a minute, the failures since its last.
 type handshakeFailureLog struct {
-	module string
-	logger *zap.Logger
-	mu     sync.Mutex
-	last   time.Time // of the last summary
-	counts map[string]uint64
+	module  string
+	logger  *zap.Logger
+	summary *failureSummary
 }
-
-// handshakeSummaryEvery spaces the WARN summaries of failed handshakes.
-const handshakeSummaryEvery = time.Minute
 
 // handshakeFailureSummary is the message of that WARN.
 const handshakeFailureSummary = "TLS handshakes failed"
 
 func newHandshakeFailureLog(module string, logger *zap.Logger) *handshakeFailureLog {
-	return &handshakeFailureLog{module: module, logger: logger, counts: map[string]uint64{}}
+	return &handshakeFailureLog{module: module, logger: logger, summary: newFailureSummary(logger, handshakeFailureSummary,
+		handshakeFailureReasons, "each at DEBUG; caddy_ktls_handshake_failures_total counts them by reason")}
 }
 
 // record counts a failed handshake (ev.Offload.Reason is
@@ -295,22 +290,7 @@ func (f *handshakeFailureLog) record(ev ktls.Event) {
 	handshakeFails.add(failKey{f.module, reason})
 	f.logger.Debug("TLS handshake failed", append([]zap.Field{zap.String("reason", reason), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err)},
 		handshakeFailureDetail(reason, ev.Err)...)...)
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.counts[reason]++
-	if now := time.Now(); now.Sub(f.last) >= handshakeSummaryEvery {
-		fields := []zap.Field{zap.Duration("since_last_summary", now.Sub(f.last))}
-		if f.last.IsZero() {
-			fields[0] = zap.Bool("first", true)
-		}
-		for _, r := range handshakeFailureReasons {
-			if n := f.counts[r]; n > 0 {
-				fields = append(fields, zap.Uint64(r, n))
-			}
-		}
-		f.logger.Warn(handshakeFailureSummary, append(fields, zap.String("details", "each at DEBUG; caddy_ktls_handshake_failures_total counts them by reason"))...)
-		f.last, f.counts = now, map[string]uint64{}
-	}
+	f.summary.add(reason)
 }
 
 // logHandshake logs the outcome of one connection's handshake and offload

@@ -521,9 +521,11 @@ func goldenFrame(t *testing.T, name string) []byte {
 // and behind `ktls` whose client_auth takes the certificate without
 // verifying its chain (mode require), every connection is refused with
 // no-client-certificate before its preamble is read. Each refusal is one
-// WARN line naming the peer (and the unverified certificate, where one
-// came), the reason's series rises by one, the gateway reads a refusal
-// end, and nothing is dialed.
+// DEBUG line naming the peer (and the unverified certificate, where one
+// came), the first of each configuration a WARN summary (anyone who
+// reaches the port can cause it: TestSandboxAnonymousRejectSummary), the
+// reason's series rises by one, the gateway reads a refusal end, and
+// nothing is dialed.
 func TestSandboxUnverifiedClientRefused(t *testing.T) { sandboxUnverifiedClientRefused(t, false) }
 
 // TestKernelSandboxUnverifiedClientRefused is TestSandboxUnverifiedClientRefused
@@ -543,6 +545,7 @@ func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
 	ktlsHandler, sandbox := handlers[0].(map[string]any), handlers[1]
 	// caddy-l4's own TLS handler, which asks for no client certificate.
 	route["handle"] = []any{map[string]any{"handler": "tls", "connection_policies": []any{map[string]any{"default_sni": "localhost"}}}, sandbox}
+	e.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["level"] = "DEBUG"
 	e.start(t)
 	forwardtest.CheckLeaks(t)
 	metrics0 := e.metrics(t)
@@ -595,9 +598,9 @@ func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
 			}
 			waitRejections(t, reason, before+1)
 			l := e.waitLogLine(t, rejectedMsg, logged)
-			if l["level"] != "warn" || l["reason"] != reason || l["peer"] != c.LocalAddr().String() ||
+			if l["level"] != "debug" || l["reason"] != reason || l["peer"] != c.LocalAddr().String() ||
 				l["client_certificate"] != tc.cert || !strings.Contains(fmt.Sprint(l["error"]), "no verified client certificate") {
-				t.Errorf("log line %v: want a WARN with reason %s, peer %s, client_certificate %q and the cause",
+				t.Errorf("log line %v: want a DEBUG line with reason %s, peer %s, client_certificate %q and the cause",
 					l, reason, c.LocalAddr(), tc.cert)
 			}
 		})
@@ -612,6 +615,11 @@ func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
 	}
 	if !maps.Equal(got, map[string]int{reason: len(cases)}) {
 		t.Errorf("log lines by reason %v, want %d %s", got, len(cases), reason)
+	}
+	// Each case runs under a configuration of its own: each summary is
+	// its configuration's first.
+	if w := e.logLines(t, anonymousRejectSummary); len(w) != len(cases) || w[0]["level"] != "warn" || w[0]["first"] != true || w[0][reason] != 1.0 {
+		t.Errorf("summaries %v, want %d WARNs, each the first of its configuration with %s 1", w, len(cases), reason)
 	}
 	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{rejectSeries(reason): int64(len(cases))})
 }

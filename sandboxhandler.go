@@ -190,6 +190,9 @@ type SandboxHandler struct {
 	pusher    *forward.Pusher
 	events    *caddyevents.App
 	replayKey replayCacheKey // set while this handler holds a replayCaches reference
+	// anonymous summarizes the tunnels refused for want of a verified
+	// client certificate (Handle).
+	anonymous *failureSummary
 }
 
 // SandboxKey is one inline gateway key.
@@ -352,6 +355,8 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("sandbox handler: events app: %w", err)
 	}
 	h.events = events.(*caddyevents.App)
+	h.anonymous = newFailureSummary(h.logger, anonymousRejectSummary, []string{string(forward.ReasonNoClientCertificate)},
+		`each at DEBUG ("`+tunnelRejectedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them`)
 	if p := h.ActivityPush; p != nil {
 		header := loadHeaders(h.logger, p.Headers)
 		h.pusher, err = forward.NewPusher(forward.PusherConfig{
@@ -632,8 +637,18 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	res, err := h.fwd.Serve(client)
 	if res.Tunnel.ID == 0 {
 		reason := forward.ReasonOf(err)
-		h.logger.Warn("sandbox tunnel rejected", zap.String("reason", reason), zap.String("peer", peer),
-			zap.String("client_certificate", client.Certificate), zap.Error(err))
+		fields := []zap.Field{zap.String("reason", reason), zap.String("peer", peer),
+			zap.String("client_certificate", client.Certificate), zap.Error(err)}
+		if reason == string(forward.ReasonNoClientCertificate) {
+			// Anyone who reaches the port can cause it (client_auth
+			// verify_if_given, request or require let the handshake
+			// complete without a verified certificate): no WARN of its own,
+			// as a failed handshake under require_and_verify.
+			h.logger.Debug(tunnelRejectedMsg, fields...)
+			h.anonymous.add(reason)
+			return nil
+		}
+		h.logger.Warn(tunnelRejectedMsg, fields...)
 		return nil
 	}
 	ti := res.Tunnel
@@ -701,6 +716,13 @@ func tlsStateOf(cx *layer4.Connection) (tls.ConnectionState, bool) {
 	}
 	return tls.ConnectionState{}, false
 }
+
+// tunnelRejectedMsg is the log message of a refused tunnel.
+const tunnelRejectedMsg = "sandbox tunnel rejected"
+
+// anonymousRejectSummary is the WARN summary of the tunnels refused for
+// want of a verified client certificate (failureSummary).
+const anonymousRejectSummary = "sandbox tunnels rejected without a verified client certificate"
 
 // insecurePlaintextWarning is logged at every load of a handler with
 // insecure_plaintext.

@@ -350,6 +350,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	} else if err != nil {
 		return err
 	}
+	warnProxyProtocolBefore(ctx, h.logger)
 	events, err := ctx.App("events")
 	if err != nil {
 		return fmt.Errorf("sandbox handler: events app: %w", err)

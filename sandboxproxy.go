@@ -109,6 +109,7 @@ func (h *SandboxProxy) Provision(ctx caddy.Context) error {
 	}
 	h.dialer = d
 	h.GatewayDial.logStart(ctx, moduleSandboxProxy, h.logger)
+	warnUntrustedClientID(h.logger, h.ClientID, clientIDFixL4)
 	return nil
 }
 

@@ -171,6 +171,7 @@ func (t *SandboxTransport) Provision(ctx caddy.Context) error {
 	}
 	t.pools = &routePools{max: t.MaxRoutes, index: map[gateway.Route]*list.Element{}, lru: list.New(), newTransport: t.routeTransport}
 	t.GatewayDial.logStart(ctx, moduleSandboxTransport, t.logger)
+	warnUntrustedClientID(t.logger, t.ClientID, clientIDFixHTTP)
 	return nil
 }
 

@@ -119,6 +119,9 @@ func newSnippetFiles(t *testing.T) *snippetFiles {
 	// preamble signing key.
 	write("gateway-key.pem", s.gateway.KeyPEM)
 	write("forwarders-ca.pem", s.ca.PEM)
+	// The CA of the users' client certificates, whose subject an HTTP
+	// gateway signs as the client's identity.
+	write("users-ca.pem", s.ca.PEM)
 	_, priv, err := ed25519.GenerateKey(rand.Reader)
 	if err != nil {
 		t.Fatal(err)

@@ -56,9 +56,9 @@ type ActivityResponse struct {
 	Sandboxes []forward.SandboxActivity `json:"sandboxes"`
 	// LastReport identifies the latest activity report taken (by any
 	// pusher of the process): its id and sequence, the same as in the
-	// report itself; zero before the first. The sandboxes'
+	// report itself; null before the first. The sandboxes'
 	// reported_bytes_* are the totals of the reports up to it.
-	LastReport forward.ReportID `json:"last_report"`
+	LastReport *forward.ReportID `json:"last_report"`
 	// Refusing are the sandboxes a close refuses new tunnels to, until when.
 	Refusing   []forward.Refusal `json:"refusing"`
 	Rejections map[string]uint64 `json:"rejections"`
@@ -75,8 +75,16 @@ func serveActivity(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: errMethod}
 	}
-	return writeJSON(w, ActivityResponse{Sandboxes: tunnels.Activity(), LastReport: tunnels.LastReport(),
-		Refusing: tunnels.Refusals(), Rejections: tunnels.Rejections()})
+	return writeJSON(w, activityOfRegistry(tunnels))
+}
+
+// activityOfRegistry is GET /sandbox/activity's answer for reg.
+func activityOfRegistry(reg *forward.Registry) ActivityResponse {
+	a := ActivityResponse{Sandboxes: reg.Activity(), Refusing: reg.Refusals(), Rejections: reg.Rejections()}
+	if last := reg.LastReport(); last.Sequence != 0 {
+		a.LastReport = &last
+	}
+	return a
 }
 
 // The close modes.

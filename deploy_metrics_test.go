@@ -156,6 +156,73 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 	t.Logf("%d dashboard queries and %d alerts read %d metrics; module families on neither: %v", queries, len(alerts), len(used), unused)
 }
 
+// TestDeployDocListsEveryAlert: docs/deploy.md's alert table has a row
+// for every alert of the rules file and none for an alert it does not
+// have, and its dashboard section names every row of the dashboard.
+func TestDeployDocListsEveryAlert(t *testing.T) {
+	raw, err := os.ReadFile("docs/deploy.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(raw)
+	section := func(heading string) string {
+		_, rest, ok := strings.Cut(doc, "\n"+heading+"\n")
+		if !ok {
+			t.Fatalf("docs/deploy.md has no %q section", heading)
+		}
+		body, _, _ := strings.Cut(rest, "\n#")
+		return body
+	}
+	alerts := section("### Alerts")
+	listed := map[string]bool{}
+	for _, m := range regexp.MustCompile("(?m)^\\| `(CaddyKTLS[A-Za-z]+)`").FindAllStringSubmatch(alerts, -1) {
+		listed[m[1]] = true
+	}
+	rules := ruleExprs(t, rulesFile)
+	for name := range rules {
+		if !listed[name] {
+			t.Errorf("docs/deploy.md#alerts has no row for the alert %s (%s)", name, rulesFile)
+		}
+	}
+	for name := range listed {
+		if _, ok := rules[name]; !ok {
+			t.Errorf("docs/deploy.md#alerts lists %s, which %s does not have", name, rulesFile)
+		}
+	}
+	if len(listed) < 19 {
+		t.Errorf("read %d alert rows from docs/deploy.md; it has more", len(listed))
+	}
+
+	dashboard := strings.ToLower(strings.Join(strings.Fields(section("### Dashboard")), " "))
+	var dash struct {
+		Panels []struct {
+			Type  string `json:"type"`
+			Title string `json:"title"`
+		} `json:"panels"`
+	}
+	rawDash, err := os.ReadFile(dashboardFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(rawDash, &dash); err != nil {
+		t.Fatal(err)
+	}
+	rows := 0
+	for _, p := range dash.Panels {
+		if p.Type != "row" {
+			continue
+		}
+		rows++
+		title, _, _ := strings.Cut(strings.ToLower(p.Title), " (")
+		if !strings.Contains(dashboard, title) {
+			t.Errorf("docs/deploy.md#dashboard does not name the dashboard's row %q", p.Title)
+		}
+	}
+	if rows < 6 {
+		t.Errorf("read %d rows from %s; it has more", rows, dashboardFile)
+	}
+}
+
 // coversModules returns an error for each selector of expr on a
 // per-module metric of the kTLS engine (handshakes, their failures and
 // durations, engine closes) whose module matcher leaves out one of modules:

@@ -229,9 +229,9 @@ func init() {
 }
 
 // observeWake records a wake (forward.Config.OnWake).
-func observeWake(outcome string, d time.Duration) {
-	sandboxWakes.WithLabelValues(outcome).Inc()
-	sandboxWakeDuration.Observe(d.Seconds())
+func observeWake(ev forward.WakeEvent) {
+	sandboxWakes.WithLabelValues(ev.Outcome).Inc()
+	sandboxWakeDuration.Observe(ev.Duration.Seconds())
 }
 
 // kernelFeatures says, by feature of caddy_ktls_kernel_support, whether the

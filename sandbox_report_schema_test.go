@@ -127,7 +127,7 @@ func TestSandboxActivityReportSchema(t *testing.T) {
 	last := reports[len(reports)-1]
 	var act ActivityResponse
 	e.adminGet(t, "/sandbox/activity", &act)
-	if act.LastReport.ID != last.ID || act.LastReport.Sequence != last.Sequence {
+	if act.LastReport == nil || act.LastReport.ID != last.ID || act.LastReport.Sequence != last.Sequence {
 		t.Errorf("GET /sandbox/activity last_report %+v, want the last report's id %s and sequence %d", act.LastReport, last.ID, last.Sequence)
 	}
 	i := slices.IndexFunc(act.Sandboxes, func(a forward.SandboxActivity) bool { return a.Sandbox == sandbox })

@@ -79,6 +79,12 @@ func sandboxWakeOnConnect(t *testing.T) {
 	if got := m1[`caddy_ktls_sandbox_wakes_total{outcome="woken"}`] - m0[`caddy_ktls_sandbox_wakes_total{outcome="woken"}`]; got != 1 {
 		t.Errorf("woken wakes moved by %d, want 1", got)
 	}
+	// A successful wake is logged at INFO, with the sandbox, its target and
+	// how long it took.
+	if lines := e.logLines(t, wokenMsg); len(lines) != 1 || lines[0]["level"] != "info" || lines[0]["sandbox"] != "sbx-paused" ||
+		lines[0]["target"] != target.String() || lines[0]["took"].(float64) < 0.2 {
+		t.Errorf("woken lines %v: want one INFO naming sbx-paused, its target %s, and took >= 0.2 s", lines, target)
+	}
 
 	// The control plane refuses the wake: the tunnel is refused with its
 	// reason, nothing dialed.

@@ -188,6 +188,7 @@ type SandboxHandler struct {
 	fwd       *forward.Forwarder
 	keys      map[string]ed25519.PublicKey // the gateway keys, by ID (Provision)
 	pusher    *forward.Pusher
+	pushDrops *pushDropLog // logs the reports pusher drops
 	events    *caddyevents.App
 	replayKey replayCacheKey // set while this handler holds a replayCaches reference
 	// anonymous summarizes the tunnels refused for want of a verified
@@ -320,7 +321,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		BandwidthFromSandbox: fromSandbox,
 		Wake:                 waker,
 		WakeTimeout:          wakeTimeout,
-		OnWake:               observeWake,
+		OnWake:               h.onWake,
 		Verifier:             verifier,
 		Policy:               policy,
 		Registry:             tunnels,
@@ -360,10 +361,11 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		`each at DEBUG ("`+tunnelRejectedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them`)
 	if p := h.ActivityPush; p != nil {
 		header := loadHeaders(h.logger, p.Headers)
+		h.pushDrops = newPushDropLog(h.logger, p.URL)
 		h.pusher, err = forward.NewPusher(forward.PusherConfig{
 			URL: p.URL, Interval: time.Duration(p.Interval), Timeout: time.Duration(p.Timeout),
 			Attempts: p.Attempts, Backoff: time.Duration(p.Backoff), Queue: p.QueueSize, Header: header,
-			UserAgent: userAgent(), Instance: p.Instance,
+			UserAgent: userAgent(), Instance: p.Instance, OnDrop: h.pushDrops.drop,
 		}, tunnels)
 		if err != nil {
 			return fmt.Errorf("sandbox handler: %w", err)
@@ -571,6 +573,7 @@ func (h *SandboxHandler) Cleanup() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		h.pusher.Stop(ctx)
 		cancel()
+		h.pushDrops.stop()
 		pushers.remove(h.pusher)
 		h.pusher = nil
 	}
@@ -948,3 +951,15 @@ var (
 	_ caddy.Validator    = (*SandboxHandler)(nil)
 	_ caddy.CleanerUpper = (*SandboxHandler)(nil)
 )
+
+// wokenMsg is the INFO line of a wake whose target answered.
+const wokenMsg = "sandbox woken: its target answered after the wake"
+
+// onWake counts a wake and logs the one that woke its sandbox (a failed
+// wake refuses its tunnel, logged as such).
+func (h *SandboxHandler) onWake(ev forward.WakeEvent) {
+	observeWake(ev)
+	if ev.Outcome == forward.WakeWoken {
+		h.logger.Info(wokenMsg, zap.String("sandbox", ev.Sandbox), zap.Stringer("target", ev.Target), zap.Duration("took", ev.Duration))
+	}
+}

@@ -90,10 +90,10 @@ type Config struct {
 	// WakeTimeout bounds a wake and the dials after it. Zero means
 	// DefaultWakeTimeout.
 	WakeTimeout time.Duration
-	// OnWake, when set, is called after each wake with its outcome
-	// (WakeWoken, WakeFailed, WakeDialFailed) and how long it took, on the
-	// tunnel's goroutine.
-	OnWake func(outcome string, d time.Duration)
+	// OnWake, when set, is called after each wake with the sandbox, its
+	// outcome (WakeOutcomes) and how long it took, on the tunnel's
+	// goroutine.
+	OnWake func(WakeEvent)
 	// ProxyProtocol, when 2, writes a PROXY protocol v2 header
 	// (ProxyV2Header) to every target right after it is dialed, before any
 	// tenant byte: source the client identity the signed preamble carries

@@ -58,6 +58,35 @@ type PusherConfig struct {
 	// Instance names this forwarder in the reports' IDs (ReportID); default
 	// the host name. It must not contain a slash or a control character.
 	Instance string
+	// OnDrop, when set, is called once for every report the pusher gives
+	// up on, from the pusher's goroutines (it must not block), before
+	// Stop returns.
+	OnDrop func(Drop)
+}
+
+// The reasons a Pusher drops a report (Drop.Reason).
+const (
+	DropAttempts  = "attempts"   // every attempt failed
+	DropQueueFull = "queue-full" // the oldest of a full queue, evicted for a newer report
+	DropStopped   = "stopped"    // Stop's deadline passed before it was delivered
+	DropEncode    = "encode"     // it could not be encoded as JSON
+)
+
+// DropReasons lists every Drop.Reason.
+func DropReasons() []string { return []string{DropAttempts, DropQueueFull, DropStopped, DropEncode} }
+
+// Drop is a report a Pusher gave up on (PusherConfig.OnDrop). Its bytes are
+// not lost to a receiver that gets a later report: the totals of each
+// sandbox's next entry include them.
+type Drop struct {
+	Report    ReportID
+	Sandboxes int    // the report's entries
+	Reason    string // DropAttempts, DropQueueFull, DropStopped, DropEncode
+	Attempts  int    // the POSTs made for it
+	// Err is the last attempt's failure: the control plane's answer (its
+	// status and the start of its body), or why there was none. Nil when
+	// no attempt was made.
+	Err error
 }
 
 // PusherStats counts what a Pusher did.
@@ -203,10 +232,18 @@ func (p *Pusher) enqueue() {
 		// Full: the receiver is down or slow. Evict the oldest report rather
 		// than block or grow without bound.
 		select {
-		case <-p.queue:
-			p.dropped.Add(1)
+		case old := <-p.queue:
+			p.drop(old, DropQueueFull, 0, nil)
 		default:
 		}
+	}
+}
+
+// drop counts rep as dropped and reports it (OnDrop).
+func (p *Pusher) drop(rep ActivityReport, reason string, attempts int, err error) {
+	p.dropped.Add(1)
+	if p.cfg.OnDrop != nil {
+		p.cfg.OnDrop(Drop{Report: rep.ReportID, Sandboxes: len(rep.Sandboxes), Reason: reason, Attempts: attempts, Err: err})
 	}
 }
 
@@ -215,7 +252,7 @@ func (p *Pusher) deliver() {
 	defer p.cancel()
 	for rep := range p.queue {
 		if p.ctx.Err() != nil {
-			p.dropped.Add(1)
+			p.drop(rep, DropStopped, 0, nil)
 			continue
 		}
 		p.post(p.ctx, rep)
@@ -225,24 +262,25 @@ func (p *Pusher) deliver() {
 func (p *Pusher) post(ctx context.Context, rep ActivityReport) {
 	body, err := json.Marshal(rep)
 	if err != nil {
-		p.dropped.Add(1)
+		p.drop(rep, DropEncode, 0, err)
 		return
 	}
 	wait := p.cfg.Backoff
 	for attempt := 1; ; attempt++ {
-		if err := p.postOnce(ctx, body); err == nil {
+		err := p.postOnce(ctx, body)
+		if err == nil {
 			p.sent.Add(1)
 			return
 		}
 		if attempt == p.cfg.Attempts {
-			p.dropped.Add(1)
+			p.drop(rep, DropAttempts, attempt, err)
 			return
 		}
 		p.retries.Add(1)
 		select {
 		case <-time.After(wait):
 		case <-ctx.Done():
-			p.dropped.Add(1)
+			p.drop(rep, DropStopped, attempt, err)
 			return
 		}
 		wait *= 2

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -69,18 +71,21 @@ func TestPusherDeltasSumToBytesMoved(t *testing.T) {
 	}
 }
 
-// A failing receiver: each report is retried, then dropped and counted;
-// the data path (the counters) is never held up.
+// A failing receiver: each report is retried, then dropped, counted and
+// reported (OnDrop) with the receiver's answer; the data path (the
+// counters) is never held up.
 func TestPusherRetriesThenDrops(t *testing.T) {
 	forwardtest.CheckLeaks(t)
 	var posts atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		posts.Add(1)
-		http.Error(w, "down", http.StatusServiceUnavailable)
+		http.Error(w, "quota\n\t exceeded: "+strings.Repeat("x", 300), http.StatusServiceUnavailable)
 	}))
 	defer srv.Close()
 	reg := NewRegistry()
-	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: time.Hour, Attempts: 3, Backoff: time.Millisecond, Queue: 1}, reg)
+	var drops []Drop
+	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: time.Hour, Attempts: 3, Backoff: time.Millisecond, Queue: 1,
+		OnDrop: func(d Drop) { drops = append(drops, d) }}, reg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,6 +100,16 @@ func TestPusherRetriesThenDrops(t *testing.T) {
 	if st.Sent != 0 || st.Dropped != 1 || st.Retries != 2 || posts.Load() != 3 {
 		t.Errorf("stats %+v after %d POSTs; want 3 attempts, 2 retries, 1 drop", st, posts.Load())
 	}
+	// The answer's body, whitespace runs as one space, cut at 256 bytes.
+	answer := "quota exceeded: " + strings.Repeat("x", 256-len("quota exceeded: ")) + "…"
+	if len(drops) != 1 {
+		t.Fatalf("OnDrop called %d times, want 1: %+v", len(drops), drops)
+	}
+	d := drops[0]
+	if d.Reason != DropAttempts || d.Attempts != 3 || d.Sandboxes != 1 || d.Report.Sequence != 1 || d.Err == nil ||
+		!strings.HasSuffix(d.Err.Error(), srv.URL+" answered 503 Service Unavailable: "+strconv.Quote(answer)) {
+		t.Errorf("drop %+v; want reason attempts after 3 attempts, report 1 of 1 sandbox, and the answer %q", d, answer)
+	}
 }
 
 // A full queue evicts the oldest report and counts it.
@@ -105,7 +120,9 @@ func TestPusherQueueBound(t *testing.T) {
 	defer srv.Close()
 	defer close(release)
 	reg := NewRegistry()
-	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: time.Hour, Attempts: 1, Queue: 2, Timeout: 50 * time.Millisecond}, reg)
+	var drops []Drop
+	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: time.Hour, Attempts: 1, Queue: 2, Timeout: 50 * time.Millisecond,
+		OnDrop: func(d Drop) { drops = append(drops, d) }}, reg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,6 +134,15 @@ func TestPusherQueueBound(t *testing.T) {
 	}
 	if got := p.Stats().Dropped; got != 3 {
 		t.Errorf("dropped %d of 5 reports with a queue of 2, want 3", got)
+	}
+	// The oldest ones, as they were evicted, with no attempt made.
+	for i, d := range drops {
+		if d.Reason != DropQueueFull || d.Report.Sequence != uint64(i+1) || d.Attempts != 0 || d.Err != nil {
+			t.Errorf("drop %d: %+v, want report %d evicted from the full queue, no attempt", i, d, i+1)
+		}
+	}
+	if len(drops) != 3 {
+		t.Errorf("OnDrop called %d times, want 3", len(drops))
 	}
 	p.Start()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -124,6 +124,14 @@ const (
 	WakeRedirected = "redirected"
 )
 
+// WakeEvent is one wake, as Config.OnWake reports it.
+type WakeEvent struct {
+	Sandbox  string
+	Target   netip.AddrPort
+	Outcome  string        // one of WakeOutcomes
+	Duration time.Duration // from the wake request to the target's answer or the wake's failure
+}
+
 // WakeOutcomes are every outcome Config.OnWake reports.
 func WakeOutcomes() []string {
 	return []string{WakeWoken, WakeFailed, WakeDialFailed, WakeRedirected}
@@ -140,7 +148,7 @@ func (f *Forwarder) wakeAndDial(sandbox string, target netip.AddrPort, first err
 	outcome := WakeWoken
 	defer func() {
 		if f.cfg.OnWake != nil {
-			f.cfg.OnWake(outcome, time.Since(start))
+			f.cfg.OnWake(WakeEvent{Sandbox: sandbox, Target: target, Outcome: outcome, Duration: time.Since(start)})
 		}
 	}()
 	if _, err := f.cfg.Wake.Wake(ctx, sandbox, target); err != nil {

@@ -66,9 +66,9 @@ type wakeLog struct {
 	outcomes []string
 }
 
-func (l *wakeLog) observe(o string, _ time.Duration) {
+func (l *wakeLog) observe(ev WakeEvent) {
 	l.mu.Lock()
-	l.outcomes = append(l.outcomes, o)
+	l.outcomes = append(l.outcomes, ev.Outcome)
 	l.mu.Unlock()
 }
 func (l *wakeLog) get() []string {

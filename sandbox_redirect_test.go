@@ -71,8 +71,8 @@ func TestControlPlaneRedirectsRefused(t *testing.T) {
 			t.Errorf("rejection %v, want wake-failed naming the redirect", l)
 		}
 		checkMetricDeltas(t, m0, e.metrics(t), map[string]int64{
-			`caddy_ktls_sandbox_wakes_total{outcome="redirected"}`:  1,
-			`caddy_ktls_sandbox_wakes_total{outcome="wake-failed"}`: 0,
+			`caddy_ktls_sandbox_wakes_total{outcome="redirected"}`:   1,
+			`caddy_ktls_sandbox_wakes_total{outcome="wake-failed"}`:  0,
 			`caddy_ktls_sandbox_rejects_total{reason="wake-failed"}`: 1,
 		})
 		if p.asked.Load() != 1 || p.stolen.Load() != 0 {

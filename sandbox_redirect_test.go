@@ -52,7 +52,8 @@ func (p *cpRedirect) redirectError(url string) string {
 // body), the call fails with an error naming the status and the Location,
 // logged, and counted under its own label: a wake refuses the tunnel as
 // wake-failed (outcome redirected), a report's attempts are redirected
-// and the report dropped, a lookup fails as redirect.
+// and the report dropped (its drop log line quotes the redirect), a lookup
+// fails as redirect.
 func TestControlPlaneRedirectsRefused(t *testing.T) {
 	headers := map[string]any{"X-Token": []string{"cp-secret"}}
 	t.Run("wake", func(t *testing.T) {
@@ -99,6 +100,10 @@ func TestControlPlaneRedirectsRefused(t *testing.T) {
 		if redirected < 2 || sent != 0 || p.asked.Load() < 2 || p.stolen.Load() != 0 {
 			t.Errorf("%d attempts redirected (want at least 2), %d reports sent (want 0); the control plane got %d POSTs, the redirect's target %d (want 0)",
 				redirected, sent, p.asked.Load(), p.stolen.Load())
+		}
+		l := e.waitLogLine(t, pushDropMsg, 0)
+		if !strings.Contains(fmt.Sprint(l["last_answer"]), p.redirectError(url)) {
+			t.Errorf("drop log line %v, want the redirect named as the last answer", l)
 		}
 	})
 	t.Run("sandbox_lookup", func(t *testing.T) {

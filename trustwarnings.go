@@ -110,7 +110,8 @@ var proxyProtocolWarned = struct {
 // gone by then): a proxy_protocol handler belongs in the route of the
 // ktls and sandbox handlers it serves. A sandbox handler in a layer4
 // listener wrapper is not checked: Caddy's own proxy_protocol listener
-// wrapper applies its policy (no header from outside allow is used).
+// wrapper applies its policy, under which, unless fallback_policy says
+// otherwise, no header from outside allow is used.
 func warnProxyProtocolBefore(ctx caddy.Context, logger *zap.Logger) {
 	var app *layer4.App
 	for _, m := range slices.Backward(ctx.Modules()) {

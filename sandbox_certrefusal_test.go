@@ -164,10 +164,10 @@ func sandboxProxyCertificateRefused(t *testing.T) {
 	}
 }
 
-// The same refusal through the sandbox transport: each request is a dial
-// refused at its handshake step (never ok, no tunnel end), retried as a
-// dial error (a DELETE, which reverse_proxy retries after nothing else),
-// then answered 502; nothing reaches the app.
+// The same refusal through the sandbox transport, HTTP/1.1 and h2c to the
+// app: each request is a dial refused at its handshake step (never ok, no
+// tunnel end), retried as a dial error (a DELETE, which reverse_proxy
+// retries after nothing else), then answered 502; nothing reaches the app.
 func TestSandboxTransportCertificateRefused(t *testing.T) { sandboxTransportCertificateRefused(t) }
 
 func TestKernelSandboxTransportCertificateRefused(t *testing.T) {
@@ -176,50 +176,54 @@ func TestKernelSandboxTransportCertificateRefused(t *testing.T) {
 }
 
 func sandboxTransportCertificateRefused(t *testing.T) {
-	const n = 10
 	dials := func(result string) string {
 		return `caddy_ktls_gateway_dials_total{module="http.reverse_proxy.transport.sandbox",result="` + result + `"}`
 	}
 	ends := func(end string) string {
 		return `caddy_ktls_gateway_tunnel_ends_total{end="` + end + `",module="http.reverse_proxy.transport.sandbox"}`
 	}
-	for _, c := range refusedCertificates {
-		t.Run(c.name, func(t *testing.T) {
-			app := startSandboxApp(t)
-			e := newTransportEnv(t, app.addr, nil, map[string]any{"load_balancing": map[string]any{"retries": 1}})
-			useGatewayCertificate(t, e.files, c.leaf(t, e.ca))
-			reloaded(t, e.sandboxEnv)
-			waitIdle(t)
-			m0 := e.metrics(t)
-			user := e.user(false)
-			for i := range n {
-				req, _ := http.NewRequest("DELETE", siteURL(uniqueSandbox("sbx-cert"), "/echo"), nil)
-				resp, err := user.Do(req)
-				if err != nil {
-					t.Fatalf("request %d: %v", i, err)
-				}
-				resp.Body.Close()
-				if resp.StatusCode != http.StatusBadGateway || resp.Header.Get("X-Remote") != "" {
-					t.Errorf("request %d: %s from %q, want 502 and nothing from the app", i, resp.Status, resp.Header.Get("X-Remote"))
-				}
-			}
-			user.CloseIdleConnections()
-			// Each request and its retry.
-			checkRefusalLogs(t, e.sandboxEnv, "sandbox transport: cannot open the tunnel; nothing reached the sandbox", 2*n, c,
-				"sandbox transport: the tunnel failed before the response", "sandbox transport: the tunnel failed mid-response",
-				"sandbox transport: the forwarder refused the tunnel (its log names the reason); nothing reached the sandbox")
-			waitUntil(t, 10*time.Second, func() bool {
-				return e.metrics(t)[forwarderFailuresSeries(c.reason)]-m0[forwarderFailuresSeries(c.reason)] >= 2*n
-			},
-				"the forwarder to count the refused handshakes")
-			checkMetricDeltas(t, m0, e.metrics(t), map[string]int64{
-				dials("handshake"): 2 * n, dials("ok"): 0, dials("preamble"): 0,
-				ends("closed"): 0, ends("refused"): 0, ends("failed"): 0,
-				forwarderFailuresSeries(c.reason): 2 * n, forwarderFailuresSeries("no-client-certificate"): 0,
-				tunnelsTotalSeries: 0,
-			})
-		})
+	for _, v := range []string{"1.1", "h2c"} {
+		for _, c := range refusedCertificates {
+			t.Run(v+"/"+c.name, func(t *testing.T) { transportCertificateRefused(t, v, c, dials, ends) })
+		}
 	}
+}
+
+func transportCertificateRefused(t *testing.T, version string, c refusedCertificate, dials, ends func(string) string) {
+	const n = 10
+	app := startSandboxApp(t)
+	e := newTransportEnv(t, app.addr, map[string]any{"versions": []string{version}}, map[string]any{"load_balancing": map[string]any{"retries": 1}})
+	useGatewayCertificate(t, e.files, c.leaf(t, e.ca))
+	reloaded(t, e.sandboxEnv)
+	waitIdle(t)
+	m0 := e.metrics(t)
+	user := e.user(false)
+	for i := range n {
+		req, _ := http.NewRequest("DELETE", siteURL(uniqueSandbox("sbx-cert"), "/echo"), nil)
+		resp, err := user.Do(req)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadGateway || resp.Header.Get("X-Remote") != "" {
+			t.Errorf("request %d: %s from %q, want 502 and nothing from the app", i, resp.Status, resp.Header.Get("X-Remote"))
+		}
+	}
+	user.CloseIdleConnections()
+	// Each request and its retry.
+	checkRefusalLogs(t, e.sandboxEnv, "sandbox transport: cannot open the tunnel; nothing reached the sandbox", 2*n, c,
+		"sandbox transport: the tunnel failed before the response", "sandbox transport: the tunnel failed mid-response",
+		"sandbox transport: the forwarder refused the tunnel (its log names the reason); nothing reached the sandbox")
+	waitUntil(t, 10*time.Second, func() bool {
+		return e.metrics(t)[forwarderFailuresSeries(c.reason)]-m0[forwarderFailuresSeries(c.reason)] >= 2*n
+	},
+		"the forwarder to count the refused handshakes")
+	checkMetricDeltas(t, m0, e.metrics(t), map[string]int64{
+		dials("handshake"): 2 * n, dials("ok"): 0, dials("preamble"): 0,
+		ends("closed"): 0, ends("refused"): 0, ends("failed"): 0,
+		forwarderFailuresSeries(c.reason): 2 * n, forwarderFailuresSeries("no-client-certificate"): 0,
+		tunnelsTotalSeries: 0,
+	})
 }
 
 // "caddy sandbox dial" with a certificate the forwarder refuses fails

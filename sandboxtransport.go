@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -311,6 +312,8 @@ type tunnelConn struct {
 	route      gateway.Route
 	readErr    atomic.Pointer[error]
 	readFailed chan struct{} // closed at the first read error
+	readMu     sync.Mutex    // held by Read, and by a failed Write's read
+	pending    []byte        // read by a failed Write, for the next Read
 	read       atomic.Bool   // a byte came from the forwarder
 	state      atomic.Int32  // tunnelDialing, tunnelOpen or tunnelRefused
 	refused    *gateway.DialError
@@ -353,7 +356,22 @@ const (
 )
 
 func (c *tunnelConn) Read(p []byte) (int, error) {
+	c.readMu.Lock()
+	defer c.readMu.Unlock()
+	if len(c.pending) > 0 {
+		n := copy(p, c.pending)
+		c.pending = c.pending[n:]
+		return n, nil
+	}
 	n, err := c.Conn.Read(p)
+	c.observe(n, err)
+	return n, err
+}
+
+// observe takes note of what a read from the tunnel gave: its first byte
+// opens the tunnel; its first error is the tunnel's, and the forwarder's
+// refusal of the certificate before any byte makes it a failed dial.
+func (c *tunnelConn) observe(n int, err error) {
 	if n > 0 && !c.read.Load() {
 		c.read.Store(true)
 		c.open()
@@ -369,24 +387,52 @@ func (c *tunnelConn) Read(p []byte) (int, error) {
 		}
 		close(c.readFailed)
 	}
-	return n, err
 }
 
 // Write writes to the tunnel. A write that fails before anything was read
-// from the tunnel waits, at most refusalWait, for the tunnel's reader (the
-// HTTP transport reads every tunnel all along) to meet what came before
-// the reset that failed it: the forwarder's refusal of the certificate.
+// from the tunnel looks, for at most refusalWait, for what the forwarder
+// sent before the reset that failed it: its refusal of the certificate.
 // The HTTP transport closes the tunnel as soon as the write fails, which
-// would leave the refusal unread.
+// would leave the refusal unread. HTTP/1.1 reads every tunnel all along:
+// its reader meets the refusal, and the write waits for it. HTTP/2 writes
+// its preface before it reads: the write reads it itself, and keeps what
+// it read for the next Read. A write that met the refusal returns it.
 func (c *tunnelConn) Write(p []byte) (int, error) {
 	n, err := c.Conn.Write(p)
-	if err != nil && c.t != nil && !c.read.Load() {
+	if err == nil || c.t == nil || c.read.Load() {
+		return n, err
+	}
+	if !c.readMu.TryLock() {
 		select {
 		case <-c.readFailed:
 		case <-time.After(refusalWait):
 		}
+		return n, c.writeErr(err)
 	}
-	return n, err
+	defer c.readMu.Unlock()
+	if c.readErr.Load() != nil || len(c.pending) > 0 {
+		return n, c.writeErr(err)
+	}
+	c.Conn.SetReadDeadline(time.Now().Add(refusalWait))
+	buf := make([]byte, 512)
+	m, rerr := c.Conn.Read(buf)
+	c.Conn.SetReadDeadline(time.Time{})
+	c.pending = buf[:m]
+	if errors.Is(rerr, os.ErrDeadlineExceeded) {
+		rerr = nil // nothing came: the next Read says how the tunnel ends
+	}
+	c.observe(m, rerr)
+	return n, c.writeErr(err)
+}
+
+// writeErr is the error a failed Write returns: the forwarder's refusal
+// of the certificate (a *gateway.DialError) when the tunnel met it, which
+// the HTTP/2 transport returns as its connection's failure, else err.
+func (c *tunnelConn) writeErr(err error) error {
+	if c.state.Load() == tunnelRefused {
+		return c.refused
+	}
+	return err
 }
 
 // open counts the tunnel's dial ok, once, unless it was refused.

@@ -90,7 +90,7 @@ func TestSandboxExampleAdapt(t *testing.T) {
 				"verifiers": [{"verifier": "leaf", "leaf_certs_loaders": [{"loader": "file", "files": ["/demo/gateway.pem"]}]}]
 			}}]},
 			{"handler": "sandbox", "key_files": ["/demo/gateways.pem"], "require_channel_binding": true,
-				"allow_cidrs": ["127.0.0.1"], "allow_ports": ["19000", "19001"]}
+				"allow_cidrs": ["127.0.0.1"], "allow_ports": ["19000-19001"]}
 		]}]
 	}}}`), &want); err != nil {
 		t.Fatal(err)

@@ -4,7 +4,8 @@
 # that cannot run under the race detector, without it. A skip fails the run
 # unless it is one this host explains: a kernel test on a host without kTLS
 # (it runs in the VM), a host-only test on a host with kTLS (its kernel twin
-# runs here), or a race-exempt test in the -race pass (it ran without).
+# runs here), a race-exempt test in the -race pass (it ran without), or the
+# benchmark reports' staleness check in a shallow clone (said loudly).
 #
 # usage: hosttest.sh [go test flags...]
 set -euo pipefail
@@ -36,19 +37,21 @@ secs=$(elapsed "$t0")
 skips=$(awk '/^=== (RUN|CONT) / { cur = $3; next }
   /^ *--- SKIP: / { print $3 "\t" last[$3]; next }
   /^    / { line = $0; sub(/^ +/, "", line); last[cur] = line }' "$out")
-kernel_skips=0
+kernel_skips=0 shallow=0
 bad=()
 while IFS=$'\t' read -r name why; do
   [ -n "$name" ] || continue
   case "$name:$why" in
   TestKernel*:*"kernel TLS unavailable"*) kernel_skips=$((kernel_skips + 1)) ;;
   *:*"kTLS is available here"*) ;;
+  TestBenchReportsMeasureCurrentCode:*"a shallow clone"*) shallow=1 ;;
   *) if [ $race -eq 1 ] && [[ "$name" =~ $norace ]] && [[ "$why" == *"race detector on"* ]]; then :; else bad+=("$name: $why"); fi ;;
   esac
 done <<<"$skips"
 echo
 echo "=== host tests: go test $* ./... took ${secs}s, exit $rc"
 [ "$kernel_skips" -eq 0 ] || echo "!!! $kernel_skips kernel tests SKIPPED on this host (no kTLS): they ran in the VM (make vmtest / make test)"
+[ "$shallow" -eq 0 ] || echo "!!! TestBenchReportsMeasureCurrentCode SKIPPED: a shallow clone has not the history to tell a stale benchmark report (git fetch --unshallow)"
 if [ ${#bad[@]} -gt 0 ]; then
   echo "!!! ${#bad[@]} tests skipped for no reason this run accepts (a skipped test is an untested product):"
   printf '  %s\n' "${bad[@]}"

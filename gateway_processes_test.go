@@ -51,41 +51,8 @@ func gatewayTwoProcesses(t *testing.T, kernel bool) {
 	startCaddy(t, fwd, "")
 
 	// The gateway: another process, an HTTPS site and a raw TCP port.
-	dir := t.TempDir()
-	gwHTTPS, gwTCP, gwAdmin := loopbackAddr(t), loopbackAddr(t), loopbackAddr(t)
-	logFile := filepath.Join(dir, "gateway.log")
-	transport := files.dialJSON()
-	transport["protocol"], transport["sandbox"], transport["target"] = "sandbox", "{http.request.host.labels.2}", app.addr
-	proxy := files.dialJSON()
-	proxy["handler"], proxy["forwarder"], proxy["sandbox"], proxy["target"] = "sandbox_proxy", fwd.addr, "{l4.tls.server_name.labels.2}", echo
-	cfg := map[string]any{
-		"admin":   map[string]any{"listen": gwAdmin, "config": map[string]any{"persist": false}},
-		"logging": fwd.cfg["logging"],
-		"apps": map[string]any{
-			"tls": fwd.cfg["apps"].(map[string]any)["tls"],
-			"http": map[string]any{"servers": map[string]any{"gateway": map[string]any{
-				"listen": []string{gwHTTPS}, "automatic_https": map[string]any{"disable": true},
-				"tls_connection_policies": []any{map[string]any{}},
-				"routes": []any{map[string]any{"handle": []any{map[string]any{
-					"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": fwd.addr}}, "transport": transport}}}},
-			}}},
-			"layer4": map[string]any{"servers": map[string]any{"edge": map[string]any{
-				"listen": []string{gwTCP},
-				"routes": []any{map[string]any{"handle": []any{map[string]any{"handler": "ktls"}, proxy}}},
-			}}},
-		},
-	}
-	cfg = cloneJSON(t, cfg)
-	cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["writer"].(map[string]any)["filename"] = logFile
-	raw, err := json.Marshal(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfgFile := filepath.Join(dir, "gateway.json")
-	if err := os.WriteFile(cfgFile, raw, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	runCaddy(t, "", gwTCP, logFile, "--config", cfgFile)
+	gw := startGatewayProcess(t, fwd, files, app.addr, echo, false)
+	dir, gwHTTPS, gwTCP, gwAdmin := gw.dir, gw.https, gw.tcp, gw.admin
 	caFile := fwd.ca.WriteFile(t, dir, "ca.pem")
 	_, httpsPort, _ := net.SplitHostPort(gwHTTPS)
 	host := "sbx-procs.sandbox.test"
@@ -164,6 +131,58 @@ func gatewayTwoProcesses(t *testing.T, kernel bool) {
 			t.Errorf("the gateway copied %v bytes through userspace, want 0 (kTLS to kTLS)", copied)
 		}
 	}
+}
+
+// gatewayProcess is a gateway Caddy run in its own process in front of a
+// forwarder: an HTTPS site whose reverse_proxy reaches app through the
+// sandbox transport (sandbox: the Host's third label), and a layer4 port
+// whose ktls + sandbox_proxy reach echo (sandbox: the server name's).
+type gatewayProcess struct {
+	dir, https, tcp, admin, logFile string
+}
+
+// startGatewayProcess starts that gateway; wrapHTTPS puts the ktls
+// listener wrapper on its HTTPS site.
+func startGatewayProcess(t *testing.T, fwd *sandboxEnv, files gatewayFiles, app, echo string, wrapHTTPS bool) gatewayProcess {
+	t.Helper()
+	gw := gatewayProcess{dir: t.TempDir(), https: loopbackAddr(t), tcp: loopbackAddr(t), admin: loopbackAddr(t)}
+	gw.logFile = filepath.Join(gw.dir, "gateway.log")
+	transport := files.dialJSON()
+	transport["protocol"], transport["sandbox"], transport["target"] = "sandbox", "{http.request.host.labels.2}", app
+	proxy := files.dialJSON()
+	proxy["handler"], proxy["forwarder"], proxy["sandbox"], proxy["target"] = "sandbox_proxy", fwd.addr, "{l4.tls.server_name.labels.2}", echo
+	site := map[string]any{
+		"listen": []string{gw.https}, "automatic_https": map[string]any{"disable": true},
+		"tls_connection_policies": []any{map[string]any{}},
+		"routes": []any{map[string]any{"handle": []any{map[string]any{
+			"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": fwd.addr}}, "transport": transport}}}},
+	}
+	if wrapHTTPS {
+		site["listener_wrappers"] = []any{map[string]any{"wrapper": "ktls"}}
+	}
+	cfg := cloneJSON(t, map[string]any{
+		"admin":   map[string]any{"listen": gw.admin, "config": map[string]any{"persist": false}},
+		"logging": fwd.cfg["logging"],
+		"apps": map[string]any{
+			"tls":  fwd.cfg["apps"].(map[string]any)["tls"],
+			"http": map[string]any{"servers": map[string]any{"gateway": site}},
+			"layer4": map[string]any{"servers": map[string]any{"edge": map[string]any{
+				"listen": []string{gw.tcp},
+				"routes": []any{map[string]any{"handle": []any{map[string]any{"handler": "ktls"}, proxy}}},
+			}}},
+		},
+	})
+	cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["writer"].(map[string]any)["filename"] = gw.logFile
+	raw, err := json.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfgFile := filepath.Join(gw.dir, "gateway.json")
+	if err := os.WriteFile(cfgFile, raw, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	runCaddy(t, "", gw.tcp, gw.logFile, "--config", cfgFile)
+	return gw
 }
 
 // startEcho is a sandbox's raw TCP service that echoes each connection.

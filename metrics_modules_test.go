@@ -3,13 +3,10 @@ package caddyktls
 import (
 	"context"
 	"crypto/tls"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -175,41 +172,8 @@ func metricsPerModule(t *testing.T, kernel bool) {
 	files := addGatewaySide(t, fwd)
 	startCaddy(t, fwd, "")
 
-	dir := t.TempDir()
-	gwHTTPS, gwTCP, gwAdmin := loopbackAddr(t), loopbackAddr(t), loopbackAddr(t)
-	logFile := filepath.Join(dir, "gateway.log")
-	transport := files.dialJSON()
-	transport["protocol"], transport["sandbox"], transport["target"] = "sandbox", "{http.request.host.labels.2}", app.addr
-	proxy := files.dialJSON()
-	proxy["handler"], proxy["forwarder"], proxy["sandbox"], proxy["target"] = "sandbox_proxy", fwd.addr, "{l4.tls.server_name.labels.2}", echo
-	cfg := cloneJSON(t, map[string]any{
-		"admin":   map[string]any{"listen": gwAdmin, "config": map[string]any{"persist": false}},
-		"logging": fwd.cfg["logging"],
-		"apps": map[string]any{
-			"tls": fwd.cfg["apps"].(map[string]any)["tls"],
-			"http": map[string]any{"servers": map[string]any{"gateway": map[string]any{
-				"listen": []string{gwHTTPS}, "automatic_https": map[string]any{"disable": true},
-				"listener_wrappers":       []any{map[string]any{"wrapper": "ktls"}},
-				"tls_connection_policies": []any{map[string]any{}},
-				"routes": []any{map[string]any{"handle": []any{map[string]any{
-					"handler": "reverse_proxy", "upstreams": []any{map[string]any{"dial": fwd.addr}}, "transport": transport}}}},
-			}}},
-			"layer4": map[string]any{"servers": map[string]any{"edge": map[string]any{
-				"listen": []string{gwTCP},
-				"routes": []any{map[string]any{"handle": []any{map[string]any{"handler": "ktls"}, proxy}}},
-			}}},
-		},
-	})
-	cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["writer"].(map[string]any)["filename"] = logFile
-	raw, err := json.Marshal(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfgFile := filepath.Join(dir, "gateway.json")
-	if err := os.WriteFile(cfgFile, raw, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	runCaddy(t, "", gwTCP, logFile, "--config", cfgFile)
+	gw := startGatewayProcess(t, fwd, files, app.addr, echo, true)
+	gwHTTPS, gwTCP, gwAdmin := gw.https, gw.tcp, gw.admin
 
 	gwMetrics := func() map[string]float64 { return parseMetrics(t, adminGet(t, gwAdmin, "/metrics")) }
 	fwdMetrics := func() map[string]float64 { return parseMetrics(t, adminGet(t, fwd.adminAddr, "/metrics")) }

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
-	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 )
 
 // adminRequest sends method path to the env's admin endpoint with
@@ -49,14 +48,7 @@ func (e *sandboxEnv) adminRequest(t testing.TB, method, path, contentType string
 // preamble's grammar. Each refusal answers its status with an error that
 // says the fix, is logged with its reason and counted.
 func TestSandboxCloseInput(t *testing.T) {
-	target := tricklingUpstream(t, 1<<10, 20*time.Millisecond)
-	e := newSandboxEnv(t, nil)
-	forwardtest.CheckLeaks(t)
-	sb := uniqueSandbox("sbx-close-input")
-	c := e.dial(t, sb, target)
-	defer c.Close()
-	r := readTunnel(c)
-	waitUntil(t, 10*time.Second, func() bool { return r.n.Load() > 0 }, "the tunnel to move bytes")
+	e, sb, c, r := movingTunnel(t, "sbx-close-input")
 	metrics0 := e.metrics(t)
 	logged := len(e.logLines(t, "POST /sandbox/close refused; nothing was closed"))
 	big := `{"sandbox": "` + sb + `", "mode": "fail"}` + strings.Repeat(" ", 64<<10)
@@ -131,14 +123,7 @@ func TestSandboxCloseInput(t *testing.T) {
 // refuse_for beyond them is a 429 naming the limit that ends nothing,
 // logged and counted; lengthening a refusal held already passes.
 func TestSandboxCloseRefusalsFull(t *testing.T) {
-	target := tricklingUpstream(t, 1<<10, 20*time.Millisecond)
-	e := newSandboxEnv(t, nil)
-	forwardtest.CheckLeaks(t)
-	sb := uniqueSandbox("sbx-close-full")
-	c := e.dial(t, sb, target)
-	defer c.Close()
-	r := readTunnel(c)
-	waitUntil(t, 10*time.Second, func() bool { return r.n.Load() > 0 }, "the tunnel to move bytes")
+	e, sb, c, r := movingTunnel(t, "sbx-close-full")
 	metrics0 := e.metrics(t)
 	// Fill the process's refusals (the registry is process state) for a
 	// short while, so that they are gone again for the tests after this.

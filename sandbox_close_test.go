@@ -322,18 +322,27 @@ func TestSandboxCloseCertificate(t *testing.T) {
 	waitIdle(t)
 }
 
+// movingTunnel is a forwarder with one tunnel of a new sandbox (named
+// from prefix) to a target that trickles bytes, once they move; the
+// tunnel is closed and the process checked for leaks at the test's end.
+func movingTunnel(t *testing.T, prefix string) (*sandboxEnv, string, *tls.Conn, *tunnelReader) {
+	t.Helper()
+	target := tricklingUpstream(t, 1<<10, 20*time.Millisecond)
+	e := newSandboxEnv(t, nil)
+	forwardtest.CheckLeaks(t)
+	sb := uniqueSandbox(prefix)
+	c := e.dial(t, sb, target)
+	t.Cleanup(func() { c.Close() })
+	r := readTunnel(c)
+	waitUntil(t, 10*time.Second, func() bool { return r.n.Load() > 0 }, "the tunnel to move bytes")
+	return e, sb, c, r
+}
+
 // A close request that names nothing or both, an unknown or missing mode,
 // a grace where it does not belong, bad JSON or a wrong method is refused
 // with a clear error, and ends nothing.
 func TestSandboxCloseBadRequests(t *testing.T) {
-	target := tricklingUpstream(t, 1<<10, 20*time.Millisecond)
-	e := newSandboxEnv(t, nil)
-	forwardtest.CheckLeaks(t)
-	sb := uniqueSandbox("sbx-close-bad")
-	c := e.dial(t, sb, target)
-	defer c.Close()
-	r := readTunnel(c)
-	waitUntil(t, 10*time.Second, func() bool { return r.n.Load() > 0 }, "the tunnel to move bytes")
+	e, sb, c, r := movingTunnel(t, "sbx-close-bad")
 	metrics0 := e.metrics(t)
 	for _, tc := range []struct {
 		method, body string

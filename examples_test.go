@@ -21,6 +21,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 )
 
 // examplePKI is what README's certificate section makes with the real
@@ -95,25 +97,11 @@ func http1App(t *testing.T, addr string) {
 
 // echoServer echoes every byte back and half-closes after the client does.
 func echoServer(t *testing.T, addr string) {
-	t.Helper()
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-				c.(*net.TCPConn).CloseWrite()
-			}()
-		}
-	}()
+	forwardtest.ServeTCPOn(t, addr, func(c net.Conn) {
+		defer c.Close()
+		io.Copy(c, c)
+		c.(*net.TCPConn).CloseWrite()
+	})
 }
 
 // listeningSockets lists the sockets the process pid listens on: "tcp

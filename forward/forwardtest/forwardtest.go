@@ -412,7 +412,13 @@ func HostAddress(t testing.TB) netip.Addr {
 // address.
 func ServeTCP(t testing.TB, serve func(c net.Conn)) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	return ServeTCPOn(t, "127.0.0.1:0", serve)
+}
+
+// ServeTCPOn is ServeTCP on the address given.
+func ServeTCPOn(t testing.TB, addr string, serve func(c net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}

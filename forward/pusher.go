@@ -59,8 +59,8 @@ type PusherConfig struct {
 	// the host name. It must not contain a slash or a control character.
 	Instance string
 	// OnDrop, when set, is called once for every report the pusher gives
-	// up on, from the pusher's goroutines (it must not block), before
-	// Stop returns.
+	// up on, before Stop returns, from either of the pusher's two
+	// goroutines: it may run concurrently with itself, and must not block.
 	OnDrop func(Drop)
 }
 

@@ -120,9 +120,12 @@ func TestPusherQueueBound(t *testing.T) {
 	defer srv.Close()
 	defer close(release)
 	reg := NewRegistry()
-	var drops []Drop
+	var (
+		mu    sync.Mutex // OnDrop runs on both of the pusher's goroutines once it has started
+		drops []Drop
+	)
 	p, err := NewPusher(PusherConfig{URL: srv.URL, Interval: time.Hour, Attempts: 1, Queue: 2, Timeout: 50 * time.Millisecond,
-		OnDrop: func(d Drop) { drops = append(drops, d) }}, reg)
+		OnDrop: func(d Drop) { mu.Lock(); drops = append(drops, d); mu.Unlock() }}, reg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,6 +139,7 @@ func TestPusherQueueBound(t *testing.T) {
 		t.Errorf("dropped %d of 5 reports with a queue of 2, want 3", got)
 	}
 	// The oldest ones, as they were evicted, with no attempt made.
+	mu.Lock()
 	for i, d := range drops {
 		if d.Reason != DropQueueFull || d.Report.Sequence != uint64(i+1) || d.Attempts != 0 || d.Err != nil {
 			t.Errorf("drop %d: %+v, want report %d evicted from the full queue, no attempt", i, d, i+1)
@@ -144,6 +148,7 @@ func TestPusherQueueBound(t *testing.T) {
 	if len(drops) != 3 {
 		t.Errorf("OnDrop called %d times, want 3", len(drops))
 	}
+	mu.Unlock()
 	p.Start()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

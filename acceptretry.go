@@ -11,6 +11,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
 
@@ -30,8 +33,18 @@ const maxAcceptDelay = time.Second
 // acceptRetries counts failed accepts that were retried, for the metrics.
 var acceptRetries atomic.Uint64
 
+var descAcceptRetries = prometheus.NewDesc("caddy_ktls_accept_retries_total",
+	"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil)
+
 func init() {
 	caddy.RegisterNetwork(acceptRetryNetwork, listenAcceptRetry)
+	// A tcp-retry listener may serve any module's connections.
+	caddymetrics.Add(moduleid.Any, &caddymetrics.Gathered{
+		Descs: []*prometheus.Desc{descAcceptRetries},
+		Gather: func(ch chan<- prometheus.Metric) {
+			ch <- prometheus.MustNewConstMetric(descAcceptRetries, prometheus.CounterValue, float64(acceptRetries.Load()))
+		},
+	})
 }
 
 // listenAcceptRetry opens the address as Caddy opens "tcp" ones (shared

@@ -15,6 +15,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -84,7 +86,7 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 	for _, m := range []ktls.Mode{ktls.ModeUserspace, ktls.ModeSW, ktls.ModeHW} {
 		exported.addValue("caddy_ktls_offload_directions_total", "mode", m.String())
 	}
-	for _, name := range describedFamilies(metrics, listenerMetrics) {
+	for _, name := range describedFamilies(caddymetrics.All, listenerMetrics) {
 		// A histogram is in a scrape as its _bucket, _sum and _count.
 		if exported[name] == nil && exported[name+"_count"] == nil {
 			t.Errorf("/metrics has no %s, which the module's collectors describe: drive the traffic that makes it appear", name)
@@ -107,14 +109,14 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 		`caddy_ktls_handshakes_total{module=~"layer4.handlers.ktls|caddy.listeners.ktls"}`,
 		`caddy_ktls_handshake_duration_seconds_bucket{module!="layer4.handlers.sandbox_proxy"}`,
 	} {
-		if errs := coversModules(t, bad, engineModules); len(errs) == 0 {
+		if errs := coversModules(t, bad, moduleid.Engine); len(errs) == 0 {
 			t.Errorf("coversModules(%s) found nothing wrong", bad)
 		}
 	}
 
 	// Every module's series are in the scrape: the handshakes of every
 	// module that serves TLS, the gateway modules' included.
-	for _, m := range engineModules {
+	for _, m := range moduleid.Engine {
 		if !exported["caddy_ktls_handshakes_total"]["module"][m] {
 			t.Errorf("/metrics has no caddy_ktls_handshakes_total series of %s", m)
 		}
@@ -127,7 +129,7 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 		for _, err := range exported.check(t, expr) {
 			t.Errorf("%s %s: %s", dashboardFile, where, err)
 		}
-		for _, err := range coversModules(t, expr, engineModules) {
+		for _, err := range coversModules(t, expr, moduleid.Engine) {
 			t.Errorf("%s %s: %s", dashboardFile, where, err)
 		}
 		markUsed(t, expr, used)
@@ -138,7 +140,7 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 			t.Errorf("%s alert %s: %s", rulesFile, name, err)
 		}
 		if name != "CaddyKTLSGatewayCertificateRefused" { // the forwarder's ktls handler's, by design
-			for _, err := range coversModules(t, expr, engineModules) {
+			for _, err := range coversModules(t, expr, moduleid.Engine) {
 				t.Errorf("%s alert %s: %s", rulesFile, name, err)
 			}
 		}
@@ -148,7 +150,7 @@ func TestDeployQueriesNameExportedMetrics(t *testing.T) {
 		t.Errorf("found %d dashboard queries and %d alerts; the files have more", queries, len(alerts))
 	}
 	var unused []string
-	for _, name := range describedFamilies(metrics, listenerMetrics) {
+	for _, name := range describedFamilies(caddymetrics.All, listenerMetrics) {
 		if !used[name] {
 			unused = append(unused, name)
 		}

@@ -25,6 +25,8 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
@@ -359,8 +361,8 @@ func runListenerWrapperSnippet(t *testing.T, files *snippetFiles, where string, 
 
 	// The listener wrapper's completed handshakes, offloaded or not.
 	wrapped := func() (n uint64) {
-		for k, v := range handshakeOutcomes.snapshot() {
-			if k.module == moduleListenerWrapper && k.reason != ktls.ReasonHandshakeFailed {
+		for k, v := range offload.HandshakeOutcomes.Snapshot() {
+			if k.Module == moduleid.ListenerWrapper && k.Reason != ktls.ReasonHandshakeFailed {
 				n += v
 			}
 		}

@@ -12,6 +12,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -52,9 +54,9 @@ func addGatewayModules(t *testing.T, e *sandboxEnv, files gatewayFiles, dial map
 // more.
 func TestGatewayStartLine(t *testing.T) {
 	kernel := kerneltest.Available() == nil
-	msg := kernelUnavailableMsg
+	msg := offload.KernelUnavailableMsg
 	if kernel {
-		msg = kernelAvailableMsg
+		msg = offload.KernelAvailableMsg
 	}
 	e := newSandboxConfig(t, nil)
 	files := addGatewaySide(t, e)
@@ -74,7 +76,7 @@ func TestGatewayStartLine(t *testing.T) {
 		return out
 	}
 	lines := byModule()
-	for _, m := range gatewayModules {
+	for _, m := range moduleid.Gateway {
 		if len(lines[m]) != 1 {
 			t.Fatalf("%s: %d %q lines at start, want 1 (lines by module: %v)", m, len(lines[m]), msg, lines)
 		}
@@ -94,7 +96,7 @@ func TestGatewayStartLine(t *testing.T) {
 		}
 	}
 	e.load(t) // the same configuration again: a new load
-	for _, m := range gatewayModules {
+	for _, m := range moduleid.Gateway {
 		if n := len(byModule()[m]); n != 2 {
 			t.Errorf("%s: %d start lines after a reload, want 2 (one per load)", m, n)
 		}
@@ -113,19 +115,19 @@ func TestGatewayStartLineFallbackRefuse(t *testing.T) {
 	addGatewayModules(t, e, files, map[string]any{"require_offload": true})
 	e.start(t)
 	n := map[string]int{}
-	for _, l := range e.logLines(t, refuseAllWarning) {
+	for _, l := range e.logLines(t, offload.RefuseAllWarning) {
 		if l["level"] != "warn" || l["fix"] == nil {
 			t.Errorf("refusal line %v: want a WARN with the fix", l)
 		}
 		n[l["logger"].(string)]++
 	}
-	for _, m := range gatewayModules {
+	for _, m := range moduleid.Gateway {
 		if n[m] != 1 {
 			t.Errorf("%s: %d WARNs that every connection will be refused, want 1", m, n[m])
 		}
 	}
-	for _, l := range e.logLines(t, kernelUnavailableMsg) {
-		if l["logger"] != moduleL4Handler {
+	for _, l := range e.logLines(t, offload.KernelUnavailableMsg) {
+		if l["logger"] != moduleid.L4Handler {
 			t.Errorf("%v: a refusing gateway module says only the WARN", l)
 		}
 	}

@@ -10,7 +10,9 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // What the tests count: the Prometheus metrics, the kernel's tls_stat and
@@ -104,9 +106,9 @@ func dataPathDelta(t *testing.T, kernel bool) func() (kerneltest.Stat, forward.D
 		}
 		return s
 	}
-	tls0, dp0 := read(), tunnels.DataPath()
+	tls0, dp0 := read(), forwarder.Tunnels().DataPath()
 	return func() (kerneltest.Stat, forward.DataPath) {
-		dp := tunnels.DataPath()
+		dp := forwarder.Tunnels().DataPath()
 		return read().Sub(tls0), forward.DataPath{
 			SpliceBytes:    dp.SpliceBytes - dp0.SpliceBytes,
 			CopyBytes:      dp.CopyBytes - dp0.CopyBytes,
@@ -119,9 +121,9 @@ func dataPathDelta(t *testing.T, kernel bool) func() (kerneltest.Stat, forward.D
 func waitRejections(t testing.TB, reason string, want uint64) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
-	for tunnels.Rejections()[reason] != want {
+	for forwarder.Tunnels().Rejections()[reason] != want {
 		if time.Now().After(deadline) {
-			t.Fatalf("rejections[%q] = %d, want %d (every reason: %v)", reason, tunnels.Rejections()[reason], want, tunnels.Rejections())
+			t.Fatalf("rejections[%q] = %d, want %d (every reason: %v)", reason, forwarder.Tunnels().Rejections()[reason], want, forwarder.Tunnels().Rejections())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -132,11 +134,11 @@ func waitIdle(t testing.TB) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		if open, _ := tunnels.Counts(); open == 0 {
+		if open, _ := forwarder.Tunnels().Counts(); open == 0 {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("tunnels still open: %+v", tunnels.Tunnels())
+			t.Fatalf("tunnels still open: %+v", forwarder.Tunnels().Tunnels())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -200,7 +202,7 @@ func dataPathCheck(t *testing.T, kernel bool, sessions int64) (splicedSince func
 	if !kernel {
 		return func() int64 { return 0 }
 	}
-	dp0 := tunnels.DataPath()
+	dp0 := forwarder.Tunnels().DataPath()
 	tls0, err := kerneltest.ReadStat()
 	if err != nil {
 		t.Fatalf("read tls_stat: %v", err)
@@ -211,7 +213,7 @@ func dataPathCheck(t *testing.T, kernel bool, sessions int64) (splicedSince func
 		if err != nil {
 			t.Fatalf("read tls_stat: %v", err)
 		}
-		delta, dp := tls1.Sub(tls0), tunnels.DataPath()
+		delta, dp := tls1.Sub(tls0), forwarder.Tunnels().DataPath()
 		spliced, copied := dp.SpliceBytes-dp0.SpliceBytes, dp.CopyBytes-dp0.CopyBytes
 		if delta["TlsTxSw"] < sessions || delta["TlsRxSw"] < sessions || delta["TlsDecryptError"] != 0 {
 			t.Errorf("tls_stat delta %v: want TlsTxSw and TlsRxSw >= %d (the kernel carried every session), TlsDecryptError 0", delta, sessions)
@@ -239,7 +241,7 @@ func handshakeDeltas(before, after map[string]int64) map[string]int64 {
 // handshakeSeries is the layer4 ktls handler's caddy_ktls_handshakes_total
 // series of reason.
 func handshakeSeries(reason ktls.Reason) string {
-	return fmt.Sprintf("caddy_ktls_handshakes_total{module=%q,reason=%q}", moduleL4Handler, reason)
+	return fmt.Sprintf("caddy_ktls_handshakes_total{module=%q,reason=%q}", moduleid.L4Handler, reason)
 }
 
 // checkHandshakes checks that the handshakes counted since before are

@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/mholt/caddy-l4/layer4"
 	"go.uber.org/zap"
 )
@@ -31,7 +32,7 @@ type KTLSSession struct {
 
 // CaddyModule returns the Caddy module information.
 func (*KTLSSession) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleKTLSSession, New: func() caddy.Module { return new(KTLSSession) }}
+	return caddy.ModuleInfo{ID: moduleid.KTLSSession, New: func() caddy.Module { return new(KTLSSession) }}
 }
 
 // Provision sets up the handler.

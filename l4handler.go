@@ -15,6 +15,9 @@ import (
 	"github.com/mholt/caddy-l4/modules/l4tls"
 	"go.uber.org/zap"
 
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -56,13 +59,13 @@ type KTLSHandler struct {
 	DisableResumption bool `json:"disable_resumption,omitempty"`
 
 	// The offload options (OffloadOptions), at the top level of the JSON.
-	OffloadOptions
+	offload.Options
 
 	ctx    caddy.Context
 	logger *zap.Logger
 	opts   ktls.Options
 	// failures counts and logs failed handshakes.
-	failures *handshakeFailureLog
+	failures *offload.HandshakeFailureLog
 	// sessions keeps each policy's ticket-issuing configuration; tickets
 	// is the tls app's session ticket service (nil when not configured).
 	sessions sessionKeys
@@ -71,14 +74,14 @@ type KTLSHandler struct {
 
 // CaddyModule returns the Caddy module information.
 func (*KTLSHandler) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleL4Handler, New: func() caddy.Module { return new(KTLSHandler) }}
+	return caddy.ModuleInfo{ID: moduleid.L4Handler, New: func() caddy.Module { return new(KTLSHandler) }}
 }
 
 // Provision sets up the handler.
 func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
-	if err := registerMetrics(ctx, moduleL4Handler); err != nil {
+	if err := caddymetrics.Register(ctx, moduleid.L4Handler); err != nil {
 		return err
 	}
 	if len(h.ConnectionPolicies) == 0 {
@@ -93,18 +96,18 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 		tlsApp = app.(*caddytls.TLS)
 		h.tickets = tlsApp.SessionTickets
 	}
-	h.OffloadOptions.setDefaults()
-	h.failures = newHandshakeFailureLog(moduleL4Handler, h.logger)
-	h.opts = h.ktlsOptions(h.observe)
+	h.Options.SetDefaults()
+	h.failures = offload.NewHandshakeFailureLog(moduleid.L4Handler, h.logger)
+	h.opts = h.KtlsOptions(h.observe)
 	// What this kernel does for the handler's connections, and what to do
 	// if it cannot offload: once per config load (its tls app) and set of
 	// offload options, however many ktls handlers share them.
-	key := l4KernelLogKey{tlsApp, h.OffloadOptions}
+	key := l4KernelLogKey{tlsApp, h.Options}
 	if _, logged := l4KernelLogged.LoadOrStore(key, struct{}{}); !logged {
 		// The load's context ends when the configuration is unloaded
 		// (ctx.OnCancel on a module's copy of the context never runs).
 		context.AfterFunc(ctx, func() { l4KernelLogged.Delete(key) })
-		h.OffloadOptions.logKernel(h.logger)
+		h.Options.LogKernel(h.logger)
 	}
 	return nil
 }
@@ -115,26 +118,26 @@ var l4KernelLogged sync.Map
 
 type l4KernelLogKey struct {
 	load *caddytls.TLS // one per config load
-	opts OffloadOptions
+	opts offload.Options
 }
 
 // Validate checks the offload options (caddy.Validator): Caddy calls it
 // after Provision, before the handler serves.
 func (h *KTLSHandler) Validate() error {
-	if err := h.OffloadOptions.validate(); err != nil {
+	if err := h.Options.ValidateOptions(); err != nil {
 		return fmt.Errorf("ktls handler: %w", err)
 	}
 	return nil
 }
 
 func (h *KTLSHandler) observe(ev ktls.Event) {
-	countClose(moduleL4Handler, ev.Kind)
+	offload.CountClose(moduleid.L4Handler, ev.Kind)
 	switch {
 	case ev.Kind == ktls.EventHandshake:
-		observeHandshake(moduleL4Handler, ev)
-		logHandshake(h.logger, ev)
+		offload.ObserveHandshake(moduleid.L4Handler, ev)
+		offload.LogHandshake(h.logger, ev)
 		if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
-			h.failures.record(ev)
+			h.failures.Record(ev)
 		}
 		return
 	case ev.Kind == ktls.EventRefused:

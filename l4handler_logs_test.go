@@ -8,6 +8,8 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 )
 
 // TestL4HandlerKernelLine: the layer4 ktls handler says once per config
@@ -18,9 +20,9 @@ import (
 // handler's own.
 func TestL4HandlerKernelLine(t *testing.T) {
 	kernel := kerneltest.Available() == nil
-	msg := kernelUnavailableMsg
+	msg := offload.KernelUnavailableMsg
 	if kernel {
-		msg = kernelAvailableMsg
+		msg = offload.KernelAvailableMsg
 	}
 	e := newSandboxConfig(t, nil)
 	servers := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)
@@ -37,8 +39,8 @@ func TestL4HandlerKernelLine(t *testing.T) {
 		t.Fatalf("%d %q lines for one load with two ktls handlers, want 1", len(lines), msg)
 	}
 	l := lines[0]
-	if l["logger"] != moduleL4Handler || l["level"] != "info" || l["kernel"] == nil {
-		t.Errorf("start line %v: want INFO from %s naming the kernel", l, moduleL4Handler)
+	if l["logger"] != moduleid.L4Handler || l["level"] != "info" || l["kernel"] == nil {
+		t.Errorf("start line %v: want INFO from %s naming the kernel", l, moduleid.L4Handler)
 	}
 	if kernel {
 		if l["offloaded"] != true || l["rx_in_kernel"] != true || l["suites"] == nil {
@@ -65,7 +67,7 @@ func TestL4HandlerKernelLine(t *testing.T) {
 	}
 	for line := range strings.Lines(string(data)) {
 		var m map[string]any
-		if json.Unmarshal([]byte(line), &m) == nil && m["logger"] == moduleL4Handler && m["level"] == "warn" {
+		if json.Unmarshal([]byte(line), &m) == nil && m["logger"] == moduleid.L4Handler && m["level"] == "warn" {
 			t.Errorf("a WARN of the ktls handler: %v", m)
 		}
 	}

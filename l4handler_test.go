@@ -12,7 +12,10 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -21,7 +24,7 @@ import (
 func closesMetric(t *testing.T) map[string]float64 {
 	t.Helper()
 	reg := prometheus.NewPedanticRegistry()
-	if err := reg.Register(metrics); err != nil {
+	if err := reg.Register(caddymetrics.All); err != nil {
 		t.Fatal(err)
 	}
 	families, err := reg.Gather()
@@ -57,8 +60,8 @@ func closesMetric(t *testing.T) map[string]float64 {
 // TestKernelKeyUpdateFlood).
 func TestConnectionCloseEventsCounted(t *testing.T) {
 	before := closesMetric(t)
-	for _, m := range engineModules {
-		for _, ev := range closeEvents {
+	for _, m := range moduleid.Engine {
+		for _, ev := range offload.CloseEvents {
 			if _, ok := before[m+" "+string(ev)]; !ok {
 				t.Errorf("no series for %s %s before any close", m, ev)
 			}
@@ -78,22 +81,22 @@ func TestConnectionCloseEventsCounted(t *testing.T) {
 
 	after := closesMetric(t)
 	for key, want := range map[string]float64{
-		moduleL4Handler + " rate-limited":            2,
-		moduleListenerWrapper + " rate-limited":      2,
-		moduleL4Handler + " alert":                   1,
-		moduleListenerWrapper + " alert":             0,
-		moduleL4Handler + " closed-after-tx":         0,
-		moduleListenerWrapper + " rekey-unsupported": 1,
-		moduleL4Handler + " rekey-unsupported":       0,
+		moduleid.L4Handler + " rate-limited":            2,
+		moduleid.ListenerWrapper + " rate-limited":      2,
+		moduleid.L4Handler + " alert":                   1,
+		moduleid.ListenerWrapper + " alert":             0,
+		moduleid.L4Handler + " closed-after-tx":         0,
+		moduleid.ListenerWrapper + " rekey-unsupported": 1,
+		moduleid.L4Handler + " rekey-unsupported":       0,
 	} {
 		if got := after[key] - before[key]; got != want {
 			t.Errorf("%s: counted %v, want %v", key, got, want)
 		}
 	}
-	if len(after) != len(engineModules)*len(closeEvents)+1 {
+	if len(after) != len(moduleid.Engine)*len(offload.CloseEvents)+1 {
 		t.Errorf("series %v, want exactly the engine's modules x close events, and bad-record for layer4", after)
 	}
-	if _, ok := before[moduleL4Handler+" "+string(eventBadRecord)]; !ok {
+	if _, ok := before[moduleid.L4Handler+" "+string(offload.EventBadRecord)]; !ok {
 		t.Errorf("no layer4 bad-record series before any close")
 	}
 	warned := 0

@@ -21,6 +21,9 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/net/http2"
 
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -49,7 +52,7 @@ func init() {
 // decryption in Go while the kernel still encrypts outgoing records.
 type ListenerWrapper struct {
 	// The offload options (OffloadOptions), at the top level of the JSON.
-	OffloadOptions
+	offload.Options
 
 	// Sendfile lets HTTP/1.1 response bodies read from files (file_server)
 	// go out with sendfile(2), encrypted by the kernel, without passing
@@ -79,7 +82,7 @@ type ListenerWrapper struct {
 	logger *zap.Logger
 	opts   ktls.Options
 	// failures counts and logs failed handshakes.
-	failures *handshakeFailureLog
+	failures *offload.HandshakeFailureLog
 	sendfile bool // Sendfile, and possible on this server
 	// sendfileIdle: Sendfile was set, but no connection can have its TX
 	// in the kernel here, so sendfile is off.
@@ -96,7 +99,7 @@ type ListenerWrapper struct {
 
 // CaddyModule returns the Caddy module information.
 func (*ListenerWrapper) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleListenerWrapper, New: func() caddy.Module { return new(ListenerWrapper) }}
+	return caddy.ModuleInfo{ID: moduleid.ListenerWrapper, New: func() caddy.Module { return new(ListenerWrapper) }}
 }
 
 // Provision checks the configuration and where the wrapper sits in its
@@ -120,20 +123,20 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	if layer4WithoutSession(srv.ListenerWrappersRaw) {
 		lw.logger.Warn(layer4WithoutSessionWarning)
 	}
-	lw.OffloadOptions.setDefaults()
-	if err := registerMetrics(ctx, moduleListenerWrapper); err != nil {
+	lw.Options.SetDefaults()
+	if err := caddymetrics.Register(ctx, moduleid.ListenerWrapper); err != nil {
 		return err
 	}
 	if err := registerListenerMetrics(ctx); err != nil {
 		return err
 	}
-	lw.failures = newHandshakeFailureLog(moduleListenerWrapper, lw.logger)
-	lw.opts = lw.ktlsOptions(lw.observe)
+	lw.failures = offload.NewHandshakeFailureLog(moduleid.ListenerWrapper, lw.logger)
+	lw.opts = lw.KtlsOptions(lw.observe)
 	lw.sendfile = lw.Sendfile && servesH1AndH2(srv)
 	if lw.Sendfile && !lw.sendfile {
 		lw.logger.Warn("sendfile needs both HTTP/1.1 and HTTP/2 enabled on every listener of this server (Caddy hides it otherwise): serving without sendfile")
 	}
-	if lw.sendfile && !lw.OffloadOptions.kernelCanOffload() {
+	if lw.sendfile && !lw.Options.KernelCanOffload() {
 		// Without TX in the kernel every body is copied through userspace
 		// anyway, and a sendfile connection costs a Caddy WARN each
 		// (ListenerWrapper.Sendfile): said once, in the start line.
@@ -146,7 +149,7 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 // Validate checks the options (caddy.Validator): Caddy calls it after
 // Provision, before the server starts.
 func (lw *ListenerWrapper) Validate() error {
-	if err := lw.OffloadOptions.validate(); err != nil {
+	if err := lw.Options.ValidateOptions(); err != nil {
 		return fmt.Errorf("ktls listener wrapper: %w", err)
 	}
 	if lw.TXZeroCopyRO && !lw.Sendfile {
@@ -274,13 +277,13 @@ func servesH1AndH2(srv *caddyhttp.Server) bool {
 
 // observe logs what the ktls engine reports for a connection.
 func (lw *ListenerWrapper) observe(ev ktls.Event) {
-	countClose(moduleListenerWrapper, ev.Kind)
+	offload.CountClose(moduleid.ListenerWrapper, ev.Kind)
 	switch ev.Kind {
 	case ktls.EventHandshake:
-		observeHandshake(moduleListenerWrapper, ev)
-		logHandshake(lw.logger, ev)
+		offload.ObserveHandshake(moduleid.ListenerWrapper, ev)
+		offload.LogHandshake(lw.logger, ev)
 		if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
-			lw.failures.record(ev)
+			lw.failures.Record(ev)
 		}
 	case ktls.EventRateLimited, ktls.EventClosed, ktls.EventRekeyUnsupported, ktls.EventKeyExhausted:
 		lw.logger.Warn("kernel TLS connection closed", zap.String("event", string(ev.Kind)),
@@ -339,7 +342,7 @@ func (lw *ListenerWrapper) logStart(addr net.Addr, servesTLS bool) {
 		fields = append(fields, zap.String("sendfile_off", "sendfile is set, but no connection can have its TX in the kernel here: "+
 			"bodies are written through userspace either way, so the wrapper does without it and Caddy's WARN per connection"))
 	}
-	lw.OffloadOptions.logKernel(lw.logger, fields...)
+	lw.Options.LogKernel(lw.logger, fields...)
 }
 
 type listener struct {

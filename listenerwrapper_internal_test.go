@@ -19,6 +19,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -112,13 +113,13 @@ localhost:%d {
 // HTTP port it says only, at DEBUG, that connections pass through.
 func TestListenerWrapperStartSummary(t *testing.T) {
 	kernelOK := kerneltest.Available() == nil
-	probed, offload, rxInKernel := "kernel TLS unavailable: connections use userspace TLS", false, any(nil)
+	probed, offloaded, rxInKernel := "kernel TLS unavailable: connections use userspace TLS", false, any(nil)
 	if kernelOK {
-		probed, offload, rxInKernel = "kernel TLS available", true, true
+		probed, offloaded, rxInKernel = "kernel TLS available", true, true
 	}
 	disabled := "kernel TLS offload disabled: connections use userspace TLS"
 	for name, tc := range map[string]struct {
-		opts               OffloadOptions
+		opts               offload.Options
 		sendfile           bool
 		msg                string
 		offloaded          bool
@@ -127,21 +128,21 @@ func TestListenerWrapperStartSummary(t *testing.T) {
 		kernelTLSAvailable any // logged only when offload is off by configuration
 		sendfileOn         bool
 	}{
-		"default":     {OffloadOptions{}, false, probed, offload, "", rxInKernel, nil, false},
-		"rx off":      {OffloadOptions{DisableRX: true}, false, probed, offload, "", map[bool]any{true: false, false: nil}[kernelOK], nil, false},
-		"offload off": {OffloadOptions{DisableOffload: true}, false, disabled, false, "disabled by configuration (offload off)", nil, kernelOK, false},
+		"default":     {offload.Options{}, false, probed, offloaded, "", rxInKernel, nil, false},
+		"rx off":      {offload.Options{DisableRX: true}, false, probed, offloaded, "", map[bool]any{true: false, false: nil}[kernelOK], nil, false},
+		"offload off": {offload.Options{DisableOffload: true}, false, disabled, false, "disabled by configuration (offload off)", nil, kernelOK, false},
 		// expect_no_pad would warn on a kernel without it; with offload off
 		// there is nothing to warn about.
-		"offload off, expect_no_pad": {OffloadOptions{DisableOffload: true, ExpectNoPad: true}, false, disabled, false, "disabled by configuration (offload off)", nil, kernelOK, false},
-		"sendfile":                   {OffloadOptions{}, true, probed, offload, "", rxInKernel, nil, kernelOK},
-		"offload off, sendfile":      {OffloadOptions{DisableOffload: true}, true, disabled, false, "disabled by configuration (offload off)", nil, kernelOK, false},
+		"offload off, expect_no_pad": {offload.Options{DisableOffload: true, ExpectNoPad: true}, false, disabled, false, "disabled by configuration (offload off)", nil, kernelOK, false},
+		"sendfile":                   {offload.Options{}, true, probed, offloaded, "", rxInKernel, nil, kernelOK},
+		"offload off, sendfile":      {offload.Options{DisableOffload: true}, true, disabled, false, "disabled by configuration (offload off)", nil, kernelOK, false},
 	} {
 		t.Run(name, func(t *testing.T) {
 			core, logs := observer.New(zapcore.DebugLevel)
-			lw := &ListenerWrapper{OffloadOptions: tc.opts, ctx: caddy.Context{Context: context.Background()},
+			lw := &ListenerWrapper{Options: tc.opts, ctx: caddy.Context{Context: context.Background()},
 				srv: &caddyhttp.Server{TLSConnPolicies: caddytls.ConnectionPolicies{new(caddytls.ConnectionPolicy)}}, logger: zap.New(core)}
 			lw.sendfile = tc.sendfile
-			if lw.sendfile && !lw.OffloadOptions.kernelCanOffload() {
+			if lw.sendfile && !lw.Options.KernelCanOffload() {
 				lw.sendfile, lw.sendfileIdle = false, true // as Provision decides
 			}
 			addr := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 8443}

@@ -19,6 +19,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -206,7 +207,7 @@ func lwSandboxShape(t *testing.T, kernel bool) {
 
 	// The tunnel: a preamble bound to this TLS session, then data both ways.
 	conn := f.dial(t, f.gw.Signer, "sbx-http", up.Addr())
-	dp0 := tunnels.DataPath()
+	dp0 := forwarder.Tunnels().DataPath()
 	n, recvSum, err := transfer(conn, size, 11)
 	if err != nil {
 		t.Fatalf("transfer: %v", err)
@@ -216,7 +217,7 @@ func lwSandboxShape(t *testing.T, kernel bool) {
 	// Which data path moved the tunnel's bytes: splice on kTLS, else copy.
 	// The bytes layer4 read ahead while matching the preamble (at most its
 	// prefetch, flushed to the sandbox first) are counted by neither.
-	dp := tunnels.DataPath()
+	dp := forwarder.Tunnels().DataPath()
 	spliced, copied := dp.SpliceBytes-dp0.SpliceBytes, dp.CopyBytes-dp0.CopyBytes
 	moved, prefetch := 2*size+3, int64(64<<10)
 	if kernel && (spliced < moved-prefetch || spliced > moved || copied != 0) {

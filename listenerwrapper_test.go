@@ -18,6 +18,8 @@ import (
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -332,8 +334,8 @@ func TestListenerWrapperHandshakeTimeout(t *testing.T) {
 	if n != 0 || err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Fatalf("a silent client: read %d bytes, %v after %v; want the server to close", n, err, elapsed)
 	}
-	if elapsed < timeout || elapsed >= defaultHandshakeTimeout {
-		t.Errorf("a silent client was closed after %v; want handshake_timeout %v (default %v)", elapsed, timeout, defaultHandshakeTimeout)
+	if elapsed < timeout || elapsed >= offload.DefaultHandshakeTimeout {
+		t.Errorf("a silent client was closed after %v; want handshake_timeout %v (default %v)", elapsed, timeout, offload.DefaultHandshakeTimeout)
 	}
 	deadline := time.Now().Add(10 * time.Second)
 	for ktls.Stats().Outcomes[ktls.ReasonHandshakeFailed]-before != 1 {
@@ -364,7 +366,7 @@ func TestListenerWrapperHandshakeTimeout(t *testing.T) {
 	if len(failed) != 1 || failed[0]["reason"] != "timeout" || failed[0]["level"] != "debug" {
 		t.Errorf("failed-handshake log lines for the silent client: %v; want one at DEBUG, reason timeout", failed)
 	}
-	series := fmt.Sprintf("caddy_ktls_handshake_failures_total{module=%q,reason=\"timeout\"}", moduleListenerWrapper)
+	series := fmt.Sprintf("caddy_ktls_handshake_failures_total{module=%q,reason=\"timeout\"}", moduleid.ListenerWrapper)
 	if got := parseMetrics(t, adminGet(t, s.adminAddr, "/metrics"))[series] - metrics0[series]; got != 1 {
 		t.Errorf("%s rose by %v, want 1", series, got)
 	}

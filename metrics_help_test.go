@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -15,7 +16,7 @@ import (
 // method that happens to count, such as ReadFrom).
 func TestMetricsHelp(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(metrics, listenerMetrics)
+	reg.MustRegister(caddymetrics.All, listenerMetrics)
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

@@ -17,20 +17,24 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/modules/edgegateway"
 )
 
 // In this package's tests an observation of a series that its metric did
 // not declare panics, so that the test that made it fails (in production it
 // is counted and logged once at ERROR).
-func init() { undeclaredPanics = true }
+func init() { caddymetrics.UndeclaredPanics = true }
 
 // An observation of a series that was not declared is counted all the
 // same, and reported: a panic in tests, one ERROR per series in production.
 func TestUndeclaredSeriesCountedAndReported(t *testing.T) {
-	c := newSeriesCounts("caddy_ktls_test_total", []string{"known"})
-	c.add("known")
+	c := caddymetrics.NewSeriesCounts("caddy_ktls_test_total", []string{"known"})
+	c.Add("known")
 	panicked := func(f func()) (msg string) {
 		defer func() {
 			if r := recover(); r != nil {
@@ -40,20 +44,20 @@ func TestUndeclaredSeriesCountedAndReported(t *testing.T) {
 		f()
 		return ""
 	}
-	msg := panicked(func() { c.add("unknown") })
+	msg := panicked(func() { c.Add("unknown") })
 	if !strings.Contains(msg, "caddy_ktls_test_total") || !strings.Contains(msg, "unknown") {
 		t.Errorf("an undeclared series: panic %q, want one naming the metric and the series", msg)
 	}
-	if got := c.snapshot(); got["known"] != 1 || got["unknown"] != 1 {
+	if got := c.Snapshot(); got["known"] != 1 || got["unknown"] != 1 {
 		t.Errorf("counts %v, want known 1 and unknown 1: an undeclared observation is counted all the same", got)
 	}
 	// Once declared by its first observation, the series is not reported
 	// again.
-	if msg := panicked(func() { c.add("unknown") }); msg != "" || c.snapshot()["unknown"] != 2 {
-		t.Errorf("second observation: panic %q, count %d; want no panic and 2", msg, c.snapshot()["unknown"])
+	if msg := panicked(func() { c.Add("unknown") }); msg != "" || c.Snapshot()["unknown"] != 2 {
+		t.Errorf("second observation: panic %q, count %d; want no panic and 2", msg, c.Snapshot()["unknown"])
 	}
 
-	f := newCounterFamily(prometheus.CounterOpts{Name: "caddy_ktls_test_family_total", Help: "test"}, []string{"module", "result"},
+	f := caddymetrics.NewCounterFamily(prometheus.CounterOpts{Name: "caddy_ktls_test_family_total", Help: "test"}, []string{"module", "result"},
 		[]string{"a"}, []string{"ok", "failed"})
 	if msg := panicked(func() { f.WithLabelValues("a", "failed").Inc() }); msg != "" {
 		t.Errorf("a declared series panicked: %s", msg)
@@ -61,7 +65,7 @@ func TestUndeclaredSeriesCountedAndReported(t *testing.T) {
 	if msg := panicked(func() { f.WithLabelValues("b", "ok").Inc() }); !strings.Contains(msg, "b,ok") {
 		t.Errorf("an undeclared counterFamily series: panic %q, want one naming b,ok", msg)
 	}
-	h := newHistogramFamily(prometheus.HistogramOpts{Name: "caddy_ktls_test_seconds", Help: "test"}, []string{"module"}, []string{"a"})
+	h := caddymetrics.NewHistogramFamily(prometheus.HistogramOpts{Name: "caddy_ktls_test_seconds", Help: "test"}, []string{"module"}, []string{"a"})
 	if msg := panicked(func() { h.WithLabelValues("c").Observe(1) }); !strings.Contains(msg, "caddy_ktls_test_seconds") {
 		t.Errorf("an undeclared histogramFamily series: panic %q", msg)
 	}
@@ -69,7 +73,7 @@ func TestUndeclaredSeriesCountedAndReported(t *testing.T) {
 	// Production: one ERROR per series, however often it is observed.
 	core, logs := observer.New(zapcore.DebugLevel)
 	for range 3 {
-		logUndeclared(zap.New(core), "caddy_ktls_test_total", "{module:x}")
+		caddymetrics.LogUndeclared(zap.New(core), "caddy_ktls_test_total", "{module:x}")
 	}
 	if entries := logs.All(); len(entries) != 1 || entries[0].Level != zapcore.ErrorLevel ||
 		entries[0].ContextMap()["metric"] != "caddy_ktls_test_total" || entries[0].ContextMap()["series"] != "{module:x}" {
@@ -83,61 +87,61 @@ func TestUndeclaredSeriesCountedAndReported(t *testing.T) {
 // accepts them, the dials and ends of every gateway module, the lookups of
 // every lookup module. Each moves its series by exactly one.
 func TestEveryObservationLands(t *testing.T) {
-	for _, m := range engineModules {
+	for _, m := range moduleid.Engine {
 		for _, r := range ktls.Reasons() {
-			before := handshakeOutcomes.snapshot()[outcomeKey{m, r}]
-			observeHandshake(m, ktls.Event{Kind: ktls.EventHandshake, Offload: ktls.Offload{Reason: r}, Duration: time.Millisecond})
-			if got := handshakeOutcomes.snapshot()[outcomeKey{m, r}] - before; got != 1 {
+			before := offload.HandshakeOutcomes.Snapshot()[offload.OutcomeKey{Module: m, Reason: r}]
+			offload.ObserveHandshake(m, ktls.Event{Kind: ktls.EventHandshake, Offload: ktls.Offload{Reason: r}, Duration: time.Millisecond})
+			if got := offload.HandshakeOutcomes.Snapshot()[offload.OutcomeKey{Module: m, Reason: r}] - before; got != 1 {
 				t.Errorf("caddy_ktls_handshakes_total{module=%q,reason=%q} moved by %d, want 1", m, r, got)
 			}
 		}
-		for _, ev := range closeEvents {
-			before := connCloses.snapshot()[closeKey{m, ev}]
-			countClose(m, ev)
-			if got := connCloses.snapshot()[closeKey{m, ev}] - before; got != 1 {
+		for _, ev := range offload.CloseEvents {
+			before := offload.ConnCloses.Snapshot()[offload.CloseKey{Module: m, Event: ev}]
+			offload.CountClose(m, ev)
+			if got := offload.ConnCloses.Snapshot()[offload.CloseKey{Module: m, Event: ev}] - before; got != 1 {
 				t.Errorf("caddy_ktls_connections_closed_total{module=%q,event=%q} moved by %d, want 1", m, ev, got)
 			}
 		}
 	}
-	for _, m := range serverModules {
-		f := newHandshakeFailureLog(m, zap.NewNop())
-		for _, reason := range handshakeFailureReasons {
-			before := handshakeFails.snapshot()[failKey{m, reason}]
-			handshakeFails.add(failKey{m, reason})
-			if got := handshakeFails.snapshot()[failKey{m, reason}] - before; got != 1 {
+	for _, m := range moduleid.Server {
+		f := offload.NewHandshakeFailureLog(m, zap.NewNop())
+		for _, reason := range offload.HandshakeFailureReasons {
+			before := offload.HandshakeFails.Snapshot()[offload.FailKey{Module: m, Reason: reason}]
+			offload.HandshakeFails.Add(offload.FailKey{Module: m, Reason: reason})
+			if got := offload.HandshakeFails.Snapshot()[offload.FailKey{Module: m, Reason: reason}] - before; got != 1 {
 				t.Errorf("caddy_ktls_handshake_failures_total{module=%q,reason=%q} moved by %d, want 1", m, reason, got)
 			}
 		}
-		before := handshakeFails.snapshot()[failKey{m, "closed"}]
-		f.record(ktls.Event{Kind: ktls.EventHandshake, Offload: ktls.Offload{Reason: ktls.ReasonHandshakeFailed}, Err: io.EOF})
-		if got := handshakeFails.snapshot()[failKey{m, "closed"}] - before; got != 1 {
+		before := offload.HandshakeFails.Snapshot()[offload.FailKey{Module: m, Reason: "closed"}]
+		f.Record(ktls.Event{Kind: ktls.EventHandshake, Offload: ktls.Offload{Reason: ktls.ReasonHandshakeFailed}, Err: io.EOF})
+		if got := offload.HandshakeFails.Snapshot()[offload.FailKey{Module: m, Reason: "closed"}] - before; got != 1 {
 			t.Errorf("%s: a failed handshake (EOF) moved its closed series by %d, want 1", m, got)
 		}
 	}
-	for _, m := range gatewayModules {
-		for _, r := range gatewayDialResults {
-			gatewayDials.WithLabelValues(m, r).Inc()
+	for _, m := range moduleid.Gateway {
+		for _, r := range edgegateway.GatewayDialResults {
+			edgegateway.GatewayDials.WithLabelValues(m, r).Inc()
 		}
-		gatewayResumed.WithLabelValues(m).Inc()
+		edgegateway.GatewayResumed.WithLabelValues(m).Inc()
 	}
-	for _, m := range lookupModules {
-		for _, r := range lookupResults() {
-			gatewayLookups.WithLabelValues(m, r).Inc()
+	for _, m := range moduleid.Lookup {
+		for _, r := range edgegateway.LookupResults() {
+			edgegateway.GatewayLookups.WithLabelValues(m, r).Inc()
 		}
 	}
 	// Every family the collector has says which modules move it, and every
 	// module that registers metrics is in the tables.
 	ch := make(chan *prometheus.Desc, 256)
-	metrics.Describe(ch)
+	caddymetrics.All.Describe(ch)
 	close(ch)
 	for d := range ch {
-		if len(metrics.movers[d]) == 0 {
+		if len(caddymetrics.MovedBy(d)) == 0 {
 			t.Errorf("%s: no module is declared to move it; no configuration would export it", d)
 		}
 	}
-	for _, m := range []string{moduleListenerWrapper, moduleL4Handler, moduleSandboxHandler, moduleSandboxProxy, moduleSandboxTransport,
-		moduleSandboxLookupHTTP, moduleSandboxLookupL4} {
-		if !slices.Contains(anyModule, m) {
+	for _, m := range []string{moduleid.ListenerWrapper, moduleid.L4Handler, moduleid.SandboxHandler, moduleid.SandboxProxy, moduleid.SandboxTransport,
+		moduleid.SandboxLookupHTTP, moduleid.SandboxLookupL4} {
+		if !slices.Contains(moduleid.Any, m) {
 			t.Errorf("%s registers metrics but is in no table", m)
 		}
 	}
@@ -182,12 +186,12 @@ func metricsPerModule(t *testing.T, kernel bool) {
 	checkExports(t, "gateway", gwMetrics(),
 		[]string{"caddy_ktls_gateway_dials_total", "caddy_ktls_gateway_relay_bytes_total", "caddy_ktls_handshakes_total",
 			"caddy_ktls_http_body_writes_total", "caddy_ktls_kernel_support", "caddy_ktls_accept_retries_total"},
-		[]string{moduleL4Handler, moduleListenerWrapper, moduleSandboxProxy, moduleSandboxTransport},
+		[]string{moduleid.L4Handler, moduleid.ListenerWrapper, moduleid.SandboxProxy, moduleid.SandboxTransport},
 		[]string{"caddy_ktls_sandbox_", "caddy_ktls_relay_", "caddy_ktls_activity_reports_total", "caddy_ktls_gateway_lookup"})
 	checkExports(t, "forwarder", fwdMetrics(),
 		[]string{"caddy_ktls_sandbox_tunnels_total", "caddy_ktls_sandbox_rejects_total", "caddy_ktls_relay_bytes_total", "caddy_ktls_handshakes_total",
 			"caddy_ktls_kernel_support", "caddy_ktls_accept_retries_total"},
-		[]string{moduleL4Handler},
+		[]string{moduleid.L4Handler},
 		[]string{"caddy_ktls_gateway_", "caddy_ktls_http_body_"})
 
 	// One HTTPS request: the user's handshake through the listener
@@ -233,13 +237,13 @@ func metricsPerModule(t *testing.T, kernel bool) {
 	}
 	want := map[string]map[string]float64{
 		"gateway": {
-			handshakes(moduleListenerWrapper): 1, durations(moduleListenerWrapper): 1,
-			handshakes(moduleSandboxTransport): 1, durations(moduleSandboxTransport): 1,
-			handshakes(moduleL4Handler): 1, durations(moduleL4Handler): 1,
-			handshakes(moduleSandboxProxy): 1, durations(moduleSandboxProxy): 1,
+			handshakes(moduleid.ListenerWrapper): 1, durations(moduleid.ListenerWrapper): 1,
+			handshakes(moduleid.SandboxTransport): 1, durations(moduleid.SandboxTransport): 1,
+			handshakes(moduleid.L4Handler): 1, durations(moduleid.L4Handler): 1,
+			handshakes(moduleid.SandboxProxy): 1, durations(moduleid.SandboxProxy): 1,
 		},
 		// The two tunnels' handshakes, the transport's and sandbox_proxy's.
-		"forwarder": {handshakes(moduleL4Handler): 2, durations(moduleL4Handler): 2},
+		"forwarder": {handshakes(moduleid.L4Handler): 2, durations(moduleid.L4Handler): 2},
 	}
 	scrape := map[string]func() map[string]float64{"gateway": gwMetrics, "forwarder": fwdMetrics}
 	for proc, series := range want {

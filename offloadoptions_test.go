@@ -1,21 +1,17 @@
 package caddyktls
 
 import (
-	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
-	"net"
-	"os"
-	"slices"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
@@ -56,7 +52,7 @@ func l4FallbackRefuse(t *testing.T, kernel bool) {
 		wantReason = ktls.ReasonCipher
 	}
 	e.start(t)
-	if n, want := len(e.logLines(t, refuseAllWarning)), map[bool]int{false: 1, true: 0}[kernel]; n != want {
+	if n, want := len(e.logLines(t, offload.RefuseAllWarning)), map[bool]int{false: 1, true: 0}[kernel]; n != want {
 		t.Errorf("%d load WARNs that every connection will be refused, want %d", n, want)
 	}
 	refused := `caddy_ktls_connections_closed_total{event="refused",module="layer4.handlers.ktls"}`
@@ -102,7 +98,7 @@ func TestListenerWrapperFallbackRefuse(t *testing.T) {
 	s := lwStart(t, &lwSite{wrapper: map[string]any{"require_offload": true}, refusesAll: true})
 	// One per TLS listener: the site's HTTPS listener, not its HTTP one
 	// (whose plain connections are not refused).
-	if n := len(jsonLogLines(t, s.logFile, refuseAllWarning)); n != 1 {
+	if n := len(jsonLogLines(t, s.logFile, offload.RefuseAllWarning)); n != 1 {
 		t.Errorf("%d load WARNs that every connection will be refused, want 1 (the HTTPS listener's)", n)
 	}
 	refused := `caddy_ktls_connections_closed_total{event="refused",module="caddy.listeners.ktls"}`
@@ -130,33 +126,5 @@ func TestListenerWrapperFallbackRefuse(t *testing.T) {
 	after := parseMetrics(t, adminGet(t, s.adminAddr, "/metrics"))
 	if got := after[refused] - before[refused]; got != conns {
 		t.Errorf("%s rose by %v, want %d", refused, got, conns)
-	}
-}
-
-// TestHandshakeFailureReason: each way a peer can fail a handshake has its
-// reason, whatever wraps the error.
-func TestHandshakeFailureReason(t *testing.T) {
-	op := func(err error) error { return &net.OpError{Op: "read", Net: "tcp", Err: err} }
-	for _, tc := range []struct {
-		err  error
-		want string
-	}{
-		{tls.RecordHeaderError{Msg: "first record does not look like a TLS handshake"}, "not-tls"},
-		{fmt.Errorf("ktls: %w", errors.New("tls: client didn't provide a certificate")), "no-client-certificate"},
-		{&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, "untrusted-certificate"},
-		{errors.New("client leaf certificate failed validation"), "certificate-not-allowed"},
-		{fmt.Errorf("ktls: %w", errors.New("no certificate available for 'nosuch.example'")), "unknown-server-name"},
-		{context.DeadlineExceeded, "timeout"},
-		{op(os.ErrDeadlineExceeded), "timeout"},
-		{io.EOF, "closed"},
-		{op(os.NewSyscallError("read", syscall.ECONNRESET)), "closed"},
-		{errors.New("tls: no cipher suite supported by both client and server"), "other"},
-	} {
-		if got := handshakeFailureReason(tc.err); got != tc.want {
-			t.Errorf("%v: reason %q, want %q", tc.err, got, tc.want)
-		}
-		if !slices.Contains(handshakeFailureReasons, tc.want) {
-			t.Errorf("reason %q is not in handshakeFailureReasons (no metric series)", tc.want)
-		}
 	}
 }

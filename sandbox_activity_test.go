@@ -10,8 +10,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // The handler emits sandbox_tunnel_opened and sandbox_tunnel_closed Caddy
@@ -137,5 +140,49 @@ func TestSandboxActivityPushEmptyPlaceholder(t *testing.T) {
 	if l["level"] != "warn" || l["header"] != "Authorization" || l["placeholder"] != "{env.KTLS_TEST_EMPTY_TOKEN}" ||
 		!strings.Contains(fmt.Sprint(l["fix"]), "set KTLS_TEST_EMPTY_TOKEN") {
 		t.Errorf("log line %v: want a WARN naming the header, the placeholder and the variable to set", l)
+	}
+}
+
+// TestSandboxActivityPushDropLogged: reports a control plane refuses are
+// dropped after their attempts, counted, and logged, the first at once,
+// with the control plane's answer; the drops before the configuration
+// unloads are logged then, none left unsaid.
+func TestSandboxActivityPushDropLogged(t *testing.T) {
+	var mu sync.Mutex
+	posts := 0
+	push := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		posts++
+		mu.Unlock()
+		w.Header().Set("Connection", "close")
+		http.Error(w, "tenant over quota", http.StatusTooManyRequests)
+	}))
+	t.Cleanup(push.Close)
+	e := newSandboxEnv(t, map[string]any{"activity_push": map[string]any{"url": push.URL, "interval": "50ms", "attempts": 2, "backoff": "10ms"}})
+	d0 := forwarder.ActivityReports().Dropped
+	up := forwardtest.NewUpstream(t, 10)
+	sandbox := uniqueSandbox("sbx-drop")
+	c := e.dial(t, sandbox, up.Addr())
+	defer c.Close()
+	line := e.waitLogLine(t, forwarder.PushDropMsg, 0)
+	answer := fmt.Sprintf(`activity pusher: %s answered 429 Too Many Requests: "tenant over quota"`, push.URL)
+	if line["level"] != "warn" || line["logger"] != moduleid.SandboxHandler || line["first"] != true || line["url"] != push.URL ||
+		line["last_reason"] != "attempts" || line["last_attempts"] != float64(2) || line["last_answer"] != answer ||
+		!strings.Contains(fmt.Sprint(line["last_report"]), "/") {
+		t.Errorf("first drop line %v: want a WARN of the sandbox handler, first, the URL, 2 attempts and the answer %q", line, answer)
+	}
+	waitUntil(t, 10*time.Second, func() bool { return forwarder.ActivityReports().Dropped-d0 >= 2 }, "a second drop")
+	c.Close()
+	if err := caddy.Load([]byte(unloadConfig), true); err != nil {
+		t.Fatal(err)
+	}
+	// Every drop counted is in a line: the first, and the rest by the
+	// summary or at the stop.
+	var logged int64
+	for _, l := range e.logLines(t, forwarder.PushDropMsg) {
+		logged += int64(l["dropped"].(float64))
+	}
+	if total := forwarder.ActivityReports().Dropped - d0; uint64(logged) != total || total < 2 {
+		t.Errorf("%d drops logged, %d counted: want every drop counted in a line", logged, total)
 	}
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 var updateSandboxGolden = flag.Bool("update-sandbox-golden", false, "rewrite the expected JSON of testdata/caddyfile_adapt/sandbox_*.caddytest")
@@ -200,10 +201,10 @@ func TestSandboxNeedsTLSHandlerBefore(t *testing.T) {
 			// Each verdict came from reading the route, not from giving up,
 			// unless the route is unreadable.
 			unreadable := strings.HasPrefix(tc.name, "unreadable")
-			if n := len((&sandboxEnv{logFile: logFile}).logLines(t, routeNotVisibleWarning)); (n == 1) != unreadable || n > 1 {
+			if n := len((&sandboxEnv{logFile: logFile}).logLines(t, forwarder.RouteNotVisibleWarning)); (n == 1) != unreadable || n > 1 {
 				t.Errorf("%d handlers could not read their route, want %d", n, map[bool]int{true: 1}[unreadable])
 			}
-			if n := len((&sandboxEnv{logFile: logFile}).logLines(t, insecurePlaintextWarning)); (n > 0) != (tc.name == "insecure_plaintext") {
+			if n := len((&sandboxEnv{logFile: logFile}).logLines(t, forwarder.InsecurePlaintextWarning)); (n > 0) != (tc.name == "insecure_plaintext") {
 				t.Errorf("%d insecure_plaintext warnings", n)
 			}
 		})
@@ -264,7 +265,7 @@ func TestSandboxMatcherPlacement(t *testing.T) {
 			case tc.errWant != "" && (err == nil || !strings.Contains(err.Error(), tc.errWant)):
 				t.Fatalf("error %v; want one saying %q", err, tc.errWant)
 			}
-			lines := (&sandboxEnv{logFile: logFile}).logLines(t, sandboxMatcherWarning)
+			lines := (&sandboxEnv{logFile: logFile}).logLines(t, forwarder.SandboxMatcherWarning)
 			switch {
 			case tc.warned == "" && len(lines) != 0:
 				t.Errorf("warned %d times: %v", len(lines), lines)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // Under client_auth verify_if_given a connection without a certificate
@@ -32,7 +33,7 @@ func TestSandboxAnonymousRejectSummary(t *testing.T) {
 	}
 	e.start(t)
 	forwardtest.CheckLeaks(t)
-	metrics0, before := e.metrics(t), tunnels.Rejections()[reason]
+	metrics0, before := e.metrics(t), forwarder.Tunnels().Rejections()[reason]
 	for i := range n {
 		c, err := tls.Dial("tcp", e.addr, e.tlsConfig(nil))
 		if err != nil {
@@ -52,7 +53,7 @@ func TestSandboxAnonymousRejectSummary(t *testing.T) {
 			t.Errorf("log line %v, want DEBUG with reason %s and the peer", l, reason)
 		}
 	}
-	w := e.logLines(t, anonymousRejectSummary)
+	w := e.logLines(t, forwarder.AnonymousRejectSummary)
 	if len(w) != 1 || w[0]["level"] != "warn" || w[0]["first"] != true || w[0][reason] != 1.0 ||
 		w[0]["details"] != `each at DEBUG ("sandbox tunnel rejected"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them` {
 		t.Errorf("summaries %v, want one WARN, at the first refusal", w)

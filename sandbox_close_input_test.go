@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // adminRequest sends method path to the env's admin endpoint with
@@ -130,9 +131,9 @@ func TestSandboxCloseRefusalsFull(t *testing.T) {
 	const fill = 2 * time.Second
 	until := time.Now().Add(fill)
 	var held string
-	for i := range forward.MaxRefusals - len(tunnels.Refusals()) {
+	for i := range forward.MaxRefusals - len(forwarder.Tunnels().Refusals()) {
 		held = fmt.Sprintf("sbx-fill-%d", i)
-		if _, err := tunnels.Close(forward.CloseRequest{Sandbox: held, RefuseFor: fill}); err != nil {
+		if _, err := forwarder.Tunnels().Close(forward.CloseRequest{Sandbox: held, RefuseFor: fill}); err != nil {
 			t.Fatal(err)
 		}
 	}

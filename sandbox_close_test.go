@@ -17,6 +17,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // adminPost POSTs body to path on the env's admin endpoint and returns the
@@ -39,13 +40,13 @@ func (e *sandboxEnv) adminPost(t testing.TB, method, path, body string) (int, []
 }
 
 // closeTunnels POSTs a close request and decodes its 200 answer.
-func (e *sandboxEnv) closeTunnels(t testing.TB, body string) CloseResponse {
+func (e *sandboxEnv) closeTunnels(t testing.TB, body string) forwarder.CloseResponse {
 	t.Helper()
 	status, b := e.adminPost(t, http.MethodPost, "/sandbox/close", body)
 	if status != http.StatusOK {
 		t.Fatalf("POST /sandbox/close %s: %d %s", body, status, b)
 	}
-	var res CloseResponse
+	var res forwarder.CloseResponse
 	if err := json.Unmarshal(b, &res); err != nil {
 		t.Fatalf("POST /sandbox/close: %s: %v", b, err)
 	}
@@ -89,7 +90,7 @@ func (r *tunnelReader) waitFailed(t *testing.T, kernel bool, what string) {
 // idsOf returns the IDs of sandbox's open tunnels.
 func idsOf(sandbox string) []uint64 {
 	var ids []uint64
-	for _, ti := range tunnels.Tunnels() {
+	for _, ti := range forwarder.Tunnels().Tunnels() {
 		if ti.Sandbox == sandbox {
 			ids = append(ids, ti.ID)
 		}
@@ -153,12 +154,12 @@ func sandboxCloseFail(t *testing.T, kernel bool) {
 	// The refusal holds across a reload.
 	e.sandboxHandler()["preamble_timeout"] = "4s"
 	e.postLoad(t)
-	var act ActivityResponse
+	var act forwarder.ActivityResponse
 	e.adminGet(t, "/sandbox/activity", &act)
 	if i := slices.IndexFunc(act.Refusing, func(r forward.Refusal) bool { return r.Sandbox == sbA }); i < 0 || !act.Refusing[i].Until.Equal(*res.RefusingUntil) {
 		t.Errorf("GET /sandbox/activity refusing %v, want %s until %v", act.Refusing, sbA, res.RefusingUntil)
 	}
-	rejected0 := tunnels.Rejections()[string(forward.ReasonSandboxClosed)]
+	rejected0 := forwarder.Tunnels().Rejections()[string(forward.ReasonSandboxClosed)]
 	refusedUp := forwardtest.NewUpstream(t, 10)
 	c := e.dial(t, sbA, refusedUp.Addr())
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
@@ -296,7 +297,7 @@ func TestSandboxCloseCertificate(t *testing.T) {
 	kept, gone, gone2 := readTunnel(keptConn), readTunnel(goneConn), readTunnel(goneConn2)
 	waitUntil(t, 10*time.Second, func() bool { return kept.n.Load() > 0 && gone.n.Load() > 0 && gone2.n.Load() > 0 }, "all three tunnels to move bytes")
 	var want []uint64
-	for _, ti := range tunnels.Tunnels() {
+	for _, ti := range forwarder.Tunnels().Tunnels() {
 		if ti.Certificate == "CN=gateway-2" {
 			want = append(want, ti.ID)
 		}
@@ -372,8 +373,8 @@ func TestSandboxCloseBadRequests(t *testing.T) {
 	}
 	at := r.n.Load()
 	waitUntil(t, 10*time.Second, func() bool { return r.n.Load() > at }, "the tunnel to keep moving")
-	if len(idsOf(sb)) != 1 || len(tunnels.Refusals()) != 0 && slices.ContainsFunc(tunnels.Refusals(), func(x forward.Refusal) bool { return x.Sandbox == sb }) {
-		t.Errorf("a refused request ended or refused something: tunnels %v, refusing %v", idsOf(sb), tunnels.Refusals())
+	if len(idsOf(sb)) != 1 || len(forwarder.Tunnels().Refusals()) != 0 && slices.ContainsFunc(forwarder.Tunnels().Refusals(), func(x forward.Refusal) bool { return x.Sandbox == sb }) {
+		t.Errorf("a refused request ended or refused something: tunnels %v, refusing %v", idsOf(sb), forwarder.Tunnels().Refusals())
 	}
 	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{
 		"caddy_ktls_sandbox_tunnels_closed_total":                  0,

@@ -16,6 +16,9 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/cli"
+	"github.com/ktlsingress/caddy-ktls/modules/edgegateway"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -53,7 +56,7 @@ func TestSandboxIDCaseIsOneSandbox(t *testing.T) {
 	e := newGatewayEnvFull(t, map[string]any{"max_tunnels_per_sandbox": 2, "activity_push": map[string]any{"url": push.URL, "interval": "50ms"}},
 		map[string]any{"target": up.Addr().String()})
 	forwardtest.CheckLeaks(t)
-	before := tunnels.Rejections()[string(forward.ReasonTunnelLimit)]
+	before := forwarder.Tunnels().Rejections()[string(forward.ReasonTunnelLimit)]
 	held := []*tls.Conn{e.userDial(t, upper), e.userDial(t, sandbox)}
 	waitUntil(t, 10*time.Second, func() bool { return up.Accepted() == 2 }, "both tunnels to be dialed")
 	var open []forward.TunnelInfo
@@ -141,7 +144,7 @@ func TestSandboxIDCaseClose(t *testing.T) {
 	if _, err := userEnded(t, held, 0); err == nil {
 		t.Error("the closed tunnel's user saw no failure")
 	}
-	var act ActivityResponse
+	var act forwarder.ActivityResponse
 	e.adminGet(t, "/sandbox/activity", &act)
 	var refused []string
 	for _, r := range act.Refusing {
@@ -153,7 +156,7 @@ func TestSandboxIDCaseClose(t *testing.T) {
 		t.Errorf("GET /sandbox/activity refusing %v, want %s", refused, sandbox)
 	}
 
-	before := tunnels.Rejections()[string(forward.ReasonSandboxClosed)]
+	before := forwarder.Tunnels().Rejections()[string(forward.ReasonSandboxClosed)]
 	logged := len(e.logLines(t, rejectedMsg))
 	mixed := "Sbx" + strings.ToUpper(sandbox[3:])
 	if n, _ := userEnded(t, e.userDial(t, mixed), 0); n != 0 {
@@ -282,7 +285,7 @@ func TestSandboxSignSandboxIDCase(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, err := runSandbox(t, strings.NewReader(hexFrame), "verify", "--keyring", keyring)
-	var got verifiedClaims
+	var got cli.VerifiedClaims
 	if err != nil || json.Unmarshal([]byte(out), &got) != nil || got.SandboxID != "sbx-case.1" {
 		t.Errorf("verify of the frame signed for SBX-Case.1: %q, %v; want sandbox_id sbx-case.1", out, err)
 	}
@@ -304,9 +307,9 @@ func TestSandboxOptionLiteral(t *testing.T) {
 		module string
 		v      interface{ Validate() error }
 	}{
-		{"sandbox_proxy", &SandboxProxy{Forwarder: "f:1", Sandbox: "..", Target: "10.0.0.1:1"}},
-		{"sandbox transport", &SandboxTransport{Sandbox: ".a", Target: "10.0.0.1:1"}},
-		{"sandbox_lookup", &LookupOptions{Sandbox: ".", URL: "http://cp/{sandbox}"}},
+		{"sandbox_proxy", &edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "..", Target: "10.0.0.1:1"}},
+		{"sandbox transport", &edgegateway.SandboxTransport{Sandbox: ".a", Target: "10.0.0.1:1"}},
+		{"sandbox_lookup", &edgegateway.LookupOptions{Sandbox: ".", URL: "http://cp/{sandbox}"}},
 	} {
 		err := tc.v.Validate()
 		if err == nil || !strings.HasPrefix(err.Error(), tc.module+": `sandbox`: sandbox ID ") ||
@@ -314,8 +317,8 @@ func TestSandboxOptionLiteral(t *testing.T) {
 			t.Errorf("%s with a literal dot ID: %v; want the rule and the fix", tc.module, err)
 		}
 	}
-	for _, v := range []interface{ Validate() error }{&SandboxProxy{Forwarder: "f:1", Sandbox: "{l4.tls.server_name.labels.2}", Target: "10.0.0.1:1"},
-		&LookupOptions{Sandbox: "SBX-1", URL: "http://cp/{sandbox}"}} {
+	for _, v := range []interface{ Validate() error }{&edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "{l4.tls.server_name.labels.2}", Target: "10.0.0.1:1"},
+		&edgegateway.LookupOptions{Sandbox: "SBX-1", URL: "http://cp/{sandbox}"}} {
 		if err := v.Validate(); err != nil && strings.Contains(err.Error(), "`sandbox`") {
 			t.Errorf("%T: %v; a placeholder or an uppercase ID is no load error", v, err)
 		}

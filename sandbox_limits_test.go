@@ -15,6 +15,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
@@ -280,7 +281,7 @@ func sandboxTunnelLimit(t *testing.T, kernel bool) {
 	sandbox, other := uniqueSandbox("sbx-limit"), uniqueSandbox("sbx-limit-other")
 	e := newSandboxEnv(t, map[string]any{"max_tunnels_per_sandbox": 2})
 	forwardtest.CheckLeaks(t)
-	before := tunnels.Rejections()[string(forward.ReasonTunnelLimit)]
+	before := forwarder.Tunnels().Rejections()[string(forward.ReasonTunnelLimit)]
 	metrics0 := e.metrics(t)
 	held := []*tls.Conn{e.dial(t, sandbox, up.Addr()), e.dial(t, sandbox, up.Addr())}
 	waitUntil(t, 10*time.Second, func() bool { return up.Accepted() == 2 }, "both tunnels to be dialed")
@@ -336,7 +337,7 @@ func sandboxTunnelLifetime(t *testing.T, kernel bool) {
 	target := tricklingUpstream(t, 1<<10, 20*time.Millisecond)
 	e := newSandboxEnv(t, map[string]any{"max_tunnel_lifetime": lifetime.String()})
 	forwardtest.CheckLeaks(t)
-	expired := tunnels.Expired()
+	expired := forwarder.Tunnels().Expired()
 	metrics0 := e.metrics(t)
 	// The lifetime starts when the forwarder opens the tunnel, which can be
 	// before the gateway's dial returns: the tunnel cannot end earlier than
@@ -356,7 +357,7 @@ func sandboxTunnelLifetime(t *testing.T, kernel bool) {
 		t.Errorf("log line %v, want the lifetime named as the end of %s's tunnel", l, gatewaySubject)
 	}
 	waitIdle(t)
-	if got := tunnels.Expired() - expired; got != 1 {
+	if got := forwarder.Tunnels().Expired() - expired; got != 1 {
 		t.Errorf("%d tunnels counted as expired, want 1", got)
 	}
 	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{"caddy_ktls_sandbox_tunnels_expired_total": 1})

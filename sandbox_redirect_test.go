@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // cpRedirect is a control plane that answers every request with a 307 to
@@ -101,7 +102,7 @@ func TestControlPlaneRedirectsRefused(t *testing.T) {
 			t.Errorf("%d attempts redirected (want at least 2), %d reports sent (want 0); the control plane got %d POSTs, the redirect's target %d (want 0)",
 				redirected, sent, p.asked.Load(), p.stolen.Load())
 		}
-		l := e.waitLogLine(t, pushDropMsg, 0)
+		l := e.waitLogLine(t, forwarder.PushDropMsg, 0)
 		if !strings.Contains(fmt.Sprint(l["last_answer"]), p.redirectError(url)) {
 			t.Errorf("drop log line %v, want the redirect named as the last answer", l)
 		}

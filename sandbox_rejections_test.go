@@ -22,9 +22,12 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -57,7 +60,7 @@ func sandboxSlowlorisPreambles(t *testing.T, kernel bool) {
 	up := forwardtest.NewUpstream(t, size+3)
 	e := newSandboxEnv(t, map[string]any{"preamble_timeout": "2s"})
 	forwardtest.CheckLeaks(t)
-	before := tunnels.Rejections()["timeout"]
+	before := forwarder.Tunnels().Rejections()["timeout"]
 	since := dataPathDelta(t, kernel)
 
 	frame := e.gw.Frame(t, "sbx-slow", up.Addr())
@@ -216,7 +219,7 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 			if l["level"] != "debug" || l["remote"] == "" || l["reason"] != tc.reason {
 				t.Errorf("log line %v: want DEBUG, the peer and reason %q", l, tc.reason)
 			}
-			series := fmt.Sprintf("caddy_ktls_handshake_failures_total{module=%q,reason=%q}", moduleL4Handler, tc.reason)
+			series := fmt.Sprintf("caddy_ktls_handshake_failures_total{module=%q,reason=%q}", moduleid.L4Handler, tc.reason)
 			checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{series: 1})
 		})
 	}
@@ -224,7 +227,7 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 		t.Errorf("%d caddy-l4 ERROR lines for failed handshakes, want none", n)
 	}
 	// The failures within a minute share one WARN summary: the first.
-	if w := e.logLines(t, handshakeFailureSummary); len(w) != 1 || w[0]["level"] != "warn" || w[0]["not-tls"] != float64(1) {
+	if w := e.logLines(t, offload.HandshakeFailureSummary); len(w) != 1 || w[0]["level"] != "warn" || w[0]["not-tls"] != float64(1) {
 		t.Errorf("summaries %v: want one WARN, at the first failure (not-tls: 1)", w)
 	}
 	if up.Accepted() != 0 {
@@ -234,7 +237,7 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 		t.Errorf("%d refused peers reached the preamble parser", n)
 	}
 	metrics := string(e.adminBody(t, "/metrics"))
-	l4Failed := handshakeOutcomes.snapshot()[outcomeKey{moduleL4Handler, ktls.ReasonHandshakeFailed}]
+	l4Failed := offload.HandshakeOutcomes.Snapshot()[offload.OutcomeKey{Module: moduleid.L4Handler, Reason: ktls.ReasonHandshakeFailed}]
 	if line := fmt.Sprintf("%s %d\n", handshakeSeries(ktls.ReasonHandshakeFailed), l4Failed); !strings.Contains(metrics, line) {
 		t.Errorf("/metrics lacks %q", line)
 	}
@@ -440,7 +443,7 @@ func sandboxRejections(t *testing.T, kernel bool) {
 			name += "-" + tc.what
 		}
 		t.Run(name, func(t *testing.T) {
-			before := tunnels.Rejections()[tc.reason]
+			before := forwarder.Tunnels().Rejections()[tc.reason]
 			logged := len(e.logLines(t, rejectedMsg))
 			pipelinedWriteErr = nil
 			c := tc.open(t)
@@ -483,7 +486,7 @@ func sandboxRejections(t *testing.T, kernel bool) {
 	}
 	// Prometheus, through the admin endpoint: every reason has a series
 	// from the start, and each rose by its refusals.
-	for _, r := range rejectReasons() {
+	for _, r := range forwarder.RejectReasons() {
 		if _, ok := metrics0[rejectSeries(r)]; !ok {
 			t.Errorf("/metrics has no series %s before any refusal for it", rejectSeries(r))
 		}
@@ -571,7 +574,7 @@ func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			tc.configure(t)
-			before := tunnels.Rejections()[reason]
+			before := forwarder.Tunnels().Rejections()[reason]
 			logged := len(e.logLines(t, rejectedMsg))
 			c, err := tls.Dial("tcp", e.addr, e.tlsConfig(e.client))
 			if err != nil {
@@ -618,7 +621,7 @@ func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
 	}
 	// Each case runs under a configuration of its own: each summary is
 	// its configuration's first.
-	if w := e.logLines(t, anonymousRejectSummary); len(w) != len(cases) || w[0]["level"] != "warn" || w[0]["first"] != true || w[0][reason] != 1.0 {
+	if w := e.logLines(t, forwarder.AnonymousRejectSummary); len(w) != len(cases) || w[0]["level"] != "warn" || w[0]["first"] != true || w[0][reason] != 1.0 {
 		t.Errorf("summaries %v, want %d WARNs, each the first of its configuration with %s 1", w, len(cases), reason)
 	}
 	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{rejectSeries(reason): int64(len(cases))})
@@ -635,7 +638,7 @@ func TestSandboxInsecurePlaintext(t *testing.T) {
 	route["handle"] = []any{e.sandboxHandler()} // no TLS handler
 	e.start(t)
 	forwardtest.CheckLeaks(t)
-	rejected := tunnels.Rejections()
+	rejected := forwarder.Tunnels().Rejections()
 
 	c, err := net.Dial("tcp", e.addr)
 	if err != nil {
@@ -650,12 +653,12 @@ func TestSandboxInsecurePlaintext(t *testing.T) {
 		t.Fatalf("plaintext tunnel: %v", err)
 	}
 	checkTunnelTransfer(t, up, size, seed, n, recvSum)
-	if now := tunnels.Rejections(); !maps.Equal(now, rejected) {
+	if now := forwarder.Tunnels().Rejections(); !maps.Equal(now, rejected) {
 		t.Errorf("rejections changed from %v to %v", rejected, now)
 	}
 	checkWarned := func(loads int) {
 		t.Helper()
-		lines := e.logLines(t, insecurePlaintextWarning)
+		lines := e.logLines(t, forwarder.InsecurePlaintextWarning)
 		if len(lines) != loads {
 			t.Fatalf("%d insecure_plaintext warnings after %d loads, want one per load", len(lines), loads)
 		}

@@ -15,6 +15,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
@@ -40,7 +41,7 @@ func sandboxReloadRevokesKey(t *testing.T, kernel bool) {
 	e.sandboxHandler()["keys"] = append(trusted, map[string]any{"id": "gw-retired", "public_key": base64.StdEncoding.EncodeToString(retired.Pub)})
 	e.start(t)
 	forwardtest.CheckLeaks(t)
-	revoked0 := tunnels.Revoked()
+	revoked0 := forwarder.Tunnels().Revoked()
 	metrics0 := e.metrics(t)
 	dial := func(signer *preamble.Signer) *tls.Conn {
 		t.Helper()
@@ -67,7 +68,7 @@ func sandboxReloadRevokesKey(t *testing.T, kernel bool) {
 	if w := e.logLines(t, "closed open tunnels whose signing key no loaded configuration trusts any more"); len(w) != 1 || w[0]["tunnels"] != 1.0 {
 		t.Errorf("WARN lines %v, want one closing 1 tunnel", w)
 	}
-	if n := tunnels.Revoked() - revoked0; n != 1 {
+	if n := forwarder.Tunnels().Revoked() - revoked0; n != 1 {
 		t.Errorf("%d tunnels counted as revoked, want 1", n)
 	}
 	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{"caddy_ktls_sandbox_tunnels_revoked_total": 1})
@@ -80,7 +81,7 @@ func sandboxReloadRevokesKey(t *testing.T, kernel bool) {
 	default:
 	}
 	// The retired key opens no new tunnel.
-	before := tunnels.Rejections()[string(preamble.ReasonUnknownKey)]
+	before := forwarder.Tunnels().Rejections()[string(preamble.ReasonUnknownKey)]
 	c := dial(retired.Signer)
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if n, err := io.Copy(io.Discard, c); n != 0 {
@@ -152,16 +153,16 @@ func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
 	sandbox := e.sandboxHandler()
 	reloadsStart := time.Now()
 	for i := range reloadsN {
-		to0, from0 := tunnels.Totals()
+		to0, from0 := forwarder.Tunnels().Totals()
 		sandbox["preamble_timeout"] = fmt.Sprintf("%dms", 5000+i)
 		e.postLoad(t)
-		if open, _ := tunnels.Counts(); open != tunnelsN {
+		if open, _ := forwarder.Tunnels().Counts(); open != tunnelsN {
 			t.Fatalf("after reload %d: %d tunnels open, want %d", i, open, tunnelsN)
 		}
 		// The next reload only once bytes moved both ways since this one
 		// began: every reload happens while data flows.
 		waitUntil(t, 60*time.Second, func() bool {
-			to, from := tunnels.Totals()
+			to, from := forwarder.Tunnels().Totals()
 			return to > to0 && from > from0
 		}, fmt.Sprintf("bytes to move both ways across reload %d", i))
 	}
@@ -204,7 +205,7 @@ func sandboxReloadsKeepTunnels(t *testing.T, kernel bool) {
 // tunnelCounters returns the registry's open tunnels by sandbox ID.
 func tunnelCounters() map[string]forward.TunnelInfo {
 	m := map[string]forward.TunnelInfo{}
-	for _, ti := range tunnels.Tunnels() {
+	for _, ti := range forwarder.Tunnels().Tunnels() {
 		m[ti.Sandbox] = ti
 	}
 	return m
@@ -275,12 +276,11 @@ func TestSandboxReplayCacheSurvivesReload(t *testing.T) {
 
 	e.sandboxHandler()["preamble_timeout"] = "4s" // a changed configuration
 	e.load(t)
-	key := replayCacheKey{size: preamble.DefaultReplayCacheSize, window: preamble.DefaultMaxTTL + 2*preamble.DefaultMaxSkew}
-	if refs, ok := replayCaches.References(key); !ok || refs != 1 {
+	if refs, ok := forwarder.ReplayCacheReferences(preamble.DefaultReplayCacheSize, preamble.DefaultMaxTTL+2*preamble.DefaultMaxSkew); !ok || refs != 1 {
 		t.Errorf("after the reload the replay cache has %d references (present: %v), want 1: the old configuration's was not released", refs, ok)
 	}
 
-	before := tunnels.Rejections()[string(preamble.ReasonReplayedNonce)]
+	before := forwarder.Tunnels().Rejections()[string(preamble.ReasonReplayedNonce)]
 	c := e.rawTunnel(t, frame, false)
 	defer c.Close()
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))

@@ -17,6 +17,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // Real activity reports, as a running forwarder POSTs them, validate
@@ -63,7 +64,7 @@ func TestSandboxActivityReportSchema(t *testing.T) {
 	var lastSeen forward.SandboxDelta
 	defer func() {
 		if t.Failed() {
-			t.Logf("the last entry for %s: %+v; pushers %+v", sandbox, lastSeen, pushers.stats())
+			t.Logf("the last entry for %s: %+v; pushers %+v", sandbox, lastSeen, forwarder.ActivityReports())
 		}
 	}()
 	waitUntil(t, 10*time.Second, func() bool {
@@ -104,9 +105,9 @@ func TestSandboxActivityReportSchema(t *testing.T) {
 	}
 	var to, from int64
 	for i, rep := range reports {
-		want := fmt.Sprintf("fwd-test-1/%d/%d", tunnels.Started().UnixNano(), rep.Sequence)
-		if rep.ID != want || rep.Instance != "fwd-test-1" || !rep.ProcessStart.Equal(tunnels.Started()) {
-			t.Errorf("report %d: id %q, instance %q, process_start %v; want %q, fwd-test-1, %v", i, rep.ID, rep.Instance, rep.ProcessStart, want, tunnels.Started())
+		want := fmt.Sprintf("fwd-test-1/%d/%d", forwarder.Tunnels().Started().UnixNano(), rep.Sequence)
+		if rep.ID != want || rep.Instance != "fwd-test-1" || !rep.ProcessStart.Equal(forwarder.Tunnels().Started()) {
+			t.Errorf("report %d: id %q, instance %q, process_start %v; want %q, fwd-test-1, %v", i, rep.ID, rep.Instance, rep.ProcessStart, want, forwarder.Tunnels().Started())
 		}
 		if i > 0 && rep.Sequence != reports[i-1].Sequence+1 {
 			t.Errorf("report %d: sequence %d after %d, want consecutive", i, rep.Sequence, reports[i-1].Sequence)
@@ -125,7 +126,7 @@ func TestSandboxActivityReportSchema(t *testing.T) {
 		t.Errorf("deltas sum to %d/%d, want the %d/%d bytes moved", to, from, movedTo, movedFrom)
 	}
 	last := reports[len(reports)-1]
-	var act ActivityResponse
+	var act forwarder.ActivityResponse
 	e.adminGet(t, "/sandbox/activity", &act)
 	if act.LastReport == nil || act.LastReport.ID != last.ID || act.LastReport.Sequence != last.Sequence {
 		t.Errorf("GET /sandbox/activity last_report %+v, want the last report's id %s and sequence %d", act.LastReport, last.ID, last.Sequence)

@@ -9,7 +9,10 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // The duration histograms (metrics.go) and the kernel support gauge, as
@@ -61,9 +64,9 @@ func sandboxTimingHistograms(t *testing.T) {
 	up := forwardtest.NewUpstream(t, reply)
 	e := newSandboxEnv(t, nil)
 	scrape := func() map[string]float64 { return parseMetrics(t, e.adminBody(t, "/metrics")) }
-	hsOK := handshakeDurationSeries(moduleL4Handler, handshakeResultOK)
-	hsFailed := handshakeDurationSeries(moduleL4Handler, handshakeResultFailed)
-	hsWrapper := handshakeDurationSeries(moduleListenerWrapper, handshakeResultOK)
+	hsOK := handshakeDurationSeries(moduleid.L4Handler, offload.HandshakeResultOK)
+	hsFailed := handshakeDurationSeries(moduleid.L4Handler, offload.HandshakeResultFailed)
+	hsWrapper := handshakeDurationSeries(moduleid.ListenerWrapper, offload.HandshakeResultOK)
 
 	// A tunnel the gateway holds open for hold once the reply arrived (it
 	// was registered before the target's first byte could reach it).
@@ -103,7 +106,7 @@ func sandboxTimingHistograms(t *testing.T) {
 	}
 
 	// Refused for its signature: verified (and refused), never dialed.
-	rejected := tunnels.Rejections()["bad-signature"]
+	rejected := forwarder.Tunnels().Rejections()["bad-signature"]
 	before = scrape()
 	other := forwardtest.NewGateway(t, gatewayKeyID) // the right key ID, another key
 	rc := e.rawTunnel(t, other.Frame(t, uniqueSandbox("sbx-timed"), up.Addr()), false)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 func TestSandboxEndToEnd(t *testing.T) {
@@ -20,7 +21,7 @@ func TestSandboxEndToEnd(t *testing.T) {
 	// After Caddy started: what Caddy itself keeps (logs, admin) is not a
 	// tunnel leak; everything the tunnels open must be gone again.
 	forwardtest.CheckLeaks(t)
-	to0, from0 := tunnels.Totals()
+	to0, from0 := forwarder.Tunnels().Totals()
 	before := activityOf(t, e, "sbx-e2e")
 
 	n, recvSum, err := transfer(e.dial(t, "sbx-e2e", up.Addr()), size, 7)
@@ -28,7 +29,7 @@ func TestSandboxEndToEnd(t *testing.T) {
 		t.Fatalf("transfer: %v", err)
 	}
 	checkTunnelTransfer(t, up, size, 7, n, recvSum)
-	to1, from1 := tunnels.Totals()
+	to1, from1 := forwarder.Tunnels().Totals()
 	if to1-to0 != size || from1-from0 != size+3 {
 		t.Errorf("registry meters moved %d/%d, want %d/%d", to1-to0, from1-from0, size, size+3)
 	}
@@ -170,7 +171,7 @@ func sandboxConcurrentTunnels(t *testing.T, kernel bool) {
 	// After Caddy started: what Caddy itself keeps (logs, admin) is not a
 	// tunnel leak; everything the tunnels open must be gone again.
 	forwardtest.CheckLeaks(t)
-	to0, from0 := tunnels.Totals()
+	to0, from0 := forwarder.Tunnels().Totals()
 	splicedSince := dataPathCheck(t, kernel, int64(tunnelsN))
 	// Every tunnel is open before any of them sends a byte: they all run at
 	// once. (Dialed in turn: the handshakes are not what is tested.)
@@ -178,7 +179,7 @@ func sandboxConcurrentTunnels(t *testing.T, kernel bool) {
 	for i := range conns {
 		conns[i] = e.dial(t, fmt.Sprintf("sbx-%d", i%10), up.Addr())
 	}
-	waitUntil(t, 30*time.Second, func() bool { open, _ := tunnels.Counts(); return open == tunnelsN },
+	waitUntil(t, 30*time.Second, func() bool { open, _ := forwarder.Tunnels().Counts(); return open == tunnelsN },
 		fmt.Sprintf("all %d tunnels to be open at once", tunnelsN))
 	outcomes := make([]streamOutcome, tunnelsN)
 	// Every tunnel stays open throughout; at most 50 gateways move bytes at
@@ -212,7 +213,7 @@ func sandboxConcurrentTunnels(t *testing.T, kernel bool) {
 		t.Errorf("upstream served %d connections, want %d", n, tunnelsN)
 	}
 	checkBothWays(t, up, outcomes)
-	if to1, from1 := tunnels.Totals(); to1-to0 != sent || from1-from0 != received {
+	if to1, from1 := forwarder.Tunnels().Totals(); to1-to0 != sent || from1-from0 != received {
 		t.Errorf("registry meters moved %d/%d, want %d/%d", to1-to0, from1-from0, sent, received)
 	}
 	if kernel && spliced != sent+received {
@@ -268,7 +269,7 @@ func TestSandboxMatcherSharesPort(t *testing.T) {
 	}}
 	e.start(t)
 	forwardtest.CheckLeaks(t)
-	rejected := tunnels.Rejections()
+	rejected := forwarder.Tunnels().Rejections()
 
 	n, sum, err := transfer(e.dial(t, "sbx-matcher", up.Addr()), 3000, 8)
 	if err != nil || n != 100<<10 || sum != forwardtest.PatternSum(2, 100<<10) {
@@ -287,7 +288,7 @@ func TestSandboxMatcherSharesPort(t *testing.T) {
 	if r := up.Results(); len(r) != 1 || r[0].Received != 3000 || r[0].RecvSum != forwardtest.PatternSum(8, 3000) {
 		t.Errorf("upstream results %+v, want one connection with the tunnel's 3000 bytes", r)
 	}
-	if now := tunnels.Rejections(); !maps.Equal(now, rejected) {
+	if now := forwarder.Tunnels().Rejections(); !maps.Equal(now, rejected) {
 		t.Errorf("rejections changed from %v to %v: non-tunnel traffic reached the sandbox handler", rejected, now)
 	}
 }

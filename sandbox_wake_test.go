@@ -10,6 +10,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // A tunnel to a sandbox whose target is down wakes it through the control
@@ -81,7 +82,7 @@ func sandboxWakeOnConnect(t *testing.T) {
 	}
 	// A successful wake is logged at INFO, with the sandbox, its target and
 	// how long it took.
-	if lines := e.logLines(t, wokenMsg); len(lines) != 1 || lines[0]["level"] != "info" || lines[0]["sandbox"] != "sbx-paused" ||
+	if lines := e.logLines(t, forwarder.WokenMsg); len(lines) != 1 || lines[0]["level"] != "info" || lines[0]["sandbox"] != "sbx-paused" ||
 		lines[0]["target"] != target.String() || lines[0]["took"].(float64) < 0.2 {
 		t.Errorf("woken lines %v: want one INFO naming sbx-paused, its target %s, and took >= 0.2 s", lines, target)
 	}

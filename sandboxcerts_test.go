@@ -290,17 +290,6 @@ func TestSandboxCertsRefusals(t *testing.T) {
 	}
 }
 
-// TestSandboxCertsHelp: certs' help names the files it makes, the key
-// modes, the refusal to overwrite, rotation, and the README section.
-func TestSandboxCertsHelp(t *testing.T) {
-	c := certsCommand()
-	for _, want := range []string{certsDocURL, "0600", "No file is ever overwritten", "Rotation", "trust_pool"} {
-		if !strings.Contains(c.Long, want) {
-			t.Errorf("caddy sandbox certs --help lacks %q", want)
-		}
-	}
-}
-
 // TestSandboxCertsAbsolutePaths: run in the directory it writes to (the
 // default --dir "."), certs prints the Caddyfile lines with absolute paths:
 // Caddy would resolve a relative one against its own working directory.

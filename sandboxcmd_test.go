@@ -22,6 +22,7 @@ import (
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/spf13/cobra"
 
+	"github.com/ktlsingress/caddy-ktls/internal/cli"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -33,7 +34,7 @@ import (
 func runSandbox(t *testing.T, stdin io.Reader, args ...string) (string, error) {
 	t.Helper()
 	root := &cobra.Command{Use: "sandbox", SilenceUsage: true, SilenceErrors: true}
-	root.AddCommand(sandboxSubcommands()...)
+	root.AddCommand(cli.SandboxSubcommands()...)
 	var out bytes.Buffer
 	root.SetIn(stdin)
 	root.SetOut(&out)
@@ -48,7 +49,7 @@ func runSandbox(t *testing.T, stdin io.Reader, args ...string) (string, error) {
 func runSandboxStderr(t *testing.T, stdin io.Reader, args ...string) (string, string, error) {
 	t.Helper()
 	root := &cobra.Command{Use: "sandbox", SilenceUsage: true, SilenceErrors: true}
-	root.AddCommand(sandboxSubcommands()...)
+	root.AddCommand(cli.SandboxSubcommands()...)
 	var out, errOut bytes.Buffer
 	root.SetIn(stdin)
 	root.SetOut(&out)
@@ -143,7 +144,7 @@ func TestSandboxKeygenSignVerify(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var got verifiedClaims
+	var got cli.VerifiedClaims
 	if err := json.Unmarshal([]byte(out), &got); err != nil {
 		t.Fatalf("verify printed %q: %v", out, err)
 	}
@@ -240,7 +241,7 @@ func TestSandboxBinaryRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatalf("verify: %v\n%s", err, stderr)
 	}
-	var got verifiedClaims
+	var got cli.VerifiedClaims
 	if err := json.Unmarshal([]byte(out), &got); err != nil {
 		t.Fatalf("verify printed %q: %v", out, err)
 	}
@@ -600,7 +601,7 @@ func TestSandboxHelpPointsToSpec(t *testing.T) {
 	if !strings.Contains(c.Long, url) {
 		t.Errorf("caddy sandbox --help lacks %s:\n%s", url, c.Long)
 	}
-	for _, sub := range sandboxSubcommands() {
+	for _, sub := range cli.SandboxSubcommands() {
 		if sub.Name() == "certs" {
 			continue // the TLS certificates, not the preamble: TestSandboxCertsHelp
 		}
@@ -638,7 +639,7 @@ func TestSandboxDialEnd(t *testing.T) {
 		{"clean", 0, nil, nil, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			err := dialEnd(tc.received, tc.rerr, tc.werr)
+			err := cli.DialEnd(tc.received, tc.rerr, tc.werr)
 			got := ""
 			if err != nil {
 				got = err.Error()
@@ -704,7 +705,7 @@ func TestSandboxSignClientIdentity(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var got verifiedClaims
+	var got cli.VerifiedClaims
 	if err := json.Unmarshal([]byte(out), &got); err != nil {
 		t.Fatal(err)
 	}

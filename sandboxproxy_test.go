@@ -22,8 +22,10 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/modules/edgegateway"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -371,20 +373,20 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name string
-		h    SandboxProxy
+		h    edgegateway.SandboxProxy
 		want string
 	}{
-		{"no route", SandboxProxy{}, "forwarder, sandbox and target are required"},
-		{"no certificate", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1"}, "no client certificate (tls_client_auth"},
-		{"insecure", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
+		{"no route", edgegateway.SandboxProxy{}, "forwarder, sandbox and target are required"},
+		{"no certificate", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1"}, "no client certificate (tls_client_auth"},
+		{"insecure", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: edgegateway.GatewayDial{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c", InsecureSkipVerify: true}}}, "tls_insecure_skip_verify"},
-		{"no signing key", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
+		{"no signing key", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: edgegateway.GatewayDial{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c"}}}, "no signing_key_file"},
-		{"tls_timeout", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
+		{"tls_timeout", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: edgegateway.GatewayDial{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c", HandshakeTimeout: 1}, SigningKeyFile: "k"}}, "use handshake_timeout"},
-		{"expect_no_pad both ways", SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: GatewayDial{
+		{"expect_no_pad both ways", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: edgegateway.GatewayDial{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c"}, SigningKeyFile: "k", DisableExpectNoPad: true,
-			OffloadOptions: OffloadOptions{ExpectNoPad: true}}}, "expect_no_pad and disable_expect_no_pad together"},
+			Options: offload.Options{ExpectNoPad: true}}}, "expect_no_pad and disable_expect_no_pad together"},
 	} {
 		if err := tc.h.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: Validate() = %v, want it to contain %q", tc.name, err, tc.want)
@@ -582,7 +584,7 @@ func TestGatewayExpectNoPadOption(t *testing.T) {
 			Apps struct {
 				Layer4 struct {
 					Servers map[string]struct {
-						Routes []struct{ Handle []SandboxProxy }
+						Routes []struct{ Handle []edgegateway.SandboxProxy }
 					}
 				}
 			}
@@ -594,10 +596,10 @@ func TestGatewayExpectNoPadOption(t *testing.T) {
 		if g.ExpectNoPad != tc.on || g.DisableExpectNoPad != tc.off {
 			t.Errorf("%q: expect_no_pad %v, disable_expect_no_pad %v; want %v, %v", tc.option, g.ExpectNoPad, g.DisableExpectNoPad, tc.on, tc.off)
 		}
-		if got := g.expectNoPad(true); got != tc.kernel {
+		if got := g.ExpectsNoPad(true); got != tc.kernel {
 			t.Errorf("%q on a kernel that accepts it: %v, want %v", tc.option, got, tc.kernel)
 		}
-		if got := g.expectNoPad(false); got != tc.refuse {
+		if got := g.ExpectsNoPad(false); got != tc.refuse {
 			t.Errorf("%q on a kernel that refuses it: %v, want %v", tc.option, got, tc.refuse)
 		}
 	}

@@ -10,6 +10,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/modules/edgegateway"
 )
 
 // A tunnel's end counts once, when it is closed and no request on it is
@@ -37,7 +39,7 @@ func TestSandboxTransportTunnelEndOrder(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			a, b := net.Pipe()
 			b.Close()
-			c := &tunnelConn{Conn: a}
+			c := &edgegateway.TunnelConn{Conn: a}
 			if _, err := c.Read(make([]byte, 1)); err != io.EOF {
 				t.Fatalf("read from a closed pipe: %v", err)
 			}
@@ -49,15 +51,15 @@ func TestSandboxTransportTunnelEndOrder(t *testing.T) {
 			for i, s := range tc.steps {
 				switch s {
 				case 'b':
-					c.begin()
+					c.Begin()
 				case 'c':
 					c.Close()
 				case 'f':
-					c.done(gateway.EndFailed)
+					c.Done(gateway.EndFailed)
 				case 'r':
-					c.done(gateway.EndRefused)
+					c.Done(gateway.EndRefused)
 				case 'o':
-					c.done(gateway.EndClosed)
+					c.Done(gateway.EndClosed)
 				}
 				counted := false
 				for _, e := range ends {
@@ -85,8 +87,8 @@ func TestSandboxTransportTunnelEndOrder(t *testing.T) {
 func transportEnds(t *testing.T, end gateway.End) float64 {
 	t.Helper()
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(gatewayEnds)
+	reg.MustRegister(edgegateway.GatewayEnds)
 	rec := httptest.NewRecorder()
 	promhttp.HandlerFor(reg, promhttp.HandlerOpts{}).ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
-	return parseMetrics(t, rec.Body.Bytes())[`caddy_ktls_gateway_tunnel_ends_total{end="`+string(end)+`",module="`+moduleSandboxTransport+`"}`]
+	return parseMetrics(t, rec.Body.Bytes())[`caddy_ktls_gateway_tunnel_ends_total{end="`+string(end)+`",module="`+moduleid.SandboxTransport+`"}`]
 }

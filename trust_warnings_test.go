@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/ktlsingress/caddy-ktls/modules/edgegateway"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/mholt/caddy-l4/layer4"
 	"github.com/mholt/caddy-l4/modules/l4proxyprotocol"
 	"go.uber.org/zap"
@@ -18,27 +20,27 @@ import (
 func TestClientIDFromRequestWarns(t *testing.T) {
 	t.Run("sandbox transport", func(t *testing.T) {
 		e := newTransportEnv(t, "10.0.0.7:80", map[string]any{"send_client": true, "client_id": "user:{http.request.header.X-User}"}, nil)
-		w := e.logLines(t, clientIDWarning)
+		w := e.logLines(t, edgegateway.ClientIDWarning)
 		if len(w) != 1 || w[0]["level"] != "warn" || w[0]["option"] != "client_id" || w[0]["client_id"] != "user:{http.request.header.X-User}" ||
-			len(w[0]["client_controlled"].([]any)) != 1 || w[0]["client_controlled"].([]any)[0] != "{http.request.header.X-User}" || w[0]["fix"] != clientIDFixHTTP {
+			len(w[0]["client_controlled"].([]any)) != 1 || w[0]["client_controlled"].([]any)[0] != "{http.request.header.X-User}" || w[0]["fix"] != edgegateway.ClientIDFixHTTP {
 			t.Errorf("warnings %v, want one naming client_id, {http.request.header.X-User} and the fix", w)
 		}
 		transport := e.cfg["apps"].(map[string]any)["http"].(map[string]any)["servers"].(map[string]any)["gateway"].(map[string]any)["routes"].([]any)[0].(map[string]any)["handle"].([]any)[0].(map[string]any)["transport"].(map[string]any)
 		transport["client_id"] = "{http.request.tls.client.subject}"
 		e.load(t)
-		if n := len(e.logLines(t, clientIDWarning)); n != 1 {
+		if n := len(e.logLines(t, edgegateway.ClientIDWarning)); n != 1 {
 			t.Errorf("%d warnings after a load with a verified certificate's subject, want the first load's 1", n)
 		}
 	})
 	t.Run("sandbox_proxy", func(t *testing.T) {
 		e := newGatewayEnv(t, map[string]any{"target": "10.0.0.7:22", "client_id": "{l4.tls.server_name}"})
-		w := e.logLines(t, clientIDWarning)
-		if len(w) != 1 || w[0]["option"] != "client_id" || w[0]["fix"] != clientIDFixL4 {
+		w := e.logLines(t, edgegateway.ClientIDWarning)
+		if len(w) != 1 || w[0]["option"] != "client_id" || w[0]["fix"] != edgegateway.ClientIDFixL4 {
 			t.Errorf("warnings %v, want one naming client_id and the fix", w)
 		}
 		e.proxyHandler()["client_id"] = "{l4.tls.client.subject}"
 		e.load(t)
-		if n := len(e.logLines(t, clientIDWarning)); n != 1 {
+		if n := len(e.logLines(t, edgegateway.ClientIDWarning)); n != 1 {
 			t.Errorf("%d warnings after a load with a verified certificate's subject, want the first load's 1", n)
 		}
 	})
@@ -62,24 +64,24 @@ func TestProxyProtocolBeforeSandboxWarns(t *testing.T) {
 	tunnels["routes"] = append(tunnels["routes"].([]any), map[string]any{"handle": []any{pp, map[string]any{"handler": "subroute",
 		"routes": []any{map[string]any{"handle": []any{ktlsHandler, sandbox}}}}}})
 	e.start(t)
-	w := e.logLines(t, proxyProtocolWarning)
+	w := e.logLines(t, forwarder.ProxyProtocolWarning)
 	want := []string{`layer4 server "tunnels", route 0, handler 2`, `layer4 server "tunnels", route 1, handler 1 (subroute), route 0, handler 1`}
 	if len(w) != len(want) {
 		t.Fatalf("warnings %v, want one for each of %v", w, want)
 	}
 	for i, l := range w {
-		if l["level"] != "warn" || l["where"] != want[i] || l["fix"] != proxyProtocolFix {
+		if l["level"] != "warn" || l["where"] != want[i] || l["fix"] != forwarder.ProxyProtocolFix {
 			t.Errorf("warning %v, want where %q and the fix", l, want[i])
 		}
 	}
 	pp["allow"] = []string{"10.0.0.0/8"}
 	e.load(t)
-	if n := len(e.logLines(t, proxyProtocolWarning)); n != 2*len(want) {
+	if n := len(e.logLines(t, forwarder.ProxyProtocolWarning)); n != 2*len(want) {
 		t.Errorf("%d warnings after a load with allow alone, want %d", n, 2*len(want))
 	}
 	pp["fallback_policy"] = "REJECT"
 	e.load(t)
-	if n := len(e.logLines(t, proxyProtocolWarning)); n != 2*len(want) {
+	if n := len(e.logLines(t, forwarder.ProxyProtocolWarning)); n != 2*len(want) {
 		t.Errorf("%d warnings after a load with allow and fallback_policy reject, want none new", n-2*len(want))
 	}
 }

@@ -1,0 +1,180 @@
+package offload
+
+import (
+	"slices"
+
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+type CloseKey struct {
+	Module string
+	Event  ktls.EventKind
+}
+
+// connCloses counts the connections the ktls engine closed, per module and
+// event (and the layer4 handler's bad records).
+var ConnCloses = func() *caddymetrics.SeriesCounts[CloseKey] {
+	var keys []CloseKey
+	for _, m := range moduleid.Engine {
+		for _, ev := range CloseEvents {
+			keys = append(keys, CloseKey{m, ev})
+		}
+	}
+	return caddymetrics.NewSeriesCounts("caddy_ktls_connections_closed_total", append(keys, CloseKey{moduleid.L4Handler, EventBadRecord}))
+}()
+
+// countClose records ev for module when it is a close event. Every
+// handshake reports an event too: those return before taking the lock.
+func CountClose(module string, ev ktls.EventKind) {
+	if slices.Contains(CloseEvents, ev) {
+		ConnCloses.Add(CloseKey{module, ev})
+	}
+}
+
+type OutcomeKey struct {
+	Module string
+	Reason ktls.Reason
+}
+
+// handshakeOutcomes counts the handshakes of each module's connections by
+// offload outcome (caddy_ktls_handshakes_total{module,reason}).
+var HandshakeOutcomes = func() *caddymetrics.SeriesCounts[OutcomeKey] {
+	var keys []OutcomeKey
+	for _, m := range moduleid.Engine {
+		for _, r := range ktls.Reasons() {
+			keys = append(keys, OutcomeKey{m, r})
+		}
+	}
+	return caddymetrics.NewSeriesCounts("caddy_ktls_handshakes_total", keys)
+}()
+
+type FailKey struct{ Module, Reason string }
+
+// handshakeFails counts failed TLS handshakes per module and reason.
+var HandshakeFails = func() *caddymetrics.SeriesCounts[FailKey] {
+	var keys []FailKey
+	for _, m := range moduleid.Server {
+		for _, r := range HandshakeFailureReasons {
+			keys = append(keys, FailKey{m, r})
+		}
+	}
+	return caddymetrics.NewSeriesCounts("caddy_ktls_handshake_failures_total", keys)
+}()
+
+var (
+	// The TLS handshake and the offload (key capture and install) of each
+	// connection, by module and result: ok (the handshake completed,
+	// offloaded or not: caddy_ktls_handshakes_total says how) or failed
+	// (kept apart: scanners and timeouts take up to handshake_timeout,
+	// 10 s by default, and would swamp the latency of the real ones). A
+	// loopback TLS 1.3 handshake takes about a millisecond, one across a
+	// continent a few hundred: 0.5 ms to 10 s.
+	handshakeDuration = caddymetrics.NewHistogramFamily(prometheus.HistogramOpts{
+		Name:    "caddy_ktls_handshake_duration_seconds",
+		Help:    "TLS handshakes including the kTLS offload (key install), by module and result (ok: completed, offloaded or not; failed: the handshake failed, see caddy_ktls_handshake_failures_total).",
+		Buckets: []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10},
+	}, []string{"module", "result"}, moduleid.Engine, []string{HandshakeResultOK, HandshakeResultFailed})
+)
+
+// The handshake_duration results.
+const (
+	HandshakeResultOK     = "ok"
+	HandshakeResultFailed = "failed"
+)
+
+// observeHandshake records ev, an EventHandshake of module's engine, in
+// caddy_ktls_handshake_duration_seconds and caddy_ktls_handshakes_total.
+func ObserveHandshake(module string, ev ktls.Event) {
+	result := HandshakeResultOK
+	if ev.Offload.Reason == ktls.ReasonHandshakeFailed {
+		result = HandshakeResultFailed
+	}
+	handshakeDuration.WithLabelValues(module, result).Observe(ev.Duration.Seconds())
+	HandshakeOutcomes.Add(OutcomeKey{module, ev.Offload.Reason})
+}
+
+// kernelFeatures says, by feature of caddy_ktls_kernel_support, whether the
+// kernel accepted it (ktls.Probe: probed once per process, then cached).
+func KernelFeatures(caps ktls.Capabilities) map[string]bool {
+	var tx, rx bool
+	for _, c := range caps.Ciphers {
+		tx, rx = tx || c.TX, rx || c.RX
+	}
+	ulp := caps.ULP == nil
+	return map[string]bool{"tx": ulp && tx, "rx": ulp && rx, "rekey": ulp && caps.Rekey}
+}
+
+// closeEvents are the ktls events that end a connection.
+var CloseEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.EventClosed, ktls.EventRekeyUnsupported, ktls.EventKeyExhausted, ktls.EventRefused}
+
+// eventBadRecord counts the tunnels that a received record failing
+// authentication ended (ktls.IsBadRecord). It is not a ktls event: on the
+// kernel path the splice relay, not the conn, meets the record (EBADMSG), so
+// the layer4 handler counts it from the tunnel's end error; the listener
+// wrapper never sees its connections' read errors and has no such series.
+const EventBadRecord ktls.EventKind = "bad-record"
+
+// The engine's families of constant metrics, read from the counts above at
+// scrape time.
+var (
+	descOffloads = prometheus.NewDesc("caddy_ktls_handshakes_total",
+		"TLS handshakes of the connections the kTLS engine serves (the ktls handler's, the ktls listener wrapper's, and the gateway modules' to forwarders), by module and offload outcome (reason): none, TX and RX in the kernel; rx-disabled, TX in the kernel and RX in userspace (rx off); handshake-failed, the handshake itself failed (see caddy_ktls_handshake_failures_total; a gateway module's, caddy_ktls_gateway_dials_total{result=\"handshake\"}); any other reason, served in userspace TLS for that reason (or refused, with fallback refuse).",
+		[]string{"module", "reason"}, nil)
+	descOffloadModes = prometheus.NewDesc("caddy_ktls_offload_directions_total",
+		"Completed TLS handshakes of every module, by direction (tx, rx) and where that direction's records are processed (mode): sw, the kernel in software; hw, the kernel on the NIC; userspace, Go's crypto/tls (not offloaded).",
+		[]string{"direction", "mode"}, nil)
+	descConnCloses = prometheus.NewDesc("caddy_ktls_connections_closed_total",
+		"Connections the kTLS engine ended after their handshake, by module and event: rate-limited, KeyUpdates above keyupdate_rate; alert, the peer's fatal alert; closed-after-tx, a step after installing TLS_TX failed; rekey-unsupported, a KeyUpdate on a kernel without rekey; key-exhausted, a traffic key reached key_record_limit and could not be renewed; refused, fallback refuse and the session could not be offloaded (never offloaded); bad-record (layer4 handler only), a record that failed authentication.",
+		[]string{"module", "event"}, nil)
+	descHandshakeFails = prometheus.NewDesc("caddy_ktls_handshake_failures_total",
+		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, unknown-server-name, timeout, closed, other).",
+		[]string{"module", "reason"}, nil)
+)
+var descKernelSupport = prometheus.NewDesc("caddy_ktls_kernel_support",
+	"What this host's kernel accepted when the process probed it at its first use (1 yes, 0 no), by feature: tx and rx (TLS_TX, TLS_RX for at least one TLS version and cipher), rekey (a TLS 1.3 KeyUpdate: a second key installed). See `caddy ktls probe`.",
+	[]string{"feature"}, nil)
+
+func init() {
+	caddymetrics.Add(moduleid.Engine, &caddymetrics.Gathered{
+		Descs: []*prometheus.Desc{descOffloads, descOffloadModes, descConnCloses},
+		Gather: func(ch chan<- prometheus.Metric) {
+			for k, n := range HandshakeOutcomes.Snapshot() {
+				ch <- prometheus.MustNewConstMetric(descOffloads, prometheus.CounterValue, float64(n), k.Module, string(k.Reason))
+			}
+			ks := ktls.Stats()
+			for dir, modes := range map[string]map[ktls.Mode]uint64{"tx": ks.TX, "rx": ks.RX} {
+				for mode, n := range modes {
+					ch <- prometheus.MustNewConstMetric(descOffloadModes, prometheus.CounterValue, float64(n), dir, mode.String())
+				}
+			}
+			for k, n := range ConnCloses.Snapshot() {
+				ch <- prometheus.MustNewConstMetric(descConnCloses, prometheus.CounterValue, float64(n), k.Module, string(k.Event))
+			}
+		},
+	}, handshakeDuration)
+	caddymetrics.Add(moduleid.Server, &caddymetrics.Gathered{
+		Descs: []*prometheus.Desc{descHandshakeFails},
+		Gather: func(ch chan<- prometheus.Metric) {
+			for k, n := range HandshakeFails.Snapshot() {
+				ch <- prometheus.MustNewConstMetric(descHandshakeFails, prometheus.CounterValue, float64(n), k.Module, k.Reason)
+			}
+		},
+	})
+	// The kernel's answer to the probe, only where a module that uses the
+	// kernel's TLS is loaded: the probe is made once, by the first of them.
+	caddymetrics.AddIfLoaded(moduleid.Engine, &caddymetrics.Gathered{
+		Descs: []*prometheus.Desc{descKernelSupport},
+		Gather: func(ch chan<- prometheus.Metric) {
+			for feature, ok := range KernelFeatures(ktls.Probe()) {
+				v := 0.0
+				if ok {
+					v = 1
+				}
+				ch <- prometheus.MustNewConstMetric(descKernelSupport, prometheus.GaugeValue, v, feature)
+			}
+		},
+	})
+}

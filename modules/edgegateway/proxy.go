@@ -1,0 +1,202 @@
+package edgegateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/mholt/caddy-l4/layer4"
+	"go.uber.org/zap"
+
+	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
+	"github.com/ktlsingress/caddy-ktls/internal/l4conn"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/splice"
+)
+
+func init() {
+	caddy.RegisterModule(new(SandboxProxy))
+}
+
+// SandboxProxy is the edge gateway for raw TCP: a terminal layer4 handler
+// that opens a tunnel to the sandbox's forwarder (mutual TLS, a signed
+// preamble naming the sandbox and its target) and relays the user's
+// connection through it. Place it after a TLS-terminating handler (`ktls`,
+// or caddy-l4's `tls`): with `ktls` on the user's side and kernel TLS on
+// the forwarder connection, the bytes move kernel to kernel with splice(2)
+// and no tenant byte enters userspace at the gateway either.
+//
+// Each connection ends as its tunnel did: in order (close_notify) when
+// both directions ended; refused (the fatal alert access_denied, on a kTLS
+// session) when nothing reached the sandbox: the forwarder refused, it
+// could not be reached, or the route's placeholders gave no valid route;
+// failed (internal_error, or a reset) otherwise. Tunnels outlive
+// configuration reloads.
+type SandboxProxy struct {
+	// Forwarder is the host:port of the forwarder on the sandbox's host.
+	// Placeholders are replaced per connection.
+	Forwarder string `json:"forwarder,omitempty"`
+
+	// Sandbox is the sandbox ID the preamble names. Placeholders are
+	// replaced per connection: e.g. {l4.tls.server_name.labels.2}, the
+	// third label from the right of the name the user asked for. Sandbox
+	// IDs are case-insensitive: the preamble names the lowercase form, and
+	// a connection whose ID is not valid even lowercased ("..", ".a") is
+	// refused before anything is dialed.
+	Sandbox string `json:"sandbox,omitempty"`
+
+	// Target is the sandbox service's private IP address and port.
+	// Placeholders are replaced per connection.
+	Target string `json:"target,omitempty"`
+
+	// ClientID, when set, is the end user's identity string signed into
+	// each preamble beside the user's address (the client identity
+	// extension, docs/preamble.md §3.1; a forwarder with proxy_protocol v2
+	// hands both to the target). Placeholders are replaced per connection,
+	// e.g. {l4.tls.client.subject}; one that gives an empty string sends the
+	// address alone. The user's address is always signed. At most 255 bytes
+	// of well-formed UTF-8 without control, line-separator or bidirectional
+	// formatting characters (docs/preamble.md §3.1): a connection whose
+	// value breaks that is refused, and nothing reaches the sandbox.
+	ClientID string `json:"client_id,omitempty"`
+
+	// How forwarders are reached (GatewayDial), at the top level of the
+	// JSON.
+	GatewayDial
+
+	ctx    caddy.Context
+	logger *zap.Logger
+	dialer *gateway.Dialer
+}
+
+// CaddyModule returns the Caddy module information.
+func (*SandboxProxy) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleid.SandboxProxy, New: func() caddy.Module { return new(SandboxProxy) }}
+}
+
+// Validate checks the configuration without loading anything.
+func (h *SandboxProxy) Validate() error {
+	if h.Forwarder == "" || h.Sandbox == "" || h.Target == "" {
+		return errors.New("sandbox_proxy: forwarder, sandbox and target are required (placeholders allowed)")
+	}
+	if err := checkSandboxOption("sandbox_proxy", h.Sandbox, "{l4.tls.server_name.labels.2}"); err != nil {
+		return err
+	}
+	if err := checkTargetOption("sandbox_proxy", h.Target); err != nil {
+		return err
+	}
+	if err := checkForwarderOption("sandbox_proxy", h.Forwarder); err != nil {
+		return err
+	}
+	if err := h.GatewayDial.validate(); err != nil {
+		return fmt.Errorf("sandbox_proxy: %w", err)
+	}
+	return nil
+}
+
+// Provision sets up the handler.
+func (h *SandboxProxy) Provision(ctx caddy.Context) error {
+	h.ctx = ctx
+	h.logger = ctx.Logger(h)
+	if err := caddymetrics.Register(ctx, moduleid.SandboxProxy); err != nil {
+		return err
+	}
+	d, err := h.GatewayDial.dialer(ctx, moduleid.SandboxProxy, h.logger)
+	if err != nil {
+		return fmt.Errorf("sandbox_proxy: %w", err)
+	}
+	h.dialer = d
+	h.GatewayDial.logStart(ctx, moduleid.SandboxProxy, h.logger)
+	warnUntrustedClientID(h.logger, h.ClientID, ClientIDFixL4)
+	return nil
+}
+
+// Handle carries one user connection through a tunnel; it is terminal.
+func (h *SandboxProxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
+	user, buffered := l4conn.Unwrap(cx)
+	peer := cx.RemoteAddr().String()
+	repl := cx.Replacer()
+	route, err := gateway.ParseRoute(repl.ReplaceAll(h.Forwarder, ""), repl.ReplaceAll(h.Sandbox, ""), repl.ReplaceAll(h.Target, ""))
+	if err != nil {
+		GatewayDials.WithLabelValues(moduleid.SandboxProxy, gatewayDialNoRoute).Inc()
+		h.logger.Warn("sandbox_proxy: no route for the connection; refused", zap.String("peer", peer), zap.Error(err))
+		l4conn.Refuse(user)
+		return nil
+	}
+	// The user, as this gateway saw them, signed into the preamble.
+	route.Client = gateway.ClientFrom(peer, repl.ReplaceAll(h.ClientID, ""))
+	tunnel, err := h.dialer.Dial(cx.Context, route)
+	if err != nil {
+		GatewayDials.WithLabelValues(moduleid.SandboxProxy, dialResult(err)).Inc()
+		h.logger.Warn("sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", zap.String("peer", peer),
+			zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target), zap.String("forwarder", route.Forwarder), zap.Error(err))
+		l4conn.Refuse(user)
+		return nil
+	}
+	// The tunnel is open once the forwarder has taken the gateway's
+	// certificate: with TLS 1.3 that is known from its first byte, or from
+	// how the tunnel ended (CertificateRefusal).
+	var opened atomic.Bool
+	open := func() {
+		if opened.CompareAndSwap(false, true) {
+			countDialOK(moduleid.SandboxProxy, tunnel)
+		}
+	}
+	opts := splice.Options{OnBytes: func(dir splice.Direction, _ int) {
+		if dir == splice.BToA && !opened.Load() {
+			open()
+		}
+	}}
+	// The relay is not bound to the connection's context: tunnels outlive
+	// configuration reloads, as the forwarder's do.
+	st, err := gateway.Relay(context.Background(), user, buffered, tunnel, opts)
+	if st.BToA.Bytes == 0 {
+		if de := h.dialer.CertificateRefusal(route, st.BToA.Err); de != nil {
+			// The relay refused the user's connection.
+			GatewayDials.WithLabelValues(moduleid.SandboxProxy, dialResult(de)).Inc()
+			h.logger.Warn("sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", zap.String("peer", peer),
+				zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target), zap.String("forwarder", route.Forwarder), zap.Error(de))
+			return nil
+		}
+	}
+	open()
+	end := gateway.RelayEnd(st, err)
+	GatewayEnds.WithLabelValues(moduleid.SandboxProxy, string(end)).Inc()
+	for _, d := range []splice.DirectionStats{st.AToB, st.BToA} {
+		gatewayRelayBytes.WithLabelValues(relayPathSplice).Add(float64(d.SpliceBytes))
+		gatewayRelayBytes.WithLabelValues(relayPathCopy).Add(float64(d.CopyBytes))
+	}
+	fields := []zap.Field{zap.String("peer", peer), zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target),
+		zap.String("forwarder", route.Forwarder), zap.String("end", string(end)),
+		zap.Int64("bytes_to_sandbox", st.AToB.Bytes), zap.Int64("bytes_from_sandbox", st.BToA.Bytes),
+		zap.Bool("spliced_to_sandbox", st.AToB.Spliced), zap.Bool("spliced_from_sandbox", st.BToA.Spliced)}
+	switch end {
+	case gateway.EndClosed:
+		h.logger.Debug("sandbox_proxy: tunnel closed", fields...)
+	case gateway.EndRefused:
+		h.logger.Warn("sandbox_proxy: the forwarder refused the tunnel (its log names the reason); nothing reached the sandbox", fields...)
+	default:
+		h.logger.Info("sandbox_proxy: tunnel failed", append(fields, zap.Error(err))...)
+	}
+	return nil
+}
+
+// dialResult is the caddy_ktls_gateway_dials_total result of a failed
+// Dial: the step that failed.
+func dialResult(err error) string {
+	var de *gateway.DialError
+	if errors.As(err, &de) {
+		return de.Step
+	}
+	return "other"
+}
+
+// Interface guards.
+var (
+	_ layer4.NextHandler = (*SandboxProxy)(nil)
+	_ caddy.Provisioner  = (*SandboxProxy)(nil)
+	_ caddy.Validator    = (*SandboxProxy)(nil)
+)

@@ -4,8 +4,6 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddytls"
 	"github.com/ktlsingress/caddy-ktls/internal/caddyfileargs"
-	"github.com/ktlsingress/caddy-ktls/modules/edgegateway"
-	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens: the offload
@@ -97,10 +95,4 @@ var (
 	_ caddyfile.Unmarshaler = (*ListenerWrapper)(nil)
 	_ caddyfile.Unmarshaler = (*KTLSHandler)(nil)
 	_ caddyfile.Unmarshaler = (*KTLSSession)(nil)
-	_ caddyfile.Unmarshaler = (*forwarder.SandboxHandler)(nil)
-	_ caddyfile.Unmarshaler = (*forwarder.MatchSandbox)(nil)
-	_ caddyfile.Unmarshaler = (*edgegateway.SandboxProxy)(nil)
-	_ caddyfile.Unmarshaler = (*edgegateway.SandboxTransport)(nil)
-	_ caddyfile.Unmarshaler = (*edgegateway.SandboxLookup)(nil)
-	_ caddyfile.Unmarshaler = (*edgegateway.SandboxLookupL4)(nil)
 )

@@ -34,7 +34,7 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"sandbox {\n\tmax_tunnels_per_sandbox 0\n}", `max_tunnels_per_sandbox: "0" is not a positive integer`},
 		{"sandbox {\n\tmax_tunnels_per_sandbox 8 16\n}", "wrong argument count"},
 		{"sandbox {\n\tmax_tunnel_lifetime forever\n}", `max_tunnel_lifetime: "forever" is not a positive duration`},
-		{"sandbox {\n\tactivity_push\n}", "activity_push needs a URL"},
+		{"sandbox {\n\tactivity_push\n}", "activity_push needs the control plane's URL"},
 		{"sandbox {\n\tproxy_protocol\n}", "proxy_protocol needs a version: v2"},
 		{"sandbox {\n\tproxy_protocol v1\n}", `proxy_protocol "v1": the only version is v2`},
 		{"sandbox {\n\tproxy_protocol v2 v2\n}", "wrong argument count"},

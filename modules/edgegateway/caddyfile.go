@@ -1,8 +1,7 @@
 package edgegateway
 
 import (
-	"net/http"
-
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
@@ -43,6 +42,13 @@ func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled 
 	if handled, err := g.Options.UnmarshalCaddyfileOption(d); handled {
 		return true, err
 	}
+	args := caddyfileargs.Table{
+		Strings:   map[string]*string{"signing_key_file": &g.SigningKeyFile, "key_id": &g.KeyID},
+		Durations: map[string]*caddy.Duration{"dial_timeout": &g.DialTimeout, "keepalive": &g.KeepAlive, "preamble_ttl": &g.PreambleTTL},
+	}
+	if handled, err := args.Read(d); handled {
+		return true, err
+	}
 	tlsCfg := func() *reverseproxy.TLSConfig {
 		if g.TLS == nil {
 			g.TLS = new(reverseproxy.TLSConfig)
@@ -79,38 +85,11 @@ func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled 
 		}
 		g.TLS.CARaw = caddyconfig.JSONModuleObject(unm, "provider", stem, nil)
 	case "tls_server_name":
-		if !d.NextArg() {
-			return true, d.ArgErr()
-		}
-		tlsCfg().ServerName = d.Val()
-		if d.NextArg() {
-			return true, d.ArgErr()
-		}
-	case "signing_key_file", "key_id":
-		if !d.NextArg() {
-			return true, d.ArgErr()
-		}
-		if opt == "signing_key_file" {
-			g.SigningKeyFile = d.Val()
-		} else {
-			g.KeyID = d.Val()
-		}
-		if d.NextArg() {
-			return true, d.ArgErr()
-		}
-	case "dial_timeout", "keepalive", "preamble_ttl":
-		dur, err := caddyfileargs.Duration(d)
+		name, err := caddyfileargs.String(d)
 		if err != nil {
 			return true, err
 		}
-		switch opt {
-		case "dial_timeout":
-			g.DialTimeout = dur
-		case "keepalive":
-			g.KeepAlive = dur
-		default:
-			g.PreambleTTL = dur
-		}
+		tlsCfg().ServerName = name
 	case "resumption":
 		v, err := caddyfileargs.OneOf(d, "on", "off")
 		if err != nil {
@@ -137,6 +116,7 @@ func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
+	args := caddyfileargs.Table{Strings: map[string]*string{"forwarder": &h.Forwarder, "sandbox": &h.Sandbox, "target": &h.Target, "client_id": &h.ClientID}}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		if handled, err := h.GatewayDial.unmarshalCaddyfileOption(d); handled {
 			if err != nil {
@@ -144,26 +124,10 @@ func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			continue
 		}
-		switch opt := d.Val(); opt {
-		case "forwarder", "sandbox", "target", "client_id":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			switch opt {
-			case "forwarder":
-				h.Forwarder = d.Val()
-			case "sandbox":
-				h.Sandbox = d.Val()
-			case "client_id":
-				h.ClientID = d.Val()
-			default:
-				h.Target = d.Val()
-			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-		default:
-			return d.Errf("unknown sandbox_proxy option %q", opt)
+		if handled, err := args.Read(d); !handled {
+			return d.Errf("unknown sandbox_proxy option %q", d.Val())
+		} else if err != nil {
+			return err
 		}
 	}
 	return nil
@@ -190,6 +154,12 @@ func (t *SandboxTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
+	args := caddyfileargs.Table{
+		Strings:   map[string]*string{"sandbox": &t.Sandbox, "target": &t.Target, "client_id": &t.ClientID},
+		Ints:      map[string]*int{"max_idle_conns_per_route": &t.MaxIdleConnsPerRoute, "max_conns_per_route": &t.MaxConnsPerRoute, "max_routes": &t.MaxRoutes},
+		Durations: map[string]*caddy.Duration{"idle_timeout": &t.IdleTimeout},
+		Flags:     map[string]*bool{"send_client": &t.SendClient},
+	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		if handled, err := t.GatewayDial.unmarshalCaddyfileOption(d); handled {
 			if err != nil {
@@ -197,52 +167,19 @@ func (t *SandboxTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			continue
 		}
-		switch opt := d.Val(); opt {
-		case "sandbox", "target", "client_id":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			switch opt {
-			case "sandbox":
-				t.Sandbox = d.Val()
-			case "client_id":
-				t.ClientID = d.Val()
-			default:
-				t.Target = d.Val()
-			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-		case "send_client":
-			if err := caddyfileargs.NoArgs(d); err != nil {
+		if handled, err := args.Read(d); handled {
+			if err != nil {
 				return err
 			}
-			t.SendClient = true
+			continue
+		}
+		switch opt := d.Val(); opt {
 		case "versions":
 			v, err := caddyfileargs.OneOf(d, "1.1", "h2c")
 			if err != nil {
 				return err
 			}
 			t.Versions = []string{v}
-		case "max_idle_conns_per_route", "max_conns_per_route", "max_routes":
-			n, err := caddyfileargs.PositiveInt(d)
-			if err != nil {
-				return err
-			}
-			switch opt {
-			case "max_idle_conns_per_route":
-				t.MaxIdleConnsPerRoute = n
-			case "max_conns_per_route":
-				t.MaxConnsPerRoute = n
-			default:
-				t.MaxRoutes = n
-			}
-		case "idle_timeout":
-			dur, err := caddyfileargs.Duration(d)
-			if err != nil {
-				return err
-			}
-			t.IdleTimeout = dur
 		default:
 			return d.Errf("unknown sandbox transport option %q", opt)
 		}
@@ -279,46 +216,22 @@ func unmarshalLookup(d *caddyfile.Dispenser, o *LookupOptions) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
+	args := caddyfileargs.Table{
+		Strings:   map[string]*string{"url": &o.URL},
+		Durations: map[string]*caddy.Duration{"timeout": &o.Timeout, "ttl": &o.TTL, "negative_ttl": &o.NegativeTTL},
+		Ints:      map[string]*int{"max_entries": &o.MaxEntries},
+	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		switch opt := d.Val(); opt {
-		case "url":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			o.URL = d.Val()
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-		case "header":
-			args := d.RemainingArgs()
-			if len(args) != 2 {
-				return d.Errf("header takes a field name and a value, got %d arguments", len(args))
-			}
-			if o.Headers == nil {
-				o.Headers = http.Header{}
-			}
-			o.Headers.Add(args[0], args[1])
-		case "timeout", "ttl", "negative_ttl":
-			dur, err := caddyfileargs.Duration(d)
-			if err != nil {
+		if d.Val() == "header" {
+			if err := caddyfileargs.Header(d, &o.Headers); err != nil {
 				return err
 			}
-			switch opt {
-			case "timeout":
-				o.Timeout = dur
-			case "ttl":
-				o.TTL = dur
-			default:
-				o.NegativeTTL = dur
-			}
-		case "max_entries":
-			n, err := caddyfileargs.PositiveInt(d)
-			if err != nil {
-				return err
-			}
-			o.MaxEntries = n
-		default:
-			return d.Errf("unknown sandbox_lookup option %q", opt)
+			continue
+		}
+		if handled, err := args.Read(d); !handled {
+			return d.Errf("unknown sandbox_lookup option %q", d.Val())
+		} else if err != nil {
+			return err
 		}
 	}
 	if o.URL == "" {
@@ -336,3 +249,11 @@ func (h *SandboxLookup) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 func (h *SandboxLookupL4) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return unmarshalLookup(d, &h.LookupOptions)
 }
+
+// Interface guards.
+var (
+	_ caddyfile.Unmarshaler = (*SandboxProxy)(nil)
+	_ caddyfile.Unmarshaler = (*SandboxTransport)(nil)
+	_ caddyfile.Unmarshaler = (*SandboxLookup)(nil)
+	_ caddyfile.Unmarshaler = (*SandboxLookupL4)(nil)
+)

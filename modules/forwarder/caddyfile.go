@@ -1,12 +1,8 @@
 package forwarder
 
 import (
-	"math"
-	"net/http"
-
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/dustin/go-humanize"
 	"github.com/ktlsingress/caddy-ktls/internal/caddyfileargs"
 )
 
@@ -41,28 +37,41 @@ import (
 //			header     <name> <value>   # repeatable; e.g. Authorization "Bearer {env.ACTIVITY_TOKEN}"
 //			instance   <name>           # in every report's ID; default: the host name
 //		}
+//		max_bandwidth {                    # per sandbox, each direction capped on its own (unmarshalBandwidth)
+//			to_sandbox   <rate>
+//			from_sandbox <rate>
+//			burst        <size>
+//		}
+//		wake <url> {                       # wake a sandbox whose target does not answer (unmarshalWake)
+//			header          <name> <value>
+//			timeout         <duration>
+//			request_timeout <duration>
+//		}
 //	}
 func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the handler name
 	if d.NextArg() {
 		return d.ArgErr()
 	}
-	durations := map[string]*caddy.Duration{
-		"max_clock_skew": &h.MaxClockSkew, "max_preamble_ttl": &h.MaxPreambleTTL,
-		"preamble_timeout": &h.PreambleTimeout, "dial_timeout": &h.DialTimeout,
-		"keepalive": &h.KeepAlive, "tcp_user_timeout": &h.TCPUserTimeout,
-		"drain_grace_period": &h.DrainGracePeriod, "max_tunnel_lifetime": &h.MaxTunnelLifetime,
+	args := caddyfileargs.Table{
+		Durations: map[string]*caddy.Duration{
+			"max_clock_skew": &h.MaxClockSkew, "max_preamble_ttl": &h.MaxPreambleTTL,
+			"preamble_timeout": &h.PreambleTimeout, "dial_timeout": &h.DialTimeout,
+			"keepalive": &h.KeepAlive, "tcp_user_timeout": &h.TCPUserTimeout,
+			"drain_grace_period": &h.DrainGracePeriod, "max_tunnel_lifetime": &h.MaxTunnelLifetime,
+		},
+		Ints:  map[string]*int{"replay_cache_size": &h.ReplayCacheSize, "max_tunnels_per_sandbox": &h.MaxTunnelsPerSandbox},
+		Flags: map[string]*bool{"require_channel_binding": &h.RequireChannelBinding, "insecure_plaintext": &h.InsecurePlaintext},
+		Lists: map[string]*[]string{"key_file": &h.KeyFiles, "allow": &h.AllowCIDRs, "nat64_prefix": &h.NAT64Prefixes, "allow_ports": &h.AllowPorts},
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		opt := d.Val()
-		if dst, ok := durations[opt]; ok {
-			dur, err := caddyfileargs.Duration(d)
+		if handled, err := args.Read(d); handled {
 			if err != nil {
 				return err
 			}
-			*dst = dur
 			continue
 		}
+		opt := d.Val()
 		switch opt {
 		case "key":
 			args := d.RemainingArgs()
@@ -79,32 +88,6 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.KeyClients = map[string][]string{}
 			}
 			h.KeyClients[args[0]] = append(h.KeyClients[args[0]], args[1:]...)
-		case "key_file":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.ArgErr()
-			}
-			h.KeyFiles = append(h.KeyFiles, args...)
-		case "require_channel_binding":
-			if err := caddyfileargs.NoArgs(d); err != nil {
-				return err
-			}
-			h.RequireChannelBinding = true
-		case "insecure_plaintext":
-			if err := caddyfileargs.NoArgs(d); err != nil {
-				return err
-			}
-			h.InsecurePlaintext = true
-		case "replay_cache_size", "max_tunnels_per_sandbox":
-			n, err := caddyfileargs.PositiveInt(d)
-			if err != nil {
-				return err
-			}
-			if opt == "replay_cache_size" {
-				h.ReplayCacheSize = n
-			} else {
-				h.MaxTunnelsPerSandbox = n
-			}
 		case "proxy_protocol":
 			if !d.NextArg() {
 				return d.Errf("proxy_protocol needs a version: v2")
@@ -116,24 +99,6 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if h.ProxyProtocol != "v2" {
 				return d.Errf("proxy_protocol %q: the only version is v2", h.ProxyProtocol)
 			}
-		case "allow":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.ArgErr()
-			}
-			h.AllowCIDRs = append(h.AllowCIDRs, args...)
-		case "nat64_prefix":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.ArgErr()
-			}
-			h.NAT64Prefixes = append(h.NAT64Prefixes, args...)
-		case "allow_ports":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.ArgErr()
-			}
-			h.AllowPorts = append(h.AllowPorts, args...)
 		case "activity_push":
 			p, err := unmarshalActivityPush(d)
 			if err != nil {
@@ -160,58 +125,19 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 }
 
 func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
-	if !d.NextArg() {
-		return nil, d.Errf("activity_push needs a URL")
+	p := new(ActivityPush)
+	args := caddyfileargs.Table{
+		Strings:   map[string]*string{"instance": &p.Instance},
+		Durations: map[string]*caddy.Duration{"interval": &p.Interval, "timeout": &p.Timeout, "backoff": &p.Backoff},
+		Ints:      map[string]*int{"attempts": &p.Attempts, "queue_size": &p.QueueSize},
 	}
-	p := &ActivityPush{URL: d.Val()}
-	if d.NextArg() {
-		return nil, d.ArgErr()
-	}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		switch opt := d.Val(); opt {
-		case "interval", "timeout", "backoff":
-			dur, err := caddyfileargs.Duration(d)
-			if err != nil {
-				return nil, err
-			}
-			switch opt {
-			case "interval":
-				p.Interval = dur
-			case "timeout":
-				p.Timeout = dur
-			default:
-				p.Backoff = dur
-			}
-		case "attempts", "queue_size":
-			n, err := caddyfileargs.PositiveInt(d)
-			if err != nil {
-				return nil, err
-			}
-			if opt == "attempts" {
-				p.Attempts = n
-			} else {
-				p.QueueSize = n
-			}
-		case "header":
-			args := d.RemainingArgs()
-			if len(args) != 2 {
-				return nil, d.Errf("header takes a field name and a value, got %d arguments", len(args))
-			}
-			if p.Headers == nil {
-				p.Headers = http.Header{}
-			}
-			p.Headers.Add(args[0], args[1])
-		case "instance":
-			args := d.RemainingArgs()
-			if len(args) != 1 {
-				return nil, d.Errf("instance takes one name, got %d arguments", len(args))
-			}
-			p.Instance = args[0]
-		default:
-			return nil, d.Errf("unknown activity_push option %q", opt)
+	err := caddyfileargs.Endpoint(d, &p.URL, &p.Headers, func(opt string) error {
+		if handled, err := args.Read(d); handled {
+			return err
 		}
-	}
-	return p, nil
+		return d.Errf("unknown activity_push option %q", opt)
+	})
+	return p, err
 }
 
 // unmarshalBandwidth reads the sandbox handler's max_bandwidth option, in
@@ -228,29 +154,12 @@ func unmarshalBandwidth(d *caddyfile.Dispenser) (*SandboxBandwidth, error) {
 			"(bytes per second, each direction capped on its own) on lines of their own inside max_bandwidth { }", d.Val())
 	}
 	b := new(SandboxBandwidth)
+	args := caddyfileargs.Table{Sizes: map[string]*int64{"to_sandbox": &b.ToSandbox, "from_sandbox": &b.FromSandbox, "burst": &b.Burst}}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		opt := d.Val()
-		var dst *int64
-		switch opt {
-		case "to_sandbox":
-			dst = &b.ToSandbox
-		case "from_sandbox":
-			dst = &b.FromSandbox
-		case "burst":
-			dst = &b.Burst
-		default:
-			return nil, d.Errf("unknown max_bandwidth option %q", opt)
-		}
-		if !d.NextArg() {
-			return nil, d.ArgErr()
-		}
-		n, err := humanize.ParseBytes(d.Val())
-		if err != nil || n == 0 || n > math.MaxInt64 {
-			return nil, d.Errf("%s: %q is not a positive size such as 10MB", opt, d.Val())
-		}
-		*dst = int64(n)
-		if d.NextArg() {
-			return nil, d.ArgErr()
+		if handled, err := args.Read(d); !handled {
+			return nil, d.Errf("unknown max_bandwidth option %q", d.Val())
+		} else if err != nil {
+			return nil, err
 		}
 	}
 	return b, nil
@@ -264,42 +173,24 @@ func unmarshalBandwidth(d *caddyfile.Dispenser) (*SandboxBandwidth, error) {
 //		request_timeout <duration>       # default 10s: the wake request
 //	}
 func unmarshalWake(d *caddyfile.Dispenser) (*SandboxWake, error) {
-	if !d.NextArg() {
-		return nil, d.Errf("wake needs the control plane's URL")
-	}
-	w := &SandboxWake{URL: d.Val()}
-	if d.NextArg() {
-		return nil, d.ArgErr()
-	}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		switch opt := d.Val(); opt {
-		case "timeout", "request_timeout":
-			dur, err := caddyfileargs.Duration(d)
-			if err != nil {
-				return nil, err
-			}
-			if opt == "timeout" {
-				w.Timeout = dur
-			} else {
-				w.RequestTimeout = dur
-			}
-		case "header":
-			args := d.RemainingArgs()
-			if len(args) != 2 {
-				return nil, d.Errf("header takes a field name and a value, got %d arguments", len(args))
-			}
-			if w.Headers == nil {
-				w.Headers = http.Header{}
-			}
-			w.Headers.Add(args[0], args[1])
-		default:
-			return nil, d.Errf("unknown wake option %q", opt)
+	w := new(SandboxWake)
+	args := caddyfileargs.Table{Durations: map[string]*caddy.Duration{"timeout": &w.Timeout, "request_timeout": &w.RequestTimeout}}
+	err := caddyfileargs.Endpoint(d, &w.URL, &w.Headers, func(opt string) error {
+		if handled, err := args.Read(d); handled {
+			return err
 		}
-	}
-	return w, nil
+		return d.Errf("unknown wake option %q", opt)
+	})
+	return w, err
 }
 
 // UnmarshalCaddyfile sets up the matcher: `sandbox`, no arguments.
 func (m *MatchSandbox) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return caddyfileargs.NoArgsOrBlock(d, "sandbox matcher")
 }
+
+// Interface guards.
+var (
+	_ caddyfile.Unmarshaler = (*SandboxHandler)(nil)
+	_ caddyfile.Unmarshaler = (*MatchSandbox)(nil)
+)

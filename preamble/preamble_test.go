@@ -946,3 +946,34 @@ func TestRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestReplayWindow: the window is MaxTTL + 2*MaxSkew in whole seconds,
+// defaults for zeros, at least 1s; a shared cache of exactly that window
+// serves a verifier of those values, one a second shorter does not.
+func TestReplayWindow(t *testing.T) {
+	for _, tc := range []struct {
+		ttl, skew, want time.Duration
+	}{
+		{0, 0, DefaultMaxTTL + 2*DefaultMaxSkew},
+		{90 * time.Second, 1500 * time.Millisecond, 92 * time.Second},
+		{1500 * time.Millisecond, 0, time.Second + 2*DefaultMaxSkew},
+		{time.Second, time.Nanosecond, time.Second},
+		{-time.Second, -time.Second, time.Second},
+	} {
+		if got := ReplayWindow(tc.ttl, tc.skew); got != tc.want {
+			t.Errorf("ReplayWindow(%v, %v) = %v, want %v", tc.ttl, tc.skew, got, tc.want)
+		}
+	}
+	keys := map[string]ed25519.PublicKey{exampleKeyID: examplePub}
+	w := ReplayWindow(90*time.Second, 1500*time.Millisecond)
+	for _, window := range []time.Duration{w, w - time.Second} {
+		rc, err := NewReplayCache(16, window)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = NewVerifier(VerifierConfig{Keys: keys, ReplayCache: rc, MaxTTL: 90 * time.Second, MaxSkew: 1500 * time.Millisecond})
+		if (err == nil) != (window == w) {
+			t.Errorf("a shared cache of %v for a window of %v: NewVerifier error %v", window, w, err)
+		}
+	}
+}

@@ -116,7 +116,7 @@ func NewVerifier(cfg VerifierConfig) (*Verifier, error) {
 	if v.now == nil {
 		v.now = time.Now
 	}
-	window := v.maxTTL + 2*v.maxSkew
+	window := int64(ReplayWindow(ttl, skew) / time.Second)
 	if cfg.ReplayCache != nil {
 		if cfg.ReplayCacheSize != 0 {
 			return nil, errors.New("preamble: set ReplayCacheSize or ReplayCache, not both")
@@ -202,6 +202,20 @@ func verifySignature(key ed25519.PublicKey, signed, sig []byte) bool {
 	n := copy(buf[:], SignatureContext)
 	n += copy(buf[n:], signed)
 	return ed25519.Verify(key, buf[:n], sig)
+}
+
+// ReplayWindow is how long a verifier of maxTTL and maxSkew (zero: their
+// defaults) remembers a nonce it accepted: MaxTTL + 2*MaxSkew, in the whole
+// seconds it checks, and at least 1s. A ReplayCache shared by verifiers
+// must cover the window of each.
+func ReplayWindow(maxTTL, maxSkew time.Duration) time.Duration {
+	if maxTTL == 0 {
+		maxTTL = DefaultMaxTTL
+	}
+	if maxSkew == 0 {
+		maxSkew = DefaultMaxSkew
+	}
+	return max((maxTTL/time.Second+2*(maxSkew/time.Second))*time.Second, time.Second)
 }
 
 // ReplayCache remembers accepted nonces, in bounded memory. A nonce accepted

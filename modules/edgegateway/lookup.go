@@ -116,7 +116,7 @@ func (o *LookupOptions) newLookup(logger *zap.Logger) (*gateway.Lookup, error) {
 	if o.Timeout < 0 || o.TTL < 0 || o.NegativeTTL < 0 || o.MaxEntries < 0 {
 		return nil, errors.New("timeout, ttl, negative_ttl and max_entries must not be negative")
 	}
-	header := controlplane.LoadHeaders(logger, o.Headers)
+	header := controlplane.LoadHeaders(logger, "sandbox_lookup", o.Headers)
 	if header.Get("User-Agent") == "" {
 		header.Set("User-Agent", controlplane.UserAgent())
 	}

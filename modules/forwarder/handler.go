@@ -306,7 +306,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	var waker *forward.Waker
 	var wakeTimeout time.Duration
 	if w := h.Wake; w != nil {
-		waker, err = forward.NewWaker(forward.WakerConfig{URL: w.URL, Header: controlplane.LoadHeaders(h.logger, w.Headers),
+		waker, err = forward.NewWaker(forward.WakerConfig{URL: w.URL, Header: controlplane.LoadHeaders(h.logger, "wake", w.Headers),
 			Timeout: time.Duration(w.RequestTimeout), UserAgent: controlplane.UserAgent()})
 		if err != nil {
 			return fmt.Errorf("sandbox handler: wake: %w", err)
@@ -362,7 +362,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 	h.anonymous = logsummary.NewFailureSummary(h.logger, AnonymousRejectSummary, []string{string(forward.ReasonNoClientCertificate)},
 		`each at DEBUG ("`+tunnelRejectedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them`)
 	if p := h.ActivityPush; p != nil {
-		header := controlplane.LoadHeaders(h.logger, p.Headers)
+		header := controlplane.LoadHeaders(h.logger, "activity_push", p.Headers)
 		h.pushDrops = newPushDropLog(h.logger, p.URL)
 		h.pusher, err = forward.NewPusher(forward.PusherConfig{
 			URL: p.URL, Interval: time.Duration(p.Interval), Timeout: time.Duration(p.Timeout),
@@ -449,17 +449,9 @@ func (h *SandboxHandler) loadReplayCache() (*preamble.ReplayCache, error) {
 	if size == 0 {
 		size = preamble.DefaultReplayCacheSize
 	}
-	skew, ttl := time.Duration(h.MaxClockSkew), time.Duration(h.MaxPreambleTTL)
-	if skew == 0 {
-		skew = preamble.DefaultMaxSkew
-	}
-	if ttl == 0 {
-		ttl = preamble.DefaultMaxTTL
-	}
-	// The verifier checks whole seconds, and its window is MaxTTL +
-	// 2*MaxSkew; at least 1s so that bad TTL or skew values reach the
-	// verifier's clearer error.
-	window := max((ttl/time.Second+2*(skew/time.Second))*time.Second, time.Second)
+	// At least 1s: bad TTL or skew values reach the verifier's clearer
+	// error.
+	window := preamble.ReplayWindow(time.Duration(h.MaxPreambleTTL), time.Duration(h.MaxClockSkew))
 	key := replayCacheKey{size: size, window: window}
 	v, _, err := replayCaches.LoadOrNew(key, func() (caddy.Destructor, error) {
 		rc, err := preamble.NewReplayCache(size, window)

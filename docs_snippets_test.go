@@ -361,7 +361,7 @@ func runListenerWrapperSnippet(t *testing.T, files *snippetFiles, where string, 
 
 	// The listener wrapper's completed handshakes, offloaded or not.
 	wrapped := func() (n uint64) {
-		for k, v := range offload.HandshakeOutcomes.Snapshot() {
+		for k, v := range offload.HandshakeOutcomeCounts() {
 			if k.Module == moduleid.ListenerWrapper && k.Reason != ktls.ReasonHandshakeFailed {
 				n += v
 			}

@@ -89,16 +89,16 @@ func TestUndeclaredSeriesCountedAndReported(t *testing.T) {
 func TestEveryObservationLands(t *testing.T) {
 	for _, m := range moduleid.Engine {
 		for _, r := range ktls.Reasons() {
-			before := offload.HandshakeOutcomes.Snapshot()[offload.OutcomeKey{Module: m, Reason: r}]
+			before := offload.HandshakeOutcomeCounts()[offload.OutcomeKey{Module: m, Reason: r}]
 			offload.ObserveHandshake(m, ktls.Event{Kind: ktls.EventHandshake, Offload: ktls.Offload{Reason: r}, Duration: time.Millisecond})
-			if got := offload.HandshakeOutcomes.Snapshot()[offload.OutcomeKey{Module: m, Reason: r}] - before; got != 1 {
+			if got := offload.HandshakeOutcomeCounts()[offload.OutcomeKey{Module: m, Reason: r}] - before; got != 1 {
 				t.Errorf("caddy_ktls_handshakes_total{module=%q,reason=%q} moved by %d, want 1", m, r, got)
 			}
 		}
 		for _, ev := range offload.CloseEvents {
-			before := offload.ConnCloses.Snapshot()[offload.CloseKey{Module: m, Event: ev}]
+			before := offload.ConnCloseCounts()[offload.CloseKey{Module: m, Event: ev}]
 			offload.CountClose(m, ev)
-			if got := offload.ConnCloses.Snapshot()[offload.CloseKey{Module: m, Event: ev}] - before; got != 1 {
+			if got := offload.ConnCloseCounts()[offload.CloseKey{Module: m, Event: ev}] - before; got != 1 {
 				t.Errorf("caddy_ktls_connections_closed_total{module=%q,event=%q} moved by %d, want 1", m, ev, got)
 			}
 		}
@@ -106,15 +106,15 @@ func TestEveryObservationLands(t *testing.T) {
 	for _, m := range moduleid.Server {
 		f := offload.NewHandshakeFailureLog(m, zap.NewNop())
 		for _, reason := range offload.HandshakeFailureReasons {
-			before := offload.HandshakeFails.Snapshot()[offload.FailKey{Module: m, Reason: reason}]
-			offload.HandshakeFails.Add(offload.FailKey{Module: m, Reason: reason})
-			if got := offload.HandshakeFails.Snapshot()[offload.FailKey{Module: m, Reason: reason}] - before; got != 1 {
+			before := offload.HandshakeFailureCounts()[offload.FailKey{Module: m, Reason: reason}]
+			offload.CountHandshakeFailure(m, reason)
+			if got := offload.HandshakeFailureCounts()[offload.FailKey{Module: m, Reason: reason}] - before; got != 1 {
 				t.Errorf("caddy_ktls_handshake_failures_total{module=%q,reason=%q} moved by %d, want 1", m, reason, got)
 			}
 		}
-		before := offload.HandshakeFails.Snapshot()[offload.FailKey{Module: m, Reason: "closed"}]
+		before := offload.HandshakeFailureCounts()[offload.FailKey{Module: m, Reason: "closed"}]
 		f.Record(ktls.Event{Kind: ktls.EventHandshake, Offload: ktls.Offload{Reason: ktls.ReasonHandshakeFailed}, Err: io.EOF})
-		if got := offload.HandshakeFails.Snapshot()[offload.FailKey{Module: m, Reason: "closed"}] - before; got != 1 {
+		if got := offload.HandshakeFailureCounts()[offload.FailKey{Module: m, Reason: "closed"}] - before; got != 1 {
 			t.Errorf("%s: a failed handshake (EOF) moved its closed series by %d, want 1", m, got)
 		}
 	}

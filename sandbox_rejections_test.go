@@ -237,7 +237,7 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 		t.Errorf("%d refused peers reached the preamble parser", n)
 	}
 	metrics := string(e.adminBody(t, "/metrics"))
-	l4Failed := offload.HandshakeOutcomes.Snapshot()[offload.OutcomeKey{Module: moduleid.L4Handler, Reason: ktls.ReasonHandshakeFailed}]
+	l4Failed := offload.HandshakeOutcomeCounts()[offload.OutcomeKey{Module: moduleid.L4Handler, Reason: ktls.ReasonHandshakeFailed}]
 	if line := fmt.Sprintf("%s %d\n", handshakeSeries(ktls.ReasonHandshakeFailed), l4Failed); !strings.Contains(metrics, line) {
 		t.Errorf("/metrics lacks %q", line)
 	}

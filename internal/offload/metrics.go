@@ -1,68 +1,11 @@
 package offload
 
 import (
-	"slices"
-
 	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/prometheus/client_golang/prometheus"
 )
-
-type CloseKey struct {
-	Module string
-	Event  ktls.EventKind
-}
-
-// connCloses counts the connections the ktls engine closed, per module and
-// event (and the layer4 handler's bad records).
-var ConnCloses = func() *caddymetrics.SeriesCounts[CloseKey] {
-	var keys []CloseKey
-	for _, m := range moduleid.Engine {
-		for _, ev := range CloseEvents {
-			keys = append(keys, CloseKey{m, ev})
-		}
-	}
-	return caddymetrics.NewSeriesCounts("caddy_ktls_connections_closed_total", append(keys, CloseKey{moduleid.L4Handler, EventBadRecord}))
-}()
-
-// countClose records ev for module when it is a close event. Every
-// handshake reports an event too: those return before taking the lock.
-func CountClose(module string, ev ktls.EventKind) {
-	if slices.Contains(CloseEvents, ev) {
-		ConnCloses.Add(CloseKey{module, ev})
-	}
-}
-
-type OutcomeKey struct {
-	Module string
-	Reason ktls.Reason
-}
-
-// handshakeOutcomes counts the handshakes of each module's connections by
-// offload outcome (caddy_ktls_handshakes_total{module,reason}).
-var HandshakeOutcomes = func() *caddymetrics.SeriesCounts[OutcomeKey] {
-	var keys []OutcomeKey
-	for _, m := range moduleid.Engine {
-		for _, r := range ktls.Reasons() {
-			keys = append(keys, OutcomeKey{m, r})
-		}
-	}
-	return caddymetrics.NewSeriesCounts("caddy_ktls_handshakes_total", keys)
-}()
-
-type FailKey struct{ Module, Reason string }
-
-// handshakeFails counts failed TLS handshakes per module and reason.
-var HandshakeFails = func() *caddymetrics.SeriesCounts[FailKey] {
-	var keys []FailKey
-	for _, m := range moduleid.Server {
-		for _, r := range HandshakeFailureReasons {
-			keys = append(keys, FailKey{m, r})
-		}
-	}
-	return caddymetrics.NewSeriesCounts("caddy_ktls_handshake_failures_total", keys)
-}()
 
 var (
 	// The TLS handshake and the offload (key capture and install) of each
@@ -93,7 +36,7 @@ func ObserveHandshake(module string, ev ktls.Event) {
 		result = HandshakeResultFailed
 	}
 	handshakeDuration.WithLabelValues(module, result).Observe(ev.Duration.Seconds())
-	HandshakeOutcomes.Add(OutcomeKey{module, ev.Offload.Reason})
+	handshakeOutcomes.Add(OutcomeKey{module, ev.Offload.Reason})
 }
 
 // kernelFeatures says, by feature of caddy_ktls_kernel_support, whether the
@@ -141,7 +84,7 @@ func init() {
 	caddymetrics.Add(moduleid.Engine, &caddymetrics.Gathered{
 		Descs: []*prometheus.Desc{descOffloads, descOffloadModes, descConnCloses},
 		Gather: func(ch chan<- prometheus.Metric) {
-			for k, n := range HandshakeOutcomes.Snapshot() {
+			for k, n := range handshakeOutcomes.Snapshot() {
 				ch <- prometheus.MustNewConstMetric(descOffloads, prometheus.CounterValue, float64(n), k.Module, string(k.Reason))
 			}
 			ks := ktls.Stats()
@@ -150,7 +93,7 @@ func init() {
 					ch <- prometheus.MustNewConstMetric(descOffloadModes, prometheus.CounterValue, float64(n), dir, mode.String())
 				}
 			}
-			for k, n := range ConnCloses.Snapshot() {
+			for k, n := range connCloses.Snapshot() {
 				ch <- prometheus.MustNewConstMetric(descConnCloses, prometheus.CounterValue, float64(n), k.Module, string(k.Event))
 			}
 		},
@@ -158,7 +101,7 @@ func init() {
 	caddymetrics.Add(moduleid.Server, &caddymetrics.Gathered{
 		Descs: []*prometheus.Desc{descHandshakeFails},
 		Gather: func(ch chan<- prometheus.Metric) {
-			for k, n := range HandshakeFails.Snapshot() {
+			for k, n := range handshakeFails.Snapshot() {
 				ch <- prometheus.MustNewConstMetric(descHandshakeFails, prometheus.CounterValue, float64(n), k.Module, k.Reason)
 			}
 		},

@@ -288,7 +288,7 @@ func NewHandshakeFailureLog(module string, logger *zap.Logger) *HandshakeFailure
 // ktls.ReasonHandshakeFailed) and logs it.
 func (f *HandshakeFailureLog) Record(ev ktls.Event) {
 	reason := handshakeFailureReason(ev.Err)
-	HandshakeFails.Add(FailKey{f.module, reason})
+	handshakeFails.Add(FailKey{f.module, reason})
 	f.logger.Debug("TLS handshake failed", append([]zap.Field{zap.String("reason", reason), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err)},
 		handshakeFailureDetail(reason, ev.Err)...)...)
 	f.summary.Add(reason)

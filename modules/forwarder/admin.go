@@ -15,7 +15,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
-	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
@@ -145,10 +144,6 @@ const (
 	closeRefusedFull        = "refusals-full" // refuse_for beyond forward.MaxRefusals (429)
 )
 
-// closeRefusals counts the refused POST /sandbox/close by reason.
-var closeRefusals = caddymetrics.NewSeriesCounts("caddy_ktls_sandbox_close_refused_total", []string{
-	closeRefusedMethod, closeRefusedContentType, closeRefusedTooLarge, closeRefusedBadRequest, closeRefusedFull})
-
 // refuseClose counts and logs a refused POST /sandbox/close, and returns
 // the admin API's answer to it: status, and err as the body's "error".
 func refuseClose(status int, reason string, err error) error {
@@ -174,9 +169,6 @@ type CloseResponse struct {
 	// RefusingUntil is when new tunnels to the sandbox are admitted again.
 	RefusingUntil *time.Time `json:"refusing_until,omitempty"`
 }
-
-// closeRequests counts the served POST /sandbox/close by mode.
-var closeRequests = caddymetrics.NewSeriesCounts("caddy_ktls_sandbox_close_requests_total", []string{closeModeFail, closeModeGraceful})
 
 func serveClose(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodPost {

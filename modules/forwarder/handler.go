@@ -617,7 +617,7 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	}
 	if err != nil && !errors.Is(err, io.EOF) {
 		if ktls.IsBadRecord(err) {
-			offload.ConnCloses.Add(offload.CloseKey{Module: moduleid.L4Handler, Event: offload.EventBadRecord})
+			offload.CountClose(moduleid.L4Handler, offload.EventBadRecord)
 		}
 		h.logger.Info("sandbox tunnel ended with an error", append(fields, zap.Error(err))...)
 		return nil

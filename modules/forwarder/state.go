@@ -8,6 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -18,10 +19,9 @@ import (
 // (a reload must not end or reset them), the gateway keys of every loaded
 // configuration (a reload that stops trusting a key ends that key's
 // tunnels), the replay caches (a nonce accepted before a reload stays
-// spent), the activity pushers' counts (metrics never go backwards), and the
-// connection-close and handshake-failure counts (one series per module and
-// event or reason from the start).
-// The metrics collector (metrics.go) reads all of it.
+// spent), the activity pushers' counts and the close API's counts (metrics
+// never go backwards). The forwarder's families (metrics.go) read all of it
+// at scrape time.
 
 // tunnels is the process-level tunnel registry: every configuration loaded
 // over the process's lifetime shares it, so tunnels and their counters
@@ -143,3 +143,10 @@ func Tunnels() *forward.Registry { return tunnels }
 func ReplayCacheReferences(size int, window time.Duration) (int, bool) {
 	return replayCaches.References(replayCacheKey{size: size, window: window})
 }
+
+// closeRefusals counts the refused POST /sandbox/close by reason.
+var closeRefusals = caddymetrics.NewSeriesCounts("caddy_ktls_sandbox_close_refused_total", []string{
+	closeRefusedMethod, closeRefusedContentType, closeRefusedTooLarge, closeRefusedBadRequest, closeRefusedFull})
+
+// closeRequests counts the served POST /sandbox/close by mode.
+var closeRequests = caddymetrics.NewSeriesCounts("caddy_ktls_sandbox_close_requests_total", []string{closeModeFail, closeModeGraceful})

@@ -829,16 +829,8 @@ func checkRouteHandlers(handlers []json.RawMessage, tlsBefore bool, where string
 					"add `ktls { ... }` with client_auth before `sandbox` (it refuses every connection without a verified client certificate)", where, j)
 			}
 		case head.Handler == "subroute":
-			var sub struct {
-				Routes []struct {
-					Handle []json.RawMessage `json:"handle"`
-				} `json:"routes"`
-			}
-			if json.Unmarshal(raw, &sub) != nil {
-				continue
-			}
-			for k, r := range sub.Routes {
-				n, err := checkRouteHandlers(r.Handle, tlsBefore, fmt.Sprintf("%s, handler %d (subroute), route %d", where, j, k))
+			for k, handlers := range subrouteHandlers(raw) {
+				n, err := checkRouteHandlers(handlers, tlsBefore, fmt.Sprintf("%s, handler %d (subroute), route %d", where, j, k))
 				found += n
 				if err != nil {
 					return found, err
@@ -867,4 +859,22 @@ func (h *SandboxHandler) onWake(ev forward.WakeEvent) {
 	if ev.Outcome == forward.WakeWoken {
 		h.logger.Info(WokenMsg, zap.String("sandbox", ev.Sandbox), zap.Stringer("target", ev.Target), zap.Duration("took", ev.Duration))
 	}
+}
+
+// subrouteHandlers returns the handler lists of the routes of a caddy-l4
+// subroute handler's JSON (none where it does not parse).
+func subrouteHandlers(raw json.RawMessage) [][]json.RawMessage {
+	var sub struct {
+		Routes []struct {
+			Handle []json.RawMessage `json:"handle"`
+		} `json:"routes"`
+	}
+	if json.Unmarshal(raw, &sub) != nil {
+		return nil
+	}
+	lists := make([][]json.RawMessage, len(sub.Routes))
+	for i, r := range sub.Routes {
+		lists[i] = r.Handle
+	}
+	return lists
 }

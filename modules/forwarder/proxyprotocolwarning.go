@@ -129,19 +129,7 @@ func proxiedSandboxes(routes [][]json.RawMessage, proxied bool, where string) []
 					out = append(out, at)
 				}
 			case "subroute":
-				var sub struct {
-					Routes []struct {
-						Handle []json.RawMessage `json:"handle"`
-					} `json:"routes"`
-				}
-				if json.Unmarshal(raw, &sub) != nil {
-					continue
-				}
-				var lists [][]json.RawMessage
-				for _, r := range sub.Routes {
-					lists = append(lists, r.Handle)
-				}
-				out = append(out, proxiedSandboxes(lists, proxied, at+" (subroute)")...)
+				out = append(out, proxiedSandboxes(subrouteHandlers(raw), proxied, at+" (subroute)")...)
 			}
 		}
 	}

@@ -127,9 +127,6 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 	if err := caddymetrics.Register(ctx, moduleid.ListenerWrapper); err != nil {
 		return err
 	}
-	if err := registerListenerMetrics(ctx); err != nil {
-		return err
-	}
 	lw.failures = offload.NewHandshakeFailureLog(moduleid.ListenerWrapper, lw.logger)
 	lw.opts = lw.KtlsOptions(lw.observe)
 	lw.sendfile = lw.Sendfile && servesH1AndH2(srv)

@@ -1,18 +1,17 @@
 package caddyktls
 
 import (
-	"errors"
 	"sync/atomic"
 
-	"github.com/caddyserver/caddy/v2"
+	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
 // HTTP response body writes that net/http handed whole to the ktls listener
 // wrapper's connections (ReadFrom, `sendfile` on), by path:
 // caddy_ktls_http_body_writes_total and caddy_ktls_http_body_bytes_total. Handshake outcomes (offloaded TX/RX by
-// mode, fallbacks by reason) are exported by the package collector in
-// metrics.go, which the wrapper registers as well.
+// mode, fallbacks by reason) are the engine's families (internal/offload).
 var (
 	readFromSendfile readFromCounter // a file, TX in the kernel: sendfile(2)
 	readFromCopy     readFromCounter // anything else: copied through Write
@@ -32,9 +31,9 @@ func countReadFrom(sendfile bool, n int64) {
 	c.bytes.Add(uint64(max(n, 0)))
 }
 
-// listenerCollector exports the ReadFrom counters. Like the package
-// collector it is created once per process and registered into every
-// configuration's registry, so the counts survive reloads.
+// listenerCollector exports the ReadFrom counters. Like every family it
+// is made once per process and exported into every configuration's
+// registry (caddymetrics), so the counts survive reloads.
 type listenerCollector struct{ calls, bytes *prometheus.Desc }
 
 var listenerMetrics = &listenerCollector{
@@ -61,13 +60,6 @@ func (c *listenerCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// registerListenerMetrics adds the listener collector to this
-// configuration's registry (once: later wrappers find it there).
-func registerListenerMetrics(ctx caddy.Context) error {
-	err := ctx.GetMetricsRegistry().Register(listenerMetrics)
-	var are prometheus.AlreadyRegisteredError
-	if err != nil && !errors.As(err, &are) {
-		return err
-	}
-	return nil
+func init() {
+	caddymetrics.Add([]string{moduleid.ListenerWrapper}, listenerMetrics)
 }

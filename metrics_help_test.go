@@ -16,7 +16,7 @@ import (
 // method that happens to count, such as ReadFrom).
 func TestMetricsHelp(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(caddymetrics.All, listenerMetrics)
+	reg.MustRegister(caddymetrics.All)
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

@@ -15,7 +15,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
-// The duration histograms (metrics.go) and the kernel support gauge, as
+// The duration histograms (modules/forwarder/metrics.go, internal/offload/metrics.go) and the kernel support gauge, as
 // /metrics exports them.
 
 const (

@@ -128,21 +128,21 @@ func one(t *testing.T, s map[string][]string, key string) string {
 }
 
 // drainGraceDefault reads the sandbox handler's documented default
-// drain_grace_period from the field's doc comment in sandboxhandler.go
+// drain_grace_period from the field's doc comment in modules/forwarder/handler.go
 // ("Default: 30s."), which is also its JSON documentation.
 func drainGraceDefault(t *testing.T) time.Duration {
 	t.Helper()
-	src, err := os.ReadFile("../sandboxhandler.go")
+	src, err := os.ReadFile("../modules/forwarder/handler.go")
 	if err != nil {
 		t.Fatal(err)
 	}
 	m := regexp.MustCompile(`// Default: (\S+)\.\n\s*DrainGracePeriod caddy\.Duration`).FindSubmatch(src)
 	if m == nil {
-		t.Fatal(`sandboxhandler.go: no "// Default: <d>." right above the DrainGracePeriod field; update this test with where the default is now`)
+		t.Fatal(`modules/forwarder/handler.go: no "// Default: <d>." right above the DrainGracePeriod field; update this test with where the default is now`)
 	}
 	d, err := time.ParseDuration(string(m[1]))
 	if err != nil {
-		t.Fatalf("sandboxhandler.go: drain_grace_period default %q: %v", m[1], err)
+		t.Fatalf("modules/forwarder/handler.go: drain_grace_period default %q: %v", m[1], err)
 	}
 	return d
 }

@@ -17,13 +17,14 @@ import (
 var (
 	measuredCommon = []string{
 		"go.mod", "go.sum", ":(glob)*.go", "ktls", "splice", "forward", "preamble",
-		"internal/sockerr", "internal/loopback", "cmd/caddy", "integration/bench",
+		"internal/sockerr", "internal/loopback", "internal/cphttp", "cmd/caddy", "integration/bench",
+		"modules/forwarder", "internal/moduleid", "internal/caddymetrics", "internal/offload", "internal/controlplane",
+		"internal/l4conn", "internal/logsummary", "internal/caddyfileargs", "internal/cli",
 		":(exclude,glob)**/*_test.go",
 	}
 	// The gateway modules, which only the gateway chains (l7-l7, l7-l4,
 	// l4-l4) run in a Caddy process.
-	gatewayCode = []string{"gateway", "gatewaydial.go", "gatewaymetrics.go", "sandboxtransport.go", "sandboxproxy.go",
-		"sandboxlookup.go", "sandboxlookupl4.go"}
+	gatewayCode = []string{"gateway", "modules/edgegateway"}
 	measuredForwarder = append(append([]string{}, measuredCommon...), excludeAll(gatewayCode)...)
 	measuredGateway   = append(append([]string{}, measuredCommon...), gatewayCode...)
 )

@@ -140,7 +140,7 @@ var views = struct {
 // registry, with what module can move among them.
 func Register(ctx caddy.Context, module string) error {
 	if !slices.Contains(moduleid.Any, module) {
-		return fmt.Errorf("metrics: %s is not in the tables of the modules that move metrics (metrics.go)", module)
+		return fmt.Errorf("metrics: %s is not in the tables of the modules that move metrics (internal/moduleid)", module)
 	}
 	reg := ctx.GetMetricsRegistry()
 	views.Lock()

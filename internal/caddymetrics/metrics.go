@@ -296,22 +296,22 @@ func labelSets(values [][]string) [][]string {
 
 // undeclaredPanics makes Undeclared panic in tests, so that an observation
 // the tables miss fails the test that made it.
-var UndeclaredPanics = testing.Testing()
+var undeclaredPanics = testing.Testing()
 
 // Undeclared reports an observation of series, which metric did not
 // declare: a table that misses a value some code observes. The observation
 // is counted all the same; this is said once per series, at ERROR.
 func Undeclared(metric, series string) {
-	if UndeclaredPanics {
+	if undeclaredPanics {
 		panic(fmt.Sprintf("metric %s: series %s was not declared: add its label values to the table that declares them", metric, series))
 	}
-	LogUndeclared(caddy.Log(), metric, series)
+	logUndeclared(caddy.Log(), metric, series)
 }
 
 // undeclaredLogged holds the series logUndeclared has logged.
 var undeclaredLogged sync.Map
 
-func LogUndeclared(logger *zap.Logger, metric, series string) {
+func logUndeclared(logger *zap.Logger, metric, series string) {
 	if _, logged := undeclaredLogged.LoadOrStore(metric+"\x00"+series, true); logged {
 		return
 	}

@@ -275,10 +275,11 @@ func tlsSend(ctx context.Context, addr string, cfg *tls.Config, signer *preamble
 // gatewayDial opens a tunnel to the forwarder at addr as a gateway does
 // (gateway.Dialer), in userspace TLS, as an outside client of the
 // forwarder would: its client certificate from cfg, a preamble for
-// sandbox and target signed by signer and bound to the session. Every
-// error is a *gateway.DialError.
+// sandbox and target signed by signer and bound to the session. It
+// resumes a session only from cfg's ClientSessionCache. Every error is a
+// *gateway.DialError.
 func gatewayDial(ctx context.Context, addr string, cfg *tls.Config, signer *preamble.Signer, sandbox string, target netip.AddrPort) (*ktls.Conn, error) {
-	d, err := gateway.New(gateway.Config{TLS: cfg, Signer: signer, KTLS: ktls.Options{Disable: true}, DisableResumption: true})
+	d, err := gateway.New(gateway.Config{TLS: cfg, Signer: signer, KTLS: ktls.Options{Disable: true}})
 	if err != nil {
 		return nil, err
 	}

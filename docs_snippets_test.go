@@ -314,7 +314,7 @@ func runForwarderSnippet(t *testing.T, files *snippetFiles, where string, cfg []
 	tlsCfg.ServerName = "forwarder.internal"
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	c, err := preamble.Dial(ctx, "tcp", listen, tlsCfg, files.signer.Signer, preamble.Claims{SandboxID: "sbx-readme", Target: netip.MustParseAddrPort(up.Addr().String())})
+	c, err := gatewayDial(ctx, listen, tlsCfg, files.signer.Signer, "sbx-readme", netip.MustParseAddrPort(up.Addr().String()))
 	if err != nil {
 		t.Fatalf("dial %s's forwarder: %v", where, err)
 	}

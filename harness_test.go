@@ -22,7 +22,9 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -236,22 +238,52 @@ func (e *sandboxEnv) tlsConfig(leaf *testpki.Leaf) *tls.Config {
 }
 
 // dial opens a tunnel to target with a bound, signed preamble.
-func (e *sandboxEnv) dial(t testing.TB, sandbox string, target netip.AddrPort) *tls.Conn {
+func (e *sandboxEnv) dial(t testing.TB, sandbox string, target netip.AddrPort) *ktls.Conn {
 	t.Helper()
 	return e.dialWith(t, e.tlsConfig(e.client), e.gw.Signer, sandbox, target)
 }
 
 // dialWith is dial with the gateway's TLS configuration cfg and a preamble
 // signed by signer.
-func (e *sandboxEnv) dialWith(t testing.TB, cfg *tls.Config, signer *preamble.Signer, sandbox string, target netip.AddrPort) *tls.Conn {
+func (e *sandboxEnv) dialWith(t testing.TB, cfg *tls.Config, signer *preamble.Signer, sandbox string, target netip.AddrPort) *ktls.Conn {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := preamble.Dial(ctx, "tcp", e.addr, cfg, signer, preamble.Claims{SandboxID: sandbox, Target: target})
+	c, err := gatewayDial(ctx, e.addr, cfg, signer, sandbox, target)
 	if err != nil {
-		t.Fatalf("preamble.Dial: %v", err)
+		t.Fatalf("gateway dial: %v", err)
 	}
 	return c
+}
+
+// tlsSend dials addr with crypto/tls and writes a preamble for claims
+// with preamble.Send: a peer that is no gateway, such as one without a
+// client certificate (which gateway.New refuses).
+func tlsSend(ctx context.Context, addr string, cfg *tls.Config, signer *preamble.Signer, claims preamble.Claims) (*tls.Conn, error) {
+	nc, err := (&tls.Dialer{Config: cfg}).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	c := nc.(*tls.Conn)
+	if err := preamble.Send(ctx, c, signer, claims); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// gatewayDial opens a tunnel to the forwarder at addr as a gateway does
+// (gateway.Dialer), in userspace TLS, as an outside client of the
+// forwarder would: its client certificate from cfg, a preamble for
+// sandbox and target signed by signer and bound to the session. It
+// resumes a session only from cfg's ClientSessionCache. Every error is a
+// *gateway.DialError.
+func gatewayDial(ctx context.Context, addr string, cfg *tls.Config, signer *preamble.Signer, sandbox string, target netip.AddrPort) (*ktls.Conn, error) {
+	d, err := gateway.New(gateway.Config{TLS: cfg, Signer: signer, KTLS: ktls.Options{Disable: true}})
+	if err != nil {
+		return nil, err
+	}
+	return d.Dial(ctx, gateway.Route{Forwarder: addr, Sandbox: sandbox, Target: target})
 }
 
 func (e *sandboxEnv) adminGet(t testing.TB, path string, v any) {

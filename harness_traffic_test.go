@@ -22,9 +22,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
-	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
 // Traffic through a tunnel: gateways (Go and OpenSSL), upstreams that
@@ -32,10 +33,10 @@ import (
 // must read the tunnel's end.
 
 // openTunnel is dial with a deadline and an error instead of a test failure.
-func (e *sandboxEnv) openTunnel(sandbox string, target netip.AddrPort, timeout time.Duration) (*tls.Conn, error) {
+func (e *sandboxEnv) openTunnel(sandbox string, target netip.AddrPort, timeout time.Duration) (*ktls.Conn, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	return preamble.Dial(ctx, "tcp", e.addr, e.tlsConfig(e.client), e.gw.Signer, preamble.Claims{SandboxID: sandbox, Target: target})
+	return gatewayDial(ctx, e.addr, e.tlsConfig(e.client), e.gw.Signer, sandbox, target)
 }
 
 // tricklingUpstream is a sandbox service that writes chunk pattern bytes
@@ -90,7 +91,7 @@ type streamOutcome struct {
 // pacedStream writes chunk pattern bytes (seed) on c every pace until stop
 // is closed, then half-closes; meanwhile it reads to EOF. It closes c and
 // reports both directions' counts and hashes.
-func pacedStream(c *tls.Conn, seed uint64, chunk int, pace time.Duration, stop <-chan struct{}) <-chan streamOutcome {
+func pacedStream(c halfCloser, seed uint64, chunk int, pace time.Duration, stop <-chan struct{}) <-chan streamOutcome {
 	out := make(chan streamOutcome, 1)
 	go func() {
 		defer c.Close()
@@ -211,7 +212,7 @@ func transfer(c halfCloser, send int64, seed uint64) (recvN int64, recvSum [32]b
 		// crypto/tls gives the close_notify's write 5 s: queued behind a
 		// full send buffer that a loaded VM's forwarder drains slowly, it
 		// could time out on the gateway's side.
-		if tc, ok := c.(*tls.Conn); ok && err == nil {
+		if tc, ok := c.(interface{ NetConn() net.Conn }); ok && err == nil {
 			if sock, ok := tc.NetConn().(*net.TCPConn); ok {
 				err = awaitSendQueueEmpty(sock, 2*time.Minute)
 			}
@@ -264,7 +265,7 @@ func checkTunnelTransfer(t testing.TB, up *forwardtest.Upstream, size int64, see
 
 // checkGatewayEnd fails t unless err, how a gateway's read of a TLS 1.3
 // tunnel ended, says what the forwarder meant: refused (the access_denied
-// alert, preamble.Refused, with TX in the kernel or not) or failed (the
+// alert, gateway.Refused, with TX in the kernel or not) or failed (the
 // internal_error alert where TX is in the kernel (kernel); in userspace
 // TLS, where crypto/tls sends no alert of the forwarder's choosing after
 // data, a reset).
@@ -274,7 +275,7 @@ func checkGatewayEnd(t testing.TB, err error, kernel, refused bool) {
 	var want string
 	switch {
 	case refused:
-		ok, want = preamble.Refused(err), "the access_denied alert (preamble.Refused)"
+		ok, want = gateway.Refused(err), "the access_denied alert (gateway.Refused)"
 	case !kernel:
 		ok, want = errors.Is(err, syscall.ECONNRESET), "a reset"
 	default:
@@ -356,7 +357,7 @@ const resetAnswer, resetRequest = 96 << 10, 4 << 10
 // resetUpstream that answers resetAnswer bytes and then resets, and checks
 // that the gateway reads the whole answer, then the tunnel's failure
 // (checkGatewayEnd), and that the sandbox read the request (upReceived).
-func checkAnswerThenFailure(t *testing.T, c *tls.Conn, kernel bool, upReceived <-chan int64) {
+func checkAnswerThenFailure(t *testing.T, c halfCloser, kernel bool, upReceived <-chan int64) {
 	t.Helper()
 	defer c.Close()
 	if _, err := io.Copy(c, io.LimitReader(forwardtest.NewPattern(6), resetRequest)); err != nil {

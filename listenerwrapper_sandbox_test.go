@@ -20,6 +20,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -170,13 +171,13 @@ func lwStartForwarder(t *testing.T, target netip.AddrPort, session bool) *lwForw
 
 // dial opens a tunnel to target for sandbox with a preamble signer signed
 // and bound to the session.
-func (f *lwForwarder) dial(t *testing.T, signer *preamble.Signer, sandbox string, target netip.AddrPort) *tls.Conn {
+func (f *lwForwarder) dial(t *testing.T, signer *preamble.Signer, sandbox string, target netip.AddrPort) *ktls.Conn {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := preamble.Dial(ctx, "tcp", f.addr, f.clientTLS, signer, preamble.Claims{SandboxID: sandbox, Target: target})
+	c, err := gatewayDial(ctx, f.addr, f.clientTLS, signer, sandbox, target)
 	if err != nil {
-		t.Fatalf("preamble.Dial: %v", err)
+		t.Fatalf("gateway dial: %v", err)
 	}
 	return c
 }

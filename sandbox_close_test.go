@@ -1,10 +1,10 @@
 package caddyktls
 
 import (
-	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"slices"
@@ -18,6 +18,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
 // adminPost POSTs body to path on the env's admin endpoint and returns the
@@ -59,7 +60,7 @@ type tunnelReader struct {
 	end chan error
 }
 
-func readTunnel(c *tls.Conn) *tunnelReader {
+func readTunnel(c net.Conn) *tunnelReader {
 	r := &tunnelReader{end: make(chan error, 1)}
 	go func() {
 		buf := make([]byte, 16<<10)
@@ -291,7 +292,7 @@ func TestSandboxCloseCertificate(t *testing.T) {
 	keptConn := e.dial(t, sb, target)
 	goneConn := e.dialWith(t, e.tlsConfig(other), e.gw.Signer, sb, target)
 	goneConn2 := e.dialWith(t, e.tlsConfig(other), e.gw.Signer, uniqueSandbox("sbx-close-cert"), target)
-	for _, c := range []*tls.Conn{keptConn, goneConn, goneConn2} {
+	for _, c := range []*ktls.Conn{keptConn, goneConn, goneConn2} {
 		defer c.Close()
 	}
 	kept, gone, gone2 := readTunnel(keptConn), readTunnel(goneConn), readTunnel(goneConn2)
@@ -326,7 +327,7 @@ func TestSandboxCloseCertificate(t *testing.T) {
 // movingTunnel is a forwarder with one tunnel of a new sandbox (named
 // from prefix) to a target that trickles bytes, once they move; the
 // tunnel is closed and the process checked for leaks at the test's end.
-func movingTunnel(t *testing.T, prefix string) (*sandboxEnv, string, *tls.Conn, *tunnelReader) {
+func movingTunnel(t *testing.T, prefix string) (*sandboxEnv, string, *ktls.Conn, *tunnelReader) {
 	t.Helper()
 	target := tricklingUpstream(t, 1<<10, 20*time.Millisecond)
 	e := newSandboxEnv(t, nil)

@@ -1,7 +1,6 @@
 package caddyktls
 
 import (
-	"crypto/tls"
 	"errors"
 	"io"
 	"net"
@@ -27,7 +26,7 @@ type endOfTunnel struct {
 // pumpUntilClosed writes pattern bytes to c until a write fails while
 // reading everything c returns, and reports both ends; the read gives up
 // after 20s (an error that names the deadline).
-func pumpUntilClosed(c *tls.Conn) <-chan endOfTunnel {
+func pumpUntilClosed(c net.Conn) <-chan endOfTunnel {
 	out := make(chan endOfTunnel, 1)
 	go func() {
 		var end endOfTunnel

@@ -1,7 +1,6 @@
 package caddyktls
 
 import (
-	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
@@ -16,6 +15,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
 	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
@@ -57,7 +57,7 @@ func sandboxFDExhaustion(t *testing.T, kernel bool) {
 	// readiness probe's connection) are gone, and only below the limit: a
 	// descriptor the process inherited above it (a test runner's pipe)
 	// takes no room.
-	var open []*tls.Conn
+	var open []*ktls.Conn
 	var held []net.Conn // connections that hold or queue for descriptors
 	defer func() {
 		for _, c := range open {
@@ -283,7 +283,7 @@ func sandboxTunnelLimit(t *testing.T, kernel bool) {
 	forwardtest.CheckLeaks(t)
 	before := forwarder.Tunnels().Rejections()[string(forward.ReasonTunnelLimit)]
 	metrics0 := e.metrics(t)
-	held := []*tls.Conn{e.dial(t, sandbox, up.Addr()), e.dial(t, sandbox, up.Addr())}
+	held := []*ktls.Conn{e.dial(t, sandbox, up.Addr()), e.dial(t, sandbox, up.Addr())}
 	waitUntil(t, 10*time.Second, func() bool { return up.Accepted() == 2 }, "both tunnels to be dialed")
 	logged := len(e.logLines(t, rejectedMsg))
 
@@ -305,7 +305,7 @@ func sandboxTunnelLimit(t *testing.T, kernel bool) {
 		t.Errorf("the target was dialed %d times, want 2: the refused tunnel must not dial", n)
 	}
 
-	through := func(c *tls.Conn, seed uint64) {
+	through := func(c *ktls.Conn, seed uint64) {
 		t.Helper()
 		if n, sum, err := transfer(c, 500, seed); err != nil || n != reply || sum != forwardtest.PatternSum(2, reply) {
 			t.Errorf("tunnel (seed %d): %d bytes back, hash matches %v, err %v; want the %d-byte reply", seed, n, sum == forwardtest.PatternSum(2, reply), err, reply)

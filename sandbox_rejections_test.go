@@ -166,13 +166,16 @@ func sandboxHandshakeRefusals(t *testing.T, kernel bool) {
 		return func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
+			// A peer in crypto/tls, not a gateway's Dialer: one may have no
+			// certificate, and a Dialer's own ktls.Client would add its
+			// handshake to the process's offload outcomes checked below.
 			cfg := e.tlsConfig(nil)
 			if leaf != nil {
 				// Sent whatever CAs the server names, as a hostile peer would
 				// (Go's client sends only a certificate of a CA it asks for).
 				cfg.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &leaf.TLS, nil }
 			}
-			c, err := preamble.Dial(ctx, "tcp", e.addr, cfg, e.gw.Signer, preamble.Claims{SandboxID: "sbx", Target: up.Addr()})
+			c, err := tlsSend(ctx, e.addr, cfg, e.gw.Signer, preamble.Claims{SandboxID: "sbx", Target: up.Addr()})
 			if err != nil {
 				return // refused in the handshake
 			}
@@ -275,7 +278,7 @@ func TestSandboxClientNotInAllowlist(t *testing.T) {
 	stranger := e.ca.Client(t, "not-allowed")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := preamble.Dial(ctx, "tcp", e.addr, e.tlsConfig(stranger), e.gw.Signer, preamble.Claims{SandboxID: "sbx", Target: up.Addr()})
+	c, err := gatewayDial(ctx, e.addr, e.tlsConfig(stranger), e.gw.Signer, "sbx", up.Addr())
 	if err == nil {
 		// TLS 1.3: the client learns of the refusal on its first read.
 		_, err = c.Read(make([]byte, 1))
@@ -291,7 +294,7 @@ func TestSandboxClientNotInAllowlist(t *testing.T) {
 }
 
 // Every refusal: the connection is refused without a byte (the gateway
-// reads the refusal: preamble.Refused on kTLS), ONE WARN log
+// reads the refusal: gateway.Refused on kTLS), ONE WARN log
 // line names the reason, the peer and the cause, the reason's Prometheus
 // series rises by one, nothing is dialed. The cases cover every preamble
 // reason a gateway can cause (the spec's golden vectors for the wire

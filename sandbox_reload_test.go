@@ -1,7 +1,6 @@
 package caddyktls
 
 import (
-	"crypto/tls"
 	"encoding/base64"
 	"fmt"
 	"io"
@@ -16,6 +15,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
@@ -43,7 +43,7 @@ func sandboxReloadRevokesKey(t *testing.T, kernel bool) {
 	forwardtest.CheckLeaks(t)
 	revoked0 := forwarder.Tunnels().Revoked()
 	metrics0 := e.metrics(t)
-	dial := func(signer *preamble.Signer) *tls.Conn {
+	dial := func(signer *preamble.Signer) *ktls.Conn {
 		t.Helper()
 		return e.dialWith(t, e.tlsConfig(e.client), signer, uniqueSandbox("sbx-revoke"), target)
 	}

@@ -1,7 +1,6 @@
 package caddyktls
 
 import (
-	"crypto/tls"
 	"fmt"
 	"io"
 	"maps"
@@ -12,6 +11,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
 func TestSandboxEndToEnd(t *testing.T) {
@@ -175,7 +175,7 @@ func sandboxConcurrentTunnels(t *testing.T, kernel bool) {
 	splicedSince := dataPathCheck(t, kernel, int64(tunnelsN))
 	// Every tunnel is open before any of them sends a byte: they all run at
 	// once. (Dialed in turn: the handshakes are not what is tested.)
-	conns := make([]*tls.Conn, tunnelsN)
+	conns := make([]*ktls.Conn, tunnelsN)
 	for i := range conns {
 		conns[i] = e.dial(t, fmt.Sprintf("sbx-%d", i%10), up.Addr())
 	}

@@ -614,7 +614,7 @@ func TestSandboxHelpPointsToSpec(t *testing.T) {
 // TestSandboxDialEnd: a refusal before the first byte reads the same, and
 // states itself once, whether the read or the upload met it.
 func TestSandboxDialEnd(t *testing.T) {
-	alert := &net.OpError{Op: "remote error", Err: tls.AlertError(49)}
+	alert := &net.OpError{Op: "remote error", Err: tls.AlertError(ktls.AlertAccessDenied)}
 	resetOn := func(op string) error {
 		return &net.OpError{Op: op, Net: "tcp", Err: os.NewSyscallError(op, syscall.ECONNRESET)}
 	}

@@ -26,6 +26,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -482,6 +483,11 @@ func runIdlePeer(cfgJSON string, stdin io.Reader, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
+	// Full handshakes in userspace TLS, every tunnel alike.
+	dialer, err := gateway.New(gateway.Config{TLS: tlsCfg, Signer: signer, KTLS: ktls.Options{Disable: true}, DisableResumption: true, DialTimeout: time.Minute})
+	if err != nil {
+		return err
+	}
 	sandbox, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
 	if err != nil {
 		return err
@@ -516,9 +522,9 @@ func runIdlePeer(cfgJSON string, stdin io.Reader, stdout io.Writer) error {
 	if err := expect("open"); err != nil {
 		return err
 	}
-	conns := make([]*tls.Conn, cfg.Tunnels)
+	conns := make([]*ktls.Conn, cfg.Tunnels)
 	if err := forEachTunnel(cfg.Tunnels, func(i int) (err error) {
-		conns[i], err = openEchoTunnel(cfg.Forwarder, tlsCfg, signer, target, uint64(i))
+		conns[i], err = openEchoTunnel(dialer, cfg.Forwarder, target, uint64(i))
 		return err
 	}); err != nil {
 		return err
@@ -572,10 +578,8 @@ feed:
 
 // openEchoTunnel dials the forwarder as a gateway, sends idleEchoBytes and
 // checks that the sandbox echoed exactly them.
-func openEchoTunnel(addr string, cfg *tls.Config, signer *preamble.Signer, target netip.AddrPort, seed uint64) (*tls.Conn, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	c, err := preamble.Dial(ctx, "tcp", addr, cfg, signer, preamble.Claims{SandboxID: "sbx-idle", Target: target})
+func openEchoTunnel(d *gateway.Dialer, addr string, target netip.AddrPort, seed uint64) (*ktls.Conn, error) {
+	c, err := d.Dial(context.Background(), gateway.Route{Forwarder: addr, Sandbox: "sbx-idle", Target: target})
 	if err != nil {
 		return nil, err
 	}
@@ -599,7 +603,7 @@ func openEchoTunnel(addr string, cfg *tls.Config, signer *preamble.Signer, targe
 
 // closeTunnel ends a tunnel the way a gateway does: close_notify, then
 // everything the forwarder still sends until its own close_notify.
-func closeTunnel(c *tls.Conn) error {
+func closeTunnel(c *ktls.Conn) error {
 	defer c.Close()
 	if err := c.CloseWrite(); err != nil {
 		return err

@@ -1,10 +1,8 @@
 package gateway
 
 import (
-	"crypto/tls"
 	"errors"
 	"io"
-	"net"
 
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
@@ -24,9 +22,6 @@ const (
 	EndFailed End = "failed"
 )
 
-// alertAccessDenied is the TLS alert description access_denied (RFC 8446).
-const alertAccessDenied = 49
-
 // EndOf classifies err, returned by a read or write on a tunnel (or by
 // anything that wraps one, such as an HTTP transport), as its End.
 func EndOf(err error) End {
@@ -39,15 +34,15 @@ func EndOf(err error) End {
 	return EndFailed
 }
 
-// Refused reports whether err is a forwarder's refusal: the fatal alert
-// access_denied, as a kernel-TLS connection (ktls.AlertError) or crypto/tls
-// (a "remote error") reports it.
+// Refused reports whether err, from a tunnel, is the forwarder's refusal:
+// the fatal alert ktls.AlertAccessDenied, which a forwarder sends
+// (ktls.Conn.Refuse) in place of any byte when it rejects a preamble or
+// its target, cannot dial the target, or drains. It matches the alert as a
+// kernel-TLS connection (ktls.AlertError) or crypto/tls (a "remote error")
+// reports it, wrapped or not. Nothing of a refused tunnel reached the
+// sandbox. A forwarder in userspace TLS refuses with a TCP reset, which
+// Refused does not match.
 func Refused(err error) bool {
-	var alert ktls.AlertError
-	if errors.As(err, &alert) {
-		return alert == alertAccessDenied
-	}
-	var op *net.OpError
-	return errors.As(err, &op) && op.Op == "remote error" && op.Err != nil &&
-		op.Err.Error() == tls.AlertError(alertAccessDenied).Error()
+	d, ok := remoteAlert(err)
+	return ok && d == ktls.AlertAccessDenied
 }

@@ -451,9 +451,9 @@ func TestEndOf(t *testing.T) {
 	}{
 		{nil, EndClosed},
 		{io.EOF, EndClosed},
-		{ktls.AlertError(49), EndRefused},
-		{&net.OpError{Op: "read", Err: ktls.AlertError(49)}, EndRefused},
-		{&net.OpError{Op: "remote error", Err: tls.AlertError(49)}, EndRefused},
+		{ktls.AlertError(ktls.AlertAccessDenied), EndRefused},
+		{&net.OpError{Op: "read", Err: ktls.AlertError(ktls.AlertAccessDenied)}, EndRefused},
+		{&net.OpError{Op: "remote error", Err: tls.AlertError(ktls.AlertAccessDenied)}, EndRefused},
 		{ktls.AlertError(80), EndFailed},
 		{&net.OpError{Op: "remote error", Err: tls.AlertError(80)}, EndFailed},
 		{errors.New("tls: access denied"), EndFailed}, // a string is not the alert

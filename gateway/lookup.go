@@ -38,8 +38,25 @@ type Location struct {
 	Target    netip.AddrPort
 }
 
+// Fetcher is a source of sandbox locations: it answers one sandbox
+// without caching. Lookup caches, bounds and coalesces what it answers,
+// so a new source is one type. HTTPFetcher asks a control plane.
+type Fetcher interface {
+	// Fetch returns where sandbox (a canonical sandbox ID) is, and how
+	// long the answer holds: the Lookup keeps it for at most
+	// LookupConfig.TTL, and for less when ttl is shorter; a negative ttl
+	// says nothing (LookupConfig.TTL applies), zero: not cached. An error
+	// is a *LookupError whose Reason says why (LookupNotFound is
+	// remembered for LookupConfig.NegativeTTL); any other error is
+	// LookupUnavailable. ctx bounds the fetch (LookupConfig.Timeout).
+	Fetch(ctx context.Context, sandbox string) (loc Location, ttl time.Duration, err error)
+}
+
 // LookupConfig configures a Lookup.
 type LookupConfig struct {
+	// Fetcher is where sandboxes are looked up. Nil: an HTTPFetcher of
+	// URL, Header and Client.
+	Fetcher Fetcher
 	// URL is the control plane's endpoint, with "{sandbox}" where the
 	// sandbox ID goes (lowercase and path-escaped: never "." or ".."), e.g.
 	// https://cp.internal/v1/sandboxes/{sandbox}/route. Required. The
@@ -52,7 +69,7 @@ type LookupConfig struct {
 	// Client makes the requests; nil means a client of its own. It never
 	// follows a redirect: a 3xx answer fails the lookup (LookupRedirect).
 	Client *http.Client
-	// Timeout bounds one request. Zero means DefaultLookupTimeout.
+	// Timeout bounds one fetch. Zero means DefaultLookupTimeout.
 	Timeout time.Duration
 	// TTL is how long an answer is used; an answer's own "ttl" may only
 	// shorten it. Zero means DefaultLookupTTL.
@@ -67,9 +84,9 @@ type LookupConfig struct {
 	Now func() time.Time
 }
 
-// Lookup finds sandboxes through a control plane: cached for a TTL,
-// "not found" remembered for a shorter one, concurrent lookups of one
-// sandbox coalesced into one request, the cache bounded. It is safe for
+// Lookup finds sandboxes through a Fetcher (a control plane): cached for
+// a TTL, "not found" remembered for a shorter one, concurrent lookups of
+// one sandbox coalesced into one fetch, the cache bounded. It is safe for
 // concurrent use.
 type Lookup struct {
 	cfg      LookupConfig
@@ -97,8 +114,8 @@ type Source string
 
 const (
 	SourceCache        Source = "cache"         // a cached answer or negative answer
-	SourceControlPlane Source = "control-plane" // a request this Resolve made
-	SourceCoalesced    Source = "coalesced"     // another Resolve's request for the same sandbox
+	SourceControlPlane Source = "control-plane" // a fetch this Resolve made
+	SourceCoalesced    Source = "coalesced"     // another Resolve's fetch for the same sandbox
 )
 
 // The LookupError reasons.
@@ -133,12 +150,12 @@ func (e *LookupError) Unwrap() error { return e.Err }
 
 // NewLookup returns a Lookup for cfg.
 func NewLookup(cfg LookupConfig) (*Lookup, error) {
-	if !strings.Contains(cfg.URL, "{sandbox}") {
-		return nil, errors.New("gateway: lookup URL has no {sandbox} where the sandbox ID goes")
-	}
-	u, err := url.Parse(strings.ReplaceAll(cfg.URL, "{sandbox}", "x"))
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("gateway: lookup URL %q: want http(s)://host/...{sandbox}...", cfg.URL)
+	if cfg.Fetcher == nil {
+		f, err := NewHTTPFetcher(cfg.URL, cfg.Header, cfg.Client)
+		if err != nil {
+			return nil, err
+		}
+		cfg.Fetcher = f
 	}
 	if cfg.Timeout < 0 || cfg.TTL < 0 || cfg.MaxEntries < 0 {
 		return nil, errors.New("gateway: negative lookup timeout, TTL or size")
@@ -155,7 +172,6 @@ func NewLookup(cfg LookupConfig) (*Lookup, error) {
 	if cfg.MaxEntries == 0 {
 		cfg.MaxEntries = DefaultLookupMaxEntries
 	}
-	cfg.Client = cphttp.NoRedirects(cfg.Client)
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
@@ -166,9 +182,8 @@ func NewLookup(cfg LookupConfig) (*Lookup, error) {
 // error is a *LookupError. The sandbox ID is case-insensitive: it is
 // looked up, cached and answered (Location.Sandbox) in its lowercase form,
 // and one that is not a valid sandbox ID even lowercased (such as "..")
-// fails LookupBadSandbox without asking the control plane. ctx bounds this
-// caller's wait only: a request to the control plane that others wait on
-// too runs to its own timeout.
+// fails LookupBadSandbox without a fetch. ctx bounds this caller's wait
+// only: a fetch that others wait on too runs to its own timeout.
 func (l *Lookup) Resolve(ctx context.Context, sandbox string) (Location, Source, error) {
 	canonical, err := preamble.CanonicalSandboxID(sandbox)
 	if err != nil {
@@ -209,9 +224,9 @@ func (l *Lookup) Resolve(ctx context.Context, sandbox string) (Location, Source,
 	}
 }
 
-// fetch asks the control plane and caches what it says.
+// fetch asks the Fetcher and caches what it says.
 func (l *Lookup) fetch(sandbox string, call *lookupCall) {
-	loc, ttl, err := l.request(sandbox)
+	loc, ttl, err := l.ask(sandbox)
 	call.loc, call.err = loc, err
 	l.mu.Lock()
 	delete(l.inflight, sandbox)
@@ -236,6 +251,59 @@ func (l *Lookup) store(e *lookupEntry) {
 	}
 }
 
+// ask fetches sandbox: every error a *LookupError, the location checked
+// (a valid forwarder and target, for sandbox) and the TTL bounded.
+func (l *Lookup) ask(sandbox string) (Location, time.Duration, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), l.cfg.Timeout)
+	defer cancel()
+	loc, ttl, err := l.cfg.Fetcher.Fetch(ctx, sandbox)
+	if err != nil {
+		var le *LookupError
+		if !errors.As(err, &le) {
+			err = &LookupError{Sandbox: sandbox, Reason: LookupUnavailable, Err: err}
+		}
+		return Location{}, 0, err
+	}
+	if loc.Sandbox != sandbox {
+		return Location{}, 0, &LookupError{Sandbox: sandbox, Reason: LookupBadAnswer, Err: fmt.Errorf("an answer for sandbox %q", loc.Sandbox)}
+	}
+	r, err := ParseRoute(loc.Forwarder, sandbox, loc.Target.String())
+	if err != nil {
+		return Location{}, 0, &LookupError{Sandbox: sandbox, Reason: LookupBadAnswer, Err: err}
+	}
+	if ttl < 0 {
+		ttl = l.cfg.TTL
+	}
+	return Location{Sandbox: r.Sandbox, Forwarder: r.Forwarder, Target: r.Target}, min(ttl, l.cfg.TTL), nil
+}
+
+// HTTPFetcher asks a control plane over HTTP: a GET of its URL with the
+// sandbox ID in it, answered 200 with {"forwarder": "host:port", "target":
+// "ip:port", "ttl": seconds (optional)}, 404 for no such sandbox, and
+// anything else an error (docs/gateway.md). It never follows a redirect: a
+// 3xx answer fails the fetch (LookupRedirect).
+type HTTPFetcher struct {
+	url    string
+	header http.Header
+	client *http.Client
+}
+
+// NewHTTPFetcher returns an HTTPFetcher of rawURL, with "{sandbox}" where
+// the sandbox ID goes (lowercase and path-escaped: never "." or ".."),
+// e.g. https://cp.internal/v1/sandboxes/{sandbox}/route. header is sent
+// with every request (e.g. Authorization); client makes them (nil: a
+// client of its own; redirects are never followed).
+func NewHTTPFetcher(rawURL string, header http.Header, client *http.Client) (*HTTPFetcher, error) {
+	if !strings.Contains(rawURL, "{sandbox}") {
+		return nil, errors.New("gateway: lookup URL has no {sandbox} where the sandbox ID goes")
+	}
+	u, err := url.Parse(strings.ReplaceAll(rawURL, "{sandbox}", "x"))
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("gateway: lookup URL %q: want http(s)://host/...{sandbox}...", rawURL)
+	}
+	return &HTTPFetcher{url: rawURL, header: header, client: cphttp.NoRedirects(client)}, nil
+}
+
 // lookupAnswer is the control plane's 200 answer.
 type lookupAnswer struct {
 	Forwarder string `json:"forwarder"`
@@ -243,21 +311,20 @@ type lookupAnswer struct {
 	TTL       *int64 `json:"ttl"`
 }
 
-func (l *Lookup) request(sandbox string) (Location, time.Duration, error) {
+// Fetch asks the control plane where sandbox is.
+func (f *HTTPFetcher) Fetch(ctx context.Context, sandbox string) (Location, time.Duration, error) {
 	fail := func(reason string, err error) (Location, time.Duration, error) {
 		return Location{}, 0, &LookupError{Sandbox: sandbox, Reason: reason, Err: err}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), l.cfg.Timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.ReplaceAll(l.cfg.URL, "{sandbox}", sandboxPath(sandbox)), nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.ReplaceAll(f.url, "{sandbox}", sandboxPath(sandbox)), nil)
 	if err != nil {
 		return fail(LookupUnavailable, err)
 	}
-	for k, v := range l.cfg.Header {
+	for k, v := range f.header {
 		req.Header[k] = v
 	}
 	req.Header.Set("Accept", "application/json")
-	resp, err := l.cfg.Client.Do(req)
+	resp, err := f.client.Do(req)
 	if err != nil {
 		return fail(LookupUnavailable, err)
 	}
@@ -283,12 +350,12 @@ func (l *Lookup) request(sandbox string) (Location, time.Duration, error) {
 	if err != nil {
 		return fail(LookupBadAnswer, err)
 	}
-	ttl := l.cfg.TTL
+	ttl := time.Duration(-1) // none given
 	if a.TTL != nil {
 		if *a.TTL < 0 {
 			return fail(LookupBadAnswer, fmt.Errorf("ttl %d", *a.TTL))
 		}
-		ttl = min(ttl, time.Duration(*a.TTL)*time.Second)
+		ttl = time.Duration(*a.TTL) * time.Second
 	}
 	return Location{Sandbox: r.Sandbox, Forwarder: r.Forwarder, Target: r.Target}, ttl, nil
 }

@@ -320,7 +320,7 @@ func (c *Conn) handshake(ctx context.Context) error {
 		oerr := &OffloadError{Reason: reason, Err: err}
 		c.report(ev)
 		c.report(Event{Kind: EventRefused, Offload: c.off, Err: oerr})
-		c.abort(alertAccessDenied)
+		c.abort(AlertAccessDenied)
 		return oerr
 	}
 	c.report(ev)
@@ -672,7 +672,7 @@ func (c *Conn) Abort() error { return c.abort(alertInternalError) }
 // the ULP refused because the peer's FIN came first) a TLS 1.3 session
 // that has written nothing since the handshake is refused the same way,
 // with the alert sealed by this package; otherwise it is reset, as Abort.
-func (c *Conn) Refuse() error { return c.abort(alertAccessDenied) }
+func (c *Conn) Refuse() error { return c.abort(AlertAccessDenied) }
 
 // RefuseLinger bounds how long Refuse reads what the peer still sends.
 const RefuseLinger = time.Second
@@ -687,7 +687,7 @@ func (c *Conn) abort(alert uint8) error {
 	}
 	c.closeOnce.Do(func() {
 		if !c.hsDone.Load() || !c.kernelTX() {
-			if alert == alertAccessDenied && c.hsDone.Load() && c.refuseInUserspace() {
+			if alert == AlertAccessDenied && c.hsDone.Load() && c.refuseInUserspace() {
 				return
 			}
 			// Not through tls.Conn.Close: its close_notify would reach the
@@ -708,7 +708,7 @@ func (c *Conn) abort(alert uint8) error {
 				// FIN): the reset is the failure end then.
 				err = unix.ENOBUFS
 			}
-			if err == nil && alert == alertAccessDenied {
+			if err == nil && alert == AlertAccessDenied {
 				err = unix.Shutdown(fd, unix.SHUT_WR)
 			}
 			return err
@@ -717,7 +717,7 @@ func (c *Conn) abort(alert uint8) error {
 			setResetOnClose(c.rawSock)
 		}
 		c.writeMu.Unlock()
-		if err == nil && alert == alertAccessDenied {
+		if err == nil && alert == AlertAccessDenied {
 			c.discardUntilEOF(time.Now().Add(RefuseLinger))
 		}
 		c.closeErr = errors.Join(ignoreClosed(c.sock.Close()), closeIfDifferent(c.raw, c.sock))
@@ -744,7 +744,7 @@ func (c *Conn) refuseInUserspace() bool {
 	if secret == nil {
 		return false
 	}
-	record, err := sealRecord13(c.off.CipherSuite, secret, seq, recordAlert, []byte{alertLevelFatal, alertAccessDenied})
+	record, err := sealRecord13(c.off.CipherSuite, secret, seq, recordAlert, []byte{alertLevelFatal, AlertAccessDenied})
 	if err != nil {
 		return false
 	}

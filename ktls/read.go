@@ -21,6 +21,12 @@ const maxRecordLen = 1<<14 + 256
 // AlertError is a fatal alert the peer sent.
 type AlertError uint8
 
+// AlertAccessDenied is the TLS alert description access_denied (RFC 8446
+// section 6.2), the one definition of it: Refuse sends it, which is how a
+// sandbox forwarder refuses a tunnel before anything reached the sandbox,
+// and a gateway recognises the refusal by it (gateway.Refused).
+const AlertAccessDenied = 49
+
 func (e AlertError) Error() string {
 	if name, ok := alertNames[uint8(e)]; ok {
 		return "ktls: peer sent alert " + name
@@ -32,7 +38,7 @@ var alertNames = map[uint8]string{
 	0: "close_notify", 10: "unexpected_message", 20: "bad_record_mac", 22: "record_overflow",
 	40: "handshake_failure", 42: "bad_certificate", 43: "unsupported_certificate", 44: "certificate_revoked",
 	45: "certificate_expired", 46: "certificate_unknown", 47: "illegal_parameter", 48: "unknown_ca",
-	49: "access_denied", 50: "decode_error", 51: "decrypt_error", 70: "protocol_version",
+	AlertAccessDenied: "access_denied", 50: "decode_error", 51: "decrypt_error", 70: "protocol_version",
 	71: "insufficient_security", 80: "internal_error", 86: "inappropriate_fallback", 90: "user_canceled",
 	109: "missing_extension", 110: "unsupported_extension", 112: "unrecognized_name",
 	116: "certificate_required", 120: "no_application_protocol",

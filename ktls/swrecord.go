@@ -22,13 +22,12 @@ const (
 	tls12ExplicitNonceLen = 8            // AES-GCM nonce_explicit (RFC 5288)
 )
 
-// TLS alert descriptions a record-layer failure maps to, and
-// access_denied, which Refuse sends (RFC 8446 section 6.2).
+// TLS alert descriptions a record-layer failure maps to (RFC 8446
+// section 6.2).
 const (
 	alertUnexpectedMessage = 10
 	alertBadRecordMAC      = 20
 	alertRecordOverflow    = 22
-	alertAccessDenied      = 49
 	alertDecodeError       = 50
 	alertInternalError     = 80
 )

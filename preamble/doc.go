@@ -17,6 +17,9 @@
 // channel binding and a bounded replay cache. Every rejection is an *Error
 // with a stable Reason; ReasonOf extracts it and Reasons lists them all.
 //
-// A gateway signs with a Signer, or dials, binds, signs and writes in one call
-// with Dial. This package imports no Caddy code.
+// A gateway signs with a Signer, and binds, signs and writes a frame on its
+// own TLS connection with Send. Dialing forwarders, and reading how a
+// tunnel ended, are the gateway package's (gateway.Dialer,
+// gateway.Refused): this package is the wire format. It imports no Caddy
+// code.
 package preamble

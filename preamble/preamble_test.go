@@ -751,11 +751,26 @@ func mtlsConfigs(t *testing.T, maxVersion uint16) (*testpki.CA, *tls.Config, *tl
 	return ca, sc, cc
 }
 
-// TestDialEcho: Dial binds the frame to the TLS 1.3 session, the forwarder
+// dialSend is a gateway in crypto/tls for these tests: it dials addr and
+// writes the preamble with Send. (gateway.Dialer is the gateway's dialer.)
+func dialSend(ctx context.Context, addr string, cfg *tls.Config, signer *Signer, claims Claims) (*tls.Conn, error) {
+	nc, err := (&tls.Dialer{Config: cfg}).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	conn := nc.(*tls.Conn)
+	if err := Send(ctx, conn, signer, claims); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return conn, nil
+}
+
+// TestSendEcho: Send binds the frame to the TLS 1.3 session, the forwarder
 // verifies it with binding required, and 1 MiB of tenant bytes comes back
 // intact through the half-closed tunnel. The same frame replayed on another
 // connection is rejected for its binding.
-func TestDialEcho(t *testing.T) {
+func TestSendEcho(t *testing.T) {
 	fdsBefore := kerneltest.OpenFDs(t)
 	ca, sc, cc := mtlsConfigs(t, 0)
 	k := newKey(t)
@@ -764,7 +779,7 @@ func TestDialEcho(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 
-	conn, err := Dial(ctx, "tcp", f.ln.Addr().String(), cc, mustSigner(t, "gw", k, nil), sampleClaims())
+	conn, err := dialSend(ctx, f.ln.Addr().String(), cc, mustSigner(t, "gw", k, nil), sampleClaims())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -868,14 +883,14 @@ func TestSendOwnConnection(t *testing.T) {
 	<-f.results // the session ended without a frame
 }
 
-// TestDialTLS12Unbound: on TLS 1.2 Dial sends an unbound frame, which a
+// TestSendTLS12Unbound: on TLS 1.2 Send sends an unbound frame, which a
 // forwarder that requires binding rejects.
-func TestDialTLS12Unbound(t *testing.T) {
+func TestSendTLS12Unbound(t *testing.T) {
 	ca, sc, cc := mtlsConfigs(t, tls.VersionTLS12)
 	k := newKey(t)
 	v := mustVerifier(t, VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw": k.Public().(ed25519.PublicKey)}, RequireBinding: true})
 	f := startForwarder(t, ca, sc, v)
-	conn, err := Dial(context.Background(), "tcp", f.ln.Addr().String(), cc, mustSigner(t, "gw", k, nil), sampleClaims())
+	conn, err := dialSend(context.Background(), f.ln.Addr().String(), cc, mustSigner(t, "gw", k, nil), sampleClaims())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -920,30 +935,6 @@ func TestConcurrentVerify(t *testing.T) {
 	}
 	if n := v.replay.Len(); n != workers*perWorker {
 		t.Fatalf("replay cache holds %d nonces, want %d", n, workers*perWorker)
-	}
-}
-
-// TestRefused: only the remote access_denied alert, as crypto/tls reports a
-// peer's alert (a *net.OpError "remote error"), is a refusal; the alert a
-// failed tunnel ends with, an orderly end, a reset and our own alerts are
-// not. (The kernel suites check it against a real forwarder's refusal.)
-func TestRefused(t *testing.T) {
-	remote := func(a tls.AlertError) error { return &net.OpError{Op: "remote error", Err: a} }
-	for _, tc := range []struct {
-		err  error
-		want bool
-	}{
-		{remote(49), true},
-		{fmt.Errorf("reading the tunnel: %w", remote(49)), true},
-		{remote(80), false}, // internal_error: a tunnel that failed
-		{&net.OpError{Op: "local error", Err: tls.AlertError(49)}, false}, // our own alert
-		{io.EOF, false},
-		{&net.OpError{Op: "read", Err: os.NewSyscallError("read", errors.New("connection reset by peer"))}, false},
-		{nil, false},
-	} {
-		if got := Refused(tc.err); got != tc.want {
-			t.Errorf("Refused(%v) = %v, want %v", tc.err, got, tc.want)
-		}
 	}
 }
 

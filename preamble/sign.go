@@ -92,46 +92,6 @@ func ChannelBinding(cs tls.ConnectionState) (binding []byte, ok bool) {
 	return b, true
 }
 
-// Dial connects to the forwarder at addr with TLS (tlsConfig carries the
-// gateway's client certificate for mutual TLS), completes the handshake,
-// writes the preamble with Send, and returns the connection ready for tenant
-// bytes. ctx bounds the dial, the handshake and the write.
-func Dial(ctx context.Context, network, addr string, tlsConfig *tls.Config, signer *Signer, claims Claims) (*tls.Conn, error) {
-	if signer == nil {
-		return nil, errors.New("preamble: Dial needs a Signer")
-	}
-	d := tls.Dialer{Config: tlsConfig}
-	nc, err := d.DialContext(ctx, network, addr)
-	if err != nil {
-		return nil, err
-	}
-	conn := nc.(*tls.Conn)
-	if err := Send(ctx, conn, signer, claims); err != nil {
-		conn.Close()
-		return nil, err
-	}
-	return conn, nil
-}
-
-// Refused reports whether err, from reading a tunnel, is the forwarder's
-// refusal: the fatal TLS alert access_denied, which a forwarder on kernel
-// TLS sends in place of any byte when it rejects a preamble or its target
-// (or cannot dial it, or is draining). Nothing of a refused tunnel reached
-// any target, so it is safe to retry; the forwarder's log and metrics name
-// the reason. A tunnel that failed after it opened ends with internal_error
-// instead, and one that ran to its end with close_notify. A forwarder in
-// userspace TLS refuses with a TCP reset, which Refused does not match.
-// (A gateway on kernel TLS itself, a ktls.Client, reads the alert as
-// ktls.AlertError(49).)
-func Refused(err error) bool {
-	var op *net.OpError
-	return errors.As(err, &op) && op.Op == "remote error" && op.Err != nil &&
-		op.Err.Error() == tls.AlertError(alertAccessDenied).Error()
-}
-
-// alertAccessDenied is the TLS alert description access_denied (RFC 8446).
-const alertAccessDenied = 49
-
 // Conn is a TLS connection whose handshake is complete: a *tls.Conn, or a
 // ktls.Conn whose records the kernel seals.
 type Conn interface {

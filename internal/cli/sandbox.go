@@ -2,7 +2,6 @@ package cli
 
 import (
 	"bytes"
-	"context"
 	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/tls"
@@ -22,6 +21,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -510,16 +510,22 @@ nothing reached the target.
 			if !roots.AppendCertsFromPEM(caPEM) {
 				return fmt.Errorf("--ca %s holds no PEM certificate", caFile)
 			}
-			// The certificate goes whatever CAs the forwarder names (crypto/tls
-			// would send none for an issuer outside them), so that a refusal
-			// says what is wrong with it.
-			tlsConfig := &tls.Config{RootCAs: roots, ServerName: serverName, MinVersion: tls.VersionTLS12,
-				GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &cert, nil }}
-			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
-			defer cancel()
-			conn, err := dialTunnel(ctx, addr, tlsConfig, signer, claims)
+			// A gateway's dialer, in userspace TLS: it sends the certificate
+			// whatever CAs the forwarder names, so that a refusal says what
+			// is wrong with it.
+			d, err := gateway.New(gateway.Config{
+				TLS:    &tls.Config{RootCAs: roots, ServerName: serverName, Certificates: []tls.Certificate{cert}},
+				Signer: signer, KTLS: ktls.Options{Disable: true}, DisableResumption: true,
+				DialTimeout: timeout, PreambleTTL: cf.ttl,
+			})
 			if err != nil {
-				if refused := certificateRefused(cert.Leaf, err); refused != nil {
+				return err
+			}
+			client, _ := claims.ClientIdentity()
+			conn, err := d.Dial(cmd.Context(), gateway.Route{Forwarder: addr, Sandbox: claims.SandboxID, Target: claims.Target, Client: client})
+			if err != nil {
+				var refused *gateway.CertificateRefusedError
+				if errors.As(err, &refused) {
 					return refused
 				}
 				return err
@@ -569,32 +575,6 @@ nothing reached the target.
 	return cmd
 }
 
-// dialTunnel is preamble.Dial that, when the preamble's write fails,
-// reads what the forwarder sent before it closed: with TLS 1.3 the refusal
-// of the client certificate comes after the client's handshake, and the
-// forwarder may close before the preamble reaches it.
-func dialTunnel(ctx context.Context, addr string, cfg *tls.Config, signer *preamble.Signer, claims preamble.Claims) (*tls.Conn, error) {
-	nc, err := (&tls.Dialer{Config: cfg}).DialContext(ctx, "tcp", addr)
-	if err != nil {
-		return nil, err
-	}
-	conn := nc.(*tls.Conn)
-	if err := preamble.Send(ctx, conn, signer, claims); err != nil {
-		conn.SetReadDeadline(time.Now().Add(pendingAlertWait))
-		_, rerr := conn.Read(make([]byte, 1))
-		conn.Close()
-		if _, ok := gateway.CertificateAlert(rerr); ok {
-			return nil, rerr
-		}
-		return nil, err
-	}
-	return conn, nil
-}
-
-// pendingAlertWait bounds the read, after the preamble's write failed,
-// for an alert the forwarder sent before it closed.
-const pendingAlertWait = 100 * time.Millisecond
-
 // certificateRefused is the error that says the forwarder refused the
 // client certificate leaf, when one of errs, met before the tunnel's
 // first byte, is that refusal (gateway.CertificateAlert); nil otherwise.
@@ -631,7 +611,7 @@ func DialEnd(received int64, rerr, werr error) error {
 	}
 	if received == 0 {
 		for _, err := range []error{rerr, werr} {
-			if err != nil && preamble.Refused(err) {
+			if err != nil && gateway.Refused(err) {
 				return &dialError{err: err, msg: "the forwarder refused the tunnel before its first byte (remote error: tls: access denied): " +
 					"nothing reached the target; its log (\"sandbox tunnel rejected\") and metrics name the reason"}
 			}

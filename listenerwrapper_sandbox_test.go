@@ -19,8 +19,8 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
-	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 

@@ -17,8 +17,8 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
-	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
 // adminPost POSTs body to path on the env's admin endpoint and returns the

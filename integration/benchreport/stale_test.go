@@ -24,7 +24,7 @@ var (
 	}
 	// The gateway modules, which only the gateway chains (l7-l7, l7-l4,
 	// l4-l4) run in a Caddy process.
-	gatewayCode = []string{"gateway", "modules/edgegateway"}
+	gatewayCode       = []string{"gateway", "modules/edgegateway"}
 	measuredForwarder = append(append([]string{}, measuredCommon...), excludeAll(gatewayCode)...)
 	measuredGateway   = append(append([]string{}, measuredCommon...), gatewayCode...)
 )

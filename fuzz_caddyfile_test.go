@@ -48,8 +48,8 @@ func fuzzModules(t testing.TB) []caddyfileModule {
 	}
 	return []caddyfileModule{
 		{"ktls", func() caddyfile.Unmarshaler { return new(KTLSHandler) }, withHandler("ktls")},
-		{"sandbox", func() caddyfile.Unmarshaler { return new(forwarder.SandboxHandler) }, withHandler("sandbox")},
-		{"sandbox", func() caddyfile.Unmarshaler { return new(forwarder.MatchSandbox) }, func(raw json.RawMessage) map[string]any {
+		{"sandbox", func() caddyfile.Unmarshaler { return new(forwarder.Handler) }, withHandler("sandbox")},
+		{"sandbox", func() caddyfile.Unmarshaler { return new(forwarder.Matcher) }, func(raw json.RawMessage) map[string]any {
 			return layer4([]any{map[string]any{"sandbox": raw}}, []any{sandbox})
 		}},
 		{"ktls", func() caddyfile.Unmarshaler { return new(ListenerWrapper) }, func(raw json.RawMessage) map[string]any {
@@ -120,7 +120,7 @@ func FuzzCaddyfile(f *testing.F) {
 		// take the process's tunnel deltas and POST them): a fuzz input
 		// must not make the harness read arbitrary host files (/dev/zero)
 		// or send requests. Both paths have their own tests.
-		if h, ok := v.(*forwarder.SandboxHandler); ok && (len(h.KeyFiles) > 0 || h.ActivityPush != nil) {
+		if h, ok := v.(*forwarder.Handler); ok && (len(h.KeyFiles) > 0 || h.ActivityPush != nil) {
 			return
 		}
 		cfg, err := json.Marshal(m.config(raw))

@@ -121,9 +121,9 @@ func dataPathDelta(t *testing.T, kernel bool) func() (kerneltest.Stat, forward.D
 func waitRejections(t testing.TB, reason string, want uint64) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
-	for forwarder.Tunnels().Rejections()[reason] != want {
+	for forwarder.Tunnels().RefusedTunnels()[reason] != want {
 		if time.Now().After(deadline) {
-			t.Fatalf("rejections[%q] = %d, want %d (every reason: %v)", reason, forwarder.Tunnels().Rejections()[reason], want, forwarder.Tunnels().Rejections())
+			t.Fatalf("rejections[%q] = %d, want %d (every reason: %v)", reason, forwarder.Tunnels().RefusedTunnels()[reason], want, forwarder.Tunnels().RefusedTunnels())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}

@@ -265,7 +265,7 @@ func sandboxRoutesOnSession(t *testing.T, kernel bool) {
 			},
 		}}
 	})
-	rejected := forwarder.Tunnels().Rejections()
+	rejected := forwarder.Tunnels().RefusedTunnels()
 	splicedSince := dataPathCheck(t, kernel, 1)
 
 	cfg := e.tlsConfig(e.client)
@@ -297,7 +297,7 @@ func sandboxRoutesOnSession(t *testing.T, kernel bool) {
 	if accepted := up.Accepted(); accepted != 1 {
 		t.Errorf("upstream accepted %d connections, want the tunnel's only", accepted)
 	}
-	if now := forwarder.Tunnels().Rejections(); !maps.Equal(now, rejected) {
+	if now := forwarder.Tunnels().RefusedTunnels(); !maps.Equal(now, rejected) {
 		t.Errorf("rejections changed from %v to %v: the echo/1 session reached the sandbox handler", rejected, now)
 	}
 	e.checkHandshakes(t, before, map[ktls.Reason]int64{offloadReason(kernel): 2})

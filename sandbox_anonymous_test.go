@@ -33,7 +33,7 @@ func TestSandboxAnonymousRejectSummary(t *testing.T) {
 	}
 	e.start(t)
 	forwardtest.CheckLeaks(t)
-	metrics0, before := e.metrics(t), forwarder.Tunnels().Rejections()[reason]
+	metrics0, before := e.metrics(t), forwarder.Tunnels().RefusedTunnels()[reason]
 	for i := range n {
 		c, err := tls.Dial("tcp", e.addr, e.tlsConfig(nil))
 		if err != nil {
@@ -53,7 +53,7 @@ func TestSandboxAnonymousRejectSummary(t *testing.T) {
 			t.Errorf("log line %v, want DEBUG with reason %s and the peer", l, reason)
 		}
 	}
-	w := e.logLines(t, forwarder.AnonymousRejectSummary)
+	w := e.logLines(t, forwarder.AnonymousRefusalSummary)
 	if len(w) != 1 || w[0]["level"] != "warn" || w[0]["first"] != true || w[0][reason] != 1.0 ||
 		w[0]["details"] != `each at DEBUG ("sandbox tunnel rejected"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them` {
 		t.Errorf("summaries %v, want one WARN, at the first refusal", w)

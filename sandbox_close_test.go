@@ -160,7 +160,7 @@ func sandboxCloseFail(t *testing.T, kernel bool) {
 	if i := slices.IndexFunc(act.Refusing, func(r forward.Refusal) bool { return r.Sandbox == sbA }); i < 0 || !act.Refusing[i].Until.Equal(*res.RefusingUntil) {
 		t.Errorf("GET /sandbox/activity refusing %v, want %s until %v", act.Refusing, sbA, res.RefusingUntil)
 	}
-	rejected0 := forwarder.Tunnels().Rejections()[string(forward.ReasonSandboxClosed)]
+	rejected0 := forwarder.Tunnels().RefusedTunnels()[string(forward.ReasonSandboxClosed)]
 	refusedUp := forwardtest.NewUpstream(t, 10)
 	c := e.dial(t, sbA, refusedUp.Addr())
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))

@@ -56,7 +56,7 @@ func TestSandboxIDCaseIsOneSandbox(t *testing.T) {
 	e := newGatewayEnvFull(t, map[string]any{"max_tunnels_per_sandbox": 2, "activity_push": map[string]any{"url": push.URL, "interval": "50ms"}},
 		map[string]any{"target": up.Addr().String()})
 	forwardtest.CheckLeaks(t)
-	before := forwarder.Tunnels().Rejections()[string(forward.ReasonTunnelLimit)]
+	before := forwarder.Tunnels().RefusedTunnels()[string(forward.ReasonTunnelLimit)]
 	held := []*tls.Conn{e.userDial(t, upper), e.userDial(t, sandbox)}
 	waitUntil(t, 10*time.Second, func() bool { return up.Accepted() == 2 }, "both tunnels to be dialed")
 	var open []forward.TunnelInfo
@@ -156,7 +156,7 @@ func TestSandboxIDCaseClose(t *testing.T) {
 		t.Errorf("GET /sandbox/activity refusing %v, want %s", refused, sandbox)
 	}
 
-	before := forwarder.Tunnels().Rejections()[string(forward.ReasonSandboxClosed)]
+	before := forwarder.Tunnels().RefusedTunnels()[string(forward.ReasonSandboxClosed)]
 	logged := len(e.logLines(t, rejectedMsg))
 	mixed := "Sbx" + strings.ToUpper(sandbox[3:])
 	if n, _ := userEnded(t, e.userDial(t, mixed), 0); n != 0 {
@@ -307,8 +307,8 @@ func TestSandboxOptionLiteral(t *testing.T) {
 		module string
 		v      interface{ Validate() error }
 	}{
-		{"sandbox_proxy", &edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "..", Target: "10.0.0.1:1"}},
-		{"sandbox transport", &edgegateway.SandboxTransport{Sandbox: ".a", Target: "10.0.0.1:1"}},
+		{"sandbox_proxy", &edgegateway.Proxy{Forwarder: "f:1", Sandbox: "..", Target: "10.0.0.1:1"}},
+		{"sandbox transport", &edgegateway.Transport{Sandbox: ".a", Target: "10.0.0.1:1"}},
 		{"sandbox_lookup", &edgegateway.LookupOptions{Sandbox: ".", URL: "http://cp/{sandbox}"}},
 	} {
 		err := tc.v.Validate()
@@ -317,7 +317,7 @@ func TestSandboxOptionLiteral(t *testing.T) {
 			t.Errorf("%s with a literal dot ID: %v; want the rule and the fix", tc.module, err)
 		}
 	}
-	for _, v := range []interface{ Validate() error }{&edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "{l4.tls.server_name.labels.2}", Target: "10.0.0.1:1"},
+	for _, v := range []interface{ Validate() error }{&edgegateway.Proxy{Forwarder: "f:1", Sandbox: "{l4.tls.server_name.labels.2}", Target: "10.0.0.1:1"},
 		&edgegateway.LookupOptions{Sandbox: "SBX-1", URL: "http://cp/{sandbox}"}} {
 		if err := v.Validate(); err != nil && strings.Contains(err.Error(), "`sandbox`") {
 			t.Errorf("%T: %v; a placeholder or an uppercase ID is no load error", v, err)

@@ -141,7 +141,7 @@ func TestKernelSandboxMalformedClientIdentity(t *testing.T) {
 func sandboxMalformedClientIdentity(t *testing.T, kernel bool) {
 	up := forwardtest.NewUpstream(t, 0)
 	e := newSandboxEnv(t, map[string]any{"proxy_protocol": "v2"})
-	before := forwarder.Tunnels().Rejections()["bad-extension"]
+	before := forwarder.Tunnels().RefusedTunnels()["bad-extension"]
 	logged := len(e.logLines(t, rejectedMsg))
 	frame := e.gw.Sign(t, preamble.Claims{SandboxID: "sbx-bad-id", Target: up.Addr()})
 	// Client 192.0.2.7:50000 with an identity holding a newline.
@@ -266,7 +266,7 @@ func TestSandboxTransportSendClient(t *testing.T) {
 }
 
 func TestSandboxTransportClientIDNeedsSendClient(t *testing.T) {
-	err := (&edgegateway.SandboxTransport{Sandbox: "s", Target: "10.0.0.1:80", ClientID: "{http.request.header.X-User}"}).Validate()
+	err := (&edgegateway.Transport{Sandbox: "s", Target: "10.0.0.1:80", ClientID: "{http.request.header.X-User}"}).Validate()
 	if err == nil || err.Error() != "sandbox transport: client_id needs send_client: the identity travels with the client's address" {
 		t.Fatalf("Validate: %v", err)
 	}

@@ -281,7 +281,7 @@ func sandboxTunnelLimit(t *testing.T, kernel bool) {
 	sandbox, other := uniqueSandbox("sbx-limit"), uniqueSandbox("sbx-limit-other")
 	e := newSandboxEnv(t, map[string]any{"max_tunnels_per_sandbox": 2})
 	forwardtest.CheckLeaks(t)
-	before := forwarder.Tunnels().Rejections()[string(forward.ReasonTunnelLimit)]
+	before := forwarder.Tunnels().RefusedTunnels()[string(forward.ReasonTunnelLimit)]
 	metrics0 := e.metrics(t)
 	held := []*ktls.Conn{e.dial(t, sandbox, up.Addr()), e.dial(t, sandbox, up.Addr())}
 	waitUntil(t, 10*time.Second, func() bool { return up.Accepted() == 2 }, "both tunnels to be dialed")

@@ -60,7 +60,7 @@ func sandboxSlowlorisPreambles(t *testing.T, kernel bool) {
 	up := forwardtest.NewUpstream(t, size+3)
 	e := newSandboxEnv(t, map[string]any{"preamble_timeout": "2s"})
 	forwardtest.CheckLeaks(t)
-	before := forwarder.Tunnels().Rejections()["timeout"]
+	before := forwarder.Tunnels().RefusedTunnels()["timeout"]
 	since := dataPathDelta(t, kernel)
 
 	frame := e.gw.Frame(t, "sbx-slow", up.Addr())
@@ -446,7 +446,7 @@ func sandboxRejections(t *testing.T, kernel bool) {
 			name += "-" + tc.what
 		}
 		t.Run(name, func(t *testing.T) {
-			before := forwarder.Tunnels().Rejections()[tc.reason]
+			before := forwarder.Tunnels().RefusedTunnels()[tc.reason]
 			logged := len(e.logLines(t, rejectedMsg))
 			pipelinedWriteErr = nil
 			c := tc.open(t)
@@ -489,7 +489,7 @@ func sandboxRejections(t *testing.T, kernel bool) {
 	}
 	// Prometheus, through the admin endpoint: every reason has a series
 	// from the start, and each rose by its refusals.
-	for _, r := range forwarder.RejectReasons() {
+	for _, r := range forwarder.RefusalReasons() {
 		if _, ok := metrics0[rejectSeries(r)]; !ok {
 			t.Errorf("/metrics has no series %s before any refusal for it", rejectSeries(r))
 		}
@@ -577,7 +577,7 @@ func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			tc.configure(t)
-			before := forwarder.Tunnels().Rejections()[reason]
+			before := forwarder.Tunnels().RefusedTunnels()[reason]
 			logged := len(e.logLines(t, rejectedMsg))
 			c, err := tls.Dial("tcp", e.addr, e.tlsConfig(e.client))
 			if err != nil {
@@ -624,7 +624,7 @@ func sandboxUnverifiedClientRefused(t *testing.T, kernel bool) {
 	}
 	// Each case runs under a configuration of its own: each summary is
 	// its configuration's first.
-	if w := e.logLines(t, forwarder.AnonymousRejectSummary); len(w) != len(cases) || w[0]["level"] != "warn" || w[0]["first"] != true || w[0][reason] != 1.0 {
+	if w := e.logLines(t, forwarder.AnonymousRefusalSummary); len(w) != len(cases) || w[0]["level"] != "warn" || w[0]["first"] != true || w[0][reason] != 1.0 {
 		t.Errorf("summaries %v, want %d WARNs, each the first of its configuration with %s 1", w, len(cases), reason)
 	}
 	checkMetricDeltas(t, metrics0, e.metrics(t), map[string]int64{rejectSeries(reason): int64(len(cases))})
@@ -641,7 +641,7 @@ func TestSandboxInsecurePlaintext(t *testing.T) {
 	route["handle"] = []any{e.sandboxHandler()} // no TLS handler
 	e.start(t)
 	forwardtest.CheckLeaks(t)
-	rejected := forwarder.Tunnels().Rejections()
+	rejected := forwarder.Tunnels().RefusedTunnels()
 
 	c, err := net.Dial("tcp", e.addr)
 	if err != nil {
@@ -656,7 +656,7 @@ func TestSandboxInsecurePlaintext(t *testing.T) {
 		t.Fatalf("plaintext tunnel: %v", err)
 	}
 	checkTunnelTransfer(t, up, size, seed, n, recvSum)
-	if now := forwarder.Tunnels().Rejections(); !maps.Equal(now, rejected) {
+	if now := forwarder.Tunnels().RefusedTunnels(); !maps.Equal(now, rejected) {
 		t.Errorf("rejections changed from %v to %v", rejected, now)
 	}
 	checkWarned := func(loads int) {

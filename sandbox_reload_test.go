@@ -81,7 +81,7 @@ func sandboxReloadRevokesKey(t *testing.T, kernel bool) {
 	default:
 	}
 	// The retired key opens no new tunnel.
-	before := forwarder.Tunnels().Rejections()[string(preamble.ReasonUnknownKey)]
+	before := forwarder.Tunnels().RefusedTunnels()[string(preamble.ReasonUnknownKey)]
 	c := dial(retired.Signer)
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if n, err := io.Copy(io.Discard, c); n != 0 {
@@ -280,7 +280,7 @@ func TestSandboxReplayCacheSurvivesReload(t *testing.T) {
 		t.Errorf("after the reload the replay cache has %d references (present: %v), want 1: the old configuration's was not released", refs, ok)
 	}
 
-	before := forwarder.Tunnels().Rejections()[string(preamble.ReasonReplayedNonce)]
+	before := forwarder.Tunnels().RefusedTunnels()[string(preamble.ReasonReplayedNonce)]
 	c := e.rawTunnel(t, frame, false)
 	defer c.Close()
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))

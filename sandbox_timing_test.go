@@ -106,7 +106,7 @@ func sandboxTimingHistograms(t *testing.T) {
 	}
 
 	// Refused for its signature: verified (and refused), never dialed.
-	rejected := forwarder.Tunnels().Rejections()["bad-signature"]
+	rejected := forwarder.Tunnels().RefusedTunnels()["bad-signature"]
 	before = scrape()
 	other := forwardtest.NewGateway(t, gatewayKeyID) // the right key ID, another key
 	rc := e.rawTunnel(t, other.Frame(t, uniqueSandbox("sbx-timed"), up.Addr()), false)

@@ -269,7 +269,7 @@ func TestSandboxMatcherSharesPort(t *testing.T) {
 	}}
 	e.start(t)
 	forwardtest.CheckLeaks(t)
-	rejected := forwarder.Tunnels().Rejections()
+	rejected := forwarder.Tunnels().RefusedTunnels()
 
 	n, sum, err := transfer(e.dial(t, "sbx-matcher", up.Addr()), 3000, 8)
 	if err != nil || n != 100<<10 || sum != forwardtest.PatternSum(2, 100<<10) {
@@ -288,7 +288,7 @@ func TestSandboxMatcherSharesPort(t *testing.T) {
 	if r := up.Results(); len(r) != 1 || r[0].Received != 3000 || r[0].RecvSum != forwardtest.PatternSum(8, 3000) {
 		t.Errorf("upstream results %+v, want one connection with the tunnel's 3000 bytes", r)
 	}
-	if now := forwarder.Tunnels().Rejections(); !maps.Equal(now, rejected) {
+	if now := forwarder.Tunnels().RefusedTunnels(); !maps.Equal(now, rejected) {
 		t.Errorf("rejections changed from %v to %v: non-tunnel traffic reached the sandbox handler", rejected, now)
 	}
 }

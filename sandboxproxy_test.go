@@ -86,7 +86,7 @@ func addGatewaySide(t *testing.T, e *sandboxEnv) gatewayFiles {
 	return files
 }
 
-// dialJSON is the GatewayDial JSON of files.
+// dialJSON is the edgegateway.DialOptions JSON of files.
 func (f gatewayFiles) dialJSON() map[string]any {
 	return map[string]any{
 		"tls": map[string]any{
@@ -373,18 +373,18 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name string
-		h    edgegateway.SandboxProxy
+		h    edgegateway.Proxy
 		want string
 	}{
-		{"no route", edgegateway.SandboxProxy{}, "forwarder, sandbox and target are required"},
-		{"no certificate", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1"}, "no client certificate (tls_client_auth"},
-		{"insecure", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: edgegateway.GatewayDial{
+		{"no route", edgegateway.Proxy{}, "forwarder, sandbox and target are required"},
+		{"no certificate", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1"}, "no client certificate (tls_client_auth"},
+		{"insecure", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", DialOptions: edgegateway.DialOptions{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c", InsecureSkipVerify: true}}}, "tls_insecure_skip_verify"},
-		{"no signing key", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: edgegateway.GatewayDial{
+		{"no signing key", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", DialOptions: edgegateway.DialOptions{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c"}}}, "no signing_key_file"},
-		{"tls_timeout", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: edgegateway.GatewayDial{
+		{"tls_timeout", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", DialOptions: edgegateway.DialOptions{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c", HandshakeTimeout: 1}, SigningKeyFile: "k"}}, "use handshake_timeout"},
-		{"expect_no_pad both ways", edgegateway.SandboxProxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", GatewayDial: edgegateway.GatewayDial{
+		{"expect_no_pad both ways", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", DialOptions: edgegateway.DialOptions{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c"}, SigningKeyFile: "k", DisableExpectNoPad: true,
 			Options: offload.Options{ExpectNoPad: true}}}, "expect_no_pad and disable_expect_no_pad together"},
 	} {
@@ -584,7 +584,7 @@ func TestGatewayExpectNoPadOption(t *testing.T) {
 			Apps struct {
 				Layer4 struct {
 					Servers map[string]struct {
-						Routes []struct{ Handle []edgegateway.SandboxProxy }
+						Routes []struct{ Handle []edgegateway.Proxy }
 					}
 				}
 			}
@@ -592,7 +592,7 @@ func TestGatewayExpectNoPadOption(t *testing.T) {
 		if err := json.Unmarshal(out, &cfg); err != nil {
 			t.Fatal(err)
 		}
-		g := cfg.Apps.Layer4.Servers["srv0"].Routes[0].Handle[0].GatewayDial
+		g := cfg.Apps.Layer4.Servers["srv0"].Routes[0].Handle[0].DialOptions
 		if g.ExpectNoPad != tc.on || g.DisableExpectNoPad != tc.off {
 			t.Errorf("%q: expect_no_pad %v, disable_expect_no_pad %v; want %v, %v", tc.option, g.ExpectNoPad, g.DisableExpectNoPad, tc.on, tc.off)
 		}

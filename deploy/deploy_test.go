@@ -167,7 +167,7 @@ func TestSystemdUnitSettings(t *testing.T) {
 		t.Fatalf("TimeoutStopSec: %v", err)
 	}
 	// The drain, plus the 5 s each activity pusher may take to flush
-	// before it (SandboxHandler.Cleanup), plus room for the HTTP app.
+	// before it (forwarder.Handler.Cleanup), plus room for the HTTP app.
 	if grace := drainGraceDefault(t); stop < grace+5*time.Second+10*time.Second {
 		t.Errorf("TimeoutStopSec=%v: want at least drain_grace_period's default %v + 5s of activity flush + 10s", stop, grace)
 	}

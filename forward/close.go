@@ -222,6 +222,6 @@ func (r *Registry) checkRefusedLocked(sandbox string, now time.Time) error {
 		delete(r.refusing, sandbox)
 		return nil
 	}
-	return &RejectError{Reason: ReasonSandboxClosed, Err: fmt.Errorf("sandbox %s was closed: new tunnels to it are refused until %s",
+	return &RefusalError{Reason: ReasonSandboxClosed, Err: fmt.Errorf("sandbox %s was closed: new tunnels to it are refused until %s",
 		sandbox, until.UTC().Format(time.RFC3339Nano))}
 }

@@ -62,7 +62,7 @@ type Config struct {
 	// no cap.
 	MaxTunnelsPerSandbox int
 	// RequireClientCertificate refuses every client that did not arrive with
-	// a verified client certificate (Client.ClientCertificateVerified),
+	// a verified client certificate (Gateway.CertificateVerified),
 	// with ReasonNoClientCertificate, before anything else is done for it:
 	// nothing is read from it (not a byte of its preamble), nothing is
 	// dialed. Only a client whose TLS session verified its certificate
@@ -127,7 +127,7 @@ const (
 	StepDial Step = "dial"
 )
 
-// Forwarder carries tunnels: one Serve call per client connection.
+// Forwarder carries tunnels: one Serve call per gateway connection.
 type Forwarder struct {
 	cfg  Config
 	sock socketOptions
@@ -169,12 +169,13 @@ func New(cfg Config) (*Forwarder, error) {
 	return &Forwarder{cfg: cfg, sock: socketOptions{keepAlive: cfg.KeepAlive, userTimeout: cfg.TCPUserTimeout}}, nil
 }
 
-// Client is the gateway side of one tunnel.
-type Client struct {
+// Gateway is the gateway's side of one tunnel: the connection a gateway
+// opened to this forwarder, and what its TLS session says of the gateway.
+type Gateway struct {
 	// Conn is what the preamble is read from. It may be a wrapper that
 	// buffers bytes read ahead from the socket (caddy-l4's Connection).
 	Conn net.Conn
-	// Binding is the channel binding of the TLS session the client arrived
+	// Binding is the channel binding of the TLS session the gateway arrived
 	// on (preamble.ChannelBinding), or nil when it has none.
 	Binding []byte
 	// Unwrap, when set, is called after the preamble to get the connection
@@ -185,22 +186,22 @@ type Client struct {
 	// OnOpen, when set, is called once the target is connected and the
 	// tunnel registered, before any byte is relayed.
 	OnOpen func(TunnelInfo)
-	// Peer names the client in logs and the registry: its remote address.
+	// Peer names the gateway in logs and the registry: its remote address.
 	Peer string
-	// Certificate is the subject of the client's TLS certificate, for the
+	// Certificate is the subject of the gateway's TLS certificate, for the
 	// registry (Origin); empty when there is none.
 	Certificate string
-	// CertificateNames are the names of the client's TLS certificate (its
+	// CertificateNames are the names of the gateway's TLS certificate (its
 	// Common Name and DNS names), matched against Config.KeyClients.
 	CertificateNames []string
-	// ClientCertificateVerified says that Conn is a TLS session whose
-	// handshake verified the client's certificate: the client sent one and
+	// CertificateVerified says that Conn is a TLS session whose
+	// handshake verified the gateway's certificate: the gateway sent one and
 	// the server built a chain from it to a trusted root
 	// (tls.ConnectionState.VerifiedChains is not empty). A certificate the
 	// server only received (crypto/tls's RequireAnyClientCert, Caddy's
 	// client_auth mode "require") does not count. Config.RequireClientCertificate
-	// refuses clients without one.
-	ClientCertificateVerified bool
+	// refuses gateways without one.
+	CertificateVerified bool
 }
 
 // Result describes a tunnel that was carried.
@@ -214,14 +215,14 @@ type Result struct {
 }
 
 // Serve carries one tunnel and returns when it has ended; it always closes
-// the client connection. A refused tunnel returns a *preamble.Error or a
-// *RejectError (see ReasonOf), is counted in the registry, has not sent a
-// single byte to any target, and ends its client connection as refused
+// the gateway's connection. A refused tunnel returns a *preamble.Error or a
+// *RefusalError (see ReasonOf), is counted in the registry, has not sent a
+// single byte to any target, and ends the gateway's connection as refused
 // (see refuse). A tunnel that ran returns its counters and the relay's
 // error, nil when both directions ended cleanly; one that failed, before
 // the relay or in it, ends both connections as failures (splice.Abort), so
 // neither peer takes it for complete.
-func (f *Forwarder) Serve(c Client) (Result, error) {
+func (f *Forwarder) Serve(c Gateway) (Result, error) {
 	upstream, tun, ctx, proxyHdr, err := f.open(c)
 	if err != nil {
 		refuse(c)
@@ -305,11 +306,11 @@ func (e *LifetimeError) Error() string {
 	return fmt.Sprintf("the tunnel reached its lifetime of %v", e.Lifetime)
 }
 
-// refuse ends a refused tunnel's client connection so that the gateway
+// refuse ends a refused tunnel's gateway connection so that the gateway
 // cannot take it for an empty tunnel that ran: Refuse on the connection
 // under Conn's buffer where it has one, else a failure (splice.Abort: a
 // reset). Nothing was relayed, so nothing is lost by not waiting.
-func refuse(c Client) {
+func refuse(c Gateway) {
 	conn := c.Conn
 	if c.Unwrap != nil {
 		conn, _ = c.Unwrap()
@@ -330,7 +331,7 @@ var errNoClientCertificate = errors.New("the connection carries no verified clie
 // preamble, verification, key binding, policy, tunnel cap, dial and
 // registration; and the PROXY header to write first when Config.ProxyProtocol
 // asks for one.
-func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, []byte, error) {
+func (f *Forwarder) open(c Gateway) (*net.TCPConn, *Tunnel, context.Context, []byte, error) {
 	up, tun, ctx, claims, err := f.openClaims(c)
 	if err != nil || f.cfg.ProxyProtocol != 2 {
 		return up, tun, ctx, nil, err
@@ -342,15 +343,15 @@ func (f *Forwarder) open(c Client) (*net.TCPConn, *Tunnel, context.Context, []by
 	return up, tun, ctx, ProxyV2Header(src, claims.Target, claims.SandboxID, id), nil
 }
 
-func (f *Forwarder) openClaims(c Client) (*net.TCPConn, *Tunnel, context.Context, preamble.Claims, error) {
+func (f *Forwarder) openClaims(c Gateway) (*net.TCPConn, *Tunnel, context.Context, preamble.Claims, error) {
 	var none preamble.Claims
 	// First: an unauthenticated client gets nothing from this forwarder,
 	// not even a read of its bytes.
-	if f.cfg.RequireClientCertificate && !c.ClientCertificateVerified {
-		return nil, nil, nil, none, &RejectError{Reason: ReasonNoClientCertificate, Err: errNoClientCertificate}
+	if f.cfg.RequireClientCertificate && !c.CertificateVerified {
+		return nil, nil, nil, none, &RefusalError{Reason: ReasonNoClientCertificate, Err: errNoClientCertificate}
 	}
 	if f.cfg.Registry.Draining() {
-		return nil, nil, nil, none, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
+		return nil, nil, nil, none, &RefusalError{Reason: ReasonDraining, Err: drainingError{}}
 	}
 	if err := c.Conn.SetReadDeadline(time.Now().Add(f.cfg.PreambleTimeout)); err != nil {
 		return nil, nil, nil, none, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "set preamble deadline", Err: err}
@@ -372,7 +373,7 @@ func (f *Forwarder) openClaims(c Client) (*net.TCPConn, *Tunnel, context.Context
 		return nil, nil, nil, none, err
 	}
 	if err := f.cfg.Policy.Check(claims.Target); err != nil {
-		return nil, nil, nil, none, &RejectError{Reason: ReasonTargetDenied, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
+		return nil, nil, nil, none, &RefusalError{Reason: ReasonTargetDenied, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}
 	// Checked before the dial, so that a sandbox at its cap or closed
 	// (Registry.Close) costs its target nothing; Open checks again, for
@@ -391,7 +392,7 @@ func (f *Forwarder) openClaims(c Client) (*net.TCPConn, *Tunnel, context.Context
 		}
 	}
 	if err != nil {
-		return nil, nil, nil, none, &RejectError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
+		return nil, nil, nil, none, &RefusalError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
 	}
 	// Register only once the target answered, so open-tunnel counts never
 	// include dials that fail; a drain that began meanwhile still wins.
@@ -419,14 +420,14 @@ func (f *Forwarder) checkKeyClient(keyID string, names []string) error {
 	if !bound || slices.ContainsFunc(names, func(n string) bool { return slices.Contains(clients, n) }) {
 		return nil
 	}
-	return &RejectError{Reason: ReasonKeyNotForClient, Err: fmt.Errorf("key %s is bound to %v, the client's certificate names %v", keyID, clients, names)}
+	return &RefusalError{Reason: ReasonKeyNotForClient, Err: fmt.Errorf("key %s is bound to %v, the client's certificate names %v", keyID, clients, names)}
 }
 
 // ReasonOf returns the stable reason of a refused tunnel: a preamble
 // package reason, one of this package's Reasons, "" for nil and
 // preamble.ReasonOther for anything else.
 func ReasonOf(err error) string {
-	var re *RejectError
+	var re *RefusalError
 	if errors.As(err, &re) {
 		return string(re.Reason)
 	}

@@ -36,7 +36,7 @@ type fixture struct {
 	errs []error
 	res  []Result
 	// verified is what the fixture tells Serve about each client it
-	// accepts from now on (Client.ClientCertificateVerified).
+	// accepts from now on (Gateway.CertificateVerified).
 	verified atomic.Bool
 }
 
@@ -73,7 +73,7 @@ func newFixture(t *testing.T, mod func(*Config)) *fixture {
 			f.wg.Add(1)
 			go func() {
 				defer f.wg.Done()
-				res, err := f.fwd.Serve(Client{Conn: c, Peer: c.RemoteAddr().String(), ClientCertificateVerified: f.verified.Load()})
+				res, err := f.fwd.Serve(Gateway{Conn: c, Peer: c.RemoteAddr().String(), CertificateVerified: f.verified.Load()})
 				f.mu.Lock()
 				f.errs, f.res = append(f.errs, err), append(f.res, res)
 				f.mu.Unlock()
@@ -218,7 +218,7 @@ func TestServeForwardsBufferedBytesFirst(t *testing.T) {
 	frame := f.gw.Frame(t, "sbx-3", up.Addr())
 	done := make(chan error, 1)
 	go func() {
-		_, err := f.fwd.Serve(Client{
+		_, err := f.fwd.Serve(Gateway{
 			Conn:   &bufferedConn{Conn: a, r: io.MultiReader(bytes.NewReader(frame), a)},
 			Unwrap: func() (net.Conn, []byte) { return a, []byte("buffered-") },
 		})
@@ -257,7 +257,7 @@ func TestServeRefusesThroughRefuser(t *testing.T) {
 	defer b.Close()
 	under := &refuserConn{TCPConn: a}
 	b.Write([]byte("not a preamble"))
-	_, err := f.fwd.Serve(Client{
+	_, err := f.fwd.Serve(Gateway{
 		Conn:   &bufferedConn{Conn: a, r: a},
 		Unwrap: func() (net.Conn, []byte) { return under, nil },
 	})
@@ -344,7 +344,7 @@ func TestRejections(t *testing.T) {
 	if got := up.Accepted(); got != 1 {
 		t.Errorf("upstream accepted %d connections; only the one valid tunnel may dial", got)
 	}
-	rej := f.reg.Rejections()
+	rej := f.reg.RefusedTunnels()
 	for _, tc := range cases {
 		if rej[tc.reason] != 1 {
 			t.Errorf("rejections[%q] = %d, want 1 (all: %v)", tc.reason, rej[tc.reason], rej)
@@ -434,7 +434,7 @@ func TestTunnelLimitPerSandbox(t *testing.T) {
 	waitOpen(2)
 	open("sbx-a")
 	waitOpen(3)
-	if rej := f.reg.Rejections(); rej[string(ReasonTunnelLimit)] != 1 || len(rej) != 1 {
+	if rej := f.reg.RefusedTunnels(); rej[string(ReasonTunnelLimit)] != 1 || len(rej) != 1 {
 		t.Errorf("rejections %v, want one tunnel-limit", rej)
 	}
 }
@@ -597,7 +597,7 @@ func TestRequireClientCertificate(t *testing.T) {
 	defer b.Close()
 	b.Write(f.gw.Frame(t, "sbx", up.Addr()))
 	rc := &readCounter{Conn: a}
-	res, err := f.fwd.Serve(Client{Conn: rc, Peer: "direct"})
+	res, err := f.fwd.Serve(Gateway{Conn: rc, Peer: "direct"})
 	if ReasonOf(err) != string(ReasonNoClientCertificate) || res.Tunnel.ID != 0 || rc.reads.Load() != 0 {
 		t.Errorf("Serve: %v (tunnel %d) after %d reads; want no-client-certificate, no tunnel, no read", err, res.Tunnel.ID, rc.reads.Load())
 	}
@@ -605,7 +605,7 @@ func TestRequireClientCertificate(t *testing.T) {
 	if n, err := io.Copy(io.Discard, b); n != 0 || !errors.Is(sockerr.ReadError(b, err), syscall.ECONNRESET) {
 		t.Errorf("refused client read %d bytes, err %v; want none, then a reset", n, err)
 	}
-	if got := f.reg.Rejections()[string(ReasonNoClientCertificate)]; got != 2 {
+	if got := f.reg.RefusedTunnels()[string(ReasonNoClientCertificate)]; got != 2 {
 		t.Errorf("no-client-certificate counted %d times, want 2", got)
 	}
 	if up.Accepted() != 0 {
@@ -632,7 +632,7 @@ func TestRequireClientCertificate(t *testing.T) {
 	}
 	for _, verified := range []bool{false, true} {
 		a, b := tcpPair(t)
-		_, err := f.fwd.Serve(Client{Conn: a, ClientCertificateVerified: verified})
+		_, err := f.fwd.Serve(Gateway{Conn: a, CertificateVerified: verified})
 		b.Close()
 		want := ReasonNoClientCertificate
 		if verified {

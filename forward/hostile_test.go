@@ -75,7 +75,7 @@ func TestHostilePreambles(t *testing.T) {
 	if up.Accepted() != 0 {
 		t.Errorf("upstream accepted %d connections for refused preambles", up.Accepted())
 	}
-	rej := f.reg.Rejections()
+	rej := f.reg.RefusedTunnels()
 	for _, tc := range cases {
 		if rej[tc.reason] != 1 {
 			t.Errorf("rejections[%q] = %d, want 1 (all: %v)", tc.reason, rej[tc.reason], rej)
@@ -130,7 +130,7 @@ func TestHostileTargets(t *testing.T) {
 	if got := trap.Accepted(); got != 0 {
 		t.Errorf("refused targets were dialed %d times", got)
 	}
-	if got := f.reg.Rejections()[string(ReasonTargetDenied)]; got != uint64(n) {
+	if got := f.reg.RefusedTunnels()[string(ReasonTargetDenied)]; got != uint64(n) {
 		t.Errorf("target-denied counted %d times, want %d", got, n)
 	}
 }
@@ -146,7 +146,7 @@ func TestUpstreamBlackhole(t *testing.T) {
 	if !errors.As(err, &ne) || !ne.Timeout() {
 		t.Errorf("dial error %v is not a timeout", err)
 	}
-	if got := f.reg.Rejections()[string(ReasonDialFailed)]; got != 1 {
+	if got := f.reg.RefusedTunnels()[string(ReasonDialFailed)]; got != 1 {
 		t.Errorf("dial-failed counted %d times, want 1", got)
 	}
 }

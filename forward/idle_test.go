@@ -210,7 +210,7 @@ func (s *idleServer) serveConn(c net.Conn) {
 		err = fmt.Errorf("handshake: %w", err)
 	} else {
 		binding, _ := preamble.ChannelBinding(kc.ConnectionState())
-		res, err = s.fwd.Serve(Client{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String()})
+		res, err = s.fwd.Serve(Gateway{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String()})
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -367,7 +367,7 @@ func TestNAT64TargetDeniedLikeIPv4(t *testing.T) {
 			t.Errorf("%s: error %v does not wrap ErrTargetDenied", target, err)
 		}
 	}
-	if got := f.reg.Rejections()[string(ReasonTargetDenied)]; got != uint64(len(targets)) {
+	if got := f.reg.RefusedTunnels()[string(ReasonTargetDenied)]; got != uint64(len(targets)) {
 		t.Errorf("target-denied counted %d times, want %d", got, len(targets))
 	}
 	// The signer refuses to write the malformed NAT64 address: build the

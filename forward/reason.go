@@ -11,7 +11,7 @@ type Reason string
 const (
 	// ReasonNoClientCertificate: Config.RequireClientCertificate is set and
 	// the connection did not come with a verified client certificate
-	// (Client.ClientCertificateVerified): no TLS session, or one in which
+	// (Gateway.CertificateVerified): no TLS session, or one in which
 	// the client sent no certificate or one that was not verified against
 	// a trust pool. Refused before the preamble is read.
 	ReasonNoClientCertificate Reason = "no-client-certificate"
@@ -45,15 +45,15 @@ func Reasons() []Reason {
 	return append([]Reason(nil), allReasons...)
 }
 
-// RejectError is returned by Forwarder.Serve when a tunnel is refused before
+// RefusalError is returned by Forwarder.Serve when a tunnel is refused before
 // any client byte reaches the target.
-type RejectError struct {
+type RefusalError struct {
 	Reason Reason
 	Err    error
 }
 
-func (e *RejectError) Error() string {
+func (e *RefusalError) Error() string {
 	return "tunnel rejected (" + string(e.Reason) + "): " + e.Err.Error()
 }
 
-func (e *RejectError) Unwrap() error { return e.Err }
+func (e *RefusalError) Unwrap() error { return e.Err }

@@ -160,7 +160,7 @@ type SandboxDelta struct {
 	Since time.Time `json:"since"`
 }
 
-// drainingError is the cause in the RejectError (ReasonDraining) that Open
+// drainingError is the cause in the RefusalError (ReasonDraining) that Open
 // and Forwarder.Serve return while the registry drains.
 type drainingError struct{}
 
@@ -193,7 +193,7 @@ func (r *Registry) Open(sandbox, target string, origin Origin, maxTunnelsPerSand
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.draining {
-		return nil, nil, &RejectError{Reason: ReasonDraining, Err: drainingError{}}
+		return nil, nil, &RefusalError{Reason: ReasonDraining, Err: drainingError{}}
 	}
 	if err := r.checkRefusedLocked(sandbox, now); err != nil {
 		return nil, nil, err
@@ -234,7 +234,7 @@ func (r *Registry) checkAdmit(sandbox string, maxTunnelsPerSandbox int) error {
 // maxTunnelsPerSandbox tunnels open already (zero: no cap).
 func (r *Registry) checkLimitLocked(sandbox string, maxTunnelsPerSandbox int) error {
 	if sb := r.sandboxes[sandbox]; maxTunnelsPerSandbox > 0 && sb != nil && sb.open.Load() >= int64(maxTunnelsPerSandbox) {
-		return &RejectError{Reason: ReasonTunnelLimit, Err: fmt.Errorf("sandbox %s has %d tunnels open, the most allowed", sandbox, maxTunnelsPerSandbox)}
+		return &RefusalError{Reason: ReasonTunnelLimit, Err: fmt.Errorf("sandbox %s has %d tunnels open, the most allowed", sandbox, maxTunnelsPerSandbox)}
 	}
 	return nil
 }
@@ -268,7 +268,7 @@ func (r *Registry) Reject(reason string) {
 }
 
 // Rejections returns the refused tunnels counted so far, by reason.
-func (r *Registry) Rejections() map[string]uint64 {
+func (r *Registry) RefusedTunnels() map[string]uint64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	m := make(map[string]uint64, len(r.rejects))

@@ -68,7 +68,7 @@ func TestForwarderRefusesNonCanonicalSandboxID(t *testing.T) {
 			t.Errorf("sandbox %q: error %v does not name the ID", id, err)
 		}
 	}
-	if n := f.reg.Rejections()[string(preamble.ReasonBadSandboxID)]; n != 4 {
+	if n := f.reg.RefusedTunnels()[string(preamble.ReasonBadSandboxID)]; n != 4 {
 		t.Errorf("rejections[bad-sandbox-id] = %d, want 4", n)
 	}
 	if up.Accepted() != 0 || len(f.reg.Activity()) != 0 {

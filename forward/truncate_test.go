@@ -42,7 +42,7 @@ func TestServeTruncatedTunnelResetsTarget(t *testing.T) {
 				t.Fatal(err)
 			}
 			b.CloseWrite()
-			_, err := f.fwd.Serve(Client{Conn: &notifierConn{TCPConn: a, notified: c.notified}, Peer: "gw"})
+			_, err := f.fwd.Serve(Gateway{Conn: &notifierConn{TCPConn: a, notified: c.notified}, Peer: "gw"})
 			up.Close()
 			r := up.Results()[0]
 			if c.notified {

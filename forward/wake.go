@@ -156,7 +156,7 @@ func (f *Forwarder) wakeAndDial(sandbox string, target netip.AddrPort, first err
 		if _, ok := errors.AsType[*cphttp.RedirectError](err); ok {
 			outcome = WakeRedirected
 		}
-		return nil, &RejectError{Reason: ReasonWakeFailed, Err: fmt.Errorf("sandbox %s: target %s: %v; the wake failed: %w", sandbox, target, first, err)}
+		return nil, &RefusalError{Reason: ReasonWakeFailed, Err: fmt.Errorf("sandbox %s: target %s: %v; the wake failed: %w", sandbox, target, first, err)}
 	}
 	backoff := wakeBackoffFirst
 	for {
@@ -169,7 +169,7 @@ func (f *Forwarder) wakeAndDial(sandbox string, target netip.AddrPort, first err
 		select {
 		case <-ctx.Done():
 			outcome = WakeDialFailed
-			return nil, &RejectError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: target %s did not answer within %v of its wake: %w", sandbox, target, f.cfg.WakeTimeout, derr)}
+			return nil, &RefusalError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: target %s did not answer within %v of its wake: %w", sandbox, target, f.cfg.WakeTimeout, derr)}
 		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, wakeBackoffMax)

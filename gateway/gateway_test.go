@@ -93,8 +93,8 @@ func startForwarderWith(t *testing.T, p pki, gw *forwardtest.Gateway, allow stri
 				if err == nil {
 					st := kc.ConnectionState()
 					binding, _ := preamble.ChannelBinding(st)
-					res, err = f.fwd.Serve(forward.Client{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String(),
-						ClientCertificateVerified: len(st.VerifiedChains) > 0})
+					res, err = f.fwd.Serve(forward.Gateway{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String(),
+						CertificateVerified: len(st.VerifiedChains) > 0})
 				} else {
 					kc.Close()
 				}

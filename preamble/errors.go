@@ -84,6 +84,7 @@ func ReasonOf(err error) string {
 	return ReasonOther
 }
 
-func reject(r Reason, format string, args ...any) *Error {
+// refuse returns the *Error that refuses a frame for r, with its detail.
+func refuse(r Reason, format string, args ...any) *Error {
 	return &Error{Reason: r, Detail: fmt.Sprintf(format, args...)}
 }

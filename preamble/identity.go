@@ -36,21 +36,21 @@ type ClientIdentity struct {
 // refused with, or nil.
 func (ci ClientIdentity) Check() error {
 	if err := CheckTarget(ci.Addr); err != nil {
-		return reject(ReasonBadExtension, "client identity %#04x: address: %s", ExtClientIdentity, err.(*Error).Detail)
+		return refuse(ReasonBadExtension, "client identity %#04x: address: %s", ExtClientIdentity, err.(*Error).Detail)
 	}
 	return checkClientID(ci.ID)
 }
 
 func checkClientID(id string) error {
 	if len(id) > MaxClientIDLen {
-		return reject(ReasonBadExtension, "client identity %#04x: identity of %d bytes, at most %d", ExtClientIdentity, len(id), MaxClientIDLen)
+		return refuse(ReasonBadExtension, "client identity %#04x: identity of %d bytes, at most %d", ExtClientIdentity, len(id), MaxClientIDLen)
 	}
 	if !utf8.ValidString(id) {
-		return reject(ReasonBadExtension, "client identity %#04x: identity %q is not well-formed UTF-8", ExtClientIdentity, id)
+		return refuse(ReasonBadExtension, "client identity %#04x: identity %q is not well-formed UTF-8", ExtClientIdentity, id)
 	}
 	for _, r := range id {
 		if class := refusedIdentityRune(r); class != "" {
-			return reject(ReasonBadExtension, "client identity %#04x: identity %q holds %s %U", ExtClientIdentity, id, class, r)
+			return refuse(ReasonBadExtension, "client identity %#04x: identity %q holds %s %U", ExtClientIdentity, id, class, r)
 		}
 	}
 	return nil
@@ -102,7 +102,7 @@ func (ci ClientIdentity) Extension() (Extension, error) {
 // returns the *Error (ReasonBadExtension) saying what is wrong with it.
 func ParseClientIdentity(v []byte) (ClientIdentity, error) {
 	if len(v) < 1 {
-		return ClientIdentity{}, reject(ReasonBadExtension, "client identity %#04x: empty value", ExtClientIdentity)
+		return ClientIdentity{}, refuse(ReasonBadExtension, "client identity %#04x: empty value", ExtClientIdentity)
 	}
 	var alen int
 	switch v[0] {
@@ -111,10 +111,10 @@ func ParseClientIdentity(v []byte) (ClientIdentity, error) {
 	case familyIPv6:
 		alen = 16
 	default:
-		return ClientIdentity{}, reject(ReasonBadExtension, "client identity %#04x: address family %d, want 4 or 6", ExtClientIdentity, v[0])
+		return ClientIdentity{}, refuse(ReasonBadExtension, "client identity %#04x: address family %d, want 4 or 6", ExtClientIdentity, v[0])
 	}
 	if len(v) < 1+alen+2 {
-		return ClientIdentity{}, reject(ReasonBadExtension, "client identity %#04x: value of %d bytes, family %d needs at least %d", ExtClientIdentity, len(v), v[0], 1+alen+2)
+		return ClientIdentity{}, refuse(ReasonBadExtension, "client identity %#04x: value of %d bytes, family %d needs at least %d", ExtClientIdentity, len(v), v[0], 1+alen+2)
 	}
 	a, _ := netip.AddrFromSlice(v[1 : 1+alen])
 	ci := ClientIdentity{

@@ -33,7 +33,7 @@ func NewSigner(keyID string, key ed25519.PrivateKey) (*Signer, error) {
 		return nil, fmt.Errorf("preamble: Ed25519 private key of %d bytes, want %d", len(key), ed25519.PrivateKeySize)
 	}
 	if len(keyID) == 0 || len(keyID) > MaxKeyIDLen || !validID([]byte(keyID)) {
-		return nil, reject(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", keyID, MaxKeyIDLen)
+		return nil, refuse(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", keyID, MaxKeyIDLen)
 	}
 	return &Signer{keyID: keyID, key: key}, nil
 }

@@ -163,10 +163,10 @@ func (v *Verifier) Verify(frame []byte, binding []byte) (Claims, error) {
 	}
 	entry, ok := v.keys[string(p.keyID)]
 	if !ok {
-		return Claims{}, reject(ReasonUnknownKey, "no key %q in the keyring", p.keyID)
+		return Claims{}, refuse(ReasonUnknownKey, "no key %q in the keyring", p.keyID)
 	}
 	if !verifySignature(entry.key, p.signed, p.signature) {
-		return Claims{}, reject(ReasonBadSignature, "signature does not verify with key %q", p.keyID)
+		return Claims{}, refuse(ReasonBadSignature, "signature does not verify with key %q", p.keyID)
 	}
 	c := p.claims
 	c.KeyID = entry.id
@@ -174,19 +174,19 @@ func (v *Verifier) Verify(frame []byte, binding []byte) (Claims, error) {
 	iat, exp := c.IssuedAt.Unix(), c.ExpiresAt.Unix()
 	switch {
 	case iat > now+v.maxSkew:
-		return Claims{}, reject(ReasonNotYetValid, "issued %ds in the future (skew allowed %ds)", iat-now, v.maxSkew)
+		return Claims{}, refuse(ReasonNotYetValid, "issued %ds in the future (skew allowed %ds)", iat-now, v.maxSkew)
 	case exp < now-v.maxSkew:
-		return Claims{}, reject(ReasonExpired, "expired %ds ago (skew allowed %ds)", now-exp, v.maxSkew)
+		return Claims{}, refuse(ReasonExpired, "expired %ds ago (skew allowed %ds)", now-exp, v.maxSkew)
 	case exp-iat > v.maxTTL:
-		return Claims{}, reject(ReasonTTLTooLong, "validity of %ds exceeds the maximum %ds", exp-iat, v.maxTTL)
+		return Claims{}, refuse(ReasonTTLTooLong, "validity of %ds exceeds the maximum %ds", exp-iat, v.maxTTL)
 	}
 	switch {
 	case c.Binding != nil && binding == nil:
-		return Claims{}, reject(ReasonBindingMismatch, "frame is bound but this connection has no channel binding (TLS 1.3 needed)")
+		return Claims{}, refuse(ReasonBindingMismatch, "frame is bound but this connection has no channel binding (TLS 1.3 needed)")
 	case c.Binding != nil && subtle.ConstantTimeCompare(c.Binding, binding) != 1:
-		return Claims{}, reject(ReasonBindingMismatch, "frame is bound to another TLS session")
+		return Claims{}, refuse(ReasonBindingMismatch, "frame is bound to another TLS session")
 	case c.Binding == nil && v.requireBinding:
-		return Claims{}, reject(ReasonBindingRequired, "frame carries no channel binding")
+		return Claims{}, refuse(ReasonBindingRequired, "frame carries no channel binding")
 	}
 	if err := v.replay.add(c.Nonce, now); err != nil {
 		return Claims{}, err
@@ -308,7 +308,7 @@ func (rc *ReplayCache) add(nonce [NonceLen]byte, now int64) error {
 			b.epoch = -1
 		default:
 			if _, seen := b.nonces[nonce]; seen {
-				return reject(ReasonReplayedNonce, "nonce %x was already accepted (a nonce is refused for %ds after its acceptance)", nonce, rc.window)
+				return refuse(ReasonReplayedNonce, "nonce %x was already accepted (a nonce is refused for %ds after its acceptance)", nonce, rc.window)
 			}
 		}
 	}
@@ -317,12 +317,12 @@ func (rc *ReplayCache) add(nonce [NonceLen]byte, now int64) error {
 		if b.epoch >= 0 {
 			// Unreachable when the clock is monotonic (expired buckets were
 			// just recycled); fail closed if a clock jump makes it reachable.
-			return reject(ReasonReplayCacheFull, "acceptance-time bucket still holds unexpired nonces")
+			return refuse(ReasonReplayCacheFull, "acceptance-time bucket still holds unexpired nonces")
 		}
 		b.epoch = epoch
 	}
 	if rc.count >= rc.capacity {
-		return reject(ReasonReplayCacheFull, "%d unexpired nonces, capacity %d", rc.count, rc.capacity)
+		return refuse(ReasonReplayCacheFull, "%d unexpired nonces, capacity %d", rc.count, rc.capacity)
 	}
 	b.nonces[nonce] = struct{}{}
 	rc.count++

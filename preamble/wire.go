@@ -133,20 +133,20 @@ func readError(err error, part string) error {
 // checkHeader validates the fixed header and returns the body length.
 func checkHeader(hdr []byte, maxLen int) (int, error) {
 	if string(hdr[0:4]) != Magic {
-		return 0, reject(ReasonBadMagic, "frame starts with %q, want %q", hdr[0:4], Magic)
+		return 0, refuse(ReasonBadMagic, "frame starts with %q, want %q", hdr[0:4], Magic)
 	}
 	if hdr[4] != Version {
-		return 0, reject(ReasonBadVersion, "version %d, want %d", hdr[4], Version)
+		return 0, refuse(ReasonBadVersion, "version %d, want %d", hdr[4], Version)
 	}
 	if hdr[5] != 0 {
-		return 0, reject(ReasonMalformed, "reserved header byte is %#x, want 0", hdr[5])
+		return 0, refuse(ReasonMalformed, "reserved header byte is %#x, want 0", hdr[5])
 	}
 	bodyLen := int(binary.BigEndian.Uint16(hdr[6:8]))
 	if HeaderLen+bodyLen > maxLen {
-		return 0, reject(ReasonOversized, "frame of %d bytes exceeds the cap of %d", HeaderLen+bodyLen, maxLen)
+		return 0, refuse(ReasonOversized, "frame of %d bytes exceeds the cap of %d", HeaderLen+bodyLen, maxLen)
 	}
 	if bodyLen < minBodyLen {
-		return 0, reject(ReasonMalformed, "body of %d bytes is shorter than the minimum %d", bodyLen, minBodyLen)
+		return 0, refuse(ReasonMalformed, "body of %d bytes is shorter than the minimum %d", bodyLen, minBodyLen)
 	}
 	return bodyLen, nil
 }
@@ -166,17 +166,17 @@ type parsed struct {
 func parse(frame []byte, maxLen int) (parsed, error) {
 	var p parsed
 	if len(frame) < HeaderLen {
-		return p, reject(ReasonTruncated, "frame of %d bytes is shorter than the header", len(frame))
+		return p, refuse(ReasonTruncated, "frame of %d bytes is shorter than the header", len(frame))
 	}
 	bodyLen, err := checkHeader(frame[:HeaderLen], maxLen)
 	if err != nil {
 		return p, err
 	}
 	if len(frame) < HeaderLen+bodyLen {
-		return p, reject(ReasonTruncated, "frame holds %d bytes, header declares %d", len(frame), HeaderLen+bodyLen)
+		return p, refuse(ReasonTruncated, "frame holds %d bytes, header declares %d", len(frame), HeaderLen+bodyLen)
 	}
 	if len(frame) > HeaderLen+bodyLen {
-		return p, reject(ReasonTrailingBytes, "%d bytes follow the declared frame", len(frame)-HeaderLen-bodyLen)
+		return p, refuse(ReasonTrailingBytes, "%d bytes follow the declared frame", len(frame)-HeaderLen-bodyLen)
 	}
 	sigStart := len(frame) - SignatureLen
 	d := decoder{buf: frame[:sigStart], off: HeaderLen}
@@ -197,7 +197,7 @@ func parse(frame []byte, maxLen int) (parsed, error) {
 		addr = netip.AddrFrom16([16]byte(d.bytes(16)))
 	default:
 		if !d.short {
-			return p, reject(ReasonBadTarget, "address family %d, want 4 or 6", family)
+			return p, refuse(ReasonBadTarget, "address family %d, want 4 or 6", family)
 		}
 	}
 	port := d.u16()
@@ -206,14 +206,14 @@ func parse(frame []byte, maxLen int) (parsed, error) {
 	extLen := int(d.u16())
 	ext := d.bytes(extLen)
 	if d.short {
-		return p, reject(ReasonTruncated, "fields run past the signature at offset %d", d.off)
+		return p, refuse(ReasonTruncated, "fields run past the signature at offset %d", d.off)
 	}
 	if d.off != sigStart {
-		return p, reject(ReasonTrailingBytes, "%d bytes between the extensions and the signature", sigStart-d.off)
+		return p, refuse(ReasonTrailingBytes, "%d bytes between the extensions and the signature", sigStart-d.off)
 	}
 
 	if kidLen == 0 || kidLen > MaxKeyIDLen || !validID(p.keyID) {
-		return p, reject(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", p.keyID, MaxKeyIDLen)
+		return p, refuse(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", p.keyID, MaxKeyIDLen)
 	}
 	if err := checkSandboxID(sid); err != nil {
 		return p, err
@@ -223,10 +223,10 @@ func parse(frame []byte, maxLen int) (parsed, error) {
 		return p, err
 	}
 	if bindLen != 0 && bindLen != BindingLen {
-		return p, reject(ReasonMalformed, "channel binding of %d bytes, want 0 or %d", bindLen, BindingLen)
+		return p, refuse(ReasonMalformed, "channel binding of %d bytes, want 0 or %d", bindLen, BindingLen)
 	}
 	if exp <= iat || exp > uint64(maxUnixSeconds) {
-		return p, reject(ReasonMalformed, "validity window [%d, %d] is empty or out of range", iat, exp)
+		return p, refuse(ReasonMalformed, "validity window [%d, %d] is empty or out of range", iat, exp)
 	}
 	exts, err := parseExtensions(ext)
 	if err != nil {
@@ -259,20 +259,20 @@ func parseExtensions(area []byte) ([]Extension, error) {
 	prev := -1
 	for off := 0; off < len(area); {
 		if len(area)-off < 4 {
-			return nil, reject(ReasonBadExtension, "extension header truncated at offset %d", off)
+			return nil, refuse(ReasonBadExtension, "extension header truncated at offset %d", off)
 		}
 		typ := binary.BigEndian.Uint16(area[off:])
 		n := int(binary.BigEndian.Uint16(area[off+2:]))
 		off += 4
 		if n > len(area)-off {
-			return nil, reject(ReasonBadExtension, "extension %#04x declares %d bytes, %d remain", typ, n, len(area)-off)
+			return nil, refuse(ReasonBadExtension, "extension %#04x declares %d bytes, %d remain", typ, n, len(area)-off)
 		}
 		if int(typ) <= prev {
-			return nil, reject(ReasonBadExtension, "extension %#04x after %#04x: types must be strictly ascending", typ, prev)
+			return nil, refuse(ReasonBadExtension, "extension %#04x after %#04x: types must be strictly ascending", typ, prev)
 		}
 		prev = int(typ)
 		if typ&CriticalBit != 0 {
-			return nil, reject(ReasonUnknownCriticalExtension, "critical extension %#04x is not understood", typ)
+			return nil, refuse(ReasonUnknownCriticalExtension, "critical extension %#04x is not understood", typ)
 		}
 		if err := checkKnownExtension(typ, area[off:off+n]); err != nil {
 			return nil, err
@@ -292,19 +292,19 @@ func CheckTarget(t netip.AddrPort) error {
 	a := t.Addr()
 	switch {
 	case !a.IsValid():
-		return reject(ReasonBadTarget, "no address")
+		return refuse(ReasonBadTarget, "no address")
 	case a.Zone() != "":
-		return reject(ReasonBadTarget, "address %s has a zone", a)
+		return refuse(ReasonBadTarget, "address %s has a zone", a)
 	case a.Is4In6():
-		return reject(ReasonBadTarget, "IPv4-mapped address %s: encode it as IPv4", a)
+		return refuse(ReasonBadTarget, "IPv4-mapped address %s: encode it as IPv4", a)
 	case a.IsUnspecified(), a.IsMulticast(), a == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
-		return reject(ReasonBadTarget, "address %s is not a unicast host", a)
+		return refuse(ReasonBadTarget, "address %s is not a unicast host", a)
 	case isIPv4Compatible(a):
-		return reject(ReasonBadTarget, "IPv4-compatible address %s (deprecated ::/96): encode it as IPv4", a)
+		return refuse(ReasonBadTarget, "IPv4-compatible address %s (deprecated ::/96): encode it as IPv4", a)
 	case nat64UOctetSet(a):
-		return reject(ReasonBadTarget, "address %s in the NAT64 local-use prefix 64:ff9b:1::/48 has bits 64-71 (the RFC 6052 u octet) set", a)
+		return refuse(ReasonBadTarget, "address %s in the NAT64 local-use prefix 64:ff9b:1::/48 has bits 64-71 (the RFC 6052 u octet) set", a)
 	case t.Port() == 0:
-		return reject(ReasonBadTarget, "port 0")
+		return refuse(ReasonBadTarget, "port 0")
 	}
 	return nil
 }
@@ -384,12 +384,12 @@ func CheckSandboxID(id string) error {
 func checkSandboxID(b []byte) error {
 	switch {
 	case len(b) == 0 || len(b) > MaxSandboxIDLen:
-		return reject(ReasonBadSandboxID, "sandbox ID %q is %d bytes: want 1..%d bytes of [a-z0-9._-]", b, len(b), MaxSandboxIDLen)
+		return refuse(ReasonBadSandboxID, "sandbox ID %q is %d bytes: want 1..%d bytes of [a-z0-9._-]", b, len(b), MaxSandboxIDLen)
 	case !validSandboxID(b):
 		if hasUpper(b) && validSandboxID(asciiLower(b)) {
-			return reject(ReasonBadSandboxID, "sandbox ID %q has uppercase letters: sandbox IDs are case-insensitive and travel lowercase (%q)", b, asciiLower(b))
+			return refuse(ReasonBadSandboxID, "sandbox ID %q has uppercase letters: sandbox IDs are case-insensitive and travel lowercase (%q)", b, asciiLower(b))
 		}
-		return reject(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [a-z0-9._-], the first a letter or a digit", b, MaxSandboxIDLen)
+		return refuse(ReasonBadSandboxID, "sandbox ID %q: want 1..%d bytes of [a-z0-9._-], the first a letter or a digit", b, MaxSandboxIDLen)
 	}
 	return nil
 }
@@ -460,7 +460,7 @@ func asciiLower(b []byte) []byte {
 // and body up to the signature), with room for the signature appended later.
 func encode(keyID string, c *Claims) ([]byte, error) {
 	if len(keyID) == 0 || len(keyID) > MaxKeyIDLen || !validID([]byte(keyID)) {
-		return nil, reject(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", keyID, MaxKeyIDLen)
+		return nil, refuse(ReasonBadKeyID, "key ID %q: want 1..%d bytes of [A-Za-z0-9._-]", keyID, MaxKeyIDLen)
 	}
 	if err := CheckSandboxID(c.SandboxID); err != nil {
 		return nil, err
@@ -469,20 +469,20 @@ func encode(keyID string, c *Claims) ([]byte, error) {
 		return nil, err
 	}
 	if c.Binding != nil && len(c.Binding) != BindingLen {
-		return nil, reject(ReasonMalformed, "channel binding of %d bytes, want %d", len(c.Binding), BindingLen)
+		return nil, refuse(ReasonMalformed, "channel binding of %d bytes, want %d", len(c.Binding), BindingLen)
 	}
 	iat, exp := c.IssuedAt.Unix(), c.ExpiresAt.Unix()
 	if iat < 0 || exp <= iat || exp > maxUnixSeconds {
-		return nil, reject(ReasonMalformed, "validity window [%d, %d] is empty or out of range", iat, exp)
+		return nil, refuse(ReasonMalformed, "validity window [%d, %d] is empty or out of range", iat, exp)
 	}
 	extLen := 0
 	prev := -1
 	for _, e := range c.Extensions {
 		if int(e.Type) <= prev {
-			return nil, reject(ReasonBadExtension, "extension %#04x after %#04x: types must be strictly ascending", e.Type, prev)
+			return nil, refuse(ReasonBadExtension, "extension %#04x after %#04x: types must be strictly ascending", e.Type, prev)
 		}
 		if len(e.Value) > 0xffff {
-			return nil, reject(ReasonBadExtension, "extension %#04x value of %d bytes", e.Type, len(e.Value))
+			return nil, refuse(ReasonBadExtension, "extension %#04x value of %d bytes", e.Type, len(e.Value))
 		}
 		if err := checkKnownExtension(e.Type, e.Value); err != nil {
 			return nil, err
@@ -494,7 +494,7 @@ func encode(keyID string, c *Claims) ([]byte, error) {
 	bodyLen := 1 + len(keyID) + 8 + 8 + NonceLen + 1 + len(c.SandboxID) + 1 + addr.BitLen()/8 + 2 +
 		1 + len(c.Binding) + 2 + extLen + SignatureLen
 	if HeaderLen+bodyLen > MaxFrameLen {
-		return nil, reject(ReasonOversized, "frame of %d bytes exceeds the cap of %d", HeaderLen+bodyLen, MaxFrameLen)
+		return nil, refuse(ReasonOversized, "frame of %d bytes exceeds the cap of %d", HeaderLen+bodyLen, MaxFrameLen)
 	}
 
 	b := make([]byte, 0, HeaderLen+bodyLen)

@@ -26,7 +26,7 @@ import (
 //	resumption       on|off                 # default on: resume forwarder sessions
 //	expect_no_pad    [on|off]               # default: on where the kernel allows it
 //	<offload option> ...                     # offload on|off, rx on|off, fallback allow|refuse, handshake_timeout, ...
-func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
+func (g *DialOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled bool, err error) {
 	if d.Val() == "expect_no_pad" {
 		// A gateway's default is on where the kernel allows it, so it
 		// takes off as well as the offload option's bare form (on).
@@ -109,16 +109,16 @@ func (g *GatewayDial) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled 
 //		sandbox   <id>             # e.g. {l4.tls.server_name.labels.2}
 //		target    <ip:port>        # placeholders allowed
 //		client_id <identity>       # signed with the user's address; e.g. {l4.tls.client.subject}
-//		<gateway dial option> ...  # tls_client_auth, tls_trust_pool, signing_key_file, ... (GatewayDial)
+//		<gateway dial option> ...  # tls_client_auth, tls_trust_pool, signing_key_file, ... (DialOptions)
 //	}
-func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (h *Proxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the handler name
 	if d.NextArg() {
 		return d.ArgErr()
 	}
 	args := caddyfileargs.Table{Strings: map[string]*string{"forwarder": &h.Forwarder, "sandbox": &h.Sandbox, "target": &h.Target, "client_id": &h.ClientID}}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if handled, err := h.GatewayDial.unmarshalCaddyfileOption(d); handled {
+		if handled, err := h.DialOptions.unmarshalCaddyfileOption(d); handled {
 			if err != nil {
 				return err
 			}
@@ -146,10 +146,10 @@ func (h *SandboxProxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //			max_routes               <n>   # default 4096
 //			send_client                    # sign the request's client address into each tunnel's preamble
 //			client_id <identity>           # with send_client; e.g. {http.request.header.X-User}
-//			<gateway dial option> ...      # tls_client_auth, tls_trust_pool, signing_key_file, ... (GatewayDial)
+//			<gateway dial option> ...      # tls_client_auth, tls_trust_pool, signing_key_file, ... (DialOptions)
 //		}
 //	}
-func (t *SandboxTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (t *Transport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the transport name
 	if d.NextArg() {
 		return d.ArgErr()
@@ -161,7 +161,7 @@ func (t *SandboxTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		Flags:     map[string]*bool{"send_client": &t.SendClient},
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if handled, err := t.GatewayDial.unmarshalCaddyfileOption(d); handled {
+		if handled, err := t.DialOptions.unmarshalCaddyfileOption(d); handled {
 			if err != nil {
 				return err
 			}
@@ -189,7 +189,7 @@ func (t *SandboxTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 
 func init() {
 	httpcaddyfile.RegisterHandlerDirective("sandbox_lookup", func(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
-		l := new(SandboxLookup)
+		l := new(Lookup)
 		err := l.UnmarshalCaddyfile(h.Dispenser)
 		return l, err
 	})
@@ -241,19 +241,19 @@ func unmarshalLookup(d *caddyfile.Dispenser, o *LookupOptions) error {
 }
 
 // UnmarshalCaddyfile sets up the handler: see unmarshalLookup.
-func (h *SandboxLookup) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (h *Lookup) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return unmarshalLookup(d, &h.LookupOptions)
 }
 
 // UnmarshalCaddyfile sets up the handler: see unmarshalLookup.
-func (h *SandboxLookupL4) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (h *LookupL4) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return unmarshalLookup(d, &h.LookupOptions)
 }
 
 // Interface guards.
 var (
-	_ caddyfile.Unmarshaler = (*SandboxProxy)(nil)
-	_ caddyfile.Unmarshaler = (*SandboxTransport)(nil)
-	_ caddyfile.Unmarshaler = (*SandboxLookup)(nil)
-	_ caddyfile.Unmarshaler = (*SandboxLookupL4)(nil)
+	_ caddyfile.Unmarshaler = (*Proxy)(nil)
+	_ caddyfile.Unmarshaler = (*Transport)(nil)
+	_ caddyfile.Unmarshaler = (*Lookup)(nil)
+	_ caddyfile.Unmarshaler = (*LookupL4)(nil)
 )

@@ -19,13 +19,13 @@ import (
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
-// GatewayDial is how the gateway modules (the layer4 `sandbox_proxy`
+// DialOptions is how the gateway modules (the layer4 `sandbox_proxy`
 // handler and the `sandbox` reverse_proxy transport) reach forwarders:
 // mutual TLS with the gateway's client certificate, the key that signs the
 // preambles, and the offload of each forwarder connection to kernel TLS.
 // Both embed it, so its fields sit at the top level of their JSON and of
 // their Caddyfile blocks.
-type GatewayDial struct {
+type DialOptions struct {
 	// TLS is the gateway's side of the mutual TLS session with forwarders,
 	// as reverse_proxy's http transport configures it: the client
 	// certificate (client_certificate_file and client_certificate_key_file,
@@ -90,12 +90,12 @@ type GatewayDial struct {
 
 // expectNoPad says whether forwarder connections set TLS_RX_EXPECT_NO_PAD,
 // where kernelAccepts is the kernel's answer to the probe.
-func (g *GatewayDial) ExpectsNoPad(kernelAccepts bool) bool {
+func (g *DialOptions) ExpectsNoPad(kernelAccepts bool) bool {
 	return g.ExpectNoPad || (kernelAccepts && !g.DisableExpectNoPad)
 }
 
 // validate checks what needs no files or apps.
-func (g *GatewayDial) validate() error {
+func (g *DialOptions) validate() error {
 	switch {
 	case g.TLS == nil || (g.TLS.ClientCertificateFile == "" && g.TLS.ClientCertificateAutomate == ""):
 		return errors.New("no client certificate (tls_client_auth <cert_file> <key_file>): forwarders serve only gateways with a certificate they verify")
@@ -118,7 +118,7 @@ func (g *GatewayDial) validate() error {
 // logStart logs module's start line (logKernel): what this kernel does for
 // the forwarder connections, once per configuration load, module and set of
 // offload options, however many instances share them.
-func (g *GatewayDial) logStart(ctx caddy.Context, module string, logger *zap.Logger) {
+func (g *DialOptions) logStart(ctx caddy.Context, module string, logger *zap.Logger) {
 	key := gatewayStartKey{ctx.Context, module, g.Options}
 	if _, logged := gatewayStartLogged.LoadOrStore(key, struct{}{}); logged {
 		return
@@ -141,7 +141,7 @@ type gatewayStartKey struct {
 
 // dialer builds the gateway.Dialer, loading the certificate, trust pool
 // and signing key. module labels its handshake metrics and logs.
-func (g *GatewayDial) dialer(ctx caddy.Context, module string, logger *zap.Logger) (*gateway.Dialer, error) {
+func (g *DialOptions) dialer(ctx caddy.Context, module string, logger *zap.Logger) (*gateway.Dialer, error) {
 	if err := g.validate(); err != nil {
 		return nil, err
 	}

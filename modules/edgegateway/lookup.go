@@ -19,10 +19,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(new(SandboxLookup))
+	caddy.RegisterModule(new(Lookup))
 }
 
-// SandboxLookup is an HTTP handler that finds the sandbox a request is
+// Lookup is an HTTP handler that finds the sandbox a request is
 // for through the control plane (gateway.Lookup: cached, coalesced,
 // bounded) and sets the variables sandbox_id, sandbox_forwarder and
 // sandbox_target ({http.vars.*}, {vars.*} in a Caddyfile) for the
@@ -30,7 +30,7 @@ func init() {
 // lowercase form of the ID (sandbox IDs are case-insensitive). A sandbox the control
 // plane does not know, or a control plane that does not answer, ends the
 // request with 502 and the reason in the log; nothing is proxied.
-type SandboxLookup struct {
+type Lookup struct {
 	// The sandbox to look up and how the control plane is asked
 	// (LookupOptions), at the top level of the JSON.
 	LookupOptions
@@ -174,17 +174,17 @@ func LookupResults() []string {
 }
 
 // CaddyModule returns the Caddy module information.
-func (*SandboxLookup) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleid.SandboxLookupHTTP, New: func() caddy.Module { return new(SandboxLookup) }}
+func (*Lookup) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleid.SandboxLookupHTTP, New: func() caddy.Module { return new(Lookup) }}
 }
 
 // Provision sets up the handler.
-func (h *SandboxLookup) Provision(ctx caddy.Context) error {
+func (h *Lookup) Provision(ctx caddy.Context) error {
 	return h.provision(ctx, moduleid.SandboxLookupHTTP, ctx.Logger(h))
 }
 
 // ServeHTTP looks the request's sandbox up and sets its variables.
-func (h *SandboxLookup) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+func (h *Lookup) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	sandbox := repl.ReplaceAll(h.Sandbox, "")
 	loc, err := resolve(r.Context(), h.lookup, moduleid.SandboxLookupHTTP, sandbox, h.logger, zap.String("host", r.Host), zap.String("uri", r.RequestURI))
@@ -199,7 +199,7 @@ func (h *SandboxLookup) ServeHTTP(w http.ResponseWriter, r *http.Request, next c
 
 // Interface guards.
 var (
-	_ caddyhttp.MiddlewareHandler = (*SandboxLookup)(nil)
-	_ caddy.Provisioner           = (*SandboxLookup)(nil)
-	_ caddy.Validator             = (*SandboxLookup)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Lookup)(nil)
+	_ caddy.Provisioner           = (*Lookup)(nil)
+	_ caddy.Validator             = (*Lookup)(nil)
 )

@@ -9,7 +9,7 @@ import (
 
 // refusedGatewayTLSOptions are the TLS options of reverse_proxy's http
 // transport that a gateway module refuses, by Caddyfile name, with why
-// and what to use instead. The JSON load (GatewayDial.validate) and the
+// and what to use instead. The JSON load (DialOptions.validate) and the
 // Caddyfile parser say the same.
 var RefusedGatewayTLSOptions = map[string]string{
 	"tls_insecure_skip_verify": "the preamble would go to whoever answers; give the forwarders' CA with tls_trust_pool",

@@ -18,10 +18,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(new(SandboxProxy))
+	caddy.RegisterModule(new(Proxy))
 }
 
-// SandboxProxy is the edge gateway for raw TCP: a terminal layer4 handler
+// Proxy is the edge gateway for raw TCP: a terminal layer4 handler
 // that opens a tunnel to the sandbox's forwarder (mutual TLS, a signed
 // preamble naming the sandbox and its target) and relays the user's
 // connection through it. Place it after a TLS-terminating handler (`ktls`,
@@ -35,7 +35,7 @@ func init() {
 // could not be reached, or the route's placeholders gave no valid route;
 // failed (internal_error, or a reset) otherwise. Tunnels outlive
 // configuration reloads.
-type SandboxProxy struct {
+type Proxy struct {
 	// Forwarder is the host:port of the forwarder on the sandbox's host.
 	// Placeholders are replaced per connection.
 	Forwarder string `json:"forwarder,omitempty"`
@@ -63,9 +63,9 @@ type SandboxProxy struct {
 	// value breaks that is refused, and nothing reaches the sandbox.
 	ClientID string `json:"client_id,omitempty"`
 
-	// How forwarders are reached (GatewayDial), at the top level of the
+	// How forwarders are reached (DialOptions), at the top level of the
 	// JSON.
-	GatewayDial
+	DialOptions
 
 	ctx    caddy.Context
 	logger *zap.Logger
@@ -73,12 +73,12 @@ type SandboxProxy struct {
 }
 
 // CaddyModule returns the Caddy module information.
-func (*SandboxProxy) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleid.SandboxProxy, New: func() caddy.Module { return new(SandboxProxy) }}
+func (*Proxy) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleid.SandboxProxy, New: func() caddy.Module { return new(Proxy) }}
 }
 
 // Validate checks the configuration without loading anything.
-func (h *SandboxProxy) Validate() error {
+func (h *Proxy) Validate() error {
 	if h.Forwarder == "" || h.Sandbox == "" || h.Target == "" {
 		return errors.New("sandbox_proxy: forwarder, sandbox and target are required (placeholders allowed)")
 	}
@@ -91,31 +91,31 @@ func (h *SandboxProxy) Validate() error {
 	if err := checkForwarderOption("sandbox_proxy", h.Forwarder); err != nil {
 		return err
 	}
-	if err := h.GatewayDial.validate(); err != nil {
+	if err := h.DialOptions.validate(); err != nil {
 		return fmt.Errorf("sandbox_proxy: %w", err)
 	}
 	return nil
 }
 
 // Provision sets up the handler.
-func (h *SandboxProxy) Provision(ctx caddy.Context) error {
+func (h *Proxy) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
 	if err := caddymetrics.Register(ctx, moduleid.SandboxProxy); err != nil {
 		return err
 	}
-	d, err := h.GatewayDial.dialer(ctx, moduleid.SandboxProxy, h.logger)
+	d, err := h.DialOptions.dialer(ctx, moduleid.SandboxProxy, h.logger)
 	if err != nil {
 		return fmt.Errorf("sandbox_proxy: %w", err)
 	}
 	h.dialer = d
-	h.GatewayDial.logStart(ctx, moduleid.SandboxProxy, h.logger)
+	h.DialOptions.logStart(ctx, moduleid.SandboxProxy, h.logger)
 	warnUntrustedClientID(h.logger, h.ClientID, ClientIDFixL4)
 	return nil
 }
 
 // Handle carries one user connection through a tunnel; it is terminal.
-func (h *SandboxProxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
+func (h *Proxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	user, buffered := l4conn.Unwrap(cx)
 	peer := cx.RemoteAddr().String()
 	repl := cx.Replacer()
@@ -196,7 +196,7 @@ func dialResult(err error) string {
 
 // Interface guards.
 var (
-	_ layer4.NextHandler = (*SandboxProxy)(nil)
-	_ caddy.Provisioner  = (*SandboxProxy)(nil)
-	_ caddy.Validator    = (*SandboxProxy)(nil)
+	_ layer4.NextHandler = (*Proxy)(nil)
+	_ caddy.Provisioner  = (*Proxy)(nil)
+	_ caddy.Validator    = (*Proxy)(nil)
 )

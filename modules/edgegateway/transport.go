@@ -17,10 +17,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(new(SandboxTransport))
+	caddy.RegisterModule(new(Transport))
 }
 
-// SandboxTransport is the edge gateway for HTTP: a reverse_proxy transport
+// Transport is the edge gateway for HTTP: a reverse_proxy transport
 // whose upstream is the forwarder on the sandbox's host. Each new upstream
 // connection is a tunnel: mutual TLS to the forwarder (kernel TLS where it
 // can), a signed preamble naming the sandbox and its target, then HTTP/1.1
@@ -38,7 +38,7 @@ func init() {
 // failure after the tunnel opened (internal_error, a reset) is logged as
 // a failure and retried only as reverse_proxy retries any such error (GET
 // by default, never a non-idempotent method unless retry_match says so).
-type SandboxTransport struct {
+type Transport struct {
 	// Sandbox is the sandbox ID the preambles name; placeholders are
 	// replaced per request: e.g. {http.request.host.labels.2}, or a var
 	// set by `map`. Sandbox IDs are case-insensitive: the preambles (and
@@ -88,15 +88,15 @@ type SandboxTransport struct {
 	// anything is dialed.
 	ClientID string `json:"client_id,omitempty"`
 
-	// How forwarders are reached (GatewayDial), at the top level of the
+	// How forwarders are reached (DialOptions), at the top level of the
 	// JSON.
-	GatewayDial
+	DialOptions
 
 	logger *zap.Logger
 	pool   *gateway.Pool
 }
 
-// The SandboxTransport defaults.
+// The Transport defaults.
 const (
 	defaultMaxIdleConnsPerRoute = gateway.DefaultMaxIdleConnsPerRoute
 	defaultRouteIdleTimeout     = gateway.DefaultRouteIdleTimeout
@@ -104,12 +104,12 @@ const (
 )
 
 // CaddyModule returns the Caddy module information.
-func (*SandboxTransport) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleid.SandboxTransport, New: func() caddy.Module { return new(SandboxTransport) }}
+func (*Transport) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleid.SandboxTransport, New: func() caddy.Module { return new(Transport) }}
 }
 
 // Validate checks the configuration without loading anything.
-func (t *SandboxTransport) Validate() error {
+func (t *Transport) Validate() error {
 	if t.Sandbox == "" || t.Target == "" {
 		return errors.New("sandbox transport: sandbox and target are required (placeholders allowed)")
 	}
@@ -128,20 +128,20 @@ func (t *SandboxTransport) Validate() error {
 	if t.ClientID != "" && !t.SendClient {
 		return errors.New("sandbox transport: client_id needs send_client: the identity travels with the client's address")
 	}
-	if err := t.GatewayDial.validate(); err != nil {
+	if err := t.DialOptions.validate(); err != nil {
 		return fmt.Errorf("sandbox transport: %w", err)
 	}
 	return nil
 }
 
 // EnableH2C makes the transport speak h2c, for upstreams written h2c://.
-func (t *SandboxTransport) EnableH2C() error {
+func (t *Transport) EnableH2C() error {
 	t.Versions = []string{"h2c"}
 	return nil
 }
 
 // Provision sets up the transport.
-func (t *SandboxTransport) Provision(ctx caddy.Context) error {
+func (t *Transport) Provision(ctx caddy.Context) error {
 	t.logger = ctx.Logger(t)
 	if err := caddymetrics.Register(ctx, moduleid.SandboxTransport); err != nil {
 		return err
@@ -149,7 +149,7 @@ func (t *SandboxTransport) Provision(ctx caddy.Context) error {
 	if err := t.Validate(); err != nil {
 		return err
 	}
-	d, err := t.GatewayDial.dialer(ctx, moduleid.SandboxTransport, t.logger)
+	d, err := t.DialOptions.dialer(ctx, moduleid.SandboxTransport, t.logger)
 	if err != nil {
 		return fmt.Errorf("sandbox transport: %w", err)
 	}
@@ -178,13 +178,13 @@ func (t *SandboxTransport) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("sandbox transport: %w", err)
 	}
-	t.GatewayDial.logStart(ctx, moduleid.SandboxTransport, t.logger)
+	t.DialOptions.logStart(ctx, moduleid.SandboxTransport, t.logger)
 	warnUntrustedClientID(t.logger, t.ClientID, ClientIDFixHTTP)
 	return nil
 }
 
 // Cleanup closes the idle connections of every route.
-func (t *SandboxTransport) Cleanup() error {
+func (t *Transport) Cleanup() error {
 	if t.pool != nil {
 		t.pool.CloseIdleConnections()
 	}
@@ -193,7 +193,7 @@ func (t *SandboxTransport) Cleanup() error {
 
 // RoundTrip sends req to the sandbox its placeholders name, through the
 // forwarder reverse_proxy chose (req.URL.Host).
-func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	repl, _ := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if repl == nil {
 		repl = caddy.NewReplacer()
@@ -220,7 +220,7 @@ func (t *SandboxTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 }
 
 // onDial counts and logs a tunnel's dial, as the pool reports it.
-func (t *SandboxTransport) onDial(route gateway.Route, conn *ktls.Conn, err error) {
+func (t *Transport) onDial(route gateway.Route, conn *ktls.Conn, err error) {
 	if err != nil {
 		GatewayDials.WithLabelValues(moduleid.SandboxTransport, dialResult(err)).Inc()
 		t.logger.Warn("sandbox transport: cannot open the tunnel; nothing reached the sandbox", routeFields(route, zap.Error(err))...)
@@ -232,7 +232,7 @@ func (t *SandboxTransport) onDial(route gateway.Route, conn *ktls.Conn, err erro
 }
 
 // onFailure logs a request its tunnel failed, as the pool reports it.
-func (t *SandboxTransport) onFailure(f gateway.Failure) {
+func (t *Transport) onFailure(f gateway.Failure) {
 	uri := zap.String("uri", f.Request.RequestURI)
 	switch {
 	case f.End == gateway.EndRefused:
@@ -251,9 +251,9 @@ func routeFields(r gateway.Route, more ...zap.Field) []zap.Field {
 
 // Interface guards.
 var (
-	_ http.RoundTripper         = (*SandboxTransport)(nil)
-	_ caddy.Provisioner         = (*SandboxTransport)(nil)
-	_ caddy.Validator           = (*SandboxTransport)(nil)
-	_ caddy.CleanerUpper        = (*SandboxTransport)(nil)
-	_ reverseproxy.H2CTransport = (*SandboxTransport)(nil)
+	_ http.RoundTripper         = (*Transport)(nil)
+	_ caddy.Provisioner         = (*Transport)(nil)
+	_ caddy.Validator           = (*Transport)(nil)
+	_ caddy.CleanerUpper        = (*Transport)(nil)
+	_ reverseproxy.H2CTransport = (*Transport)(nil)
 )

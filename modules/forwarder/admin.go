@@ -20,10 +20,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(AdminSandbox{})
+	caddy.RegisterModule(AdminAPI{})
 }
 
-// AdminSandbox is the admin API module `admin.api.sandbox`. It serves the
+// AdminAPI is the admin API module `admin.api.sandbox`. It serves the
 // process-level tunnel registry as JSON:
 //
 //   - GET /sandbox/tunnels: the open tunnels (forward.TunnelInfo), oldest
@@ -36,15 +36,15 @@ func init() {
 //     optionally refuses new tunnels to the sandbox for a while.
 //
 // The GETs read live counters and never block the data path.
-type AdminSandbox struct{}
+type AdminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
-func (AdminSandbox) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleid.AdminSandbox, New: func() caddy.Module { return new(AdminSandbox) }}
+func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleid.AdminSandbox, New: func() caddy.Module { return new(AdminAPI) }}
 }
 
 // Routes returns the admin routes.
-func (AdminSandbox) Routes() []caddy.AdminRoute {
+func (AdminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{
 		{Pattern: "/sandbox/tunnels", Handler: caddy.AdminHandlerFunc(serveTunnels)},
 		{Pattern: "/sandbox/activity", Handler: caddy.AdminHandlerFunc(serveActivity)},
@@ -81,7 +81,7 @@ func serveActivity(w http.ResponseWriter, r *http.Request) error {
 
 // activityOfRegistry is GET /sandbox/activity's answer for reg.
 func activityOfRegistry(reg *forward.Registry) ActivityResponse {
-	a := ActivityResponse{Sandboxes: reg.Activity(), Refusing: reg.Refusals(), Rejections: reg.Rejections()}
+	a := ActivityResponse{Sandboxes: reg.Activity(), Refusing: reg.Refusals(), Rejections: reg.RefusedTunnels()}
 	if last := reg.LastReport(); last.Sequence != 0 {
 		a.LastReport = &last
 	}
@@ -337,4 +337,4 @@ func writeJSON(w http.ResponseWriter, v any) error {
 }
 
 // Interface guard.
-var _ caddy.AdminRouter = AdminSandbox{}
+var _ caddy.AdminRouter = AdminAPI{}

@@ -48,7 +48,7 @@ import (
 //			request_timeout <duration>
 //		}
 //	}
-func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the handler name
 	if d.NextArg() {
 		return d.ArgErr()
@@ -78,7 +78,7 @@ func (h *SandboxHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if len(args) != 2 {
 				return d.Errf("key takes a key ID and a base64 Ed25519 public key, got %d arguments", len(args))
 			}
-			h.Keys = append(h.Keys, SandboxKey{ID: args[0], PublicKey: args[1]})
+			h.Keys = append(h.Keys, Key{ID: args[0], PublicKey: args[1]})
 		case "key_clients":
 			args := d.RemainingArgs()
 			if len(args) < 2 {
@@ -148,12 +148,12 @@ func unmarshalActivityPush(d *caddyfile.Dispenser) (*ActivityPush, error) {
 //		from_sandbox <rate>
 //		burst        <size>   # default: a tenth of a second's worth, at least 64KiB
 //	}
-func unmarshalBandwidth(d *caddyfile.Dispenser) (*SandboxBandwidth, error) {
+func unmarshalBandwidth(d *caddyfile.Dispenser) (*Bandwidth, error) {
 	if d.NextArg() {
 		return nil, d.Errf("max_bandwidth %[1]s: max_bandwidth takes a block, not a rate: put `to_sandbox %[1]s` and `from_sandbox %[1]s` "+
 			"(bytes per second, each direction capped on its own) on lines of their own inside max_bandwidth { }", d.Val())
 	}
-	b := new(SandboxBandwidth)
+	b := new(Bandwidth)
 	args := caddyfileargs.Table{Sizes: map[string]*int64{"to_sandbox": &b.ToSandbox, "from_sandbox": &b.FromSandbox, "burst": &b.Burst}}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		if handled, err := args.Read(d); !handled {
@@ -172,8 +172,8 @@ func unmarshalBandwidth(d *caddyfile.Dispenser) (*SandboxBandwidth, error) {
 //		timeout         <duration>       # default 30s: how long a tunnel waits for its woken target
 //		request_timeout <duration>       # default 10s: the wake request
 //	}
-func unmarshalWake(d *caddyfile.Dispenser) (*SandboxWake, error) {
-	w := new(SandboxWake)
+func unmarshalWake(d *caddyfile.Dispenser) (*Wake, error) {
+	w := new(Wake)
 	args := caddyfileargs.Table{Durations: map[string]*caddy.Duration{"timeout": &w.Timeout, "request_timeout": &w.RequestTimeout}}
 	err := caddyfileargs.Endpoint(d, &w.URL, &w.Headers, func(opt string) error {
 		if handled, err := args.Read(d); handled {
@@ -185,12 +185,12 @@ func unmarshalWake(d *caddyfile.Dispenser) (*SandboxWake, error) {
 }
 
 // UnmarshalCaddyfile sets up the matcher: `sandbox`, no arguments.
-func (m *MatchSandbox) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (m *Matcher) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return caddyfileargs.NoArgsOrBlock(d, "sandbox matcher")
 }
 
 // Interface guards.
 var (
-	_ caddyfile.Unmarshaler = (*SandboxHandler)(nil)
-	_ caddyfile.Unmarshaler = (*MatchSandbox)(nil)
+	_ caddyfile.Unmarshaler = (*Handler)(nil)
+	_ caddyfile.Unmarshaler = (*Matcher)(nil)
 )

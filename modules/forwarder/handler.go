@@ -33,10 +33,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(new(SandboxHandler))
+	caddy.RegisterModule(new(Handler))
 }
 
-// SandboxHandler is a terminal handler that carries sandbox tunnels: it
+// Handler is a terminal handler that carries sandbox tunnels: it
 // reads the gateway's signed preamble (under the one deadline a tunnel has),
 // verifies it, checks the target against the allowlist, dials it and relays
 // both directions with splice(2), metering every byte per tunnel and per
@@ -50,9 +50,9 @@ func init() {
 // copy). A route with no TLS-terminating handler before it does not load,
 // and every connection whose TLS session verified no client certificate is
 // refused ("no-client-certificate") before its preamble is read.
-type SandboxHandler struct {
+type Handler struct {
 	// Keys are the gateways' Ed25519 public keys, inline.
-	Keys []SandboxKey `json:"keys,omitempty"`
+	Keys []Key `json:"keys,omitempty"`
 
 	// KeyFiles are keyring files: PEM "PUBLIC KEY" blocks, each named by a
 	// "Key-Id" header (or the key's derived ID without one).
@@ -159,7 +159,7 @@ type SandboxHandler struct {
 	// stays zero-copy); time spent waiting is counted in
 	// caddy_ktls_sandbox_throttled_seconds_total{direction}. Default: no
 	// cap.
-	MaxBandwidth *SandboxBandwidth `json:"max_bandwidth,omitempty"`
+	MaxBandwidth *Bandwidth `json:"max_bandwidth,omitempty"`
 
 	// Wake, when set, wakes a sandbox whose target does not answer the dial
 	// (a paused or moved sandbox): it POSTs {"sandbox": ..., "target": ...}
@@ -169,7 +169,7 @@ type SandboxHandler struct {
 	// meanwhile. Refused as "wake-failed" when the control plane does not
 	// accept the wake, "dial-failed" when the target stays silent. Counted
 	// in caddy_ktls_sandbox_wakes_total{outcome}.
-	Wake *SandboxWake `json:"wake,omitempty"`
+	Wake *Wake `json:"wake,omitempty"`
 
 	// DrainGracePeriod is how long open tunnels may keep running when the
 	// process exits before they are closed. Reloads do not drain.
@@ -198,8 +198,8 @@ type SandboxHandler struct {
 	anonymous *logsummary.FailureSummary
 }
 
-// SandboxKey is one inline gateway key.
-type SandboxKey struct {
+// Key is one inline gateway key.
+type Key struct {
 	// ID is the key ID gateways write in their preambles.
 	ID string `json:"id"`
 	// PublicKey is the Ed25519 public key: 32 raw bytes in standard base64,
@@ -234,8 +234,8 @@ type ActivityPush struct {
 	Instance string `json:"instance,omitempty"`
 }
 
-// SandboxBandwidth is a per-sandbox bandwidth cap.
-type SandboxBandwidth struct {
+// Bandwidth is a per-sandbox bandwidth cap.
+type Bandwidth struct {
 	// ToSandbox caps the bytes per second from gateways to the sandbox;
 	// 0: no cap.
 	ToSandbox int64 `json:"to_sandbox,omitempty"`
@@ -247,8 +247,8 @@ type SandboxBandwidth struct {
 	Burst int64 `json:"burst,omitempty"`
 }
 
-// SandboxWake configures waking sandboxes on connect.
-type SandboxWake struct {
+// Wake configures waking sandboxes on connect.
+type Wake struct {
 	// URL receives the wake POSTs; any 2xx status means the control plane
 	// is waking the sandbox.
 	URL string `json:"url"`
@@ -264,12 +264,12 @@ type SandboxWake struct {
 }
 
 // CaddyModule returns the Caddy module information.
-func (*SandboxHandler) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleid.SandboxHandler, New: func() caddy.Module { return new(SandboxHandler) }}
+func (*Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleid.SandboxHandler, New: func() caddy.Module { return new(Handler) }}
 }
 
 // Provision sets up the handler.
-func (h *SandboxHandler) Provision(ctx caddy.Context) error {
+func (h *Handler) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
 	if err := caddymetrics.Register(ctx, moduleid.SandboxHandler); err != nil {
@@ -359,8 +359,8 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("sandbox handler: events app: %w", err)
 	}
 	h.events = events.(*caddyevents.App)
-	h.anonymous = logsummary.NewFailureSummary(h.logger, AnonymousRejectSummary, []string{string(forward.ReasonNoClientCertificate)},
-		`each at DEBUG ("`+tunnelRejectedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them`)
+	h.anonymous = logsummary.NewFailureSummary(h.logger, AnonymousRefusalSummary, []string{string(forward.ReasonNoClientCertificate)},
+		`each at DEBUG ("`+tunnelRefusedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them`)
 	if p := h.ActivityPush; p != nil {
 		header := controlplane.LoadHeaders(h.logger, "activity_push", p.Headers)
 		h.pushDrops = newPushDropLog(h.logger, p.URL)
@@ -381,7 +381,7 @@ func (h *SandboxHandler) Provision(ctx caddy.Context) error {
 
 // validateOptions checks what needs nothing loaded; its errors name the
 // Caddyfile option and the JSON field, and say the fix.
-func (h *SandboxHandler) validateOptions() error {
+func (h *Handler) validateOptions() error {
 	if len(h.AllowCIDRs) == 0 {
 		return fmt.Errorf("sandbox handler: no %s entry: name the sandbox networks this forwarder may reach, e.g. `allow 10.0.0.0/8`", offload.Option("allow", "allow_cidrs"))
 	}
@@ -429,7 +429,7 @@ func proxyProtocolVersion(opt string) int {
 // Validate checks the configuration (caddy.Validator): the options, and
 // that each key_clients entry names a key the handler holds (h.keys, which
 // Provision loaded from keys and key_files).
-func (h *SandboxHandler) Validate() error {
+func (h *Handler) Validate() error {
 	if err := h.validateOptions(); err != nil {
 		return err
 	}
@@ -444,7 +444,7 @@ func (h *SandboxHandler) Validate() error {
 
 // loadReplayCache takes a reference to the shared replay cache for this
 // handler's settings, released by Cleanup.
-func (h *SandboxHandler) loadReplayCache() (*preamble.ReplayCache, error) {
+func (h *Handler) loadReplayCache() (*preamble.ReplayCache, error) {
 	size := h.ReplayCacheSize
 	if size == 0 {
 		size = preamble.DefaultReplayCacheSize
@@ -464,7 +464,7 @@ func (h *SandboxHandler) loadReplayCache() (*preamble.ReplayCache, error) {
 	return v.(replayCacheEntry).ReplayCache, nil
 }
 
-func (h *SandboxHandler) keyring() (map[string]ed25519.PublicKey, error) {
+func (h *Handler) keyring() (map[string]ed25519.PublicKey, error) {
 	keys := make(map[string]ed25519.PublicKey)
 	add := func(from string, ring map[string]ed25519.PublicKey) error {
 		for id, k := range ring {
@@ -513,7 +513,7 @@ func (h *SandboxHandler) keyring() (map[string]ed25519.PublicKey, error) {
 // the shared replay cache; a second call does nothing (Caddy also cleans up
 // after a failed Provision). Tunnels are left alone on a reload; when the
 // process exits it drains them for the grace period.
-func (h *SandboxHandler) Cleanup() error {
+func (h *Handler) Cleanup() error {
 	if h.replayKey != (replayCacheKey{}) {
 		replayCaches.Delete(h.replayKey)
 		h.replayKey = replayCacheKey{}
@@ -552,9 +552,9 @@ func (h *SandboxHandler) Cleanup() error {
 }
 
 // Handle carries one tunnel; it is terminal and never calls next.
-func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
+func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	peer := cx.RemoteAddr().String()
-	client := forward.Client{
+	client := forward.Gateway{
 		Conn: cx,
 		Peer: peer,
 		OnOpen: func(ti forward.TunnelInfo) {
@@ -578,7 +578,7 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		// VerifiedChains for client_auth modes verify_if_given and
 		// require_and_verify (Caddy's default with a trust pool), never
 		// for request or require, which take any certificate as sent.
-		client.ClientCertificateVerified = len(state.PeerCertificates) > 0 && len(state.VerifiedChains) > 0
+		client.CertificateVerified = len(state.PeerCertificates) > 0 && len(state.VerifiedChains) > 0
 	}
 	res, err := h.fwd.Serve(client)
 	if res.Tunnel.ID == 0 {
@@ -590,11 +590,11 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 			// verify_if_given, request or require let the handshake
 			// complete without a verified certificate): no WARN of its own,
 			// as a failed handshake under require_and_verify.
-			h.logger.Debug(tunnelRejectedMsg, fields...)
+			h.logger.Debug(tunnelRefusedMsg, fields...)
 			h.anonymous.Add(reason)
 			return nil
 		}
-		h.logger.Warn(tunnelRejectedMsg, fields...)
+		h.logger.Warn(tunnelRefusedMsg, fields...)
 		return nil
 	}
 	ti := res.Tunnel
@@ -627,11 +627,11 @@ func (h *SandboxHandler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 }
 
 // tunnelRejectedMsg is the log message of a refused tunnel.
-const tunnelRejectedMsg = "sandbox tunnel rejected"
+const tunnelRefusedMsg = "sandbox tunnel rejected"
 
 // anonymousRejectSummary is the WARN summary of the tunnels refused for
 // want of a verified client certificate (failureSummary).
-const AnonymousRejectSummary = "sandbox tunnels rejected without a verified client certificate"
+const AnonymousRefusalSummary = "sandbox tunnels rejected without a verified client certificate"
 
 // insecurePlaintextWarning is logged at every load of a handler with
 // insecure_plaintext.
@@ -843,10 +843,10 @@ func checkRouteHandlers(handlers []json.RawMessage, tlsBefore bool, where string
 
 // Interface guards.
 var (
-	_ layer4.NextHandler = (*SandboxHandler)(nil)
-	_ caddy.Provisioner  = (*SandboxHandler)(nil)
-	_ caddy.Validator    = (*SandboxHandler)(nil)
-	_ caddy.CleanerUpper = (*SandboxHandler)(nil)
+	_ layer4.NextHandler = (*Handler)(nil)
+	_ caddy.Provisioner  = (*Handler)(nil)
+	_ caddy.Validator    = (*Handler)(nil)
+	_ caddy.CleanerUpper = (*Handler)(nil)
 )
 
 // wokenMsg is the INFO line of a wake whose target answered.
@@ -854,7 +854,7 @@ const WokenMsg = "sandbox woken: its target answered after the wake"
 
 // onWake counts a wake and logs the one that woke its sandbox (a failed
 // wake refuses its tunnel, logged as such).
-func (h *SandboxHandler) onWake(ev forward.WakeEvent) {
+func (h *Handler) onWake(ev forward.WakeEvent) {
 	observeWake(ev)
 	if ev.Outcome == forward.WakeWoken {
 		h.logger.Info(WokenMsg, zap.String("sandbox", ev.Sandbox), zap.Stringer("target", ev.Target), zap.Duration("took", ev.Duration))

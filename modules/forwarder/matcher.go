@@ -18,10 +18,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(new(MatchSandbox))
+	caddy.RegisterModule(new(Matcher))
 }
 
-// MatchSandbox matches connections that start with a sandbox preamble (its
+// Matcher matches connections that start with a sandbox preamble (its
 // magic bytes), so tunnels can share a listener with other layer4 routes.
 // It is a cheap routing test, not a verification: the sandbox handler
 // verifies.
@@ -40,15 +40,15 @@ func init() {
 //			route { proxy 127.0.0.1:8080 }
 //		}
 //	}
-type MatchSandbox struct{}
+type Matcher struct{}
 
 // CaddyModule returns the Caddy module information.
-func (*MatchSandbox) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{ID: moduleid.SandboxMatcher, New: func() caddy.Module { return new(MatchSandbox) }}
+func (*Matcher) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: moduleid.SandboxMatcher, New: func() caddy.Module { return new(Matcher) }}
 }
 
 // Match reports whether cx starts with the preamble magic.
-func (*MatchSandbox) Match(cx *layer4.Connection) (bool, error) {
+func (*Matcher) Match(cx *layer4.Connection) (bool, error) {
 	buf := make([]byte, len(preamble.Magic))
 	if _, err := io.ReadFull(cx, buf); err != nil {
 		return false, err
@@ -70,7 +70,7 @@ func (*MatchSandbox) Match(cx *layer4.Connection) (bool, error) {
 // or a layer4 listener wrapper), as the sandbox handler's own placement
 // check does (checkTLSBeforeSandbox): while a matcher provisions, its own
 // route and the routes not yet provisioned are still raw JSON.
-func (m *MatchSandbox) Provision(ctx caddy.Context) error {
+func (m *Matcher) Provision(ctx caddy.Context) error {
 	logger := ctx.Logger(m)
 	mods := ctx.Modules() // ..., the container, subroutes, this matcher
 	for i := len(mods) - 2; i >= 0; i-- {
@@ -205,6 +205,6 @@ func warnOnce[T layer4.App | layer4.ListenerWrapper](container *T, logger *zap.L
 
 // Interface guards.
 var (
-	_ layer4.ConnMatcher = (*MatchSandbox)(nil)
-	_ caddy.Provisioner  = (*MatchSandbox)(nil)
+	_ layer4.ConnMatcher = (*Matcher)(nil)
+	_ caddy.Provisioner  = (*Matcher)(nil)
 )

@@ -78,7 +78,7 @@ func observeWake(ev forward.WakeEvent) {
 
 // rejectReasons lists every reason a sandbox tunnel can be refused for, so
 // each has a series from the start (alerts on rate() need the zero).
-func RejectReasons() []string {
+func RefusalReasons() []string {
 	var rs []string
 	for _, r := range preamble.Reasons() {
 		rs = append(rs, string(r))
@@ -102,7 +102,7 @@ var (
 	descCloseRefused = prometheus.NewDesc("caddy_ktls_sandbox_close_refused_total",
 		"POST /sandbox/close requests refused, nothing closed, by reason: method (not POST, 405), content-type (not application/json, 415), too-large (a body over 64 KiB, 413), bad-request (no valid close request, 400), refusals-full (refuse_for beyond the sandboxes refused at once, 429).", []string{"reason"}, nil)
 	descBytes      = prometheus.NewDesc("caddy_ktls_sandbox_bytes_total", "Bytes relayed by sandbox tunnels, by direction (to_sandbox, from_sandbox).", []string{"direction"}, nil)
-	descRejects    = prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil)
+	descRefused    = prometheus.NewDesc("caddy_ktls_sandbox_rejects_total", "Refused sandbox tunnels by reason.", []string{"reason"}, nil)
 	descRelayBytes = prometheus.NewDesc("caddy_ktls_relay_bytes_total",
 		"Bytes of closed sandbox tunnels by data path: splice (socket to socket through a kernel pipe, never in userspace) or copy (through a userspace buffer: a direction in userspace TLS, or a burst without a pipe).",
 		[]string{"path"}, nil)
@@ -117,7 +117,7 @@ var (
 
 func init() {
 	caddymetrics.Add(moduleid.Forwarder, &caddymetrics.Gathered{
-		Descs:  []*prometheus.Desc{descTunnelsOpen, descTunnelsOpened, descTunnelsExpired, descTunnelsRevoked, descTunnelsClosed, descCloseRequests, descCloseRefused, descBytes, descRejects, descRelayBytes, descControlRecords, descPipeShortages, descPushReports, descThrottled},
+		Descs:  []*prometheus.Desc{descTunnelsOpen, descTunnelsOpened, descTunnelsExpired, descTunnelsRevoked, descTunnelsClosed, descCloseRequests, descCloseRefused, descBytes, descRefused, descRelayBytes, descControlRecords, descPipeShortages, descPushReports, descThrottled},
 		Gather: gather,
 	}, tunnelDuration, dialDuration, preambleVerifyDuration, sandboxWakes, sandboxWakeDuration)
 }
@@ -145,9 +145,9 @@ func gather(ch chan<- prometheus.Metric) {
 	throttledTo, throttledFrom := tunnels.Throttled()
 	counter(descThrottled, throttledTo.Seconds(), "to_sandbox")
 	counter(descThrottled, throttledFrom.Seconds(), "from_sandbox")
-	rejects := tunnels.Rejections()
-	for _, r := range RejectReasons() {
-		counter(descRejects, float64(rejects[r]), r)
+	rejects := tunnels.RefusedTunnels()
+	for _, r := range RefusalReasons() {
+		counter(descRefused, float64(rejects[r]), r)
 	}
 	dp := tunnels.DataPath()
 	counter(descRelayBytes, float64(dp.SpliceBytes), "splice")

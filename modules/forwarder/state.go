@@ -33,20 +33,20 @@ var tunnels = forward.NewRegistry()
 // every loaded configuration: when a reload retires a handler, the open
 // tunnels signed by a key that none of the others trusts (removed, or its
 // ID given to another key) are ended (Cleanup).
-var keyrings = &keyringSet{live: map[*SandboxHandler]map[string]ed25519.PublicKey{}}
+var keyrings = &keyringSet{live: map[*Handler]map[string]ed25519.PublicKey{}}
 
 type keyringSet struct {
 	mu   sync.Mutex
-	live map[*SandboxHandler]map[string]ed25519.PublicKey
+	live map[*Handler]map[string]ed25519.PublicKey
 }
 
-func (s *keyringSet) add(h *SandboxHandler, keys map[string]ed25519.PublicKey) {
+func (s *keyringSet) add(h *Handler, keys map[string]ed25519.PublicKey) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.live[h] = keys
 }
 
-func (s *keyringSet) remove(h *SandboxHandler) {
+func (s *keyringSet) remove(h *Handler) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	delete(s.live, h)

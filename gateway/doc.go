@@ -9,7 +9,9 @@
 // always bound to the session with its TLS 1.3 exporter) and writes it. It
 // is the one dialer of forwarders; the preamble package is the wire
 // format. What follows on the connection is the tenant's: a Pool writes
-// HTTP requests on it, Relay splices a user's connection into it.
+// HTTP requests on it, Relay splices a user's connection into it, and
+// Dialer.Carry does both steps for one user connection, telling its owner
+// whether the tunnel opened, as a Pool does.
 //
 // A Pool is an HTTP transport whose connections are tunnels, pooled per
 // Route (never shared between routes) with the least recently used route

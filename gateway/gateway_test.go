@@ -138,7 +138,7 @@ func newDialer(t *testing.T, p pki, gw *forwardtest.Gateway) *Dialer {
 }
 
 // front is an edge gateway's user-facing side: it terminates the user's TLS
-// (kernel TLS where it can), opens a tunnel for route and relays into it.
+// (kernel TLS where it can) and carries it to route (Dialer.Carry).
 type front struct {
 	ln      net.Listener
 	wg      sync.WaitGroup
@@ -147,8 +147,11 @@ type front struct {
 
 type relayResult struct {
 	stats   splice.Stats
+	end     End
 	err     error
 	offload ktls.Offload
+	// dials are what Carry told onDial: nil for a tunnel that opened.
+	dials []error
 }
 
 func startFront(t *testing.T, p pki, d *Dialer, route Route) *front {
@@ -175,14 +178,14 @@ func startFront(t *testing.T, p pki, d *Dialer, route Route) *front {
 					fr.results <- relayResult{err: err}
 					return
 				}
-				tunnel, err := d.Dial(ctx, route)
-				if err != nil {
-					user.Abort()
-					fr.results <- relayResult{err: err}
-					return
-				}
-				st, err := Relay(context.Background(), user, nil, tunnel, splice.Options{})
-				fr.results <- relayResult{stats: st, err: err, offload: tunnel.Offload()}
+				var r relayResult
+				r.stats, r.end, r.err = d.Carry(ctx, route, user, nil, func(tunnel *ktls.Conn, err error) {
+					r.dials = append(r.dials, err)
+					if err == nil {
+						r.offload = tunnel.Offload()
+					}
+				})
+				fr.results <- r
 			})
 		}
 	})
@@ -246,8 +249,8 @@ func relayExact(t *testing.T, size int64) relayResult {
 	if r.err != nil {
 		t.Fatalf("relay: %v", r.err)
 	}
-	if e := RelayEnd(r.stats, r.err); e != EndClosed {
-		t.Errorf("relay end %s, want %s", e, EndClosed)
+	if r.end != EndClosed || RelayEnd(r.stats, r.err) != EndClosed || len(r.dials) != 1 || r.dials[0] != nil {
+		t.Errorf("relay end %s, dials %v; want %s and one dial that opened", r.end, r.dials, EndClosed)
 	}
 	up.Close()
 	res := up.Results()
@@ -463,4 +466,75 @@ func TestEndOf(t *testing.T) {
 			t.Errorf("EndOf(%v) = %s, want %s", c.err, got, c.want)
 		}
 	}
+}
+
+// TestCarryDialOutcomes: Carry tells onDial exactly once how the tunnel's
+// opening went, and a tunnel that did not open returns its *DialError, no
+// End, and ends the user's session with nothing from the sandbox: a
+// forwarder that does not answer (connect), one that refuses the gateway's
+// certificate after Dial returned (handshake, the refusal named), and one
+// that refuses the tunnel itself (opened: an End of refused).
+func TestCarryDialOutcomes(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	p := newPKI(t)
+	gw := forwardtest.NewGateway(t, "gw-1")
+	up := forwardtest.NewUpstream(t, 1<<10)
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	noAnswer := closed.Addr().String()
+	closed.Close()
+	strict := p.server.Clone()
+	strict.ClientCAs = testpki.NewCA(t, "another-ca").Pool
+	refusesCert := startForwarder(t, pki{server: strict, client: p.client}, gw, "127.0.0.0/8")
+	refusesTarget := startForwarder(t, p, gw, "10.255.0.0/16")
+	for _, tc := range []struct {
+		name      string
+		forwarder string
+		step      string // the failed dial's step; "" for a tunnel that opened
+		end       End
+	}{
+		{"no answer", noAnswer, StepConnect, ""},
+		{"certificate refused", refusesCert.addr(), StepHandshake, ""},
+		{"tunnel refused", refusesTarget.addr(), "", EndRefused},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fr := startFront(t, p, newDialer(t, p, gw), Route{Forwarder: tc.forwarder, Sandbox: "sbx-1", Target: up.Addr()})
+			c, err := tls.Dial("tcp", fr.ln.Addr().String(), &tls.Config{RootCAs: p.client.RootCAs, ServerName: "localhost"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.SetDeadline(time.Now().Add(30 * time.Second))
+			n, readErr := io.Copy(io.Discard, c)
+			c.Close()
+			r := fr.result(t)
+			if n != 0 || readErr == nil {
+				t.Errorf("user read %d bytes, error %v: want none, and an error", n, readErr)
+			}
+			if len(r.dials) != 1 {
+				t.Fatalf("onDial called %d times (%v), want once", len(r.dials), r.dials)
+			}
+			var de *DialError
+			switch {
+			case tc.step != "":
+				if !errors.As(r.dials[0], &de) || de.Step != tc.step || !errors.As(r.err, &de) || r.end != "" {
+					t.Errorf("dial %v, Carry %v, end %q: want a *DialError at %s both, no end", r.dials[0], r.err, r.end, tc.step)
+				}
+				var cre *CertificateRefusedError
+				if tc.step == StepHandshake && !errors.As(r.err, &cre) {
+					t.Errorf("Carry %v: want the refusal of the certificate", r.err)
+				}
+			default:
+				if r.dials[0] != nil || r.end != tc.end {
+					t.Errorf("dial %v, end %q: want one that opened, end %s", r.dials[0], r.end, tc.end)
+				}
+			}
+		})
+	}
+	if up.Accepted() != 0 {
+		t.Errorf("sandbox accepted %d connections, want none", up.Accepted())
+	}
+	refusesCert.served(t, 1)
+	refusesTarget.served(t, 1)
 }

@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"sync/atomic"
 
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
@@ -63,4 +65,50 @@ func RelayEnd(st splice.Stats, err error) End {
 		return EndRefused
 	}
 	return EndFailed
+}
+
+// Carry carries a user's connection to r: it dials the tunnel and relays
+// user through it (Relay) until both directions end. dialCtx bounds the
+// dial only; the relay runs until its ends, outliving whatever asked for
+// it (a configuration reload ends no tunnel).
+//
+// onDial, when set, is told once whether the tunnel opened: with the
+// tunnel and a nil error at the forwarder's first byte, or once the tunnel
+// ended any way but by refusing the gateway's certificate; with a
+// *DialError when Dial failed or the forwarder refused the certificate
+// before its first byte (with TLS 1.3 that refusal comes after Dial
+// returned). A tunnel that did not open returns that *DialError, has ended
+// user as refused, and nothing of user's reached the sandbox; one that
+// opened returns the relay's counts, its End and the relay's error.
+func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered []byte, onDial func(tunnel *ktls.Conn, err error)) (splice.Stats, End, error) {
+	if onDial == nil {
+		onDial = func(*ktls.Conn, error) {}
+	}
+	tunnel, err := d.Dial(dialCtx, r)
+	if err != nil {
+		splice.Refuse(user)
+		onDial(nil, err)
+		return splice.Stats{}, "", err
+	}
+	var opened atomic.Bool
+	open := func() {
+		if opened.CompareAndSwap(false, true) {
+			onDial(tunnel, nil)
+		}
+	}
+	opts := splice.Options{OnBytes: func(dir splice.Direction, _ int) {
+		if dir == splice.BToA && !opened.Load() {
+			open()
+		}
+	}}
+	st, err := Relay(context.Background(), user, buffered, tunnel, opts)
+	if st.BToA.Bytes == 0 {
+		if de := d.CertificateRefusal(r, st.BToA.Err); de != nil {
+			// Relay has ended user as refused.
+			onDial(nil, de)
+			return st, "", de
+		}
+	}
+	open()
+	return st, RelayEnd(st, err), err
 }

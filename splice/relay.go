@@ -441,7 +441,7 @@ func (t *Relay) Run(ctx context.Context) (Stats, error) {
 		case err == nil || in.End == EndEOF:
 			c.Close()
 		case t.refused(in):
-			refuse(c)
+			Refuse(c)
 		default:
 			Abort(c)
 		}
@@ -455,9 +455,9 @@ func (t *Relay) refused(ds DirectionStats) bool {
 	return t.opts.Refused != nil && ds.End == EndError && ds.Bytes == 0 && t.opts.Refused(ds.Err)
 }
 
-// refuse closes c as refused: c's own Refuse where it has one (Refuser),
+// Refuse closes c as refused: c's own Refuse where it has one (Refuser),
 // else as a failure (Abort).
-func refuse(c net.Conn) {
+func Refuse(c net.Conn) {
 	if r, ok := c.(Refuser); ok {
 		r.Refuse()
 		return

@@ -1,7 +1,7 @@
 // Package l4conn is what the Caddy modules that end a caddy-l4 route (the
 // forwarder's sandbox handler, the gateway's sandbox_proxy) do with the
 // connection they are handed: find the socket under caddy-l4's wrappers,
-// read the TLS session that carries it, end it as refused.
+// and read the TLS session that carries it.
 package l4conn
 
 import (
@@ -58,14 +58,4 @@ func Unwrap(cx *layer4.Connection) (net.Conn, []byte) {
 		conn = UserspaceTLSConn{tc}
 	}
 	return conn, append([]byte(nil), cx.MatchingBytes()...)
-}
-
-// Refuse ends c as refused: access_denied on a kTLS session, a reset
-// otherwise.
-func Refuse(c net.Conn) {
-	if r, ok := c.(splice.Refuser); ok {
-		r.Refuse()
-		return
-	}
-	splice.Abort(c)
 }

@@ -4,6 +4,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/ktlsingress/caddy-ktls/internal/l4conn"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/splice"
 	"github.com/mholt/caddy-l4/layer4"
 	"go.uber.org/zap"
 )
@@ -45,7 +46,7 @@ func (h *LookupL4) Handle(cx *layer4.Connection, next layer4.Handler) error {
 	loc, err := resolve(cx.Context, h.lookup, moduleid.SandboxLookupL4, sandbox, h.logger, zap.String("peer", cx.RemoteAddr().String()))
 	if err != nil {
 		user, _ := l4conn.Unwrap(cx)
-		l4conn.Refuse(user)
+		splice.Refuse(user)
 		return nil
 	}
 	repl.Set(l4LookupPrefix+"id", loc.Sandbox)

@@ -1,10 +1,8 @@
 package edgegateway
 
 import (
-	"context"
 	"errors"
 	"fmt"
-	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/mholt/caddy-l4/layer4"
@@ -14,6 +12,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/l4conn"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
@@ -123,56 +122,32 @@ func (h *Proxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	if err != nil {
 		GatewayDials.WithLabelValues(moduleid.SandboxProxy, gatewayDialNoRoute).Inc()
 		h.logger.Warn("sandbox_proxy: no route for the connection; refused", zap.String("peer", peer), zap.Error(err))
-		l4conn.Refuse(user)
+		splice.Refuse(user)
 		return nil
 	}
 	// The user, as this gateway saw them, signed into the preamble.
 	route.Client = gateway.ClientFrom(peer, repl.ReplaceAll(h.ClientID, ""))
-	tunnel, err := h.dialer.Dial(cx.Context, route)
-	if err != nil {
-		GatewayDials.WithLabelValues(moduleid.SandboxProxy, dialResult(err)).Inc()
-		h.logger.Warn("sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", zap.String("peer", peer),
-			zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target), zap.String("forwarder", route.Forwarder), zap.Error(err))
-		l4conn.Refuse(user)
-		return nil
-	}
-	// The tunnel is open once the forwarder has taken the gateway's
-	// certificate: with TLS 1.3 that is known from its first byte, or from
-	// how the tunnel ended (CertificateRefusal).
-	var opened atomic.Bool
-	open := func() {
-		if opened.CompareAndSwap(false, true) {
-			countDialOK(moduleid.SandboxProxy, tunnel)
+	where := []zap.Field{zap.String("peer", peer), zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target),
+		zap.String("forwarder", route.Forwarder)}
+	st, end, err := h.dialer.Carry(cx.Context, route, user, buffered, func(tunnel *ktls.Conn, err error) {
+		if err != nil {
+			GatewayDials.WithLabelValues(moduleid.SandboxProxy, dialResult(err)).Inc()
+			h.logger.Warn("sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", append(where, zap.Error(err))...)
+			return
 		}
+		countDialOK(moduleid.SandboxProxy, tunnel)
+	})
+	if end == "" {
+		return nil // it did not open: counted and logged by onDial
 	}
-	opts := splice.Options{OnBytes: func(dir splice.Direction, _ int) {
-		if dir == splice.BToA && !opened.Load() {
-			open()
-		}
-	}}
-	// The relay is not bound to the connection's context: tunnels outlive
-	// configuration reloads, as the forwarder's do.
-	st, err := gateway.Relay(context.Background(), user, buffered, tunnel, opts)
-	if st.BToA.Bytes == 0 {
-		if de := h.dialer.CertificateRefusal(route, st.BToA.Err); de != nil {
-			// The relay refused the user's connection.
-			GatewayDials.WithLabelValues(moduleid.SandboxProxy, dialResult(de)).Inc()
-			h.logger.Warn("sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", zap.String("peer", peer),
-				zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target), zap.String("forwarder", route.Forwarder), zap.Error(de))
-			return nil
-		}
-	}
-	open()
-	end := gateway.RelayEnd(st, err)
 	GatewayEnds.WithLabelValues(moduleid.SandboxProxy, string(end)).Inc()
 	for _, d := range []splice.DirectionStats{st.AToB, st.BToA} {
 		gatewayRelayBytes.WithLabelValues(relayPathSplice).Add(float64(d.SpliceBytes))
 		gatewayRelayBytes.WithLabelValues(relayPathCopy).Add(float64(d.CopyBytes))
 	}
-	fields := []zap.Field{zap.String("peer", peer), zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target),
-		zap.String("forwarder", route.Forwarder), zap.String("end", string(end)),
+	fields := append(where, zap.String("end", string(end)),
 		zap.Int64("bytes_to_sandbox", st.AToB.Bytes), zap.Int64("bytes_from_sandbox", st.BToA.Bytes),
-		zap.Bool("spliced_to_sandbox", st.AToB.Spliced), zap.Bool("spliced_from_sandbox", st.BToA.Spliced)}
+		zap.Bool("spliced_to_sandbox", st.AToB.Spliced), zap.Bool("spliced_from_sandbox", st.BToA.Spliced))
 	switch end {
 	case gateway.EndClosed:
 		h.logger.Debug("sandbox_proxy: tunnel closed", fields...)

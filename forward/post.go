@@ -3,8 +3,8 @@ package forward
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"unicode/utf8"
@@ -28,18 +28,12 @@ func postJSON(ctx context.Context, client *http.Client, url string, header http.
 		req.Header[name] = values
 	}
 	req.Header.Set("Content-Type", "application/json")
-	resp, err := client.Do(req)
-	if err != nil {
-		return err
-	}
-	var answer bytes.Buffer
-	io.Copy(&answer, io.LimitReader(resp.Body, 64<<10))
-	resp.Body.Close()
-	if err := cphttp.Redirect(url, resp); err != nil {
+	resp, answer, err := cphttp.Do(client, req, 64<<10)
+	if _, redirected := errors.AsType[*cphttp.RedirectError](err); redirected || resp == nil {
 		return err
 	}
 	if resp.StatusCode/100 != 2 {
-		if excerpt := answerExcerpt(answer.Bytes()); excerpt != "" {
+		if excerpt := answerExcerpt(answer); excerpt != "" {
 			return fmt.Errorf("%s answered %s: %q", url, resp.Status, excerpt)
 		}
 		return fmt.Errorf("%s answered %s", url, resp.Status)

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/netip"
 	"net/url"
@@ -324,15 +323,14 @@ func (f *HTTPFetcher) Fetch(ctx context.Context, sandbox string) (Location, time
 		req.Header[k] = v
 	}
 	req.Header.Set("Accept", "application/json")
-	resp, err := f.client.Do(req)
-	if err != nil {
+	resp, body, err := cphttp.Do(f.client, req, maxLookupAnswer)
+	if _, redirected := errors.AsType[*cphttp.RedirectError](err); redirected {
+		return fail(LookupRedirect, err)
+	}
+	if resp == nil {
 		return fail(LookupUnavailable, err)
 	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxLookupAnswer+1))
 	switch {
-	case resp.StatusCode/100 == 3:
-		return fail(LookupRedirect, cphttp.Redirect(req.URL.String(), resp))
 	case resp.StatusCode == http.StatusNotFound:
 		return fail(LookupNotFound, errors.New("the control plane knows no such sandbox (404)"))
 	case resp.StatusCode != http.StatusOK:

@@ -4,11 +4,12 @@
 // followed, to any host: its target would receive the request's
 // credentials (the configured headers) and its body. A 3xx answer is a
 // failure of that call, a *RedirectError naming the status and the
-// Location.
+// Location. Do is the one way those clients send a call and read its answer.
 package cphttp
 
 import (
 	"fmt"
+	"io"
 	"net/http"
 )
 
@@ -47,4 +48,21 @@ func Redirect(url string, resp *http.Response) error {
 		return nil
 	}
 	return &RedirectError{URL: url, Status: resp.Status, Location: resp.Header.Get("Location")}
+}
+
+// Do sends req, a control-plane call, with client (from NoRedirects), and
+// reads at most limit+1 bytes of the answer, so that the caller can tell an
+// answer over limit; the rest is dropped and the body closed. A 3xx is a
+// *RedirectError; every other status is the caller's to judge.
+func Do(client *http.Client, req *http.Request, limit int64) (*http.Response, []byte, error) {
+	resp, err := client.Do(req)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer resp.Body.Close()
+	answer, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
+	if rerr := Redirect(req.URL.String(), resp); rerr != nil {
+		return resp, answer, rerr
+	}
+	return resp, answer, err
 }

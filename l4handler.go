@@ -98,7 +98,7 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 	}
 	h.Options.SetDefaults()
 	h.failures = offload.NewHandshakeFailureLog(moduleid.L4Handler, h.logger)
-	h.opts = h.KtlsOptions(h.observe)
+	h.opts = h.KTLSOptions(h.observe)
 	// What this kernel does for the handler's connections, and what to do
 	// if it cannot offload: once per config load (its tls app) and set of
 	// offload options, however many ktls handlers share them.

@@ -128,7 +128,7 @@ func (lw *ListenerWrapper) Provision(ctx caddy.Context) error {
 		return err
 	}
 	lw.failures = offload.NewHandshakeFailureLog(moduleid.ListenerWrapper, lw.logger)
-	lw.opts = lw.KtlsOptions(lw.observe)
+	lw.opts = lw.KTLSOptions(lw.observe)
 	lw.sendfile = lw.Sendfile && servesH1AndH2(srv)
 	if lw.Sendfile && !lw.sendfile {
 		lw.logger.Warn("sendfile needs both HTTP/1.1 and HTTP/2 enabled on every listener of this server (Caddy hides it otherwise): serving without sendfile")

@@ -55,7 +55,7 @@ The preamble (byte layout, a worked example, every rejection reason):
 ` + preambleSpecURL + `
 `
 
-// sandboxSubcommands builds the subcommands of "caddy sandbox". They read
+// SandboxSubcommands builds the subcommands of "caddy sandbox". They read
 // and write through cmd.InOrStdin/OutOrStdout so that tests can drive them.
 func SandboxSubcommands() []*cobra.Command {
 	return []*cobra.Command{keygenCommand(), signCommand(), verifyCommand(), dialCommand(), certsCommand()}
@@ -321,7 +321,7 @@ with the key; --key-id is needed only for a key file that names none.
 	return cmd
 }
 
-// verifiedClaims is the JSON that "caddy sandbox verify" prints.
+// VerifiedClaims is the JSON that "caddy sandbox verify" prints.
 type VerifiedClaims struct {
 	KeyID      string    `json:"key_id"`
 	SandboxID  string    `json:"sandbox_id"`
@@ -601,7 +601,7 @@ type dialError struct {
 func (e *dialError) Error() string { return e.msg }
 func (e *dialError) Unwrap() error { return e.err }
 
-// dialEnd says how a dialled tunnel ended, given what it received, how the
+// DialEnd says how a dialled tunnel ended, given what it received, how the
 // read from it ended (rerr) and how the upload ended (werr, nil also when
 // it had not ended). A refusal before the first byte is reported the same
 // way whichever of the two met it.

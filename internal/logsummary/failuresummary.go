@@ -7,7 +7,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// failureSummary is how failures that anyone who can reach a port may
+// FailureSummary is how failures that anyone who can reach a port may
 // cause are logged: each by its owner at DEBUG, never a WARN or an ERROR
 // of its own, and here, at most once per every, one WARN summary (msg)
 // that counts the failures since the last summary by reason. The first
@@ -38,7 +38,7 @@ func NewFailureSummary(logger *zap.Logger, msg string, reasons []string, details
 		now: time.Now, counts: map[string]uint64{}}
 }
 
-// add counts one failure of reason and WARNs the summary when it is due.
+// Add counts one failure of reason and WARNs the summary when it is due.
 func (s *FailureSummary) Add(reason string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

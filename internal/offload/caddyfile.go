@@ -8,7 +8,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/caddyfileargs"
 )
 
-// unmarshalCaddyfileOption reads the offload option d is on, if it is one,
+// UnmarshalCaddyfileOption reads the offload option d is on, if it is one,
 // and reports whether it was. The offload options, the same in the layer4
 // `ktls` handler and the `ktls` listener wrapper:
 //

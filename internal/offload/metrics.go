@@ -28,7 +28,7 @@ const (
 	HandshakeResultFailed = "failed"
 )
 
-// observeHandshake records ev, an EventHandshake of module's engine, in
+// ObserveHandshake records ev, an EventHandshake of module's engine, in
 // caddy_ktls_handshake_duration_seconds and caddy_ktls_handshakes_total.
 func ObserveHandshake(module string, ev ktls.Event) {
 	result := HandshakeResultOK
@@ -39,7 +39,7 @@ func ObserveHandshake(module string, ev ktls.Event) {
 	handshakeOutcomes.Add(OutcomeKey{module, ev.Offload.Reason})
 }
 
-// kernelFeatures says, by feature of caddy_ktls_kernel_support, whether the
+// KernelFeatures says, by feature of caddy_ktls_kernel_support, whether the
 // kernel accepted it (ktls.Probe: probed once per process, then cached).
 func KernelFeatures(caps ktls.Capabilities) map[string]bool {
 	var tx, rx bool
@@ -50,10 +50,10 @@ func KernelFeatures(caps ktls.Capabilities) map[string]bool {
 	return map[string]bool{"tx": ulp && tx, "rx": ulp && rx, "rekey": ulp && caps.Rekey}
 }
 
-// closeEvents are the ktls events that end a connection.
+// CloseEvents are the ktls events that end a connection.
 var CloseEvents = []ktls.EventKind{ktls.EventRateLimited, ktls.EventAlert, ktls.EventClosed, ktls.EventRekeyUnsupported, ktls.EventKeyExhausted, ktls.EventRefused}
 
-// eventBadRecord counts the tunnels that a received record failing
+// EventBadRecord counts the tunnels that a received record failing
 // authentication ended (ktls.IsBadRecord). It is not a ktls event: on the
 // kernel path the splice relay, not the conn, meets the record (EBADMSG), so
 // the layer4 handler counts it from the tunnel's end error; the listener

@@ -91,7 +91,7 @@ type Options struct {
 	HandshakeTimeout caddy.Duration `json:"handshake_timeout,omitempty"`
 }
 
-// defaultHandshakeTimeout bounds handshakes when HandshakeTimeout is zero.
+// DefaultHandshakeTimeout bounds handshakes when HandshakeTimeout is zero.
 const DefaultHandshakeTimeout = 10 * time.Second
 
 // provision validates the options and fills in the defaults, for a module
@@ -105,7 +105,7 @@ func (o *Options) ProvisionOptions() error {
 	return nil
 }
 
-// setDefaults fills in the default handshake timeout.
+// SetDefaults fills in the default handshake timeout.
 func (o *Options) SetDefaults() {
 	if o.HandshakeTimeout == 0 {
 		o.HandshakeTimeout = caddy.Duration(DefaultHandshakeTimeout)
@@ -133,7 +133,7 @@ func (o *Options) ValidateOptions() error {
 	return nil
 }
 
-// option names a configuration option in an error the way both forms of
+// Option names a configuration option in an error the way both forms of
 // configuration spell it: the Caddyfile option, and the JSON field where it
 // differs. A load error cannot tell which form the configuration came in.
 func Option(caddyfile, json string) string {
@@ -143,9 +143,9 @@ func Option(caddyfile, json string) string {
 	return "`" + caddyfile + "` (JSON " + json + ")"
 }
 
-// ktlsOptions converts the options for the ktls engine, with observer as
+// KTLSOptions converts the options for the ktls engine, with observer as
 // its event callback.
-func (o *Options) KtlsOptions(observer func(ktls.Event)) ktls.Options {
+func (o *Options) KTLSOptions(observer func(ktls.Event)) ktls.Options {
 	return ktls.Options{
 		Disable:        o.DisableOffload,
 		DisableRX:      o.DisableRX,
@@ -165,7 +165,7 @@ const (
 	offloadDisabledMsg   = "kernel TLS offload disabled: connections use userspace TLS"
 )
 
-// kernelCanOffload reports whether connections under o can have their TX
+// KernelCanOffload reports whether connections under o can have their TX
 // in the kernel: offload is on and the kernel accepts TLS_TX.
 func (o *Options) KernelCanOffload() bool {
 	if o.DisableOffload {
@@ -174,7 +174,7 @@ func (o *Options) KernelCanOffload() bool {
 	return KernelFeatures(ktls.Probe())["tx"]
 }
 
-// logKernel logs, in one INFO line, what this kernel does for o's
+// LogKernel logs, in one INFO line, what this kernel does for o's
 // connections and, when it cannot offload, why and what to do: at a
 // module's start, never per connection. fields say where (a server and
 // its listener). offloaded says whether the connections' records go to the
@@ -224,11 +224,11 @@ func (o *Options) LogKernel(logger *zap.Logger, fields ...zap.Field) {
 	}
 }
 
-// refuseAllWarning is what logKernel says, at WARN, for fallback refuse on
+// RefuseAllWarning is what logKernel says, at WARN, for fallback refuse on
 // a kernel that cannot offload TLS.
 const RefuseAllWarning = "fallback refuse is set but this kernel cannot offload TLS: every connection will be refused (see `caddy ktls probe`)"
 
-// handshakeFailureReasons are why a TLS handshake failed, as counted in
+// HandshakeFailureReasons are why a TLS handshake failed, as counted in
 // caddy_ktls_handshake_failures_total and logged: the reasons a peer that
 // may never authenticate can cause, so none of them is worth an ERROR.
 var HandshakeFailureReasons = []string{
@@ -266,7 +266,7 @@ func handshakeFailureReason(err error) string {
 	return "other"
 }
 
-// handshakeFailureLog counts one module's failed handshakes by reason and
+// HandshakeFailureLog counts one module's failed handshakes by reason and
 // logs each at DEBUG: anyone who can reach the port can fail a handshake, so
 // each one is no WARN or ERROR of its own. A failureSummary WARNs, at most
 // once a minute, the failures since its last.
@@ -276,7 +276,7 @@ type HandshakeFailureLog struct {
 	summary *logsummary.FailureSummary
 }
 
-// handshakeFailureSummary is the message of that WARN.
+// HandshakeFailureSummary is the message of that WARN.
 const HandshakeFailureSummary = "TLS handshakes failed"
 
 func NewHandshakeFailureLog(module string, logger *zap.Logger) *HandshakeFailureLog {
@@ -284,7 +284,7 @@ func NewHandshakeFailureLog(module string, logger *zap.Logger) *HandshakeFailure
 		HandshakeFailureReasons, "each at DEBUG; caddy_ktls_handshake_failures_total counts them by reason")}
 }
 
-// record counts a failed handshake (ev.Offload.Reason is
+// Record counts a failed handshake (ev.Offload.Reason is
 // ktls.ReasonHandshakeFailed) and logs it.
 func (f *HandshakeFailureLog) Record(ev ktls.Event) {
 	reason := handshakeFailureReason(ev.Err)
@@ -294,7 +294,7 @@ func (f *HandshakeFailureLog) Record(ev ktls.Event) {
 	f.summary.Add(reason)
 }
 
-// logHandshake logs the outcome of one connection's handshake and offload
+// LogHandshake logs the outcome of one connection's handshake and offload
 // (ktls.EventHandshake) at DEBUG: where each direction's records are
 // processed and why, as the kernel reports it.
 func LogHandshake(logger *zap.Logger, ev ktls.Event) {

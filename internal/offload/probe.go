@@ -6,12 +6,12 @@ import (
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
-// enableHint is what to do when the tls ULP does not attach and the
+// EnableHint is what to do when the tls ULP does not attach and the
 // kernel has (or may have) the tls module.
 const EnableHint = "to enable: modprobe tls (the kernel autoloads it only for a caller with CAP_NET_ADMIN); " +
 	"to load it at boot: echo tls > /etc/modules-load.d/tls.conf"
 
-// probeHint says what to do when the tls ULP does not attach, by what the
+// ProbeHint says what to do when the tls ULP does not attach, by what the
 // kernel's build configuration says of CONFIG_TLS: no modprobe advice for
 // a kernel built without it, where no module exists to load.
 func ProbeHint(cfg ktls.KernelConfig) string {

@@ -24,7 +24,7 @@ var clientControlled = []string{
 	"http.request.host", "http.request.body", "l4.tls.server_name",
 }
 
-// clientIDWarning is the WARN of a client_id that comes from what the
+// ClientIDWarning is the WARN of a client_id that comes from what the
 // client sent.
 const ClientIDWarning = "client_id comes from what the client sent: any user can claim any identity, and the gateway signs it into the preamble as vouched for"
 

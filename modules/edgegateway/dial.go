@@ -184,7 +184,7 @@ func (g *DialOptions) dialer(ctx caddy.Context, module string, logger *zap.Logge
 			offload.LogHandshake(logger, ev)
 		}
 	}
-	opts := g.KtlsOptions(observer)
+	opts := g.KTLSOptions(observer)
 	opts.ExpectNoPad = g.ExpectsNoPad(ktls.Probe().ExpectNoPad)
 	return gateway.New(gateway.Config{
 		TLS:              tlsCfg,

@@ -166,7 +166,7 @@ func init() {
 	caddymetrics.Add(moduleid.Lookup, GatewayLookups, gatewayLookupDuration)
 }
 
-// lookupResults are the results resolve counts a lookup as: where the
+// LookupResults are the results resolve counts a lookup as: where the
 // answer came from, or why there was none.
 func LookupResults() []string {
 	return append([]string{string(gateway.SourceCache), string(gateway.SourceControlPlane), string(gateway.SourceCoalesced)},

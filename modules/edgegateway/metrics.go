@@ -35,7 +35,7 @@ const (
 	gatewayDialNoRoute = "no-route"
 )
 
-// gatewayDialResults are the results a gateway module counts a dial as:
+// GatewayDialResults are the results a gateway module counts a dial as:
 // ok, no-route, or the step that failed (dialResult).
 var GatewayDialResults = []string{gatewayDialOK, gatewayDialNoRoute, gateway.StepConnect, gateway.StepHandshake, gateway.StepPreamble}
 

@@ -7,7 +7,7 @@ import (
 	"strings"
 )
 
-// refusedGatewayTLSOptions are the TLS options of reverse_proxy's http
+// RefusedGatewayTLSOptions are the TLS options of reverse_proxy's http
 // transport that a gateway module refuses, by Caddyfile name, with why
 // and what to use instead. The JSON load (DialOptions.validate) and the
 // Caddyfile parser say the same.
@@ -17,7 +17,7 @@ var RefusedGatewayTLSOptions = map[string]string{
 	"tls_except_ports":         "every forwarder connection is TLS",
 }
 
-// lookupURLHint says what a sandbox_lookup's url is, for the errors of one
+// LookupURLHint says what a sandbox_lookup's url is, for the errors of one
 // that has none.
 const LookupURLHint = "give the control plane's endpoint, with {sandbox} where the sandbox ID goes, " +
 	"e.g. url https://cp.internal/v1/sandboxes/{sandbox}/route (docs/gateway.md, Finding the sandbox)"

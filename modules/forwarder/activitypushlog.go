@@ -31,7 +31,7 @@ type pushDropLog struct {
 // pushDropSummaryEvery spaces the lines of a pushDropLog.
 const pushDropSummaryEvery = time.Minute
 
-// pushDropMsg is the message of every pushDropLog line.
+// PushDropMsg is the message of every pushDropLog line.
 const PushDropMsg = "activity reports dropped: the control plane did not get them"
 
 func newPushDropLog(logger *zap.Logger, url string) *pushDropLog {

@@ -633,12 +633,12 @@ const tunnelRefusedMsg = "sandbox tunnel rejected"
 // want of a verified client certificate (failureSummary).
 const AnonymousRefusalSummary = "sandbox tunnels rejected without a verified client certificate"
 
-// insecurePlaintextWarning is logged at every load of a handler with
+// InsecurePlaintextWarning is logged at every load of a handler with
 // insecure_plaintext.
 const InsecurePlaintextWarning = "sandbox handler: insecure_plaintext is on: tunnels are carried on connections without a verified client certificate, " +
 	"plaintext over raw TCP included, so whoever reaches this port can open them; for tests only, never in production"
 
-// routeNotVisibleWarning is logged at load by a handler whose route
+// RouteNotVisibleWarning is logged at load by a handler whose route
 // checkTLSBeforeSandbox cannot read.
 const RouteNotVisibleWarning = "sandbox handler: cannot check at load that a TLS-terminating handler comes before it; " +
 	"connections without a verified client certificate are refused all the same"
@@ -849,7 +849,7 @@ var (
 	_ caddy.CleanerUpper = (*Handler)(nil)
 )
 
-// wokenMsg is the INFO line of a wake whose target answered.
+// WokenMsg is the INFO line of a wake whose target answered.
 const WokenMsg = "sandbox woken: its target answered after the wake"
 
 // onWake counts a wake and logs the one that woke its sandbox (a failed

@@ -113,7 +113,7 @@ const sandboxMatcherFix = "put ktls first and the matcher in a subroute after it
 	"route { ktls { ... } subroute { @t sandbox; route @t { sandbox { ... } } } } " +
 	`(JSON: "handle": [{"handler": "ktls", ...}, {"handler": "subroute", "routes": [{"match": [{"sandbox": {}}], "handle": [{"handler": "sandbox", ...}]}]}])`
 
-// sandboxMatcherWarning is the WARN for a sandbox matcher that no
+// SandboxMatcherWarning is the WARN for a sandbox matcher that no
 // TLS-terminating handler runs before.
 const SandboxMatcherWarning = "sandbox matcher reads the still-encrypted stream: no TLS-terminating handler (ktls, tls) runs before its route"
 

@@ -15,13 +15,13 @@ import (
 	"go.uber.org/zap"
 )
 
-// proxyProtocolWarning is the WARN of a sandbox handler behind caddy-l4's
+// ProxyProtocolWarning is the WARN of a sandbox handler behind caddy-l4's
 // proxy_protocol handler that takes any peer's PROXY line.
 const ProxyProtocolWarning = "sandbox handler: caddy-l4's proxy_protocol handler before it takes the PROXY header of any peer: " +
 	"whoever reaches this port sets the peer address logged for its tunnels and, with proxy_protocol v2 and no signed client identity, " +
 	"the source address the sandbox is told"
 
-// proxyProtocolFix is the fix proxyProtocolWarning names. caddy-l4 (v0.1.2)
+// ProxyProtocolFix is the fix proxyProtocolWarning names. caddy-l4 (v0.1.2)
 // uses the PROXY header of a peer outside `allow` too unless
 // fallback_policy is reject: `allow` alone restricts nothing.
 const ProxyProtocolFix = "restrict it to your load balancers: proxy_protocol { allow <their CIDRs>; fallback_policy reject } " +

@@ -167,19 +167,26 @@ func get(t *testing.T, p *Pool, r Route, path string) (*http.Response, error) {
 	return p.RoundTrip(req, r)
 }
 
+// poolEnv is a forwarder that allows loopback targets, an HTTP app, and a
+// Pool of cfg dialing the forwarder, whose events ev records; it checks
+// for leaks at the end.
+func poolEnv(t *testing.T, cfg PoolConfig) (*forwarder, *httpApp, *poolEvents, *Pool) {
+	t.Helper()
+	forwardtest.CheckLeaks(t)
+	pk := newPKI(t)
+	gw := forwardtest.NewGateway(t, "gw-1")
+	f := startForwarder(t, pk, gw, "127.0.0.0/8")
+	ev := new(poolEvents)
+	return f, startHTTPApp(t), ev, newPool(t, newDialer(t, pk, gw), ev, cfg)
+}
+
 // TestPoolExact: requests through a Pool reach the app, over HTTP/1.1 and
 // h2c, with every byte both ways (SHA-256), on one pooled tunnel: one
 // dial reported open, and one end, closed, once the Pool closes it idle.
 func TestPoolExact(t *testing.T) {
 	for _, h2c := range []bool{false, true} {
 		t.Run(fmt.Sprintf("h2c=%v", h2c), func(t *testing.T) {
-			forwardtest.CheckLeaks(t)
-			pk := newPKI(t)
-			gw := forwardtest.NewGateway(t, "gw-1")
-			f := startForwarder(t, pk, gw, "127.0.0.0/8")
-			app := startHTTPApp(t)
-			var ev poolEvents
-			p := newPool(t, newDialer(t, pk, gw), &ev, PoolConfig{H2C: h2c})
+			f, app, ev, p := poolEnv(t, PoolConfig{H2C: h2c})
 			r := Route{Forwarder: f.addr(), Sandbox: "sbx-pool", Target: app.addr}
 			for i := range 3 {
 				sum(t, p, r, 64<<10+int64(i), uint64(10*i), 256<<10-int64(i))
@@ -198,13 +205,7 @@ func TestPoolExact(t *testing.T) {
 // first byte from the forwarder, not when Dial returned: with TLS 1.3
 // only that byte says the forwarder took the gateway's certificate.
 func TestPoolDialOpenOnFirstByte(t *testing.T) {
-	forwardtest.CheckLeaks(t)
-	pk := newPKI(t)
-	gw := forwardtest.NewGateway(t, "gw-1")
-	f := startForwarder(t, pk, gw, "127.0.0.0/8")
-	app := startHTTPApp(t)
-	var ev poolEvents
-	p := newPool(t, newDialer(t, pk, gw), &ev, PoolConfig{})
+	f, app, ev, p := poolEnv(t, PoolConfig{})
 	r := Route{Forwarder: f.addr(), Sandbox: "sbx-pool", Target: app.addr}
 	type result struct {
 		body string
@@ -299,13 +300,7 @@ func cuttingApp(t *testing.T) (netip.AddrPort, chan struct{}) {
 // refusal (here: the target does not answer) ends it as refused, reported
 // as a retry-safe failure. Each counts exactly once.
 func TestPoolEnds(t *testing.T) {
-	forwardtest.CheckLeaks(t)
-	pk := newPKI(t)
-	gw := forwardtest.NewGateway(t, "gw-1")
-	f := startForwarder(t, pk, gw, "127.0.0.0/8")
-	app := startHTTPApp(t)
-	var ev poolEvents
-	p := newPool(t, newDialer(t, pk, gw), &ev, PoolConfig{})
+	f, app, ev, p := poolEnv(t, PoolConfig{})
 
 	cutAddr, cut := cuttingApp(t)
 	resp, err := get(t, p, Route{Forwarder: f.addr(), Sandbox: "sbx-cut", Target: cutAddr}, "/")
@@ -352,13 +347,7 @@ func TestPoolEnds(t *testing.T) {
 // used route is dropped and its idle tunnel closed (ends closed), and the
 // route dials anew when used again.
 func TestPoolEvictsLeastRecentlyUsed(t *testing.T) {
-	forwardtest.CheckLeaks(t)
-	pk := newPKI(t)
-	gw := forwardtest.NewGateway(t, "gw-1")
-	f := startForwarder(t, pk, gw, "127.0.0.0/8")
-	app := startHTTPApp(t)
-	var ev poolEvents
-	p := newPool(t, newDialer(t, pk, gw), &ev, PoolConfig{MaxRoutes: 2})
+	f, app, ev, p := poolEnv(t, PoolConfig{MaxRoutes: 2})
 	a := Route{Forwarder: f.addr(), Sandbox: "sbx-a", Target: app.addr}
 	b := Route{Forwarder: f.addr(), Sandbox: "sbx-b", Target: app.addr}
 	c := Route{Forwarder: f.addr(), Sandbox: "sbx-c", Target: app.addr}

@@ -227,8 +227,10 @@ func transfer(c halfCloser, send int64, seed uint64) (recvN int64, recvSum [32]b
 	err = sockerr.ReadError(c, err)
 	copy(recvSum[:], h.Sum(nil))
 	// A write woken by the same reset can take the socket's pending error
-	// before ReadError does: the write's error then names the end.
-	if e := <-werr; err == nil || (sockerr.NotPollable(err) && e != nil) {
+	// before the read does: the read then meets the end of the stream,
+	// "not pollable", or, in the middle of a record, an unexpected EOF,
+	// and the write's error names the end.
+	if e := <-werr; err == nil || ((sockerr.NotPollable(err) || errors.Is(err, io.ErrUnexpectedEOF)) && e != nil) {
 		err = e
 	}
 	return recvN, recvSum, err

@@ -133,11 +133,7 @@ func TestGatewayValidateSaysWhatToDo(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var cfg caddy.Config
-			if err := json.Unmarshal(raw, &cfg); err != nil {
-				t.Fatal(err)
-			}
-			err = caddy.Validate(&cfg)
+			err = caddy.Validate(mustConfig(t, raw))
 			switch {
 			case tc.want == "" && err != nil:
 				t.Errorf("caddy validate: %v, want it to pass", err)

@@ -328,11 +328,7 @@ func TestSandboxMatcherPlacementCaddyfile(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var cfg caddy.Config
-			if err := json.Unmarshal(raw, &cfg); err != nil {
-				t.Fatal(err)
-			}
-			err = caddy.Validate(&cfg)
+			err = caddy.Validate(mustConfig(t, raw))
 			switch {
 			case tc.want == "" && err != nil:
 				t.Fatalf("refused: %v", err)
@@ -357,9 +353,5 @@ func validateLogged(t *testing.T, apps map[string]any) (logFile string, err erro
 	if err != nil {
 		t.Fatal(err)
 	}
-	var cfg caddy.Config
-	if err := json.Unmarshal(raw, &cfg); err != nil {
-		t.Fatal(err)
-	}
-	return logFile, caddy.Validate(&cfg)
+	return logFile, caddy.Validate(mustConfig(t, raw))
 }

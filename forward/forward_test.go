@@ -119,16 +119,12 @@ func runTunnel(t testing.TB, c *net.TCPConn, frame []byte, send int64, seed uint
 	defer c.Close()
 	errc := make(chan error, 1)
 	go func() {
-		h := sha256.New()
 		if _, err := c.Write(frame); err != nil {
 			errc <- err
 			return
 		}
-		_, err := io.Copy(io.MultiWriter(c, h), io.LimitReader(forwardtest.NewPattern(seed), send))
-		copy(sentSum[:], h.Sum(nil))
-		if err == nil {
-			err = c.CloseWrite()
-		}
+		var err error
+		sentSum, err = forwardtest.SendPattern(c, send, seed)
 		errc <- err
 	}()
 	h := sha256.New()
@@ -294,15 +290,7 @@ func (c *bufferedConn) Read(p []byte) (int, error) { return c.r.Read(p) }
 func TestRejections(t *testing.T) {
 	forwardtest.CheckLeaks(t)
 	up := forwardtest.NewUpstream(t, 0)
-	closedPort := func() netip.AddrPort {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		a := ln.Addr().(*net.TCPAddr).AddrPort()
-		ln.Close()
-		return a
-	}()
+	closedPort := forwardtest.ClosedPort(t)
 	f := newFixture(t, func(c *Config) { c.PreambleTimeout = 300 * time.Millisecond })
 	other := forwardtest.NewGateway(t, "gw-1") // same key ID, different key
 	unknown := forwardtest.NewGateway(t, "gw-unknown")

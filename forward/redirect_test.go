@@ -77,7 +77,7 @@ func TestWakeRedirectNotFollowed(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			_, err = waker.Wake(context.Background(), "sbx-1", freePort(t))
+			_, err = waker.Wake(context.Background(), "sbx-1", forwardtest.ClosedPort(t))
 			p.check(t, status, err)
 			if n := p.asked.Load(); n != 1 {
 				t.Errorf("the control plane got %d requests, want 1", n)
@@ -92,7 +92,7 @@ func TestWakeRedirectNotFollowed(t *testing.T) {
 	var log wakeLog
 	f := newFixture(t, func(cfg *Config) { cfg.Wake, cfg.WakeTimeout, cfg.OnWake = waker, 2*time.Second, log.observe })
 	err = f.refused(t, 1, string(ReasonWakeFailed), func(conn *net.TCPConn) {
-		conn.Write(append(f.gw.Frame(t, "sbx-gone", freePort(t)), "tenant bytes"...))
+		conn.Write(append(f.gw.Frame(t, "sbx-gone", forwardtest.ClosedPort(t)), "tenant bytes"...))
 	})
 	p.check(t, http.StatusTemporaryRedirect, err)
 	if o := log.get(); len(o) != 1 || o[0] != WakeRedirected {

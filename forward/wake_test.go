@@ -5,7 +5,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"net/netip"
 	"sync"
 	"testing"
 	"time"
@@ -50,17 +49,6 @@ func (w *wakePlane) calls() []map[string]string {
 	return append([]map[string]string(nil), w.requests...)
 }
 
-// freePort is a loopback address nothing listens on yet.
-func freePort(t *testing.T) netip.AddrPort {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := ln.Addr().(*net.TCPAddr).AddrPort()
-	ln.Close()
-	return a
-}
-
 type wakeLog struct {
 	mu       sync.Mutex
 	outcomes []string
@@ -88,7 +76,7 @@ func TestWakeOnConnect(t *testing.T) {
 	plane, waker := newWakePlane(t, http.StatusAccepted, 500*time.Millisecond)
 	var log wakeLog
 	f := newFixture(t, func(c *Config) { c.Wake, c.WakeTimeout, c.OnWake = waker, 10*time.Second, log.observe })
-	target := freePort(t)
+	target := forwardtest.ClosedPort(t)
 	const tunnels, size = 4, 256 << 10
 	type result struct {
 		sent, recv [32]byte
@@ -162,7 +150,7 @@ func TestWakeFailures(t *testing.T) {
 			f.refused(t, 1, c.reason, func(conn *net.TCPConn) {
 				// One write: a second one after a fast refusal's reset
 				// would take the reset's error, leaving the read an EOF.
-				conn.Write(append(f.gw.Frame(t, "sbx-gone", freePort(t)), "tenant bytes"...))
+				conn.Write(append(f.gw.Frame(t, "sbx-gone", forwardtest.ClosedPort(t)), "tenant bytes"...))
 			})
 			if d := time.Since(start); c.outcome == WakeDialFailed && d < 600*time.Millisecond {
 				t.Errorf("refused after %v, before the wake timeout", d)
@@ -200,7 +188,7 @@ func TestWakeGarbageAnswer(t *testing.T) {
 	var log wakeLog
 	f := newFixture(t, func(cfg *Config) { cfg.Wake, cfg.WakeTimeout, cfg.OnWake = waker, 2*time.Second, log.observe })
 	f.refused(t, 1, string(ReasonWakeFailed), func(conn *net.TCPConn) {
-		conn.Write(append(f.gw.Frame(t, "sbx-x", freePort(t)), "tenant bytes"...))
+		conn.Write(append(f.gw.Frame(t, "sbx-x", forwardtest.ClosedPort(t)), "tenant bytes"...))
 	})
 	if o := log.get(); len(o) != 1 || o[0] != WakeFailed {
 		t.Errorf("wake outcomes %v, want [%s]", o, WakeFailed)

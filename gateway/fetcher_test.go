@@ -63,16 +63,7 @@ func (f *fakeFetcher) count(sandbox string) int {
 
 func fakeLookup(t *testing.T, f Fetcher, mod func(*LookupConfig)) (*Lookup, *time.Time) {
 	t.Helper()
-	now := time.Unix(1_800_000_000, 0)
-	cfg := LookupConfig{Fetcher: f, Now: func() time.Time { return now }}
-	if mod != nil {
-		mod(&cfg)
-	}
-	l, err := NewLookup(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return l, &now
+	return newLookupAt(t, LookupConfig{Fetcher: f}, mod)
 }
 
 func loc(sandbox string) Location {

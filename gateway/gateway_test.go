@@ -215,12 +215,8 @@ func userTunnel(t *testing.T, addr string, roots *tls.Config, send int64, seed u
 	defer c.Close()
 	errc := make(chan error, 1)
 	go func() {
-		h := sha256.New()
-		_, err := io.Copy(io.MultiWriter(c, h), io.LimitReader(forwardtest.NewPattern(seed), send))
-		copy(sentSum[:], h.Sum(nil))
-		if err == nil {
-			err = c.CloseWrite()
-		}
+		var err error
+		sentSum, err = forwardtest.SendPattern(c, send, seed)
 		errc <- err
 	}()
 	h := sha256.New()
@@ -479,12 +475,7 @@ func TestCarryDialOutcomes(t *testing.T) {
 	p := newPKI(t)
 	gw := forwardtest.NewGateway(t, "gw-1")
 	up := forwardtest.NewUpstream(t, 1<<10)
-	closed, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	noAnswer := closed.Addr().String()
-	closed.Close()
+	noAnswer := forwardtest.ClosedPort(t).String()
 	strict := p.server.Clone()
 	strict.ClientCAs = testpki.NewCA(t, "another-ca").Pool
 	refusesCert := startForwarder(t, pki{server: strict, client: p.client}, gw, "127.0.0.0/8")

@@ -65,9 +65,15 @@ func jsonAnswer(body string) func(http.ResponseWriter) {
 
 func (cp *controlPlane) lookup(t *testing.T, mod func(*LookupConfig)) (*Lookup, *time.Time) {
 	t.Helper()
+	return newLookupAt(t, LookupConfig{URL: cp.srv.URL + "/v1/sandboxes/{sandbox}/route", Header: http.Header{"Authorization": {"Bearer s3cret"}}}, mod)
+}
+
+// newLookupAt makes a Lookup of cfg, changed by mod when set, whose clock
+// stands at the returned time until a test moves it.
+func newLookupAt(t *testing.T, cfg LookupConfig, mod func(*LookupConfig)) (*Lookup, *time.Time) {
+	t.Helper()
 	now := time.Unix(1_800_000_000, 0)
-	cfg := LookupConfig{URL: cp.srv.URL + "/v1/sandboxes/{sandbox}/route", Header: http.Header{"Authorization": {"Bearer s3cret"}},
-		Now: func() time.Time { return now }}
+	cfg.Now = func() time.Time { return now }
 	if mod != nil {
 		mod(&cfg)
 	}

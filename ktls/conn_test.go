@@ -412,12 +412,7 @@ func (r *recordingReaderFrom) ReadFrom(src io.Reader) (int64, error) {
 // TestReadFromWriteToFallback: ReadFrom from a file and WriteTo into a
 // file work through the userspace path.
 func TestReadFromWriteToFallback(t *testing.T) {
-	p := newTestPKI(t)
-	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
-	pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pr := tls13Pair(t)
 	defer pr.close()
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")

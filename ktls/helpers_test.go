@@ -174,6 +174,17 @@ type pair struct {
 
 // dialPair connects a crypto/tls client to a Server over loopback TCP and
 // completes both handshakes. wrap may replace the accepted conn.
+// tls13Pair is a connected TLS 1.3 pair with default options.
+func tls13Pair(t testing.TB) *pair {
+	t.Helper()
+	scfg, ccfg := newTestPKI(t).configs(connCase{version: tls.VersionTLS13})
+	pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pr
+}
+
 func dialPair(t testing.TB, scfg, ccfg *tls.Config, opts Options, wrap func(net.Conn) net.Conn) (*pair, error) {
 	t.Helper()
 	return dialPairOn(t, "tcp", scfg, ccfg, opts, wrap)

@@ -581,12 +581,7 @@ func TestKernelPeerAlert(t *testing.T) {
 // error (the kernel reports EBADMSG), not a panic or a hang.
 func TestKernelGarbageRecord(t *testing.T) {
 	kerneltest.Require(t)
-	p := newTestPKI(t)
-	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
-	pr, err := dialPair(t, scfg, ccfg, Options{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pr := tls13Pair(t)
 	defer pr.close()
 	garbage := append([]byte{23, 3, 3, 0, 64}, bytes.Repeat([]byte{0x5a}, 64)...)
 	var rerr error

@@ -288,6 +288,36 @@ func (p *Pattern) Read(b []byte) (int, error) {
 	return len(b), nil
 }
 
+// ClosedPort is a loopback address nothing listens on: a target or a
+// forwarder that refuses the connection.
+func ClosedPort(t testing.TB) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := ln.Addr().(*net.TCPAddr).AddrPort()
+	ln.Close()
+	return a
+}
+
+// SendPattern writes n bytes of seed's pattern to c, then half-closes it,
+// and returns the SHA-256 of what it wrote: one direction of a tunnel
+// test.
+func SendPattern(c interface {
+	io.Writer
+	CloseWrite() error
+}, n int64, seed uint64) ([32]byte, error) {
+	h := sha256.New()
+	_, err := io.Copy(io.MultiWriter(c, h), io.LimitReader(NewPattern(seed), n))
+	var sum [32]byte
+	copy(sum[:], h.Sum(nil))
+	if err == nil {
+		err = c.CloseWrite()
+	}
+	return sum, err
+}
+
 // PatternSum is the SHA-256 of the first n bytes of NewPattern(seed).
 func PatternSum(seed uint64, n int64) [32]byte {
 	h := sha256.New()

@@ -46,12 +46,7 @@ const (
 func renderGatewayMarkdown(r *Results, sources []string, full string) []byte {
 	var b bytes.Buffer
 	tables := r.tables()
-	quoted := make([]string, len(sources))
-	for i, s := range sources {
-		quoted[i] = "`" + s + "`"
-	}
-	b.WriteString("# The edge gateway's paths: L7 and L4, user to sandbox\n\n")
-	fmt.Fprintf(&b, "Rendered by `integration/benchreport gateway` from %s (written by `integration/bench.sh`); do not edit by hand.", strings.Join(quoted, " and "))
+	writeTitle(&b, "The edge gateway's paths: L7 and L4, user to sandbox", "integration/benchreport gateway", sources)
 	if full != "" {
 		fmt.Fprintf(&b, " Every figure of the same run (syscalls, userspace bytes, key installs, errors): [%s](%s).", full, full)
 	}
@@ -156,28 +151,22 @@ tunnel, which the forwarder verifies.
 	b.WriteString("\n## Beside the published design\n\n")
 	fmt.Fprintf(&b, "The published design measured ×%s throughput and ×%s CPU per GB for its move from L7 to L4. The same ratios here, each path ÷ `l7-l7` of the same run (bulk shapes; CPU of both hops; throughput in guest time):\n\n", num(publishedThroughput), num(publishedCPU))
 	mdHeader(&b, "figure", "published, L7 → L4", "`l7-l4` ÷ `l7-l7` (upload / download)", "`l4-l4` ÷ `l7-l7` (upload / download)")
-	cpuCell := func(name string) string {
-		var parts []string
-		for _, st := range tables {
-			if isBulk(st.shape) {
-				v, ok := st.cpuRatio(st.by[name], oldPath)
-				parts = append(parts, opt(v, ok, times))
-			}
-		}
-		return strings.Join(parts, " / ")
-	}
-	tputCell := func(name string) string {
+	// bulkCell is name's ratio to oldPath in each bulk shape.
+	bulkCell := func(name string, cpu bool) string {
 		var parts []string
 		for _, st := range tables {
 			if isBulk(st.shape) {
 				v, ok := st.throughputRatio(st.by[name], oldPath)
+				if cpu {
+					v, ok = st.cpuRatio(st.by[name], oldPath)
+				}
 				parts = append(parts, opt(v, ok, times))
 			}
 		}
 		return strings.Join(parts, " / ")
 	}
-	mdRow(&b, "throughput", times(publishedThroughput), tputCell("l7-l4"), tputCell("l4-l4"))
-	mdRow(&b, "CPU per GB", times(publishedCPU), cpuCell("l7-l4"), cpuCell("l4-l4"))
+	mdRow(&b, "throughput", times(publishedThroughput), bulkCell("l7-l4", false), bulkCell("l4-l4", false))
+	mdRow(&b, "CPU per GB", times(publishedCPU), bulkCell("l7-l4", true), bulkCell("l4-l4", true))
 	var small []string
 	for _, st := range tables {
 		if isBulk(st.shape) || !st.hasCalls() {

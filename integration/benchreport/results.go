@@ -456,17 +456,23 @@ var modeText = map[string]string{
 	"native":    "a native kernel with kTLS: CPU seconds and throughput are real, for this machine.",
 }
 
+// writeTitle writes a report's title and the sentence that says which
+// renderer made it from which sources, up to "do not edit by hand.".
+func writeTitle(b *bytes.Buffer, title, renderer string, sources []string) {
+	quoted := make([]string, len(sources))
+	for i, s := range sources {
+		quoted[i] = "`" + s + "`"
+	}
+	fmt.Fprintf(b, "# %s\n\n", title)
+	fmt.Fprintf(b, "Rendered by `%s` from %s (written by `integration/bench.sh`); do not edit by hand.", renderer, strings.Join(quoted, " and "))
+}
+
 // renderResultsMarkdown writes the report of r, read from the files named
 // in sources, with a link to chart when it is not empty.
 func renderResultsMarkdown(r *Results, sources []string, chart string) []byte {
 	var b bytes.Buffer
 	tables := r.tables()
-	quoted := make([]string, len(sources))
-	for i, s := range sources {
-		quoted[i] = "`" + s + "`"
-	}
-	b.WriteString("# Benchmarks: caddy-ktls against its peers\n\n")
-	fmt.Fprintf(&b, "Rendered by `integration/benchreport` from %s (written by `integration/bench.sh`); do not edit by hand.", strings.Join(quoted, " and "))
+	writeTitle(&b, "Benchmarks: caddy-ktls against its peers", "integration/benchreport", sources)
 	if chart != "" {
 		fmt.Fprintf(&b, " Chart: [%s](%s).", chart, chart)
 	}

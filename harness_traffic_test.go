@@ -252,6 +252,17 @@ func (e *sandboxEnv) emptyTunnel(t *testing.T, frame []byte) {
 // both directions of a transfer: the upstream received the client's size
 // pattern bytes (seed), and the client received the upstream's size+3
 // bytes (n, recvSum) unchanged.
+// exactTunnel carries size bytes of seed's pattern through a tunnel of
+// sandbox to up, and checks every byte both ways (checkTunnelTransfer).
+func (e *sandboxEnv) exactTunnel(t testing.TB, sandbox string, up *forwardtest.Upstream, size int64, seed uint64) {
+	t.Helper()
+	n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, seed)
+	if err != nil {
+		t.Fatalf("tunnel of %s: %v", sandbox, err)
+	}
+	checkTunnelTransfer(t, up, size, seed, n, sum)
+}
+
 func checkTunnelTransfer(t testing.TB, up *forwardtest.Upstream, size int64, seed uint64, n int64, recvSum [32]byte) {
 	t.Helper()
 	waitIdle(t)

@@ -91,11 +91,7 @@ func sandboxPrefetchedClientHello(t *testing.T, kernel bool) {
 		c.Close()
 		t.Fatal("a ClientHello for elsewhere.test got a handshake: the tls matcher did not route on it")
 	}
-	n, sum, err := transfer(e.dial(t, "sbx-prefetch", up.Addr()), routingTunnelSize, 21)
-	if err != nil {
-		t.Fatalf("tunnel behind the tls matcher: %v", err)
-	}
-	checkTunnelTransfer(t, up, routingTunnelSize, 21, n, sum)
+	e.exactTunnel(t, "sbx-prefetch", up, routingTunnelSize, 21)
 	if accepted := up.Accepted(); accepted != 1 {
 		t.Errorf("upstream accepted %d connections, want the tunnel's only", accepted)
 	}

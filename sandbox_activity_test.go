@@ -27,11 +27,7 @@ func TestSandboxEventsEmitted(t *testing.T) {
 	e.recordTunnelEvents()
 	e.start(t)
 	forwardtest.CheckLeaks(t)
-	n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, 9)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkTunnelTransfer(t, up, size, 9, n, sum)
+	e.exactTunnel(t, sandbox, up, size, 9)
 	opened := recordedEvent(t, "sandbox_tunnel_opened", sandbox)
 	closed := recordedEvent(t, "sandbox_tunnel_closed", sandbox)
 	for _, ev := range []map[string]any{opened, closed} {
@@ -92,11 +88,7 @@ func TestSandboxActivityPush(t *testing.T) {
 			e.postLoad(t)
 		}
 		up := forwardtest.NewUpstream(t, size+3)
-		n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, uint64(10+i))
-		if err != nil {
-			t.Fatal(err)
-		}
-		checkTunnelTransfer(t, up, size, uint64(10+i), n, sum)
+		e.exactTunnel(t, sandbox, up, size, uint64(10+i))
 		movedTo, movedFrom = movedTo+size, movedFrom+size+3
 	}
 	const sent = `caddy_ktls_activity_reports_total{outcome="sent"}`

@@ -53,11 +53,7 @@ func TestSandboxActivityReportSchema(t *testing.T) {
 	var movedTo, movedFrom int64
 	for i, size := range sizes {
 		up := forwardtest.NewUpstream(t, size+3)
-		n, sum, err := transfer(e.dial(t, sandbox, up.Addr()), size, uint64(40+i))
-		if err != nil {
-			t.Fatal(err)
-		}
-		checkTunnelTransfer(t, up, size, uint64(40+i), n, sum)
+		e.exactTunnel(t, sandbox, up, size, uint64(40+i))
 		movedTo, movedFrom = movedTo+size, movedFrom+size+3
 	}
 	var reports []forward.ActivityReport

@@ -44,6 +44,17 @@ func runSandbox(t *testing.T, stdin io.Reader, args ...string) (string, error) {
 	return out.String(), err
 }
 
+// keygenIn runs `caddy sandbox keygen` for keyID into dir: the private
+// key file gw.key and the keyring gateways.pem.
+func keygenIn(t *testing.T, dir, keyID string) (key, ring string) {
+	t.Helper()
+	key, ring = filepath.Join(dir, "gw.key"), filepath.Join(dir, "gateways.pem")
+	if _, err := runSandbox(t, nil, "keygen", "--key-out", key, "--pub-out", ring, "--key-id", keyID); err != nil {
+		t.Fatal(err)
+	}
+	return key, ring
+}
+
 // runSandboxStderr is runSandbox that also returns what the command wrote
 // to stderr.
 func runSandboxStderr(t *testing.T, stdin io.Reader, args ...string) (string, string, error) {
@@ -458,11 +469,7 @@ func sandboxDialRefusedStdin(t *testing.T, kernel bool, stdin io.Reader, end fun
 // so sign needs no --key-id; a --key-id that matches is accepted, one that
 // does not is an error naming both.
 func TestSandboxKeygenKeepsKeyID(t *testing.T) {
-	dir := t.TempDir()
-	key, ring := filepath.Join(dir, "gw.key"), filepath.Join(dir, "gateways.pem")
-	if _, err := runSandbox(t, nil, "keygen", "--key-out", key, "--pub-out", ring, "--key-id", "gw-1"); err != nil {
-		t.Fatal(err)
-	}
+	key, ring := keygenIn(t, t.TempDir(), "gw-1")
 	data, err := os.ReadFile(key)
 	if err != nil {
 		t.Fatal(err)
@@ -562,11 +569,7 @@ func TestSandboxKeygenPubOut(t *testing.T) {
 // TestSandboxKeyFileMixups: a private key given as a keyring, and a keyring
 // given as a private key, are errors that say exactly that.
 func TestSandboxKeyFileMixups(t *testing.T) {
-	dir := t.TempDir()
-	key, ring := filepath.Join(dir, "gw.key"), filepath.Join(dir, "gateways.pem")
-	if _, err := runSandbox(t, nil, "keygen", "--key-out", key, "--pub-out", ring, "--key-id", "gw-1"); err != nil {
-		t.Fatal(err)
-	}
+	key, ring := keygenIn(t, t.TempDir(), "gw-1")
 	frame, err := runSandbox(t, nil, "sign", "--key", key, "--sandbox", "sbx-1", "--target", "10.0.0.1:22")
 	if err != nil {
 		t.Fatal(err)

@@ -40,22 +40,28 @@ var serial atomic.Int64
 
 func nextSerial() *big.Int { return big.NewInt(time.Now().UnixNano() + serial.Add(1)) }
 
-// NewCA makes a self-signed ECDSA P-256 CA.
-func NewCA(t testing.TB, name string) *CA {
+// newTemplate makes an ECDSA P-256 key and a certificate template for cn,
+// valid from an hour ago for a day.
+func newTemplate(t testing.TB, cn string) (*ecdsa.PrivateKey, *x509.Certificate) {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          nextSerial(),
-		Subject:               pkix.Name{CommonName: name},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(24 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
+	return key, &x509.Certificate{
+		SerialNumber: nextSerial(),
+		Subject:      pkix.Name{CommonName: cn},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(24 * time.Hour),
 	}
+}
+
+// NewCA makes a self-signed ECDSA P-256 CA.
+func NewCA(t testing.TB, name string) *CA {
+	t.Helper()
+	key, tmpl := newTemplate(t, name)
+	tmpl.IsCA, tmpl.BasicConstraintsValid = true, true
+	tmpl.KeyUsage = x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
 	if err != nil {
 		t.Fatal(err)
@@ -92,19 +98,10 @@ func (ca *CA) Leaf(t testing.TB, commonName string, usage x509.ExtKeyUsage) *Lea
 
 func (ca *CA) issue(t testing.TB, cn string, dnsNames []string, usage x509.ExtKeyUsage) *Leaf {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: nextSerial(),
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{usage},
-		DNSNames:     dnsNames,
-	}
+	key, tmpl := newTemplate(t, cn)
+	tmpl.KeyUsage = x509.KeyUsageDigitalSignature
+	tmpl.ExtKeyUsage = []x509.ExtKeyUsage{usage}
+	tmpl.DNSNames = dnsNames
 	if usage == x509.ExtKeyUsageServerAuth {
 		tmpl.IPAddresses = []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}
 	}

@@ -49,7 +49,10 @@ apt_lock_holder() {
 # for and who holds it; it fails when the time is up. APT_LOCK_ROOT
 # prefixes the lock paths (the tests' own root).
 apt_wait_locks() {
-  local root=${APT_LOCK_ROOT:-} bound=${APT_LOCK_WAIT:-600} start=$SECONDS said= held f pid
+  # $SECONDS counts whole seconds from an arbitrary phase, so a bound of
+  # N could expire after N-1 s; the microsecond clock keeps it exact.
+  local root=${APT_LOCK_ROOT:-} bound=${APT_LOCK_WAIT:-600} said= held f pid
+  local start=${EPOCHREALTIME//[!0-9]/} waited
   while :; do
     held=
     for f in "$root"/var/lib/dpkg/lock-frontend "$root"/var/lib/dpkg/lock \
@@ -63,11 +66,12 @@ apt_wait_locks() {
       fi
       break
     done
+    waited=$(( (${EPOCHREALTIME//[!0-9]/} - start) / 1000000 ))
     if [ -z "$held" ]; then
-      [ -z "$said" ] || log "apt: the lock is free after $(( SECONDS - start )) s"
+      [ -z "$said" ] || log "apt: the lock is free after $waited s"
       return 0
     fi
-    if (( SECONDS - start >= bound )); then
+    if (( ${EPOCHREALTIME//[!0-9]/} - start >= bound * 1000000 )); then
       log "ERROR: apt: $held is still locked after $bound s: another apt or dpkg is installing; let it finish (or raise APT_LOCK_WAIT=<seconds>) and run this again"
       return 1
     fi

@@ -19,6 +19,7 @@ import (
 //			}
 //		}
 //		resumption on|off   # default on: session tickets scoped to the policy that verified the client
+//		max_handshakes <n>|off  # default 128 per CPU: handshakes in progress; beyond, new connections are shed
 //		<offload option> ...
 //	}
 func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -46,6 +47,12 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.DisableResumption = v == "off"
+		case "max_handshakes":
+			n, err := caddyfileargs.Limit(d)
+			if err != nil {
+				return err
+			}
+			h.MaxHandshakes = n
 		default:
 			return d.Errf("unknown ktls handler option %q", opt)
 		}

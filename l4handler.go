@@ -5,7 +5,9 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -58,8 +60,29 @@ type KTLSHandler struct {
 	// tls app disables session tickets, which disables them here too.
 	DisableResumption bool `json:"disable_resumption,omitempty"`
 
+	// MaxHandshakes bounds the TLS handshakes the handler runs at once,
+	// each counted from the connection's arrival at the handler to the end
+	// of its handshake. A connection that arrives while that many are in
+	// progress is shed before any handshake work: a plaintext
+	// access_denied alert in place of the ServerHello, then close. It is
+	// counted as caddy_ktls_handshake_failures_total{reason="overloaded"}
+	// and is in the WARN summary of failed handshakes. A gateway takes it
+	// as the forwarder's overload (its dial's result is `overloaded`) and
+	// may try another forwarder at once: past capacity, CPU saturation
+	// would otherwise slow every handshake alike until handshake_timeout
+	// cut them all. Zero means 128 per CPU the process may use
+	// (GOMAXPROCS): at about half a millisecond of CPU per mutual-TLS
+	// handshake, an admitted one waits some 65 ms for CPU at most. -1
+	// means no bound.
+	MaxHandshakes int `json:"max_handshakes,omitempty"`
+
 	// The offload options (OffloadOptions), at the top level of the JSON.
 	offload.Options
+
+	// handshakes counts the handshakes in progress; maxHandshakes is
+	// MaxHandshakes with its default, 0 for no bound.
+	handshakes    atomic.Int64
+	maxHandshakes int64
 
 	ctx    caddy.Context
 	logger *zap.Logger
@@ -97,6 +120,12 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 		h.tickets = tlsApp.SessionTickets
 	}
 	h.Options.SetDefaults()
+	switch {
+	case h.MaxHandshakes == 0:
+		h.maxHandshakes = int64(DefaultMaxHandshakesPerCPU * runtime.GOMAXPROCS(0))
+	case h.MaxHandshakes > 0:
+		h.maxHandshakes = int64(h.MaxHandshakes)
+	}
 	h.failures = offload.NewHandshakeFailureLog(moduleid.L4Handler, h.logger)
 	h.opts = h.KTLSOptions(h.observe)
 	// What this kernel does for the handler's connections, and what to do
@@ -124,6 +153,9 @@ type l4KernelLogKey struct {
 // Validate checks the offload options (caddy.Validator): Caddy calls it
 // after Provision, before the handler serves.
 func (h *KTLSHandler) Validate() error {
+	if h.MaxHandshakes < -1 {
+		return fmt.Errorf("ktls handler: max_handshakes %d: want a positive number, 0 for the default or -1 for no bound", h.MaxHandshakes)
+	}
 	if err := h.Options.ValidateOptions(); err != nil {
 		return fmt.Errorf("ktls handler: %w", err)
 	}
@@ -152,8 +184,38 @@ func (h *KTLSHandler) observe(ev ktls.Event) {
 	h.logger.Warn("kTLS connection event", zap.String("event", string(ev.Kind)), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
 }
 
+// DefaultMaxHandshakesPerCPU is the ktls handler's bound on handshakes in
+// progress (KTLSHandler.MaxHandshakes) per CPU the process may use.
+const DefaultMaxHandshakesPerCPU = 128
+
 // Handle terminates TLS on cx and calls next with the decrypted connection.
+// It sheds cx, before any handshake work, while MaxHandshakes are in
+// progress.
 func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
+	n := h.handshakes.Add(1)
+	if h.maxHandshakes > 0 && n > h.maxHandshakes {
+		h.handshakes.Add(-1)
+		h.failures.Shed(cx.RemoteAddr(), int(h.maxHandshakes))
+		ktls.Shed(cx)
+		return nil
+	}
+	offload.HandshakesInProgress.Add(1)
+	kconn, err := h.handshake(cx)
+	offload.HandshakesInProgress.Add(-1)
+	h.handshakes.Add(-1)
+	if err != nil {
+		kconn.Close()
+		// Reported to observe (a refusal, a failure after TLS_TX, or a
+		// failed handshake: logged and counted there), so not returned to
+		// caddy-l4, which would log an ERROR for each.
+		return nil
+	}
+	return next.Handle(cx.Wrap(kconn))
+}
+
+// handshake runs cx's TLS handshake and sets the connection variables of
+// its session; on error the caller closes the returned conn.
+func (h *KTLSHandler) handshake(cx *layer4.Connection) (*ktls.Conn, error) {
 	cfg := h.ConnectionPolicies.TLSConfig(h.ctx)
 	var hello l4tls.ClientHelloInfo
 	getConfig := cfg.GetConfigForClient
@@ -173,11 +235,7 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 	err := kconn.HandshakeContext(ctx)
 	cancel()
 	if err != nil {
-		kconn.Close()
-		// Reported to observe (a refusal, a failure after TLS_TX, or a
-		// failed handshake: logged and counted there), so not returned to
-		// caddy-l4, which would log an ERROR for each.
-		return nil
+		return kconn, err
 	}
 	state := kconn.ConnectionState()
 
@@ -192,7 +250,7 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 	}
 	cx.SetVar(layer4.TLSConnectionStatesVarName, append(states, &state))
 	addTLSPlaceholders(cx.Replacer(), &state)
-	return next.Handle(cx.Wrap(kconn))
+	return kconn, nil
 }
 
 // tlsClientHellosVar is the connection variable caddy-l4's `tls` handler

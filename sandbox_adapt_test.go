@@ -46,6 +46,10 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"ktls {\n\trx maybe\n}", `rx takes one of on, off, got "maybe"`},
 		{"ktls {\n\tkeyupdate_rate fast\n}", "not a positive number"},
 		{"ktls {\n\tfrobnicate\n}", `unknown ktls handler option "frobnicate"`},
+		{"ktls {\n\tmax_handshakes 0\n}", `max_handshakes: "0" is not a positive integer`},
+		{"ktls {\n\tmax_handshakes off 2\n}", "wrong argument count"},
+		{"sandbox {\n\tmax_dials none\n}", `max_dials: "none" is not a positive integer`},
+		{"sandbox {\n\tmax_dials\n}", "wrong argument count"},
 		{"ktls_session on", "wrong argument count"},
 		{"ktls_session {\n\trx off\n}", "the ktls_session handler takes no block"},
 	} {

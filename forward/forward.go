@@ -90,6 +90,13 @@ type Config struct {
 	// WakeTimeout bounds a wake and the dials after it. Zero means
 	// DefaultWakeTimeout.
 	WakeTimeout time.Duration
+	// MaxDials bounds the tunnels that dial their target at once, a wake
+	// and its dials included, as the Registry counts them (all its
+	// Forwarders' dials): one more is refused with ReasonOverloaded before
+	// it dials, so that targets slow to answer or to wake hold a bounded
+	// number of connections, goroutines and gateways' requests. Zero means
+	// no bound.
+	MaxDials int
 	// OnWake, when set, is called after each wake with the sandbox, its
 	// outcome (WakeOutcomes) and how long it took, on the tunnel's
 	// goroutine.
@@ -381,19 +388,11 @@ func (f *Forwarder) openClaims(c Gateway) (*net.TCPConn, *Tunnel, context.Contex
 	if err := f.cfg.Registry.checkAdmit(claims.SandboxID, f.cfg.MaxTunnelsPerSandbox); err != nil {
 		return nil, nil, nil, none, err
 	}
-	target := claims.Target.String()
-	dialStart := time.Now()
-	up, err := f.sock.dial(context.Background(), target, f.cfg.DialTimeout)
-	f.step(StepDial, dialStart)
-	if err != nil && f.cfg.Wake != nil {
-		up, err = f.wakeAndDial(claims.SandboxID, claims.Target, err)
-		if err != nil {
-			return nil, nil, nil, none, err
-		}
-	}
+	up, err := f.dialTarget(claims)
 	if err != nil {
-		return nil, nil, nil, none, &RefusalError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
+		return nil, nil, nil, none, err
 	}
+	target := claims.Target.String()
 	// Register only once the target answered, so open-tunnel counts never
 	// include dials that fail; a drain that began meanwhile still wins.
 	key, _ := f.cfg.Verifier.Key(claims.KeyID)
@@ -404,6 +403,27 @@ func (f *Forwarder) openClaims(c Gateway) (*net.TCPConn, *Tunnel, context.Contex
 		return nil, nil, nil, none, err
 	}
 	return up, tun, ctx, claims, nil
+}
+
+// dialTarget connects to the claims' target, waking its sandbox when
+// Config.Wake asks, as one of the Registry's dials in progress
+// (Config.MaxDials).
+func (f *Forwarder) dialTarget(claims preamble.Claims) (*net.TCPConn, error) {
+	done, err := f.cfg.Registry.startDial(f.cfg.MaxDials)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	dialStart := time.Now()
+	up, err := f.sock.dial(context.Background(), claims.Target.String(), f.cfg.DialTimeout)
+	f.step(StepDial, dialStart)
+	if err != nil && f.cfg.Wake != nil {
+		return f.wakeAndDial(claims.SandboxID, claims.Target, err)
+	}
+	if err != nil {
+		return nil, &RefusalError{Reason: ReasonDialFailed, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, err)}
+	}
+	return up, nil
 }
 
 // step reports to Config.OnStep that s, begun at start, has ended.

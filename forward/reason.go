@@ -33,10 +33,14 @@ const (
 	// ReasonSandboxClosed: Registry.Close closed the sandbox and refuses
 	// new tunnels to it for a while (CloseRequest.RefuseFor).
 	ReasonSandboxClosed Reason = "sandbox-closed"
+	// ReasonOverloaded: Config.MaxDials tunnels were dialing their targets
+	// (or waking them) already. Refused before the dial; the gateway may try
+	// again at once.
+	ReasonOverloaded Reason = "overloaded"
 )
 
 // The forwarder's own reasons, in the order Reasons returns them.
-var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonWakeFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate, ReasonSandboxClosed}
+var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonWakeFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate, ReasonSandboxClosed, ReasonOverloaded}
 
 // Reasons returns every rejection reason this package raises itself (a
 // refused preamble's reasons are preamble.Reasons), so that metrics can

@@ -38,6 +38,7 @@ type Registry struct {
 	refusing map[string]time.Time
 
 	opened  atomic.Uint64
+	dialing atomic.Int64  // tunnels dialing their target now (startDial)
 	expired atomic.Uint64 // tunnels ended at Config.MaxTunnelLifetime
 	revoked atomic.Uint64 // tunnels ended by Revoke
 	closed  atomic.Uint64 // tunnels ended as failures by Close
@@ -259,6 +260,20 @@ func (r *Registry) pruneLocked(now time.Time) {
 		}
 	}
 }
+
+// startDial admits one more dial to a target unless maxDials are in
+// progress (zero: no bound); done ends it.
+func (r *Registry) startDial(maxDials int) (done func(), err error) {
+	if n := r.dialing.Add(1); maxDials > 0 && n > int64(maxDials) {
+		r.dialing.Add(-1)
+		return nil, &RefusalError{Reason: ReasonOverloaded, Err: fmt.Errorf("%d tunnels are dialing their targets, the most allowed at once", maxDials)}
+	}
+	return func() { r.dialing.Add(-1) }, nil
+}
+
+// Dialing returns how many tunnels are dialing their target now, wakes
+// included.
+func (r *Registry) Dialing() int64 { return r.dialing.Load() }
 
 // Reject counts a refused tunnel under its reason.
 func (r *Registry) Reject(reason string) {

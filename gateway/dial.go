@@ -248,7 +248,13 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 		if de := d.CertificateRefusal(r, err); de != nil {
 			return nil, de
 		}
-		if a, ok := remoteAlert(err); ok && a == alertInternalError {
+		a, alerted := remoteAlert(err)
+		switch {
+		case alerted && a == ktls.AlertAccessDenied:
+			// Before the handshake's end: the forwarder shed the
+			// connection (ktls.Shed), never a refusal of the tunnel.
+			err = fmt.Errorf("%w: %w", ErrOverloaded, err)
+		case alerted && a == alertInternalError:
 			err = fmt.Errorf("%w: the forwarder failed the handshake; it does so when it has no certificate for the server name %q "+
 				"(set tls_server_name to a name its certificate carries; its log says \"no certificate available\")", err, cfg.ServerName)
 		}
@@ -305,13 +311,20 @@ const (
 	StepPreamble  = "preamble"
 )
 
+// ErrOverloaded is the cause of a DialError (StepHandshake) whose
+// forwarder shed the connection in place of its handshake (ktls.Shed): it
+// had as many handshakes in progress as it takes (max_handshakes). Nothing
+// reached it beyond a ClientHello: another forwarder, or this one a moment
+// later, may take the tunnel.
+var ErrOverloaded = errors.New("the forwarder is overloaded: it shed the connection before the TLS handshake")
+
 // DialError is a tunnel that could not be opened: no byte of the tenant's
 // reached the sandbox, so whatever asked for it may be tried again.
 type DialError struct {
 	Route Route
 	// Step is StepConnect, StepHandshake (with a *CertificateRefusedError
-	// when the forwarder refused the gateway's certificate) or
-	// StepPreamble.
+	// when the forwarder refused the gateway's certificate, ErrOverloaded
+	// when it shed the connection) or StepPreamble.
 	Step string
 	Err  error
 }

@@ -390,6 +390,28 @@ func TestDialErrors(t *testing.T) {
 	if !errors.As(err, &de) || de.Step != StepHandshake || !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("dial to a mute listener: %v, want a *DialError at %s with the deadline", err, StepHandshake)
 	}
+	if errors.Is(err, ErrOverloaded) {
+		t.Errorf("dial to a mute listener: %v, which is no shed", err)
+	}
+
+	// A forwarder that sheds the connection: overloaded, and safe to retry.
+	shedding, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shedding.Close()
+	go func() {
+		if c, err := shedding.Accept(); err == nil {
+			ktls.Shed(c)
+		}
+	}()
+	_, err = d.Dial(context.Background(), Route{Forwarder: shedding.Addr().String(), Sandbox: "s", Target: target})
+	if !errors.As(err, &de) || de.Step != StepHandshake || !errors.Is(err, ErrOverloaded) || !RetrySafe(err) {
+		t.Errorf("dial to a shedding forwarder: %v, want a retry-safe *DialError at %s with ErrOverloaded", err, StepHandshake)
+	}
+	if _, ok := CertificateAlert(err); ok {
+		t.Errorf("a shed is no certificate refusal: %v", err)
+	}
 }
 
 func TestNewRejectsBadConfig(t *testing.T) {

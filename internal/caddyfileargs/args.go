@@ -55,6 +55,19 @@ func PositiveInt(d *caddyfile.Dispenser) (int, error) {
 	return n, nil
 }
 
+// Limit reads the one argument of the option d is on, a bound: a positive
+// integer, or off (no bound), returned as -1.
+func Limit(d *caddyfile.Dispenser) (int, error) {
+	if d.CountRemainingArgs() != 1 {
+		return 0, d.ArgErr()
+	}
+	if d.NextArg(); d.Val() == "off" {
+		return -1, nil
+	}
+	d.Prev()
+	return PositiveInt(d)
+}
+
 // Duration reads the one argument of the option d is on, a positive
 // duration.
 func Duration(d *caddyfile.Dispenser) (caddy.Duration, error) {

@@ -30,6 +30,9 @@ var (
 	// The gateway modules count theirs as dials that failed at the
 	// handshake (caddy_ktls_gateway_dials_total).
 	Server = []string{ListenerWrapper, L4Handler}
+	// Shedder bound the TLS handshakes they run at once and shed the
+	// connections beyond (max_handshakes).
+	Shedder = []string{L4Handler}
 	// Forwarder carry sandbox tunnels (the registry, the pushers, the
 	// wakes).
 	Forwarder = []string{SandboxHandler}

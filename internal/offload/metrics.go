@@ -1,6 +1,8 @@
 package offload
 
 import (
+	"sync/atomic"
+
 	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -73,9 +75,19 @@ var (
 		"Connections the kTLS engine ended after their handshake, by module and event: rate-limited, KeyUpdates above keyupdate_rate; alert, the peer's fatal alert; closed-after-tx, a step after installing TLS_TX failed; rekey-unsupported, a KeyUpdate on a kernel without rekey; key-exhausted, a traffic key reached key_record_limit and could not be renewed; refused, fallback refuse and the session could not be offloaded (never offloaded); bad-record (layer4 handler only), a record that failed authentication.",
 		[]string{"module", "event"}, nil)
 	descHandshakeFails = prometheus.NewDesc("caddy_ktls_handshake_failures_total",
-		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, unknown-server-name, timeout, closed, other).",
+		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, unknown-server-name, timeout, overloaded: shed before the handshake because max_handshakes were in progress, closed, other).",
 		[]string{"module", "reason"}, nil)
 )
+
+// HandshakesInProgress counts the TLS handshakes the layer4 ktls handlers
+// of the process run now, from a connection's arrival at its handler to
+// the end of its handshake (max_handshakes bounds each handler's).
+var HandshakesInProgress atomic.Int64
+
+var descHandshakesInProgress = prometheus.NewDesc("caddy_ktls_handshakes_in_progress",
+	"TLS handshakes the layer4 ktls handlers run now, from a connection's arrival at its handler to the end of its handshake; each handler sheds the connections beyond its max_handshakes (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}).",
+	nil, nil)
+
 var descKernelSupport = prometheus.NewDesc("caddy_ktls_kernel_support",
 	"What this host's kernel accepted when the process probed it at its first use (1 yes, 0 no), by feature: tx and rx (TLS_TX, TLS_RX for at least one TLS version and cipher), rekey (a TLS 1.3 KeyUpdate: a second key installed). See `caddy ktls probe`.",
 	[]string{"feature"}, nil)
@@ -104,6 +116,12 @@ func init() {
 			for k, n := range handshakeFails.Snapshot() {
 				ch <- prometheus.MustNewConstMetric(descHandshakeFails, prometheus.CounterValue, float64(n), k.Module, k.Reason)
 			}
+		},
+	})
+	caddymetrics.Add(moduleid.Shedder, &caddymetrics.Gathered{
+		Descs: []*prometheus.Desc{descHandshakesInProgress},
+		Gather: func(ch chan<- prometheus.Metric) {
+			ch <- prometheus.MustNewConstMetric(descHandshakesInProgress, prometheus.GaugeValue, float64(HandshakesInProgress.Load()))
 		},
 	})
 	// The kernel's answer to the probe, only where a module that uses the

@@ -238,9 +238,14 @@ var HandshakeFailureReasons = []string{
 	"certificate-not-allowed", // a verifier refused the certificate (not on the leaf allowlist)
 	reasonUnknownServerName,   // the client asked for a server name no certificate carries
 	"timeout",                 // no complete handshake within handshake_timeout
+	ReasonOverloaded,          // shed before the handshake: max_handshakes were in progress (Shed)
 	"closed",                  // the peer closed or reset the connection during the handshake
 	"other",                   // any other handshake error (no common version or cipher, a bad message)
 }
+
+// ReasonOverloaded is the handshake failure reason of a connection shed
+// before its handshake (HandshakeFailureLog.Shed).
+const ReasonOverloaded = "overloaded"
 
 // handshakeFailureReason says why a handshake failed with err.
 func handshakeFailureReason(err error) string {
@@ -281,7 +286,19 @@ const HandshakeFailureSummary = "TLS handshakes failed"
 
 func NewHandshakeFailureLog(module string, logger *zap.Logger) *HandshakeFailureLog {
 	return &HandshakeFailureLog{module: module, logger: logger, summary: logsummary.NewFailureSummary(logger, HandshakeFailureSummary,
-		HandshakeFailureReasons, "each at DEBUG; caddy_ktls_handshake_failures_total counts them by reason")}
+		HandshakeFailureReasons, "each at DEBUG; caddy_ktls_handshake_failures_total counts them by reason; "+
+			"overloaded: shed before the handshake, max_handshakes were in progress")}
+}
+
+// Shed counts and logs a connection shed before its handshake (ktls.Shed)
+// because limit handshakes were in progress: a failed handshake of reason
+// overloaded, as the peer sees it.
+func (f *HandshakeFailureLog) Shed(remote net.Addr, limit int) {
+	handshakeFails.Add(FailKey{f.module, ReasonOverloaded})
+	handshakeOutcomes.Add(OutcomeKey{f.module, ktls.ReasonHandshakeFailed})
+	f.logger.Debug("TLS handshake refused: overloaded", zap.String("reason", ReasonOverloaded), zap.Stringer("remote", remote),
+		zap.Int("max_handshakes", limit))
+	f.summary.Add(ReasonOverloaded)
 }
 
 // Record counts a failed handshake (ev.Offload.Reason is

@@ -13,7 +13,7 @@ import (
 var (
 	GatewayDials = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_dials_total",
-		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
+		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), overloaded (the forwarder shed the connection before its TLS handshake: its max_handshakes were in progress), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
 	}, []string{"module", "result"}, moduleid.Gateway, GatewayDialResults)
 	GatewayResumed = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_dials_resumed_total",
@@ -31,13 +31,14 @@ var (
 
 // The caddy_ktls_gateway_dials_total results besides the failed steps.
 const (
-	gatewayDialOK      = "ok"
-	gatewayDialNoRoute = "no-route"
+	gatewayDialOK         = "ok"
+	gatewayDialNoRoute    = "no-route"
+	gatewayDialOverloaded = "overloaded"
 )
 
 // GatewayDialResults are the results a gateway module counts a dial as:
-// ok, no-route, or the step that failed (dialResult).
-var GatewayDialResults = []string{gatewayDialOK, gatewayDialNoRoute, gateway.StepConnect, gateway.StepHandshake, gateway.StepPreamble}
+// ok, no-route, overloaded, or the step that failed (dialResult).
+var GatewayDialResults = []string{gatewayDialOK, gatewayDialNoRoute, gatewayDialOverloaded, gateway.StepConnect, gateway.StepHandshake, gateway.StepPreamble}
 
 // The relay byte paths.
 const (

@@ -160,10 +160,13 @@ func (h *Proxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 }
 
 // dialResult is the caddy_ktls_gateway_dials_total result of a failed
-// Dial: the step that failed.
+// Dial: overloaded, or the step that failed.
 func dialResult(err error) string {
 	var de *gateway.DialError
-	if errors.As(err, &de) {
+	switch {
+	case errors.Is(err, gateway.ErrOverloaded):
+		return gatewayDialOverloaded
+	case errors.As(err, &de):
 		return de.Step
 	}
 	return "other"

@@ -17,6 +17,7 @@ import (
 //		max_preamble_ttl   <duration>
 //		replay_cache_size  <n>
 //		max_tunnels_per_sandbox <n>
+//		max_dials          <n>|off           # default 1024: tunnels dialing or waking their target at once
 //		max_tunnel_lifetime <duration>
 //		proxy_protocol     v2                # PROXY v2 header to the target: the signed client address, sandbox ID TLV
 //		preamble_timeout   <duration>
@@ -73,6 +74,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 		opt := d.Val()
 		switch opt {
+		case "max_dials":
+			n, err := caddyfileargs.Limit(d)
+			if err != nil {
+				return err
+			}
+			h.MaxDials = n
 		case "key":
 			args := d.RemainingArgs()
 			if len(args) != 2 {

@@ -89,6 +89,15 @@ type Handler struct {
 	// target is dialed. Default: 0, no cap.
 	MaxTunnelsPerSandbox int `json:"max_tunnels_per_sandbox,omitempty"`
 
+	// MaxDials bounds the tunnels that dial their target at once, a wake
+	// and its dials included, counted over the whole process: one more is
+	// refused with reason "overloaded" before it dials, so that targets
+	// slow to answer or to wake hold a bounded number of connections and
+	// goroutines, and a gateway hears at once instead of waiting. Refusals
+	// for it are logged at DEBUG, with one WARN summary a minute. Default:
+	// 0, which means 1024; -1: no bound.
+	MaxDials int `json:"max_dials,omitempty"`
+
 	// MaxTunnelLifetime ends a tunnel that has been open this long as a
 	// failure (both sides aborted), whatever it is doing: it bounds how
 	// long a tunnel outlives a client certificate that a reload revoked
@@ -196,6 +205,9 @@ type Handler struct {
 	// anonymous summarizes the tunnels refused for want of a verified
 	// client certificate (Handle).
 	anonymous *logsummary.FailureSummary
+	// overloaded summarizes the tunnels refused because max_dials were in
+	// progress: under load, one line a minute instead of one a tunnel.
+	overloaded *logsummary.FailureSummary
 }
 
 // Key is one inline gateway key.
@@ -332,6 +344,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		KeepAlive:            time.Duration(h.KeepAlive),
 		TCPUserTimeout:       time.Duration(h.TCPUserTimeout),
 		MaxTunnelsPerSandbox: h.MaxTunnelsPerSandbox,
+		MaxDials:             maxDials(h.MaxDials),
 		KeyClients:           h.KeyClients,
 		MaxTunnelLifetime:    time.Duration(h.MaxTunnelLifetime),
 		ProxyProtocol:        proxyProtocolVersion(h.ProxyProtocol),
@@ -361,6 +374,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.events = events.(*caddyevents.App)
 	h.anonymous = logsummary.NewFailureSummary(h.logger, AnonymousRefusalSummary, []string{string(forward.ReasonNoClientCertificate)},
 		`each at DEBUG ("`+tunnelRefusedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them`)
+	h.overloaded = logsummary.NewFailureSummary(h.logger, OverloadedRefusalSummary, []string{string(forward.ReasonOverloaded)},
+		`each at DEBUG ("`+tunnelRefusedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="overloaded"} counts them; max_dials bounds the dials in progress`)
 	if p := h.ActivityPush; p != nil {
 		header := controlplane.LoadHeaders(h.logger, "activity_push", p.Headers)
 		h.pushDrops = newPushDropLog(h.logger, p.URL)
@@ -400,6 +415,9 @@ func (h *Handler) validateOptions() error {
 	if h.DrainGracePeriod < 0 {
 		return fmt.Errorf("sandbox handler: %s must not be negative: give a duration such as 30s, or leave it out (30s)", offload.Option("drain_grace_period", "drain_grace_period"))
 	}
+	if h.MaxDials < -1 {
+		return fmt.Errorf("sandbox handler: %s %d: give a number of dials, off (-1 in JSON) for no bound, or leave it out (%d)", offload.Option("max_dials", "max_dials"), h.MaxDials, DefaultMaxDials)
+	}
 	if h.MaxTunnelsPerSandbox < 0 {
 		return fmt.Errorf("sandbox handler: %s must not be negative: give a number of tunnels, or leave it out (no cap)", offload.Option("max_tunnels_per_sandbox", "max_tunnels_per_sandbox"))
 	}
@@ -415,6 +433,20 @@ func (h *Handler) validateOptions() error {
 		return fmt.Errorf("sandbox handler: %s %q: the only version is v2 (PROXY protocol version 2), or leave it out (none)", offload.Option("proxy_protocol", "proxy_protocol"), h.ProxyProtocol)
 	}
 	return nil
+}
+
+// DefaultMaxDials is the sandbox handler's max_dials when it is left out.
+const DefaultMaxDials = 1024
+
+// maxDials is forward.Config.MaxDials for the max_dials option.
+func maxDials(opt int) int {
+	switch opt {
+	case 0:
+		return DefaultMaxDials
+	case -1:
+		return 0
+	}
+	return opt
 }
 
 // proxyProtocolVersion maps the proxy_protocol option to
@@ -594,6 +626,11 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 			h.anonymous.Add(reason)
 			return nil
 		}
+		if reason == string(forward.ReasonOverloaded) {
+			h.logger.Debug(tunnelRefusedMsg, fields...)
+			h.overloaded.Add(reason)
+			return nil
+		}
 		h.logger.Warn(tunnelRefusedMsg, fields...)
 		return nil
 	}
@@ -632,6 +669,10 @@ const tunnelRefusedMsg = "sandbox tunnel rejected"
 // anonymousRejectSummary is the WARN summary of the tunnels refused for
 // want of a verified client certificate (failureSummary).
 const AnonymousRefusalSummary = "sandbox tunnels rejected without a verified client certificate"
+
+// OverloadedRefusalSummary is the WARN summary of the tunnels refused
+// because max_dials were in progress.
+const OverloadedRefusalSummary = "sandbox tunnels rejected: overloaded"
 
 // InsecurePlaintextWarning is logged at every load of a handler with
 // insecure_plaintext.

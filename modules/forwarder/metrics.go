@@ -92,7 +92,9 @@ func RefusalReasons() []string {
 // The forwarder's families of constant metrics, read from its process state
 // (state.go) at scrape time.
 var (
-	descTunnelsOpen    = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_active", "Sandbox tunnels open now.", nil, nil)
+	descTunnelsOpen     = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_active", "Sandbox tunnels open now.", nil, nil)
+	descDialsInProgress = prometheus.NewDesc("caddy_ktls_sandbox_dials_in_progress",
+		"Sandbox tunnels dialing their target now, a wake included; beyond max_dials a tunnel is refused (caddy_ktls_sandbox_rejects_total{reason=\"overloaded\"}).", nil, nil)
 	descTunnelsOpened  = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_total", "Sandbox tunnels opened since the process started.", nil, nil)
 	descTunnelsExpired = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_expired_total", "Sandbox tunnels ended for reaching max_tunnel_lifetime.", nil, nil)
 	descTunnelsRevoked = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_revoked_total", "Sandbox tunnels ended because a reload left their signing key trusted by no configuration.", nil, nil)
@@ -117,7 +119,7 @@ var (
 
 func init() {
 	caddymetrics.Add(moduleid.Forwarder, &caddymetrics.Gathered{
-		Descs:  []*prometheus.Desc{descTunnelsOpen, descTunnelsOpened, descTunnelsExpired, descTunnelsRevoked, descTunnelsClosed, descCloseRequests, descCloseRefused, descBytes, descRefused, descRelayBytes, descControlRecords, descPipeShortages, descPushReports, descThrottled},
+		Descs:  []*prometheus.Desc{descTunnelsOpen, descDialsInProgress, descTunnelsOpened, descTunnelsExpired, descTunnelsRevoked, descTunnelsClosed, descCloseRequests, descCloseRefused, descBytes, descRefused, descRelayBytes, descControlRecords, descPipeShortages, descPushReports, descThrottled},
 		Gather: gather,
 	}, tunnelDuration, dialDuration, preambleVerifyDuration, sandboxWakes, sandboxWakeDuration)
 }
@@ -129,6 +131,7 @@ func gather(ch chan<- prometheus.Metric) {
 	}
 	open, opened := tunnels.Counts()
 	ch <- prometheus.MustNewConstMetric(descTunnelsOpen, prometheus.GaugeValue, float64(open))
+	ch <- prometheus.MustNewConstMetric(descDialsInProgress, prometheus.GaugeValue, float64(tunnels.Dialing()))
 	counter(descTunnelsOpened, float64(opened))
 	counter(descTunnelsExpired, float64(tunnels.Expired()))
 	counter(descTunnelsRevoked, float64(tunnels.Revoked()))

@@ -1,0 +1,195 @@
+package caddyktls
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
+	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
+)
+
+// While max_handshakes handshakes are in progress, the ktls handler sheds
+// a new connection before any handshake work: the client reads exactly a
+// plaintext access_denied alert and the end, a gateway's dial fails as
+// overloaded (safe to retry), and each shed is counted and summarized.
+// The handshakes admitted before are untouched: once one of them ends, a
+// tunnel is admitted again and carries every byte.
+func TestSandboxShedsHandshakes(t *testing.T) { sandboxShedsHandshakes(t, false) }
+
+// TestKernelSandboxShedsHandshakes is TestSandboxShedsHandshakes on a
+// kTLS kernel: the shed connections install no key (tls_stat does not
+// move), and the tunnel admitted after them runs in the kernel, spliced.
+func TestKernelSandboxShedsHandshakes(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxShedsHandshakes(t, true)
+}
+
+func sandboxShedsHandshakes(t *testing.T, kernel bool) {
+	const size = 256 << 10
+	up := forwardtest.NewUpstream(t, size+3) // a reply unlike the request's size (exactTunnel)
+	e := newSandboxConfig(t, nil)
+	e.route()["handle"].([]any)[0].(map[string]any)["max_handshakes"] = 2
+	e.start(t)
+	inProgress := `caddy_ktls_handshakes_in_progress`
+	shedSeries := `caddy_ktls_handshake_failures_total{module="layer4.handlers.ktls",reason="overloaded"}`
+	waitInProgress := func(n int64) {
+		t.Helper()
+		waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == n }, "the handshakes in progress to settle")
+	}
+
+	// Two connections that never send a ClientHello hold both handshakes
+	// (until handshake_timeout).
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	for range 2 {
+		c, err := net.Dial("tcp", e.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+	}
+	waitInProgress(2)
+	shed0 := e.metric(t, shedSeries)
+	since := dataPathDelta(t, kernel)
+
+	// A gateway's dial: overloaded, before any handshake.
+	d, err := gateway.New(gateway.Config{TLS: e.tlsConfig(e.client), Signer: e.gw.Signer})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	route := gateway.Route{Forwarder: e.addr, Sandbox: "sbx-shed", Target: up.Addr()}
+	_, err = d.Dial(ctx, route)
+	var de *gateway.DialError
+	if !errors.Is(err, gateway.ErrOverloaded) || !errors.As(err, &de) || de.Step != gateway.StepHandshake || !gateway.RetrySafe(err) {
+		t.Fatalf("gateway dial while 2 handshakes are in progress: %v, want a retry-safe DialError at the handshake with ErrOverloaded", err)
+	}
+	// On the wire: the alert record, then the end, whatever the client sent.
+	raw, err := net.Dial("tcp", e.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(raw)
+	raw.Close()
+	if want := []byte{21, 3, 3, 0, 2, 2, 49}; !bytes.Equal(got, want) || err != nil {
+		t.Errorf("a shed connection read % x (%v), want the access_denied alert record % x and the end", got, err, want)
+	}
+	if n := e.metric(t, shedSeries) - shed0; n != 2 {
+		t.Errorf("%s moved by %d, want 2 (the gateway's and the raw connection)", shedSeries, n)
+	}
+	if n := e.metric(t, inProgress); n != 2 {
+		t.Errorf("%d handshakes in progress after the sheds, want the 2 held", n)
+	}
+	summary := e.waitLogLine(t, offload.HandshakeFailureSummary, 0)
+	if n, _ := summary[offload.ReasonOverloaded].(float64); n < 1 {
+		t.Errorf("the handshake failure summary %v counts no %s", summary, offload.ReasonOverloaded)
+	}
+	if stat, dp := since(); stat["TlsTxSw"] != 0 || stat["TlsRxSw"] != 0 || dp.SpliceBytes+dp.CopyBytes != 0 {
+		t.Errorf("the sheds installed keys or moved bytes: tls_stat delta %v, data path %+v", stat, dp)
+	}
+	if up.Accepted() != 0 {
+		t.Errorf("the upstream was dialed %d times while every connection was shed", up.Accepted())
+	}
+
+	// One held handshake ends (its client closes): one is admitted again.
+	held[0].Close()
+	waitInProgress(1)
+	since = dataPathDelta(t, kernel)
+	e.exactTunnel(t, "sbx-after-shed", up, size, 7)
+	stat, dp := since()
+	if kernel && (stat["TlsTxSw"] < 1 || stat["TlsRxSw"] < 1 || dp.CopyBytes != 0 || dp.SpliceBytes != 2*size+3) {
+		t.Errorf("the admitted tunnel: tls_stat delta %v, data path %+v; want keys installed and %d bytes spliced", stat, dp, 2*size+3)
+	}
+	if !kernel && dp.SpliceBytes+dp.CopyBytes != 2*size+3 {
+		t.Errorf("the admitted tunnel moved %+v, want %d bytes", dp, 2*size+3)
+	}
+}
+
+// While max_dials tunnels are dialing (here one waiting for its sandbox to
+// wake), the sandbox handler refuses a new tunnel as overloaded before it
+// dials: the gateway reads the access_denied alert, the refusal is counted
+// and summarized in one WARN, not one a tunnel. The admitted tunnel runs to
+// its end with every byte.
+func TestSandboxMaxDials(t *testing.T) { sandboxMaxDials(t, false) }
+
+// TestKernelSandboxMaxDials is TestSandboxMaxDials on a kTLS kernel, where
+// the refusal's alert is sealed by the kernel.
+func TestKernelSandboxMaxDials(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxMaxDials(t, true)
+}
+
+func sandboxMaxDials(t *testing.T, kernel bool) {
+	asleep := forwardtest.ClosedPort(t)
+	woken := make(chan struct{}, 4)
+	plane := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		woken <- struct{}{}
+		w.WriteHeader(http.StatusAccepted)
+	}))
+	t.Cleanup(plane.Close)
+	e := newSandboxEnv(t, map[string]any{"max_dials": 1, "wake": map[string]any{"url": plane.URL + "/wake", "timeout": "30s"}})
+	const size = 256 << 10
+	m0 := e.metrics(t)
+	type res struct {
+		n   int64
+		sum [32]byte
+		err error
+	}
+	done := make(chan res, 1)
+	go func() {
+		n, sum, err := transfer(e.dial(t, "sbx-waking", asleep), size, 5)
+		done <- res{n, sum, err}
+	}()
+	<-woken
+	if n := e.metric(t, "caddy_ktls_sandbox_dials_in_progress"); n != 1 {
+		t.Fatalf("%d dials in progress, want the waking tunnel's 1", n)
+	}
+
+	awake := forwardtest.NewUpstream(t, size+3)
+	refused := e.dial(t, "sbx-awake", awake.Addr())
+	_, err := io.Copy(io.Discard, refused)
+	refused.Close()
+	checkGatewayEnd(t, err, kernel, true)
+	waitRejections(t, "overloaded", 1)
+	if awake.Accepted() != 0 {
+		t.Errorf("the refused tunnel's target was dialed %d times, want 0", awake.Accepted())
+	}
+	summary := e.waitLogLine(t, forwarder.OverloadedRefusalSummary, 0)
+	if n, _ := summary["overloaded"].(float64); n != 1 {
+		t.Errorf("the overload summary %v, want 1 overloaded", summary)
+	}
+	if lines := e.logLines(t, rejectedMsg); len(lines) != 0 {
+		t.Errorf("%d WARN lines %q for an overloaded refusal, want only the summary: %v", len(lines), rejectedMsg, lines)
+	}
+
+	// The sandbox wakes: the admitted tunnel carries every byte.
+	up := forwardtest.NewUpstreamOn(t, asleep.String(), size+3)
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("the admitted tunnel: %v", r.err)
+	}
+	checkTunnelTransfer(t, up, size, 5, r.n, r.sum)
+	m1 := e.metrics(t)
+	if d := m1[`caddy_ktls_sandbox_rejects_total{reason="overloaded"}`] - m0[`caddy_ktls_sandbox_rejects_total{reason="overloaded"}`]; d != 1 {
+		t.Errorf("caddy_ktls_sandbox_rejects_total{reason=\"overloaded\"} moved by %d, want 1", d)
+	}
+	if n := m1["caddy_ktls_sandbox_dials_in_progress"]; n != 0 {
+		t.Errorf("%d dials in progress after every tunnel ended, want 0", n)
+	}
+}

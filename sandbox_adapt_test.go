@@ -50,6 +50,8 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"ktls {\n\tmax_handshakes off 2\n}", "wrong argument count"},
 		{"sandbox {\n\tmax_dials none\n}", `max_dials: "none" is not a positive integer`},
 		{"sandbox {\n\tmax_dials\n}", "wrong argument count"},
+		{"sandbox {\n\tstandby maybe\n}", `standby takes one of on, off, got "maybe"`},
+		{"sandbox {\n\tmax_standby_per_client 0\n}", `max_standby_per_client: "0" is not a positive integer`},
 		{"ktls_session on", "wrong argument count"},
 		{"ktls_session {\n\trx off\n}", "the ktls_session handler takes no block"},
 	} {

@@ -17,6 +17,8 @@ const (
 	DefaultPreambleTimeout = 5 * time.Second
 	DefaultDialTimeout     = 10 * time.Second
 	DefaultKeepAlive       = 30 * time.Second
+	// DefaultMaxStandbyPerClient is Config.MaxStandbyPerClient's default.
+	DefaultMaxStandbyPerClient = 64
 )
 
 // Config configures a Forwarder.
@@ -90,6 +92,15 @@ type Config struct {
 	// WakeTimeout bounds a wake and the dials after it. Zero means
 	// DefaultWakeTimeout.
 	WakeTimeout time.Duration
+	// StandbyTimeout, when positive, lets a client's standby connections
+	// (standby.go) wait that long for their first preamble byte. Zero:
+	// every connection has PreambleTimeout from its start.
+	StandbyTimeout time.Duration
+	// MaxStandbyPerClient bounds the connections of one client certificate
+	// (Gateway.Certificate) that wait under StandbyTimeout at once; beyond
+	// it a connection has PreambleTimeout. Zero, with StandbyTimeout set,
+	// means DefaultMaxStandbyPerClient.
+	MaxStandbyPerClient int
 	// MaxDials bounds the tunnels that dial their target at once, a wake
 	// and its dials included, as the Registry counts them (all its
 	// Forwarders' dials): one more is refused with ReasonOverloaded before
@@ -173,6 +184,12 @@ func New(cfg Config) (*Forwarder, error) {
 	if cfg.WakeTimeout == 0 {
 		cfg.WakeTimeout = DefaultWakeTimeout
 	}
+	if cfg.StandbyTimeout < 0 || cfg.MaxStandbyPerClient < 0 || cfg.MaxDials < 0 {
+		return nil, errors.New("forward: negative StandbyTimeout, MaxStandbyPerClient or MaxDials")
+	}
+	if cfg.MaxStandbyPerClient == 0 {
+		cfg.MaxStandbyPerClient = DefaultMaxStandbyPerClient
+	}
 	return &Forwarder{cfg: cfg, sock: socketOptions{keepAlive: cfg.KeepAlive, userTimeout: cfg.TCPUserTimeout}}, nil
 }
 
@@ -231,6 +248,16 @@ type Result struct {
 // neither peer takes it for complete.
 func (f *Forwarder) Serve(c Gateway) (Result, error) {
 	upstream, tun, ctx, proxyHdr, err := f.open(c)
+	if se, ok := errors.AsType[*StandbyEndError](err); ok {
+		// No tunnel was asked for: an expired one learns it is gone by
+		// the refusal's alert, a closed one needs nothing.
+		if se.End == StandbyExpired {
+			refuse(c)
+		} else {
+			c.Conn.Close()
+		}
+		return Result{}, err
+	}
 	if err != nil {
 		refuse(c)
 		f.cfg.Registry.Reject(ReasonOf(err))
@@ -360,10 +387,7 @@ func (f *Forwarder) openClaims(c Gateway) (*net.TCPConn, *Tunnel, context.Contex
 	if f.cfg.Registry.Draining() {
 		return nil, nil, nil, none, &RefusalError{Reason: ReasonDraining, Err: drainingError{}}
 	}
-	if err := c.Conn.SetReadDeadline(time.Now().Add(f.cfg.PreambleTimeout)); err != nil {
-		return nil, nil, nil, none, &preamble.Error{Reason: preamble.ReasonReadFailed, Detail: "set preamble deadline", Err: err}
-	}
-	frame, err := preamble.ReadFrame(c.Conn, f.cfg.Verifier.MaxFrameLen())
+	frame, err := f.readFrame(c)
 	if err != nil {
 		return nil, nil, nil, none, err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	"fmt"
+	"maps"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -38,10 +39,14 @@ type Registry struct {
 	refusing map[string]time.Time
 
 	opened  atomic.Uint64
-	dialing atomic.Int64  // tunnels dialing their target now (startDial)
-	expired atomic.Uint64 // tunnels ended at Config.MaxTunnelLifetime
-	revoked atomic.Uint64 // tunnels ended by Revoke
-	closed  atomic.Uint64 // tunnels ended as failures by Close
+	dialing atomic.Int64 // tunnels dialing their target now (startDial)
+	// standby counts, by client, the standby connections waiting now;
+	// standbyEnds counts how they ended (StandbyEnds).
+	standby     map[string]int
+	standbyEnds map[string]uint64
+	expired     atomic.Uint64 // tunnels ended at Config.MaxTunnelLifetime
+	revoked     atomic.Uint64 // tunnels ended by Revoke
+	closed      atomic.Uint64 // tunnels ended as failures by Close
 	// Bytes of all tunnels ever, by direction (sandbox entries are pruned).
 	toSandbox, fromSandbox atomic.Int64
 	// Data-path totals of closed tunnels' relays (package splice's counters).
@@ -74,12 +79,14 @@ type sandboxCounters struct {
 // NewRegistry returns an empty registry.
 func NewRegistry() *Registry {
 	return &Registry{
-		tunnels:   make(map[uint64]*Tunnel),
-		sandboxes: make(map[string]*sandboxCounters),
-		rejects:   make(map[string]uint64),
-		idle:      make(chan struct{}),
-		started:   time.Now(),
-		refusing:  make(map[string]time.Time),
+		tunnels:     make(map[uint64]*Tunnel),
+		sandboxes:   make(map[string]*sandboxCounters),
+		rejects:     make(map[string]uint64),
+		idle:        make(chan struct{}),
+		started:     time.Now(),
+		refusing:    make(map[string]time.Time),
+		standby:     make(map[string]int),
+		standbyEnds: make(map[string]uint64),
 	}
 }
 
@@ -269,6 +276,39 @@ func (r *Registry) startDial(maxDials int) (done func(), err error) {
 		return nil, &RefusalError{Reason: ReasonOverloaded, Err: fmt.Errorf("%d tunnels are dialing their targets, the most allowed at once", maxDials)}
 	}
 	return func() { r.dialing.Add(-1) }, nil
+}
+
+// enterStandby admits one more standby connection of client unless max
+// are waiting; leave ends it, counting how when it ended without a
+// preamble (end not "").
+func (r *Registry) enterStandby(client string, max int) (leave func(end string), ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.standby[client] >= max {
+		return nil, false
+	}
+	r.standby[client]++
+	return func(end string) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		if r.standby[client]--; r.standby[client] == 0 {
+			delete(r.standby, client)
+		}
+		if end != "" {
+			r.standbyEnds[end]++
+		}
+	}, true
+}
+
+// Standby returns how many standby connections wait for their first
+// preamble byte now, and how many ended, by end (StandbyEnds).
+func (r *Registry) Standby() (waiting int, ends map[string]uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, n := range r.standby {
+		waiting += n
+	}
+	return waiting, maps.Clone(r.standbyEnds)
 }
 
 // Dialing returns how many tunnels are dialing their target now, wakes

@@ -130,6 +130,18 @@ type Config struct {
 	// PreambleTTL is the validity each preamble claims. Zero means
 	// preamble.DefaultTTL.
 	PreambleTTL time.Duration
+	// Standby, when positive, is how many standby connections Dial keeps
+	// ready for each forwarder it dialed: mutual TLS done, no preamble
+	// written yet (standby.go). A tunnel then pays only its preamble and
+	// the forwarder's dial of the target. Zero: none.
+	Standby int
+	// StandbyMaxIdle is how long a standby connection is kept before it is
+	// closed unused; it must stay below the forwarders' standby_timeout.
+	// Zero means DefaultStandbyMaxIdle.
+	StandbyMaxIdle time.Duration
+	// OnStandby, when set, is told how each standby connection ended
+	// (StandbyOutcomes), on whatever goroutine ended it.
+	OnStandby func(outcome string)
 }
 
 // DefaultSessionCacheSize is how many forwarder sessions a Dialer keeps for
@@ -144,6 +156,8 @@ type Dialer struct {
 	// cert is the client certificate's leaf, for the errors that concern
 	// it; nil when GetClientCertificate gives it.
 	cert *x509.Certificate
+	// standby holds the standby connections (Config.Standby).
+	standby *standbys
 }
 
 // New returns a Dialer for cfg.
@@ -183,7 +197,14 @@ func New(cfg Config) (*Dialer, error) {
 	case t.ClientSessionCache == nil:
 		t.ClientSessionCache = tls.NewLRUClientSessionCache(DefaultSessionCacheSize)
 	}
+	if cfg.Standby < 0 || cfg.StandbyMaxIdle < 0 {
+		return nil, errors.New("gateway: negative Standby or StandbyMaxIdle")
+	}
+	if cfg.StandbyMaxIdle == 0 {
+		cfg.StandbyMaxIdle = DefaultStandbyMaxIdle
+	}
 	d := &Dialer{cfg: cfg, tls: t}
+	d.standby = newStandbys(d)
 	if t.GetClientCertificate == nil {
 		// crypto/tls sends no certificate whose issuer is not among the
 		// CAs the server names (a forwarder's client_auth trust_pool):
@@ -222,44 +243,18 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.DialTimeout)
 	defer cancel()
-	raw, err := d.net.DialContext(ctx, "tcp", r.Forwarder)
-	if err != nil {
-		return nil, &DialError{Route: r, Step: StepConnect, Err: err}
-	}
-	cfg := d.tls
-	if cfg.ServerName == "" || cfg.ClientSessionCache != nil {
-		cfg = cfg.Clone()
-		if cfg.ServerName == "" {
-			cfg.ServerName, _, _ = net.SplitHostPort(r.Forwarder)
-		}
-		if cfg.ClientSessionCache != nil {
-			cfg.ClientSessionCache = forwarderSessions{cfg.ClientSessionCache, r.Forwarder}
+	conn := d.standby.take(r.Forwarder)
+	if conn == nil {
+		var step string
+		var err error
+		if conn, step, err = d.connect(ctx, r.Forwarder); err != nil {
+			if de := d.CertificateRefusal(r, err); de != nil {
+				return nil, de
+			}
+			return nil, &DialError{Route: r, Step: step, Err: err}
 		}
 	}
-	conn := ktls.Client(raw, cfg, d.cfg.KTLS)
-	hctx := ctx
-	if d.cfg.HandshakeTimeout > 0 {
-		var cancel context.CancelFunc
-		hctx, cancel = context.WithTimeout(ctx, d.cfg.HandshakeTimeout)
-		defer cancel()
-	}
-	if err := conn.HandshakeContext(hctx); err != nil {
-		conn.Close()
-		if de := d.CertificateRefusal(r, err); de != nil {
-			return nil, de
-		}
-		a, alerted := remoteAlert(err)
-		switch {
-		case alerted && a == ktls.AlertAccessDenied:
-			// Before the handshake's end: the forwarder shed the
-			// connection (ktls.Shed), never a refusal of the tunnel.
-			err = fmt.Errorf("%w: %w", ErrOverloaded, err)
-		case alerted && a == alertInternalError:
-			err = fmt.Errorf("%w: the forwarder failed the handshake; it does so when it has no certificate for the server name %q "+
-				"(set tls_server_name to a name its certificate carries; its log says \"no certificate available\")", err, cfg.ServerName)
-		}
-		return nil, &DialError{Route: r, Step: StepHandshake, Err: err}
-	}
+	d.standby.refill(r.Forwarder)
 	now := time.Now()
 	claims := preamble.Claims{SandboxID: r.Sandbox, Target: r.Target, IssuedAt: now, ExpiresAt: now.Add(d.cfg.PreambleTTL), Extensions: exts}
 	if err := preamble.Send(ctx, conn, d.cfg.Signer, claims); err != nil {
@@ -274,6 +269,47 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 		return nil, &DialError{Route: r, Step: StepPreamble, Err: err}
 	}
 	return conn, nil
+}
+
+// connect connects to forwarder and completes mutual TLS, offloaded as
+// Config.KTLS says; on error it names the step that failed.
+func (d *Dialer) connect(ctx context.Context, forwarder string) (*ktls.Conn, string, error) {
+	raw, err := d.net.DialContext(ctx, "tcp", forwarder)
+	if err != nil {
+		return nil, StepConnect, err
+	}
+	cfg := d.tls
+	if cfg.ServerName == "" || cfg.ClientSessionCache != nil {
+		cfg = cfg.Clone()
+		if cfg.ServerName == "" {
+			cfg.ServerName, _, _ = net.SplitHostPort(forwarder)
+		}
+		if cfg.ClientSessionCache != nil {
+			cfg.ClientSessionCache = forwarderSessions{cfg.ClientSessionCache, forwarder}
+		}
+	}
+	conn := ktls.Client(raw, cfg, d.cfg.KTLS)
+	hctx := ctx
+	if d.cfg.HandshakeTimeout > 0 {
+		var cancel context.CancelFunc
+		hctx, cancel = context.WithTimeout(ctx, d.cfg.HandshakeTimeout)
+		defer cancel()
+	}
+	if err := conn.HandshakeContext(hctx); err != nil {
+		conn.Close()
+		a, alerted := remoteAlert(err)
+		switch {
+		case alerted && a == ktls.AlertAccessDenied:
+			// Before the handshake's end: the forwarder shed the
+			// connection (ktls.Shed), never a refusal of the tunnel.
+			err = fmt.Errorf("%w: %w", ErrOverloaded, err)
+		case alerted && a == alertInternalError:
+			err = fmt.Errorf("%w: the forwarder failed the handshake; it does so when it has no certificate for the server name %q "+
+				"(set tls_server_name to a name its certificate carries; its log says \"no certificate available\")", err, cfg.ServerName)
+		}
+		return nil, StepHandshake, err
+	}
+	return conn, "", nil
 }
 
 // pendingAlertWait bounds the read that looks for an alert the forwarder

@@ -41,7 +41,7 @@ type pki struct {
 	server, client *tls.Config
 }
 
-func newPKI(t *testing.T) pki {
+func newPKI(t testing.TB) pki {
 	ca := testpki.NewCA(t, "gateway-test-ca")
 	srv, cli := ca.Server(t), ca.Client(t, "gateway-1")
 	return pki{
@@ -50,13 +50,13 @@ func newPKI(t *testing.T) pki {
 	}
 }
 
-func startForwarder(t *testing.T, p pki, gw *forwardtest.Gateway, allow string) *forwarder {
+func startForwarder(t testing.TB, p pki, gw *forwardtest.Gateway, allow string) *forwarder {
 	t.Helper()
 	return startForwarderWith(t, p, gw, allow, nil)
 }
 
 // startForwarderWith is startForwarder with mod applied to its Config.
-func startForwarderWith(t *testing.T, p pki, gw *forwardtest.Gateway, allow string, mod func(*forward.Config)) *forwarder {
+func startForwarderWith(t testing.TB, p pki, gw *forwardtest.Gateway, allow string, mod func(*forward.Config)) *forwarder {
 	t.Helper()
 	v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{gw.Signer.KeyID(): gw.Pub}, RequireBinding: true})
 	if err != nil {

@@ -197,7 +197,7 @@ func TestLookupCoalesces(t *testing.T) {
 		sources <- src
 		gaveUp <- err
 	}()
-	waitFor(t, func() bool { return cp.count("sbx-1") == 1 })
+	waitFor(t, "the control plane to be asked for sbx-1", func() bool { return cp.count("sbx-1") == 1 })
 	time.Sleep(20 * time.Millisecond) // let every caller join the request
 	cancel()
 	if err := <-gaveUp; reasonOf(err) != LookupUnavailable || !errors.Is(err, context.Canceled) {
@@ -243,15 +243,6 @@ func TestNewLookupRejectsBadConfig(t *testing.T) {
 	for _, u := range []string{"https://cp/v1/sandboxes", "ftp://cp/{sandbox}", "/v1/{sandbox}", "http:///{sandbox}"} {
 		if _, err := NewLookup(LookupConfig{URL: u}); err == nil {
 			t.Errorf("NewLookup(%q) accepted", u)
-		}
-	}
-}
-
-func waitFor(t *testing.T, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("timed out")
 		}
 	}
 }

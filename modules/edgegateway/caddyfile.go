@@ -23,6 +23,8 @@ import (
 //	dial_timeout     <duration>             # default 10s: connect, handshake, preamble
 //	keepalive        <duration>             # default 30s
 //	preamble_ttl     <duration>             # default 30s
+//	standby          <n>                    # default 0: standby connections kept ready per forwarder
+//	standby_max_idle <duration>             # default 30s: below the forwarders' standby_timeout
 //	resumption       on|off                 # default on: resume forwarder sessions
 //	expect_no_pad    [on|off]               # default: on where the kernel allows it
 //	<offload option> ...                     # offload on|off, rx on|off, fallback allow|refuse, handshake_timeout, ...
@@ -43,8 +45,10 @@ func (g *DialOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled 
 		return true, err
 	}
 	args := caddyfileargs.Table{
-		Strings:   map[string]*string{"signing_key_file": &g.SigningKeyFile, "key_id": &g.KeyID},
-		Durations: map[string]*caddy.Duration{"dial_timeout": &g.DialTimeout, "keepalive": &g.KeepAlive, "preamble_ttl": &g.PreambleTTL},
+		Strings: map[string]*string{"signing_key_file": &g.SigningKeyFile, "key_id": &g.KeyID},
+		Durations: map[string]*caddy.Duration{"dial_timeout": &g.DialTimeout, "keepalive": &g.KeepAlive, "preamble_ttl": &g.PreambleTTL,
+			"standby_max_idle": &g.StandbyMaxIdle},
+		Ints: map[string]*int{"standby": &g.Standby},
 	}
 	if handled, err := args.Read(d); handled {
 		return true, err

@@ -19,6 +19,10 @@ var (
 		Name: "caddy_ktls_gateway_dials_resumed_total",
 		Help: "Of the gateway modules' ok dials, those whose TLS session with the forwarder resumed an earlier one (resumption on): no certificate verified, nothing signed in the handshake.",
 	}, []string{"module"}, moduleid.Gateway)
+	GatewayStandby = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
+		Name: "caddy_ktls_gateway_standby_total",
+		Help: "Standby connections of the gateway modules (standby: mutual TLS done, no preamble yet), by module and how each ended (outcome): used (a tunnel went on it), expired (closed unused after standby_max_idle), lost (the forwarder had ended it when a tunnel wanted it), failed (opening one failed).",
+	}, []string{"module", "outcome"}, moduleid.Gateway, gateway.StandbyOutcomes())
 	GatewayEnds = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_tunnel_ends_total",
 		Help: "Opened gateway tunnels by module and how they ended: closed (in order), refused (the forwarder's access_denied: nothing reached the sandbox), failed (internal_error, a reset, a timeout).",
@@ -47,7 +51,7 @@ const (
 )
 
 func init() {
-	caddymetrics.Add(moduleid.Gateway, GatewayDials, GatewayResumed, GatewayEnds)
+	caddymetrics.Add(moduleid.Gateway, GatewayDials, GatewayResumed, GatewayStandby, GatewayEnds)
 	caddymetrics.Add(moduleid.Relay, gatewayRelayBytes)
 }
 

@@ -113,6 +113,14 @@ func (h *Proxy) Provision(ctx caddy.Context) error {
 	return nil
 }
 
+// Cleanup closes the standby connections.
+func (h *Proxy) Cleanup() error {
+	if h.dialer != nil {
+		h.dialer.Close()
+	}
+	return nil
+}
+
 // Handle carries one user connection through a tunnel; it is terminal.
 func (h *Proxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	user, buffered := l4conn.Unwrap(cx)
@@ -177,4 +185,5 @@ var (
 	_ layer4.NextHandler = (*Proxy)(nil)
 	_ caddy.Provisioner  = (*Proxy)(nil)
 	_ caddy.Validator    = (*Proxy)(nil)
+	_ caddy.CleanerUpper = (*Proxy)(nil)
 )

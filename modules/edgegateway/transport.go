@@ -94,6 +94,7 @@ type Transport struct {
 
 	logger *zap.Logger
 	pool   *gateway.Pool
+	dialer *gateway.Dialer
 }
 
 // The Transport defaults.
@@ -162,6 +163,7 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 	if t.MaxRoutes == 0 {
 		t.MaxRoutes = defaultMaxRoutes
 	}
+	t.dialer = d
 	t.pool, err = gateway.NewPool(gateway.PoolConfig{
 		Dialer:               d,
 		H2C:                  len(t.Versions) == 1 && t.Versions[0] == "h2c",
@@ -183,10 +185,14 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// Cleanup closes the idle connections of every route.
+// Cleanup closes the idle connections of every route, and the standby
+// connections.
 func (t *Transport) Cleanup() error {
 	if t.pool != nil {
 		t.pool.CloseIdleConnections()
+	}
+	if t.dialer != nil {
+		t.dialer.Close()
 	}
 	return nil
 }

@@ -18,6 +18,9 @@ import (
 //		replay_cache_size  <n>
 //		max_tunnels_per_sandbox <n>
 //		max_dials          <n>|off           # default 1024: tunnels dialing or waking their target at once
+//		standby            on|off            # default on: gateways' standby connections wait standby_timeout
+//		standby_timeout    <duration>        # default 60s: for a standby connection's first preamble byte
+//		max_standby_per_client <n>           # default 64
 //		max_tunnel_lifetime <duration>
 //		proxy_protocol     v2                # PROXY v2 header to the target: the signed client address, sandbox ID TLV
 //		preamble_timeout   <duration>
@@ -60,8 +63,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			"preamble_timeout": &h.PreambleTimeout, "dial_timeout": &h.DialTimeout,
 			"keepalive": &h.KeepAlive, "tcp_user_timeout": &h.TCPUserTimeout,
 			"drain_grace_period": &h.DrainGracePeriod, "max_tunnel_lifetime": &h.MaxTunnelLifetime,
+			"standby_timeout": &h.StandbyTimeout,
 		},
-		Ints:  map[string]*int{"replay_cache_size": &h.ReplayCacheSize, "max_tunnels_per_sandbox": &h.MaxTunnelsPerSandbox},
+		Ints: map[string]*int{"replay_cache_size": &h.ReplayCacheSize, "max_tunnels_per_sandbox": &h.MaxTunnelsPerSandbox,
+			"max_standby_per_client": &h.MaxStandbyPerClient},
 		Flags: map[string]*bool{"require_channel_binding": &h.RequireChannelBinding, "insecure_plaintext": &h.InsecurePlaintext},
 		Lists: map[string]*[]string{"key_file": &h.KeyFiles, "allow": &h.AllowCIDRs, "nat64_prefix": &h.NAT64Prefixes, "allow_ports": &h.AllowPorts},
 	}
@@ -80,6 +85,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.MaxDials = n
+		case "standby":
+			v, err := caddyfileargs.OneOf(d, "on", "off")
+			if err != nil {
+				return err
+			}
+			h.DisableStandby = v == "off"
 		case "key":
 			args := d.RemainingArgs()
 			if len(args) != 2 {

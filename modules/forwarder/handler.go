@@ -89,6 +89,28 @@ type Handler struct {
 	// target is dialed. Default: 0, no cap.
 	MaxTunnelsPerSandbox int `json:"max_tunnels_per_sandbox,omitempty"`
 
+	// StandbyTimeout is how long a gateway's standby connection may wait
+	// for its first preamble byte: a connection whose mutual TLS is done
+	// and whose preamble the gateway has not written yet, kept ready so
+	// that a new tunnel pays only its preamble and the target's dial (the
+	// gateway modules' `standby`). The rest of the preamble must then
+	// arrive within preamble_timeout, as any. Only connections with a
+	// verified client certificate wait so, at most max_standby_per_client
+	// of one certificate at once; the others have preamble_timeout from
+	// their start. One that ends without a preamble is no refusal:
+	// caddy_ktls_sandbox_standby_ends_total counts it (closed by the
+	// gateway, or expired here, when the gateway reads the access_denied
+	// alert). Default: 60s.
+	StandbyTimeout caddy.Duration `json:"standby_timeout,omitempty"`
+
+	// MaxStandbyPerClient bounds the standby connections of one client
+	// certificate (its subject) waiting at once. Default: 64.
+	MaxStandbyPerClient int `json:"max_standby_per_client,omitempty"`
+
+	// DisableStandby gives every connection preamble_timeout from its
+	// start: no standby connections.
+	DisableStandby bool `json:"disable_standby,omitempty"`
+
 	// MaxDials bounds the tunnels that dial their target at once, a wake
 	// and its dials included, counted over the whole process: one more is
 	// refused with reason "overloaded" before it dials, so that targets
@@ -345,6 +367,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		TCPUserTimeout:       time.Duration(h.TCPUserTimeout),
 		MaxTunnelsPerSandbox: h.MaxTunnelsPerSandbox,
 		MaxDials:             maxDials(h.MaxDials),
+		StandbyTimeout:       h.standbyTimeout(),
+		MaxStandbyPerClient:  h.MaxStandbyPerClient,
 		KeyClients:           h.KeyClients,
 		MaxTunnelLifetime:    time.Duration(h.MaxTunnelLifetime),
 		ProxyProtocol:        proxyProtocolVersion(h.ProxyProtocol),
@@ -415,6 +439,10 @@ func (h *Handler) validateOptions() error {
 	if h.DrainGracePeriod < 0 {
 		return fmt.Errorf("sandbox handler: %s must not be negative: give a duration such as 30s, or leave it out (30s)", offload.Option("drain_grace_period", "drain_grace_period"))
 	}
+	if h.StandbyTimeout < 0 || h.MaxStandbyPerClient < 0 {
+		return fmt.Errorf("sandbox handler: %s and %s must not be negative: leave them out for 60s and 64, or turn standby connections off with %s",
+			offload.Option("standby_timeout", "standby_timeout"), offload.Option("max_standby_per_client", "max_standby_per_client"), offload.Option("standby off", "disable_standby"))
+	}
 	if h.MaxDials < -1 {
 		return fmt.Errorf("sandbox handler: %s %d: give a number of dials, off (-1 in JSON) for no bound, or leave it out (%d)", offload.Option("max_dials", "max_dials"), h.MaxDials, DefaultMaxDials)
 	}
@@ -433,6 +461,21 @@ func (h *Handler) validateOptions() error {
 		return fmt.Errorf("sandbox handler: %s %q: the only version is v2 (PROXY protocol version 2), or leave it out (none)", offload.Option("proxy_protocol", "proxy_protocol"), h.ProxyProtocol)
 	}
 	return nil
+}
+
+// DefaultStandbyTimeout is the sandbox handler's standby_timeout when it is
+// left out.
+const DefaultStandbyTimeout = time.Minute
+
+// standbyTimeout is forward.Config.StandbyTimeout for the standby options.
+func (h *Handler) standbyTimeout() time.Duration {
+	switch {
+	case h.DisableStandby:
+		return 0
+	case h.StandbyTimeout == 0:
+		return DefaultStandbyTimeout
+	}
+	return time.Duration(h.StandbyTimeout)
 }
 
 // DefaultMaxDials is the sandbox handler's max_dials when it is left out.
@@ -613,6 +656,12 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		client.CertificateVerified = len(state.PeerCertificates) > 0 && len(state.VerifiedChains) > 0
 	}
 	res, err := h.fwd.Serve(client)
+	if se, ok := errors.AsType[*forward.StandbyEndError](err); ok {
+		// A gateway's connection kept ready that no tunnel used: no refusal.
+		h.logger.Debug("sandbox standby connection ended unused", zap.String("end", se.End), zap.String("peer", peer),
+			zap.String("client_certificate", client.Certificate), zap.Error(se.Err))
+		return nil
+	}
 	if res.Tunnel.ID == 0 {
 		reason := forward.ReasonOf(err)
 		fields := []zap.Field{zap.String("reason", reason), zap.String("peer", peer),

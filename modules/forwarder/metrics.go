@@ -95,6 +95,10 @@ var (
 	descTunnelsOpen     = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_active", "Sandbox tunnels open now.", nil, nil)
 	descDialsInProgress = prometheus.NewDesc("caddy_ktls_sandbox_dials_in_progress",
 		"Sandbox tunnels dialing their target now, a wake included; beyond max_dials a tunnel is refused (caddy_ktls_sandbox_rejects_total{reason=\"overloaded\"}).", nil, nil)
+	descStandbyWaiting = prometheus.NewDesc("caddy_ktls_sandbox_standby_connections",
+		"Gateways' standby connections waiting for their first preamble byte now (mutual TLS done; standby_timeout).", nil, nil)
+	descStandbyEnds = prometheus.NewDesc("caddy_ktls_sandbox_standby_ends_total",
+		"Gateways' standby connections that ended without a preamble, by end: closed (by the gateway), expired (standby_timeout passed). No refusal: nothing was asked for.", []string{"end"}, nil)
 	descTunnelsOpened  = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_total", "Sandbox tunnels opened since the process started.", nil, nil)
 	descTunnelsExpired = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_expired_total", "Sandbox tunnels ended for reaching max_tunnel_lifetime.", nil, nil)
 	descTunnelsRevoked = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_revoked_total", "Sandbox tunnels ended because a reload left their signing key trusted by no configuration.", nil, nil)
@@ -119,7 +123,7 @@ var (
 
 func init() {
 	caddymetrics.Add(moduleid.Forwarder, &caddymetrics.Gathered{
-		Descs:  []*prometheus.Desc{descTunnelsOpen, descDialsInProgress, descTunnelsOpened, descTunnelsExpired, descTunnelsRevoked, descTunnelsClosed, descCloseRequests, descCloseRefused, descBytes, descRefused, descRelayBytes, descControlRecords, descPipeShortages, descPushReports, descThrottled},
+		Descs:  []*prometheus.Desc{descTunnelsOpen, descDialsInProgress, descStandbyWaiting, descStandbyEnds, descTunnelsOpened, descTunnelsExpired, descTunnelsRevoked, descTunnelsClosed, descCloseRequests, descCloseRefused, descBytes, descRefused, descRelayBytes, descControlRecords, descPipeShortages, descPushReports, descThrottled},
 		Gather: gather,
 	}, tunnelDuration, dialDuration, preambleVerifyDuration, sandboxWakes, sandboxWakeDuration)
 }
@@ -132,6 +136,11 @@ func gather(ch chan<- prometheus.Metric) {
 	open, opened := tunnels.Counts()
 	ch <- prometheus.MustNewConstMetric(descTunnelsOpen, prometheus.GaugeValue, float64(open))
 	ch <- prometheus.MustNewConstMetric(descDialsInProgress, prometheus.GaugeValue, float64(tunnels.Dialing()))
+	waiting, ends := tunnels.Standby()
+	ch <- prometheus.MustNewConstMetric(descStandbyWaiting, prometheus.GaugeValue, float64(waiting))
+	for _, end := range forward.StandbyEnds() {
+		counter(descStandbyEnds, float64(ends[end]), end)
+	}
 	counter(descTunnelsOpened, float64(opened))
 	counter(descTunnelsExpired, float64(tunnels.Expired()))
 	counter(descTunnelsRevoked, float64(tunnels.Revoked()))

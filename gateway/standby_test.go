@@ -1,0 +1,173 @@
+package gateway
+
+import (
+	"context"
+	"crypto/sha256"
+	"io"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+)
+
+// standbyLog records what Config.OnStandby is told.
+type standbyLog struct {
+	mu  sync.Mutex
+	got []string
+}
+
+func (l *standbyLog) on(outcome string) { l.mu.Lock(); l.got = append(l.got, outcome); l.mu.Unlock() }
+
+func (l *standbyLog) count(outcome string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, o := range l.got {
+		if o == outcome {
+			n++
+		}
+	}
+	return n
+}
+
+// waitFor polls cond until it holds, or fails t naming what it waited for.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+func (d *Dialer) standbyReady(forwarder string) int {
+	d.standby.mu.Lock()
+	defer d.standby.mu.Unlock()
+	return len(d.standby.ready[forwarder])
+}
+
+// exactDial opens a tunnel of route with d and carries size bytes each way
+// through it, checking what came back (the upstream's tests check what
+// went).
+func exactDial(t *testing.T, d *Dialer, route Route, size int64, seed uint64) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c, err := d.Dial(ctx, route)
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	defer c.Close()
+	errc := make(chan error, 1)
+	go func() {
+		_, err := forwardtest.SendPattern(c, size, seed)
+		errc <- err
+	}()
+	h := sha256.New()
+	n, err := io.Copy(h, c)
+	if werr := <-errc; err != nil || werr != nil {
+		t.Fatalf("tunnel: read %v, write %v", err, werr)
+	}
+	if n != size || [32]byte(h.Sum(nil)) != forwardtest.PatternSum(2, size) {
+		t.Errorf("received %d bytes (want %d) or another hash", n, size)
+	}
+}
+
+// With Standby, Dial keeps standby connections to each forwarder it
+// dialed, mutual TLS done: the next tunnel goes on one (its preamble is
+// the first thing written) and carries every byte, and the set is refilled.
+// Close closes the ones left: the forwarder counts them as closed unused,
+// never as refused tunnels.
+func TestStandbyCarriesTunnels(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	p := newPKI(t)
+	gw := forwardtest.NewGateway(t, "gw-1")
+	const size = 64 << 10
+	up := forwardtest.NewUpstream(t, size)
+	f := startForwarderWith(t, p, gw, "127.0.0.0/8", func(c *forward.Config) { c.StandbyTimeout = time.Minute })
+	var log standbyLog
+	d, err := New(Config{TLS: p.client, Signer: gw.Signer, Standby: 2, OnStandby: log.on})
+	if err != nil {
+		t.Fatal(err)
+	}
+	route := Route{Forwarder: f.addr(), Sandbox: "sbx-standby", Target: up.Addr()}
+
+	exactDial(t, d, route, size, 1) // no standby yet: a connection of its own
+	if n := log.count(StandbyUsed); n != 0 {
+		t.Fatalf("%d standby connections used before any was ready", n)
+	}
+	waitFor(t, "2 standby connections", func() bool { return d.standbyReady(f.addr()) == 2 })
+	exactDial(t, d, route, size, 2)
+	if n := log.count(StandbyUsed); n != 1 {
+		t.Errorf("%d standby connections used, want 1", n)
+	}
+	waitFor(t, "the standby connections refilled", func() bool { return d.standbyReady(f.addr()) == 2 })
+	up.Close()
+	if rs := up.Results(); len(rs) != 2 || rs[0].RecvSum != forwardtest.PatternSum(1, size) && rs[1].RecvSum != forwardtest.PatternSum(1, size) ||
+		!slices.ContainsFunc(rs, func(r forwardtest.Result) bool {
+			return r.Received == size && r.RecvSum == forwardtest.PatternSum(2, size)
+		}) {
+		t.Errorf("the upstream received %+v, want both tunnels' %d bytes exact", rs, size)
+	}
+
+	d.Close()
+	waitFor(t, "the forwarder to count 2 standby connections closed", func() bool {
+		_, ends := f.reg.Standby()
+		return ends[forward.StandbyClosed] == 2
+	})
+	if n, ends := f.reg.Standby(); n != 0 || ends[forward.StandbyExpired] != 0 {
+		t.Errorf("forwarder standby: %d waiting, ends %v; want none waiting, none expired", n, ends)
+	}
+	if rej := f.reg.RefusedTunnels(); len(rej) != 0 {
+		t.Errorf("forwarder rejections %v, want none", rej)
+	}
+	if d.standbyReady(f.addr()) != 0 {
+		t.Error("standby connections left after Close")
+	}
+}
+
+// A standby connection the forwarder ended (its standby_timeout passed
+// first) is found gone when a tunnel wants it: counted as lost, and the
+// tunnel dials a connection of its own and carries every byte. One kept
+// StandbyMaxIdle unused is closed by the gateway (expired).
+func TestStandbyLostAndExpired(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	p := newPKI(t)
+	gw := forwardtest.NewGateway(t, "gw-1")
+	const size = 64 << 10
+	up := forwardtest.NewUpstream(t, size)
+	f := startForwarderWith(t, p, gw, "127.0.0.0/8", func(c *forward.Config) { c.StandbyTimeout = 200 * time.Millisecond })
+	var log standbyLog
+	d, err := New(Config{TLS: p.client, Signer: gw.Signer, Standby: 1, StandbyMaxIdle: time.Hour, OnStandby: log.on})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	route := Route{Forwarder: f.addr(), Sandbox: "sbx-lost", Target: up.Addr()}
+	exactDial(t, d, route, size, 1)
+	waitFor(t, "the forwarder to expire the standby connection", func() bool {
+		_, ends := f.reg.Standby()
+		return ends[forward.StandbyExpired] == 1
+	})
+	exactDial(t, d, route, size, 2)
+	if used, lost := log.count(StandbyUsed), log.count(StandbyLost); used != 0 || lost != 1 {
+		t.Errorf("standby used %d, lost %d; want 0 and 1", used, lost)
+	}
+
+	short, err := New(Config{TLS: p.client, Signer: gw.Signer, Standby: 1, StandbyMaxIdle: 100 * time.Millisecond, OnStandby: log.on})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer short.Close()
+	exactDial(t, short, route, size, 3)
+	waitFor(t, "the gateway to expire its standby connection", func() bool { return log.count(StandbyExpired) == 1 })
+	if short.standbyReady(f.addr()) != 0 {
+		t.Error("an expired standby connection is still ready")
+	}
+	if rej := f.reg.RefusedTunnels(); len(rej) != 0 {
+		t.Errorf("forwarder rejections %v, want none", rej)
+	}
+}

@@ -221,10 +221,10 @@ func TestShapesThroughFloorPlain(t *testing.T) {
 		// ready is not called).
 		readyAt int64
 	}{
-		"upload":                 {transfer{bytes: p.BulkBytes}, -1},
-		"download":               {transfer{bytes: p.BulkBytes}, -1},
-		"small-reuse":            {transfer{bytes: 20 * 6000, calls: 20}, 3},
-		"small-per-call":         {transfer{bytes: 7 * 6000, calls: 7}, 0},
+		"upload":         {transfer{bytes: p.BulkBytes}, -1},
+		"download":       {transfer{bytes: p.BulkBytes}, -1},
+		"small-reuse":    {transfer{bytes: 20 * 6000, calls: 20}, 3},
+		"small-per-call": {transfer{bytes: 7 * 6000, calls: 7}, 0},
 		// Its first run fills the session cache with one uncounted call.
 		"small-per-call-resumed": {transfer{bytes: 7 * 6000, calls: 7}, 1},
 	} {

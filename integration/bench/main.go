@@ -11,6 +11,8 @@
 // where guest time counts instructions; see that script for the modes.
 //
 //	bench run [flags]      the driver: gateway, upstream, contenders, JSON
+//	bench load [flags]     the open-loop load generator (latency against
+//	                       offered load, capacity; docs/bench/load.md)
 //	bench floor-ktls ...   the crypto floor: TLS 1.3 → kTLS TX+RX → splice
 //	bench floor-plain ...  plain TCP → splice
 //	bench floor-rw-ktls ... TLS 1.3 → its own kTLS install → read/write
@@ -41,12 +43,14 @@ import (
 func main() {
 	log.SetFlags(0)
 	if len(os.Args) < 2 {
-		log.Fatal("usage: bench run|floor-ktls|floor-plain|floor-rw-ktls|floor-rw-plain [flags]")
+		log.Fatal("usage: bench run|load|floor-ktls|floor-plain|floor-rw-ktls|floor-rw-plain [flags]")
 	}
 	var err error
 	switch sub := os.Args[1]; sub {
 	case "run":
 		err = runDriver(os.Args[2:])
+	case "load":
+		err = runLoad(os.Args[2:])
 	case "floor-ktls", "floor-plain":
 		err = runFloor(sub, os.Args[2:])
 	case "floor-rw-ktls", "floor-rw-plain":

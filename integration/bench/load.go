@@ -126,6 +126,7 @@ func runLoad(args []string) error {
 	fs.Int64Var(&p.BulkBytes, "bulk-bytes", 16<<20, "bytes per bulk transfer")
 	fs.Float64Var(&p.FairnessPct, "fairness-pct", 50, "the fairness step's rate in % of capacity")
 	fs.StringVar(&p.PinContender, "pin-contender", "", "CPU list the contender runs on (taskset -c); run the generator itself on the others")
+	strict := fs.Bool("strict", false, "fail on any failed call, generator-saturated arrival or bulk error (the smoke run, at rates far below capacity); without it only a wrong byte fails the run")
 	mode := fs.String("mode", "vm", "where this runs, recorded: vm (real time, no icount) or native")
 	label := fs.String("label", "", "a label for the report (e.g. reduced)")
 	caddyBin := fs.String("caddy", "bin/caddy", "Caddy binary with caddy-l4 and this module")
@@ -208,7 +209,7 @@ func runLoad(args []string) error {
 		}
 		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, peersMTLS: p.PeersMTLS,
 			allowCIDRs: []string{"127.0.0.0/8"}, maxConns: 2*p.Tunnels + 64}
-		results, err := loadContender(c, env, p, targets, *timeout)
+		results, err := loadContender(c, env, p, targets, *timeout, *strict)
 		rep.Results = append(rep.Results, results...)
 		if err != nil {
 			log.Printf("FAIL %s: %v", name, err)
@@ -277,7 +278,7 @@ func pinned(cmd *exec.Cmd, cpus string) *exec.Cmd {
 }
 
 // loadContender starts c and drives every shape through it.
-func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrPort, timeout time.Duration) ([]*loadResult, error) {
+func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrPort, timeout time.Duration, strict bool) ([]*loadResult, error) {
 	hops, err := c.hops(env)
 	if err != nil {
 		return nil, err
@@ -315,6 +316,7 @@ func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrP
 			dials = []func(context.Context) (net.Conn, error){g.dial}
 		}
 		gen := newLoadGen(shape == "reuse", p.Tunnels, dials, g.base, tr, g.tls.ServerName, p.Req, p.Resp, timeout)
+		gen.pid = proc.cmd.Process.Pid
 		ctx := context.Background()
 		if err := gen.open(ctx, 64); err != nil {
 			r.Errors = append(r.Errors, "opening: "+err.Error())
@@ -322,6 +324,7 @@ func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrP
 			continue
 		}
 		runLoadShape(ctx, gen, c, env, p, r)
+		r.Errors = append(r.Errors, stepErrors(r, strict)...)
 		if err := gen.close(); err != nil {
 			r.Errors = append(r.Errors, "closing the tunnels: "+err.Error())
 		}
@@ -352,8 +355,8 @@ func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p
 	step := func(rate, secs float64) loadStep {
 		seed++
 		s := gen.step(ctx, rate, time.Duration(secs*float64(time.Second)), seed)
-		log.Printf("   %s %s %.0f/s: offered %d, completed %d, saturated %d, errors %v, goodput %.1f/s, p50 %.0f p99 %.0f p99.9 %.0f max %.0f µs, lag p99 %.0f µs, generator %.2f cores",
-			c.name, r.Shape, rate, s.Offered, s.Completed, s.Saturated, s.Causes, s.Goodput, s.P50us, s.P99us, s.P999us, s.MaxUs, s.LagP99us, s.GenCPU)
+		log.Printf("   %s %s %.0f/s: offered %d, completed %d, saturated %d, errors %v, goodput %.1f/s, p50 %.0f p99 %.0f p99.9 %.0f max %.0f µs, lag p99 %.0f µs, generator %.2f cores, contender %.2f cores",
+			c.name, r.Shape, rate, s.Offered, s.Completed, s.Saturated, s.Causes, s.Goodput, s.P50us, s.P99us, s.P999us, s.MaxUs, s.LagP99us, s.GenCPU, s.ContenderCPU)
 		return s
 	}
 	fairRate := 0.0
@@ -435,6 +438,29 @@ func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p
 		}
 		r.Fairness = &s
 	}
+}
+
+// stepErrors are a result's failures: a wrong byte in any step (never
+// a success, whatever the load), and with strict any failed call,
+// saturated arrival or bulk error.
+func stepErrors(r *loadResult, strict bool) []string {
+	steps := append(append([]loadStep{}, r.Search...), r.Steps...)
+	if r.Unloaded != nil {
+		steps = append(steps, *r.Unloaded)
+	}
+	if r.Fairness != nil {
+		steps = append(steps, *r.Fairness)
+	}
+	var errs []string
+	for _, s := range steps {
+		switch {
+		case s.Errors[classCorrupt] > 0:
+			errs = append(errs, fmt.Sprintf("%.0f/s: %d calls answered wrong bytes", s.Rate, s.Errors[classCorrupt]))
+		case strict && (s.errorCount() > 0 || s.Saturated > 0 || s.BulkErrors > 0):
+			errs = append(errs, fmt.Sprintf("%.0f/s (strict): errors %v, %d generator-saturated, %d bulk errors; first: %s", s.Rate, s.Causes, s.Saturated, s.BulkErrors, s.FirstError))
+		}
+	}
+	return errs
 }
 
 // bulkTally is what one bulk tunnel loop moved.

@@ -35,13 +35,15 @@ type loadGen struct {
 	base string
 	tr   *http.Transport
 	// serverName is the HTTP requests' Host.
-	serverName     string
-	req, resp      int
-	timeout        time.Duration
-	idle           chan *loadTunnel // reuse, raw: the tunnels not in a call
-	slots          chan struct{}    // per-call and HTTP: free room for a call
-	nextTarget     atomic.Uint64
-	tunnels        []*loadTunnel
+	serverName string
+	req, resp  int
+	timeout    time.Duration
+	idle       chan *loadTunnel // reuse, raw: the tunnels not in a call
+	slots      chan struct{}    // per-call and HTTP: free room for a call
+	nextTarget atomic.Uint64
+	tunnels    []*loadTunnel
+	// pid: the contender's process, whose CPU a step reports (0: none).
+	pid            int
 	openedOnDemand atomic.Int64
 }
 
@@ -285,6 +287,8 @@ type loadStep struct {
 	// cores over the step: near its vCPU count, the generator, not the
 	// contender, may be the limit.
 	GenCPU float64 `json:"gen_cpu"`
+	// ContenderCPU: the contender's CPU in cores over the step.
+	ContenderCPU float64 `json:"contender_cpu"`
 	// Bulk: the bulk tunnels streaming alongside (fairness steps), and
 	// the bytes they moved and their errors.
 	Bulk       int    `json:"bulk,omitempty"`
@@ -315,6 +319,7 @@ func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, see
 		inWindow int
 	)
 	cpu0 := selfCPU()
+	cont0, contErr := sampleCPU(g.pid)
 	start := time.Now()
 	end := start.Add(dur)
 	for _, at := range sched {
@@ -373,7 +378,12 @@ func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, see
 		})
 	}
 	wg.Wait()
-	s.GenCPU = round((selfCPU()-cpu0).Seconds()/time.Since(start).Seconds(), 2)
+	wall := time.Since(start).Seconds()
+	s.GenCPU = round((selfCPU()-cpu0).Seconds()/wall, 2)
+	if cont1, err := sampleCPU(g.pid); g.pid != 0 && contErr == nil && err == nil {
+		cpu, _, _, _ := cpuUsed(cont0, cont1)
+		s.ContenderCPU = round(cpu/wall, 2)
+	}
 	s.Goodput = round(float64(inWindow)/dur.Seconds(), 1)
 	us := func(d time.Duration) float64 { return round(float64(d)/1e3, 1) }
 	s.P50us, s.P99us, s.P999us, s.MaxUs = us(lat.percentile(50)), us(lat.percentile(99)), us(lat.percentile(99.9)), us(lat.max)

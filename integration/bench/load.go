@@ -94,7 +94,10 @@ type loadResult struct {
 	Offload  string          `json:"offload"`
 	TLSStat  kerneltest.Stat `json:"tls_stat_delta,omitempty"`
 	Tunnels  int64           `json:"tunnels_opened"`
-	Errors   []string        `json:"errors,omitempty"`
+	// Established: of those, the ones with a completed call, which the
+	// key-install check counts.
+	Established int64    `json:"tunnels_established"`
+	Errors      []string `json:"errors,omitempty"`
 }
 
 // loadContenders are the contenders a load run can drive: the forwarder and
@@ -328,11 +331,15 @@ func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrP
 		if err := gen.close(); err != nil {
 			r.Errors = append(r.Errors, "closing the tunnels: "+err.Error())
 		}
-		r.Tunnels = g.tunnels.Load()
+		r.Tunnels, r.Established = g.tunnels.Load(), gen.established.Load()
 		if statErr == nil {
 			stat1, _ := kerneltest.ReadStat()
 			r.TLSStat = stat1.Sub(stat0)
-			res := &result{TLSStat: r.TLSStat, Tunnels: r.Tunnels}
+			// Under overload the gateway gives up on tunnels the
+			// contender never took on (no key install): the tunnels
+			// required to have installed keys are those with a
+			// completed call.
+			res := &result{TLSStat: r.TLSStat, Tunnels: gen.established.Load()}
 			r.Offload = offloadOf(res, c)
 			r.Errors = append(r.Errors, res.Errors...)
 		} else {
@@ -352,9 +359,17 @@ func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrP
 // search and the sweep, then the fairness steps.
 func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p loadParams, r *loadResult) {
 	seed := p.Seed
+	// before, when not nil, runs once the contender is idle, just before
+	// the step (the fairness step's bulk tunnels start there).
+	var before func()
 	step := func(rate, secs float64) loadStep {
 		seed++
+		settled := gen.settle(ctx, time.Minute)
+		if before != nil {
+			before()
+		}
 		s := gen.step(ctx, rate, time.Duration(secs*float64(time.Second)), seed)
+		s.SettleSeconds = round(settled.Seconds(), 1)
 		log.Printf("   %s %s %.0f/s: offered %d, completed %d, saturated %d, errors %v, goodput %.1f/s, p50 %.0f p99 %.0f p99.9 %.0f max %.0f µs, lag p99 %.0f µs, generator %.2f cores, contender %.2f cores",
 			c.name, r.Shape, rate, s.Offered, s.Completed, s.Saturated, s.Causes, s.Goodput, s.P50us, s.P99us, s.P999us, s.MaxUs, s.LagP99us, s.GenCPU, s.ContenderCPU)
 		return s
@@ -422,8 +437,10 @@ func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p
 		bulkCtx, stop := context.WithCancel(ctx)
 		bg := c.gateway(env, false)
 		done := make(chan bulkTally, p.Bulk)
-		for i := range p.Bulk {
-			go func() { done <- bulkLoop(bulkCtx, bg, i%2 == 0, p.BulkBytes) }()
+		before = func() {
+			for i := range p.Bulk {
+				go func() { done <- bulkLoop(bulkCtx, bg, i%2 == 0, p.BulkBytes) }()
+			}
 		}
 		s := step(fairRate, p.StepSeconds)
 		stop()

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"io"
 	"math"
 	"math/rand/v2"
@@ -296,6 +297,31 @@ func TestLoadGeneratorBounded(t *testing.T) {
 		gen.close()
 		if s.Offered < 10 || s.Saturated != s.Offered-2 || s.Errors[classTimeout] != 2 || s.Completed != 0 {
 			t.Errorf("reuse %v: offered %d, saturated %d, errors %v, completed %d; want all but 2 saturated, 2 timeouts", reuse, s.Offered, s.Saturated, s.Causes, s.Completed)
+		}
+	}
+}
+
+// Errors that need a contender to happen, classified from their shapes:
+// access_denied on the first read after the preamble (the forwarder's
+// bound on pending dials) is refused/overloaded; the HTTP contender's
+// 502 is the target's failure, its 503 a refusal; an alert after the first
+// response is no refusal.
+func TestClassifyContenderErrors(t *testing.T) {
+	denied := &net.OpError{Op: "remote error", Err: errors.New("tls: access denied")}
+	for _, c := range []struct {
+		err          error
+		class, cause string
+	}{
+		{&callError{phaseFirstRead, denied}, classRefused, "overloaded"},
+		{&callError{phaseCall, denied}, classOther, "alert in call: tls: access denied"},
+		{&callError{phaseConnect, &net.OpError{Op: "remote error", Err: errors.New("tls: bad certificate")}}, classRefused, "tls: bad certificate"},
+		{&callError{phaseCall, httpStatusError{502}}, classTarget, "HTTP 502"},
+		{&callError{phaseCall, httpStatusError{503}}, classRefused, "HTTP 503"},
+		{&callError{phaseCall, io.ErrUnexpectedEOF}, classOther, "closed in call"},
+		{&callError{phaseCall, errWrongBytes}, classCorrupt, "wrong bytes"},
+	} {
+		if class, cause := classify(c.err); class != c.class || cause != c.cause {
+			t.Errorf("%v: classified %s (%s), want %s (%s)", c.err, class, cause, c.class, c.cause)
 		}
 	}
 }

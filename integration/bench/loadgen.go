@@ -43,17 +43,24 @@ type loadGen struct {
 	nextTarget atomic.Uint64
 	tunnels    []*loadTunnel
 	// pid: the contender's process, whose CPU a step reports (0: none).
-	pid            int
+	pid int
+	// established counts the tunnels and connections whose first call
+	// completed: each of them the contender has surely taken on (a
+	// kernel-TLS contender installed its keys).
+	established    atomic.Int64
 	openedOnDemand atomic.Int64
 }
 
 // loadTunnel is one long-lived tunnel of the reuse shape: its stream seed
 // and the index of its next call; conn is nil until it is (re)opened.
 type loadTunnel struct {
-	dial           func(context.Context) (net.Conn, error)
-	conn           net.Conn
-	seed           uint32
-	next           uint64
+	dial func(context.Context) (net.Conn, error)
+	conn net.Conn
+	seed uint32
+	next uint64
+	// established is the generator's count of tunnels with a completed
+	// first call.
+	established    *atomic.Int64
 	req, want, got []byte
 }
 
@@ -65,7 +72,7 @@ func newLoadGen(reuse bool, slots int, dials []func(context.Context) (net.Conn, 
 	if reuse && dials != nil {
 		g.idle = make(chan *loadTunnel, slots)
 		for i := range slots {
-			t := &loadTunnel{dial: dials[i%len(dials)], req: make([]byte, req), want: make([]byte, resp), got: make([]byte, resp)}
+			t := &loadTunnel{dial: dials[i%len(dials)], established: &g.established, req: make([]byte, req), want: make([]byte, resp), got: make([]byte, resp)}
 			g.tunnels = append(g.tunnels, t)
 			g.idle <- t
 		}
@@ -177,6 +184,9 @@ func (t *loadTunnel) call(ctx context.Context) (err error) {
 	if !bytes.Equal(t.got, t.want) {
 		return errWrongBytes
 	}
+	if t.next == 0 {
+		t.established.Add(1)
+	}
 	t.next++
 	return nil
 }
@@ -212,6 +222,7 @@ func (g *loadGen) perCall(ctx context.Context) (err error) {
 	if !bytes.Equal(got, want) {
 		return errWrongBytes
 	}
+	g.established.Add(1)
 	phase = phaseClose
 	if err := closeWrite(c); err != nil {
 		return err
@@ -289,6 +300,9 @@ type loadStep struct {
 	GenCPU float64 `json:"gen_cpu"`
 	// ContenderCPU: the contender's CPU in cores over the step.
 	ContenderCPU float64 `json:"contender_cpu"`
+	// SettleSeconds: how long the step waited, before it began, for the
+	// contender to be idle (the work a previous step left it).
+	SettleSeconds float64 `json:"settle_s"`
 	// Bulk: the bulk tunnels streaming alongside (fairness steps), and
 	// the bytes they moved and their errors.
 	Bulk       int    `json:"bulk,omitempty"`
@@ -412,6 +426,31 @@ func waitUntil(ctx context.Context, t time.Time) {
 	for time.Now().Before(t) && ctx.Err() == nil {
 		runtime.Gosched()
 	}
+}
+
+// settle waits until the contender is idle: its CPU below idleCores
+// over a half-second window, up to limit. A step that overloaded it can
+// leave work behind (connections its clients abandoned, still queued),
+// which would otherwise burden the next step. It returns how long it
+// waited.
+func (g *loadGen) settle(ctx context.Context, limit time.Duration) time.Duration {
+	const window, idleCores = 500 * time.Millisecond, 0.05
+	start := time.Now()
+	for time.Since(start) < limit && ctx.Err() == nil {
+		a, err := sampleCPU(g.pid)
+		if err != nil {
+			break
+		}
+		time.Sleep(window)
+		b, err := sampleCPU(g.pid)
+		if err != nil {
+			break
+		}
+		if cpu, _, _, _ := cpuUsed(a, b); cpu/window.Seconds() < idleCores {
+			break
+		}
+	}
+	return time.Since(start)
 }
 
 // selfCPU is this process's user+system CPU time so far.

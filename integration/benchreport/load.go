@@ -171,6 +171,11 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 		}
 		if r.Capacity > 0 {
 			capacity = fmt.Sprintf("%.0f", r.Capacity)
+			if !slices.ContainsFunc(r.Search, func(s LoadStep) bool { return s.Rate > r.Capacity }) {
+				// No step failed the bound: the search stopped at its
+				// highest rate (params.max_rate).
+				capacity = "≥ " + capacity + " (no search step failed)"
+			}
 		}
 		if r.GoodputRatio > 0 {
 			ratio = fmt.Sprintf("%.2f", r.GoodputRatio)
@@ -299,7 +304,10 @@ not native ones: the comparisons that count are between contenders of one run
 contender's curve (where its p99 bends, whether goodput holds past capacity,
 which errors it manufactures). The cost model (CPU per call, per GiB) stays
 with the ` + "`-icount`" + ` runs of [results.md](results.md); ` + "`-icount`" + ` makes time a count
-of instructions and says nothing about latency.
+of instructions and says nothing about latency. Under TCG a halted vCPU
+takes milliseconds to wake: at low rates the latencies include those
+wake-ups, so a p99 can fall as the rate rises, and the unloaded p99 (and
+with it the capacity bound of 10× it) is higher than a native one would be.
 
 The generator runs the client side of every handshake and the upstream on
 its one vCPU, about as much TLS work as the contender's: where its CPU (*gen*)

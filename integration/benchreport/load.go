@@ -83,6 +83,7 @@ type LoadStep struct {
 	LagP99us   float64        `json:"lag_p99_us"`
 	GenCPU     float64        `json:"gen_cpu"`
 	ContCPU    float64        `json:"contender_cpu"`
+	Settle     float64        `json:"settle_s"`
 	Bulk       int            `json:"bulk"`
 	BulkBytes  int64          `json:"bulk_bytes"`
 	BulkErrors int            `json:"bulk_errors"`
@@ -144,7 +145,7 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 	if len(commit) >= 40 {
 		commit = commit[:12] + commit[40:] // keeps a "-dirty"
 	}
-	fmt.Fprintf(&b, "Measured %s on commit `%s`, mode `%s`, kernel %s, %d CPUs (%s, %s).\n\n", l.Date, commit, l.Mode, l.Kernel, l.CPUs, l.Host, l.Go)
+	fmt.Fprintf(&b, "Measured %s on commit `%s`, mode `%s`, kernel %s, the generator on %d CPU(s) (%s, %s).\n\n", l.Date, commit, l.Mode, l.Kernel, l.CPUs, l.Host, l.Go)
 	fmt.Fprintf(&b, "Calls of %d B up and %d B down; %d tunnels (reuse) or connections in flight at most (per-call); %d sandbox targets behind the forwarder; ", p.Req, p.Resp, p.Tunnels, p.Targets)
 	if len(p.Rates) > 0 {
 		fmt.Fprintf(&b, "fixed rates %s calls/s, %g s each", joinFloats(p.Rates), p.StepSeconds)
@@ -162,10 +163,13 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 		fmt.Fprintf(&b, "Mode %s: wall-clock time on the host named above, not the VM setup the committed figures use; the generator and the contender share its CPUs unless the contender is pinned.\n\n", l.Mode)
 	}
 
-	b.WriteString("## Capacity\n\n")
-	b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---:|---|---|\n")
+	b.WriteString("## Capacity\n\n*Busy at 100 %* says whose CPU was near a full core (0.85 or more) in the step at capacity: where it is the generator's alone, the capacity is the generator's and a lower bound of the contender's.\n\n")
+	b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---|---:|---|---|\n")
 	for _, r := range l.Results {
-		unloaded, capacity, ratio, top := "–", "–", "–", "–"
+		unloaded, capacity, ratio, top, busy := "–", "–", "–", "–", "–"
+		if i := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 100 }); i >= 0 {
+			busy = busyCell(&r.Steps[i])
+		}
 		if r.Unloaded != nil {
 			unloaded = ms(r.Unloaded.P99us)
 		}
@@ -177,8 +181,12 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 				capacity = "≥ " + capacity + " (no search step failed)"
 			}
 		}
-		if r.GoodputRatio > 0 {
-			ratio = fmt.Sprintf("%.2f", r.GoodputRatio)
+		// From the sweep's steps, so that a collapse to no goodput at
+		// 200 % shows as 0.
+		at100 := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 100 })
+		at200 := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 200 })
+		if at100 >= 0 && at200 >= 0 && r.Steps[at100].Goodput > 0 {
+			ratio = fmt.Sprintf("%.2f", r.Steps[at200].Goodput/r.Steps[at100].Goodput)
 		}
 		if len(r.Steps) > 0 {
 			last := &r.Steps[len(r.Steps)-1]
@@ -187,22 +195,22 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 				top += fmt.Sprintf(" (+%d generator-saturated)", last.Saturated)
 			}
 		}
-		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s | %s | %s |\n", r.Contender, r.Shape, unloaded, capacity, ratio, top, r.Offload)
+		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s | %s | %s | %s |\n", r.Contender, r.Shape, unloaded, capacity, busy, ratio, top, r.Offload)
 	}
 	for _, s := range l.Skipped {
 		fmt.Fprintf(&b, "\n- `%s` not run: %s", s.Contender, s.Reason)
 	}
-	b.WriteString("\n\n## Latency per offered rate\n\nLatency from each call's scheduled arrival to its verified response, in ms; goodput is calls completed within the step per second; errors by class; *sat.* counts arrivals that found no free slot (the generator's limit: not started, not the contender's); *lag* is the generator's own lateness (p99), inside the latencies; *gen* its CPU in cores (the upstream's included), *cont.* the contender's.\n")
+	b.WriteString("\n\n## Latency per offered rate\n\nLatency from each call's scheduled arrival to its verified response, in ms; goodput is calls completed within the step per second; errors by class; *sat.* counts arrivals that found no free slot (the generator's limit: not started, not the contender's); *lag* is the generator's own lateness (p99), inside the latencies; *gen* its CPU in cores (the upstream's included), *cont.* the contender's; *settle* how long the step first waited for the contender to go idle (work an earlier, overloaded step left it).\n")
 	for _, r := range l.Results {
 		fmt.Fprintf(&b, "\n### `%s`, %s\n\n", r.Contender, r.Shape)
-		b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|\n")
+		b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n")
 		row := func(kind string, s *LoadStep) {
 			pct := "–"
 			if s.Pct > 0 {
 				pct = fmt.Sprintf("%g", s.Pct)
 			}
-			fmt.Fprintf(&b, "| %s | %.0f | %s | %d | %d | %.1f | %s | %s | %s | %s | %s | %d | %s | %.2f | %.2f |\n", kind, s.Rate, pct, s.Offered, s.Completed, s.Goodput,
-				ms(s.P50us), ms(s.P99us), ms(s.P999us), ms(s.MaxUs), errorCell(s), s.Saturated, ms(s.LagP99us), s.GenCPU, s.ContCPU)
+			fmt.Fprintf(&b, "| %s | %.0f | %s | %d | %d | %.1f | %s | %s | %s | %s | %s | %d | %s | %.2f | %.2f | %.1f |\n", kind, s.Rate, pct, s.Offered, s.Completed, s.Goodput,
+				ms(s.P50us), ms(s.P99us), ms(s.P999us), ms(s.MaxUs), errorCell(s), s.Saturated, ms(s.LagP99us), s.GenCPU, s.ContCPU, s.Settle)
 		}
 		if r.Unloaded != nil {
 			row("unloaded", r.Unloaded)
@@ -227,7 +235,7 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 
 	fair := slices.IndexFunc(l.Results, func(r *LoadResult) bool { return r.Fairness != nil && r.Baseline != nil })
 	if fair >= 0 {
-		fmt.Fprintf(&b, "\n## Fairness: small calls beside bulk tunnels\n\nThe same rate with and without %d bulk tunnels streaming %d MiB transfers (half of them downloads, half uploads) through the same contender: does a bulk transfer hold up small calls?\n\n", p.Bulk, p.BulkBytes>>20)
+		fmt.Fprintf(&b, "\n## Fairness: small calls beside bulk tunnels\n\nThe same rate with and without %d bulk tunnels streaming %d MiB transfers (half of them downloads, half uploads) through the same contender: does a bulk transfer hold up small calls? The bulk tunnels' payload, checksums and TLS run in the generator's process, on its vCPU: where the bulk step's *gen* is near 1 core (the +bulk rows above), the rise in p99 is the generator's as much as the contender's, and the ratio says nothing about the contender's fairness.\n\n", p.Bulk, p.BulkBytes>>20)
 		b.WriteString("| contender | shape | offered/s | p99 without (ms) | p99 with (ms) | with / without | bulk MiB moved | small-call errors with bulk | bulk errors |\n|---|---|---:|---:|---:|---:|---:|---|---:|\n")
 		for _, r := range l.Results {
 			if r.Fairness == nil || r.Baseline == nil {
@@ -281,6 +289,22 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 		fmt.Fprintf(&b, "- %s\n", n)
 	}
 	return b.Bytes()
+}
+
+// busyCell says which side was busy in a step: the generator, the
+// contender, both (0.85 cores or more), or neither.
+func busyCell(s *LoadStep) string {
+	gen, cont := s.GenCPU >= 0.85, s.ContCPU >= 0.85
+	cores := fmt.Sprintf(" (gen %.2f, cont. %.2f)", s.GenCPU, s.ContCPU)
+	switch {
+	case gen && cont:
+		return "both" + cores
+	case gen:
+		return "generator" + cores
+	case cont:
+		return "contender" + cores
+	}
+	return "neither" + cores
 }
 
 func joinFloats(v []float64) string {

@@ -19,7 +19,7 @@ export KTLS_TEST_MIB
 # Size (MiB) of the real-binary test's curl download; empty = KTLS_TEST_MIB's.
 export KTLS_BINARY_DOWNLOAD_MIB
 
-.PHONY: help build tools xcaddy demo test vet hosttest fuzz vmtest flake bench bench-smoke bench-bulk bench-gateway bench-host bench-report clean
+.PHONY: help build tools xcaddy demo test vet hosttest fuzz vmtest flake bench bench-smoke bench-load bench-bulk bench-gateway bench-host bench-report clean
 
 help:
 	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
@@ -31,7 +31,8 @@ help:
 	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
 	@echo "make flake KERNEL=7.3|6.1|6.12|host RUN='^TestKernelSandbox' COUNT=10   rerun tests COUNT times in one VM (or on the host with $(HOST_TEST_FLAGS)), failures counted per test"
 	@echo 'make bench        every forwarder contender, every shape, in two 7.3 VMs under qemu -icount: docs/bench/results.md'
-	@echo 'make bench-smoke  the same at a tiny size, once each, in VMs and natively: fails on any wrong byte or data path'
+	@echo 'make bench-smoke  the same at a tiny size, once each, in VMs and natively, and the load run at a tiny size: fails on any wrong byte or data path'
+	@echo 'make bench-load   the open-loop load run (capacity, latency per offered rate, fairness) in a real-time two-vCPU 6.1 VM: docs/bench/load.md'
 	@echo 'make bench-bulk   1 GiB upload and download per contender, two VMs side by side: docs/bench/bulk-1gib.md'
 	@echo 'make bench-gateway the edge-gateway paths (l7-l7, l7-l4, l4-l4) in a 7.3 VM: docs/bench/gateway.md'
 	@echo 'make bench-host   native Go benchmarks (relay, handshake, preamble) on this host: docs/bench/host.md'
@@ -132,6 +133,14 @@ bench-smoke:
 	BENCH_OUT=$${KTLS_BUILD_DIR:-integration/.build}/bench/smoke-gateway-ktls/results.json \
 		integration/bench.sh --smoke -gateway-ktls -contenders $(BENCH_SMOKE_GATEWAY_KTLS)
 	integration/bench.sh --native --smoke
+	integration/bench.sh --load --smoke
+
+# The open-loop load run of issue 34 (docs/bench/load.md): every load
+# contender, both shapes, 10,000 tunnels to 1,000 targets, the capacity
+# search and the sweep, the bulk mix; hours under TCG (BENCH_LOAD_LABEL and
+# driver flags make a reduced run, see docs/bench/load.md).
+bench-load:
+	integration/bench.sh --load
 
 bench-bulk:
 	BENCH_BULK_MIB=1024 BENCH_SPLIT='$(BENCH_VM_SPLIT)' BENCH_OUT=docs/bench/bulk-1gib.json \

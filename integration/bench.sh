@@ -3,7 +3,7 @@
 # driver (integration/bench), then runs every contender against the same
 # upstream and writes one JSON document.
 #
-# usage: integration/bench.sh [--native] [--smoke] [driver flags...]
+# usage: integration/bench.sh [--native] [--smoke] [--load] [driver flags...]
 #        BENCH_SPLIT='A,B C,D' integration/bench.sh ... (see env)
 #
 #   (default)  in a VM on kernel $BENCH_KERNEL under qemu -icount (guest time
@@ -13,6 +13,13 @@
 #   --smoke    at a tiny size, every contender once; fails if any
 #              contender did not move the exact bytes (SHA-256 both ways) or
 #              ran on the wrong data path; writes $BUILD/bench/smoke/results.json
+#   --load     the open-loop load run instead (bench load; docs/bench/load.md):
+#              a real-time VM (no icount) on kernel $BENCH_LOAD_KERNEL with
+#              two vCPUs, the contender pinned to vCPU 0 and the generator
+#              to vCPU 1; writes docs/bench/load.json and renders load.md
+#              (with --smoke: 4 and 8 calls/s, 2 s each, 50 tunnels, 20 targets, ktls
+#              and haproxy, strict: any failed call fails; writes
+#              $BUILD/bench/load-smoke/load.json)
 #   --native   on this host's own kernel, wall-clock figures; contenders that
 #              need kTLS are refused (REFUSED, in the log and the JSON's
 #              "skipped") when the kernel has none. The strace pass needs root
@@ -24,7 +31,9 @@
 # e.g. -contenders ktls,floor-ktls -shapes upload; -gateway-ktls makes the
 # gateway seal its records in its kernel. A kTLS change is measured with
 # VM_TLS_KO (vm.sh; docs/kernel).
-# env: BENCH_KERNEL (default 7.3), BENCH_BULK_MIB (64), BENCH_REPS (3),
+# env: BENCH_KERNEL (default 7.3), BENCH_LOAD_KERNEL (default 6.1: two
+#      vCPUs make 7.x's early-boot oops likelier), BENCH_LOAD_LABEL (the
+#      load report's label, e.g. a reduced run's), BENCH_BULK_MIB (64), BENCH_REPS (3),
 #      BENCH_OUT (the JSON's destination), CADDY (a prebuilt Caddy binary
 #      inside the checkout instead of building one), VM_TIMEOUT
 #      (default 14400 s for the full run, 1800 s for the smoke run),
@@ -47,10 +56,11 @@ for a in "$@"; do
       exit 0 ;;
   esac
 done
-WHERE=vm SIZE=full
+WHERE=vm SIZE=full KIND=run
 while [ $# -gt 0 ]; do
   case $1 in
     --smoke) SIZE=smoke; shift ;;
+    --load) KIND=load; shift ;;
     --native) WHERE=native; shift ;;
     *) break ;;
   esac
@@ -69,6 +79,40 @@ go build -o "$OUT/bench" ./integration/bench
 # code it measures changed after it (integration/benchreport's tests).
 COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD -- . ':(exclude)docs' 2>/dev/null || COMMIT+=-dirty
+
+if [ $KIND = load ]; then
+  # The load run: one real-time VM with two vCPUs (multi-threaded TCG),
+  # the contender on vCPU 0, the generator on vCPU 1.
+  if [ $SIZE = smoke ]; then
+    SIZES=(-contenders ktls,haproxy -tunnels 50 -targets 20 -rates 4,8 -step 2 -bulk 2 -bulk-bytes $((256 << 10)) -strict)
+    DEST=${BENCH_OUT:-$OUT/load-smoke/load.json} timeout=600
+  else
+    SIZES=(-tunnels 10000 -targets 1000 -bulk 8 -unloaded-rate 2 -unloaded-step 30 -step 10)
+    DEST=${BENCH_OUT:-docs/bench/load.json} timeout=7200
+  fi
+  [ $WHERE = native ] && die "bench: --load runs in a VM (its setup is what load.md describes)"
+  mkdir -p "$(dirname "$DEST")"
+  start=$(now)
+  vm_out=$OUT/vm-out-load-$SIZE
+  rm -rf "$vm_out"
+  mkdir -p "$vm_out"
+  # Room for 10,000 tunnels (two sockets each in the forwarder) and for a
+  # connection per call (TIME_WAIT reuse, the whole port range).
+  cmd="ulimit -n 1048576 && echo 1 >/proc/sys/net/ipv4/tcp_tw_reuse && echo '1024 65535' >/proc/sys/net/ipv4/ip_local_port_range && "
+  cmd+=$(printf '%q ' taskset -c 1 "$OUT/bench" load -mode vm -pin-contender 0 -caddy "$CADDY" -commit "$COMMIT" -label "${BENCH_LOAD_LABEL:-}" -out /run/vm-out/load.json "${SIZES[@]}" "$@")
+  rc=0
+  VM_SMP=2 VM_MEM=${VM_MEM:-4096} VM_OUT=$vm_out VM_TIMEOUT=${VM_TIMEOUT:-$timeout} \
+    "$(dirname "$0")/vm.sh" "${BENCH_LOAD_KERNEL:-6.1}" "$cmd" || rc=$?
+  if [ -f "$vm_out/load.json" ]; then
+    cp "$vm_out/load.json" "$DEST"
+    go run ./integration/benchreport load -in "$DEST" -md "${DEST%.json}.md" || rc=1
+  else
+    log "bench: the guest wrote no load.json"
+    rc=1
+  fi
+  log "bench load ($SIZE): exit $rc, wall $(elapsed "$start")s, results in $DEST and ${DEST%.json}.md"
+  exit $rc
+fi
 
 if [ $SIZE = smoke ]; then
   SIZES=(-bulk-bytes $((1 << 20)) -reps 1 -small-conns 4 -small-calls 40 -small-per-call-calls 8

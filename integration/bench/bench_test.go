@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"io"
@@ -220,11 +221,12 @@ func TestShapesThroughFloorPlain(t *testing.T) {
 		// ready is not called).
 		readyAt int64
 	}{
-		"upload":                 {transfer{bytes: p.BulkBytes}, -1},
-		"download":               {transfer{bytes: p.BulkBytes}, -1},
-		"small-reuse":            {transfer{bytes: 20 * 6000, calls: 20}, 3},
-		"small-per-call":         {transfer{bytes: 7 * 6000, calls: 7}, 0},
-		"small-per-call-resumed": {transfer{bytes: 7 * 6000, calls: 7}, 0},
+		"upload":         {transfer{bytes: p.BulkBytes}, -1},
+		"download":       {transfer{bytes: p.BulkBytes}, -1},
+		"small-reuse":    {transfer{bytes: 20 * 6000, calls: 20}, 3},
+		"small-per-call": {transfer{bytes: 7 * 6000, calls: 7}, 0},
+		// Its first run fills the session cache with one uncounted call.
+		"small-per-call-resumed": {transfer{bytes: 7 * 6000, calls: 7}, 1},
 	} {
 		before, readyAt, readies := accepted.Load(), int64(-1), 0
 		got, err := shapeFunc(g, shape, p)(ctx, false, func() { readies++; readyAt = accepted.Load() - before })
@@ -235,7 +237,8 @@ func TestShapesThroughFloorPlain(t *testing.T) {
 			t.Errorf("%s: %d bytes, %d calls, %d latencies; want %d bytes, %d calls", shape, got.bytes, got.calls, len(got.latencies), want.bytes, want.calls)
 		}
 		// small-reuse measures from when every connection is open (and
-		// has made its uncounted call); the others from the start.
+		// has made its uncounted call), small-per-call-resumed from when
+		// its warm-up call is done; the others from the start.
 		if readyAt != want.readyAt || (want.readyAt >= 0) != (readies == 1) {
 			t.Errorf("%s: ready called %d times, with %d tunnels accepted; want it once at %d (-1: never)", shape, readies, readyAt, want.readyAt)
 		}
@@ -575,5 +578,72 @@ func TestPKIClientCertificateVerifies(t *testing.T) {
 	}
 	if _, err := leaf.Verify(x509.VerifyOptions{Roots: p.pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err != nil {
 		t.Fatalf("the gateway's client certificate does not verify: %v", err)
+	}
+}
+
+// Every measured call of the resumed shape resumes a session: its first run
+// fills the gateway's empty session cache before its measured part, and its
+// concurrent first calls then find a ticket. (Without that warm-up they
+// would race to an empty cache and do full handshakes.)
+func TestResumedShapeResumesEveryMeasuredCall(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up, err := startUpstream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer up.close()
+	kp, err := newPKI(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := tls.LoadX509KeyPair(kp.certFile, kp.keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var served sync.WaitGroup
+	defer served.Wait()
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			served.Go(func() {
+				defer c.Close()
+				if err := serveRaw(c); err != nil {
+					t.Errorf("upstream: %v", err)
+				}
+			})
+		}
+	}()
+	env := &runEnv{listen: ln.Addr().String(), up: up, pki: kp}
+	g := contender{name: "go-tls", dialKind: "tls"}.gateway(env, true)
+	p := params{SmallConns: 4, SmallPerCallCalls: 12, SmallReq: 100, SmallResp: 400}
+	do := shapeFunc(g, resumedShape, p)
+	for run := range 2 {
+		tunnels0, resumed0 := g.tunnels.Load(), g.resumed.Load()
+		var atReady, resumedAtReady int64 = -1, -1
+		got, err := do(t.Context(), false, func() { atReady, resumedAtReady = g.tunnels.Load()-tunnels0, g.resumed.Load()-resumed0 })
+		if err != nil {
+			t.Fatalf("run %d: %v", run, err)
+		}
+		// The first run opens one uncounted tunnel (a full handshake)
+		// before its measured part; a later one none.
+		warm := int64(0)
+		if run == 0 {
+			warm = 1
+		}
+		if atReady != warm || resumedAtReady != 0 {
+			t.Errorf("run %d: %d tunnels (%d resumed) before the measured part, want %d (0)", run, atReady, resumedAtReady, warm)
+		}
+		measured, resumed := g.tunnels.Load()-tunnels0-atReady, g.resumed.Load()-resumed0-resumedAtReady
+		if got.calls != p.SmallPerCallCalls || measured != int64(got.calls) || resumed != measured {
+			t.Errorf("run %d: %d calls over %d measured tunnels, %d of them resumed; want %d calls, each on a resumed tunnel", run, got.calls, measured, resumed, p.SmallPerCallCalls)
+		}
 	}
 }

@@ -109,6 +109,11 @@ type runEnv struct {
 	// adminSock: with -pprof, the unix socket of a Caddy contender's admin
 	// endpoint (its Go profiler); otherwise the admin endpoint is off.
 	adminSock string
+	// allowCIDRs: the forwarder's target networks (default 127.0.0.1);
+	// a load run's targets span 127.0.0.0/8.
+	allowCIDRs []string
+	// maxConns: nginx's worker_connections (default 1024).
+	maxConns int
 }
 
 var contenders = []contender{
@@ -226,6 +231,9 @@ func sandboxForwarder(env *runEnv, listen string, offload map[string]any) map[st
 		"keys":                    []any{map[string]any{"id": env.pki.signer.KeyID(), "public_key": env.pki.signingPub}},
 		"require_channel_binding": true,
 		"allow_cidrs":             []string{"127.0.0.1"},
+	}
+	if len(env.allowCIDRs) > 0 {
+		sandbox["allow_cidrs"] = env.allowCIDRs
 	}
 	return layer4At(listen, ktlsHandler, sandbox)
 }
@@ -418,7 +426,7 @@ daemon off;
 master_process off;
 pid {{.Dir}}/nginx.pid;
 error_log stderr warn;
-events { worker_connections 1024; }
+events { worker_connections {{.MaxConns}}; }
 stream {
 	server {
 		listen {{.Listen}} ssl;
@@ -451,7 +459,7 @@ func writeTemplate(env *runEnv, name string, t *template.Template) (string, erro
 	err := t.Execute(&b, map[string]any{
 		"Dir": env.dir, "Listen": env.listen, "Upstream": env.up.rawAddr(),
 		"Cert": env.pki.certFile, "Key": env.pki.keyFile, "Bundle": env.pki.bundleFile,
-		"MTLS": env.peersMTLS,
+		"MTLS": env.peersMTLS, "MaxConns": max(env.maxConns, 1024),
 	})
 	if err != nil {
 		return "", err

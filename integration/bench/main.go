@@ -11,6 +11,8 @@
 // where guest time counts instructions; see that script for the modes.
 //
 //	bench run [flags]      the driver: gateway, upstream, contenders, JSON
+//	bench load [flags]     the open-loop load generator (latency against
+//	                       offered load, capacity; docs/bench/load.md)
 //	bench floor-ktls ...   the crypto floor: TLS 1.3 → kTLS TX+RX → splice
 //	bench floor-plain ...  plain TCP → splice
 //	bench floor-rw-ktls ... TLS 1.3 → its own kTLS install → read/write
@@ -41,12 +43,14 @@ import (
 func main() {
 	log.SetFlags(0)
 	if len(os.Args) < 2 {
-		log.Fatal("usage: bench run|floor-ktls|floor-plain|floor-rw-ktls|floor-rw-plain [flags]")
+		log.Fatal("usage: bench run|load|floor-ktls|floor-plain|floor-rw-ktls|floor-rw-plain [flags]")
 	}
 	var err error
 	switch sub := os.Args[1]; sub {
 	case "run":
 		err = runDriver(os.Args[2:])
+	case "load":
+		err = runLoad(os.Args[2:])
 	case "floor-ktls", "floor-plain":
 		err = runFloor(sub, os.Args[2:])
 	case "floor-rw-ktls", "floor-rw-plain":
@@ -478,8 +482,23 @@ func shapeFunc(g *gateway, shape string, p params) func(ctx context.Context, str
 		return func(ctx context.Context, s bool, ready func()) (transfer, error) {
 			return g.small(ctx, p.SmallConns, calls(s, p.SmallCalls), p.SmallReq, p.SmallResp, true, ready)
 		}
-	case "small-per-call", resumedShape:
+	case "small-per-call":
 		return func(ctx context.Context, s bool, ready func()) (transfer, error) {
+			return g.small(ctx, p.SmallConns, calls(s, p.SmallPerCallCalls), p.SmallReq, p.SmallResp, false, ready)
+		}
+	case resumedShape:
+		// The first run fills the gateway's empty session cache with one
+		// uncounted call before its measured part, so that every measured
+		// handshake can resume (as small-reuse opens its connections
+		// before its measured part); later runs find the cache filled.
+		warmed := false
+		return func(ctx context.Context, s bool, ready func()) (transfer, error) {
+			if !warmed {
+				if _, err := g.small(ctx, 1, 1, p.SmallReq, p.SmallResp, false, nil); err != nil {
+					return transfer{}, fmt.Errorf("warming the session cache: %w", err)
+				}
+				warmed = true
+			}
 			return g.small(ctx, p.SmallConns, calls(s, p.SmallPerCallCalls), p.SmallReq, p.SmallResp, false, ready)
 		}
 	}
@@ -722,7 +741,7 @@ func notes(mode string, gatewayKTLS, peersMTLS bool) []string {
 		"cpu_s: user+system CPU of the forwarder process (all its threads; every contender is one process but the chains, below, whose processes are summed) while one run of the shape ran; from the sum of /proc/<pid>/task/*/schedstat run times (ns) when no thread exited during the run (cpu_source schedstat), else /proc/<pid>/stat utime+stime (10 ms ticks, cpu_source stat). user_s/sys_s always come from the ticks. CPU pass: no tracing.",
 		"cpu_s_per_gib: cpu_s scaled to one GiB of payload (both directions of a small call count). The overhead above the crypto floor is ktls minus floor-ktls in the same run.",
 		"structural: two separate passes at params.structural_bytes / structural_calls: one with strace attached to the forwarder (see structural.source; syscalls_per_gib, data_syscalls_per_gib and userspace_bytes_per_gib scale its exact counts to one GiB; tracing slows the forwarder, so only counts come from it), and one untraced, with the forwarder's syscalls counted in the kernel (structural.untraced_source; untraced_syscalls_per_gib and untraced_syscalls_per_call, or untraced_error where the kernel offers no counter).",
-		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs). small-reuse measures calls on established connections: each connection is opened and makes one uncounted call first (handshake, preamble, the forwarder's dial), and CPU and latencies are taken from when all are open; its structural passes count the setup too. small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption); small-per-call-resumed is the same with a gateway that keeps a TLS session cache, so a handshake can resume a session the contender issued before (resumed counts those that did, over every pass of the shape: a contender that issues no session tickets does full handshakes there too). calls_per_cpu_s = calls / forwarder cpu_s.",
+		"small shapes: p50_us/p99_us are per-call latencies measured by the gateway (median over runs). small-reuse measures calls on established connections: each connection is opened and makes one uncounted call first (handshake, preamble, the forwarder's dial), and CPU and latencies are taken from when all are open; its structural passes count the setup too. small-per-call latencies include the TCP connect and the full TLS 1.3 handshake (no resumption); small-per-call-resumed is the same with a gateway that keeps a TLS session cache, so a handshake can resume a session the contender issued before (the shape's first run makes one uncounted call first, which fills the cache, so every measured handshake can resume; resumed counts those that did, over every pass of the shape: a contender that issues no session tickets does full handshakes there too). calls_per_cpu_s = calls / forwarder cpu_s.",
 		"Every contender terminates TLS 1.3 with TLS_AES_128_GCM_SHA256 and X25519 (checked on every connection) with the same ECDSA P-256 certificate; floor-plain speaks plain TCP. ktls* contenders also require and verify the gateway's client certificate (mutual TLS, ECDSA P-256: two more signature verifications per full handshake) and verify a signed, channel-bound preamble per connection; the others authenticate no client.",
 		"offload: TX/RX placement from /proc/net/tls_stat deltas over the cell (TlsTxSw/TlsRxSw count sockets that installed a kernel key); a contender on the wrong path fails the run, and so does a kernel direction with fewer key installs than the cell's tunnels.",
 		"zero copy: " + strings.Join(zeroCopyNames(), ", ") + " splice both ways, so in their traced pass the bytes their forwarder moves through userspace after its key installs (structural.userspace_bytes minus pre_offload_bytes, the handshakes) must be at most the preambles' (preamble_bytes) and a 2-byte close_notify each way per TLS tunnel; more fails the cell.",

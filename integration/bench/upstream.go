@@ -135,6 +135,25 @@ func serveRaw(c net.Conn) error {
 			return fmt.Errorf("small calls: %d bytes after the last call, want EOF", extra)
 		}
 		return err
+	case opLoad:
+		if h.req == 0 {
+			return errors.New("load calls need a request of a byte at least")
+		}
+		got, req, resp := make([]byte, h.req), make([]byte, h.req), make([]byte, h.resp)
+		for i := uint64(0); ; i++ {
+			if _, err := io.ReadFull(c, got); err == io.EOF {
+				return nil // the gateway's end, between two calls
+			} else if err != nil {
+				return fmt.Errorf("load call %d: %w", i, err)
+			}
+			callBytes(req, resp, h.seed, i)
+			if !bytes.Equal(got, req) {
+				return fmt.Errorf("load call %d: request bytes differ from the payload", i)
+			}
+			if _, err := c.Write(resp); err != nil {
+				return err
+			}
+		}
 	}
 	return fmt.Errorf("unknown op %q", h.op)
 }

@@ -25,7 +25,8 @@ import (
 // checked them, answers resp bytes (call i takes the stream's bytes from
 // i*(req+resp) on: the request, then the response); then the gateway
 // half-closes, and the upstream closes at EOF, or answers an error text to
-// any byte after the last call. The gateway reads every tunnel to EOF, the
+// any byte after the last call. L (load): as S without a count: calls until
+// the gateway half-closes between two calls (n is ignored). The gateway reads every tunnel to EOF, the
 // upstream uploads and small calls: a byte more than the shape's fails the
 // run.
 const headerLen = 24
@@ -34,6 +35,7 @@ const (
 	opUpload   = 'U'
 	opDownload = 'D'
 	opSmall    = 'S'
+	opLoad     = 'L'
 )
 
 type header struct {

@@ -5,6 +5,7 @@
 //	benchreport results -in docs/bench/results-1.json,docs/bench/results-2.json -md docs/bench/results.md -png docs/bench/results.png
 //	benchreport host -in raw.txt -md docs/bench/host.md
 //	benchreport gateway -in docs/bench/gateway-results-1.json,docs/bench/gateway-results-2.json -md docs/bench/gateway.md -full gateway-results.md
+//	benchreport load -in docs/bench/load.json -md docs/bench/load.md
 //
 // "results" reads the VM harness's results.json (integration/bench.sh), or
 // several of them from runs of one setup merged into one report, and
@@ -15,7 +16,10 @@
 // for. "gateway" reads the same JSON as "results" and writes the edge-gateway
 // report of issue 19: the three paths' CPU summed and per hop, their ratios
 // to the old path beside the published design's, and what the cost model
-// can say; -full names the full report of the same run to link.
+// can say; -full names the full report of the same run to link. "load"
+// reads the JSON of the open-loop load run (bench load) and writes
+// docs/bench/load.md: capacity, latency per offered rate, errors by class,
+// goodput past capacity and the bulk mix's fairness.
 package main
 
 import (
@@ -37,7 +41,7 @@ func main() {
 
 func run(args []string) error {
 	if len(args) == 0 {
-		return errors.New("usage: benchreport results|host|gateway -in FILE[,FILE...] -md FILE [-png FILE] [-full FILE]")
+		return errors.New("usage: benchreport results|host|gateway|load -in FILE[,FILE...] -md FILE [-png FILE] [-full FILE]")
 	}
 	fs := flag.NewFlagSet("benchreport "+args[0], flag.ContinueOnError)
 	in := fs.String("in", "", "input file; for results, several comma-separated ones merge into one report (runs of one setup)")
@@ -84,6 +88,19 @@ func run(args []string) error {
 			return os.WriteFile(*png, buf.Bytes(), 0o644)
 		}
 		return nil
+	case "load":
+		if *png != "" {
+			return errors.New("load: no chart")
+		}
+		data, err := os.ReadFile(*in)
+		if err != nil {
+			return err
+		}
+		l, err := parseLoad(data)
+		if err != nil {
+			return fmt.Errorf("%s: %w", *in, err)
+		}
+		return os.WriteFile(*md, renderLoadMarkdown(l, *in), 0o644)
 	case "host":
 		if *png != "" {
 			return errors.New("host: no chart")
@@ -98,7 +115,7 @@ func run(args []string) error {
 		}
 		return os.WriteFile(*md, renderHostMarkdown(h), 0o644)
 	default:
-		return fmt.Errorf("unknown report %q: want results, host or gateway", args[0])
+		return fmt.Errorf("unknown report %q: want results, host, gateway or load", args[0])
 	}
 }
 

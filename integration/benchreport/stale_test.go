@@ -51,6 +51,7 @@ var benchReports = []struct {
 	{[]string{"small-mtls.md"}, []string{"small-mtls-1.json", "small-mtls-2.json"}, measuredForwarder, "integration/bench.sh -peers-mtls with the small shapes (docs/bench/README.md)"},
 	{[]string{"gateway.md", "gateway-results.md"}, []string{"gateway-results-1.json", "gateway-results-2.json"}, measuredGateway, "make bench-gateway && make bench-report"},
 	{[]string{"gateway-resumption.md"}, []string{"gateway-resumption.json"}, measuredGateway, "the command in docs/bench/gateway-resumption.md"},
+	{[]string{"load.md"}, []string{"load.json"}, measuredForwarder, "make bench-load, or the reduced run's command in docs/bench/README.md"},
 }
 
 // knownStale are reports measured before a change to the code they

@@ -1,0 +1,521 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"net/netip"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// loadParams are the sizes of a load run (bench load), recorded in its
+// JSON.
+type loadParams struct {
+	Shapes  []string `json:"shapes"`
+	Tunnels int      `json:"tunnels"`
+	// Targets: sandbox targets behind the forwarder (ktls; the peers
+	// forward to their one configured upstream).
+	Targets         int     `json:"targets"`
+	Req             int     `json:"req"`
+	Resp            int     `json:"resp"`
+	StepSeconds     float64 `json:"step_s"`
+	UnloadedRate    float64 `json:"unloaded_rate"`
+	UnloadedSeconds float64 `json:"unloaded_s"`
+	// Rates: fixed rates instead of the capacity search and sweep.
+	Rates       []float64 `json:"rates,omitempty"`
+	SweepPcts   []float64 `json:"sweep_pcts,omitempty"`
+	MaxRate     float64   `json:"max_rate"`
+	SearchSteps int       `json:"search_steps"`
+	// P99Factor: capacity is the highest rate whose p99 is at most this
+	// many times the unloaded p99, with no error and no saturated arrival.
+	P99Factor     float64 `json:"p99_factor"`
+	CallTimeoutMs int64   `json:"call_timeout_ms"`
+	Seed          uint64  `json:"seed"`
+	// Bulk tunnels stream BulkBytes per transfer, both ways, through a
+	// step at FairnessPct of capacity (or the first fixed rate).
+	Bulk         int     `json:"bulk,omitempty"`
+	BulkBytes    int64   `json:"bulk_bytes,omitempty"`
+	FairnessPct  float64 `json:"fairness_pct,omitempty"`
+	PinContender string  `json:"pin_contender,omitempty"`
+	PeersMTLS    bool    `json:"peers_mtls"`
+}
+
+// loadReport is the JSON document of a load run.
+type loadReport struct {
+	Schema  int           `json:"schema"`
+	Kind    string        `json:"kind"` // "load"
+	Mode    string        `json:"mode"`
+	Label   string        `json:"label,omitempty"`
+	Kernel  string        `json:"kernel"`
+	Date    string        `json:"date"`
+	Commit  string        `json:"commit,omitempty"`
+	Host    string        `json:"host"`
+	Go      string        `json:"go"`
+	CPUs    int           `json:"cpus"`
+	Params  loadParams    `json:"params"`
+	Notes   []string      `json:"notes"`
+	Results []*loadResult `json:"results"`
+	Skipped []skipped     `json:"skipped,omitempty"`
+	OK      bool          `json:"ok"`
+}
+
+// loadResult is one contender and shape.
+type loadResult struct {
+	Contender string    `json:"contender"`
+	Shape     string    `json:"shape"`
+	Unloaded  *loadStep `json:"unloaded,omitempty"`
+	// Capacity: the highest rate that met the bound (calls/s), found by
+	// the Search steps; 0 with fixed rates.
+	Capacity float64    `json:"capacity,omitempty"`
+	Search   []loadStep `json:"search,omitempty"`
+	Steps    []loadStep `json:"steps"`
+	// GoodputRatio: goodput at 200 % of capacity over goodput at 100 %.
+	GoodputRatio float64 `json:"goodput_ratio,omitempty"`
+	// Fairness: the step at FairnessPct again, with bulk tunnels.
+	Fairness *loadStep `json:"fairness,omitempty"`
+	// Baseline: the step without bulk that Fairness compares with.
+	Baseline *loadStep       `json:"baseline,omitempty"`
+	Offload  string          `json:"offload"`
+	TLSStat  kerneltest.Stat `json:"tls_stat_delta,omitempty"`
+	Tunnels  int64           `json:"tunnels_opened"`
+	// Established: of those, the ones with a completed call, which the
+	// key-install check counts.
+	Established int64    `json:"tunnels_established"`
+	Errors      []string `json:"errors,omitempty"`
+}
+
+// loadContenders are the contenders a load run can drive: the forwarder and
+// the peers, each verifying the gateway's client certificate.
+var loadContenders = []string{"ktls", "l4-proxy", "reverse-proxy", "haproxy", "nginx"}
+
+var loadShapes = []string{"reuse", "per-call"}
+
+func runLoad(args []string) error {
+	fs := flag.NewFlagSet("load", flag.ExitOnError)
+	p := loadParams{PeersMTLS: true}
+	only := fs.String("contenders", strings.Join(loadContenders, ","), "contenders to drive")
+	shapeList := fs.String("shapes", strings.Join(loadShapes, ","), "shapes: reuse (calls on a fixed set of long-lived tunnels) and per-call (a resumed connection per call)")
+	fs.IntVar(&p.Tunnels, "tunnels", 10000, "reuse: tunnels; per-call: connections in flight at most (either: the generator's slots)")
+	fs.IntVar(&p.Targets, "targets", 1000, "sandbox targets behind the forwarder (127.1.x.y on one upstream)")
+	fs.IntVar(&p.Req, "req", 1024, "request bytes per call")
+	fs.IntVar(&p.Resp, "resp", 4096, "response bytes per call")
+	fs.Float64Var(&p.StepSeconds, "step", 10, "seconds per rate step")
+	fs.Float64Var(&p.UnloadedRate, "unloaded-rate", 20, "calls/s of the unloaded step")
+	fs.Float64Var(&p.UnloadedSeconds, "unloaded-step", 20, "seconds of the unloaded step")
+	rates := fs.String("rates", "", "fixed rates (calls/s, comma-separated) instead of the capacity search and sweep")
+	pcts := fs.String("sweep", "25,50,80,100,150,200", "sweep rates in % of each contender's capacity")
+	fs.Float64Var(&p.MaxRate, "max-rate", 20000, "the capacity search's highest rate")
+	fs.IntVar(&p.SearchSteps, "search-steps", 4, "bisection steps of the capacity search after its doubling")
+	fs.Float64Var(&p.P99Factor, "p99-factor", 10, "capacity: p99 at most this many times the unloaded p99")
+	timeout := fs.Duration("call-timeout", 5*time.Second, "the generator's own deadline per call, from its scheduled arrival")
+	fs.Uint64Var(&p.Seed, "seed", 1, "seed of the arrival schedules")
+	fs.IntVar(&p.Bulk, "bulk", 0, "bulk tunnels streaming through the fairness step (0: no fairness step)")
+	fs.Int64Var(&p.BulkBytes, "bulk-bytes", 16<<20, "bytes per bulk transfer")
+	fs.Float64Var(&p.FairnessPct, "fairness-pct", 50, "the fairness step's rate in % of capacity")
+	fs.StringVar(&p.PinContender, "pin-contender", "", "CPU list the contender runs on (taskset -c); run the generator itself on the others")
+	strict := fs.Bool("strict", false, "fail on any failed call, generator-saturated arrival or bulk error (the smoke run, at rates far below capacity); without it only a wrong byte fails the run")
+	mode := fs.String("mode", "vm", "where this runs, recorded: vm (real time, no icount) or native")
+	label := fs.String("label", "", "a label for the report (e.g. reduced)")
+	caddyBin := fs.String("caddy", "bin/caddy", "Caddy binary with caddy-l4 and this module")
+	out := fs.String("out", "load.json", "JSON output file")
+	commit := fs.String("commit", "", "the commit measured (bench.sh passes it)")
+	fs.Parse(args)
+	p.CallTimeoutMs = timeout.Milliseconds()
+	p.Shapes = strings.Split(*shapeList, ",")
+	for _, s := range p.Shapes {
+		if !slices.Contains(loadShapes, s) {
+			return fmt.Errorf("unknown shape %q (have %s)", s, strings.Join(loadShapes, ", "))
+		}
+	}
+	if p.Tunnels < 1 || p.Targets < 1 || p.Req < 1 || p.Resp < 1 || p.Req > maxCallLen || p.Resp > maxCallLen || p.StepSeconds <= 0 || p.UnloadedRate <= 0 {
+		return errors.New("sizes and rates must be positive (calls at most 1 MiB)")
+	}
+	var err error
+	if p.Rates, err = floats(*rates); err != nil {
+		return err
+	}
+	if p.SweepPcts, err = floats(*pcts); err != nil {
+		return err
+	}
+	if len(p.Rates) > 0 {
+		p.SweepPcts = nil
+	}
+	caddyPath, err := filepath.Abs(*caddyBin)
+	if err != nil {
+		return err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "ktls-load-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	kp, err := newPKI(dir)
+	if err != nil {
+		return err
+	}
+	up, err := startUpstream()
+	if err != nil {
+		return err
+	}
+	defer up.close()
+	// The targets' listener: the wildcard address, so every 127.1.x.y
+	// reaches it.
+	loadAddr := "127.0.0.1:0"
+	if p.Targets > 1 {
+		loadAddr = "0.0.0.0:0"
+	}
+	lu, err := net.Listen("tcp", loadAddr)
+	if err != nil {
+		return err
+	}
+	defer lu.Close()
+	go serveLoad(lu)
+	targets := loadTargets(p.Targets, uint16(lu.Addr().(*net.TCPAddr).Port))
+
+	var uts syscall.Utsname
+	syscall.Uname(&uts)
+	rep := &loadReport{Schema: 1, Kind: "load", Mode: *mode, Label: *label, Kernel: utsString(uts.Release[:]),
+		Date: time.Now().UTC().Format(time.RFC3339), Commit: *commit,
+		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Release[:]), utsString(uts.Machine[:])}, " "),
+		Go:   runtime.Version(), CPUs: runtime.NumCPU(), Params: p, Notes: loadNotes(p), OK: true}
+	kernelTLS := kerneltest.Available()
+	for _, name := range strings.Split(*only, ",") {
+		c, ok := findContender(name)
+		if !ok || !slices.Contains(loadContenders, name) {
+			return fmt.Errorf("unknown load contender %q (have %s)", name, strings.Join(loadContenders, ", "))
+		}
+		if (c.kernelTX || c.kernelRX) && kernelTLS != nil {
+			reason := fmt.Sprintf("this kernel has no kTLS (%v)", kernelTLS)
+			log.Printf("REFUSED %s: %s", name, reason)
+			rep.Skipped = append(rep.Skipped, skipped{name, reason})
+			continue
+		}
+		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, peersMTLS: p.PeersMTLS,
+			allowCIDRs: []string{"127.0.0.0/8"}, maxConns: 2*p.Tunnels + 64}
+		results, err := loadContender(c, env, p, targets, *timeout, *strict)
+		rep.Results = append(rep.Results, results...)
+		if err != nil {
+			log.Printf("FAIL %s: %v", name, err)
+			rep.OK = false
+		}
+		for _, r := range results {
+			if len(r.Errors) > 0 {
+				rep.OK = false
+			}
+		}
+	}
+	data, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(*out, append(data, '\n'), 0o644); err != nil {
+		return err
+	}
+	if !rep.OK {
+		return errors.New("FAIL: see the errors in " + *out)
+	}
+	log.Printf("bench load: OK, %d results in %s", len(rep.Results), *out)
+	return nil
+}
+
+// serveLoad serves the header protocol on the targets' listener; its
+// failures are the targets' own, and show at the gateway as closed tunnels.
+func serveLoad(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			serveRaw(c)
+		}()
+	}
+}
+
+// floats parses a comma-separated list of numbers ("" is none).
+func floats(s string) ([]float64, error) {
+	var out []float64
+	for f := range strings.SplitSeq(s, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		v, err := strconv.ParseFloat(f, 64)
+		if err != nil || v <= 0 {
+			return nil, fmt.Errorf("%q: want positive numbers", s)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// pinned wraps a contender's command in taskset -c cpus.
+func pinned(cmd *exec.Cmd, cpus string) *exec.Cmd {
+	if cpus == "" {
+		return cmd
+	}
+	args := append([]string{"-c", cpus, cmd.Path}, cmd.Args[1:]...)
+	p := exec.Command("taskset", args...)
+	p.Env, p.Dir = cmd.Env, cmd.Dir
+	return p
+}
+
+// loadContender starts c and drives every shape through it.
+func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrPort, timeout time.Duration, strict bool) ([]*loadResult, error) {
+	hops, err := c.hops(env)
+	if err != nil {
+		return nil, err
+	}
+	if len(hops) != 1 {
+		return nil, fmt.Errorf("%s: load runs drive one-process contenders", c.name)
+	}
+	hops[0].cmd = pinned(hops[0].cmd, p.PinContender)
+	proc, err := startProcess(hops[0], filepath.Join(env.dir, c.name+".load.log"))
+	if err != nil {
+		return nil, err
+	}
+	defer proc.stop()
+	if err := waitListening(hops[0].listen, proc.exited); err != nil {
+		return nil, fmt.Errorf("%w; log:\n%s", err, tail(proc.log))
+	}
+	log.Printf("== load %s (pid %d)", c.name, proc.cmd.Process.Pid)
+	var results []*loadResult
+	for _, shape := range p.Shapes {
+		r := &loadResult{Contender: c.name, Shape: shape}
+		results = append(results, r)
+		stat0, statErr := kerneltest.ReadStat()
+		g := c.gateway(env, shape == "per-call")
+		var dials []func(context.Context) (net.Conn, error)
+		var tr *http.Transport
+		switch c.dialKind {
+		case "preamble":
+			for _, t := range targets {
+				dials = append(dials, g.counted(g.preambleDialer(env.listen, env.pki.signer, t)))
+			}
+		case "https":
+			tr = &http.Transport{TLSClientConfig: g.tls, MaxIdleConnsPerHost: p.Tunnels, MaxConnsPerHost: p.Tunnels,
+				DisableKeepAlives: shape == "per-call", DisableCompression: true}
+		default:
+			dials = []func(context.Context) (net.Conn, error){g.dial}
+		}
+		gen := newLoadGen(shape == "reuse", p.Tunnels, dials, g.base, tr, g.tls.ServerName, p.Req, p.Resp, timeout)
+		gen.pid = proc.cmd.Process.Pid
+		ctx := context.Background()
+		if err := gen.open(ctx, 64); err != nil {
+			r.Errors = append(r.Errors, "opening: "+err.Error())
+			gen.close()
+			continue
+		}
+		runLoadShape(ctx, gen, c, env, p, r)
+		r.Errors = append(r.Errors, stepErrors(r, strict)...)
+		if err := gen.close(); err != nil {
+			r.Errors = append(r.Errors, "closing the tunnels: "+err.Error())
+		}
+		r.Tunnels, r.Established = g.tunnels.Load(), gen.established.Load()
+		if statErr == nil {
+			stat1, _ := kerneltest.ReadStat()
+			r.TLSStat = stat1.Sub(stat0)
+			// Under overload the gateway gives up on tunnels the
+			// contender never took on (no key install): the tunnels
+			// required to have installed keys are those with a
+			// completed call.
+			res := &result{TLSStat: r.TLSStat, Tunnels: gen.established.Load()}
+			r.Offload = offloadOf(res, c)
+			r.Errors = append(r.Errors, res.Errors...)
+		} else {
+			r.Offload = "userspace (this kernel has no /proc/net/tls_stat)"
+		}
+		if g.certAsked.Load() == 0 {
+			r.Errors = append(r.Errors, "mtls: the server never asked the gateway for its certificate")
+		}
+		for _, e := range r.Errors {
+			log.Printf("FAIL %s %s: %s", c.name, shape, e)
+		}
+	}
+	return results, nil
+}
+
+// runLoadShape runs the unloaded step, then the fixed rates or the capacity
+// search and the sweep, then the fairness steps.
+func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p loadParams, r *loadResult) {
+	seed := p.Seed
+	// before, when not nil, runs once the contender is idle, just before
+	// the step (the fairness step's bulk tunnels start there).
+	var before func()
+	step := func(rate, secs float64) loadStep {
+		seed++
+		settled := gen.settle(ctx, time.Minute)
+		if before != nil {
+			before()
+		}
+		s := gen.step(ctx, rate, time.Duration(secs*float64(time.Second)), seed)
+		s.SettleSeconds = round(settled.Seconds(), 1)
+		log.Printf("   %s %s %.0f/s: offered %d, completed %d, saturated %d, errors %v, goodput %.1f/s, p50 %.0f p99 %.0f p99.9 %.0f max %.0f µs, lag p99 %.0f µs, generator %.2f cores, contender %.2f cores",
+			c.name, r.Shape, rate, s.Offered, s.Completed, s.Saturated, s.Causes, s.Goodput, s.P50us, s.P99us, s.P999us, s.MaxUs, s.LagP99us, s.GenCPU, s.ContenderCPU)
+		return s
+	}
+	fairRate := 0.0
+	if len(p.Rates) > 0 {
+		for _, rate := range p.Rates {
+			r.Steps = append(r.Steps, step(rate, p.StepSeconds))
+		}
+		fairRate = p.Rates[0]
+		if len(r.Steps) > 0 {
+			r.Baseline = &r.Steps[0]
+		}
+	} else {
+		u := step(p.UnloadedRate, p.UnloadedSeconds)
+		r.Unloaded = &u
+		if u.errorCount() > 0 || u.Saturated > 0 || u.Completed == 0 {
+			r.Errors = append(r.Errors, fmt.Sprintf("unloaded step: %d errors, %d saturated, %d completed (%s)", u.errorCount(), u.Saturated, u.Completed, u.FirstError))
+			return
+		}
+		bound := p.P99Factor * u.P99us
+		ok := func(s loadStep) bool { return s.errorCount() == 0 && s.Saturated == 0 && s.P99us <= bound }
+		good, bad := p.UnloadedRate, 0.0
+		for rate := 2 * p.UnloadedRate; rate <= p.MaxRate; rate *= 2 {
+			s := step(rate, p.StepSeconds)
+			r.Search = append(r.Search, s)
+			if !ok(s) {
+				bad = rate
+				break
+			}
+			good = rate
+		}
+		for i := 0; i < p.SearchSteps && bad > 0; i++ {
+			mid := (good + bad) / 2
+			s := step(mid, p.StepSeconds)
+			r.Search = append(r.Search, s)
+			if ok(s) {
+				good = mid
+			} else {
+				bad = mid
+			}
+		}
+		r.Capacity = round(good, 1)
+		var at100, at200 float64
+		for _, pct := range p.SweepPcts {
+			s := step(r.Capacity*pct/100, p.StepSeconds)
+			s.Pct = pct
+			r.Steps = append(r.Steps, s)
+			switch pct {
+			case 100:
+				at100 = s.Goodput
+			case 200:
+				at200 = s.Goodput
+			}
+			if pct == p.FairnessPct {
+				r.Baseline = &r.Steps[len(r.Steps)-1]
+			}
+		}
+		if at100 > 0 && at200 > 0 {
+			r.GoodputRatio = round(at200/at100, 3)
+		}
+		fairRate = r.Capacity * p.FairnessPct / 100
+	}
+	if p.Bulk > 0 && fairRate > 0 {
+		bulkCtx, stop := context.WithCancel(ctx)
+		bg := c.gateway(env, false)
+		done := make(chan bulkTally, p.Bulk)
+		before = func() {
+			for i := range p.Bulk {
+				go func() { done <- bulkLoop(bulkCtx, bg, i%2 == 0, p.BulkBytes) }()
+			}
+		}
+		s := step(fairRate, p.StepSeconds)
+		stop()
+		s.Bulk = p.Bulk
+		for range p.Bulk {
+			t := <-done
+			s.BulkBytes += t.bytes
+			s.BulkErrors += t.errors
+		}
+		if r.Baseline != nil {
+			s.Pct = r.Baseline.Pct
+		}
+		r.Fairness = &s
+	}
+}
+
+// stepErrors are a result's failures: a wrong byte in any step (never
+// a success, whatever the load), and with strict any failed call,
+// saturated arrival or bulk error.
+func stepErrors(r *loadResult, strict bool) []string {
+	steps := append(append([]loadStep{}, r.Search...), r.Steps...)
+	if r.Unloaded != nil {
+		steps = append(steps, *r.Unloaded)
+	}
+	if r.Fairness != nil {
+		steps = append(steps, *r.Fairness)
+	}
+	var errs []string
+	for _, s := range steps {
+		switch {
+		case s.Errors[classCorrupt] > 0:
+			errs = append(errs, fmt.Sprintf("%.0f/s: %d calls answered wrong bytes", s.Rate, s.Errors[classCorrupt]))
+		case strict && (s.errorCount() > 0 || s.Saturated > 0 || s.BulkErrors > 0):
+			errs = append(errs, fmt.Sprintf("%.0f/s (strict): errors %v, %d generator-saturated, %d bulk errors; first: %s", s.Rate, s.Causes, s.Saturated, s.BulkErrors, s.FirstError))
+		}
+	}
+	return errs
+}
+
+// bulkTally is what one bulk tunnel loop moved.
+type bulkTally struct {
+	bytes  int64
+	errors int
+}
+
+// bulkLoop streams n-byte downloads (or uploads) one after the other
+// until ctx ends; a transfer cut by that end is not counted.
+func bulkLoop(ctx context.Context, g *gateway, download bool, n int64) bulkTally {
+	var t bulkTally
+	for ctx.Err() == nil {
+		var err error
+		if download {
+			_, err = g.download(ctx, n)
+		} else {
+			_, err = g.upload(ctx, n)
+		}
+		switch {
+		case ctx.Err() != nil:
+		case err != nil:
+			t.errors++
+		default:
+			t.bytes += n
+		}
+	}
+	return t
+}
+
+// loadNotes describe the method, recorded in the JSON and rendered.
+func loadNotes(p loadParams) []string {
+	return []string{
+		"open loop: calls arrive as a Poisson process at the offered rate (seeded, so a seed gives the same schedule); each call's latency runs from its scheduled arrival to its verified response, so time a call spent waiting behind a slow contender or a late generator counts (no coordinated omission).",
+		"slots: reuse runs its calls on a fixed set of tunnels opened (with one uncounted call each) before any step, one call at a time per tunnel; per-call opens a connection per call whose TLS session resumes (the gateway's session cache is filled by one uncounted call first), with at most params.tunnels connections in flight. An arrival that finds no free slot is generator_saturated: not started, not the contender's error.",
+		"errors by class: refused (a TLS alert in the handshake, access_denied there or on the first read after the preamble being the forwarder's overload shedding; the peer closing before the handshake; a refused connection; HTTP 503), target (HTTP 502: the upstream's failure), timeout (the generator's own deadline per call, params.call_timeout_ms; a proxy-side timeout shows as a close or alert), reset (ECONNRESET/EPIPE), corrupt (a response byte that differs from the payload: never counted as completed), other.",
+		"capacity: the highest offered rate whose p99 is at most params.p99_factor × the unloaded p99, with no error and no saturated arrival; found by doubling from the unloaded rate, then bisecting. The sweep offers fixed shares of each contender's own capacity; goodput_ratio is goodput at 200 % over goodput at 100 %.",
+		"latencies come from an HDR-style log-linear histogram (exact below 256 ns, 128 buckets per power of two above, ≤ 0.8 % relative error up to 60 s); a percentile is its bucket's upper bound.",
+		"every contender verifies the gateway's client certificate (mutual TLS); ktls also verifies a signed preamble per tunnel and reaches params.targets sandbox targets (127.1.x.y, one upstream on the wildcard address); the peers forward to their one configured upstream.",
+	}
+}

@@ -1,0 +1,475 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// loadGen is the open-loop load generator of one contender and shape: calls
+// arrive on a Poisson schedule whatever the contender does, each on a slot
+// (reuse: an idle tunnel of a fixed set; per-call: room for one more
+// connection), and an arrival that finds no slot is counted as
+// generator-saturated instead of waiting, so the generator's goroutines stay
+// bounded by its slots at any load. A call's latency runs from its
+// scheduled arrival, not from when it started: time spent behind a late
+// generator or a slow contender counts (no coordinated omission).
+type loadGen struct {
+	// reuse: calls go over long-lived tunnels (or HTTP connections), one
+	// call at a time each; otherwise every call opens its own connection.
+	reuse bool
+	// dials: for the raw contenders, one dialer per target (a tunnel
+	// to target i uses dials[i%len(dials)]); nil for HTTP.
+	dials []func(context.Context) (net.Conn, error)
+	// base and tr: the HTTP contender's origin and its client transport.
+	base string
+	tr   *http.Transport
+	// serverName is the HTTP requests' Host.
+	serverName string
+	req, resp  int
+	timeout    time.Duration
+	idle       chan *loadTunnel // reuse, raw: the tunnels not in a call
+	slots      chan struct{}    // per-call and HTTP: free room for a call
+	nextTarget atomic.Uint64
+	tunnels    []*loadTunnel
+	// pid: the contender's process, whose CPU a step reports (0: none).
+	pid int
+	// established counts the tunnels and connections whose first call
+	// completed: each of them the contender has surely taken on (a
+	// kernel-TLS contender installed its keys).
+	established    atomic.Int64
+	openedOnDemand atomic.Int64
+}
+
+// loadTunnel is one long-lived tunnel of the reuse shape: its stream seed
+// and the index of its next call; conn is nil until it is (re)opened.
+type loadTunnel struct {
+	dial func(context.Context) (net.Conn, error)
+	conn net.Conn
+	seed uint32
+	next uint64
+	// established is the generator's count of tunnels with a completed
+	// first call.
+	established    *atomic.Int64
+	req, want, got []byte
+}
+
+// newLoadGen makes a generator with slots tunnels (reuse) or concurrent
+// connections (per-call); raw contenders give dials, the HTTP one base and
+// tr.
+func newLoadGen(reuse bool, slots int, dials []func(context.Context) (net.Conn, error), base string, tr *http.Transport, serverName string, req, resp int, timeout time.Duration) *loadGen {
+	g := &loadGen{reuse: reuse, dials: dials, base: base, tr: tr, serverName: serverName, req: req, resp: resp, timeout: timeout}
+	if reuse && dials != nil {
+		g.idle = make(chan *loadTunnel, slots)
+		for i := range slots {
+			t := &loadTunnel{dial: dials[i%len(dials)], established: &g.established, req: make([]byte, req), want: make([]byte, resp), got: make([]byte, resp)}
+			g.tunnels = append(g.tunnels, t)
+			g.idle <- t
+		}
+	} else {
+		g.slots = make(chan struct{}, slots)
+		for range slots {
+			g.slots <- struct{}{}
+		}
+	}
+	return g
+}
+
+// open opens every tunnel of the reuse shape (parallel at a time) and
+// makes one uncounted call on each, so that measured calls find them
+// established; on HTTP, as many concurrent calls as slots, which leaves
+// the transport that many idle connections. Per-call: one call, which
+// fills the gateway's session cache, so that every measured handshake can
+// resume.
+func (g *loadGen) open(ctx context.Context, parallel int) error {
+	n := len(g.tunnels)
+	if g.idle == nil {
+		n = cap(g.slots)
+		if !g.reuse {
+			n = 1
+		}
+	}
+	sem := make(chan struct{}, parallel)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			cctx, cancel := context.WithTimeout(ctx, 4*g.timeout)
+			defer cancel()
+			switch {
+			case g.idle != nil:
+				errs[i] = g.tunnels[i].call(cctx)
+			case g.dials != nil:
+				errs[i] = g.perCall(cctx)
+			default:
+				errs[i] = g.httpCall(cctx)
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// close ends every tunnel: each half-closes and must see the upstream's
+// end, with no byte before it.
+func (g *loadGen) close() error {
+	var errs []error
+	for _, t := range g.tunnels {
+		if t.conn == nil {
+			continue
+		}
+		t.conn.SetDeadline(time.Now().Add(g.timeout))
+		if err := closeWrite(t.conn); err != nil {
+			errs = append(errs, err)
+		} else if err := expectEOF(t.conn); err != nil {
+			errs = append(errs, err)
+		}
+		t.conn.Close()
+		t.conn = nil
+	}
+	if g.tr != nil {
+		g.tr.CloseIdleConnections()
+	}
+	return errors.Join(errs...)
+}
+
+// call makes the tunnel's next call, opening the tunnel first if it is
+// closed (the call's latency then includes that). A failed tunnel is closed
+// and reopened by its next call.
+func (t *loadTunnel) call(ctx context.Context) (err error) {
+	phase := phaseCall
+	defer func() {
+		if err != nil {
+			err = &callError{phase: phase, err: err}
+			if t.conn != nil {
+				t.conn.Close()
+				t.conn = nil
+			}
+		}
+	}()
+	if t.conn == nil {
+		phase = phaseConnect
+		c, err := t.dial(ctx)
+		if err != nil {
+			return err
+		}
+		t.conn, t.seed, t.next = c, nextSeed(), 0
+		phase = phasePreamble
+		if _, err := c.Write(header{op: opLoad, req: uint32(len(t.req)), resp: uint32(len(t.want)), seed: t.seed}.marshal()); err != nil {
+			return err
+		}
+		phase = phaseFirstRead
+	}
+	d, _ := ctx.Deadline()
+	t.conn.SetDeadline(d)
+	callBytes(t.req, t.want, t.seed, t.next)
+	if _, err := t.conn.Write(t.req); err != nil {
+		return err
+	}
+	if _, err := io.ReadFull(t.conn, t.got); err != nil {
+		return err
+	}
+	if !bytes.Equal(t.got, t.want) {
+		return errWrongBytes
+	}
+	if t.next == 0 {
+		t.established.Add(1)
+	}
+	t.next++
+	return nil
+}
+
+// perCall makes one call on a connection of its own (the gateway's session
+// cache resumes its TLS session) and ends it cleanly.
+func (g *loadGen) perCall(ctx context.Context) (err error) {
+	phase := phaseConnect
+	defer func() {
+		if err != nil {
+			err = &callError{phase: phase, err: err}
+		}
+	}()
+	dial := g.dials[g.nextTarget.Add(1)%uint64(len(g.dials))]
+	c, err := dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	d, _ := ctx.Deadline()
+	c.SetDeadline(d)
+	seed := nextSeed()
+	req, want, got := make([]byte, g.req), make([]byte, g.resp), make([]byte, g.resp)
+	callBytes(req, want, seed, 0)
+	phase = phasePreamble
+	if _, err := c.Write(append(header{op: opSmall, req: uint32(g.req), resp: uint32(g.resp), seed: seed, n: 1}.marshal(), req...)); err != nil {
+		return err
+	}
+	phase = phaseFirstRead
+	if _, err := io.ReadFull(c, got); err != nil {
+		return err
+	}
+	if !bytes.Equal(got, want) {
+		return errWrongBytes
+	}
+	g.established.Add(1)
+	phase = phaseClose
+	if err := closeWrite(c); err != nil {
+		return err
+	}
+	return expectEOF(c)
+}
+
+// httpCall makes one call through the HTTP contender (on a pooled
+// connection, or a new one per call, as the transport says).
+func (g *loadGen) httpCall(ctx context.Context) (err error) {
+	phase := phaseCall
+	defer func() {
+		if err != nil {
+			err = &callError{phase: phase, err: err}
+		}
+	}()
+	seed := nextSeed()
+	body, want := make([]byte, g.req), make([]byte, g.resp)
+	callBytes(body, want, seed, 0)
+	url := fmt.Sprintf("%s/call?seed=%d&i=0&req=%d&resp=%d", g.base, seed, g.req, g.resp)
+	r, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	r.Host = g.serverName
+	res, err := g.tr.RoundTrip(r)
+	if err != nil {
+		return err
+	}
+	defer res.Body.Close()
+	if res.StatusCode != http.StatusOK {
+		io.Copy(io.Discard, io.LimitReader(res.Body, 4096))
+		return httpStatusError{res.StatusCode}
+	}
+	got, err := io.ReadAll(io.LimitReader(res.Body, int64(g.resp)+1))
+	if err != nil {
+		return err
+	}
+	if !bytes.Equal(got, want) {
+		return errWrongBytes
+	}
+	return nil
+}
+
+// loadStep is one step of a run at a fixed offered rate.
+type loadStep struct {
+	// Rate is the offered rate (calls/s); Pct its share of the
+	// contender's capacity in a sweep (0 elsewhere).
+	Rate    float64 `json:"rate"`
+	Pct     float64 `json:"pct,omitempty"`
+	Seconds float64 `json:"seconds"`
+	// Offered: arrivals scheduled; Completed: calls whose bytes were all
+	// right; Saturated: arrivals that found no free slot (the generator's
+	// limit, not the contender's: not started, not an error).
+	Offered   int `json:"offered"`
+	Completed int `json:"completed"`
+	Saturated int `json:"generator_saturated"`
+	// Errors per class (loadClasses), and per "class: cause".
+	Errors map[string]int `json:"errors,omitempty"`
+	Causes map[string]int `json:"causes,omitempty"`
+	// Goodput: calls completed within the step's span, per second.
+	Goodput float64 `json:"goodput"`
+	// Latencies of the completed calls from their scheduled arrival (µs).
+	P50us  float64 `json:"p50_us"`
+	P99us  float64 `json:"p99_us"`
+	P999us float64 `json:"p999_us"`
+	MaxUs  float64 `json:"max_us"`
+	// LagP99us, LagMaxus: how late the generator started calls after
+	// their scheduled arrival (its own lag, inside the latencies above).
+	LagP99us float64 `json:"lag_p99_us"`
+	LagMaxus float64 `json:"lag_max_us"`
+	// GenCPU: the generator process's CPU (it also runs the upstream) in
+	// cores over the step: near its vCPU count, the generator, not the
+	// contender, may be the limit.
+	GenCPU float64 `json:"gen_cpu"`
+	// ContenderCPU: the contender's CPU in cores over the step.
+	ContenderCPU float64 `json:"contender_cpu"`
+	// SettleSeconds: how long the step waited, before it began, for the
+	// contender to be idle (the work a previous step left it).
+	SettleSeconds float64 `json:"settle_s"`
+	// Bulk: the bulk tunnels streaming alongside (fairness steps), and
+	// the bytes they moved and their errors.
+	Bulk       int    `json:"bulk,omitempty"`
+	BulkBytes  int64  `json:"bulk_bytes,omitempty"`
+	BulkErrors int    `json:"bulk_errors,omitempty"`
+	FirstError string `json:"first_error,omitempty"`
+}
+
+// errorCount is the step's failed calls over every class.
+func (s *loadStep) errorCount() int {
+	n := 0
+	for _, v := range s.Errors {
+		n += v
+	}
+	return n
+}
+
+// step offers calls at rate for dur on the schedule of seed, waits for the
+// calls in flight to end (each bounded by the generator's timeout), and
+// returns the step's figures.
+func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, seed uint64) loadStep {
+	sched := poissonSchedule(rate, dur, seed)
+	s := loadStep{Rate: rate, Seconds: dur.Seconds(), Offered: len(sched), Errors: map[string]int{}, Causes: map[string]int{}}
+	var (
+		mu       sync.Mutex
+		lat, lag histogram
+		wg       sync.WaitGroup
+		inWindow int
+	)
+	cpu0 := selfCPU()
+	cont0, contErr := sampleCPU(g.pid)
+	start := time.Now()
+	end := start.Add(dur)
+	for _, at := range sched {
+		due := start.Add(at)
+		waitUntil(ctx, due)
+		lag.record(time.Since(due))
+		var t *loadTunnel
+		if g.idle != nil {
+			select {
+			case t = <-g.idle:
+			default:
+				s.Saturated++
+				continue
+			}
+		} else {
+			select {
+			case <-g.slots:
+			default:
+				s.Saturated++
+				continue
+			}
+		}
+		wg.Go(func() {
+			cctx, cancel := context.WithDeadline(ctx, due.Add(g.timeout))
+			var err error
+			switch {
+			case t != nil:
+				err = t.call(cctx)
+				g.idle <- t
+			case g.dials != nil:
+				err = g.perCall(cctx)
+			default:
+				err = g.httpCall(cctx)
+			}
+			done := time.Now()
+			cancel()
+			if t == nil {
+				g.slots <- struct{}{}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				class, cause := classify(err)
+				s.Errors[class]++
+				s.Causes[class+": "+cause]++
+				if s.FirstError == "" {
+					s.FirstError = err.Error()
+				}
+				return
+			}
+			s.Completed++
+			if !done.After(end) {
+				inWindow++
+			}
+			lat.record(done.Sub(due))
+		})
+	}
+	wg.Wait()
+	wall := time.Since(start).Seconds()
+	s.GenCPU = round((selfCPU()-cpu0).Seconds()/wall, 2)
+	if cont1, err := sampleCPU(g.pid); g.pid != 0 && contErr == nil && err == nil {
+		cpu, _, _, _ := cpuUsed(cont0, cont1)
+		s.ContenderCPU = round(cpu/wall, 2)
+	}
+	s.Goodput = round(float64(inWindow)/dur.Seconds(), 1)
+	us := func(d time.Duration) float64 { return round(float64(d)/1e3, 1) }
+	s.P50us, s.P99us, s.P999us, s.MaxUs = us(lat.percentile(50)), us(lat.percentile(99)), us(lat.percentile(99.9)), us(lat.max)
+	s.LagP99us, s.LagMaxus = us(lag.percentile(99)), us(lag.max)
+	if len(s.Errors) == 0 {
+		s.Errors, s.Causes = nil, nil
+	}
+	return s
+}
+
+// timerSlack is how late a Go timer may fire on Linux, whose poller
+// sleeps in whole milliseconds.
+const timerSlack = 2 * time.Millisecond
+
+// waitUntil returns at t (or when ctx ends): it sleeps to within
+// timerSlack of t, then yields until t, so an arrival starts within
+// microseconds of its schedule, not a poller tick late.
+func waitUntil(ctx context.Context, t time.Time) {
+	if d := time.Until(t) - timerSlack; d > 0 {
+		select {
+		case <-time.After(d):
+		case <-ctx.Done():
+			return
+		}
+	}
+	for time.Now().Before(t) && ctx.Err() == nil {
+		runtime.Gosched()
+	}
+}
+
+// settle waits until the contender is idle: its CPU below idleCores
+// over a half-second window, up to limit. A step that overloaded it can
+// leave work behind (connections its clients abandoned, still queued),
+// which would otherwise burden the next step. It returns how long it
+// waited.
+func (g *loadGen) settle(ctx context.Context, limit time.Duration) time.Duration {
+	const window, idleCores = 500 * time.Millisecond, 0.05
+	start := time.Now()
+	for time.Since(start) < limit && ctx.Err() == nil {
+		a, err := sampleCPU(g.pid)
+		if err != nil {
+			break
+		}
+		time.Sleep(window)
+		b, err := sampleCPU(g.pid)
+		if err != nil {
+			break
+		}
+		if cpu, _, _, _ := cpuUsed(a, b); cpu/window.Seconds() < idleCores {
+			break
+		}
+	}
+	return time.Since(start)
+}
+
+// selfCPU is this process's user+system CPU time so far.
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// loadTargets are n sandbox targets on port: with n = 1 the loopback
+// address alone; otherwise 127.1.x.y, a population of addresses that all
+// reach one upstream listening on the wildcard address.
+func loadTargets(n int, port uint16) []netip.AddrPort {
+	if n <= 1 {
+		return []netip.AddrPort{netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, 1}), port)}
+	}
+	out := make([]netip.AddrPort, n)
+	for i := range n {
+		out[i] = netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 1, byte(i / 254), byte(i%254 + 1)}), port)
+	}
+	return out
+}

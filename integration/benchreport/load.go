@@ -1,0 +1,342 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// Load is the JSON document of an open-loop load run (bench load; the
+// fields the report shows).
+type Load struct {
+	Kind   string `json:"kind"`
+	Mode   string `json:"mode"`
+	Label  string `json:"label"`
+	Kernel string `json:"kernel"`
+	Date   string `json:"date"`
+	Commit string `json:"commit"`
+	Host   string `json:"host"`
+	Go     string `json:"go"`
+	CPUs   int    `json:"cpus"`
+	Params struct {
+		Shapes          []string  `json:"shapes"`
+		Tunnels         int       `json:"tunnels"`
+		Targets         int       `json:"targets"`
+		Req             int       `json:"req"`
+		Resp            int       `json:"resp"`
+		StepSeconds     float64   `json:"step_s"`
+		UnloadedRate    float64   `json:"unloaded_rate"`
+		UnloadedSeconds float64   `json:"unloaded_s"`
+		Rates           []float64 `json:"rates"`
+		SweepPcts       []float64 `json:"sweep_pcts"`
+		P99Factor       float64   `json:"p99_factor"`
+		CallTimeoutMs   int64     `json:"call_timeout_ms"`
+		Seed            uint64    `json:"seed"`
+		Bulk            int       `json:"bulk"`
+		BulkBytes       int64     `json:"bulk_bytes"`
+		FairnessPct     float64   `json:"fairness_pct"`
+		PinContender    string    `json:"pin_contender"`
+	} `json:"params"`
+	Notes   []string      `json:"notes"`
+	Results []*LoadResult `json:"results"`
+	Skipped []struct {
+		Contender string `json:"contender"`
+		Reason    string `json:"reason"`
+	} `json:"skipped"`
+	OK bool `json:"ok"`
+}
+
+// LoadResult is one contender and shape of a load run.
+type LoadResult struct {
+	Contender    string     `json:"contender"`
+	Shape        string     `json:"shape"`
+	Unloaded     *LoadStep  `json:"unloaded"`
+	Capacity     float64    `json:"capacity"`
+	Search       []LoadStep `json:"search"`
+	Steps        []LoadStep `json:"steps"`
+	GoodputRatio float64    `json:"goodput_ratio"`
+	Fairness     *LoadStep  `json:"fairness"`
+	Baseline     *LoadStep  `json:"baseline"`
+	Offload      string     `json:"offload"`
+	Tunnels      int64      `json:"tunnels_opened"`
+	Errors       []string   `json:"errors"`
+}
+
+// LoadStep is one offered rate.
+type LoadStep struct {
+	Rate       float64        `json:"rate"`
+	Pct        float64        `json:"pct"`
+	Seconds    float64        `json:"seconds"`
+	Offered    int            `json:"offered"`
+	Completed  int            `json:"completed"`
+	Saturated  int            `json:"generator_saturated"`
+	Errors     map[string]int `json:"errors"`
+	Causes     map[string]int `json:"causes"`
+	Goodput    float64        `json:"goodput"`
+	P50us      float64        `json:"p50_us"`
+	P99us      float64        `json:"p99_us"`
+	P999us     float64        `json:"p999_us"`
+	MaxUs      float64        `json:"max_us"`
+	LagP99us   float64        `json:"lag_p99_us"`
+	GenCPU     float64        `json:"gen_cpu"`
+	ContCPU    float64        `json:"contender_cpu"`
+	Settle     float64        `json:"settle_s"`
+	Bulk       int            `json:"bulk"`
+	BulkBytes  int64          `json:"bulk_bytes"`
+	BulkErrors int            `json:"bulk_errors"`
+}
+
+// loadClasses are the error classes in the generator's order.
+var loadClasses = []string{"refused", "target", "timeout", "reset", "corrupt", "other"}
+
+func parseLoad(data []byte) (*Load, error) {
+	var l Load
+	if err := json.Unmarshal(data, &l); err != nil {
+		return nil, err
+	}
+	if l.Kind != "load" {
+		return nil, fmt.Errorf("kind %q, want load (a bench load document)", l.Kind)
+	}
+	if len(l.Results) == 0 {
+		return nil, errors.New("no results")
+	}
+	return &l, nil
+}
+
+// ms formats microseconds as milliseconds.
+func ms(us float64) string {
+	switch {
+	case us == 0:
+		return "–"
+	case us < 10_000:
+		return fmt.Sprintf("%.2f", us/1000)
+	}
+	return fmt.Sprintf("%.1f", us/1000)
+}
+
+// errorCell is a step's errors by class ("0" for none), and its saturated
+// arrivals apart.
+func errorCell(s *LoadStep) string {
+	var parts []string
+	for _, c := range loadClasses {
+		if n := s.Errors[c]; n > 0 {
+			parts = append(parts, fmt.Sprintf("%s %d", c, n))
+		}
+	}
+	if len(parts) == 0 {
+		return "0"
+	}
+	return strings.Join(parts, ", ")
+}
+
+// renderLoadMarkdown writes docs/bench/load.md from a load run.
+func renderLoadMarkdown(l *Load, source string) []byte {
+	var b bytes.Buffer
+	p := &l.Params
+	writeTitle(&b, "Under load: latency against offered load (issue 34)", "integration/benchreport", []string{source})
+	b.WriteString("\n\n")
+	if l.Label != "" {
+		fmt.Fprintf(&b, "**%s.**\n\n", l.Label)
+	}
+	commit := l.Commit
+	if len(commit) >= 40 {
+		commit = commit[:12] + commit[40:] // keeps a "-dirty"
+	}
+	fmt.Fprintf(&b, "Measured %s on commit `%s`, mode `%s`, kernel %s, the generator on %d CPU(s) (%s, %s).\n\n", l.Date, commit, l.Mode, l.Kernel, l.CPUs, l.Host, l.Go)
+	fmt.Fprintf(&b, "Calls of %d B up and %d B down; %d tunnels (reuse) or connections in flight at most (per-call); %d sandbox targets behind the forwarder; ", p.Req, p.Resp, p.Tunnels, p.Targets)
+	if len(p.Rates) > 0 {
+		fmt.Fprintf(&b, "fixed rates %s calls/s, %g s each", joinFloats(p.Rates), p.StepSeconds)
+	} else {
+		fmt.Fprintf(&b, "unloaded step %g calls/s for %g s, capacity bound p99 ≤ %g × unloaded p99 with no error, sweep at %s %% of capacity, %g s per step", p.UnloadedRate, p.UnloadedSeconds, p.P99Factor, joinFloats(p.SweepPcts), p.StepSeconds)
+	}
+	fmt.Fprintf(&b, "; generator deadline %d ms per call; schedule seed %d.", p.CallTimeoutMs, p.Seed)
+	if p.PinContender != "" {
+		fmt.Fprintf(&b, " The contender runs on CPU %s, the generator (and the upstream, in its process) on the others.", p.PinContender)
+	}
+	b.WriteString("\n\n")
+	if l.Mode == "vm" {
+		b.WriteString(loadSetup)
+	} else {
+		fmt.Fprintf(&b, "Mode %s: wall-clock time on the host named above, not the VM setup the committed figures use; the generator and the contender share its CPUs unless the contender is pinned.\n\n", l.Mode)
+	}
+
+	b.WriteString("## Capacity\n\n*Busy at 100 %* says whose CPU was near a full core (0.85 or more) in the step at capacity: where it is the generator's alone, the capacity is the generator's and a lower bound of the contender's.\n\n")
+	b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---|---:|---|---|\n")
+	for _, r := range l.Results {
+		unloaded, capacity, ratio, top, busy := "–", "–", "–", "–", "–"
+		if i := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 100 }); i >= 0 {
+			busy = busyCell(&r.Steps[i])
+		}
+		if r.Unloaded != nil {
+			unloaded = ms(r.Unloaded.P99us)
+		}
+		if r.Capacity > 0 {
+			capacity = fmt.Sprintf("%.0f", r.Capacity)
+			if !slices.ContainsFunc(r.Search, func(s LoadStep) bool { return s.Rate > r.Capacity }) {
+				// No step failed the bound: the search stopped at its
+				// highest rate (params.max_rate).
+				capacity = "≥ " + capacity + " (no search step failed)"
+			}
+		}
+		// From the sweep's steps, so that a collapse to no goodput at
+		// 200 % shows as 0.
+		at100 := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 100 })
+		at200 := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 200 })
+		if at100 >= 0 && at200 >= 0 && r.Steps[at100].Goodput > 0 {
+			ratio = fmt.Sprintf("%.2f", r.Steps[at200].Goodput/r.Steps[at100].Goodput)
+		}
+		if len(r.Steps) > 0 {
+			last := &r.Steps[len(r.Steps)-1]
+			top = errorCell(last)
+			if last.Saturated > 0 {
+				top += fmt.Sprintf(" (+%d generator-saturated)", last.Saturated)
+			}
+		}
+		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s | %s | %s | %s |\n", r.Contender, r.Shape, unloaded, capacity, busy, ratio, top, r.Offload)
+	}
+	for _, s := range l.Skipped {
+		fmt.Fprintf(&b, "\n- `%s` not run: %s", s.Contender, s.Reason)
+	}
+	b.WriteString("\n\n## Latency per offered rate\n\nLatency from each call's scheduled arrival to its verified response, in ms; goodput is calls completed within the step per second; errors by class; *sat.* counts arrivals that found no free slot (the generator's limit: not started, not the contender's); *lag* is the generator's own lateness (p99), inside the latencies; *gen* its CPU in cores (the upstream's included), *cont.* the contender's; *settle* how long the step first waited for the contender to go idle (work an earlier, overloaded step left it).\n")
+	for _, r := range l.Results {
+		fmt.Fprintf(&b, "\n### `%s`, %s\n\n", r.Contender, r.Shape)
+		b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n")
+		row := func(kind string, s *LoadStep) {
+			pct := "–"
+			if s.Pct > 0 {
+				pct = fmt.Sprintf("%g", s.Pct)
+			}
+			fmt.Fprintf(&b, "| %s | %.0f | %s | %d | %d | %.1f | %s | %s | %s | %s | %s | %d | %s | %.2f | %.2f | %.1f |\n", kind, s.Rate, pct, s.Offered, s.Completed, s.Goodput,
+				ms(s.P50us), ms(s.P99us), ms(s.P999us), ms(s.MaxUs), errorCell(s), s.Saturated, ms(s.LagP99us), s.GenCPU, s.ContCPU, s.Settle)
+		}
+		if r.Unloaded != nil {
+			row("unloaded", r.Unloaded)
+		}
+		for i := range r.Search {
+			row("search", &r.Search[i])
+		}
+		for i := range r.Steps {
+			kind := "sweep"
+			if len(p.Rates) > 0 {
+				kind = "fixed"
+			}
+			row(kind, &r.Steps[i])
+		}
+		if r.Fairness != nil {
+			row(fmt.Sprintf("+%d bulk", r.Fairness.Bulk), r.Fairness)
+		}
+		for _, e := range r.Errors {
+			fmt.Fprintf(&b, "\nFAILED: %s\n", e)
+		}
+	}
+
+	fair := slices.IndexFunc(l.Results, func(r *LoadResult) bool { return r.Fairness != nil && r.Baseline != nil })
+	if fair >= 0 {
+		fmt.Fprintf(&b, "\n## Fairness: small calls beside bulk tunnels\n\nThe same rate with and without %d bulk tunnels streaming %d MiB transfers (half of them downloads, half uploads) through the same contender: does a bulk transfer hold up small calls? The bulk tunnels' payload, checksums and TLS run in the generator's process, on its vCPU: where the bulk step's *gen* is near 1 core (the +bulk rows above), the rise in p99 is the generator's as much as the contender's, and the ratio says nothing about the contender's fairness.\n\n", p.Bulk, p.BulkBytes>>20)
+		b.WriteString("| contender | shape | offered/s | p99 without (ms) | p99 with (ms) | with / without | bulk MiB moved | small-call errors with bulk | bulk errors |\n|---|---|---:|---:|---:|---:|---:|---|---:|\n")
+		for _, r := range l.Results {
+			if r.Fairness == nil || r.Baseline == nil {
+				continue
+			}
+			ratio := "–"
+			if r.Baseline.P99us > 0 {
+				ratio = fmt.Sprintf("%.2f", r.Fairness.P99us/r.Baseline.P99us)
+			}
+			fmt.Fprintf(&b, "| `%s` | %s | %.0f | %s | %s | %s | %d | %s | %d |\n", r.Contender, r.Shape, r.Fairness.Rate, ms(r.Baseline.P99us), ms(r.Fairness.P99us), ratio,
+				r.Fairness.BulkBytes>>20, errorCell(r.Fairness), r.Fairness.BulkErrors)
+		}
+	}
+
+	b.WriteString("\n## Errors by cause\n\n")
+	any := false
+	for _, r := range l.Results {
+		causes := map[string]int{}
+		steps := append(append([]LoadStep{}, r.Search...), r.Steps...)
+		if r.Unloaded != nil {
+			steps = append(steps, *r.Unloaded)
+		}
+		if r.Fairness != nil {
+			steps = append(steps, *r.Fairness)
+		}
+		for _, s := range steps {
+			for k, v := range s.Causes {
+				causes[k] += v
+			}
+		}
+		if len(causes) == 0 {
+			continue
+		}
+		any = true
+		keys := make([]string, 0, len(causes))
+		for k := range causes {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+		var parts []string
+		for _, k := range keys {
+			parts = append(parts, fmt.Sprintf("%s × %d", k, causes[k]))
+		}
+		fmt.Fprintf(&b, "- `%s` %s: %s\n", r.Contender, r.Shape, strings.Join(parts, "; "))
+	}
+	if !any {
+		b.WriteString("No call failed.\n")
+	}
+	b.WriteString("\n## Notes\n\n")
+	for _, n := range l.Notes {
+		fmt.Fprintf(&b, "- %s\n", n)
+	}
+	return b.Bytes()
+}
+
+// busyCell says which side was busy in a step: the generator, the
+// contender, both (0.85 cores or more), or neither.
+func busyCell(s *LoadStep) string {
+	gen, cont := s.GenCPU >= 0.85, s.ContCPU >= 0.85
+	cores := fmt.Sprintf(" (gen %.2f, cont. %.2f)", s.GenCPU, s.ContCPU)
+	switch {
+	case gen && cont:
+		return "both" + cores
+	case gen:
+		return "generator" + cores
+	case cont:
+		return "contender" + cores
+	}
+	return "neither" + cores
+}
+
+func joinFloats(v []float64) string {
+	s := make([]string, len(v))
+	for i, f := range v {
+		s[i] = fmt.Sprintf("%g", f)
+	}
+	return strings.Join(s, ", ")
+}
+
+// loadSetup is what the load setup can and cannot show.
+const loadSetup = `## What this setup can and cannot show
+
+The run is a real-time VM (qemu TCG, multi-threaded, two vCPUs, no
+` + "`-icount`" + `): the contender is pinned to one vCPU and the generator, with the
+upstream in its process, to the other, so that the generator does not take
+the contender's CPU. TCG runs guest code 10–50× slower than native and its
+timing depends on the host's load, so absolute latencies and capacities are
+not native ones: the comparisons that count are between contenders of one run
+(the same VM, the same generator, minutes apart), and the shape of each
+contender's curve (where its p99 bends, whether goodput holds past capacity,
+which errors it manufactures). The cost model (CPU per call, per GiB) stays
+with the ` + "`-icount`" + ` runs of [results.md](results.md); ` + "`-icount`" + ` makes time a count
+of instructions and says nothing about latency. Under TCG a halted vCPU
+takes milliseconds to wake: at low rates the latencies include those
+wake-ups, so a p99 can fall as the rate rises, and the unloaded p99 (and
+with it the capacity bound of 10× it) is higher than a native one would be.
+
+The generator runs the client side of every handshake and the upstream on
+its one vCPU, about as much TLS work as the contender's: where its CPU (*gen*)
+nears 1 core while the contender's (*cont.*) does not, or its lag grows, the
+generator, not the contender, is the limit of that step, and the capacity
+found is a lower bound of the contender's.
+
+`

@@ -420,3 +420,22 @@ func checkBothWays(t testing.TB, up *forwardtest.Upstream, clients []streamOutco
 	}
 	return verified
 }
+
+// transferResult is how a transfer ended.
+type transferResult struct {
+	n   int64
+	sum [32]byte
+	err error
+}
+
+// goTransfer runs transfer on a tunnel of sandbox to target in the
+// background (one whose target does not answer yet, say) and delivers its
+// result.
+func (e *sandboxEnv) goTransfer(t *testing.T, sandbox string, target netip.AddrPort, size int64, seed uint64) <-chan transferResult {
+	done := make(chan transferResult, 1)
+	go func() {
+		n, sum, err := transfer(e.dial(t, sandbox, target), size, seed)
+		done <- transferResult{n, sum, err}
+	}()
+	return done
+}

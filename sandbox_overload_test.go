@@ -146,16 +146,7 @@ func sandboxMaxDials(t *testing.T, kernel bool) {
 	e := newSandboxEnv(t, map[string]any{"max_dials": 1, "wake": map[string]any{"url": plane.URL + "/wake", "timeout": "30s"}})
 	const size = 256 << 10
 	m0 := e.metrics(t)
-	type res struct {
-		n   int64
-		sum [32]byte
-		err error
-	}
-	done := make(chan res, 1)
-	go func() {
-		n, sum, err := transfer(e.dial(t, "sbx-waking", asleep), size, 5)
-		done <- res{n, sum, err}
-	}()
+	done := e.goTransfer(t, "sbx-waking", asleep, size, 5)
 	<-woken
 	if n := e.metric(t, "caddy_ktls_sandbox_dials_in_progress"); n != 1 {
 		t.Fatalf("%d dials in progress, want the waking tunnel's 1", n)

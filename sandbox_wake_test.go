@@ -54,16 +54,7 @@ func sandboxWakeOnConnect(t *testing.T) {
 	}})
 	m0 := e.metrics(t)
 	size := forwardtest.TransferMiB(t, 4) << 20
-	type res struct {
-		n   int64
-		sum [32]byte
-		err error
-	}
-	done := make(chan res, 1)
-	go func() {
-		n, sum, err := transfer(e.dial(t, "sbx-paused", target), size, 21)
-		done <- res{n, sum, err}
-	}()
+	done := e.goTransfer(t, "sbx-paused", target, size, 21)
 	select {
 	case <-woken:
 	case <-time.After(30 * time.Second):

@@ -16,7 +16,10 @@ import (
 )
 
 // delayLine is a TCP proxy in front of addr that holds every byte, each
-// way, for half of rtt: a forwarder rtt away.
+// way, for half of rtt: a forwarder rtt away. It opens its connection to
+// addr 1.5 rtt after it accepted one, so that a client's first bytes (its
+// ClientHello) reach addr when they would across the network: after the
+// SYN, the SYN-ACK and half a round trip.
 func delayLine(b *testing.B, addr string, rtt time.Duration) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -30,22 +33,29 @@ func delayLine(b *testing.B, addr string, rtt time.Duration) string {
 			if err != nil {
 				return
 			}
-			up, err := net.Dial("tcp", addr)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			for _, p := range [][2]net.Conn{{c, up}, {up, c}} {
-				wg.Go(func() { delayCopy(p[1], p[0], rtt/2) })
-			}
+			upc := make(chan net.Conn, 1)
+			wg.Go(func() {
+				time.Sleep(3 * rtt / 2)
+				up, err := net.Dial("tcp", addr)
+				if err != nil {
+					c.Close()
+					close(upc)
+					return
+				}
+				upc <- up
+				delayCopy(func() net.Conn { return c }, up, rtt/2)
+			})
+			wg.Go(func() {
+				delayCopy(sync.OnceValue(func() net.Conn { return <-upc }), c, rtt/2)
+			})
 		}
 	})
 	return ln.Addr().String()
 }
 
-// delayCopy copies src to dst, each chunk d after it was read, then
-// half-closes dst.
-func delayCopy(dst, src net.Conn, d time.Duration) {
+// delayCopy copies src to dst(), each chunk d after it was read, then
+// half-closes dst() (nil: drops what it read).
+func delayCopy(dst func() net.Conn, src net.Conn, d time.Duration) {
 	type chunk struct {
 		b  []byte
 		at time.Time
@@ -66,11 +76,15 @@ func delayCopy(dst, src net.Conn, d time.Duration) {
 	}()
 	for c := range q {
 		time.Sleep(time.Until(c.at))
-		if _, err := dst.Write(c.b); err != nil {
+		w := dst()
+		if w == nil {
+			break
+		}
+		if _, err := w.Write(c.b); err != nil {
 			break
 		}
 	}
-	if tc, ok := dst.(*net.TCPConn); ok {
+	if tc, ok := dst().(*net.TCPConn); ok {
 		tc.CloseWrite()
 	}
 	for range q {

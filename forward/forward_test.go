@@ -40,7 +40,7 @@ type fixture struct {
 	verified atomic.Bool
 }
 
-func newFixture(t *testing.T, mod func(*Config)) *fixture {
+func newFixture(t testing.TB, mod func(*Config)) *fixture {
 	t.Helper()
 	f := &fixture{gw: forwardtest.NewGateway(t, "gw-1"), reg: NewRegistry()}
 	v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": f.gw.Pub}})

@@ -62,6 +62,11 @@ const (
 )
 
 func TestMain(m *testing.M) {
+	if os.Getenv(bulkPeerEnv) != "" {
+		err := runBulkPeer(os.Stdin, os.Stdout)
+		fmt.Fprintf(os.Stderr, "bulk peer: %v\n", err)
+		os.Exit(1)
+	}
 	if cfg := os.Getenv(idlePeerEnv); cfg != "" {
 		if err := runIdlePeer(cfg, os.Stdin, os.Stdout); err != nil {
 			fmt.Fprintf(os.Stderr, "idle-tunnel peer: %v\n", err)

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"time"
 
@@ -43,6 +44,9 @@ type standbys struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
+	// ready and filling hold entries only for forwarders with standby
+	// connections ready or being opened: a gateway that dialed many
+	// forwarders once keeps nothing for them.
 	mu      sync.Mutex
 	ready   map[string][]*standbyConn // by forwarder, oldest first
 	filling map[string]bool
@@ -78,7 +82,7 @@ func (s *standbys) take(forwarder string) *ktls.Conn {
 			return nil
 		}
 		c := q[0]
-		s.ready[forwarder] = q[1:]
+		s.setReady(forwarder, q[1:])
 		s.mu.Unlock()
 		if !c.expire.Stop() {
 			continue // expiring: its timer closes it
@@ -134,7 +138,7 @@ func (s *standbys) refill(forwarder string) {
 func (s *standbys) add(forwarder string) bool {
 	s.mu.Lock()
 	if len(s.ready[forwarder]) >= s.d.cfg.Standby || s.ctx.Err() != nil {
-		s.filling[forwarder] = false
+		delete(s.filling, forwarder)
 		s.mu.Unlock()
 		return false
 	}
@@ -145,7 +149,7 @@ func (s *standbys) add(forwarder string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err != nil || s.ctx.Err() != nil {
-		s.filling[forwarder] = false
+		delete(s.filling, forwarder)
 		if err == nil {
 			conn.Close()
 		} else if s.ctx.Err() == nil {
@@ -159,18 +163,22 @@ func (s *standbys) add(forwarder string) bool {
 	return true
 }
 
+// setReady sets forwarder's ready connections to q, dropping its entry
+// when q is empty. s.mu is held.
+func (s *standbys) setReady(forwarder string, q []*standbyConn) {
+	if len(q) == 0 {
+		delete(s.ready, forwarder)
+		return
+	}
+	s.ready[forwarder] = q
+}
+
 // expire closes c, a standby connection kept StandbyMaxIdle unused.
 func (s *standbys) expire(forwarder string, c *standbyConn) {
 	s.mu.Lock()
 	q := s.ready[forwarder]
-	for i, x := range q {
-		if x == c {
-			s.ready[forwarder] = append(q[:i:i], q[i+1:]...)
-			break
-		}
-	}
-	if len(s.ready[forwarder]) == 0 {
-		delete(s.ready, forwarder)
+	if i := slices.Index(q, c); i >= 0 {
+		s.setReady(forwarder, slices.Delete(q, i, i+1))
 	}
 	s.mu.Unlock()
 	c.conn.Close()

@@ -173,6 +173,13 @@ func TestStandbyLostAndExpired(t *testing.T) {
 	if short.standbyReady(f.addr()) != 0 {
 		t.Error("an expired standby connection is still ready")
 	}
+	// Nothing is kept for a forwarder with no standby connection left.
+	short.standby.mu.Lock()
+	ready, filling := len(short.standby.ready), len(short.standby.filling)
+	short.standby.mu.Unlock()
+	if ready != 0 || filling != 0 {
+		t.Errorf("%d ready and %d filling entries kept after the last standby connection expired, want none", ready, filling)
+	}
 	if rej := f.reg.RefusedTunnels(); len(rej) != 0 {
 		t.Errorf("forwarder rejections %v, want none", rej)
 	}

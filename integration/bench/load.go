@@ -370,8 +370,8 @@ func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p
 		}
 		s := gen.step(ctx, rate, time.Duration(secs*float64(time.Second)), seed)
 		s.SettleSeconds = round(settled.Seconds(), 1)
-		log.Printf("   %s %s %.0f/s: offered %d, completed %d, saturated %d, errors %v, goodput %.1f/s, p50 %.0f p99 %.0f p99.9 %.0f max %.0f µs, lag p99 %.0f µs, generator %.2f cores, contender %.2f cores",
-			c.name, r.Shape, rate, s.Offered, s.Completed, s.Saturated, s.Causes, s.Goodput, s.P50us, s.P99us, s.P999us, s.MaxUs, s.LagP99us, s.GenCPU, s.ContenderCPU)
+		log.Printf("   %s %s %.0f/s: offered %d, completed %d, saturated %d, errors %v, goodput %.1f/s, p50 %.0f p99 %.0f p99.9 %.0f max %.0f µs, lag p99 %.0f µs, generator %.2f cores, contender %.2f cores, rss %d MiB, fds %d",
+			c.name, r.Shape, rate, s.Offered, s.Completed, s.Saturated, s.Causes, s.Goodput, s.P50us, s.P99us, s.P999us, s.MaxUs, s.LagP99us, s.GenCPU, s.ContenderCPU, s.ContenderRSS>>20, s.ContenderFDs)
 		return s
 	}
 	fairRate := 0.0

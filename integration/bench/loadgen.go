@@ -9,7 +9,9 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -300,6 +302,11 @@ type loadStep struct {
 	GenCPU float64 `json:"gen_cpu"`
 	// ContenderCPU: the contender's CPU in cores over the step.
 	ContenderCPU float64 `json:"contender_cpu"`
+	// ContenderRSS and ContenderFDs: the contender's resident memory
+	// (bytes) and open file descriptors at the step's end, the tunnels it
+	// holds and the calls still in flight included.
+	ContenderRSS int64 `json:"contender_rss_bytes,omitempty"`
+	ContenderFDs int   `json:"contender_fds,omitempty"`
 	// SettleSeconds: how long the step waited, before it began, for the
 	// contender to be idle (the work a previous step left it).
 	SettleSeconds float64 `json:"settle_s"`
@@ -398,6 +405,9 @@ func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, see
 		cpu, _, _, _ := cpuUsed(cont0, cont1)
 		s.ContenderCPU = round(cpu/wall, 2)
 	}
+	if g.pid != 0 {
+		s.ContenderRSS, s.ContenderFDs = procMemory(g.pid)
+	}
 	s.Goodput = round(float64(inWindow)/dur.Seconds(), 1)
 	us := func(d time.Duration) float64 { return round(float64(d)/1e3, 1) }
 	s.P50us, s.P99us, s.P999us, s.MaxUs = us(lat.percentile(50)), us(lat.percentile(99)), us(lat.percentile(99.9)), us(lat.max)
@@ -406,6 +416,24 @@ func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, see
 		s.Errors, s.Causes = nil, nil
 	}
 	return s
+}
+
+// procMemory is pid's resident set (VmRSS, bytes) and its open file
+// descriptors; 0 for what /proc does not say.
+func procMemory(pid int) (rss int64, fds int) {
+	if status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid)); err == nil {
+		for line := range strings.SplitSeq(string(status), "\n") {
+			if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+				var kb int64
+				fmt.Sscan(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), &kb)
+				rss = kb << 10
+			}
+		}
+	}
+	if ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid)); err == nil {
+		fds = len(ents)
+	}
+	return rss, fds
 }
 
 // timerSlack is how late a Go timer may fire on Linux, whose poller

@@ -101,8 +101,10 @@ type loadResult struct {
 }
 
 // loadContenders are the contenders a load run can drive: the forwarder and
-// the peers, each verifying the gateway's client certificate.
-var loadContenders = []string{"ktls", "l4-proxy", "reverse-proxy", "haproxy", "nginx"}
+// the peers, each verifying the gateway's client certificate. ktls-off is
+// the forwarder in userspace TLS: its shedding and its handshakes are the
+// forwarder's own, on a kernel without kTLS too.
+var loadContenders = []string{"ktls", "ktls-off", "l4-proxy", "reverse-proxy", "haproxy", "nginx"}
 
 var loadShapes = []string{"reuse", "per-call"}
 

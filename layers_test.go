@@ -54,6 +54,7 @@ var layers = []layer{
 	{"cmd/caddy", true, []string{""}},
 
 	// Tools and examples beside the product.
+	{"integration/internal/loadjson", false, nil}, // the load run's JSON, which bench writes and benchreport renders
 	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest"}},
 	{"integration/benchreport", false, nil},
 	{"deploy", false, nil},

@@ -56,7 +56,7 @@ var layers = []layer{
 	// Tools and examples beside the product.
 	{"integration/internal/loadjson", false, nil}, // the load run's JSON, which bench writes and benchreport renders
 	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest", "integration/internal/loadjson"}},
-	{"integration/benchreport", false, nil},
+	{"integration/benchreport", false, []string{"integration/internal/loadjson"}},
 	{"deploy", false, nil},
 	{"examples/demo-upstream", false, nil},
 }

@@ -120,17 +120,32 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 	for _, s := range l.Skipped {
 		fmt.Fprintf(&b, "\n- `%s` not run: %s", s.Contender, s.Reason)
 	}
-	b.WriteString("\n\n## Latency per offered rate\n\nLatency from each call's scheduled arrival to its verified response, in ms; goodput is calls completed within the step per second; errors by class; *sat.* counts arrivals that found no free slot (the generator's limit: not started, not the contender's); *lag* is the generator's own lateness (p99), inside the latencies; *gen* its CPU in cores (the upstream's included), *cont.* the contender's; *settle* how long the step first waited for the contender to go idle (work an earlier, overloaded step left it).\n")
+	b.WriteString("\n\n## Latency per offered rate\n\nLatency from each call's scheduled arrival to its verified response, in ms; goodput is calls completed within the step per second; errors by class; *sat.* counts arrivals that found no free slot (the generator's limit: not started, not the contender's); *lag* is the generator's own lateness (p99), inside the latencies; *gen* its CPU in cores (the upstream's included), *cont.* the contender's; *settle* how long the step first waited for the contender to go idle (work an earlier, overloaded step left it).")
+	// The contender's memory has a column only in runs that recorded it
+	// (before, bench load did not): a step without it shows "–".
+	memory := slices.ContainsFunc(l.Results, func(r *loadjson.Result) bool { return slices.ContainsFunc(resultSteps(r), hasMemory) })
+	if memory {
+		b.WriteString(" The last column, *cont. RSS MiB / fds*, is the contender's resident memory and open file descriptors at the step's end, its tunnels and the calls still in flight included (– where a step did not record them).")
+	}
+	b.WriteString("\n")
 	for _, r := range l.Results {
 		fmt.Fprintf(&b, "\n### `%s`, %s\n\n", r.Contender, r.Shape)
-		b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n")
+		if memory {
+			b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) | cont. RSS MiB / fds |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n")
+		} else {
+			b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n")
+		}
 		row := func(kind string, s *loadjson.Step) {
 			pct := "–"
 			if s.Pct > 0 {
 				pct = fmt.Sprintf("%g", s.Pct)
 			}
-			fmt.Fprintf(&b, "| %s | %.0f | %s | %d | %d | %.1f | %s | %s | %s | %s | %s | %d | %s | %.2f | %.2f | %.1f |\n", kind, s.Rate, pct, s.Offered, s.Completed, s.Goodput,
+			fmt.Fprintf(&b, "| %s | %.0f | %s | %d | %d | %.1f | %s | %s | %s | %s | %s | %d | %s | %.2f | %.2f | %.1f |", kind, s.Rate, pct, s.Offered, s.Completed, s.Goodput,
 				ms(s.P50us), ms(s.P99us), ms(s.P999us), ms(s.MaxUs), errorCell(s), s.Saturated, ms(s.LagP99us), s.GenCPU, s.ContenderCPU, s.SettleSeconds)
+			if memory {
+				fmt.Fprintf(&b, " %s |", memoryCell(s))
+			}
+			b.WriteString("\n")
 		}
 		if r.Unloaded != nil {
 			row("unloaded", r.Unloaded)
@@ -174,14 +189,7 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 	any := false
 	for _, r := range l.Results {
 		causes := map[string]int{}
-		steps := append(append([]loadjson.Step{}, r.Search...), r.Steps...)
-		if r.Unloaded != nil {
-			steps = append(steps, *r.Unloaded)
-		}
-		if r.Fairness != nil {
-			steps = append(steps, *r.Fairness)
-		}
-		for _, s := range steps {
+		for _, s := range resultSteps(r) {
 			for k, v := range s.Causes {
 				causes[k] += v
 			}
@@ -209,6 +217,39 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 		fmt.Fprintf(&b, "- %s\n", n)
 	}
 	return b.Bytes()
+}
+
+// resultSteps are the steps of r that its table shows: the search, the
+// sweep (or fixed rates), the unloaded step and the fairness step (the
+// baseline is one of the sweep's).
+func resultSteps(r *loadjson.Result) []loadjson.Step {
+	steps := append(append([]loadjson.Step{}, r.Search...), r.Steps...)
+	if r.Unloaded != nil {
+		steps = append(steps, *r.Unloaded)
+	}
+	if r.Fairness != nil {
+		steps = append(steps, *r.Fairness)
+	}
+	return steps
+}
+
+// hasMemory says whether s recorded the contender's memory.
+func hasMemory(s loadjson.Step) bool { return s.ContenderRSS > 0 || s.ContenderFDs > 0 }
+
+// memoryCell is the contender's resident memory in MiB and its open file
+// descriptors at the end of s, "–" for what the step did not record.
+func memoryCell(s *loadjson.Step) string {
+	if !hasMemory(*s) {
+		return "–"
+	}
+	rss, fds := "–", "–"
+	if s.ContenderRSS > 0 {
+		rss = fmt.Sprintf("%.1f", float64(s.ContenderRSS)/(1<<20))
+	}
+	if s.ContenderFDs > 0 {
+		fds = fmt.Sprintf("%d", s.ContenderFDs)
+	}
+	return rss + " / " + fds
 }
 
 // busyCell says which side was busy in a step: the generator, the

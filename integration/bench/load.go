@@ -81,28 +81,11 @@ func runLoad(args []string) error {
 	if len(p.Rates) > 0 {
 		p.SweepPcts = nil
 	}
-	caddyPath, err := filepath.Abs(*caddyBin)
+	h, err := newHarness(*caddyBin, "ktls-load-")
 	if err != nil {
 		return err
 	}
-	self, err := os.Executable()
-	if err != nil {
-		return err
-	}
-	dir, err := os.MkdirTemp("", "ktls-load-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(dir)
-	kp, err := newPKI(dir)
-	if err != nil {
-		return err
-	}
-	up, err := startUpstream()
-	if err != nil {
-		return err
-	}
-	defer up.close()
+	defer h.close()
 	// The targets' listener: the wildcard address, so every 127.1.x.y
 	// reaches it.
 	loadAddr := "127.0.0.1:0"
@@ -135,7 +118,7 @@ func runLoad(args []string) error {
 			rep.Skipped = append(rep.Skipped, loadjson.Skipped{Contender: name, Reason: reason})
 			continue
 		}
-		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, peersMTLS: p.PeersMTLS,
+		env := &runEnv{dir: h.dir, caddy: h.caddy, self: h.self, listen: freeAddr(), up: h.up, pki: h.pki, peersMTLS: p.PeersMTLS,
 			allowCIDRs: []string{"127.0.0.0/8"}, maxConns: 2*p.Tunnels + 64}
 		results, err := loadContender(c, env, p, targets, *timeout, *strict)
 		rep.Results = append(rep.Results, results...)

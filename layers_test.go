@@ -54,8 +54,9 @@ var layers = []layer{
 	{"cmd/caddy", true, []string{""}},
 
 	// Tools and examples beside the product.
-	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest"}},
-	{"integration/benchreport", false, nil},
+	{"integration/internal/loadjson", false, nil}, // the load run's JSON, which bench writes and benchreport renders
+	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest", "integration/internal/loadjson"}},
+	{"integration/benchreport", false, []string{"integration/internal/loadjson"}},
 	{"deploy", false, nil},
 	{"examples/demo-upstream", false, nil},
 }

@@ -21,84 +21,9 @@ import (
 
 	"net/netip"
 
+	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
-
-// loadParams are the sizes of a load run (bench load), recorded in its
-// JSON.
-type loadParams struct {
-	Shapes  []string `json:"shapes"`
-	Tunnels int      `json:"tunnels"`
-	// Targets: sandbox targets behind the forwarder (ktls; the peers
-	// forward to their one configured upstream).
-	Targets         int     `json:"targets"`
-	Req             int     `json:"req"`
-	Resp            int     `json:"resp"`
-	StepSeconds     float64 `json:"step_s"`
-	UnloadedRate    float64 `json:"unloaded_rate"`
-	UnloadedSeconds float64 `json:"unloaded_s"`
-	// Rates: fixed rates instead of the capacity search and sweep.
-	Rates       []float64 `json:"rates,omitempty"`
-	SweepPcts   []float64 `json:"sweep_pcts,omitempty"`
-	MaxRate     float64   `json:"max_rate"`
-	SearchSteps int       `json:"search_steps"`
-	// P99Factor: capacity is the highest rate whose p99 is at most this
-	// many times the unloaded p99, with no error and no saturated arrival.
-	P99Factor     float64 `json:"p99_factor"`
-	CallTimeoutMs int64   `json:"call_timeout_ms"`
-	Seed          uint64  `json:"seed"`
-	// Bulk tunnels stream BulkBytes per transfer, both ways, through a
-	// step at FairnessPct of capacity (or the first fixed rate).
-	Bulk         int     `json:"bulk,omitempty"`
-	BulkBytes    int64   `json:"bulk_bytes,omitempty"`
-	FairnessPct  float64 `json:"fairness_pct,omitempty"`
-	PinContender string  `json:"pin_contender,omitempty"`
-	PeersMTLS    bool    `json:"peers_mtls"`
-}
-
-// loadReport is the JSON document of a load run.
-type loadReport struct {
-	Schema  int           `json:"schema"`
-	Kind    string        `json:"kind"` // "load"
-	Mode    string        `json:"mode"`
-	Label   string        `json:"label,omitempty"`
-	Kernel  string        `json:"kernel"`
-	Date    string        `json:"date"`
-	Commit  string        `json:"commit,omitempty"`
-	Host    string        `json:"host"`
-	Go      string        `json:"go"`
-	CPUs    int           `json:"cpus"`
-	Params  loadParams    `json:"params"`
-	Notes   []string      `json:"notes"`
-	Results []*loadResult `json:"results"`
-	Skipped []skipped     `json:"skipped,omitempty"`
-	OK      bool          `json:"ok"`
-}
-
-// loadResult is one contender and shape.
-type loadResult struct {
-	Contender string    `json:"contender"`
-	Shape     string    `json:"shape"`
-	Unloaded  *loadStep `json:"unloaded,omitempty"`
-	// Capacity: the highest rate that met the bound (calls/s), found by
-	// the Search steps; 0 with fixed rates.
-	Capacity float64    `json:"capacity,omitempty"`
-	Search   []loadStep `json:"search,omitempty"`
-	Steps    []loadStep `json:"steps"`
-	// GoodputRatio: goodput at 200 % of capacity over goodput at 100 %.
-	GoodputRatio float64 `json:"goodput_ratio,omitempty"`
-	// Fairness: the step at FairnessPct again, with bulk tunnels.
-	Fairness *loadStep `json:"fairness,omitempty"`
-	// Baseline: the step without bulk that Fairness compares with.
-	Baseline *loadStep       `json:"baseline,omitempty"`
-	Offload  string          `json:"offload"`
-	TLSStat  kerneltest.Stat `json:"tls_stat_delta,omitempty"`
-	Tunnels  int64           `json:"tunnels_opened"`
-	// Established: of those, the ones with a completed call, which the
-	// key-install check counts.
-	Established int64    `json:"tunnels_established"`
-	Errors      []string `json:"errors,omitempty"`
-}
 
 // loadContenders are the contenders a load run can drive: the forwarder and
 // the peers, each verifying the gateway's client certificate. ktls-off is
@@ -110,7 +35,7 @@ var loadShapes = []string{"reuse", "per-call"}
 
 func runLoad(args []string) error {
 	fs := flag.NewFlagSet("load", flag.ExitOnError)
-	p := loadParams{PeersMTLS: true}
+	p := loadjson.Params{PeersMTLS: true}
 	only := fs.String("contenders", strings.Join(loadContenders, ","), "contenders to drive")
 	shapeList := fs.String("shapes", strings.Join(loadShapes, ","), "shapes: reuse (calls on a fixed set of long-lived tunnels) and per-call (a resumed connection per call)")
 	fs.IntVar(&p.Tunnels, "tunnels", 10000, "reuse: tunnels; per-call: connections in flight at most (either: the generator's slots)")
@@ -158,28 +83,11 @@ func runLoad(args []string) error {
 	if len(p.Rates) > 0 {
 		p.SweepPcts = nil
 	}
-	caddyPath, err := filepath.Abs(*caddyBin)
+	h, err := newHarness(*caddyBin, "ktls-load-")
 	if err != nil {
 		return err
 	}
-	self, err := os.Executable()
-	if err != nil {
-		return err
-	}
-	dir, err := os.MkdirTemp("", "ktls-load-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(dir)
-	kp, err := newPKI(dir)
-	if err != nil {
-		return err
-	}
-	up, err := startUpstream()
-	if err != nil {
-		return err
-	}
-	defer up.close()
+	defer h.close()
 	// The targets' listener: the wildcard address, so every 127.1.x.y
 	// reaches it.
 	loadAddr := "127.0.0.1:0"
@@ -196,7 +104,7 @@ func runLoad(args []string) error {
 
 	var uts syscall.Utsname
 	syscall.Uname(&uts)
-	rep := &loadReport{Schema: 1, Kind: "load", Mode: *mode, Label: *label, Kernel: utsString(uts.Release[:]),
+	rep := &loadjson.Report{Schema: loadjson.Schema, Kind: loadjson.Kind, Mode: *mode, Label: *label, Kernel: utsString(uts.Release[:]),
 		Date: time.Now().UTC().Format(time.RFC3339), Commit: *commit,
 		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Release[:]), utsString(uts.Machine[:])}, " "),
 		Go:   runtime.Version(), CPUs: runtime.NumCPU(), Params: p, Notes: loadNotes(p), OK: true}
@@ -209,10 +117,10 @@ func runLoad(args []string) error {
 		if (c.kernelTX || c.kernelRX) && kernelTLS != nil {
 			reason := fmt.Sprintf("this kernel has no kTLS (%v)", kernelTLS)
 			log.Printf("REFUSED %s: %s", name, reason)
-			rep.Skipped = append(rep.Skipped, skipped{name, reason})
+			rep.Skipped = append(rep.Skipped, loadjson.Skipped{Contender: name, Reason: reason})
 			continue
 		}
-		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, peersMTLS: p.PeersMTLS,
+		env := &runEnv{dir: h.dir, caddy: h.caddy, self: h.self, listen: freeAddr(), up: h.up, pki: h.pki, peersMTLS: p.PeersMTLS,
 			allowCIDRs: []string{"127.0.0.0/8"}, maxConns: 2*p.Tunnels + 64}
 		results, err := loadContender(c, env, p, targets, *timeout, *strict)
 		rep.Results = append(rep.Results, results...)
@@ -283,7 +191,7 @@ func pinned(cmd *exec.Cmd, cpus string) *exec.Cmd {
 }
 
 // loadContender starts c and drives every shape through it.
-func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrPort, timeout time.Duration, strict bool) ([]*loadResult, error) {
+func loadContender(c contender, env *runEnv, p loadjson.Params, targets []netip.AddrPort, timeout time.Duration, strict bool) ([]*loadjson.Result, error) {
 	hops, err := c.hops(env)
 	if err != nil {
 		return nil, err
@@ -301,9 +209,9 @@ func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrP
 		return nil, fmt.Errorf("%w; log:\n%s", err, tail(proc.log))
 	}
 	log.Printf("== load %s (pid %d)", c.name, proc.cmd.Process.Pid)
-	var results []*loadResult
+	var results []*loadjson.Result
 	for _, shape := range p.Shapes {
-		r := &loadResult{Contender: c.name, Shape: shape}
+		r := &loadjson.Result{Contender: c.name, Shape: shape}
 		results = append(results, r)
 		stat0, statErr := kerneltest.ReadStat()
 		g := c.gateway(env, shape == "per-call")
@@ -359,12 +267,12 @@ func loadContender(c contender, env *runEnv, p loadParams, targets []netip.AddrP
 
 // runLoadShape runs the unloaded step, then the fixed rates or the capacity
 // search and the sweep, then the fairness steps.
-func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p loadParams, r *loadResult) {
+func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p loadjson.Params, r *loadjson.Result) {
 	seed := p.Seed
 	// before, when not nil, runs once the contender is idle, just before
 	// the step (the fairness step's bulk tunnels start there).
 	var before func()
-	step := func(rate, secs float64) loadStep {
+	step := func(rate, secs float64) loadjson.Step {
 		seed++
 		settled := gen.settle(ctx, time.Minute)
 		if before != nil {
@@ -388,12 +296,12 @@ func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p
 	} else {
 		u := step(p.UnloadedRate, p.UnloadedSeconds)
 		r.Unloaded = &u
-		if u.errorCount() > 0 || u.Saturated > 0 || u.Completed == 0 {
-			r.Errors = append(r.Errors, fmt.Sprintf("unloaded step: %d errors, %d saturated, %d completed (%s)", u.errorCount(), u.Saturated, u.Completed, u.FirstError))
+		if u.ErrorCount() > 0 || u.Saturated > 0 || u.Completed == 0 {
+			r.Errors = append(r.Errors, fmt.Sprintf("unloaded step: %d errors, %d saturated, %d completed (%s)", u.ErrorCount(), u.Saturated, u.Completed, u.FirstError))
 			return
 		}
 		bound := p.P99Factor * u.P99us
-		ok := func(s loadStep) bool { return s.errorCount() == 0 && s.Saturated == 0 && s.P99us <= bound }
+		ok := func(s loadjson.Step) bool { return s.ErrorCount() == 0 && s.Saturated == 0 && s.P99us <= bound }
 		good, bad := p.UnloadedRate, 0.0
 		for rate := 2 * p.UnloadedRate; rate <= p.MaxRate; rate *= 2 {
 			s := step(rate, p.StepSeconds)
@@ -462,8 +370,8 @@ func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p
 // stepErrors are a result's failures: a wrong byte in any step (never
 // a success, whatever the load), and with strict any failed call,
 // saturated arrival or bulk error.
-func stepErrors(r *loadResult, strict bool) []string {
-	steps := append(append([]loadStep{}, r.Search...), r.Steps...)
+func stepErrors(r *loadjson.Result, strict bool) []string {
+	steps := append(append([]loadjson.Step{}, r.Search...), r.Steps...)
 	if r.Unloaded != nil {
 		steps = append(steps, *r.Unloaded)
 	}
@@ -473,9 +381,9 @@ func stepErrors(r *loadResult, strict bool) []string {
 	var errs []string
 	for _, s := range steps {
 		switch {
-		case s.Errors[classCorrupt] > 0:
-			errs = append(errs, fmt.Sprintf("%.0f/s: %d calls answered wrong bytes", s.Rate, s.Errors[classCorrupt]))
-		case strict && (s.errorCount() > 0 || s.Saturated > 0 || s.BulkErrors > 0):
+		case s.Errors[loadjson.ClassCorrupt] > 0:
+			errs = append(errs, fmt.Sprintf("%.0f/s: %d calls answered wrong bytes", s.Rate, s.Errors[loadjson.ClassCorrupt]))
+		case strict && (s.ErrorCount() > 0 || s.Saturated > 0 || s.BulkErrors > 0):
 			errs = append(errs, fmt.Sprintf("%.0f/s (strict): errors %v, %d generator-saturated, %d bulk errors; first: %s", s.Rate, s.Causes, s.Saturated, s.BulkErrors, s.FirstError))
 		}
 	}
@@ -511,7 +419,7 @@ func bulkLoop(ctx context.Context, g *gateway, download bool, n int64) bulkTally
 }
 
 // loadNotes describe the method, recorded in the JSON and rendered.
-func loadNotes(p loadParams) []string {
+func loadNotes(p loadjson.Params) []string {
 	return []string{
 		"open loop: calls arrive as a Poisson process at the offered rate (seeded, so a seed gives the same schedule); each call's latency runs from its scheduled arrival to its verified response, so time a call spent waiting behind a slow contender or a late generator counts (no coordinated omission).",
 		"slots: reuse runs its calls on a fixed set of tunnels opened (with one uncounted call each) before any step, one call at a time per tunnel; per-call opens a connection per call whose TLS session resumes (the gateway's session cache is filled by one uncounted call first), with at most params.tunnels connections in flight. An arrival that finds no free slot is generator_saturated: not started, not the contender's error.",

@@ -8,34 +8,9 @@ import (
 	"net"
 	"os"
 	"syscall"
-)
 
-// The classes of a failed load call, each named for who caused it.
-const (
-	// classRefused: the proxy refused the call: a TLS alert before or
-	// during the handshake (access_denied there is the forwarder shedding
-	// an overloaded connection), access_denied on the first read after the
-	// preamble (the forwarder's bound on pending dials), the peer closing
-	// before the handshake completed, a refused TCP connection, or an
-	// HTTP 503 (reverse_proxy's own refusal).
-	classRefused = "refused"
-	// classTarget: the upstream's own failure, as the proxy reports it
-	// (HTTP 502).
-	classTarget = "target"
-	// classTimeout: the generator's own per-call deadline passed (a
-	// proxy-side timeout shows as a close or an alert instead).
-	classTimeout = "timeout"
-	// classReset: a TCP reset (ECONNRESET, EPIPE).
-	classReset = "reset"
-	// classCorrupt: a response byte that differs from the payload: the
-	// call failed, whatever else happened.
-	classCorrupt = "corrupt"
-	// classOther: anything else, the error's text as its cause.
-	classOther = "other"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
 )
-
-// loadClasses are the classes in the order the reports list them.
-var loadClasses = []string{classRefused, classTarget, classTimeout, classReset, classCorrupt, classOther}
 
 // Phases of a load call, in order: where an error happened decides
 // what it means.
@@ -76,43 +51,43 @@ func classify(err error) (class, cause string) {
 	var st httpStatusError
 	switch {
 	case errors.Is(err, errWrongBytes):
-		return classCorrupt, "wrong bytes"
+		return loadjson.ClassCorrupt, "wrong bytes"
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded):
-		return classTimeout, "generator deadline"
+		return loadjson.ClassTimeout, "generator deadline"
 	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
-		return classReset, "reset in " + phase
+		return loadjson.ClassReset, "reset in " + phase
 	case errors.Is(err, syscall.ECONNREFUSED):
-		return classRefused, "connection refused"
+		return loadjson.ClassRefused, "connection refused"
 	case errors.As(err, &op) && op.Op == "remote error":
 		// A TLS alert from the peer: access_denied is the forwarder's
 		// overload refusal, before the handshake (max_handshakes) or on
 		// the first read after the preamble (max_pending_dials).
 		alert := op.Err.Error()
 		if alert == "tls: access denied" && (phase == phaseConnect || phase == phasePreamble || phase == phaseFirstRead) {
-			return classRefused, "overloaded"
+			return loadjson.ClassRefused, "overloaded"
 		}
 		if phase == phaseConnect {
-			return classRefused, alert
+			return loadjson.ClassRefused, alert
 		}
-		return classOther, "alert in " + phase + ": " + alert
+		return loadjson.ClassOther, "alert in " + phase + ": " + alert
 	case errors.As(err, &st):
 		switch st.code {
 		case 502:
-			return classTarget, "HTTP 502"
+			return loadjson.ClassTarget, "HTTP 502"
 		case 503:
-			return classRefused, "HTTP 503"
+			return loadjson.ClassRefused, "HTTP 503"
 		case 504:
-			return classOther, "HTTP 504 (proxy timeout)"
+			return loadjson.ClassOther, "HTTP 504 (proxy timeout)"
 		}
-		return classOther, st.Error()
+		return loadjson.ClassOther, st.Error()
 	case phase == phaseConnect && (errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)):
-		return classRefused, "closed before the handshake"
+		return loadjson.ClassRefused, "closed before the handshake"
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return classOther, "closed in " + phase
+		return loadjson.ClassOther, "closed in " + phase
 	}
 	msg := err.Error()
 	if len(msg) > 120 {
 		msg = msg[:120]
 	}
-	return classOther, msg
+	return loadjson.ClassOther, msg
 }

@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
 )
 
 // loadGen is the open-loop load generator of one contender and shape: calls
@@ -269,70 +271,12 @@ func (g *loadGen) httpCall(ctx context.Context) (err error) {
 	return nil
 }
 
-// loadStep is one step of a run at a fixed offered rate.
-type loadStep struct {
-	// Rate is the offered rate (calls/s); Pct its share of the
-	// contender's capacity in a sweep (0 elsewhere).
-	Rate    float64 `json:"rate"`
-	Pct     float64 `json:"pct,omitempty"`
-	Seconds float64 `json:"seconds"`
-	// Offered: arrivals scheduled; Completed: calls whose bytes were all
-	// right; Saturated: arrivals that found no free slot (the generator's
-	// limit, not the contender's: not started, not an error).
-	Offered   int `json:"offered"`
-	Completed int `json:"completed"`
-	Saturated int `json:"generator_saturated"`
-	// Errors per class (loadClasses), and per "class: cause".
-	Errors map[string]int `json:"errors,omitempty"`
-	Causes map[string]int `json:"causes,omitempty"`
-	// Goodput: calls completed within the step's span, per second.
-	Goodput float64 `json:"goodput"`
-	// Latencies of the completed calls from their scheduled arrival (µs).
-	P50us  float64 `json:"p50_us"`
-	P99us  float64 `json:"p99_us"`
-	P999us float64 `json:"p999_us"`
-	MaxUs  float64 `json:"max_us"`
-	// LagP99us, LagMaxus: how late the generator started calls after
-	// their scheduled arrival (its own lag, inside the latencies above).
-	LagP99us float64 `json:"lag_p99_us"`
-	LagMaxus float64 `json:"lag_max_us"`
-	// GenCPU: the generator process's CPU (it also runs the upstream) in
-	// cores over the step: near its vCPU count, the generator, not the
-	// contender, may be the limit.
-	GenCPU float64 `json:"gen_cpu"`
-	// ContenderCPU: the contender's CPU in cores over the step.
-	ContenderCPU float64 `json:"contender_cpu"`
-	// ContenderRSS and ContenderFDs: the contender's resident memory
-	// (bytes) and open file descriptors at the step's end, the tunnels it
-	// holds and the calls still in flight included.
-	ContenderRSS int64 `json:"contender_rss_bytes,omitempty"`
-	ContenderFDs int   `json:"contender_fds,omitempty"`
-	// SettleSeconds: how long the step waited, before it began, for the
-	// contender to be idle (the work a previous step left it).
-	SettleSeconds float64 `json:"settle_s"`
-	// Bulk: the bulk tunnels streaming alongside (fairness steps), and
-	// the bytes they moved and their errors.
-	Bulk       int    `json:"bulk,omitempty"`
-	BulkBytes  int64  `json:"bulk_bytes,omitempty"`
-	BulkErrors int    `json:"bulk_errors,omitempty"`
-	FirstError string `json:"first_error,omitempty"`
-}
-
-// errorCount is the step's failed calls over every class.
-func (s *loadStep) errorCount() int {
-	n := 0
-	for _, v := range s.Errors {
-		n += v
-	}
-	return n
-}
-
 // step offers calls at rate for dur on the schedule of seed, waits for the
 // calls in flight to end (each bounded by the generator's timeout), and
 // returns the step's figures.
-func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, seed uint64) loadStep {
+func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, seed uint64) loadjson.Step {
 	sched := poissonSchedule(rate, dur, seed)
-	s := loadStep{Rate: rate, Seconds: dur.Seconds(), Offered: len(sched), Errors: map[string]int{}, Causes: map[string]int{}}
+	s := loadjson.Step{Rate: rate, Seconds: dur.Seconds(), Offered: len(sched), Errors: map[string]int{}, Causes: map[string]int{}}
 	var (
 		mu       sync.Mutex
 		lat, lag histogram

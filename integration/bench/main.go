@@ -167,6 +167,45 @@ const resumedShape = "small-per-call-resumed"
 
 const gib = 1 << 30
 
+// harness is what every contender of a run (bench run, bench load)
+// shares: the Caddy binary and this executable (the floors run it again)
+// by absolute path, a temporary directory holding the run's PKI and the
+// contenders' files, and the upstream.
+type harness struct {
+	caddy, self, dir string
+	pki              *pki
+	up               *upstream
+}
+
+// newHarness makes a harness whose directory's name starts with
+// tmpPrefix; on an error it undoes what it made.
+func newHarness(caddyBin, tmpPrefix string) (_ *harness, err error) {
+	h := &harness{}
+	if h.caddy, err = filepath.Abs(caddyBin); err != nil {
+		return nil, err
+	}
+	if h.self, err = os.Executable(); err != nil {
+		return nil, err
+	}
+	if h.dir, err = os.MkdirTemp("", tmpPrefix); err != nil {
+		return nil, err
+	}
+	if h.pki, err = newPKI(h.dir); err == nil {
+		h.up, err = startUpstream()
+	}
+	if err != nil {
+		os.RemoveAll(h.dir)
+		return nil, err
+	}
+	return h, nil
+}
+
+// close stops the upstream and removes the directory.
+func (h *harness) close() {
+	h.up.close()
+	os.RemoveAll(h.dir)
+}
+
 func runDriver(args []string) error {
 	fs := flag.NewFlagSet("run", flag.ExitOnError)
 	var p params
@@ -206,28 +245,11 @@ func runDriver(args []string) error {
 			return err
 		}
 	}
-	caddyPath, err := filepath.Abs(*caddyBin)
+	h, err := newHarness(*caddyBin, "ktls-bench-")
 	if err != nil {
 		return err
 	}
-	self, err := os.Executable()
-	if err != nil {
-		return err
-	}
-	dir, err := os.MkdirTemp("", "ktls-bench-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(dir)
-	kp, err := newPKI(dir)
-	if err != nil {
-		return err
-	}
-	up, err := startUpstream()
-	if err != nil {
-		return err
-	}
-	defer up.close()
+	defer h.close()
 
 	var uts syscall.Utsname
 	syscall.Uname(&uts)
@@ -255,13 +277,13 @@ func runDriver(args []string) error {
 			rep.Skipped = append(rep.Skipped, skipped{c.name, reason})
 			continue
 		}
-		env := &runEnv{dir: dir, caddy: caddyPath, self: self, listen: freeAddr(), up: up, pki: kp, countRequired: *mode != "native", gatewayKTLS: p.GatewayKTLS, peersMTLS: p.PeersMTLS}
+		env := &runEnv{dir: h.dir, caddy: h.caddy, self: h.self, listen: freeAddr(), up: h.up, pki: h.pki, countRequired: *mode != "native", gatewayKTLS: p.GatewayKTLS, peersMTLS: p.PeersMTLS}
 		if c.chain != nil {
 			env.hopListen = freeAddr()
 			chains = true
 		}
 		if *pprofDir != "" && c.chain == nil {
-			env.adminSock = filepath.Join(dir, c.name+".admin.sock")
+			env.adminSock = filepath.Join(h.dir, c.name+".admin.sock")
 		}
 		results, err := benchContender(c, env, p, shapeNames, !*noTrace, *timeout, *pprofDir)
 		rep.Results = append(rep.Results, results...)

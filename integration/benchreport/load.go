@@ -7,98 +7,18 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+
+	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
 )
 
-// Load is the JSON document of an open-loop load run (bench load; the
-// fields the report shows).
-type Load struct {
-	Kind   string `json:"kind"`
-	Mode   string `json:"mode"`
-	Label  string `json:"label"`
-	Kernel string `json:"kernel"`
-	Date   string `json:"date"`
-	Commit string `json:"commit"`
-	Host   string `json:"host"`
-	Go     string `json:"go"`
-	CPUs   int    `json:"cpus"`
-	Params struct {
-		Shapes          []string  `json:"shapes"`
-		Tunnels         int       `json:"tunnels"`
-		Targets         int       `json:"targets"`
-		Req             int       `json:"req"`
-		Resp            int       `json:"resp"`
-		StepSeconds     float64   `json:"step_s"`
-		UnloadedRate    float64   `json:"unloaded_rate"`
-		UnloadedSeconds float64   `json:"unloaded_s"`
-		Rates           []float64 `json:"rates"`
-		SweepPcts       []float64 `json:"sweep_pcts"`
-		P99Factor       float64   `json:"p99_factor"`
-		CallTimeoutMs   int64     `json:"call_timeout_ms"`
-		Seed            uint64    `json:"seed"`
-		Bulk            int       `json:"bulk"`
-		BulkBytes       int64     `json:"bulk_bytes"`
-		FairnessPct     float64   `json:"fairness_pct"`
-		PinContender    string    `json:"pin_contender"`
-	} `json:"params"`
-	Notes   []string      `json:"notes"`
-	Results []*LoadResult `json:"results"`
-	Skipped []struct {
-		Contender string `json:"contender"`
-		Reason    string `json:"reason"`
-	} `json:"skipped"`
-	OK bool `json:"ok"`
-}
-
-// LoadResult is one contender and shape of a load run.
-type LoadResult struct {
-	Contender    string     `json:"contender"`
-	Shape        string     `json:"shape"`
-	Unloaded     *LoadStep  `json:"unloaded"`
-	Capacity     float64    `json:"capacity"`
-	Search       []LoadStep `json:"search"`
-	Steps        []LoadStep `json:"steps"`
-	GoodputRatio float64    `json:"goodput_ratio"`
-	Fairness     *LoadStep  `json:"fairness"`
-	Baseline     *LoadStep  `json:"baseline"`
-	Offload      string     `json:"offload"`
-	Tunnels      int64      `json:"tunnels_opened"`
-	Errors       []string   `json:"errors"`
-}
-
-// LoadStep is one offered rate.
-type LoadStep struct {
-	Rate       float64        `json:"rate"`
-	Pct        float64        `json:"pct"`
-	Seconds    float64        `json:"seconds"`
-	Offered    int            `json:"offered"`
-	Completed  int            `json:"completed"`
-	Saturated  int            `json:"generator_saturated"`
-	Errors     map[string]int `json:"errors"`
-	Causes     map[string]int `json:"causes"`
-	Goodput    float64        `json:"goodput"`
-	P50us      float64        `json:"p50_us"`
-	P99us      float64        `json:"p99_us"`
-	P999us     float64        `json:"p999_us"`
-	MaxUs      float64        `json:"max_us"`
-	LagP99us   float64        `json:"lag_p99_us"`
-	GenCPU     float64        `json:"gen_cpu"`
-	ContCPU    float64        `json:"contender_cpu"`
-	Settle     float64        `json:"settle_s"`
-	Bulk       int            `json:"bulk"`
-	BulkBytes  int64          `json:"bulk_bytes"`
-	BulkErrors int            `json:"bulk_errors"`
-}
-
-// loadClasses are the error classes in the generator's order.
-var loadClasses = []string{"refused", "target", "timeout", "reset", "corrupt", "other"}
-
-func parseLoad(data []byte) (*Load, error) {
-	var l Load
+// parseLoad reads the JSON of a load run (bench load).
+func parseLoad(data []byte) (*loadjson.Report, error) {
+	var l loadjson.Report
 	if err := json.Unmarshal(data, &l); err != nil {
 		return nil, err
 	}
-	if l.Kind != "load" {
-		return nil, fmt.Errorf("kind %q, want load (a bench load document)", l.Kind)
+	if l.Kind != loadjson.Kind {
+		return nil, fmt.Errorf("kind %q, want %s (a bench load document)", l.Kind, loadjson.Kind)
 	}
 	if len(l.Results) == 0 {
 		return nil, errors.New("no results")
@@ -119,9 +39,9 @@ func ms(us float64) string {
 
 // errorCell is a step's errors by class ("0" for none), and its saturated
 // arrivals apart.
-func errorCell(s *LoadStep) string {
+func errorCell(s *loadjson.Step) string {
 	var parts []string
-	for _, c := range loadClasses {
+	for _, c := range loadjson.Classes {
 		if n := s.Errors[c]; n > 0 {
 			parts = append(parts, fmt.Sprintf("%s %d", c, n))
 		}
@@ -133,7 +53,7 @@ func errorCell(s *LoadStep) string {
 }
 
 // renderLoadMarkdown writes docs/bench/load.md from a load run.
-func renderLoadMarkdown(l *Load, source string) []byte {
+func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 	var b bytes.Buffer
 	p := &l.Params
 	writeTitle(&b, "Under load: latency against offered load (issue 34)", "integration/benchreport", []string{source})
@@ -167,7 +87,7 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 	b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---|---:|---|---|\n")
 	for _, r := range l.Results {
 		unloaded, capacity, ratio, top, busy := "–", "–", "–", "–", "–"
-		if i := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 100 }); i >= 0 {
+		if i := slices.IndexFunc(r.Steps, func(s loadjson.Step) bool { return s.Pct == 100 }); i >= 0 {
 			busy = busyCell(&r.Steps[i])
 		}
 		if r.Unloaded != nil {
@@ -175,7 +95,7 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 		}
 		if r.Capacity > 0 {
 			capacity = fmt.Sprintf("%.0f", r.Capacity)
-			if !slices.ContainsFunc(r.Search, func(s LoadStep) bool { return s.Rate > r.Capacity }) {
+			if !slices.ContainsFunc(r.Search, func(s loadjson.Step) bool { return s.Rate > r.Capacity }) {
 				// No step failed the bound: the search stopped at its
 				// highest rate (params.max_rate).
 				capacity = "≥ " + capacity + " (no search step failed)"
@@ -183,8 +103,8 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 		}
 		// From the sweep's steps, so that a collapse to no goodput at
 		// 200 % shows as 0.
-		at100 := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 100 })
-		at200 := slices.IndexFunc(r.Steps, func(s LoadStep) bool { return s.Pct == 200 })
+		at100 := slices.IndexFunc(r.Steps, func(s loadjson.Step) bool { return s.Pct == 100 })
+		at200 := slices.IndexFunc(r.Steps, func(s loadjson.Step) bool { return s.Pct == 200 })
 		if at100 >= 0 && at200 >= 0 && r.Steps[at100].Goodput > 0 {
 			ratio = fmt.Sprintf("%.2f", r.Steps[at200].Goodput/r.Steps[at100].Goodput)
 		}
@@ -200,17 +120,32 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 	for _, s := range l.Skipped {
 		fmt.Fprintf(&b, "\n- `%s` not run: %s", s.Contender, s.Reason)
 	}
-	b.WriteString("\n\n## Latency per offered rate\n\nLatency from each call's scheduled arrival to its verified response, in ms; goodput is calls completed within the step per second; errors by class; *sat.* counts arrivals that found no free slot (the generator's limit: not started, not the contender's); *lag* is the generator's own lateness (p99), inside the latencies; *gen* its CPU in cores (the upstream's included), *cont.* the contender's; *settle* how long the step first waited for the contender to go idle (work an earlier, overloaded step left it).\n")
+	b.WriteString("\n\n## Latency per offered rate\n\nLatency from each call's scheduled arrival to its verified response, in ms; goodput is calls completed within the step per second; errors by class; *sat.* counts arrivals that found no free slot (the generator's limit: not started, not the contender's); *lag* is the generator's own lateness (p99), inside the latencies; *gen* its CPU in cores (the upstream's included), *cont.* the contender's; *settle* how long the step first waited for the contender to go idle (work an earlier, overloaded step left it).")
+	// The contender's memory has a column only in runs that recorded it
+	// (before, bench load did not): a step without it shows "–".
+	memory := slices.ContainsFunc(l.Results, func(r *loadjson.Result) bool { return slices.ContainsFunc(resultSteps(r), hasMemory) })
+	if memory {
+		b.WriteString(" The last column, *cont. RSS MiB / fds*, is the contender's resident memory and open file descriptors at the step's end, its tunnels and the calls still in flight included (– where a step did not record them).")
+	}
+	b.WriteString("\n")
 	for _, r := range l.Results {
 		fmt.Fprintf(&b, "\n### `%s`, %s\n\n", r.Contender, r.Shape)
-		b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n")
-		row := func(kind string, s *LoadStep) {
+		if memory {
+			b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) | cont. RSS MiB / fds |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n")
+		} else {
+			b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n")
+		}
+		row := func(kind string, s *loadjson.Step) {
 			pct := "–"
 			if s.Pct > 0 {
 				pct = fmt.Sprintf("%g", s.Pct)
 			}
-			fmt.Fprintf(&b, "| %s | %.0f | %s | %d | %d | %.1f | %s | %s | %s | %s | %s | %d | %s | %.2f | %.2f | %.1f |\n", kind, s.Rate, pct, s.Offered, s.Completed, s.Goodput,
-				ms(s.P50us), ms(s.P99us), ms(s.P999us), ms(s.MaxUs), errorCell(s), s.Saturated, ms(s.LagP99us), s.GenCPU, s.ContCPU, s.Settle)
+			fmt.Fprintf(&b, "| %s | %.0f | %s | %d | %d | %.1f | %s | %s | %s | %s | %s | %d | %s | %.2f | %.2f | %.1f |", kind, s.Rate, pct, s.Offered, s.Completed, s.Goodput,
+				ms(s.P50us), ms(s.P99us), ms(s.P999us), ms(s.MaxUs), errorCell(s), s.Saturated, ms(s.LagP99us), s.GenCPU, s.ContenderCPU, s.SettleSeconds)
+			if memory {
+				fmt.Fprintf(&b, " %s |", memoryCell(s))
+			}
+			b.WriteString("\n")
 		}
 		if r.Unloaded != nil {
 			row("unloaded", r.Unloaded)
@@ -233,7 +168,7 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 		}
 	}
 
-	fair := slices.IndexFunc(l.Results, func(r *LoadResult) bool { return r.Fairness != nil && r.Baseline != nil })
+	fair := slices.IndexFunc(l.Results, func(r *loadjson.Result) bool { return r.Fairness != nil && r.Baseline != nil })
 	if fair >= 0 {
 		fmt.Fprintf(&b, "\n## Fairness: small calls beside bulk tunnels\n\nThe same rate with and without %d bulk tunnels streaming %d MiB transfers (half of them downloads, half uploads) through the same contender: does a bulk transfer hold up small calls? The bulk tunnels' payload, checksums and TLS run in the generator's process, on its vCPU: where the bulk step's *gen* is near 1 core (the +bulk rows above), the rise in p99 is the generator's as much as the contender's, and the ratio says nothing about the contender's fairness.\n\n", p.Bulk, p.BulkBytes>>20)
 		b.WriteString("| contender | shape | offered/s | p99 without (ms) | p99 with (ms) | with / without | bulk MiB moved | small-call errors with bulk | bulk errors |\n|---|---|---:|---:|---:|---:|---:|---|---:|\n")
@@ -254,14 +189,7 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 	any := false
 	for _, r := range l.Results {
 		causes := map[string]int{}
-		steps := append(append([]LoadStep{}, r.Search...), r.Steps...)
-		if r.Unloaded != nil {
-			steps = append(steps, *r.Unloaded)
-		}
-		if r.Fairness != nil {
-			steps = append(steps, *r.Fairness)
-		}
-		for _, s := range steps {
+		for _, s := range resultSteps(r) {
 			for k, v := range s.Causes {
 				causes[k] += v
 			}
@@ -291,11 +219,44 @@ func renderLoadMarkdown(l *Load, source string) []byte {
 	return b.Bytes()
 }
 
+// resultSteps are the steps of r that its table shows: the search, the
+// sweep (or fixed rates), the unloaded step and the fairness step (the
+// baseline is one of the sweep's).
+func resultSteps(r *loadjson.Result) []loadjson.Step {
+	steps := append(append([]loadjson.Step{}, r.Search...), r.Steps...)
+	if r.Unloaded != nil {
+		steps = append(steps, *r.Unloaded)
+	}
+	if r.Fairness != nil {
+		steps = append(steps, *r.Fairness)
+	}
+	return steps
+}
+
+// hasMemory says whether s recorded the contender's memory.
+func hasMemory(s loadjson.Step) bool { return s.ContenderRSS > 0 || s.ContenderFDs > 0 }
+
+// memoryCell is the contender's resident memory in MiB and its open file
+// descriptors at the end of s, "–" for what the step did not record.
+func memoryCell(s *loadjson.Step) string {
+	if !hasMemory(*s) {
+		return "–"
+	}
+	rss, fds := "–", "–"
+	if s.ContenderRSS > 0 {
+		rss = fmt.Sprintf("%.1f", float64(s.ContenderRSS)/(1<<20))
+	}
+	if s.ContenderFDs > 0 {
+		fds = fmt.Sprintf("%d", s.ContenderFDs)
+	}
+	return rss + " / " + fds
+}
+
 // busyCell says which side was busy in a step: the generator, the
 // contender, both (0.85 cores or more), or neither.
-func busyCell(s *LoadStep) string {
-	gen, cont := s.GenCPU >= 0.85, s.ContCPU >= 0.85
-	cores := fmt.Sprintf(" (gen %.2f, cont. %.2f)", s.GenCPU, s.ContCPU)
+func busyCell(s *loadjson.Step) string {
+	gen, cont := s.GenCPU >= 0.85, s.ContenderCPU >= 0.85
+	cores := fmt.Sprintf(" (gen %.2f, cont. %.2f)", s.GenCPU, s.ContenderCPU)
 	switch {
 	case gen && cont:
 		return "both" + cores

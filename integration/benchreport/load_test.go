@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"flag"
 	"os"
+	"strings"
 	"testing"
 )
 
@@ -47,5 +48,76 @@ func TestParseLoadRefusesOtherKinds(t *testing.T) {
 	}
 	if _, err := parseLoad(data); err == nil {
 		t.Error("a results document parsed as a load run")
+	}
+}
+
+// A run that recorded the contender's memory shows it in one more column
+// of the per-step tables, "–" in a step without it; the rest of the
+// report is the one without memory (the golden file's), line for line.
+func TestLoadReportContenderMemory(t *testing.T) {
+	const in, golden = "testdata/synthetic-load.json", "testdata/synthetic-load.golden.md"
+	data, err := os.ReadFile(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := parseLoad(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ktls := l.Results[0]
+	ktls.Unloaded.ContenderRSS, ktls.Unloaded.ContenderFDs = 3<<20+1<<19, 25
+	ktls.Steps[1].ContenderRSS, ktls.Steps[1].ContenderFDs = 812<<20, 10071
+	ktls.Fairness.ContenderFDs = 9 // fds without RSS
+	got := strings.Split(string(renderLoadMarkdown(l, in)), "\n")
+	wantData, err := os.ReadFile(golden)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := strings.Split(string(wantData), "\n")
+	if len(got) != len(want) {
+		t.Fatalf("%d lines, the report without memory has %d", len(got), len(want))
+	}
+	cells := map[string]string{
+		"| unloaded | 10 | – | 100 | 100 | 10.0 | 0.90 |": "3.5 / 25",
+		"| sweep | 600 | 200 |":                           "812.0 / 10071",
+		"| +2 bulk | 300 |":                               "– / 9",
+	}
+	var headers, rows int
+	for i := range got {
+		added, ok := strings.CutPrefix(got[i], want[i])
+		switch {
+		case !ok:
+			t.Errorf("line %d:\n got  %s\n want %s (and a column)", i+1, got[i], want[i])
+		case added == "":
+		case strings.HasPrefix(want[i], "| step |"):
+			headers++
+			if added != " cont. RSS MiB / fds |" {
+				t.Errorf("line %d: header adds %q", i+1, added)
+			}
+		case strings.HasPrefix(want[i], "|---|---:|---:|---:|"):
+			if added != "---:|" {
+				t.Errorf("line %d: alignment adds %q", i+1, added)
+			}
+		case strings.HasPrefix(want[i], "Latency from each call"):
+			if !strings.Contains(added, "*cont. RSS MiB / fds*, is the contender's resident memory and open file descriptors") {
+				t.Errorf("line %d: the legend adds %q", i+1, added)
+			}
+		case strings.HasPrefix(want[i], "| "):
+			rows++
+			cell := "–"
+			for prefix, c := range cells {
+				if strings.HasPrefix(want[i], prefix) {
+					cell = c
+				}
+			}
+			if added != " "+cell+" |" {
+				t.Errorf("line %d: row %s adds %q, want %q", i+1, want[i], added, " "+cell+" |")
+			}
+		default:
+			t.Errorf("line %d adds %q", i+1, added)
+		}
+	}
+	if headers != len(l.Results) || rows != 9 {
+		t.Errorf("the column is in %d tables and %d rows, want %d tables and 9 rows", headers, rows, len(l.Results))
 	}
 }

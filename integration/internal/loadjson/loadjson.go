@@ -1,0 +1,180 @@
+// Package loadjson is the JSON document of an open-loop load run: bench
+// load (integration/bench) writes it and benchreport load
+// (integration/benchreport) renders it, docs/bench/load.json into
+// docs/bench/load.md. Its types are that document's schema, declared once
+// for both: a field added here is written by the one and read by the other.
+package loadjson
+
+// Kind and Schema identify a load document.
+const (
+	Kind   = "load"
+	Schema = 1
+)
+
+// Report is the JSON document of a load run.
+type Report struct {
+	Schema  int       `json:"schema"`
+	Kind    string    `json:"kind"` // Kind
+	Mode    string    `json:"mode"`
+	Label   string    `json:"label,omitempty"`
+	Kernel  string    `json:"kernel"`
+	Date    string    `json:"date"`
+	Commit  string    `json:"commit,omitempty"`
+	Host    string    `json:"host"`
+	Go      string    `json:"go"`
+	CPUs    int       `json:"cpus"`
+	Params  Params    `json:"params"`
+	Notes   []string  `json:"notes"`
+	Results []*Result `json:"results"`
+	Skipped []Skipped `json:"skipped,omitempty"`
+	OK      bool      `json:"ok"`
+}
+
+// Params are the sizes of a load run.
+type Params struct {
+	Shapes  []string `json:"shapes"`
+	Tunnels int      `json:"tunnels"`
+	// Targets: sandbox targets behind the forwarder (ktls; the peers
+	// forward to their one configured upstream).
+	Targets         int     `json:"targets"`
+	Req             int     `json:"req"`
+	Resp            int     `json:"resp"`
+	StepSeconds     float64 `json:"step_s"`
+	UnloadedRate    float64 `json:"unloaded_rate"`
+	UnloadedSeconds float64 `json:"unloaded_s"`
+	// Rates: fixed rates instead of the capacity search and sweep.
+	Rates       []float64 `json:"rates,omitempty"`
+	SweepPcts   []float64 `json:"sweep_pcts,omitempty"`
+	MaxRate     float64   `json:"max_rate"`
+	SearchSteps int       `json:"search_steps"`
+	// P99Factor: capacity is the highest rate whose p99 is at most this
+	// many times the unloaded p99, with no error and no saturated arrival.
+	P99Factor     float64 `json:"p99_factor"`
+	CallTimeoutMs int64   `json:"call_timeout_ms"`
+	Seed          uint64  `json:"seed"`
+	// Bulk tunnels stream BulkBytes per transfer, both ways, through a
+	// step at FairnessPct of capacity (or the first fixed rate).
+	Bulk         int     `json:"bulk,omitempty"`
+	BulkBytes    int64   `json:"bulk_bytes,omitempty"`
+	FairnessPct  float64 `json:"fairness_pct,omitempty"`
+	PinContender string  `json:"pin_contender,omitempty"`
+	PeersMTLS    bool    `json:"peers_mtls"`
+}
+
+// Skipped is a contender the run could not drive, and why.
+type Skipped struct {
+	Contender string `json:"contender"`
+	Reason    string `json:"reason"`
+}
+
+// Result is one contender and shape.
+type Result struct {
+	Contender string `json:"contender"`
+	Shape     string `json:"shape"`
+	Unloaded  *Step  `json:"unloaded,omitempty"`
+	// Capacity: the highest rate that met the bound (calls/s), found by
+	// the Search steps; 0 with fixed rates.
+	Capacity float64 `json:"capacity,omitempty"`
+	Search   []Step  `json:"search,omitempty"`
+	Steps    []Step  `json:"steps"`
+	// GoodputRatio: goodput at 200 % of capacity over goodput at 100 %.
+	GoodputRatio float64 `json:"goodput_ratio,omitempty"`
+	// Fairness: the step at FairnessPct again, with bulk tunnels.
+	Fairness *Step `json:"fairness,omitempty"`
+	// Baseline: the step without bulk that Fairness compares with.
+	Baseline *Step  `json:"baseline,omitempty"`
+	Offload  string `json:"offload"`
+	// TLSStat: the change of /proc/net/tls_stat over the shape.
+	TLSStat map[string]int64 `json:"tls_stat_delta,omitempty"`
+	Tunnels int64            `json:"tunnels_opened"`
+	// Established: of those, the ones with a completed call, which the
+	// key-install check counts.
+	Established int64    `json:"tunnels_established"`
+	Errors      []string `json:"errors,omitempty"`
+}
+
+// Step is one step of a run at a fixed offered rate.
+type Step struct {
+	// Rate is the offered rate (calls/s); Pct its share of the
+	// contender's capacity in a sweep (0 elsewhere).
+	Rate    float64 `json:"rate"`
+	Pct     float64 `json:"pct,omitempty"`
+	Seconds float64 `json:"seconds"`
+	// Offered: arrivals scheduled; Completed: calls whose bytes were all
+	// right; Saturated: arrivals that found no free slot (the generator's
+	// limit, not the contender's: not started, not an error).
+	Offered   int `json:"offered"`
+	Completed int `json:"completed"`
+	Saturated int `json:"generator_saturated"`
+	// Errors per class (Classes), and per "class: cause".
+	Errors map[string]int `json:"errors,omitempty"`
+	Causes map[string]int `json:"causes,omitempty"`
+	// Goodput: calls completed within the step's span, per second.
+	Goodput float64 `json:"goodput"`
+	// Latencies of the completed calls from their scheduled arrival (µs).
+	P50us  float64 `json:"p50_us"`
+	P99us  float64 `json:"p99_us"`
+	P999us float64 `json:"p999_us"`
+	MaxUs  float64 `json:"max_us"`
+	// LagP99us, LagMaxus: how late the generator started calls after
+	// their scheduled arrival (its own lag, inside the latencies above).
+	LagP99us float64 `json:"lag_p99_us"`
+	LagMaxus float64 `json:"lag_max_us"`
+	// GenCPU: the generator process's CPU (it also runs the upstream) in
+	// cores over the step: near its vCPU count, the generator, not the
+	// contender, may be the limit.
+	GenCPU float64 `json:"gen_cpu"`
+	// ContenderCPU: the contender's CPU in cores over the step.
+	ContenderCPU float64 `json:"contender_cpu"`
+	// ContenderRSS and ContenderFDs: the contender's resident memory
+	// (bytes) and open file descriptors at the step's end, the tunnels it
+	// holds and the calls still in flight included (0: not recorded).
+	ContenderRSS int64 `json:"contender_rss_bytes,omitempty"`
+	ContenderFDs int   `json:"contender_fds,omitempty"`
+	// SettleSeconds: how long the step waited, before it began, for the
+	// contender to be idle (the work a previous step left it).
+	SettleSeconds float64 `json:"settle_s"`
+	// Bulk: the bulk tunnels streaming alongside (fairness steps), and
+	// the bytes they moved and their errors.
+	Bulk       int    `json:"bulk,omitempty"`
+	BulkBytes  int64  `json:"bulk_bytes,omitempty"`
+	BulkErrors int    `json:"bulk_errors,omitempty"`
+	FirstError string `json:"first_error,omitempty"`
+}
+
+// ErrorCount is the step's failed calls over every class.
+func (s *Step) ErrorCount() int {
+	n := 0
+	for _, v := range s.Errors {
+		n += v
+	}
+	return n
+}
+
+// The classes of a failed load call (the keys of Step.Errors), each named
+// for who caused it.
+const (
+	// ClassRefused: the proxy refused the call: a TLS alert before or
+	// during the handshake (access_denied there is the forwarder shedding
+	// an overloaded connection), access_denied on the first read after the
+	// preamble (the forwarder's bound on pending dials), the peer closing
+	// before the handshake completed, a refused TCP connection, or an
+	// HTTP 503 (reverse_proxy's own refusal).
+	ClassRefused = "refused"
+	// ClassTarget: the upstream's own failure, as the proxy reports it
+	// (HTTP 502).
+	ClassTarget = "target"
+	// ClassTimeout: the generator's own per-call deadline passed (a
+	// proxy-side timeout shows as a close or an alert instead).
+	ClassTimeout = "timeout"
+	// ClassReset: a TCP reset (ECONNRESET, EPIPE).
+	ClassReset = "reset"
+	// ClassCorrupt: a response byte that differs from the payload: the
+	// call failed, whatever else happened.
+	ClassCorrupt = "corrupt"
+	// ClassOther: anything else, the error's text as its cause.
+	ClassOther = "other"
+)
+
+// Classes are the classes in the order the reports list them.
+var Classes = []string{ClassRefused, ClassTarget, ClassTimeout, ClassReset, ClassCorrupt, ClassOther}

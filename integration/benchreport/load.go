@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
@@ -83,12 +84,19 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 		fmt.Fprintf(&b, "Mode %s: wall-clock time on the host named above, not the VM setup the committed figures use; the generator and the contender share its CPUs unless the contender is pinned.\n\n", l.Mode)
 	}
 
+	genCPUs, contCPUs := l.CPUs, cpuListLen(p.PinContender)
+	if contCPUs == 0 {
+		contCPUs = l.CPUs
+	}
 	b.WriteString("## Capacity\n\n*Busy at 100 %* says whose CPU was near a full core (0.85 or more) in the step at capacity: where it is the generator's alone, the capacity is the generator's and a lower bound of the contender's.\n\n")
+	if genCPUs > 1 || contCPUs > 1 {
+		fmt.Fprintf(&b, "Here a side is busy at 0.85 of its CPUs: the generator had %d, the contender %d.\n\n", genCPUs, contCPUs)
+	}
 	b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---|---:|---|---|\n")
 	for _, r := range l.Results {
 		unloaded, capacity, ratio, top, busy := "–", "–", "–", "–", "–"
 		if i := slices.IndexFunc(r.Steps, func(s loadjson.Step) bool { return s.Pct == 100 }); i >= 0 {
-			busy = busyCell(&r.Steps[i])
+			busy = busyCell(&r.Steps[i], genCPUs, contCPUs)
 		}
 		if r.Unloaded != nil {
 			unloaded = ms(r.Unloaded.P99us)
@@ -253,9 +261,9 @@ func memoryCell(s *loadjson.Step) string {
 }
 
 // busyCell says which side was busy in a step: the generator, the
-// contender, both (0.85 cores or more), or neither.
-func busyCell(s *loadjson.Step) string {
-	gen, cont := s.GenCPU >= 0.85, s.ContenderCPU >= 0.85
+// contender, both (0.85 of its CPUs or more), or neither.
+func busyCell(s *loadjson.Step, genCPUs, contCPUs int) string {
+	gen, cont := s.GenCPU >= 0.85*float64(max(genCPUs, 1)), s.ContenderCPU >= 0.85*float64(max(contCPUs, 1))
 	cores := fmt.Sprintf(" (gen %.2f, cont. %.2f)", s.GenCPU, s.ContenderCPU)
 	switch {
 	case gen && cont:
@@ -266,6 +274,27 @@ func busyCell(s *loadjson.Step) string {
 		return "contender" + cores
 	}
 	return "neither" + cores
+}
+
+// cpuListLen counts the CPUs of a taskset list ("0", "0,1", "2-15"); 0
+// for an empty or unreadable one.
+func cpuListLen(list string) int {
+	n := 0
+	for part := range strings.SplitSeq(list, ",") {
+		lo, hi, isRange := strings.Cut(strings.TrimSpace(part), "-")
+		a, err := strconv.Atoi(lo)
+		if err != nil {
+			return 0
+		}
+		b := a
+		if isRange {
+			if b, err = strconv.Atoi(hi); err != nil || b < a {
+				return 0
+			}
+		}
+		n += b - a + 1
+	}
+	return n
 }
 
 func joinFloats(v []float64) string {

@@ -224,12 +224,9 @@ type Handler struct {
 	pushDrops *pushDropLog // logs the reports pusher drops
 	events    *caddyevents.App
 	replayKey replayCacheKey // set while this handler holds a replayCaches reference
-	// anonymous summarizes the tunnels refused for want of a verified
-	// client certificate (Handle).
-	anonymous *logsummary.FailureSummary
-	// overloaded summarizes the tunnels refused because max_dials were in
-	// progress: under load, one line a minute instead of one a tunnel.
-	overloaded *logsummary.FailureSummary
+	// refusals summarizes the tunnels refused for a reason in
+	// summarizedRefusals, by reason (Handle).
+	refusals map[forward.Reason]*logsummary.FailureSummary
 }
 
 // Key is one inline gateway key.
@@ -396,10 +393,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("sandbox handler: events app: %w", err)
 	}
 	h.events = events.(*caddyevents.App)
-	h.anonymous = logsummary.NewFailureSummary(h.logger, AnonymousRefusalSummary, []string{string(forward.ReasonNoClientCertificate)},
-		`each at DEBUG ("`+tunnelRefusedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="no-client-certificate"} counts them`)
-	h.overloaded = logsummary.NewFailureSummary(h.logger, OverloadedRefusalSummary, []string{string(forward.ReasonOverloaded)},
-		`each at DEBUG ("`+tunnelRefusedMsg+`"); caddy_ktls_sandbox_rejects_total{reason="overloaded"} counts them; max_dials bounds the dials in progress`)
+	h.refusals = make(map[forward.Reason]*logsummary.FailureSummary, len(summarizedRefusals))
+	for reason, r := range summarizedRefusals {
+		details := `each at DEBUG ("` + tunnelRefusedMsg + `"); caddy_ktls_sandbox_rejects_total{reason="` + string(reason) + `"} counts them` + r.extra
+		h.refusals[reason] = logsummary.NewFailureSummary(h.logger, r.msg, []string{string(reason)}, details)
+	}
 	if p := h.ActivityPush; p != nil {
 		header := controlplane.LoadHeaders(h.logger, "activity_push", p.Headers)
 		h.pushDrops = newPushDropLog(h.logger, p.URL)
@@ -666,18 +664,9 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		reason := forward.ReasonOf(err)
 		fields := []zap.Field{zap.String("reason", reason), zap.String("peer", peer),
 			zap.String("client_certificate", client.Certificate), zap.Error(err)}
-		if reason == string(forward.ReasonNoClientCertificate) {
-			// Anyone who reaches the port can cause it (client_auth
-			// verify_if_given, request or require let the handshake
-			// complete without a verified certificate): no WARN of its own,
-			// as a failed handshake under require_and_verify.
+		if s := h.refusals[forward.Reason(reason)]; s != nil {
 			h.logger.Debug(tunnelRefusedMsg, fields...)
-			h.anonymous.Add(reason)
-			return nil
-		}
-		if reason == string(forward.ReasonOverloaded) {
-			h.logger.Debug(tunnelRefusedMsg, fields...)
-			h.overloaded.Add(reason)
+			s.Add(reason)
 			return nil
 		}
 		h.logger.Warn(tunnelRefusedMsg, fields...)
@@ -712,11 +701,26 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	return nil
 }
 
-// tunnelRejectedMsg is the log message of a refused tunnel.
+// tunnelRefusedMsg is the log message of a refused tunnel.
 const tunnelRefusedMsg = "sandbox tunnel rejected"
 
-// anonymousRejectSummary is the WARN summary of the tunnels refused for
-// want of a verified client certificate (failureSummary).
+// summarizedRefusals are the reasons of the refusals logged each at
+// DEBUG, never at WARN, and summarized in one WARN (msg) at most once a
+// minute per handler (logsummary.FailureSummary); extra ends the
+// summary's details, after where each refusal is logged and what counts
+// them. A refusal for any other reason is a WARN of its own.
+var summarizedRefusals = map[forward.Reason]struct{ msg, extra string }{
+	// Anyone who reaches the port can cause it (client_auth
+	// verify_if_given, request or require let the handshake complete
+	// without a verified certificate), as a failed handshake under
+	// require_and_verify.
+	forward.ReasonNoClientCertificate: {AnonymousRefusalSummary, ""},
+	// Under load: one line a minute instead of one a tunnel.
+	forward.ReasonOverloaded: {OverloadedRefusalSummary, "; max_dials bounds the dials in progress"},
+}
+
+// AnonymousRefusalSummary is the WARN summary of the tunnels refused for
+// want of a verified client certificate.
 const AnonymousRefusalSummary = "sandbox tunnels rejected without a verified client certificate"
 
 // OverloadedRefusalSummary is the WARN summary of the tunnels refused

@@ -7,7 +7,6 @@ import (
 	"net"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -60,10 +59,12 @@ type KTLSHandler struct {
 	// tls app disables session tickets, which disables them here too.
 	DisableResumption bool `json:"disable_resumption,omitempty"`
 
-	// MaxHandshakes bounds the TLS handshakes the handler runs at once,
-	// each counted from the connection's arrival at the handler to the end
-	// of its handshake. A connection that arrives while that many are in
-	// progress is shed before any handshake work: a plaintext
+	// MaxHandshakes bounds the TLS handshakes in progress in the process,
+	// those of every ktls handler (of other servers, and of the config a
+	// reload replaces, included), each counted from the connection's
+	// arrival at a handler to the end of its handshake: they share the
+	// CPU it protects. A connection that arrives at this handler while
+	// that many are in progress is shed before any handshake work: a plaintext
 	// access_denied alert in place of the ServerHello, then close. It is
 	// counted as caddy_ktls_handshake_failures_total{reason="overloaded"}
 	// and is in the WARN summary of failed handshakes. A gateway takes it
@@ -79,9 +80,7 @@ type KTLSHandler struct {
 	// The offload options (OffloadOptions), at the top level of the JSON.
 	offload.Options
 
-	// handshakes counts the handshakes in progress; maxHandshakes is
-	// MaxHandshakes with its default, 0 for no bound.
-	handshakes    atomic.Int64
+	// maxHandshakes is MaxHandshakes with its default, 0 for no bound.
 	maxHandshakes int64
 
 	ctx    caddy.Context
@@ -190,19 +189,17 @@ const DefaultMaxHandshakesPerCPU = 128
 
 // Handle terminates TLS on cx and calls next with the decrypted connection.
 // It sheds cx, before any handshake work, while MaxHandshakes are in
-// progress.
+// progress in the process.
 func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
-	n := h.handshakes.Add(1)
+	n := offload.HandshakesInProgress.Add(1)
 	if h.maxHandshakes > 0 && n > h.maxHandshakes {
-		h.handshakes.Add(-1)
+		offload.HandshakesInProgress.Add(-1)
 		h.failures.Shed(cx.RemoteAddr(), int(h.maxHandshakes))
 		ktls.Shed(cx)
 		return nil
 	}
-	offload.HandshakesInProgress.Add(1)
 	kconn, err := h.handshake(cx)
 	offload.HandshakesInProgress.Add(-1)
-	h.handshakes.Add(-1)
 	if err != nil {
 		kconn.Close()
 		// Reported to observe (a refusal, a failure after TLS_TX, or a

@@ -3,6 +3,7 @@ package caddyktls
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"net"
@@ -119,6 +120,83 @@ func sandboxShedsHandshakes(t *testing.T, kernel bool) {
 	if !kernel && dp.SpliceBytes+dp.CopyBytes != 2*size+3 {
 		t.Errorf("the admitted tunnel moved %+v, want %d bytes", dp, 2*size+3)
 	}
+}
+
+// max_handshakes bounds the process's handshakes, not one handler's: while
+// the handshakes of one server's ktls handler fill it, another server's
+// handler sheds (its own bound is the same), and once they end it admits
+// a tunnel again, which carries every byte.
+func TestSandboxMaxHandshakesSharedByHandlers(t *testing.T) {
+	const size = 64 << 10
+	up := forwardtest.NewUpstream(t, size+3)
+	e := newSandboxConfig(t, nil)
+	e.route()["handle"].([]any)[0].(map[string]any)["max_handshakes"] = 2
+	servers := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)
+	other, err := json.Marshal(servers["tunnels"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var second map[string]any
+	if err := json.Unmarshal(other, &second); err != nil {
+		t.Fatal(err)
+	}
+	secondAddr := loopbackAddr(t)
+	second["listen"] = []string{secondAddr}
+	servers["tunnels-2"] = second
+	e.start(t)
+	inProgress := `caddy_ktls_handshakes_in_progress`
+	shedSeries := `caddy_ktls_handshake_failures_total{module="layer4.handlers.ktls",reason="overloaded"}`
+
+	// Two connections to the first server that never send a ClientHello.
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	for range 2 {
+		c, err := net.Dial("tcp", e.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+	}
+	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == 2 }, "the 2 held handshakes")
+	shed0 := e.metric(t, shedSeries)
+	raw, err := net.Dial("tcp", secondAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(raw)
+	raw.Close()
+	if want := []byte{21, 3, 3, 0, 2, 2, 49}; !bytes.Equal(got, want) || err != nil {
+		t.Errorf("the second server's connection read % x (%v), want the access_denied alert record % x and the end", got, err, want)
+	}
+	if n := e.metric(t, shedSeries) - shed0; n != 1 {
+		t.Errorf("%s moved by %d, want 1", shedSeries, n)
+	}
+
+	for _, c := range held {
+		c.Close()
+	}
+	held = nil
+	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == 0 }, "the held handshakes to end")
+	d, err := gateway.New(gateway.Config{TLS: e.tlsConfig(e.client), Signer: e.gw.Signer})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := d.Dial(ctx, gateway.Route{Forwarder: secondAddr, Sandbox: "sbx-shared-bound", Target: up.Addr()})
+	if err != nil {
+		t.Fatalf("the second server once no handshake is in progress: %v", err)
+	}
+	n, sum, err := transfer(c, size, 9)
+	if err != nil {
+		t.Fatalf("the tunnel through the second server: %v", err)
+	}
+	checkTunnelTransfer(t, up, size, 9, n, sum)
 }
 
 // While max_dials tunnels are dialing (here one waiting for its sandbox to

@@ -81,11 +81,12 @@ var (
 
 // HandshakesInProgress counts the TLS handshakes the layer4 ktls handlers
 // of the process run now, from a connection's arrival at its handler to
-// the end of its handshake (max_handshakes bounds each handler's).
+// the end of its handshake: the count each handler's max_handshakes
+// bounds, and the gauge's value.
 var HandshakesInProgress atomic.Int64
 
 var descHandshakesInProgress = prometheus.NewDesc("caddy_ktls_handshakes_in_progress",
-	"TLS handshakes the layer4 ktls handlers run now, from a connection's arrival at its handler to the end of its handshake; each handler sheds the connections beyond its max_handshakes (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}).",
+	"TLS handshakes the layer4 ktls handlers run now, from a connection's arrival at its handler to the end of its handshake; a handler sheds a connection that arrives while its max_handshakes are in progress in the process (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}).",
 	nil, nil)
 
 var descKernelSupport = prometheus.NewDesc("caddy_ktls_kernel_support",

@@ -231,6 +231,7 @@ func loadContender(c contender, env *runEnv, p loadjson.Params, targets []netip.
 		gen := newLoadGen(shape == "reuse", p.Tunnels, dials, g.base, tr, g.tls.ServerName, p.Req, p.Resp, timeout)
 		gen.pid = proc.cmd.Process.Pid
 		ctx := context.Background()
+		r.RSSBefore, r.FDsBefore = procMemory(gen.pid)
 		if err := gen.open(ctx, 64); err != nil {
 			r.Errors = append(r.Errors, "opening: "+err.Error())
 			gen.close()

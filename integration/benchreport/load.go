@@ -193,6 +193,31 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 		}
 	}
 
+	held := slices.ContainsFunc(l.Results, func(r *loadjson.Result) bool { return r.Shape == "reuse" && r.RSSBefore > 0 })
+	if held {
+		fmt.Fprintf(&b, "\n## Memory of the tunnels held\n\nThe reuse shape holds %d tunnels open while calls run on them: the contender's resident memory and open fds just before it opened them and at the step where its memory peaked (the bulk step included), and the difference per tunnel. Resident memory is the process's (Go heap, stacks and what the runtime has not returned), not the kernel's socket buffers or pipes; each pipe a burst holds is 2 of the fds.\n\n", p.Tunnels)
+		b.WriteString("| contender | RSS before (MiB) | RSS at its peak (MiB) | at step (calls/s) | per tunnel (KiB) | fds before | fds at that step | per tunnel |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+		for _, r := range l.Results {
+			if r.Shape != "reuse" || r.RSSBefore == 0 {
+				continue
+			}
+			steps := resultSteps(r)
+			i := -1
+			for j := range steps {
+				if i < 0 || steps[j].ContenderRSS > steps[i].ContenderRSS {
+					i = j
+				}
+			}
+			if i < 0 || steps[i].ContenderRSS == 0 {
+				continue
+			}
+			peak := steps[i]
+			n := float64(max(p.Tunnels, 1))
+			fmt.Fprintf(&b, "| `%s` | %.1f | %.1f | %.0f | %.1f | %d | %d | %.2f |\n", r.Contender, float64(r.RSSBefore)/(1<<20), float64(peak.ContenderRSS)/(1<<20), peak.Rate,
+				float64(peak.ContenderRSS-r.RSSBefore)/1024/n, r.FDsBefore, peak.ContenderFDs, float64(peak.ContenderFDs-r.FDsBefore)/n)
+		}
+	}
+
 	b.WriteString("\n## Errors by cause\n\n")
 	any := false
 	for _, r := range l.Results {

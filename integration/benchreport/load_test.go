@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"flag"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -119,5 +120,47 @@ func TestLoadReportContenderMemory(t *testing.T) {
 	}
 	if headers != len(l.Results) || rows != 9 {
 		t.Errorf("the column is in %d tables and %d rows, want %d tables and 9 rows", headers, rows, len(l.Results))
+	}
+}
+
+// A reuse result that recorded the contender's memory before its tunnels
+// gets a row in "Memory of the tunnels held": the step where RSS peaked,
+// and the growth per tunnel held (params.tunnels); a result without the
+// before figures gets none, and a run where none has them no section.
+func TestLoadReportMemoryHeld(t *testing.T) {
+	data, err := os.ReadFile("testdata/synthetic-load.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := parseLoad(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if md := string(renderLoadMarkdown(l, "x")); strings.Contains(md, "## Memory of the tunnels held") {
+		t.Error("a run without the before figures has a memory section")
+	}
+	ktls := l.Results[0]
+	ktls.RSSBefore, ktls.FDsBefore = 40<<20, 12
+	ktls.Unloaded.ContenderRSS, ktls.Unloaded.ContenderFDs = 45<<20, 212
+	ktls.Steps[0].ContenderRSS, ktls.Steps[0].ContenderFDs = 50<<20, 216 // the peak: 10 MiB over 100 tunnels
+	ktls.Steps[1].ContenderRSS, ktls.Steps[1].ContenderFDs = 48<<20, 214
+	md := string(renderLoadMarkdown(l, "x"))
+	_, section, ok := strings.Cut(md, "## Memory of the tunnels held\n")
+	if !ok {
+		t.Fatalf("no memory section:\n%s", md)
+	}
+	section, _, _ = strings.Cut(section, "\n## ")
+	var rows []string
+	for line := range strings.SplitSeq(section, "\n") {
+		if strings.HasPrefix(line, "| `") {
+			rows = append(rows, line)
+		}
+	}
+	want := fmt.Sprintf("| `ktls` | 40.0 | 50.0 | %.0f | 102.4 | 12 | 216 | 2.04 |", ktls.Steps[0].Rate)
+	if len(rows) != 1 || rows[0] != want {
+		t.Errorf("memory rows %q, want only %q", rows, want)
+	}
+	if !strings.Contains(section, "holds 100 tunnels open") {
+		t.Errorf("the section does not say how many tunnels were held:\n%s", section)
 	}
 }

@@ -86,7 +86,12 @@ type Result struct {
 	Offload  string `json:"offload"`
 	// TLSStat: the change of /proc/net/tls_stat over the shape.
 	TLSStat map[string]int64 `json:"tls_stat_delta,omitempty"`
-	Tunnels int64            `json:"tunnels_opened"`
+	// RSSBefore and FDsBefore: the contender's resident memory (bytes)
+	// and open fds just before the shape opened its tunnels, which each
+	// step's ContenderRSS and ContenderFDs are compared with.
+	RSSBefore int64 `json:"contender_rss_before_bytes,omitempty"`
+	FDsBefore int   `json:"contender_fds_before,omitempty"`
+	Tunnels   int64 `json:"tunnels_opened"`
 	// Established: of those, the ones with a completed call, which the
 	// key-install check counts.
 	Established int64    `json:"tunnels_established"`

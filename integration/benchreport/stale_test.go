@@ -19,7 +19,7 @@ var (
 		"go.mod", "go.sum", ":(glob)*.go", "ktls", "splice", "forward", "preamble",
 		"internal/sockerr", "internal/loopback", "internal/cphttp", "cmd/caddy", "integration/bench",
 		"modules/forwarder", "internal/moduleid", "internal/caddymetrics", "internal/offload", "internal/controlplane",
-		"internal/l4conn", "internal/logsummary", "internal/caddyfileargs", "internal/cli",
+		"internal/l4conn", "internal/logsummary", "internal/caddyfileargs", "internal/cli", "integration/internal/loadjson",
 		":(exclude,glob)**/*_test.go",
 	}
 	// The gateway modules, which only the gateway chains (l7-l7, l7-l4,
@@ -52,6 +52,8 @@ var benchReports = []struct {
 	{[]string{"gateway.md", "gateway-results.md"}, []string{"gateway-results-1.json", "gateway-results-2.json"}, measuredGateway, "make bench-gateway && make bench-report"},
 	{[]string{"gateway-resumption.md"}, []string{"gateway-resumption.json"}, measuredGateway, "the command in docs/bench/gateway-resumption.md"},
 	{[]string{"load.md"}, []string{"load.json"}, measuredForwarder, "make bench-load, or the reduced run's command in docs/bench/README.md"},
+	{[]string{"load-native-percall.md"}, []string{"load-native-percall.json"}, measuredForwarder, "the native load run's commands in docs/bench/overload.md, on a machine with cores to spare"},
+	{[]string{"load-native-reuse.md"}, []string{"load-native-reuse.json"}, measuredForwarder, "the native load run's commands in docs/bench/overload.md, on a machine with cores to spare"},
 }
 
 // knownStale are reports measured before a change to the code they

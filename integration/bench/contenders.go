@@ -114,6 +114,9 @@ type runEnv struct {
 	allowCIDRs []string
 	// maxConns: nginx's worker_connections (default 1024).
 	maxConns int
+	// maxHandshakes: the ktls contenders' max_handshakes (0: the
+	// handler's default).
+	maxHandshakes int
 }
 
 var contenders = []contender{
@@ -225,6 +228,9 @@ func sandboxForwarder(env *runEnv, listen string, offload map[string]any) map[st
 	}}}
 	for k, v := range offload {
 		ktlsHandler[k] = v
+	}
+	if env.maxHandshakes != 0 {
+		ktlsHandler["max_handshakes"] = env.maxHandshakes
 	}
 	sandbox := map[string]any{
 		"handler":                 "sandbox",

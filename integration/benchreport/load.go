@@ -77,6 +77,9 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 	if p.PinContender != "" {
 		fmt.Fprintf(&b, " The contender runs on CPU %s, the generator (and the upstream, in its process) on the others.", p.PinContender)
 	}
+	if p.MaxHandshakes != 0 {
+		fmt.Fprintf(&b, " The forwarder's `max_handshakes` was %d (-1: no bound).", p.MaxHandshakes)
+	}
 	b.WriteString("\n\n")
 	if l.Mode == "vm" {
 		b.WriteString(loadSetup)

@@ -59,6 +59,9 @@ type Params struct {
 	FairnessPct  float64 `json:"fairness_pct,omitempty"`
 	PinContender string  `json:"pin_contender,omitempty"`
 	PeersMTLS    bool    `json:"peers_mtls"`
+	// MaxHandshakes: the forwarder's max_handshakes (0: its default,
+	// 128 per CPU it may use; -1: no bound).
+	MaxHandshakes int `json:"max_handshakes,omitempty"`
 }
 
 // Skipped is a contender the run could not drive, and why.

@@ -234,7 +234,8 @@ func loadContender(c contender, env *runEnv, p loadjson.Params, targets []netip.
 		ctx := context.Background()
 		r.RSSBefore, r.FDsBefore = procMemory(gen.pid)
 		if err := gen.open(ctx, 64); err != nil {
-			r.Errors = append(r.Errors, "opening: "+err.Error())
+			// What the contender said of it: the refusals' reasons.
+			r.Errors = append(r.Errors, "opening: "+err.Error(), "the contender's log ends:\n"+tail(proc.log))
 			gen.close()
 			continue
 		}

@@ -50,7 +50,6 @@ type Conn struct {
 	// Set once by the handshake when a direction runs in the kernel.
 	sock    *net.TCPConn
 	rawSock syscall.RawConn
-	txSeq   uint64 // TX rec_seq installed (records already sealed under the key)
 
 	readMu   sync.Mutex
 	pending  []byte      // decrypted bytes not yet returned by Read
@@ -382,8 +381,11 @@ func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
 	if err := c.install(rawSock, optTLSTX, state, tx); err != nil {
 		return ReasonSetsockoptTX, err
 	}
-	c.sock, c.rawSock, c.txSeq = sock, rawSock, tx.seq
+	c.sock, c.rawSock = sock, rawSock
 	c.txSecret = tx.secret
+	// Records sealed under the key before it reached the kernel (a TLS 1.3
+	// server's tickets, TLS 1.2's Finished) count toward its wear.
+	c.txBound, c.rxBound = tx.seq, rx.seq
 	c.off.TX = ModeSW
 	if c.opts.TXZeroCopyRO {
 		if err := controlFD(rawSock, func(fd int) error {
@@ -894,5 +896,6 @@ func (c *Conn) sendControlLocked(recordType byte, payload []byte) error {
 	if serr != nil {
 		return fmt.Errorf("ktls: send record type %d: %w", recordType, serr)
 	}
+	c.txBound++
 	return nil
 }

@@ -99,9 +99,9 @@ func (c *Conn) canRekey() bool {
 // during the call.
 func (c *Conn) BeginSeal(fd uintptr) error {
 	c.writeMu.Lock()
-	if c.wroteEOF {
+	if err := c.writableLocked(); err != nil {
 		c.writeMu.Unlock()
-		return errWriteAfterClose
+		return err
 	}
 	if err := c.beforeSealLocked(int(fd)); err != nil {
 		c.writeMu.Unlock()
@@ -226,6 +226,9 @@ func (c *Conn) rxCheckAt() uint64 {
 func (c *Conn) Opened(n int64) error {
 	c.readMu.Lock()
 	defer c.readMu.Unlock()
+	if c.handedOff.Load() {
+		return ErrHandedOff
+	}
 	return c.openedLocked(n)
 }
 

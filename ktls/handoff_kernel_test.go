@@ -811,7 +811,11 @@ func BenchmarkKernelHandoff(b *testing.B) {
 	defer a.Close()
 	defer c.Close()
 	conn := server
+	// The pause's parts: the old owner's (Handoff, Encode, Send, closes)
+	// and the new owner's (Receive, Decode, Adopt).
+	var handoffTime, adoptTime time.Duration
 	for b.Loop() {
+		t0 := time.Now()
 		st, f, err := conn.Handoff()
 		if err != nil {
 			b.Fatal(err)
@@ -827,6 +831,7 @@ func BenchmarkKernelHandoff(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
+		t1 := time.Now()
 		m, err := fdpass.Receive(c, fdpass.Limits{Files: 1})
 		if err != nil {
 			b.Fatal(err)
@@ -841,8 +846,13 @@ func BenchmarkKernelHandoff(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
+		t2 := time.Now()
+		handoffTime += t1.Sub(t0)
+		adoptTime += t2.Sub(t1)
 	}
 	b.StopTimer()
+	b.ReportMetric(float64(handoffTime.Nanoseconds())/float64(b.N), "handoff-ns/op")
+	b.ReportMetric(float64(adoptTime.Nanoseconds())/float64(b.N), "adopt-ns/op")
 	defer conn.Close()
 	if _, err := conn.Write([]byte("ping")); err != nil {
 		b.Fatal(err)

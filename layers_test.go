@@ -21,6 +21,7 @@ var layers = []layer{
 	{"internal/sockerr", false, nil},
 	{"internal/loopback", false, nil},
 	{"internal/cphttp", false, nil},
+	{"internal/fdpass", false, nil},
 	{"ktls", false, []string{"internal/loopback"}},
 	{"splice", false, []string{"internal/sockerr"}},
 	{"preamble", false, nil},

@@ -50,7 +50,6 @@ type Conn struct {
 	// Set once by the handshake when a direction runs in the kernel.
 	sock    *net.TCPConn
 	rawSock syscall.RawConn
-	txSeq   uint64 // TX rec_seq installed (records already sealed under the key)
 
 	readMu   sync.Mutex
 	pending  []byte      // decrypted bytes not yet returned by Read
@@ -78,6 +77,15 @@ type Conn struct {
 	wroteEOF  bool   // close_notify sent (on the userspace path too, for Abort)
 	closeOnce sync.Once
 	closeErr  error
+
+	// Handoff (handoff.go). handedOff is set under readMu and writeMu;
+	// closing is set by Close and the aborts before they touch the socket,
+	// and Handoff refuses once it is.
+	handedOff atomic.Bool
+	closing   atomic.Bool
+	// adopted is the connection state of a Conn made by Adopt, which has no
+	// tls.Conn.
+	adopted *tls.ConnectionState
 }
 
 // Server returns a server-side Conn over raw. The handshake runs lazily on
@@ -145,6 +153,15 @@ func (k *keyCapture) Write(p []byte) (int, error) {
 		}
 	}
 	return len(p), nil
+}
+
+// wipe overwrites every captured secret.
+func (k *keyCapture) wipe() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, v := range k.secrets {
+		clear(v)
+	}
 }
 
 func (k *keyCapture) get(label string) []byte {
@@ -382,8 +399,11 @@ func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
 	if err := c.install(rawSock, optTLSTX, state, tx); err != nil {
 		return ReasonSetsockoptTX, err
 	}
-	c.sock, c.rawSock, c.txSeq = sock, rawSock, tx.seq
+	c.sock, c.rawSock = sock, rawSock
 	c.txSecret = tx.secret
+	// Records sealed under the key before it reached the kernel (a TLS 1.3
+	// server's tickets, TLS 1.2's Finished) count toward its wear.
+	c.txBound, c.rxBound = tx.seq, rx.seq
 	c.off.TX = ModeSW
 	if c.opts.TXZeroCopyRO {
 		if err := controlFD(rawSock, func(fd int) error {
@@ -525,13 +545,23 @@ func (c *Conn) Offload() Offload {
 }
 
 // ConnectionState returns the TLS state of the handshake.
-func (c *Conn) ConnectionState() tls.ConnectionState { return c.tlsConn.ConnectionState() }
+// For a Conn made by Adopt it is what the HandoffState carried: no
+// verified chains, and no session resumption data.
+func (c *Conn) ConnectionState() tls.ConnectionState {
+	if c.adopted != nil {
+		return *c.adopted
+	}
+	return c.tlsConn.ConnectionState()
+}
 
 // NetConn returns the raw conn given to Server or Client.
 func (c *Conn) NetConn() net.Conn { return c.raw }
 
 // SyscallConn returns the kernel socket's raw conn.
 func (c *Conn) SyscallConn() (syscall.RawConn, error) {
+	if c.handedOff.Load() {
+		return nil, ErrHandedOff
+	}
 	if c.hsDone.Load() && c.rawSock != nil {
 		return c.rawSock, nil
 	}
@@ -545,7 +575,7 @@ func (c *Conn) SyscallConn() (syscall.RawConn, error) {
 // SpliceSource returns the socket when RX runs in the kernel, so splice(2)
 // reads decrypted bytes from it.
 func (c *Conn) SpliceSource() (syscall.RawConn, bool) {
-	if c.hsDone.Load() && c.hsErr == nil && c.off.RX != ModeUserspace {
+	if c.hsDone.Load() && c.hsErr == nil && c.off.RX != ModeUserspace && !c.handedOff.Load() {
 		return c.rawSock, true
 	}
 	return nil, false
@@ -554,7 +584,7 @@ func (c *Conn) SpliceSource() (syscall.RawConn, bool) {
 // SpliceSink returns the socket when TX runs in the kernel, so splice(2)
 // writes to it get encrypted.
 func (c *Conn) SpliceSink() (syscall.RawConn, bool) {
-	if c.hsDone.Load() && c.hsErr == nil && c.off.TX != ModeUserspace {
+	if c.hsDone.Load() && c.hsErr == nil && c.off.TX != ModeUserspace && !c.handedOff.Load() {
 		return c.rawSock, true
 	}
 	return nil, false
@@ -605,8 +635,8 @@ func (c *Conn) Write(p []byte) (int, error) {
 	}
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
-	if c.wroteEOF {
-		return 0, errWriteAfterClose
+	if err := c.writableLocked(); err != nil {
+		return 0, err
 	}
 	written := 0
 	for len(p) > 0 {
@@ -625,8 +655,22 @@ func (c *Conn) Write(p []byte) (int, error) {
 	return written, nil
 }
 
-// Close sends close_notify (when the handshake completed) and closes.
+// writableLocked is nil when a record may be sealed: the connection was
+// neither handed off nor closed for writing. Caller holds writeMu.
+func (c *Conn) writableLocked() error {
+	switch {
+	case c.handedOff.Load():
+		return ErrHandedOff
+	case c.wroteEOF:
+		return errWriteAfterClose
+	}
+	return nil
+}
+
+// Close sends close_notify (when the handshake completed) and closes. After
+// Handoff it closes this process's descriptors only.
 func (c *Conn) Close() error {
+	c.closing.Store(true)
 	c.closeOnce.Do(func() {
 		if !c.hsDone.Load() || !c.kernelTX() {
 			// tls.Conn.Close sends close_notify after a completed
@@ -635,6 +679,11 @@ func (c *Conn) Close() error {
 			return
 		}
 		c.writeMu.Lock()
+		if c.handedOff.Load() {
+			c.writeMu.Unlock()
+			c.closeErr = c.closeLocal()
+			return
+		}
 		if !c.wroteEOF {
 			// Do not let a peer that stopped reading hold Close forever.
 			c.sock.SetWriteDeadline(time.Now().Add(5 * time.Second))
@@ -679,8 +728,9 @@ const RefuseLinger = time.Second
 
 // abort is Abort and Refuse, with the alert description to send.
 func (c *Conn) abort(alert uint8) error {
+	c.closing.Store(true)
 	c.writeMu.Lock()
-	orderly := c.wroteEOF
+	orderly := c.wroteEOF || c.handedOff.Load()
 	c.writeMu.Unlock()
 	if orderly {
 		return c.Close()
@@ -699,6 +749,11 @@ func (c *Conn) abort(alert uint8) error {
 			return
 		}
 		c.writeMu.Lock()
+		if c.handedOff.Load() {
+			c.writeMu.Unlock()
+			c.closeErr = c.closeLocal()
+			return
+		}
 		c.wroteEOF = true
 		err := controlFD(c.rawSock, func(fd int) error {
 			_, err := unix.SendmsgN(fd, []byte{alertLevelFatal, alert}, recordTypeCmsg(recordAlert), nil, unix.MSG_DONTWAIT)
@@ -869,6 +924,9 @@ func (c *Conn) CloseWrite() error {
 		c.wroteEOF = err == nil
 		return err
 	}
+	if c.handedOff.Load() {
+		return ErrHandedOff
+	}
 	if c.wroteEOF {
 		return nil
 	}
@@ -894,5 +952,6 @@ func (c *Conn) sendControlLocked(recordType byte, payload []byte) error {
 	if serr != nil {
 		return fmt.Errorf("ktls: send record type %d: %w", recordType, serr)
 	}
+	c.txBound++
 	return nil
 }

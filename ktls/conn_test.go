@@ -551,6 +551,13 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "handshake client: %v\n", err)
 		os.Exit(1)
 	}
+	if os.Getenv(handoffChildEnv) != "" {
+		if err := handoffChild(); err != nil {
+			fmt.Fprintf(os.Stderr, "adopting process: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	os.Exit(m.Run())
 }
 

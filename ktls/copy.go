@@ -17,8 +17,8 @@ func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 	}
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
-	if c.wroteEOF {
-		return 0, errWriteAfterClose
+	if err := c.writableLocked(); err != nil {
+		return 0, err
 	}
 	// In chunks, so that the TX key's wear is checked between them.
 	var total int64

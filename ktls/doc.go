@@ -58,4 +58,18 @@
 //     leaving it half-working.
 //   - Go's sendfile path unwraps one *io.LimitedReader; Caddy nests two, so
 //     ReadFrom flattens them (copy.go).
+//   - The keys, record sequence numbers and any record the kernel holds
+//     (one decrypted in part, one sealed but not yet sent) belong to the
+//     socket, not to the descriptor: a duplicate passed to another process
+//     carries them, and close(2) of one descriptor of several is not the
+//     socket's close. getsockopt(TLS_TX/TLS_RX) returns the whole
+//     crypto_info, key included, at the struct's exact size only (EINVAL
+//     otherwise; EBUSY without a key). Handoff and Adopt move a connection
+//     on that (handoff.go).
+//
+// Handoff stops a Conn with both directions in the kernel at a point where
+// nothing of a record is held in userspace and returns its socket and a
+// HandoffState; Adopt, in this process or another, checks the socket
+// against the state and continues the session (key wear, KeyUpdates and
+// closed ends included).
 package ktls

@@ -3,6 +3,7 @@ package ktls
 import (
 	"crypto/tls"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"syscall"
 	"unsafe"
@@ -126,4 +127,69 @@ func parseRecordType(oob []byte) int {
 		}
 	}
 	return -1
+}
+
+// kernelInfo is a direction's crypto_info as getsockopt returns it.
+type kernelInfo struct {
+	version, cipher uint16
+	ivField, key    []byte
+	salt            []byte
+	seq             uint64
+	raw             []byte
+}
+
+func (k *kernelInfo) wipe() { clear(k.raw) }
+
+// is reports whether the kernel's direction runs cs's version and cipher.
+func (k *kernelInfo) is(cs *cipherSuite) bool {
+	return k.version == cs.version && k.cipher == cs.kernelCipher
+}
+
+func (k *kernelInfo) mismatch(cs *cipherSuite) error {
+	return fmt.Errorf("the kernel has version %#04x cipher %d, not %s %s (cipher %d)",
+		k.version, k.cipher, tls.VersionName(cs.version), tls.CipherSuiteName(cs.id), cs.kernelCipher)
+}
+
+// readCryptoInfo reads direction opt's crypto_info (the layout cryptoInfo
+// writes). The kernel wants the exact size of the cipher's struct, so the
+// 4-byte header is read first; when its version or cipher is not cs's,
+// only the header is returned (is reports false).
+func readCryptoInfo(rc syscall.RawConn, opt int, cs *cipherSuite) (kernelInfo, error) {
+	var hdr [4]byte
+	err := controlFD(rc, func(fd int) error {
+		n, err := getsockoptBytes(fd, unix.SOL_TLS, opt, hdr[:])
+		if err == nil && n != len(hdr) {
+			err = fmt.Errorf("getsockopt returned %d bytes, want %d", n, len(hdr))
+		}
+		return err
+	})
+	if errors.Is(err, unix.EBUSY) {
+		return kernelInfo{}, errors.New("no key installed (getsockopt: EBUSY)")
+	}
+	if err != nil {
+		return kernelInfo{}, fmt.Errorf("reading the crypto_info: %w", err)
+	}
+	k := kernelInfo{version: binary.NativeEndian.Uint16(hdr[0:]), cipher: binary.NativeEndian.Uint16(hdr[2:])}
+	if !k.is(cs) {
+		return k, nil
+	}
+	ivLen := aeadNonceLen - cs.saltLen
+	buf := make([]byte, 4+ivLen+cs.keyLen+cs.saltLen+8)
+	err = controlFD(rc, func(fd int) error {
+		n, err := getsockoptBytes(fd, unix.SOL_TLS, opt, buf)
+		if err == nil && n != len(buf) {
+			err = fmt.Errorf("getsockopt returned %d bytes, want %d", n, len(buf))
+		}
+		return err
+	})
+	if err != nil {
+		clear(buf)
+		return kernelInfo{}, fmt.Errorf("reading the crypto_info: %w", err)
+	}
+	k.raw = buf
+	k.ivField = buf[4 : 4+ivLen]
+	k.key = buf[4+ivLen : 4+ivLen+cs.keyLen]
+	k.salt = buf[4+ivLen+cs.keyLen : 4+ivLen+cs.keyLen+cs.saltLen]
+	k.seq = binary.BigEndian.Uint64(buf[len(buf)-8:])
+	return k, nil
 }

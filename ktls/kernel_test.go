@@ -444,7 +444,7 @@ func TestKernelKeyUpdate(t *testing.T) {
 
 // kernelPeers connects a Client to a Server over loopback TCP, completes
 // both handshakes and requires both to run fully in the kernel.
-func kernelPeers(t *testing.T, scfg, ccfg *tls.Config, sopts Options) (server, client *Conn) {
+func kernelPeers(t testing.TB, scfg, ccfg *tls.Config, sopts Options) (server, client *Conn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

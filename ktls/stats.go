@@ -17,6 +17,9 @@ type StatsSnapshot struct {
 	ClosedAfterTX    uint64            // connections closed because a step after TLS_TX failed
 	TicketsKept      uint64            // TLS 1.3 session tickets an offloaded client passed to its session cache
 	TicketsDropped   uint64            // TLS 1.3 session tickets crypto/tls refused from an offloaded client
+	HandedOff        uint64            // connections handed off to another owner (Handoff)
+	HandoffRefused   uint64            // Handoff calls refused (the connection stayed)
+	Adopted          uint64            // connections taken over from another owner (Adopt)
 }
 
 type counters struct {
@@ -26,6 +29,7 @@ type counters struct {
 	control  map[string]uint64
 
 	keyUpdates, keyUpdatesSent, keyExhausted, rateLimited, closedAfterTX, ticketsKept, ticketsDropped atomic.Uint64
+	handedOff, handoffRefused, adopted                                                                atomic.Uint64
 }
 
 var stats = counters{tx: map[Mode]uint64{}, rx: map[Mode]uint64{}, outcomes: map[Reason]uint64{}, control: map[string]uint64{}}
@@ -39,6 +43,7 @@ func Stats() StatsSnapshot {
 		KeyUpdates: stats.keyUpdates.Load(), KeyUpdatesSent: stats.keyUpdatesSent.Load(), KeyExhausted: stats.keyExhausted.Load(),
 		RateLimitedClose: stats.rateLimited.Load(), ClosedAfterTX: stats.closedAfterTX.Load(),
 		TicketsKept: stats.ticketsKept.Load(), TicketsDropped: stats.ticketsDropped.Load(),
+		HandedOff: stats.handedOff.Load(), HandoffRefused: stats.handoffRefused.Load(), Adopted: stats.adopted.Load(),
 	}
 	for k, v := range stats.tx {
 		s.TX[k] = v

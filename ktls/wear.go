@@ -2,11 +2,8 @@ package ktls
 
 import (
 	"crypto/tls"
-	"encoding/binary"
 	"errors"
 	"fmt"
-
-	"golang.org/x/sys/unix"
 )
 
 // Key wear. RFC 8446 section 5.5 bounds what one AES-GCM traffic key may
@@ -79,19 +76,15 @@ func (c *Conn) kernelSeq(opt int) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	// struct tls12_crypto_info_*: header, iv, key, salt; rec_seq last.
-	buf := make([]byte, 4+(aeadNonceLen-cs.saltLen)+cs.keyLen+cs.saltLen+8)
-	err = controlFD(c.rawSock, func(fd int) error {
-		n, err := getsockoptBytes(fd, unix.SOL_TLS, opt, buf)
-		if err == nil && n != len(buf) {
-			err = fmt.Errorf("getsockopt returned %d bytes, want %d", n, len(buf))
-		}
-		return err
-	})
+	info, err := readCryptoInfo(c.rawSock, opt, cs)
+	if err == nil && !info.is(cs) {
+		err = info.mismatch(cs)
+	}
+	info.wipe()
 	if err != nil {
 		return 0, fmt.Errorf("ktls: reading the record sequence number: %w", err)
 	}
-	return binary.BigEndian.Uint64(buf[len(buf)-8:]), nil
+	return info.seq, nil
 }
 
 // canRekey reports whether a kernel direction of c can take a next key.
@@ -106,9 +99,9 @@ func (c *Conn) canRekey() bool {
 // during the call.
 func (c *Conn) BeginSeal(fd uintptr) error {
 	c.writeMu.Lock()
-	if c.wroteEOF {
+	if err := c.writableLocked(); err != nil {
 		c.writeMu.Unlock()
-		return errWriteAfterClose
+		return err
 	}
 	if err := c.beforeSealLocked(int(fd)); err != nil {
 		c.writeMu.Unlock()
@@ -233,6 +226,9 @@ func (c *Conn) rxCheckAt() uint64 {
 func (c *Conn) Opened(n int64) error {
 	c.readMu.Lock()
 	defer c.readMu.Unlock()
+	if c.handedOff.Load() {
+		return ErrHandedOff
+	}
 	return c.openedLocked(n)
 }
 

@@ -1,0 +1,572 @@
+package ktls
+
+// Handoff and adoption: a connection whose record layer runs entirely in
+// the kernel (TLS_TX and TLS_RX installed, nothing of a record held in this
+// process) moves to another process as its socket plus a HandoffState. The
+// keys, the record sequence numbers and any record the kernel holds stay
+// in the socket; the state carries what only this package knows: the
+// TLS 1.3 traffic secrets a later KeyUpdate derives the next keys from, the
+// key wear counts, the KeyUpdate rate limit's tokens, and which ends have
+// been closed.
+//
+// The order of a move:
+//
+//  1. The caller stops using the Conn: no Read, Write or splice in
+//     progress (a reader blocked in Read is released with a deadline in
+//     the past). Handoff refuses with HandoffBusy while a Read, Write,
+//     ReadFrom, WriteTo or a splice's BeginSeal..EndSeal holds the Conn; a
+//     splice(2) out of the socket (SpliceSource) holds nothing, so the
+//     caller must have stopped it.
+//  2. Handoff checks that the connection can move, reads the kernel's
+//     record sequence numbers, and returns the state and a duplicate of the
+//     socket's descriptor. From then on every use of the Conn fails with
+//     ErrHandedOff; Close only releases this process's descriptors: no
+//     close_notify, no shutdown(2), no SO_LINGER, which would all act on
+//     the socket the new owner holds.
+//  3. The caller sends the descriptor and the encoded state to the other
+//     process (internal/fdpass), then closes its descriptor and the Conn.
+//     If the transfer fails, Adopt in this process takes the connection
+//     back from the same descriptor and state: the socket was not touched.
+//  4. The other process calls Adopt, which checks the socket against the
+//     state with getsockopt(2) (ULP, version, cipher, key, record sequence
+//     numbers) and returns a Conn that continues where the old one stopped.
+//
+// The state holds the traffic secrets: whoever reads it can decrypt the
+// rest of the session and forge records. The channel that carries it must
+// be private to the two processes (a Unix socket that only the service's
+// user can reach, whose peer credentials are checked); Zero wipes a state's
+// secrets once it is sent, and the caller wipes the encoded bytes.
+
+import (
+	"bytes"
+	"crypto/subtle"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// HandoffVersion is the version of HandoffState's encoding. A decoder
+// refuses every other version.
+const HandoffVersion = 1
+
+// ErrHandedOff is returned by every use of a Conn after Handoff.
+var ErrHandedOff = errors.New("ktls: the connection was handed off to another owner")
+
+// HandoffReason says why Handoff refused to move a connection. The Conn is
+// left as it was: the caller goes on using it (or drains it).
+type HandoffReason string
+
+// The reasons Handoff refuses.
+const (
+	// The handshake has not completed, or failed.
+	HandoffNotEstablished HandoffReason = "not-established"
+	// A direction runs in userspace (offload disabled, RX kept in
+	// userspace, or the kernel refused a step); Offload().Reason says why.
+	HandoffNotOffloaded HandoffReason = "not-offloaded"
+	// A Read, Write or splice holds the connection.
+	HandoffBusy HandoffReason = "busy"
+	// Decrypted bytes are buffered in this process, not yet returned by
+	// Read: they exist nowhere else.
+	HandoffBufferedPlaintext HandoffReason = "buffered-plaintext"
+	// A KeyUpdate is owed to the peer (an answer to its update_requested,
+	// or our request at the record limit) and the socket could not take it
+	// without waiting.
+	HandoffKeyUpdatePending HandoffReason = "key-update-pending"
+	// The connection is closing, closed, failed, or already handed off.
+	HandoffEnded HandoffReason = "ended"
+	// The kernel did not answer (getsockopt, dup).
+	HandoffKernel HandoffReason = "kernel"
+	// The kernel has sealed more records under the current key than the
+	// key wear accounting counted: the count a new owner would continue
+	// from cannot be vouched for.
+	HandoffRecordCount HandoffReason = "record-count"
+)
+
+// HandoffError is Handoff's refusal.
+type HandoffError struct {
+	Reason HandoffReason
+	Err    error
+}
+
+func (e *HandoffError) Error() string {
+	return fmt.Sprintf("ktls: handoff refused (%s): %v", e.Reason, e.Err)
+}
+
+func (e *HandoffError) Unwrap() error { return e.Err }
+
+// PeerEnd says how the peer's stream ended before a handoff.
+type PeerEnd string
+
+const (
+	PeerEndNone        PeerEnd = ""             // the peer's stream is open
+	PeerEndCloseNotify PeerEnd = "close_notify" // the peer sent close_notify (Read returned io.EOF)
+	PeerEndEOF         PeerEnd = "eof"          // the transport ended at a record boundary without close_notify (Read returned io.EOF)
+)
+
+// HandoffDirection is one direction's key state at a handoff.
+type HandoffDirection struct {
+	// Secret is the current TLS 1.3 application traffic secret, from which
+	// a KeyUpdate derives the next key; empty for TLS 1.2. Sensitive.
+	Secret []byte
+	// Seq is the kernel's record sequence number (getsockopt TLS_TX or
+	// TLS_RX): the records the current key has protected.
+	Seq uint64
+	// Bound is the key wear accounting's upper bound of those records
+	// (wear.go). TX: Seq <= Bound, or Handoff refuses. RX: records that
+	// carry no plaintext (empty records, and the peer's control records)
+	// are counted only when the kernel's count is read, so Seq may exceed
+	// Bound.
+	Bound uint64
+}
+
+// HandoffState is what a process needs, beyond the socket, to continue a
+// fully offloaded connection. It holds secrets (HandoffDirection.Secret):
+// see the package's handoff notes for the channel it may travel over.
+type HandoffState struct {
+	Version     uint16 // TLS version
+	CipherSuite uint16 // crypto/tls cipher suite ID
+	Client      bool   // the Conn was the client side
+	TX, RX      HandoffDirection
+	// CloseNotifySent: we sent close_notify (CloseWrite); writes fail.
+	CloseNotifySent bool
+	// PeerEnd: how the peer's stream ended, if it did; Read then returns io.EOF.
+	PeerEnd PeerEnd
+	// KeyUpdateAsked: we asked the peer to update its key (at the record
+	// limit) and it has not yet.
+	KeyUpdateAsked bool
+	// KeyUpdateTokens and KeyUpdateLast are the KeyUpdate rate limit's
+	// bucket (Options.KeyUpdateLimit): tokens left, and when it was last
+	// taken from (zero: never). The adopter's rate applies from then on.
+	KeyUpdateTokens float64
+	KeyUpdateLast   time.Time
+	// What ConnectionState reports after adoption.
+	ServerName         string
+	NegotiatedProtocol string
+	DidResume          bool
+	PeerCertificates   [][]byte // DER, leaf first
+}
+
+// Zero overwrites the traffic secrets in s. Encoded copies are the caller's
+// to wipe.
+func (s *HandoffState) Zero() {
+	clear(s.TX.Secret)
+	clear(s.RX.Secret)
+}
+
+// Handoff stops this process's use of c and returns what another owner
+// needs to continue it: the state and a duplicate of the socket's
+// descriptor, which the caller passes on and closes. It refuses with a
+// *HandoffError, leaving c working, unless both directions run in the
+// kernel, no Read, Write or splice holds c, and nothing of the peer's
+// stream is buffered here. A KeyUpdate owed to the peer is sent first.
+// After a successful Handoff every use of c fails with ErrHandedOff, and
+// Close releases c's own descriptors only.
+func (c *Conn) Handoff() (HandoffState, *os.File, error) {
+	st, f, err := c.handoff()
+	if err != nil {
+		stats.handoffRefused.Add(1)
+		return HandoffState{}, nil, err
+	}
+	stats.handedOff.Add(1)
+	return st, f, nil
+}
+
+func (c *Conn) handoff() (HandoffState, *os.File, error) {
+	refuse := func(reason HandoffReason, format string, args ...any) (HandoffState, *os.File, error) {
+		return HandoffState{}, nil, &HandoffError{Reason: reason, Err: fmt.Errorf(format, args...)}
+	}
+	if !c.hsDone.Load() {
+		return refuse(HandoffNotEstablished, "the handshake has not completed")
+	}
+	if c.hsErr != nil {
+		return refuse(HandoffNotEstablished, "the handshake failed: %w", c.hsErr)
+	}
+	// Lock order as everywhere: readMu, then writeMu. A holder is a Read,
+	// Write or splice in progress, which the caller should have stopped:
+	// waiting for it could take as long as the peer likes.
+	if !c.readMu.TryLock() {
+		return refuse(HandoffBusy, "a Read, WriteTo or Opened is in progress")
+	}
+	defer c.readMu.Unlock()
+	if !c.writeMu.TryLock() {
+		return refuse(HandoffBusy, "a Write, ReadFrom or splice into the socket is in progress")
+	}
+	defer c.writeMu.Unlock()
+	switch {
+	case c.handedOff.Load():
+		return refuse(HandoffEnded, "%w", ErrHandedOff)
+	case c.closing.Load():
+		return refuse(HandoffEnded, "the connection is closing")
+	case c.off.TX == ModeUserspace || c.off.RX == ModeUserspace || c.opener != nil:
+		return refuse(HandoffNotOffloaded, "TX %v, RX %v (offload reason %s)", c.off.TX, c.off.RX, c.off.Reason)
+	case len(c.pending) > 0:
+		return refuse(HandoffBufferedPlaintext, "%d decrypted bytes not yet read", len(c.pending))
+	case c.readErr != nil && !errors.Is(c.readErr, io.EOF):
+		return refuse(HandoffEnded, "the connection failed: %w", c.readErr)
+	}
+	if c.txWant.Load() != 0 && !c.wroteEOF {
+		if err := controlFD(c.rawSock, c.sendWantedLocked); err != nil {
+			return refuse(HandoffKeyUpdatePending, "sending the KeyUpdate owed to the peer: %w", err)
+		}
+	}
+	txSeq, err := c.kernelSeq(optTLSTX)
+	if err != nil {
+		return refuse(HandoffKernel, "%w", err)
+	}
+	rxSeq, err := c.kernelSeq(optTLSRX)
+	if err != nil {
+		return refuse(HandoffKernel, "%w", err)
+	}
+	if txSeq > c.txBound {
+		return refuse(HandoffRecordCount, "the kernel sealed %d records under the current key, the key wear accounting counted at most %d", txSeq, c.txBound)
+	}
+	f, err := c.sock.File()
+	if err != nil {
+		return refuse(HandoffKernel, "duplicating the socket: %w", err)
+	}
+	cs := c.ConnectionState()
+	st := HandoffState{
+		Version:            c.off.Version,
+		CipherSuite:        c.off.CipherSuite,
+		Client:             c.isClient,
+		TX:                 HandoffDirection{Secret: bytes.Clone(c.txSecret), Seq: txSeq, Bound: c.txBound},
+		RX:                 HandoffDirection{Secret: bytes.Clone(c.rxSecret), Seq: rxSeq, Bound: c.rxBound},
+		CloseNotifySent:    c.wroteEOF,
+		KeyUpdateAsked:     c.rxAsked,
+		KeyUpdateTokens:    c.limiter.tokens,
+		KeyUpdateLast:      c.limiter.last,
+		ServerName:         cs.ServerName,
+		NegotiatedProtocol: cs.NegotiatedProtocol,
+		DidResume:          cs.DidResume,
+	}
+	for _, cert := range cs.PeerCertificates {
+		st.PeerCertificates = append(st.PeerCertificates, bytes.Clone(cert.Raw))
+	}
+	if c.readErr != nil {
+		st.PeerEnd = PeerEndEOF
+		if c.notified.Load() {
+			st.PeerEnd = PeerEndCloseNotify
+		}
+	}
+	c.handedOff.Store(true)
+	c.readErr = ErrHandedOff
+	// The secrets live on in st only; this Conn will not derive a key again.
+	clear(c.txSecret)
+	clear(c.rxSecret)
+	c.keys.wipe()
+	return st, f, nil
+}
+
+// closeLocal releases this process's descriptors of a handed-off
+// connection and nothing else: the socket lives on in its new owner.
+func (c *Conn) closeLocal() error {
+	return errors.Join(ignoreClosed(c.sock.Close()), closeIfDifferent(c.raw, c.sock))
+}
+
+// ErrAdoptMismatch is returned by Adopt when the socket's kernel TLS state
+// is not the one the HandoffState describes.
+var ErrAdoptMismatch = errors.New("ktls: the socket's kernel TLS state does not match the handoff state")
+
+// Adopt returns a Conn over a socket whose kernel TLS state another Conn
+// handed off (Handoff), in this process or another. It does not take f:
+// the Conn holds a duplicate, and the caller closes f. The socket must
+// carry the "tls" ULP with TLS_TX and TLS_RX installed for st's version and
+// cipher, at st's record sequence numbers, and for TLS 1.3 with the keys
+// st's secrets derive; otherwise Adopt fails (ErrAdoptMismatch, or an error
+// naming what is missing) and leaves the socket untouched.
+//
+// The Conn behaves as one after a handshake with both directions offloaded:
+// key wear continues from st's counts, a KeyUpdate (either side's) derives
+// the next key from st's secrets, and the closed ends stay closed. From
+// opts it takes KeyUpdateLimit, RecordLimit and Observer; the options that
+// choose an offload (Disable, DisableRX, RequireOffload, ExpectNoPad,
+// TXZeroCopyRO) were applied to the socket at its handshake and stay as
+// they are. No Observer event reports the adoption. A client Conn passes
+// no later session ticket to a session cache: the tls.Conn that held the
+// resumption secret stayed with the old owner.
+func Adopt(f *os.File, st HandoffState, opts Options) (*Conn, error) {
+	if err := st.validate(); err != nil {
+		return nil, err
+	}
+	var peerCerts []*x509.Certificate
+	for i, der := range st.PeerCertificates {
+		cert, err := x509.ParseCertificate(der)
+		if err != nil {
+			return nil, fmt.Errorf("ktls: adopt: peer certificate %d: %w", i, err)
+		}
+		peerCerts = append(peerCerts, cert)
+	}
+	nc, err := net.FileConn(f)
+	if err != nil {
+		return nil, fmt.Errorf("ktls: adopt: %w", err)
+	}
+	sock, ok := nc.(*net.TCPConn)
+	if !ok {
+		nc.Close()
+		return nil, fmt.Errorf("ktls: adopt: %T is not a TCP connection", nc)
+	}
+	rawSock, err := sock.SyscallConn()
+	if err == nil {
+		err = checkAdoptable(rawSock, &st)
+	}
+	if err != nil {
+		sock.Close()
+		return nil, err
+	}
+	c := &Conn{raw: sock, isClient: st.Client, opts: opts, record: newRecordConn(sock), keys: &keyCapture{}}
+	c.sock, c.rawSock = sock, rawSock
+	c.off = Offload{TX: ModeSW, RX: ModeSW, Reason: ReasonNone, Version: st.Version, CipherSuite: st.CipherSuite}
+	if info, err := readULPInfo(rawSock); err == nil {
+		c.off.TX, c.off.RX, c.off.RXNoPad = info.TX, info.RX, info.RXNoPad
+	}
+	c.adopted = &tls.ConnectionState{
+		Version:            st.Version,
+		HandshakeComplete:  true,
+		DidResume:          st.DidResume,
+		CipherSuite:        st.CipherSuite,
+		NegotiatedProtocol: st.NegotiatedProtocol,
+		ServerName:         st.ServerName,
+		PeerCertificates:   peerCerts,
+	}
+	c.txSecret, c.rxSecret = bytes.Clone(st.TX.Secret), bytes.Clone(st.RX.Secret)
+	c.txBound, c.rxBound = max(st.TX.Bound, st.TX.Seq), max(st.RX.Bound, st.RX.Seq)
+	c.rxAsked = st.KeyUpdateAsked
+	c.limiter = newTokenBucket(opts.KeyUpdateLimit)
+	c.limiter.tokens = min(st.KeyUpdateTokens, float64(c.limiter.rate.Burst))
+	if now := time.Now(); st.KeyUpdateLast.After(now) {
+		c.limiter.last = now
+	} else {
+		c.limiter.last = st.KeyUpdateLast
+	}
+	c.wroteEOF = st.CloseNotifySent
+	if st.PeerEnd != PeerEndNone {
+		c.readErr = io.EOF
+		c.notified.Store(st.PeerEnd == PeerEndCloseNotify)
+	}
+	c.hsDone.Store(true)
+	stats.adopted.Add(1)
+	return c, nil
+}
+
+// checkAdoptable compares the socket's kernel TLS state with st: the "tls"
+// ULP, and per direction the version, cipher and record sequence number
+// and, for TLS 1.3, the key and static IV st's secret derives (the kernel
+// returns its crypto_info, key included, on getsockopt).
+func checkAdoptable(rc syscall.RawConn, st *HandoffState) error {
+	var ulp [16]byte
+	var n int
+	if err := controlFD(rc, func(fd int) (err error) {
+		n, err = getsockoptBytes(fd, unix.IPPROTO_TCP, unix.TCP_ULP, ulp[:])
+		return err
+	}); err != nil {
+		return fmt.Errorf("ktls: adopt: reading the socket's ULP: %w", err)
+	}
+	if name := cString(ulp[:n]); name != "tls" {
+		return fmt.Errorf("ktls: adopt: the socket has no kernel TLS (ULP %q)", name)
+	}
+	cs, err := suiteFor(st.Version, st.CipherSuite)
+	if err != nil {
+		return err
+	}
+	for _, d := range []struct {
+		name string
+		opt  int
+		dir  *HandoffDirection
+	}{{"TX", optTLSTX, &st.TX}, {"RX", optTLSRX, &st.RX}} {
+		info, err := readCryptoInfo(rc, d.opt, cs)
+		if err != nil {
+			return fmt.Errorf("ktls: adopt: %s: %w", d.name, err)
+		}
+		if !info.is(cs) {
+			return fmt.Errorf("%w: %s: %v", ErrAdoptMismatch, d.name, info.mismatch(cs))
+		}
+		err = info.matches(st, cs, d.dir)
+		info.wipe()
+		if err != nil {
+			return fmt.Errorf("%w: %s: %v", ErrAdoptMismatch, d.name, err)
+		}
+	}
+	return nil
+}
+
+// matches compares the kernel's direction with the state's.
+func (k *kernelInfo) matches(st *HandoffState, cs *cipherSuite, d *HandoffDirection) error {
+	if k.seq != d.Seq {
+		return fmt.Errorf("record sequence number %d in the kernel, %d in the state", k.seq, d.Seq)
+	}
+	if st.Version != tls.VersionTLS13 {
+		return nil
+	}
+	key, iv, err := trafficKeys(st.CipherSuite, d.Secret)
+	if err != nil {
+		return err
+	}
+	defer clear(key)
+	defer clear(iv)
+	// TLS 1.3: the kernel's nonce is salt || iv field, the whole static IV.
+	kernelIV := append(bytes.Clone(k.salt), k.ivField...)
+	defer clear(kernelIV)
+	if subtle.ConstantTimeCompare(key, k.key) != 1 || subtle.ConstantTimeCompare(iv, kernelIV) != 1 {
+		return errors.New("the kernel's key is not the one the state's traffic secret derives")
+	}
+	return nil
+}
+
+// validate checks what a decoder cannot: the suite, and secrets present
+// exactly where a KeyUpdate needs them, of the suite's hash length.
+func (s *HandoffState) validate() error {
+	cs, err := suiteFor(s.Version, s.CipherSuite)
+	if err != nil {
+		return fmt.Errorf("ktls: handoff state: %w", err)
+	}
+	for _, d := range []struct {
+		name string
+		dir  HandoffDirection
+	}{{"tx", s.TX}, {"rx", s.RX}} {
+		switch {
+		case s.Version == tls.VersionTLS13:
+			if err := checkSecret(cs, d.dir.Secret); err != nil {
+				return fmt.Errorf("ktls: handoff state: %s: %w", d.name, err)
+			}
+		case len(d.dir.Secret) != 0:
+			return fmt.Errorf("ktls: handoff state: %s: a %s state carries no traffic secret", d.name, tls.VersionName(s.Version))
+		}
+	}
+	switch s.PeerEnd {
+	case PeerEndNone, PeerEndCloseNotify, PeerEndEOF:
+	default:
+		return fmt.Errorf("ktls: handoff state: unknown peer end %q", s.PeerEnd)
+	}
+	if math.IsNaN(s.KeyUpdateTokens) || math.IsInf(s.KeyUpdateTokens, 0) || s.KeyUpdateTokens < 0 {
+		return fmt.Errorf("ktls: handoff state: KeyUpdate tokens %v", s.KeyUpdateTokens)
+	}
+	for i, der := range s.PeerCertificates {
+		if len(der) == 0 {
+			return fmt.Errorf("ktls: handoff state: peer certificate %d is empty", i)
+		}
+	}
+	return nil
+}
+
+// HandoffVersionError is a state encoded in a version this package does
+// not read.
+type HandoffVersionError struct {
+	Got int
+}
+
+func (e *HandoffVersionError) Error() string {
+	return fmt.Sprintf("ktls: handoff state version %d, this build reads only version %d", e.Got, HandoffVersion)
+}
+
+// handoffWire is the encoding of HandoffState version 1: JSON, fields named
+// here, byte strings in base64.
+type handoffWire struct {
+	V                  int           `json:"v"`
+	TLSVersion         uint16        `json:"tls_version"`
+	CipherSuite        uint16        `json:"cipher_suite"`
+	Client             bool          `json:"client"`
+	TX                 directionWire `json:"tx"`
+	RX                 directionWire `json:"rx"`
+	CloseNotifySent    bool          `json:"close_notify_sent"`
+	PeerEnd            PeerEnd       `json:"peer_end"`
+	KeyUpdateAsked     bool          `json:"key_update_asked"`
+	KeyUpdateTokens    float64       `json:"key_update_tokens"`
+	KeyUpdateLast      *time.Time    `json:"key_update_last,omitempty"`
+	ServerName         string        `json:"server_name,omitempty"`
+	NegotiatedProtocol string        `json:"alpn,omitempty"`
+	DidResume          bool          `json:"did_resume"`
+	PeerCertificates   [][]byte      `json:"peer_certificates,omitempty"`
+}
+
+type directionWire struct {
+	Secret []byte `json:"secret,omitempty"`
+	Seq    uint64 `json:"seq"`
+	Bound  uint64 `json:"bound"`
+}
+
+// Encode returns s in the current HandoffVersion. The bytes hold the
+// traffic secrets: the caller wipes them once sent.
+func (s *HandoffState) Encode() ([]byte, error) {
+	if err := s.validate(); err != nil {
+		return nil, err
+	}
+	w := handoffWire{
+		V: HandoffVersion, TLSVersion: s.Version, CipherSuite: s.CipherSuite, Client: s.Client,
+		TX:              directionWire{Secret: s.TX.Secret, Seq: s.TX.Seq, Bound: s.TX.Bound},
+		RX:              directionWire{Secret: s.RX.Secret, Seq: s.RX.Seq, Bound: s.RX.Bound},
+		CloseNotifySent: s.CloseNotifySent, PeerEnd: s.PeerEnd, KeyUpdateAsked: s.KeyUpdateAsked,
+		KeyUpdateTokens: s.KeyUpdateTokens, ServerName: s.ServerName, NegotiatedProtocol: s.NegotiatedProtocol,
+		DidResume: s.DidResume, PeerCertificates: s.PeerCertificates,
+	}
+	if !s.KeyUpdateLast.IsZero() {
+		t := s.KeyUpdateLast.Round(0) // the wall clock: a monotonic reading means nothing elsewhere
+		w.KeyUpdateLast = &t
+	}
+	return json.Marshal(w)
+}
+
+// DecodeHandoffState decodes what Encode wrote. It refuses another version
+// (*HandoffVersionError), a field it does not know, a missing version,
+// anything after the object, and a state Adopt could not use.
+func DecodeHandoffState(b []byte) (HandoffState, error) {
+	// json.Unmarshal refuses anything after the object; the version
+	// decides which fields are known.
+	var probe struct {
+		V *int `json:"v"`
+	}
+	if err := json.Unmarshal(b, &probe); err != nil {
+		return HandoffState{}, fmt.Errorf("ktls: handoff state: %w", err)
+	}
+	if probe.V == nil {
+		return HandoffState{}, errors.New("ktls: handoff state: no version (\"v\")")
+	}
+	if *probe.V != HandoffVersion {
+		return HandoffState{}, &HandoffVersionError{Got: *probe.V}
+	}
+	var w handoffWire
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&w); err != nil {
+		return HandoffState{}, fmt.Errorf("ktls: handoff state: %w", err)
+	}
+	s := HandoffState{
+		Version: w.TLSVersion, CipherSuite: w.CipherSuite, Client: w.Client,
+		TX:              HandoffDirection{Secret: w.TX.Secret, Seq: w.TX.Seq, Bound: w.TX.Bound},
+		RX:              HandoffDirection{Secret: w.RX.Secret, Seq: w.RX.Seq, Bound: w.RX.Bound},
+		CloseNotifySent: w.CloseNotifySent, PeerEnd: w.PeerEnd, KeyUpdateAsked: w.KeyUpdateAsked,
+		KeyUpdateTokens: w.KeyUpdateTokens, ServerName: w.ServerName, NegotiatedProtocol: w.NegotiatedProtocol,
+		DidResume: w.DidResume, PeerCertificates: w.PeerCertificates,
+	}
+	if w.KeyUpdateLast != nil {
+		s.KeyUpdateLast = *w.KeyUpdateLast
+	}
+	if err := s.validate(); err != nil {
+		s.Zero()
+		return HandoffState{}, err
+	}
+	return s, nil
+}
+
+// MarshalJSON is Encode, so that a state inside a larger JSON message keeps
+// its version.
+func (s HandoffState) MarshalJSON() ([]byte, error) { return s.Encode() }
+
+// UnmarshalJSON is DecodeHandoffState.
+func (s *HandoffState) UnmarshalJSON(b []byte) error {
+	d, err := DecodeHandoffState(b)
+	if err != nil {
+		return err
+	}
+	*s = d
+	return nil
+}

@@ -1,0 +1,439 @@
+package ktls
+
+import (
+	"bytes"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// wantHandoffRefused fails t unless err is a *HandoffError with reason,
+// whose text contains says.
+func wantHandoffRefused(t *testing.T, err error, reason HandoffReason, says string) {
+	t.Helper()
+	var he *HandoffError
+	if !errors.As(err, &he) || he.Reason != reason || !strings.Contains(err.Error(), says) {
+		t.Fatalf("Handoff: %v; want a refusal (%s) saying %q", err, reason, says)
+	}
+}
+
+// TestHandoffRefusesUserspaceTLS: a Conn whose session runs in crypto/tls
+// (offload disabled) cannot move, Handoff says why, and the Conn goes on:
+// 256 KiB each way, SHA-256 checked, close_notify both ways.
+func TestHandoffRefusesUserspaceTLS(t *testing.T) {
+	checkNoFDLeak(t, kerneltest.OpenFDs)
+	scfg, ccfg := newTestPKI(t).configs(connCase{version: tls.VersionTLS13})
+	pr, err := dialPair(t, scfg, ccfg, Options{Disable: true}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := Stats()
+	st, f, err := pr.server.Handoff()
+	wantHandoffRefused(t, err, HandoffNotOffloaded, "offload reason disabled")
+	if f != nil || st.Version != 0 {
+		t.Fatalf("a refused Handoff returned %v and a state of version %#x", f, st.Version)
+	}
+	if got := Stats().HandoffRefused - before.HandoffRefused; got != 1 {
+		t.Errorf("HandoffRefused moved by %d, want 1", got)
+	}
+	exchange(t, pr, smallBytes)
+}
+
+// TestHandoffBeforeHandshake: Handoff neither runs nor waits for the
+// handshake (a net.Pipe with nobody at the other end would block it).
+func TestHandoffBeforeHandshake(t *testing.T) {
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	c := Server(a, &tls.Config{}, Options{})
+	_, _, err := c.Handoff()
+	wantHandoffRefused(t, err, HandoffNotEstablished, "has not completed")
+}
+
+// fakeRawConn is the raw conn of a socket that is not there: Control runs
+// f on descriptor -1 (every syscall on it fails with EBADF), or fails.
+type fakeRawConn struct{ err error }
+
+func (r fakeRawConn) Control(f func(fd uintptr)) error {
+	if r.err != nil {
+		return r.err
+	}
+	f(^uintptr(0))
+	return nil
+}
+func (r fakeRawConn) Read(f func(fd uintptr) bool) error {
+	return r.Control(func(fd uintptr) { f(fd) })
+}
+func (r fakeRawConn) Write(f func(fd uintptr) bool) error {
+	return r.Control(func(fd uintptr) { f(fd) })
+}
+
+// offloadedConn is a Conn in the state a completed handshake with both
+// directions in the kernel leaves, over no socket: Handoff's checks run on
+// it until it asks the kernel.
+func offloadedConn() *Conn {
+	c := &Conn{keys: &keyCapture{}, rawSock: fakeRawConn{}}
+	c.off = Offload{TX: ModeSW, RX: ModeSW, Version: tls.VersionTLS13, CipherSuite: tls.TLS_AES_128_GCM_SHA256}
+	c.hsDone.Store(true)
+	return c
+}
+
+// TestHandoffRefusals: each state a connection cannot move in is refused
+// with its reason before anything changes: the Conn's reads, writes and
+// buffered bytes are as they were. The last case reaches the kernel, which
+// is not there.
+func TestHandoffRefusals(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		set    func(c *Conn) (undo func())
+		reason HandoffReason
+		says   string
+	}{
+		{"handshake failed", func(c *Conn) func() { c.hsErr = errors.New("bad certificate"); return nil },
+			HandoffNotEstablished, "bad certificate"},
+		{"rx in userspace", func(c *Conn) func() { c.off.RX = ModeUserspace; c.off.Reason = ReasonRXDisabled; return nil },
+			HandoffNotOffloaded, "RX userspace (offload reason rx-disabled)"},
+		{"rx opener", func(c *Conn) func() { c.opener = &recordOpener{}; return nil },
+			HandoffNotOffloaded, "offload reason"},
+		{"tx in userspace", func(c *Conn) func() { c.off.TX = ModeUserspace; return nil },
+			HandoffNotOffloaded, "TX userspace"},
+		{"buffered plaintext", func(c *Conn) func() { c.pending = []byte("12345"); return nil },
+			HandoffBufferedPlaintext, "5 decrypted bytes"},
+		{"reader busy", func(c *Conn) func() { c.readMu.Lock(); return c.readMu.Unlock },
+			HandoffBusy, "Read"},
+		{"writer busy", func(c *Conn) func() { c.writeMu.Lock(); return c.writeMu.Unlock },
+			HandoffBusy, "Write"},
+		{"failed", func(c *Conn) func() { c.readErr = AlertError(20); return nil },
+			HandoffEnded, "bad_record_mac"},
+		{"closing", func(c *Conn) func() { c.closing.Store(true); return nil },
+			HandoffEnded, "closing"},
+		{"handed off", func(c *Conn) func() { c.handedOff.Store(true); return nil },
+			HandoffEnded, ErrHandedOff.Error()},
+		{"key update owed", func(c *Conn) func() {
+			c.txWant.Store(wantAnswer)
+			c.rawSock = fakeRawConn{err: errors.New("no room")}
+			return nil
+		}, HandoffKeyUpdatePending, "no room"},
+		{"kernel", func(c *Conn) func() { return nil },
+			HandoffKernel, "bad file descriptor"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := offloadedConn()
+			undo := tc.set(c)
+			readErr, pending := c.readErr, bytes.Clone(c.pending)
+			_, f, err := c.Handoff()
+			if undo != nil {
+				undo()
+			}
+			wantHandoffRefused(t, err, tc.reason, tc.says)
+			if f != nil || c.handedOff.Load() != (tc.name == "handed off") || c.readErr != readErr || !bytes.Equal(c.pending, pending) {
+				t.Fatalf("the refusal changed the Conn: file %v, handed off %v, read error %v, %d bytes pending",
+					f, c.handedOff.Load(), c.readErr, len(c.pending))
+			}
+			// Neither lock was left held.
+			if !c.readMu.TryLock() || !c.writeMu.TryLock() {
+				t.Fatal("Handoff left a lock held")
+			}
+		})
+	}
+}
+
+// TestHandedOffConnRefusesUse: after Handoff every use of the Conn fails
+// with ErrHandedOff, and Close, Abort and Refuse release the Conn's own
+// descriptors without a byte to the peer (no close_notify, no alert) and
+// without shutting the socket down: what the new owner writes on the same
+// socket reaches the peer. Over plain TCP, with the handoff's end state set
+// by hand (a host without kTLS cannot make one).
+func TestHandedOffConnRefusesUse(t *testing.T) {
+	for _, end := range []string{"Close", "Abort", "Refuse", "CloseWrite+Close"} {
+		t.Run(end, func(t *testing.T) {
+			checkNoFDLeak(t, kerneltest.OpenFDs)
+			peer, sock := tcpPair(t)
+			defer peer.Close()
+			rc, err := sock.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := offloadedConn()
+			c.raw, c.sock, c.rawSock = sock, sock, rc
+			// What Handoff leaves.
+			f, err := sock.File()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			c.handedOff.Store(true)
+			c.readErr = ErrHandedOff
+
+			for name, use := range map[string]func() error{
+				"Read":     func() error { _, err := c.Read(make([]byte, 1)); return err },
+				"Write":    func() error { _, err := c.Write([]byte("x")); return err },
+				"ReadFrom": func() error { _, err := c.ReadFrom(strings.NewReader("x")); return err },
+				"WriteTo":  func() error { _, err := c.WriteTo(io.Discard); return err },
+				"Opened":   func() error { return c.Opened(1) },
+				"BeginSeal": func() error {
+					err := c.BeginSeal(0)
+					if err == nil {
+						c.EndSeal(0)
+					}
+					return err
+				},
+				"SyscallConn": func() error { _, err := c.SyscallConn(); return err },
+				"Handoff":     func() error { _, _, err := c.Handoff(); return err },
+			} {
+				if err := use(); !errors.Is(err, ErrHandedOff) {
+					t.Errorf("%s after Handoff: %v, want ErrHandedOff", name, err)
+				}
+			}
+			if _, ok := c.SpliceSource(); ok {
+				t.Error("SpliceSource after Handoff")
+			}
+			if _, ok := c.SpliceSink(); ok {
+				t.Error("SpliceSink after Handoff")
+			}
+			var err2 error
+			switch end {
+			case "Close":
+				err2 = c.Close()
+			case "Abort":
+				err2 = c.Abort()
+			case "Refuse":
+				err2 = c.Refuse()
+			case "CloseWrite+Close":
+				if err := c.CloseWrite(); !errors.Is(err, ErrHandedOff) {
+					t.Errorf("CloseWrite after Handoff: %v", err)
+				}
+				err2 = c.Close()
+			}
+			if err2 != nil {
+				t.Fatalf("%s: %v", end, err2)
+			}
+			// The new owner's descriptor: its bytes are the first the
+			// peer reads, and the peer's reach it.
+			nc, err := net.FileConn(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer nc.Close()
+			if _, err := nc.Write([]byte("new owner")); err != nil {
+				t.Fatal(err)
+			}
+			nc.(*net.TCPConn).CloseWrite()
+			got, err := io.ReadAll(peer)
+			if err != nil || string(got) != "new owner" {
+				t.Fatalf("the peer read %q, %v; want only the new owner's bytes", got, err)
+			}
+			if _, err := peer.Write([]byte("back")); err != nil {
+				t.Fatal(err)
+			}
+			buf := make([]byte, 4)
+			if _, err := io.ReadFull(nc, buf); err != nil || string(buf) != "back" {
+				t.Fatalf("the new owner read %q, %v", buf, err)
+			}
+		})
+	}
+}
+
+// tcpPair returns the two ends of a loopback TCP connection.
+func tcpPair(t *testing.T) (client, server *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := ln.Accept()
+	if err != nil {
+		c.Close()
+		t.Fatal(err)
+	}
+	return c.(*net.TCPConn), s.(*net.TCPConn)
+}
+
+// testState is a valid TLS 1.3 state.
+func testState() HandoffState {
+	return HandoffState{
+		Version: tls.VersionTLS13, CipherSuite: tls.TLS_AES_128_GCM_SHA256,
+		TX:              HandoffDirection{Secret: bytes.Repeat([]byte{1}, 32), Seq: 7, Bound: 9},
+		RX:              HandoffDirection{Secret: bytes.Repeat([]byte{2}, 32), Seq: 1 << 60, Bound: 3},
+		CloseNotifySent: true, PeerEnd: PeerEndCloseNotify, KeyUpdateAsked: true,
+		KeyUpdateTokens: 12.5, KeyUpdateLast: time.Date(2026, 5, 4, 3, 2, 1, 123456789, time.UTC),
+		ServerName: "sandbox.example", NegotiatedProtocol: "h2", DidResume: true,
+		PeerCertificates: [][]byte{{0x30, 1, 2}, {0x30, 3}},
+	}
+}
+
+// TestHandoffStateEncoding: a state survives Encode and DecodeHandoffState
+// field for field, in a larger JSON message too; Zero wipes the secrets.
+func TestHandoffStateEncoding(t *testing.T) {
+	st := testState()
+	b, err := st.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := DecodeHandoffState(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !statesEqual(got, st) {
+		t.Fatalf("decoded %+v\nwant    %+v", got, st)
+	}
+	if !bytes.Contains(b, []byte(`"v":1`)) || !bytes.Contains(b, []byte(`"seq":1152921504606846976`)) {
+		t.Fatalf("encoding %s: want the version and the exact 64-bit sequence number", b)
+	}
+	// Inside a message of the caller's.
+	type envelope struct {
+		Tunnel string
+		State  HandoffState
+	}
+	outer, err := json.Marshal(envelope{"t1", st})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var env envelope
+	if err := json.Unmarshal(outer, &env); err != nil || !statesEqual(env.State, st) {
+		t.Fatalf("through an envelope: %v, %+v", err, env.State)
+	}
+	// TLS 1.2 carries no secrets.
+	st12 := HandoffState{Version: tls.VersionTLS12, CipherSuite: tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+		TX: HandoffDirection{Seq: 5, Bound: 5}, RX: HandoffDirection{Seq: 4, Bound: 40}}
+	b, err = st12.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := DecodeHandoffState(b); err != nil || !statesEqual(got, st12) {
+		t.Fatalf("TLS 1.2: %+v, %v", got, err)
+	}
+	tx := st.TX.Secret
+	st.Zero()
+	if !bytes.Equal(tx, make([]byte, 32)) || !bytes.Equal(st.RX.Secret, make([]byte, 32)) {
+		t.Fatal("Zero left secrets")
+	}
+}
+
+func statesEqual(a, b HandoffState) bool {
+	ja, _ := json.Marshal(a)
+	jb, _ := json.Marshal(b)
+	return bytes.Equal(ja, jb) && a.KeyUpdateLast.Equal(b.KeyUpdateLast)
+}
+
+// TestHandoffStateDecodeStrict: the decoder refuses what it does not know
+// or Adopt could not use, saying what.
+func TestHandoffStateDecodeStrict(t *testing.T) {
+	good, err := func() ([]byte, error) { st := testState(); return st.Encode() }()
+	if err != nil {
+		t.Fatal(err)
+	}
+	edit := func(f func(m map[string]any)) []byte {
+		var m map[string]any
+		if err := json.Unmarshal(good, &m); err != nil {
+			t.Fatal(err)
+		}
+		f(m)
+		b, err := json.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	for _, tc := range []struct {
+		name string
+		in   []byte
+		says string
+	}{
+		{"version 2", edit(func(m map[string]any) { m["v"] = 2; m["new_field"] = 1 }), "version 2, this build reads only version 1"},
+		{"no version", edit(func(m map[string]any) { delete(m, "v") }), "no version"},
+		{"unknown field", edit(func(m map[string]any) { m["extra"] = true }), `unknown field "extra"`},
+		{"unknown nested field", edit(func(m map[string]any) { m["tx"].(map[string]any)["iv"] = "AA==" }), `unknown field "iv"`},
+		{"trailing data", append(bytes.Clone(good), `{"v":1}`...), "after top-level value"},
+		{"not JSON", []byte("v=1"), "invalid character"},
+		{"short secret", edit(func(m map[string]any) { m["rx"].(map[string]any)["secret"] = "AAAA" }), "rx: ktls: traffic secret for TLS_AES_128_GCM_SHA256 is 3 bytes, want 32"},
+		{"TLS 1.3 without secret", edit(func(m map[string]any) { delete(m["tx"].(map[string]any), "secret") }), "tx: ktls: traffic secret"},
+		{"TLS 1.2 with secret", edit(func(m map[string]any) {
+			m["tls_version"] = tls.VersionTLS12
+			m["cipher_suite"] = tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+		}), "a TLS 1.2 state carries no traffic secret"},
+		{"unsupported suite", edit(func(m map[string]any) { m["cipher_suite"] = tls.TLS_RSA_WITH_AES_128_CBC_SHA }), "not a supported TLS 1.3 cipher suite"},
+		{"unknown version", edit(func(m map[string]any) { m["tls_version"] = tls.VersionTLS11 }), "unsupported TLS version"},
+		{"unknown peer end", edit(func(m map[string]any) { m["peer_end"] = "reset" }), `unknown peer end "reset"`},
+		{"negative tokens", edit(func(m map[string]any) { m["key_update_tokens"] = -1 }), "KeyUpdate tokens -1"},
+		{"empty certificate", edit(func(m map[string]any) { m["peer_certificates"] = []string{""} }), "peer certificate 0 is empty"},
+		{"sequence number as text", edit(func(m map[string]any) { m["tx"].(map[string]any)["seq"] = "7" }), "cannot unmarshal string"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st, err := DecodeHandoffState(tc.in)
+			if err == nil || !strings.Contains(err.Error(), tc.says) {
+				t.Fatalf("DecodeHandoffState(%s) = %v; want an error saying %q", tc.in, err, tc.says)
+			}
+			if st.Version != 0 || st.TX.Secret != nil {
+				t.Fatalf("a refused decode returned a state: %+v", st)
+			}
+			if tc.name == "version 2" {
+				var ve *HandoffVersionError
+				if !errors.As(err, &ve) || ve.Got != 2 {
+					t.Fatalf("%v: want a *HandoffVersionError for version 2", err)
+				}
+			}
+		})
+	}
+	// Encode refuses what Decode would.
+	bad := testState()
+	bad.RX.Secret = bad.RX.Secret[:5]
+	if _, err := bad.Encode(); err == nil {
+		t.Fatal("Encode took a 5-byte secret")
+	}
+}
+
+// TestAdoptRefusesPlainSocket: Adopt checks the socket before anything
+// else: a TCP socket without kernel TLS is refused with the reason, the
+// descriptor Adopt duplicated is closed, and the socket carries bytes as
+// before. An invalid state is refused before the socket is looked at.
+func TestAdoptRefusesPlainSocket(t *testing.T) {
+	checkNoFDLeak(t, kerneltest.OpenFDs)
+	peer, sock := tcpPair(t)
+	defer peer.Close()
+	defer sock.Close()
+	f, err := sock.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	st := testState()
+	st.PeerCertificates = nil
+	before := kerneltest.OpenFDs(t)
+	c, err := Adopt(f, st, Options{})
+	if c != nil || err == nil || !strings.Contains(err.Error(), `the socket has no kernel TLS (ULP "")`) {
+		t.Fatalf("Adopt of a plain TCP socket: %v, %v", c, err)
+	}
+	if after := kerneltest.OpenFDs(t); after != before {
+		t.Fatalf("%d descriptors before Adopt, %d after its refusal", before, after)
+	}
+	bad := testState()
+	bad.TX.Secret = nil
+	if _, err := Adopt(f, bad, Options{}); err == nil || !strings.Contains(err.Error(), "tx: ktls: traffic secret") {
+		t.Fatalf("Adopt of a state without a TX secret: %v", err)
+	}
+	bad = testState()
+	bad.PeerCertificates = [][]byte{{1, 2, 3}}
+	if _, err := Adopt(f, bad, Options{}); err == nil || !strings.Contains(err.Error(), "peer certificate 0") {
+		t.Fatalf("Adopt of a state with a bad certificate: %v", err)
+	}
+	if _, err := sock.Write([]byte("still")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 5)
+	if _, err := io.ReadFull(peer, buf); err != nil || string(buf) != "still" {
+		t.Fatalf("after the refusals the peer read %q, %v", buf, err)
+	}
+}

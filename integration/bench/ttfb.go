@@ -1,0 +1,723 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"math"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/integration/internal/ttfbjson"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// ttfbStandby is l4-l4 with the gateway's standby option (-standby).
+const ttfbStandby = "l4-l4-standby"
+
+// ttfbContenders are the chains a ttfb run can start: the edge-gateway
+// paths of issue 19 (a gateway Caddy and the forwarder hop behind it), and
+// l4-l4 with standby connections.
+var ttfbContenders = []string{"l7-l7", "l7-l4", "l4-l4", ttfbStandby}
+
+// The path check's tolerance: a delay line whose RTT is off by more than
+// this share of the RTT asked, plus a constant for the connect's own cost,
+// fails the run.
+const (
+	ttfbToleranceRel = 0.3
+	ttfbToleranceMs  = 0.5
+)
+
+// runTTFB measures a new connection's time to first byte through the
+// gateway chains with netem delaying the gateway↔forwarder path (issue
+// 34): per contender and RTT, connections one after the other, each from
+// its connect's start to the first byte of its call's response.
+//
+// The delay sits on that path alone. The forwarder hop listens on an
+// address of its own (-forwarder-addr, 127.0.0.2 by default), and every
+// other socket of the run is on 127.0.0.1: the client's to the gateway,
+// the forwarder's to the upstream (its route's source address is
+// 127.0.0.1), the upstream's. A prio qdisc on the loopback device sends
+// every packet to or from that one address to a band with netem on it, and
+// the rest to a band without (netemCommands). On loopback each packet
+// passes the device's egress qdisc once, so half the RTT each way makes
+// the path's round trip the RTT asked. Matching the address, not the
+// forwarder's port, makes the path check's TCP probe (a listener of this
+// process on the same address) cross the very filter the tunnels do; after
+// each measurement every established socket on that address must be one of
+// the forwarder's listener's (checkForwarderSockets): a connection from
+// that address elsewhere would be delayed too.
+func runTTFB(args []string) error {
+	fs := flag.NewFlagSet("ttfb", flag.ExitOnError)
+	p := ttfbjson.Params{ToleranceRel: ttfbToleranceRel, ToleranceMs: ttfbToleranceMs}
+	only := fs.String("contenders", "l7-l7,l4-l4,"+ttfbStandby, "chains to measure, of "+strings.Join(ttfbContenders, ", ")+" ("+ttfbStandby+": l4-l4 whose gateway keeps -standby standby connections)")
+	rtts := fs.String("rtts", "1ms,20ms", "round-trip times between gateway and forwarder (Go durations, comma-separated): netem holds each packet of that path half of one, each way")
+	fs.IntVar(&p.Conns, "conns", 40, "measured connections per contender and RTT, one after the other")
+	pause := fs.Duration("pause", 250*time.Millisecond, "quiet after each measured connection, so that the gateway's standby refill (a connect and a TLS handshake across the delayed path) is done before the next; the same for every contender")
+	settle := fs.Duration("settle", 2*time.Second, "quiet after the uncounted first connection of each contender and RTT, while the gateway fills its standby connections")
+	fs.IntVar(&p.Standby, "standby", 4, "the gateway's standby option in "+ttfbStandby)
+	fs.IntVar(&p.Req, "req", 1024, "request bytes of each connection's one call")
+	fs.IntVar(&p.Resp, "resp", 4096, "response bytes of each connection's one call (at least 1)")
+	fs.IntVar(&p.Probes, "probes", 9, "TCP connects per path check (their median is its figure)")
+	fs.StringVar(&p.ForwarderAddr, "forwarder-addr", "127.0.0.2", "the loopback address the forwarder hop listens on: the one address netem delays (not 127.0.0.1, which every other socket uses)")
+	fs.StringVar(&p.Device, "dev", "lo", "the device whose egress qdisc delays the path")
+	timeout := fs.Duration("call-timeout", 10*time.Second, "deadline of one connection and its call")
+	fs.StringVar(&p.PinContender, "pin-contender", "", "CPU list every process of the chain runs on (taskset -c); run this client itself on the others")
+	mode := fs.String("mode", "vm", "where this runs, recorded: vm (real time, no icount) or native")
+	label := fs.String("label", "", "a label for the report (e.g. smoke)")
+	caddyBin := fs.String("caddy", "bin/caddy", "Caddy binary with caddy-l4 and this module")
+	out := fs.String("out", "ttfb.json", "JSON output file")
+	commit := fs.String("commit", "", "the commit measured (bench.sh passes it)")
+	fs.Parse(args)
+	rttList, err := parseRTTs(*rtts)
+	if err != nil {
+		return err
+	}
+	fwd, err := forwarderAddr(p.ForwarderAddr)
+	if err != nil {
+		return err
+	}
+	if p.Conns < 1 || p.Probes < 1 || p.Standby < 1 || p.Req < 0 || p.Resp < 1 || p.Req > maxCallLen || p.Resp > maxCallLen || *pause < 0 || *settle < 0 {
+		return errors.New("-conns, -probes, -standby and -resp must be positive, -req not negative, calls at most 1 MiB, pauses not negative")
+	}
+	names := strings.Split(*only, ",")
+	for _, n := range names {
+		if !slices.Contains(ttfbContenders, n) {
+			return fmt.Errorf("unknown ttfb contender %q (have %s)", n, strings.Join(ttfbContenders, ", "))
+		}
+	}
+	if _, err := exec.LookPath("tc"); err != nil {
+		return fmt.Errorf("tc (iproute2) installs the delay: %w", err)
+	}
+	p.Contenders = names
+	for _, r := range rttList {
+		p.RTTsMs = append(p.RTTsMs, durMs(r))
+	}
+	p.PauseMs, p.SettleMs, p.CallTimeoutMs = durMs(*pause), durMs(*settle), timeout.Milliseconds()
+
+	h, err := newHarness(*caddyBin, "ktls-ttfb-")
+	if err != nil {
+		return err
+	}
+	defer h.close()
+	probes, err := startProbes(fwd)
+	if err != nil {
+		return err
+	}
+	defer probes.close()
+
+	var uts syscall.Utsname
+	syscall.Uname(&uts)
+	rep := &ttfbjson.Report{Schema: ttfbjson.Schema, Kind: ttfbjson.Kind, Mode: *mode, Label: *label, Kernel: utsString(uts.Release[:]),
+		Date: time.Now().UTC().Format(time.RFC3339), Commit: *commit,
+		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Release[:]), utsString(uts.Machine[:])}, " "),
+		Go:   runtime.Version(), CPUs: runtime.NumCPU(), Params: p, Notes: ttfbNotes(p), OK: true}
+	kernelTLS := kerneltest.Available()
+	for _, name := range names {
+		c, _ := findContender(strings.TrimSuffix(name, "-standby"))
+		if (c.kernelTX || c.kernelRX) && kernelTLS != nil {
+			reason := fmt.Sprintf("this kernel has no kTLS (%v)", kernelTLS)
+			log.Printf("REFUSED %s: %s", name, reason)
+			rep.Skipped = append(rep.Skipped, ttfbjson.Skipped{Contender: name, Reason: reason})
+			rep.OK = false
+			continue
+		}
+		env := &runEnv{dir: h.dir, caddy: h.caddy, self: h.self, listen: freeAddr(), hopListen: freeAddrOn(fwd), up: h.up, pki: h.pki}
+		if name == ttfbStandby {
+			env.gatewayStandby = p.Standby
+		}
+		s := ttfbSetup{p: p, rtts: rttList, pause: *pause, settle: *settle, timeout: *timeout, probes: probes}
+		results, err := ttfbChain(name, c, env, s)
+		rep.Results = append(rep.Results, results...)
+		if err != nil {
+			log.Printf("FAIL %s: %v", name, err)
+			rep.OK = false
+		}
+		for _, r := range results {
+			if len(r.Errors) > 0 {
+				rep.OK = false
+			}
+		}
+	}
+	data, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(*out, append(data, '\n'), 0o644); err != nil {
+		return err
+	}
+	if !rep.OK {
+		return errors.New("FAIL: see the errors in " + *out)
+	}
+	log.Printf("bench ttfb: OK, %d results in %s", len(rep.Results), *out)
+	return nil
+}
+
+// ttfbSetup is what every contender of a ttfb run shares.
+type ttfbSetup struct {
+	p                      ttfbjson.Params
+	rtts                   []time.Duration
+	pause, settle, timeout time.Duration
+	probes                 *probes
+}
+
+// parseRTTs reads -rtts: positive Go durations, comma-separated, none
+// twice, each a whole number of microseconds once halved (netem's delay,
+// as tc takes it).
+func parseRTTs(s string) ([]time.Duration, error) {
+	var out []time.Duration
+	for f := range strings.SplitSeq(s, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		d, err := time.ParseDuration(f)
+		switch {
+		case err != nil:
+			return nil, fmt.Errorf("-rtts %q: %w", s, err)
+		case d <= 0:
+			return nil, fmt.Errorf("-rtts %q: %s is not a positive duration", s, f)
+		case d%(2*time.Microsecond) != 0:
+			return nil, fmt.Errorf("-rtts %q: half of %s is not a whole number of microseconds", s, f)
+		case slices.Contains(out, d):
+			return nil, fmt.Errorf("-rtts %q: %s twice", s, f)
+		}
+		out = append(out, d)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("-rtts %q: no RTT", s)
+	}
+	return out, nil
+}
+
+// forwarderAddr checks -forwarder-addr: an IPv4 loopback address other
+// than 127.0.0.1, which the sockets netem must not delay use.
+func forwarderAddr(s string) (netip.Addr, error) {
+	a, err := netip.ParseAddr(s)
+	if err != nil || !a.Is4() || !a.IsLoopback() || a == netip.AddrFrom4([4]byte{127, 0, 0, 1}) {
+		return netip.Addr{}, fmt.Errorf("-forwarder-addr %q: want an IPv4 loopback address other than 127.0.0.1", s)
+	}
+	return a, nil
+}
+
+// freeAddrOn picks a free port on addr.
+func freeAddrOn(addr netip.Addr) string {
+	ln, err := net.Listen("tcp", netip.AddrPortFrom(addr, 0).String())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// netemBand is the prio band netem hangs on; netemHandle its handle.
+const (
+	netemBand   = "1:3"
+	netemHandle = "30:"
+)
+
+// netemCommands are the tc command lines (without "tc") that delay every
+// IPv4 packet to or from addr leaving dev by half of rtt, and no other
+// packet: a root prio qdisc whose priomap sends all traffic to its first
+// band, two u32 filters that send the packets with addr as destination or
+// as source to its third, and netem on that band. A packet from addr to
+// addr matches the first filter and is delayed once.
+func netemCommands(dev string, addr netip.Addr, rtt time.Duration) [][]string {
+	prio := []string{"qdisc", "add", "dev", dev, "root", "handle", "1:", "prio", "bands", "3", "priomap"}
+	for range 16 {
+		prio = append(prio, "0")
+	}
+	delay := strconv.FormatInt((rtt/2).Microseconds(), 10) + "us"
+	filter := func(pref, dir string) []string {
+		return []string{"filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", pref, "u32", "match", "ip", dir, addr.String() + "/32", "flowid", netemBand}
+	}
+	return [][]string{
+		prio,
+		{"qdisc", "add", "dev", dev, "parent", netemBand, "handle", netemHandle, "netem", "delay", delay, "limit", "10000"},
+		filter("1", "dst"),
+		filter("2", "src"),
+	}
+}
+
+// netemRemove is the tc command line that removes what netemCommands
+// installed.
+func netemRemove(dev string) []string {
+	return []string{"qdisc", "del", "dev", dev, "root"}
+}
+
+// runTC runs tc with args; its failure says what the kernel may lack.
+func runTC(args []string) error {
+	out, err := exec.Command("tc", args...).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("tc %s: %v: %s (a qdisc or filter kind unknown to the kernel: in the VM, are sch_prio, sch_netem and cls_u32 in integration/vm.sh's MODULES?)",
+			strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// installNetem runs cmds; on a failure it removes what it installed.
+func installNetem(dev string, cmds [][]string) error {
+	for _, c := range cmds {
+		if err := runTC(c); err != nil {
+			runTC(netemRemove(dev))
+			return err
+		}
+	}
+	return nil
+}
+
+// netemCounters are the packets the netem qdisc on dev sent and dropped,
+// from `tc -s -j qdisc show`.
+func netemCounters(dev string) (packets, drops int64, err error) {
+	out, err := exec.Command("tc", "-s", "-j", "qdisc", "show", "dev", dev).Output()
+	if err != nil {
+		return 0, 0, fmt.Errorf("tc -s -j qdisc show dev %s: %w", dev, err)
+	}
+	return parseNetemCounters(out)
+}
+
+// parseNetemCounters reads the netem qdisc's counters from the JSON of
+// `tc -s -j qdisc show`; there must be exactly one.
+func parseNetemCounters(data []byte) (packets, drops int64, err error) {
+	var qdiscs []struct {
+		Kind    string `json:"kind"`
+		Handle  string `json:"handle"`
+		Packets int64  `json:"packets"`
+		Drops   int64  `json:"drops"`
+	}
+	if err := json.Unmarshal(data, &qdiscs); err != nil {
+		return 0, 0, fmt.Errorf("tc's qdisc JSON: %w", err)
+	}
+	found := 0
+	for _, q := range qdiscs {
+		if q.Kind == "netem" {
+			found++
+			packets, drops = q.Packets, q.Drops
+		}
+	}
+	if found != 1 {
+		return 0, 0, fmt.Errorf("tc shows %d netem qdiscs, want 1", found)
+	}
+	return packets, drops, nil
+}
+
+// pathBand is the band a path check's RTT must fall in for rtt asked.
+func pathBand(rtt time.Duration) (low, high float64) {
+	asked := durMs(rtt)
+	return round(max(0, asked*(1-ttfbToleranceRel)-ttfbToleranceMs), 3), round(asked*(1+ttfbToleranceRel)+ttfbToleranceMs, 3)
+}
+
+// probes are two listeners of this process that TCP connects time: one
+// on the forwarder's address (the delayed path), one on 127.0.0.1 (the
+// paths that must not be).
+type probes struct {
+	fwd, local net.Listener
+	wg         sync.WaitGroup
+}
+
+func startProbes(fwd netip.Addr) (*probes, error) {
+	p := &probes{}
+	var err error
+	if p.fwd, err = net.Listen("tcp", netip.AddrPortFrom(fwd, 0).String()); err != nil {
+		return nil, err
+	}
+	if p.local, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+		p.fwd.Close()
+		return nil, err
+	}
+	for _, ln := range []net.Listener{p.fwd, p.local} {
+		p.wg.Go(func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				c.Close()
+			}
+		})
+	}
+	return p, nil
+}
+
+func (p *probes) close() {
+	p.fwd.Close()
+	p.local.Close()
+	p.wg.Wait()
+}
+
+// connectMedian is the median time of n TCP connects to ln's address, one
+// after the other (ms): a connect returns once the SYN-ACK is back, one
+// round trip.
+func connectMedian(ln net.Listener, n int) (float64, error) {
+	var ds []float64
+	for range n {
+		start := time.Now()
+		c, err := net.DialTimeout("tcp", ln.Addr().String(), 10*time.Second)
+		d := time.Since(start)
+		if err != nil {
+			return 0, fmt.Errorf("probe connect to %s: %w", ln.Addr(), err)
+		}
+		c.Close()
+		ds = append(ds, durMs(d))
+		time.Sleep(5 * time.Millisecond)
+	}
+	return nearestRank(ds, 50), nil
+}
+
+// nearestRank is the p-th percentile of xs by nearest rank: the smallest
+// value with at least p % of the values at or below it (0 for none).
+func nearestRank(xs []float64, p float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	i := int(math.Ceil(p/100*float64(len(s)))) - 1
+	return s[min(max(i, 0), len(s)-1)]
+}
+
+// durMs is d in ms, to the µs.
+func durMs(d time.Duration) float64 { return round(float64(d)/float64(time.Millisecond), 3) }
+
+// ttfbChain starts a chain and measures it at every RTT.
+func ttfbChain(name string, c contender, env *runEnv, s ttfbSetup) ([]*ttfbjson.Result, error) {
+	hops, err := c.hops(env)
+	if err != nil {
+		return nil, err
+	}
+	procs, stop, err := startChain(name, hops, env.dir, s.p.PinContender)
+	if err != nil {
+		return nil, err
+	}
+	defer stop()
+	log.Printf("== ttfb %s (gateway %s, forwarder %s)", name, env.listen, env.hopListen)
+	call, closeCalls := ttfbCall(c, c.gateway(env, false), s.p.Req, s.p.Resp)
+	defer closeCalls()
+	fwd := netip.MustParseAddrPort(env.hopListen)
+	var results []*ttfbjson.Result
+	for _, rtt := range s.rtts {
+		r := ttfbAtRTT(name, rtt, fwd, s, call)
+		for _, p := range procs {
+			select {
+			case <-p.exited:
+				r.Errors = append(r.Errors, fmt.Sprintf("%s exited; log:\n%s", p.name, tail(p.log)))
+			default:
+			}
+		}
+		results = append(results, r)
+		log.Printf("   %s at %v: path %.2f ms (asked %.2f, before %.2f, 127.0.0.1 %.2f), warm-up %.2f ms, n %d, failed %d, p50 %.2f p90 %.2f p99 %.2f max %.2f ms, netem %d packets, %d forwarder connections %v",
+			name, rtt, r.Path.MeasuredMs, r.RTTMs, r.Path.BaselineMs, r.Path.UntouchedMs, r.WarmupMs, r.N, r.Failed, r.P50Ms, r.P90Ms, r.P99Ms, r.MaxMs, r.NetemPackets, r.ForwarderConns, r.Errors)
+	}
+	return results, nil
+}
+
+// startChain starts a chain's hops back to front, each pinned to pin,
+// and waits for each to listen; stop ends them.
+func startChain(name string, hops []hop, dir, pin string) ([]*process, func(), error) {
+	var procs []*process
+	stop := func() {
+		for _, p := range procs {
+			p.stop()
+		}
+	}
+	for i := len(hops) - 1; i >= 0; i-- {
+		hops[i].cmd = pinned(hops[i].cmd, pin)
+		p, err := startProcess(hops[i], filepath.Join(dir, name+"."+hops[i].name+".ttfb.log"))
+		if err != nil {
+			stop()
+			return nil, nil, err
+		}
+		procs = append(procs, p)
+		if err := waitListening(hops[i].listen, p.exited); err != nil {
+			stop()
+			return nil, nil, fmt.Errorf("%s: %w; log:\n%s", hops[i].name, err, tail(p.log))
+		}
+	}
+	return procs, stop, nil
+}
+
+// ttfbAtRTT installs the delay for rtt, checks it, and measures the
+// connections.
+func ttfbAtRTT(name string, rtt time.Duration, fwd netip.AddrPort, s ttfbSetup, call func(context.Context) (time.Duration, error)) (r *ttfbjson.Result) {
+	p := s.p
+	r = &ttfbjson.Result{Contender: name, RTTMs: durMs(rtt)}
+	fail := func(format string, args ...any) *ttfbjson.Result {
+		r.Errors = append(r.Errors, fmt.Sprintf(format, args...))
+		return r
+	}
+	var err error
+	if r.Path.BaselineMs, err = connectMedian(s.probes.fwd, p.Probes); err != nil {
+		return fail("path check before the delay: %v", err)
+	}
+	cmds := netemCommands(p.Device, fwd.Addr(), rtt)
+	for _, c := range cmds {
+		r.Path.Commands = append(r.Path.Commands, "tc "+strings.Join(c, " "))
+	}
+	if err := installNetem(p.Device, cmds); err != nil {
+		return fail("installing the delay: %v", err)
+	}
+	defer func() {
+		if err := runTC(netemRemove(p.Device)); err != nil {
+			r.Errors = append(r.Errors, "removing the delay: "+err.Error())
+		}
+	}()
+	if r.Path.MeasuredMs, err = connectMedian(s.probes.fwd, p.Probes); err != nil {
+		return fail("path check: %v", err)
+	}
+	if r.Path.UntouchedMs, err = connectMedian(s.probes.local, p.Probes); err != nil {
+		return fail("path check of 127.0.0.1: %v", err)
+	}
+	r.Path.LowMs, r.Path.HighMs = pathBand(rtt)
+	r.Path.UntouchedHighMs = r.RTTMs/2 + ttfbToleranceMs
+	r.Path.OK = r.Path.MeasuredMs >= r.Path.LowMs && r.Path.MeasuredMs <= r.Path.HighMs && r.Path.UntouchedMs < r.Path.UntouchedHighMs
+	if !r.Path.OK {
+		return fail("path check: a connect to %s takes %.3f ms with the delay (%.3f before), want %.3f to %.3f for an RTT of %v; to 127.0.0.1 %.3f ms, want below %.3f",
+			fwd.Addr(), r.Path.MeasuredMs, r.Path.BaselineMs, r.Path.LowMs, r.Path.HighMs, rtt, r.Path.UntouchedMs, r.Path.UntouchedHighMs)
+	}
+
+	one := func() (time.Duration, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+		defer cancel()
+		return call(ctx)
+	}
+	d, err := one()
+	if err != nil {
+		return fail("the uncounted first connection: %v", err)
+	}
+	r.WarmupMs = durMs(d)
+	time.Sleep(s.settle)
+	pk0, dr0, err := netemCounters(p.Device)
+	if err != nil {
+		return fail("%v", err)
+	}
+	for range p.Conns {
+		d, err := one()
+		if err != nil {
+			r.Failed++
+			if r.FirstError == "" {
+				r.FirstError = err.Error()
+			}
+		} else {
+			r.SamplesMs = append(r.SamplesMs, durMs(d))
+		}
+		time.Sleep(s.pause)
+	}
+	pk1, dr1, err := netemCounters(p.Device)
+	if err != nil {
+		return fail("%v", err)
+	}
+	r.NetemPackets, r.NetemDrops = pk1-pk0, dr1-dr0
+	r.N = len(r.SamplesMs)
+	r.MinMs, r.P50Ms, r.P90Ms = nearestRank(r.SamplesMs, 0), nearestRank(r.SamplesMs, 50), nearestRank(r.SamplesMs, 90)
+	r.P99Ms, r.MaxMs = nearestRank(r.SamplesMs, 99), nearestRank(r.SamplesMs, 100)
+	if r.Failed > 0 {
+		fail("%d of %d connections failed; the first: %s", r.Failed, p.Conns, r.FirstError)
+	}
+	if r.NetemPackets == 0 {
+		fail("netem delayed no packet while the connections ran: they did not cross the gateway↔forwarder path")
+	}
+	data, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		return fail("%v", err)
+	}
+	conns, err := checkForwarderSockets(data, fwd)
+	if err != nil {
+		return fail("%v", err)
+	}
+	r.ForwarderConns = conns
+	return r
+}
+
+// tcpSocket is one line of /proc/net/tcp.
+type tcpSocket struct {
+	local, remote netip.AddrPort
+	state         uint8
+}
+
+// tcpEstablished is TCP_ESTABLISHED in /proc/net/tcp's st column.
+const tcpEstablished = 1
+
+// parseProcNetTCP reads /proc/net/tcp: per socket its local and remote
+// address (an IPv4 address as the kernel's 32-bit word in hex, in the
+// host's byte order, here little endian; a port in hex) and its state.
+func parseProcNetTCP(data []byte) ([]tcpSocket, error) {
+	lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+	if len(lines) == 0 || !strings.HasPrefix(strings.TrimSpace(lines[0]), "sl") {
+		return nil, errors.New("/proc/net/tcp: no header line")
+	}
+	addr := func(s string) (netip.AddrPort, error) {
+		ip, port, ok := strings.Cut(s, ":")
+		b, err := hex.DecodeString(ip)
+		if !ok || err != nil || len(b) != 4 {
+			return netip.AddrPort{}, fmt.Errorf("/proc/net/tcp: address %q", s)
+		}
+		n, err := strconv.ParseUint(port, 16, 16)
+		if err != nil {
+			return netip.AddrPort{}, fmt.Errorf("/proc/net/tcp: port in %q", s)
+		}
+		return netip.AddrPortFrom(netip.AddrFrom4([4]byte{b[3], b[2], b[1], b[0]}), uint16(n)), nil
+	}
+	var out []tcpSocket
+	for _, line := range lines[1:] {
+		f := strings.Fields(line)
+		if len(f) < 4 {
+			return nil, fmt.Errorf("/proc/net/tcp: line %q", line)
+		}
+		l, err := addr(f[1])
+		if err != nil {
+			return nil, err
+		}
+		r, err := addr(f[2])
+		if err != nil {
+			return nil, err
+		}
+		st, err := strconv.ParseUint(f[3], 16, 8)
+		if err != nil {
+			return nil, fmt.Errorf("/proc/net/tcp: state in %q", line)
+		}
+		out = append(out, tcpSocket{local: l, remote: r, state: uint8(st)})
+	}
+	return out, nil
+}
+
+// checkForwarderSockets checks, from /proc/net/tcp, that every
+// established connection with an end on the forwarder's address has that
+// end at the forwarder's listener (fwd): the delay, which matches the
+// address, then holds the gateway↔forwarder path alone. It returns how
+// many connections the listener has.
+func checkForwarderSockets(procNetTCP []byte, fwd netip.AddrPort) (int, error) {
+	socks, err := parseProcNetTCP(procNetTCP)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, s := range socks {
+		if s.state != tcpEstablished {
+			continue
+		}
+		for _, end := range []netip.AddrPort{s.local, s.remote} {
+			if end.Addr() == fwd.Addr() && end != fwd {
+				return 0, fmt.Errorf("an established connection %s ↔ %s has an end on the forwarder's address but not its listener %s: netem delays it too", s.local, s.remote, fwd)
+			}
+		}
+		if s.local == fwd {
+			n++
+		}
+	}
+	return n, nil
+}
+
+// ttfbCall returns how one connection is measured: a new connection to
+// the gateway that makes one call (req bytes up, resp down, every byte
+// checked), timed from the start of its TCP connect to the first byte of
+// the response. HTTPS (l7 gateways): a request on a connection of its own
+// (no keep-alive), to the first byte of the response's head. TLS (l4-l4):
+// connect and TLS handshake as bench run's gateway dials, the call's
+// header and request in one write, to the first byte back. close releases
+// the HTTP transport.
+func ttfbCall(c contender, g *gateway, req, resp int) (call func(context.Context) (time.Duration, error), close func()) {
+	if c.dialKind == "https" {
+		tr := &http.Transport{TLSClientConfig: g.tls, DisableKeepAlives: true, DisableCompression: true}
+		return func(ctx context.Context) (time.Duration, error) {
+			seed := nextSeed()
+			body, want := make([]byte, req), make([]byte, resp)
+			callBytes(body, want, seed, 0)
+			var mu sync.Mutex
+			var start, first time.Time
+			trace := &httptrace.ClientTrace{
+				ConnectStart: func(string, string) {
+					mu.Lock()
+					defer mu.Unlock()
+					if start.IsZero() {
+						start = time.Now()
+					}
+				},
+				GotFirstResponseByte: func() {
+					mu.Lock()
+					defer mu.Unlock()
+					first = time.Now()
+				},
+			}
+			url := fmt.Sprintf("%s/call?seed=%d&i=0&req=%d&resp=%d", g.base, seed, req, resp)
+			r, err := g.request(httptrace.WithClientTrace(ctx, trace), http.MethodPost, url, bytes.NewReader(body))
+			if err != nil {
+				return 0, err
+			}
+			got, err := g.httpDo(tr, r, resp)
+			if err != nil {
+				return 0, err
+			}
+			if !bytes.Equal(got, want) {
+				return 0, fmt.Errorf("%d response bytes that differ from the call's %d", len(got), resp)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if start.IsZero() || first.IsZero() {
+				return 0, errors.New("the request made no connection of its own")
+			}
+			return first.Sub(start), nil
+		}, tr.CloseIdleConnections
+	}
+	dial := g.dial
+	return func(ctx context.Context) (time.Duration, error) {
+		seed := nextSeed()
+		body, want, got := make([]byte, req), make([]byte, resp), make([]byte, resp)
+		callBytes(body, want, seed, 0)
+		msg := append(header{op: opSmall, req: uint32(req), resp: uint32(resp), seed: seed, n: 1}.marshal(), body...)
+		start := time.Now()
+		conn, err := dial(ctx)
+		if err != nil {
+			return 0, err
+		}
+		defer conn.Close()
+		if _, err := conn.Write(msg); err != nil {
+			return 0, err
+		}
+		if _, err := io.ReadFull(conn, got[:1]); err != nil {
+			return 0, fmt.Errorf("the response's first byte: %w", err)
+		}
+		d := time.Since(start)
+		if _, err := io.ReadFull(conn, got[1:]); err != nil {
+			return 0, fmt.Errorf("the response: %w", err)
+		}
+		if !bytes.Equal(got, want) {
+			return 0, errors.New("response bytes that differ from the payload")
+		}
+		if err := closeWrite(conn); err != nil {
+			return 0, fmt.Errorf("ending the tunnel: %w", err)
+		}
+		if err := expectEOF(conn); err != nil {
+			return 0, fmt.Errorf("after the response: %w", err)
+		}
+		return d, nil
+	}, func() {}
+}
+
+// ttfbNotes describe the method, recorded in the JSON and rendered.
+func ttfbNotes(p ttfbjson.Params) []string {
+	return []string{
+		fmt.Sprintf("chains: each contender is two Caddy processes, the gateway (on 127.0.0.1, where the client connects) and the forwarder hop behind it (on %s, an address of its own), as bench run starts them (docs/bench/gateway.md): l7-l7 is reverse_proxy to a dataplane reverse_proxy over mutual TLS, its HTTP/1.1 tunnels pooled; l4-l4 is the ktls handler and sandbox_proxy to this project's ktls+sandbox forwarder, a tunnel per user connection; %s is l4-l4 whose sandbox_proxy has standby %d (connections with mutual TLS done, waiting for a tunnel's preamble). Both reach the bench's upstream on 127.0.0.1.", p.ForwarderAddr, ttfbStandby, p.Standby),
+		fmt.Sprintf("delay: netem on %s's egress holds every IPv4 packet to or from %s half the RTT (a prio qdisc sends those, by two u32 filters, to the band netem is on, and the rest to one without); on loopback a packet passes that qdisc once, so the gateway↔forwarder round trip is the RTT, and the client↔gateway and forwarder↔upstream paths (127.0.0.1 at both ends) are not delayed. After each measurement every established connection on %s must be one of the forwarder's listener's.", p.Device, p.ForwarderAddr, p.ForwarderAddr),
+		fmt.Sprintf("path check: per contender and RTT, the median of %d TCP connects of the client to a listener of its own on %s, before and with the delay, and to one on 127.0.0.1 with it: a connect takes one round trip. The run fails unless the delayed one is within ±%g %% + %g ms of the RTT asked, and the one to 127.0.0.1 below half the RTT + %g ms.", p.Probes, p.ForwarderAddr, p.ToleranceRel*100, p.ToleranceMs, p.ToleranceMs),
+		fmt.Sprintf("time to first byte: per contender and RTT, one uncounted connection first (it opens the L7 gateway's pooled tunnel and starts the standby refill), %g ms of quiet, then %d new connections one after the other, %g ms apart (a standby refill, a connect and a TLS handshake across the path, is done by then). Each is timed from the start of its TCP connect to the gateway to the first byte of its one call's response (%d B up, %d B down, every byte checked): for l7 gateways an HTTPS request on a connection of its own to the first byte of the response's head; for l4-l4 the TLS 1.3 connection to the gateway, the call's header and request in one write, the first byte back. The client's own TLS handshake with the gateway is in every figure. Percentiles by nearest rank.", p.SettleMs, p.Conns, p.PauseMs, p.Req, p.Resp),
+		"round trips across the path: the slope of p50 between the lowest and the highest RTT, (p50 at the highest − p50 at the lowest) ÷ (their difference): the gateway↔forwarder round trips a new connection waits for, without the CPU time, which does not change with the RTT. A tunnel of its own takes 3 (connect, TLS handshake, the preamble and the call), a standby connection or a pooled tunnel 1.",
+		"a failed connection fails the run, as does a path check out of its band, netem delaying no packet, or a process of the chain exiting.",
+	}
+}

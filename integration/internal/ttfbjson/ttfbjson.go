@@ -1,0 +1,126 @@
+// Package ttfbjson is the JSON document of a time-to-first-byte run: bench
+// ttfb (integration/bench) writes it and benchreport ttfb
+// (integration/benchreport) renders it, docs/bench/ttfb.json into
+// docs/bench/ttfb.md. Its types are that document's schema, declared once
+// for both: a field added here is written by the one and read by the other.
+package ttfbjson
+
+// Kind and Schema identify a time-to-first-byte document.
+const (
+	Kind   = "ttfb"
+	Schema = 1
+)
+
+// Report is the JSON document of a time-to-first-byte run.
+type Report struct {
+	Schema int    `json:"schema"`
+	Kind   string `json:"kind"` // Kind
+	Mode   string `json:"mode"`
+	Label  string `json:"label,omitempty"`
+	Kernel string `json:"kernel"`
+	Date   string `json:"date"`
+	Commit string `json:"commit,omitempty"`
+	Host   string `json:"host"`
+	Go     string `json:"go"`
+	// CPUs: the CPUs the client (the bench process) may run on.
+	CPUs    int       `json:"cpus"`
+	Params  Params    `json:"params"`
+	Notes   []string  `json:"notes"`
+	Results []*Result `json:"results"`
+	Skipped []Skipped `json:"skipped,omitempty"`
+	OK      bool      `json:"ok"`
+}
+
+// Params are the settings of a run.
+type Params struct {
+	Contenders []string `json:"contenders"`
+	// RTTsMs: the round-trip times asked between gateway and forwarder.
+	RTTsMs []float64 `json:"rtts_ms"`
+	// Conns: measured connections per contender and RTT, one after the
+	// other, PauseMs apart; before them one uncounted connection, then
+	// SettleMs of quiet.
+	Conns    int     `json:"conns"`
+	PauseMs  float64 `json:"pause_ms"`
+	SettleMs float64 `json:"settle_ms"`
+	// Standby: the gateway's standby option in the contenders whose name
+	// ends in -standby.
+	Standby int `json:"standby"`
+	// Req and Resp: the one call each connection makes (bytes up, down).
+	Req  int `json:"req"`
+	Resp int `json:"resp"`
+	// Probes: TCP connects whose median is a path check's figure.
+	Probes int `json:"probes"`
+	// A path check passes when its RTT is within ToleranceRel × the RTT
+	// asked + ToleranceMs of it.
+	ToleranceRel float64 `json:"tolerance_rel"`
+	ToleranceMs  float64 `json:"tolerance_ms"`
+	// ForwarderAddr: the loopback address the forwarder hop listens on,
+	// the one address netem delays; Device: the interface of the qdisc.
+	ForwarderAddr string `json:"forwarder_addr"`
+	Device        string `json:"device"`
+	CallTimeoutMs int64  `json:"call_timeout_ms"`
+	// PinContender: the CPU list every process of the chain runs on.
+	PinContender string `json:"pin_contender,omitempty"`
+}
+
+// Skipped is a contender the run could not start, and why.
+type Skipped struct {
+	Contender string `json:"contender"`
+	Reason    string `json:"reason"`
+}
+
+// Result is one contender at one RTT.
+type Result struct {
+	Contender string  `json:"contender"`
+	RTTMs     float64 `json:"rtt_ms"`
+	Path      Path    `json:"path"`
+	// WarmupMs: the time to first byte of the uncounted first connection
+	// (it opens the L7 gateway's pooled tunnel, and the first standby
+	// connections follow it).
+	WarmupMs float64 `json:"warmup_ms"`
+	// N: connections measured; Failed: connections that failed (not in
+	// N), FirstError the first one's error.
+	N          int    `json:"n"`
+	Failed     int    `json:"failed"`
+	FirstError string `json:"first_error,omitempty"`
+	// Times to first byte of the N connections (ms): nearest-rank
+	// percentiles, and every sample in the order measured.
+	MinMs     float64   `json:"min_ms"`
+	P50Ms     float64   `json:"p50_ms"`
+	P90Ms     float64   `json:"p90_ms"`
+	P99Ms     float64   `json:"p99_ms"`
+	MaxMs     float64   `json:"max_ms"`
+	SamplesMs []float64 `json:"samples_ms,omitempty"`
+	// NetemPackets and NetemDrops: what the netem qdisc delayed (and
+	// dropped) while the N connections ran.
+	NetemPackets int64 `json:"netem_packets"`
+	NetemDrops   int64 `json:"netem_drops"`
+	// ForwarderConns: established connections to the forwarder's
+	// listener after the last measured connection: the L7 gateway's
+	// pooled tunnels, or the standby connections.
+	ForwarderConns int `json:"forwarder_conns"`
+	// Errors: what failed this result (the run fails with it).
+	Errors []string `json:"errors,omitempty"`
+}
+
+// Path is the check that netem delays the gateway↔forwarder path, and
+// only it, by the RTT asked.
+type Path struct {
+	// Commands: the tc command lines that installed the delay.
+	Commands []string `json:"commands"`
+	// BaselineMs: the median TCP connect time to the forwarder's address
+	// before the delay was installed; MeasuredMs the same with it: the
+	// path's RTT. UntouchedMs: with it, the median connect time to
+	// 127.0.0.1, the address of the client↔gateway and forwarder↔target
+	// paths.
+	BaselineMs  float64 `json:"baseline_ms"`
+	MeasuredMs  float64 `json:"measured_ms"`
+	UntouchedMs float64 `json:"untouched_ms"`
+	// LowMs and HighMs: the band MeasuredMs must fall in;
+	// UntouchedHighMs: what UntouchedMs must stay below (half the RTT
+	// asked, plus the tolerance's constant).
+	LowMs           float64 `json:"low_ms"`
+	HighMs          float64 `json:"high_ms"`
+	UntouchedHighMs float64 `json:"untouched_high_ms"`
+	OK              bool    `json:"ok"`
+}

@@ -27,7 +27,8 @@
 #              real-time VM as --load (kernel $BENCH_TTFB_KERNEL, the chain's
 #              processes on vCPU 0, the client on vCPU 1); writes
 #              docs/bench/ttfb.json and renders ttfb.md (with --smoke: 3
-#              connections per contender and RTT; writes
+#              connections per contender and RTT, the path check's
+#              tolerance widened by 5 ms; writes
 #              $BUILD/bench/ttfb-smoke/ttfb.json)
 #   --native   on this host's own kernel, wall-clock figures; contenders that
 #              need kTLS are refused (REFUSED, in the log and the JSON's
@@ -129,7 +130,9 @@ if [ $KIND = ttfb ]; then
   # The same real-time VM as the load run: the chain's two Caddy processes
   # on vCPU 0, the client (and the upstream, in its process) on vCPU 1.
   if [ $SIZE = smoke ]; then
-    SIZES=(-conns 3 -pause 100ms -settle 1s -probes 5 -label smoke)
+    # The path check's constant widened to 5 ms: on a busy host a TCG
+    # connect alone can take milliseconds; 20 ms still has to show.
+    SIZES=(-conns 3 -pause 100ms -settle 1s -probes 5 -tolerance-ms 5 -label smoke)
     DEST=${BENCH_OUT:-$OUT/ttfb-smoke/ttfb.json} timeout=900
   else
     SIZES=()

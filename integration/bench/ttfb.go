@@ -38,14 +38,6 @@ const ttfbStandby = "l4-l4-standby"
 // l4-l4 with standby connections.
 var ttfbContenders = []string{"l7-l7", "l7-l4", "l4-l4", ttfbStandby}
 
-// The path check's tolerance: a delay line whose RTT is off by more than
-// this share of the RTT asked, plus a constant for the connect's own cost,
-// fails the run.
-const (
-	ttfbToleranceRel = 0.3
-	ttfbToleranceMs  = 0.5
-)
-
 // runTTFB measures a new connection's time to first byte through the
 // gateway chains with netem delaying the gateway↔forwarder path (issue
 // 34): per contender and RTT, connections one after the other, each from
@@ -67,7 +59,7 @@ const (
 // that address elsewhere would be delayed too.
 func runTTFB(args []string) error {
 	fs := flag.NewFlagSet("ttfb", flag.ExitOnError)
-	p := ttfbjson.Params{ToleranceRel: ttfbToleranceRel, ToleranceMs: ttfbToleranceMs}
+	var p ttfbjson.Params
 	only := fs.String("contenders", "l7-l7,l4-l4,"+ttfbStandby, "chains to measure, of "+strings.Join(ttfbContenders, ", ")+" ("+ttfbStandby+": l4-l4 whose gateway keeps -standby standby connections)")
 	rtts := fs.String("rtts", "1ms,20ms", "round-trip times between gateway and forwarder (Go durations, comma-separated): netem holds each packet of that path half of one, each way")
 	fs.IntVar(&p.Conns, "conns", 40, "measured connections per contender and RTT, one after the other")
@@ -77,6 +69,8 @@ func runTTFB(args []string) error {
 	fs.IntVar(&p.Req, "req", 1024, "request bytes of each connection's one call")
 	fs.IntVar(&p.Resp, "resp", 4096, "response bytes of each connection's one call (at least 1)")
 	fs.IntVar(&p.Probes, "probes", 9, "TCP connects per path check (their median is its figure)")
+	fs.Float64Var(&p.ToleranceRel, "tolerance-rel", 0.3, "path check: the share of the RTT asked the measured one may be off by (plus -tolerance-ms)")
+	fs.Float64Var(&p.ToleranceMs, "tolerance-ms", 0.5, "path check: what the measured RTT may be off by besides -tolerance-rel (a connect's own time), and what a connect to 127.0.0.1 may take above half the RTT asked")
 	fs.StringVar(&p.ForwarderAddr, "forwarder-addr", "127.0.0.2", "the loopback address the forwarder hop listens on: the one address netem delays (not 127.0.0.1, which every other socket uses)")
 	fs.StringVar(&p.Device, "dev", "lo", "the device whose egress qdisc delays the path")
 	timeout := fs.Duration("call-timeout", 10*time.Second, "deadline of one connection and its call")
@@ -95,8 +89,9 @@ func runTTFB(args []string) error {
 	if err != nil {
 		return err
 	}
-	if p.Conns < 1 || p.Probes < 1 || p.Standby < 1 || p.Req < 0 || p.Resp < 1 || p.Req > maxCallLen || p.Resp > maxCallLen || *pause < 0 || *settle < 0 {
-		return errors.New("-conns, -probes, -standby and -resp must be positive, -req not negative, calls at most 1 MiB, pauses not negative")
+	if p.Conns < 1 || p.Probes < 1 || p.Standby < 1 || p.Req < 0 || p.Resp < 1 || p.Req > maxCallLen || p.Resp > maxCallLen || *pause < 0 || *settle < 0 ||
+		p.ToleranceRel < 0 || p.ToleranceRel >= 1 || p.ToleranceMs < 0 {
+		return errors.New("-conns, -probes, -standby and -resp must be positive, -req not negative, calls at most 1 MiB, pauses and tolerances not negative, -tolerance-rel below 1")
 	}
 	names := strings.Split(*only, ",")
 	for _, n := range names {
@@ -318,10 +313,11 @@ func parseNetemCounters(data []byte) (packets, drops int64, err error) {
 	return packets, drops, nil
 }
 
-// pathBand is the band a path check's RTT must fall in for rtt asked.
-func pathBand(rtt time.Duration) (low, high float64) {
+// pathBand is the band a path check's RTT must fall in for rtt asked:
+// within rel × rtt + ms of it, not below 0.
+func pathBand(rtt time.Duration, rel, ms float64) (low, high float64) {
 	asked := durMs(rtt)
-	return round(max(0, asked*(1-ttfbToleranceRel)-ttfbToleranceMs), 3), round(asked*(1+ttfbToleranceRel)+ttfbToleranceMs, 3)
+	return round(max(0, asked*(1-rel)-ms), 3), round(asked*(1+rel)+ms, 3)
 }
 
 // probes are two listeners of this process that TCP connects time: one
@@ -484,8 +480,8 @@ func ttfbAtRTT(name string, rtt time.Duration, fwd netip.AddrPort, s ttfbSetup, 
 	if r.Path.UntouchedMs, err = connectMedian(s.probes.local, p.Probes); err != nil {
 		return fail("path check of 127.0.0.1: %v", err)
 	}
-	r.Path.LowMs, r.Path.HighMs = pathBand(rtt)
-	r.Path.UntouchedHighMs = r.RTTMs/2 + ttfbToleranceMs
+	r.Path.LowMs, r.Path.HighMs = pathBand(rtt, p.ToleranceRel, p.ToleranceMs)
+	r.Path.UntouchedHighMs = round(r.RTTMs/2+p.ToleranceMs, 3)
 	r.Path.OK = r.Path.MeasuredMs >= r.Path.LowMs && r.Path.MeasuredMs <= r.Path.HighMs && r.Path.UntouchedMs < r.Path.UntouchedHighMs
 	if !r.Path.OK {
 		return fail("path check: a connect to %s takes %.3f ms with the delay (%.3f before), want %.3f to %.3f for an RTT of %v; to 127.0.0.1 %.3f ms, want below %.3f",

@@ -108,15 +108,21 @@ func TestNetemCommands(t *testing.T) {
 	}
 }
 
-// The path check's band: ±30 % of the RTT asked, ±0.5 ms more, not
-// below 0.
+// The path check's band: ±rel of the RTT asked, ±ms more, not below 0.
 func TestPathBand(t *testing.T) {
 	for _, c := range []struct {
 		rtt       time.Duration
+		rel, ms   float64
 		low, high float64
-	}{{20 * time.Millisecond, 13.5, 26.5}, {time.Millisecond, 0.2, 1.8}, {100 * time.Microsecond, 0, 0.63}} {
-		if low, high := pathBand(c.rtt); low != c.low || high != c.high {
-			t.Errorf("pathBand(%v) = %g–%g, want %g–%g", c.rtt, low, high, c.low, c.high)
+	}{
+		{20 * time.Millisecond, 0.3, 0.5, 13.5, 26.5},
+		{time.Millisecond, 0.3, 0.5, 0.2, 1.8},
+		{100 * time.Microsecond, 0.3, 0.5, 0, 0.63},
+		{20 * time.Millisecond, 0.3, 5, 9, 31},
+		{20 * time.Millisecond, 0, 0, 20, 20},
+	} {
+		if low, high := pathBand(c.rtt, c.rel, c.ms); low != c.low || high != c.high {
+			t.Errorf("pathBand(%v, %g, %g) = %g–%g, want %g–%g", c.rtt, c.rel, c.ms, low, high, c.low, c.high)
 		}
 	}
 }

@@ -240,3 +240,25 @@ func TestCheckForwarderSocketsOnThisKernel(t *testing.T) {
 		t.Errorf("a connection %s → %s passed the check", stray.LocalAddr(), stray.RemoteAddr())
 	}
 }
+
+// A probe connect completes against a listener and fails, not hangs,
+// where nothing listens.
+func TestConnectTime(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := netip.MustParseAddrPort(ln.Addr().String())
+	if d, err := connectTime(addr); err != nil || d <= 0 {
+		t.Errorf("connectTime(%s) = %v, %v; want a connect", addr, d, err)
+	}
+	if c, err := ln.Accept(); err != nil {
+		t.Errorf("the listener accepted no probe: %v", err)
+	} else {
+		c.Close()
+	}
+	ln.Close()
+	if d, err := connectTime(addr); err == nil {
+		t.Errorf("connectTime(%s) after its listener closed = %v, want an error", addr, d)
+	}
+}

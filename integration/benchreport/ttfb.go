@@ -47,6 +47,18 @@ func msCell(v float64) string {
 	return fmt.Sprintf("%.1f", v)
 }
 
+// msSigned formats a difference of milliseconds as msCell does, with its
+// sign, "0" for none.
+func msSigned(v float64) string {
+	switch {
+	case v == 0:
+		return "0"
+	case v < 0:
+		return "−" + msCell(-v)
+	}
+	return "+" + msCell(v)
+}
+
 // ttfbResult is the result of contender at rtt, or nil.
 func ttfbResult(t *ttfbjson.Report, contender string, rtt float64) *ttfbjson.Result {
 	i := slices.IndexFunc(t.Results, func(r *ttfbjson.Result) bool { return r.Contender == contender && r.RTTMs == rtt })
@@ -118,10 +130,10 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 	}
 
 	contenders, rtts := ttfbContenders(t), ttfbRTTs(t)
-	b.WriteString("## Time to first byte\n\nFrom the start of a new connection's TCP connect to the gateway to the first byte of its response, in ms (nearest-rank percentiles over the *n* connections measured); *÷ l7-l7* is the p50 over `l7-l7`'s at the same RTT; *first* is the uncounted first connection's.\n")
+	b.WriteString("## Time to first byte\n\nFrom the start of a new connection's TCP connect to the gateway to the first byte of its response, in ms (the fastest, nearest-rank percentiles and the slowest of the *n* connections measured); *÷ l7-l7* is the p50 over `l7-l7`'s at the same RTT; *first* is the uncounted first connection's.\n")
 	for _, rtt := range rtts {
 		fmt.Fprintf(&b, "\n### %g ms RTT between gateway and forwarder\n\n", rtt)
-		b.WriteString("| contender | n | failed | p50 | p90 | p99 | max | p50 ÷ l7-l7 | first |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+		b.WriteString("| contender | n | failed | min | p50 | p90 | p99 | max | p50 ÷ l7-l7 | first |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 		base := ttfbResult(t, ttfbGoalBase, rtt)
 		for _, c := range contenders {
 			r := ttfbResult(t, c, rtt)
@@ -132,7 +144,7 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 			if ttfbMeasured(r) && ttfbMeasured(base) {
 				ratio = ratioCell(r.P50Ms, base.P50Ms)
 			}
-			fmt.Fprintf(&b, "| `%s` | %d | %d | %s | %s | %s | %s | %s | %s |\n", c, r.N, r.Failed, msCell(r.P50Ms), msCell(r.P90Ms), msCell(r.P99Ms), msCell(r.MaxMs), ratio, msCell(r.WarmupMs))
+			fmt.Fprintf(&b, "| `%s` | %d | %d | %s | %s | %s | %s | %s | %s | %s |\n", c, r.N, r.Failed, msCell(r.MinMs), msCell(r.P50Ms), msCell(r.P90Ms), msCell(r.P99Ms), msCell(r.MaxMs), ratio, msCell(r.WarmupMs))
 		}
 	}
 
@@ -165,8 +177,8 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 		fmt.Fprintf(&b, "- p90: %s against %s ms (%s): %s.\n", msCell(subject.P90Ms), msCell(base.P90Ms), ratioCell(subject.P90Ms, base.P90Ms), verdict(subject.P90Ms, base.P90Ms))
 	}
 
-	b.WriteString("\n## Path checks\n\nPer contender and RTT, the median TCP connect time (one round trip) from the client to a listener of its own on the forwarder's address before the delay was installed (*before*) and with it (*path*), which must fall in *band*, and to one on 127.0.0.1 with it (*127.0.0.1*), which must stay below its bound; *netem pkts/conn*: packets the netem qdisc held per measured connection (a standby refill's included); *fwd. conns*: established connections to the forwarder's listener after the last one (the pooled tunnels, or the standby connections).\n\n")
-	b.WriteString("| contender | RTT | before | path | band | 127.0.0.1 | netem pkts/conn | fwd. conns | check |\n|---|---:|---:|---:|---|---:|---:|---:|---|\n")
+	b.WriteString("\n## Path checks\n\nPer contender and RTT, the fastest of the probes' TCP connects (one round trip each) from the client to a listener of its own on the forwarder's address, before the delay was installed and with it (*forwarder before / with*): the delay *added* their difference, which must fall in *band*. The same to a listener on 127.0.0.1 (*127.0.0.1 before / with*) must grow by less than *bound*. *netem pkts/conn*: packets the netem qdisc held per measured connection (a standby refill's included); *fwd. conns*: established connections to the forwarder's listener after the last one (the pooled tunnels, or the standby connections).\n\n")
+	b.WriteString("| contender | RTT | forwarder before / with | added | band | 127.0.0.1 before / with | added | bound | netem pkts/conn | fwd. conns | check |\n|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|\n")
 	for _, c := range contenders {
 		for _, rtt := range rtts {
 			r := ttfbResult(t, c, rtt)
@@ -181,8 +193,9 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 			if r.N+r.Failed > 0 {
 				perConn = fmt.Sprintf("%.1f", float64(r.NetemPackets)/float64(r.N+r.Failed))
 			}
-			fmt.Fprintf(&b, "| `%s` | %g | %s | %s | %s–%s | %s (< %s) | %s | %d | %s |\n", c, rtt, msCell(r.Path.BaselineMs), msCell(r.Path.MeasuredMs),
-				msCell(r.Path.LowMs), msCell(r.Path.HighMs), msCell(r.Path.UntouchedMs), msCell(r.Path.UntouchedHighMs), perConn, r.ForwarderConns, check)
+			q := &r.Path
+			fmt.Fprintf(&b, "| `%s` | %g | %s / %s | %s | %s–%s | %s / %s | %s | < %s | %s | %d | %s |\n", c, rtt, msCell(q.ForwarderBeforeMs), msCell(q.ForwarderMs), msSigned(q.AddedMs),
+				msCell(q.LowMs), msCell(q.HighMs), msCell(q.LocalBeforeMs), msCell(q.LocalMs), msSigned(q.LocalAddedMs), msCell(q.LocalHighMs), perConn, r.ForwarderConns, check)
 		}
 	}
 	if len(t.Results) > 0 && len(t.Results[0].Path.Commands) > 0 {

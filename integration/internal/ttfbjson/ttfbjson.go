@@ -48,10 +48,10 @@ type Params struct {
 	// Req and Resp: the one call each connection makes (bytes up, down).
 	Req  int `json:"req"`
 	Resp int `json:"resp"`
-	// Probes: TCP connects whose median is a path check's figure.
+	// Probes: TCP connects whose fastest is a path check's figure.
 	Probes int `json:"probes"`
-	// A path check passes when its RTT is within ToleranceRel × the RTT
-	// asked + ToleranceMs of it.
+	// A path check passes when the RTT the delay added is within
+	// ToleranceRel × the RTT asked + ToleranceMs of it.
 	ToleranceRel float64 `json:"tolerance_rel"`
 	ToleranceMs  float64 `json:"tolerance_ms"`
 	// ForwarderAddr: the loopback address the forwarder hop listens on,
@@ -104,23 +104,27 @@ type Result struct {
 }
 
 // Path is the check that netem delays the gateway↔forwarder path, and
-// only it, by the RTT asked.
+// only it, by the RTT asked. Each figure is the fastest of the run's
+// probes (params.probes TCP connects one after the other, one round trip
+// each): a connect's own time under TCG varies by milliseconds, upward.
 type Path struct {
 	// Commands: the tc command lines that installed the delay.
 	Commands []string `json:"commands"`
-	// BaselineMs: the median TCP connect time to the forwarder's address
-	// before the delay was installed; MeasuredMs the same with it: the
-	// path's RTT. UntouchedMs: with it, the median connect time to
-	// 127.0.0.1, the address of the client↔gateway and forwarder↔target
-	// paths.
-	BaselineMs  float64 `json:"baseline_ms"`
-	MeasuredMs  float64 `json:"measured_ms"`
-	UntouchedMs float64 `json:"untouched_ms"`
-	// LowMs and HighMs: the band MeasuredMs must fall in;
-	// UntouchedHighMs: what UntouchedMs must stay below (half the RTT
-	// asked, plus the tolerance's constant).
-	LowMs           float64 `json:"low_ms"`
-	HighMs          float64 `json:"high_ms"`
-	UntouchedHighMs float64 `json:"untouched_high_ms"`
-	OK              bool    `json:"ok"`
+	// ForwarderBeforeMs and ForwarderMs: a connect to the forwarder's
+	// address before the delay and with it; AddedMs, the round trip the
+	// delay added (their difference), must fall in LowMs to HighMs.
+	ForwarderBeforeMs float64 `json:"forwarder_before_ms"`
+	ForwarderMs       float64 `json:"forwarder_ms"`
+	AddedMs           float64 `json:"added_ms"`
+	LowMs             float64 `json:"low_ms"`
+	HighMs            float64 `json:"high_ms"`
+	// LocalBeforeMs and LocalMs: the same to 127.0.0.1, the address of
+	// the client↔gateway and forwarder↔upstream paths; LocalAddedMs must
+	// stay below LocalHighMs (half the RTT asked, plus the tolerance's
+	// constant).
+	LocalBeforeMs float64 `json:"local_before_ms"`
+	LocalMs       float64 `json:"local_ms"`
+	LocalAddedMs  float64 `json:"local_added_ms"`
+	LocalHighMs   float64 `json:"local_high_ms"`
+	OK            bool    `json:"ok"`
 }

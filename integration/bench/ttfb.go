@@ -57,16 +57,21 @@ var ttfbContenders = []string{"l7-l7", "l7-l4", "l4-l4", ttfbStandby}
 // forwarder's port, makes the path check's TCP probe (a listener of this
 // process on the same address) cross the very filter the tunnels do; after
 // each measurement every established socket on that address must be one of
-// the forwarder's listener's (checkForwarderSockets): a connection from
+// a forwarder's listener's (checkForwarderSockets): a connection from
 // that address elsewhere would be delayed too.
+//
+// Every chain runs at once, each forwarder on a port of its own, and the
+// measured connections go to the chains in turn (ttfbAtRTT): a spell of
+// load on the host that runs the VM then falls on every contender alike,
+// not on the one measured at that time.
 func runTTFB(args []string) error {
 	fs := flag.NewFlagSet("ttfb", flag.ExitOnError)
 	var p ttfbjson.Params
 	only := fs.String("contenders", "l7-l7,l4-l4,"+ttfbStandby, "chains to measure, of "+strings.Join(ttfbContenders, ", ")+" ("+ttfbStandby+": l4-l4 whose gateway keeps -standby standby connections)")
 	rtts := fs.String("rtts", "1ms,20ms", "round-trip times between gateway and forwarder (Go durations, comma-separated): netem holds each packet of that path half of one, each way")
-	fs.IntVar(&p.Conns, "conns", 40, "measured connections per contender and RTT, one after the other")
-	pause := fs.Duration("pause", 250*time.Millisecond, "quiet after each measured connection, so that the gateway's standby refill (a connect and a TLS handshake across the delayed path) is done before the next; the same for every contender")
-	settle := fs.Duration("settle", 2*time.Second, "quiet after the uncounted first connection of each contender and RTT, while the gateway fills its standby connections")
+	fs.IntVar(&p.Conns, "conns", 40, "measured connections per contender and RTT, one after the other, to the chains in turn")
+	pause := fs.Duration("pause", 250*time.Millisecond, "quiet after each measured connection, 3 RTT more, so that a gateway's standby refill (a connect and a TLS handshake across the delayed path) is done before the next; the same for every contender")
+	settle := fs.Duration("settle", 2*time.Second, "quiet after the uncounted first connection of every chain at each RTT, while the gateways fill their standby connections")
 	fs.IntVar(&p.Standby, "standby", 4, "the gateway's standby option in "+ttfbStandby)
 	fs.IntVar(&p.Req, "req", 1024, "request bytes of each connection's one call")
 	fs.IntVar(&p.Resp, "resp", 4096, "response bytes of each connection's one call (at least 1)")
@@ -76,7 +81,7 @@ func runTTFB(args []string) error {
 	fs.StringVar(&p.ForwarderAddr, "forwarder-addr", "127.0.0.2", "the loopback address the forwarder hop listens on: the one address netem delays (not 127.0.0.1, which every other socket uses)")
 	fs.StringVar(&p.Device, "dev", "lo", "the device whose egress qdisc delays the path")
 	timeout := fs.Duration("call-timeout", 10*time.Second, "deadline of one connection and its call")
-	fs.StringVar(&p.PinContender, "pin-contender", "", "CPU list every process of the chain runs on (taskset -c); run this client itself on the others")
+	fs.StringVar(&p.PinContender, "pin-contender", "", "CPU list every process of the chains runs on (taskset -c); run this client itself on the others")
 	mode := fs.String("mode", "vm", "where this runs, recorded: vm (real time, no icount) or native")
 	label := fs.String("label", "", "a label for the report (e.g. smoke)")
 	caddyBin := fs.String("caddy", "bin/caddy", "Caddy binary with caddy-l4 and this module")
@@ -128,6 +133,12 @@ func runTTFB(args []string) error {
 		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Release[:]), utsString(uts.Machine[:])}, " "),
 		Go:   runtime.Version(), CPUs: runtime.NumCPU(), Params: p, Notes: ttfbNotes(p), OK: true}
 	kernelTLS := kerneltest.Available()
+	var chains []*ttfbChain
+	defer func() {
+		for _, c := range chains {
+			c.close()
+		}
+	}()
 	for _, name := range names {
 		c, _ := findContender(strings.TrimSuffix(name, "-standby"))
 		if (c.kernelTX || c.kernelRX) && kernelTLS != nil {
@@ -141,11 +152,25 @@ func runTTFB(args []string) error {
 		if name == ttfbStandby {
 			env.gatewayStandby = p.Standby
 		}
-		s := ttfbSetup{p: p, rtts: rttList, pause: *pause, settle: *settle, timeout: *timeout, probes: probes}
-		results, err := ttfbChain(name, c, env, s)
-		rep.Results = append(rep.Results, results...)
+		ch, err := startTTFBChain(name, c, env, p)
 		if err != nil {
 			log.Printf("FAIL %s: %v", name, err)
+			rep.Skipped = append(rep.Skipped, ttfbjson.Skipped{Contender: name, Reason: "not started: " + err.Error()})
+			rep.OK = false
+			continue
+		}
+		chains = append(chains, ch)
+		log.Printf("== ttfb %s: gateway %s, forwarder %s", name, env.listen, env.hopListen)
+	}
+	s := ttfbSetup{p: p, pause: *pause, settle: *settle, timeout: *timeout, probes: probes}
+	for _, rtt := range rttList {
+		if len(chains) == 0 {
+			break
+		}
+		path, results := ttfbAtRTT(chains, rtt, s)
+		rep.Paths = append(rep.Paths, path)
+		rep.Results = append(rep.Results, results...)
+		if !path.OK || len(path.Errors) > 0 {
 			rep.OK = false
 		}
 		for _, r := range results {
@@ -171,7 +196,6 @@ func runTTFB(args []string) error {
 // ttfbSetup is what every contender of a ttfb run shares.
 type ttfbSetup struct {
 	p                      ttfbjson.Params
-	rtts                   []time.Duration
 	pause, settle, timeout time.Duration
 	probes                 *probes
 }
@@ -330,6 +354,11 @@ type probes struct {
 	wg         sync.WaitGroup
 }
 
+// fwdAddr is the forwarders' address.
+func (p *probes) fwdAddr() netip.Addr {
+	return netip.MustParseAddrPort(p.fwd.Addr().String()).Addr()
+}
+
 func startProbes(fwd netip.Addr) (*probes, error) {
 	p := &probes{}
 	var err error
@@ -421,36 +450,47 @@ func nearestRank(xs []float64, p float64) float64 {
 // durMs is d in ms, to the µs.
 func durMs(d time.Duration) float64 { return round(float64(d)/float64(time.Millisecond), 3) }
 
-// ttfbChain starts a chain and measures it at every RTT.
-func ttfbChain(name string, c contender, env *runEnv, s ttfbSetup) ([]*ttfbjson.Result, error) {
+// ttfbChain is a running chain and how one connection through it is
+// measured.
+type ttfbChain struct {
+	name  string
+	fwd   netip.AddrPort
+	procs []*process
+	stop  func()
+	call  func(context.Context) (time.Duration, error)
+	// closeCall releases what call holds.
+	closeCall func()
+}
+
+// startTTFBChain starts c's processes, pinned to p.PinContender.
+func startTTFBChain(name string, c contender, env *runEnv, p ttfbjson.Params) (*ttfbChain, error) {
 	hops, err := c.hops(env)
 	if err != nil {
 		return nil, err
 	}
-	procs, stop, err := startChain(name, hops, env.dir, s.p.PinContender)
+	procs, stop, err := startChain(name, hops, env.dir, p.PinContender)
 	if err != nil {
 		return nil, err
 	}
-	defer stop()
-	log.Printf("== ttfb %s (gateway %s, forwarder %s)", name, env.listen, env.hopListen)
-	call, closeCalls := ttfbCall(c, c.gateway(env, false), s.p.Req, s.p.Resp)
-	defer closeCalls()
-	fwd := netip.MustParseAddrPort(env.hopListen)
-	var results []*ttfbjson.Result
-	for _, rtt := range s.rtts {
-		r := ttfbAtRTT(name, rtt, fwd, s, call)
-		for _, p := range procs {
-			select {
-			case <-p.exited:
-				r.Errors = append(r.Errors, fmt.Sprintf("%s exited; log:\n%s", p.name, tail(p.log)))
-			default:
-			}
+	call, closeCall := ttfbCall(c, c.gateway(env, false), p.Req, p.Resp)
+	return &ttfbChain{name: name, fwd: netip.MustParseAddrPort(env.hopListen), procs: procs, stop: stop, call: call, closeCall: closeCall}, nil
+}
+
+func (c *ttfbChain) close() {
+	c.closeCall()
+	c.stop()
+}
+
+// exited is the error of a process of the chain that has exited, or nil.
+func (c *ttfbChain) exited() error {
+	for _, p := range c.procs {
+		select {
+		case <-p.exited:
+			return fmt.Errorf("%s of %s exited; log:\n%s", p.name, c.name, tail(p.log))
+		default:
 		}
-		results = append(results, r)
-		log.Printf("   %s at %v: the delay adds %.2f ms (asked %.2f), %.2f to 127.0.0.1; warm-up %.2f ms, n %d, failed %d, p50 %.2f p90 %.2f p99 %.2f max %.2f ms, netem %d packets, %d forwarder connections %v",
-			name, rtt, r.Path.AddedMs, r.RTTMs, r.Path.LocalAddedMs, r.WarmupMs, r.N, r.Failed, r.P50Ms, r.P90Ms, r.P99Ms, r.MaxMs, r.NetemPackets, r.ForwarderConns, r.Errors)
 	}
-	return results, nil
+	return nil
 }
 
 // startChain starts a chain's hops back to front, each pinned to pin,
@@ -478,102 +518,148 @@ func startChain(name string, hops []hop, dir, pin string) ([]*process, func(), e
 	return procs, stop, nil
 }
 
+// ttfbPause is the quiet after a measured connection at rtt: pause, and
+// 3 RTT more, in which a standby refill (a connect and a TLS handshake,
+// 2 RTT) is done before the next connection.
+func ttfbPause(pause, rtt time.Duration) time.Duration { return pause + 3*rtt }
+
+// ttfbOrder is the order of the chains in round i: each starts a round as
+// often as the others, and follows each of the others as often.
+func ttfbOrder(i, chains int) []int {
+	out := make([]int, chains)
+	for j := range out {
+		out[j] = (i + j) % chains
+	}
+	return out
+}
+
 // ttfbAtRTT installs the delay for rtt, checks it, and measures the
-// connections.
-func ttfbAtRTT(name string, rtt time.Duration, fwd netip.AddrPort, s ttfbSetup, call func(context.Context) (time.Duration, error)) (r *ttfbjson.Result) {
+// chains' connections: one uncounted connection each, the settle time,
+// then rounds of one connection per chain, in turn (ttfbOrder).
+func ttfbAtRTT(chains []*ttfbChain, rtt time.Duration, s ttfbSetup) (path *ttfbjson.Path, results []*ttfbjson.Result) {
 	p := s.p
-	r = &ttfbjson.Result{Contender: name, RTTMs: durMs(rtt)}
-	fail := func(format string, args ...any) *ttfbjson.Result {
-		r.Errors = append(r.Errors, fmt.Sprintf(format, args...))
-		return r
+	path = &ttfbjson.Path{RTTMs: durMs(rtt)}
+	for _, c := range chains {
+		results = append(results, &ttfbjson.Result{Contender: c.name, RTTMs: durMs(rtt)})
+	}
+	fail := func(format string, args ...any) (*ttfbjson.Path, []*ttfbjson.Result) {
+		path.Errors = append(path.Errors, fmt.Sprintf(format, args...))
+		log.Printf("FAIL at %v: %s", rtt, path.Errors[len(path.Errors)-1])
+		return path, results
 	}
 	var err error
-	if r.Path.ForwarderBeforeMs, err = connectFastest(s.probes.fwd, p.Probes); err != nil {
+	if path.ForwarderBeforeMs, err = connectFastest(s.probes.fwd, p.Probes); err != nil {
 		return fail("path check before the delay: %v", err)
 	}
-	if r.Path.LocalBeforeMs, err = connectFastest(s.probes.local, p.Probes); err != nil {
+	if path.LocalBeforeMs, err = connectFastest(s.probes.local, p.Probes); err != nil {
 		return fail("path check of 127.0.0.1 before the delay: %v", err)
 	}
-	cmds := netemCommands(p.Device, fwd.Addr(), rtt)
+	cmds := netemCommands(p.Device, s.probes.fwdAddr(), rtt)
 	for _, c := range cmds {
-		r.Path.Commands = append(r.Path.Commands, "tc "+strings.Join(c, " "))
+		path.Commands = append(path.Commands, "tc "+strings.Join(c, " "))
 	}
 	if err := installNetem(p.Device, cmds); err != nil {
 		return fail("installing the delay: %v", err)
 	}
 	defer func() {
 		if err := runTC(netemRemove(p.Device)); err != nil {
-			r.Errors = append(r.Errors, "removing the delay: "+err.Error())
+			path.Errors = append(path.Errors, "removing the delay: "+err.Error())
 		}
 	}()
-	if r.Path.ForwarderMs, err = connectFastest(s.probes.fwd, p.Probes); err != nil {
+	if path.ForwarderMs, err = connectFastest(s.probes.fwd, p.Probes); err != nil {
 		return fail("path check: %v", err)
 	}
-	if r.Path.LocalMs, err = connectFastest(s.probes.local, p.Probes); err != nil {
+	if path.LocalMs, err = connectFastest(s.probes.local, p.Probes); err != nil {
 		return fail("path check of 127.0.0.1: %v", err)
 	}
-	r.Path.AddedMs = round(r.Path.ForwarderMs-r.Path.ForwarderBeforeMs, 3)
-	r.Path.LocalAddedMs = round(r.Path.LocalMs-r.Path.LocalBeforeMs, 3)
-	r.Path.LowMs, r.Path.HighMs = pathBand(rtt, p.ToleranceRel, p.ToleranceMs)
-	r.Path.LocalHighMs = round(r.RTTMs/2+p.ToleranceMs, 3)
-	r.Path.OK = r.Path.AddedMs >= r.Path.LowMs && r.Path.AddedMs <= r.Path.HighMs && r.Path.LocalAddedMs < r.Path.LocalHighMs
-	if !r.Path.OK {
+	path.AddedMs = round(path.ForwarderMs-path.ForwarderBeforeMs, 3)
+	path.LocalAddedMs = round(path.LocalMs-path.LocalBeforeMs, 3)
+	path.LowMs, path.HighMs = pathBand(rtt, p.ToleranceRel, p.ToleranceMs)
+	path.LocalHighMs = round(path.RTTMs/2+p.ToleranceMs, 3)
+	path.OK = path.AddedMs >= path.LowMs && path.AddedMs <= path.HighMs && path.LocalAddedMs < path.LocalHighMs
+	log.Printf("   at %v: the delay adds %.3f ms to a connect to %s (%.3f before), %.3f to one to 127.0.0.1", rtt, path.AddedMs, s.probes.fwdAddr(), path.ForwarderBeforeMs, path.LocalAddedMs)
+	if !path.OK {
 		return fail("path check: the delay adds %.3f ms to a connect to %s (%.3f before, %.3f with it), want %.3f to %.3f for an RTT of %v; %.3f ms to one to 127.0.0.1 (%.3f before, %.3f with it), want below %.3f",
-			r.Path.AddedMs, fwd.Addr(), r.Path.ForwarderBeforeMs, r.Path.ForwarderMs, r.Path.LowMs, r.Path.HighMs, rtt,
-			r.Path.LocalAddedMs, r.Path.LocalBeforeMs, r.Path.LocalMs, r.Path.LocalHighMs)
+			path.AddedMs, s.probes.fwdAddr(), path.ForwarderBeforeMs, path.ForwarderMs, path.LowMs, path.HighMs, rtt,
+			path.LocalAddedMs, path.LocalBeforeMs, path.LocalMs, path.LocalHighMs)
 	}
 
-	one := func() (time.Duration, error) {
+	one := func(c *ttfbChain) (time.Duration, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 		defer cancel()
-		return call(ctx)
+		return c.call(ctx)
 	}
-	d, err := one()
-	if err != nil {
-		return fail("the uncounted first connection: %v", err)
-	}
-	r.WarmupMs = durMs(d)
-	time.Sleep(s.settle)
-	pk0, dr0, err := netemCounters(p.Device)
-	if err != nil {
-		return fail("%v", err)
-	}
-	for range p.Conns {
-		d, err := one()
+	var active []int
+	for i, c := range chains {
+		d, err := one(c)
 		if err != nil {
-			r.Failed++
-			if r.FirstError == "" {
-				r.FirstError = err.Error()
-			}
-		} else {
-			r.SamplesMs = append(r.SamplesMs, durMs(d))
+			results[i].Errors = append(results[i].Errors, "the uncounted first connection: "+err.Error())
+			continue
 		}
-		time.Sleep(s.pause)
+		results[i].WarmupMs = durMs(d)
+		active = append(active, i)
 	}
-	pk1, dr1, err := netemCounters(p.Device)
+	time.Sleep(s.settle)
+	pk, dr, err := netemCounters(p.Device)
 	if err != nil {
 		return fail("%v", err)
 	}
-	r.NetemPackets, r.NetemDrops = pk1-pk0, dr1-dr0
-	r.N = len(r.SamplesMs)
-	r.MinMs, r.P50Ms, r.P90Ms = nearestRank(r.SamplesMs, 0), nearestRank(r.SamplesMs, 50), nearestRank(r.SamplesMs, 90)
-	r.P99Ms, r.MaxMs = nearestRank(r.SamplesMs, 99), nearestRank(r.SamplesMs, 100)
-	if r.Failed > 0 {
-		fail("%d of %d connections failed; the first: %s", r.Failed, p.Conns, r.FirstError)
-	}
-	if r.NetemPackets == 0 {
-		fail("netem delayed no packet while the connections ran: they did not cross the gateway↔forwarder path")
+	pause := ttfbPause(s.pause, rtt)
+	for round := range p.Conns {
+		for _, k := range ttfbOrder(round, len(active)) {
+			i := active[k]
+			r := results[i]
+			d, err := one(chains[i])
+			if err != nil {
+				r.Failed++
+				if r.FirstError == "" {
+					r.FirstError = err.Error()
+				}
+			} else {
+				r.SamplesMs = append(r.SamplesMs, durMs(d))
+			}
+			// The quiet after a connection is its chain's: a standby
+			// refill's packets count to it.
+			time.Sleep(pause)
+			pk1, dr1, err := netemCounters(p.Device)
+			if err != nil {
+				return fail("%v", err)
+			}
+			r.NetemPackets, r.NetemDrops = r.NetemPackets+pk1-pk, r.NetemDrops+dr1-dr
+			pk, dr = pk1, dr1
+		}
 	}
 	data, err := os.ReadFile("/proc/net/tcp")
 	if err != nil {
 		return fail("%v", err)
 	}
-	conns, err := checkForwarderSockets(data, fwd)
+	var fwds []netip.AddrPort
+	for _, c := range chains {
+		fwds = append(fwds, c.fwd)
+	}
+	conns, err := checkForwarderSockets(data, fwds)
 	if err != nil {
 		return fail("%v", err)
 	}
-	r.ForwarderConns = conns
-	return r
+	for i, c := range chains {
+		r := results[i]
+		r.ForwarderConns = conns[c.fwd]
+		r.N = len(r.SamplesMs)
+		r.MinMs, r.P50Ms, r.P90Ms = nearestRank(r.SamplesMs, 0), nearestRank(r.SamplesMs, 50), nearestRank(r.SamplesMs, 90)
+		r.P99Ms, r.MaxMs = nearestRank(r.SamplesMs, 99), nearestRank(r.SamplesMs, 100)
+		if r.Failed > 0 {
+			r.Errors = append(r.Errors, fmt.Sprintf("%d of %d connections failed; the first: %s", r.Failed, p.Conns, r.FirstError))
+		}
+		if slices.Contains(active, i) && r.NetemPackets == 0 {
+			r.Errors = append(r.Errors, "netem delayed no packet in its connections' turns: they did not cross the gateway↔forwarder path")
+		}
+		if err := c.exited(); err != nil {
+			r.Errors = append(r.Errors, err.Error())
+		}
+		log.Printf("   %s at %v: warm-up %.2f ms, n %d, failed %d, min %.2f p50 %.2f p90 %.2f p99 %.2f max %.2f ms, netem %d packets, %d forwarder connections %v",
+			c.name, rtt, r.WarmupMs, r.N, r.Failed, r.MinMs, r.P50Ms, r.P90Ms, r.P99Ms, r.MaxMs, r.NetemPackets, r.ForwarderConns, r.Errors)
+	}
+	return path, results
 }
 
 // tcpSocket is one line of /proc/net/tcp.
@@ -629,27 +715,27 @@ func parseProcNetTCP(data []byte) ([]tcpSocket, error) {
 }
 
 // checkForwarderSockets checks, from /proc/net/tcp, that every
-// established connection with an end on the forwarder's address has that
-// end at the forwarder's listener (fwd): the delay, which matches the
-// address, then holds the gateway↔forwarder path alone. It returns how
-// many connections the listener has.
-func checkForwarderSockets(procNetTCP []byte, fwd netip.AddrPort) (int, error) {
+// established connection with an end on the forwarders' address has that
+// end at a forwarder's listener (one of fwds, which share the address):
+// the delay, which matches the address, then holds the gateway↔forwarder
+// paths alone. It returns how many connections each listener has.
+func checkForwarderSockets(procNetTCP []byte, fwds []netip.AddrPort) (map[netip.AddrPort]int, error) {
 	socks, err := parseProcNetTCP(procNetTCP)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	n := 0
+	n := map[netip.AddrPort]int{}
 	for _, s := range socks {
 		if s.state != tcpEstablished {
 			continue
 		}
 		for _, end := range []netip.AddrPort{s.local, s.remote} {
-			if end.Addr() == fwd.Addr() && end != fwd {
-				return 0, fmt.Errorf("an established connection %s ↔ %s has an end on the forwarder's address but not its listener %s: netem delays it too", s.local, s.remote, fwd)
+			if slices.ContainsFunc(fwds, func(f netip.AddrPort) bool { return f.Addr() == end.Addr() }) && !slices.Contains(fwds, end) {
+				return nil, fmt.Errorf("an established connection %s ↔ %s has an end on the forwarders' address but at no forwarder's listener (%v): netem delays it too", s.local, s.remote, fwds)
 			}
 		}
-		if s.local == fwd {
-			n++
+		if slices.Contains(fwds, s.local) {
+			n[s.local]++
 		}
 	}
 	return n, nil
@@ -745,10 +831,10 @@ func ttfbCall(c contender, g *gateway, req, resp int) (call func(context.Context
 func ttfbNotes(p ttfbjson.Params) []string {
 	return []string{
 		fmt.Sprintf("chains: each contender is two Caddy processes, the gateway (on 127.0.0.1, where the client connects) and the forwarder hop behind it (on %s, an address of its own), as bench run starts them (docs/bench/gateway.md): l7-l7 is reverse_proxy to a dataplane reverse_proxy over mutual TLS, its HTTP/1.1 tunnels pooled; l4-l4 is the ktls handler and sandbox_proxy to this project's ktls+sandbox forwarder, a tunnel per user connection; %s is l4-l4 whose sandbox_proxy has standby %d (connections with mutual TLS done, waiting for a tunnel's preamble). Both reach the bench's upstream on 127.0.0.1.", p.ForwarderAddr, ttfbStandby, p.Standby),
-		fmt.Sprintf("delay: netem on %s's egress holds every IPv4 packet to or from %s half the RTT (a prio qdisc sends those, by two u32 filters, to the band netem is on, and the rest to one without); on loopback a packet passes that qdisc once, so the gateway↔forwarder round trip is the RTT, and the client↔gateway and forwarder↔upstream paths (127.0.0.1 at both ends) are not delayed. After each measurement every established connection on %s must be one of the forwarder's listener's.", p.Device, p.ForwarderAddr, p.ForwarderAddr),
-		fmt.Sprintf("path check: per contender and RTT, the fastest of %d blocking TCP connects (one round trip each) of the client to a listener of its own on %s, before the delay and with it: their difference is the round trip the delay added, which must be within ±%g %% + %g ms of the RTT asked; the same to a listener on 127.0.0.1 must grow by less than half the RTT + %g ms. The fastest, not the median: under TCG a connect's own time varies by milliseconds, upward.", p.Probes, p.ForwarderAddr, p.ToleranceRel*100, p.ToleranceMs, p.ToleranceMs),
-		fmt.Sprintf("time to first byte: per contender and RTT, one uncounted connection first (it opens the L7 gateway's pooled tunnel and starts the standby refill), %g ms of quiet, then %d new connections one after the other, %g ms apart (a standby refill, a connect and a TLS handshake across the path, is done by then). Each is timed from the start of its TCP connect to the gateway to the first byte of its one call's response (%d B up, %d B down, every byte checked): for l7 gateways an HTTPS request on a connection of its own to the first byte of the response's head; for l4-l4 the TLS 1.3 connection to the gateway, the call's header and request in one write, the first byte back. The client's own TLS handshake with the gateway is in every figure. Percentiles by nearest rank.", p.SettleMs, p.Conns, p.PauseMs, p.Req, p.Resp),
+		fmt.Sprintf("delay: netem on %s's egress holds every IPv4 packet to or from %s half the RTT (a prio qdisc sends those, by two u32 filters, to the band netem is on, and the rest to one without); on loopback a packet passes that qdisc once, so the gateway↔forwarder round trip is the RTT, and the client↔gateway and forwarder↔upstream paths (127.0.0.1 at both ends) are not delayed. After each RTT's connections every established connection on %s must be one of a forwarder's listener's.", p.Device, p.ForwarderAddr, p.ForwarderAddr),
+		fmt.Sprintf("path check: per RTT, the fastest of %d blocking TCP connects (one round trip each) of the client to a listener of its own on %s, before the delay and with it: their difference is the round trip the delay added, which must be within ±%g %% + %g ms of the RTT asked; the same to a listener on 127.0.0.1 must grow by less than half the RTT + %g ms. The fastest, not the median: under TCG a connect's own time varies by milliseconds, upward.", p.Probes, p.ForwarderAddr, p.ToleranceRel*100, p.ToleranceMs, p.ToleranceMs),
+		fmt.Sprintf("time to first byte: every chain runs at once (its forwarder on a port of its own). At each RTT, one uncounted connection per chain first (it opens the L7 gateway's pooled tunnel and starts the standby refill), %g ms of quiet, then %d rounds of one new connection per chain, the chains in turn (each starts a round as often as the others), each followed by %g ms + 3 RTT of quiet (a standby refill, a connect and a TLS handshake across the path, is done by then; netem's packets in that quiet count to the chain just measured). Each connection is timed from the start of its TCP connect to the gateway to the first byte of its one call's response (%d B up, %d B down, every byte checked): for l7 gateways an HTTPS request on a connection of its own to the first byte of the response's head; for l4-l4 the TLS 1.3 connection to the gateway, the call's header and request in one write, the first byte back. The client's own TLS handshake with the gateway (a full one) is in every figure. Percentiles by nearest rank.", p.SettleMs, p.Conns, p.PauseMs, p.Req, p.Resp),
 		"round trips across the path: the slope of p50 between the lowest and the highest RTT, (p50 at the highest − p50 at the lowest) ÷ (their difference): the gateway↔forwarder round trips a new connection waits for, without the CPU time, which does not change with the RTT. A tunnel of its own takes 3 (connect, TLS handshake, the preamble and the call), a standby connection or a pooled tunnel 1.",
-		"a failed connection fails the run, as does a path check out of its band, netem delaying no packet, or a process of the chain exiting.",
+		"a failed connection fails the run, as does a path check out of its band, netem delaying no packet in a chain's turns, or a process of a chain exiting.",
 	}
 }

@@ -164,19 +164,24 @@ func TestParseProcNetTCP(t *testing.T) {
 	if !slices.Equal(socks, want) {
 		t.Errorf("parseProcNetTCP:\n got  %v\n want %v", socks, want)
 	}
-	n, err := checkForwarderSockets([]byte(table), netip.MustParseAddrPort("127.0.0.2:40013"))
-	if err != nil || n != 1 {
-		t.Errorf("checkForwarderSockets = %d, %v; want 1 connection, no error", n, err)
+	fwd, other := netip.MustParseAddrPort("127.0.0.2:40013"), netip.MustParseAddrPort("127.0.0.2:49153")
+	n, err := checkForwarderSockets([]byte(table), []netip.AddrPort{fwd, other})
+	if err != nil || n[fwd] != 1 || n[other] != 0 || len(n) != 1 {
+		t.Errorf("checkForwarderSockets = %v, %v; want 1 connection at %s, none elsewhere, no error", n, err, fwd)
 	}
-	// A connection from the forwarder's address to elsewhere (the
+	// A connection from the forwarders' address to elsewhere (the
 	// upstream on 127.0.0.1:8080) would be delayed too.
 	stray := table + "   3: 0200007F:C001 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 1004 1 0000000000000000 20 4 30 10 -1\n"
-	if _, err := checkForwarderSockets([]byte(stray), netip.MustParseAddrPort("127.0.0.2:40013")); err == nil {
+	if _, err := checkForwarderSockets([]byte(stray), []netip.AddrPort{fwd}); err == nil {
 		t.Error("a connection 127.0.0.2:49153 → 127.0.0.1:8080 passed the check")
+	}
+	// Unless 127.0.0.2:49153 is a forwarder's listener too.
+	if n, err := checkForwarderSockets([]byte(stray), []netip.AddrPort{fwd, other}); err != nil || n[fwd] != 1 || n[other] != 1 {
+		t.Errorf("with two forwarders: %v, %v; want a connection at each", n, err)
 	}
 	// One that is not established (TIME_WAIT, 06) holds nothing up.
 	closed := table + "   3: 0200007F:C001 0100007F:1F90 06 00000000:00000000 00:00000000 00000000     0        0 1004 1 0000000000000000 20 4 30 10 -1\n"
-	if _, err := checkForwarderSockets([]byte(closed), netip.MustParseAddrPort("127.0.0.2:40013")); err != nil {
+	if _, err := checkForwarderSockets([]byte(closed), []netip.AddrPort{fwd}); err != nil {
 		t.Errorf("a closed connection failed the check: %v", err)
 	}
 	for _, bad := range []string{"", "0: 0100007F:0050 0100007F:0051 01\n", "sl local\n 0: 7F000001 0100007F:0051 01\n", "sl local\n 0: 0100007F:0050 0100007F:0051 zz\n"} {
@@ -218,8 +223,8 @@ func TestCheckForwarderSocketsOnThisKernel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, err := checkForwarderSockets(data, fwd); err != nil || n != 1 {
-		t.Fatalf("with one connection to the forwarder: %d connections, %v", n, err)
+	if n, err := checkForwarderSockets(data, []netip.AddrPort{fwd}); err != nil || n[fwd] != 1 {
+		t.Fatalf("with one connection to the forwarder: %v connections, %v", n, err)
 	}
 
 	up, err := net.Listen("tcp", "127.0.0.1:0")
@@ -236,7 +241,7 @@ func TestCheckForwarderSocketsOnThisKernel(t *testing.T) {
 	if data, err = os.ReadFile("/proc/net/tcp"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := checkForwarderSockets(data, fwd); err == nil {
+	if _, err := checkForwarderSockets(data, []netip.AddrPort{fwd}); err == nil {
 		t.Errorf("a connection %s → %s passed the check", stray.LocalAddr(), stray.RemoteAddr())
 	}
 }
@@ -260,5 +265,44 @@ func TestConnectTime(t *testing.T) {
 	ln.Close()
 	if d, err := connectTime(addr); err == nil {
 		t.Errorf("connectTime(%s) after its listener closed = %v, want an error", addr, d)
+	}
+}
+
+// Over as many rounds as there are chains, each chain comes at each place
+// of a round once, and every round has each chain once.
+func TestTTFBOrder(t *testing.T) {
+	for _, n := range []int{1, 2, 3, 4} {
+		at := make([]map[int]int, n) // place -> chain -> rounds
+		for i := range at {
+			at[i] = map[int]int{}
+		}
+		for round := range n {
+			order := ttfbOrder(round, n)
+			seen := map[int]bool{}
+			for place, c := range order {
+				if c < 0 || c >= n || seen[c] {
+					t.Fatalf("%d chains, round %d: order %v", n, round, order)
+				}
+				seen[c] = true
+				at[place][c]++
+			}
+		}
+		for place := range at {
+			for c := range n {
+				if at[place][c] != 1 {
+					t.Errorf("%d chains: chain %d at place %d in %d of %d rounds, want 1", n, c, place, at[place][c], n)
+				}
+			}
+		}
+	}
+}
+
+// The quiet after a connection leaves a standby refill (2 RTT) room.
+func TestTTFBPause(t *testing.T) {
+	if got := ttfbPause(250*time.Millisecond, 20*time.Millisecond); got != 310*time.Millisecond {
+		t.Errorf("ttfbPause(250ms, 20ms) = %v, want 310ms", got)
+	}
+	if got := ttfbPause(0, 100*time.Millisecond); got != 300*time.Millisecond {
+		t.Errorf("ttfbPause(0, 100ms) = %v, want 300ms", got)
 	}
 }

@@ -68,9 +68,24 @@ func ttfbResult(t *ttfbjson.Report, contender string, rtt float64) *ttfbjson.Res
 	return t.Results[i]
 }
 
-// ttfbMeasured says whether r has figures to compare (a path check that
-// passed and connections measured).
-func ttfbMeasured(r *ttfbjson.Result) bool { return r != nil && r.Path.OK && r.N > 0 }
+// ttfbPath is the path check at rtt, or nil.
+func ttfbPath(t *ttfbjson.Report, rtt float64) *ttfbjson.Path {
+	i := slices.IndexFunc(t.Paths, func(p *ttfbjson.Path) bool { return p.RTTMs == rtt })
+	if i < 0 {
+		return nil
+	}
+	return t.Paths[i]
+}
+
+// ttfbMeasured says whether r has figures to compare: connections
+// measured, and the delay at its RTT checked and in place.
+func ttfbMeasured(t *ttfbjson.Report, r *ttfbjson.Result) bool {
+	if r == nil || r.N == 0 {
+		return false
+	}
+	p := ttfbPath(t, r.RTTMs)
+	return p != nil && p.OK && len(p.Errors) == 0
+}
 
 // ttfbContenders are the contenders of t in the order measured.
 func ttfbContenders(t *ttfbjson.Report) []string {
@@ -117,10 +132,10 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 		commit = commit[:12] + commit[40:] // keeps a "-dirty"
 	}
 	fmt.Fprintf(&b, "Measured %s on commit `%s`, mode `%s`, kernel %s, the client on %d CPU(s) (%s, %s).\n\n", t.Date, commit, t.Mode, t.Kernel, t.CPUs, t.Host, t.Go)
-	fmt.Fprintf(&b, "Per contender and RTT between gateway and forwarder (%s ms): one uncounted connection, %g ms of quiet, then %d new connections one after the other, %g ms apart, each making one call of %d B up and %d B down; `%s` is `l4-l4` with `standby %d` on the gateway. The forwarder hop listens on %s, and netem on `%s` delays every packet to or from that address by half the RTT.",
+	fmt.Fprintf(&b, "Every chain runs at once. At each RTT between gateway and forwarder (%s ms): one uncounted connection per chain, %g ms of quiet, then %d rounds of one new connection per chain, the chains in turn, each connection followed by %g ms + 3 RTT of quiet; each makes one call of %d B up and %d B down. `%s` is `l4-l4` with `standby %d` on the gateway. The forwarder hops listen on %s, and netem on `%s` delays every packet to or from that address by half the RTT.",
 		joinFloats(p.RTTsMs), p.SettleMs, p.Conns, p.PauseMs, p.Req, p.Resp, ttfbGoalSubject, p.Standby, p.ForwarderAddr, p.Device)
 	if p.PinContender != "" {
-		fmt.Fprintf(&b, " The chain's processes run on CPU %s, the client (and the upstream, in its process) on the others.", p.PinContender)
+		fmt.Fprintf(&b, " The chains' processes run on CPU %s, the client (and the upstream, in its process) on the others.", p.PinContender)
 	}
 	b.WriteString("\n\n")
 	if t.Mode == "vm" {
@@ -130,10 +145,10 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 	}
 
 	contenders, rtts := ttfbContenders(t), ttfbRTTs(t)
-	b.WriteString("## Time to first byte\n\nFrom the start of a new connection's TCP connect to the gateway to the first byte of its response, in ms (the fastest, nearest-rank percentiles and the slowest of the *n* connections measured); *÷ l7-l7* is the p50 over `l7-l7`'s at the same RTT; *first* is the uncounted first connection's.\n")
+	b.WriteString("## Time to first byte\n\nFrom the start of a new connection's TCP connect to the gateway to the first byte of its response, in ms (the fastest, nearest-rank percentiles and the slowest of the *n* connections measured); *÷ l7-l7* is the p50 over `l7-l7`'s at the same RTT; *first* is the uncounted first connection's; *netem pkts/conn*: packets the netem qdisc held in the contender's turns, per connection (a connection and the quiet after it, a standby refill's packets included); *fwd. conns*: established connections to its forwarder's listener after the last round (the pooled tunnels, or the standby connections).\n")
 	for _, rtt := range rtts {
 		fmt.Fprintf(&b, "\n### %g ms RTT between gateway and forwarder\n\n", rtt)
-		b.WriteString("| contender | n | failed | min | p50 | p90 | p99 | max | p50 ÷ l7-l7 | first |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+		b.WriteString("| contender | n | failed | min | p50 | p90 | p99 | max | p50 ÷ l7-l7 | first | netem pkts/conn | fwd. conns |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 		base := ttfbResult(t, ttfbGoalBase, rtt)
 		for _, c := range contenders {
 			r := ttfbResult(t, c, rtt)
@@ -141,10 +156,14 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 				continue
 			}
 			ratio := "–"
-			if ttfbMeasured(r) && ttfbMeasured(base) {
+			if ttfbMeasured(t, r) && ttfbMeasured(t, base) {
 				ratio = ratioCell(r.P50Ms, base.P50Ms)
 			}
-			fmt.Fprintf(&b, "| `%s` | %d | %d | %s | %s | %s | %s | %s | %s | %s |\n", c, r.N, r.Failed, msCell(r.MinMs), msCell(r.P50Ms), msCell(r.P90Ms), msCell(r.P99Ms), msCell(r.MaxMs), ratio, msCell(r.WarmupMs))
+			perConn := "–"
+			if r.N+r.Failed > 0 {
+				perConn = fmt.Sprintf("%.1f", float64(r.NetemPackets)/float64(r.N+r.Failed))
+			}
+			fmt.Fprintf(&b, "| `%s` | %d | %d | %s | %s | %s | %s | %s | %s | %s | %s | %d |\n", c, r.N, r.Failed, msCell(r.MinMs), msCell(r.P50Ms), msCell(r.P90Ms), msCell(r.P99Ms), msCell(r.MaxMs), ratio, msCell(r.WarmupMs), perConn, r.ForwarderConns)
 		}
 	}
 
@@ -154,7 +173,7 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 		fmt.Fprintf(&b, "| contender | p50 at %g ms | p50 at %g ms | round trips |\n|---|---:|---:|---:|\n", lo, hi)
 		for _, c := range contenders {
 			a, z := ttfbResult(t, c, lo), ttfbResult(t, c, hi)
-			if !ttfbMeasured(a) || !ttfbMeasured(z) {
+			if !ttfbMeasured(t, a) || !ttfbMeasured(t, z) {
 				fmt.Fprintf(&b, "| `%s` | – | – | – |\n", c)
 				continue
 			}
@@ -164,7 +183,7 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 
 	fmt.Fprintf(&b, "\n## The goal: `%s` ≤ `%s` at %g ms RTT\n\n", ttfbGoalSubject, ttfbGoalBase, ttfbGoalRTT)
 	subject, base := ttfbResult(t, ttfbGoalSubject, ttfbGoalRTT), ttfbResult(t, ttfbGoalBase, ttfbGoalRTT)
-	if !ttfbMeasured(subject) || !ttfbMeasured(base) {
+	if !ttfbMeasured(t, subject) || !ttfbMeasured(t, base) {
 		b.WriteString("Not measured in this run.\n")
 	} else {
 		verdict := func(a, z float64) string {
@@ -177,32 +196,26 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 		fmt.Fprintf(&b, "- p90: %s against %s ms (%s): %s.\n", msCell(subject.P90Ms), msCell(base.P90Ms), ratioCell(subject.P90Ms, base.P90Ms), verdict(subject.P90Ms, base.P90Ms))
 	}
 
-	b.WriteString("\n## Path checks\n\nPer contender and RTT, the fastest of the probes' TCP connects (one round trip each) from the client to a listener of its own on the forwarder's address, before the delay was installed and with it (*forwarder before / with*): the delay *added* their difference, which must fall in *band*. The same to a listener on 127.0.0.1 (*127.0.0.1 before / with*) must grow by less than *bound*. *netem pkts/conn*: packets the netem qdisc held per measured connection (a standby refill's included); *fwd. conns*: established connections to the forwarder's listener after the last one (the pooled tunnels, or the standby connections).\n\n")
-	b.WriteString("| contender | RTT | forwarder before / with | added | band | 127.0.0.1 before / with | added | bound | netem pkts/conn | fwd. conns | check |\n|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|\n")
-	for _, c := range contenders {
-		for _, rtt := range rtts {
-			r := ttfbResult(t, c, rtt)
-			if r == nil {
-				continue
-			}
-			check := "ok"
-			if !r.Path.OK {
-				check = "**failed**"
-			}
-			perConn := "–"
-			if r.N+r.Failed > 0 {
-				perConn = fmt.Sprintf("%.1f", float64(r.NetemPackets)/float64(r.N+r.Failed))
-			}
-			q := &r.Path
-			fmt.Fprintf(&b, "| `%s` | %g | %s / %s | %s | %s–%s | %s / %s | %s | < %s | %s | %d | %s |\n", c, rtt, msCell(q.ForwarderBeforeMs), msCell(q.ForwarderMs), msSigned(q.AddedMs),
-				msCell(q.LowMs), msCell(q.HighMs), msCell(q.LocalBeforeMs), msCell(q.LocalMs), msSigned(q.LocalAddedMs), msCell(q.LocalHighMs), perConn, r.ForwarderConns, check)
+	b.WriteString("\n## Path checks\n\nPer RTT, the fastest of the probes' TCP connects (one round trip each) from the client to a listener of its own on the forwarders' address, before the delay was installed and with it (*forwarder before / with*): the delay *added* their difference, which must fall in *band*. The same to a listener on 127.0.0.1 (*127.0.0.1 before / with*) must grow by less than *bound*.\n\n")
+	b.WriteString("| RTT | forwarder before / with | added | band | 127.0.0.1 before / with | added | bound | check |\n|---:|---:|---:|---|---:|---:|---:|---|\n")
+	for _, q := range t.Paths {
+		check := "ok"
+		if !q.OK || len(q.Errors) > 0 {
+			check = "**failed**"
 		}
+		fmt.Fprintf(&b, "| %g | %s / %s | %s | %s–%s | %s / %s | %s | < %s | %s |\n", q.RTTMs, msCell(q.ForwarderBeforeMs), msCell(q.ForwarderMs), msSigned(q.AddedMs),
+			msCell(q.LowMs), msCell(q.HighMs), msCell(q.LocalBeforeMs), msCell(q.LocalMs), msSigned(q.LocalAddedMs), msCell(q.LocalHighMs), check)
 	}
-	if len(t.Results) > 0 && len(t.Results[0].Path.Commands) > 0 {
-		fmt.Fprintf(&b, "\nThe delay at %g ms RTT:\n\n```sh\n%s\n```\n", t.Results[0].RTTMs, strings.Join(t.Results[0].Path.Commands, "\n"))
+	if len(t.Paths) > 0 && len(t.Paths[0].Commands) > 0 {
+		fmt.Fprintf(&b, "\nThe delay at %g ms RTT:\n\n```sh\n%s\n```\n", t.Paths[0].RTTMs, strings.Join(t.Paths[0].Commands, "\n"))
 	}
 
 	var failures []string
+	for _, q := range t.Paths {
+		for _, e := range q.Errors {
+			failures = append(failures, fmt.Sprintf("- at %g ms: %s", q.RTTMs, e))
+		}
+	}
 	for _, r := range t.Results {
 		for _, e := range r.Errors {
 			failures = append(failures, fmt.Sprintf("- `%s` at %g ms: %s", r.Contender, r.RTTMs, e))
@@ -225,13 +238,14 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 const ttfbSetup = `## What this setup can and cannot show
 
 The run is a real-time VM (qemu TCG, multi-threaded, two vCPUs, no
-` + "`-icount`" + `): both Caddy processes of a chain are pinned to one vCPU, the
-client and the upstream to the other. TCG runs guest code 10–50× slower than
-native, so the CPU part of each figure (the client's TLS handshake with the
-gateway, the gateway's and the forwarder's work) is far above a native one,
-and it varies with the host's load: absolute milliseconds are not native
-ones. What counts is the comparison between the contenders at the same RTT
-(the same VM, minutes apart), and the round trips across the delayed path,
-which the slope between two RTTs gives without the CPU time.
+` + "`-icount`" + `): the Caddy processes of every chain are pinned to one vCPU,
+the client and the upstream to the other. TCG runs guest code 10–50× slower
+than native, so the CPU part of each figure (the client's TLS handshake with
+the gateway, the gateway's and the forwarder's work) is far above a native
+one, and it varies with the host's load: absolute milliseconds are not
+native ones. What counts is the comparison between the contenders at the
+same RTT, whose connections alternate, so that a spell of load on the host
+falls on each alike, and the round trips across the delayed path, which the
+slope between two RTTs gives without the CPU time.
 
 `

@@ -23,9 +23,11 @@ type Report struct {
 	Host   string `json:"host"`
 	Go     string `json:"go"`
 	// CPUs: the CPUs the client (the bench process) may run on.
-	CPUs    int       `json:"cpus"`
-	Params  Params    `json:"params"`
-	Notes   []string  `json:"notes"`
+	CPUs   int      `json:"cpus"`
+	Params Params   `json:"params"`
+	Notes  []string `json:"notes"`
+	// Paths: the delay's check at each RTT (the chains share the delay).
+	Paths   []*Path   `json:"paths"`
 	Results []*Result `json:"results"`
 	Skipped []Skipped `json:"skipped,omitempty"`
 	OK      bool      `json:"ok"`
@@ -37,7 +39,8 @@ type Params struct {
 	// RTTsMs: the round-trip times asked between gateway and forwarder.
 	RTTsMs []float64 `json:"rtts_ms"`
 	// Conns: measured connections per contender and RTT, one after the
-	// other, PauseMs apart; before them one uncounted connection, then
+	// other, to the chains in turn, each followed by PauseMs + 3 RTT of
+	// quiet; before them one uncounted connection per chain, then
 	// SettleMs of quiet.
 	Conns    int     `json:"conns"`
 	PauseMs  float64 `json:"pause_ms"`
@@ -59,7 +62,7 @@ type Params struct {
 	ForwarderAddr string `json:"forwarder_addr"`
 	Device        string `json:"device"`
 	CallTimeoutMs int64  `json:"call_timeout_ms"`
-	// PinContender: the CPU list every process of the chain runs on.
+	// PinContender: the CPU list every process of the chains runs on.
 	PinContender string `json:"pin_contender,omitempty"`
 }
 
@@ -73,7 +76,6 @@ type Skipped struct {
 type Result struct {
 	Contender string  `json:"contender"`
 	RTTMs     float64 `json:"rtt_ms"`
-	Path      Path    `json:"path"`
 	// WarmupMs: the time to first byte of the uncounted first connection
 	// (it opens the L7 gateway's pooled tunnel, and the first standby
 	// connections follow it).
@@ -92,7 +94,8 @@ type Result struct {
 	MaxMs     float64   `json:"max_ms"`
 	SamplesMs []float64 `json:"samples_ms,omitempty"`
 	// NetemPackets and NetemDrops: what the netem qdisc delayed (and
-	// dropped) while the N connections ran.
+	// dropped) in this contender's turns: its connections and the quiet
+	// after each.
 	NetemPackets int64 `json:"netem_packets"`
 	NetemDrops   int64 `json:"netem_drops"`
 	// ForwarderConns: established connections to the forwarder's
@@ -108,6 +111,7 @@ type Result struct {
 // probes (params.probes TCP connects one after the other, one round trip
 // each): a connect's own time under TCG varies by milliseconds, upward.
 type Path struct {
+	RTTMs float64 `json:"rtt_ms"`
 	// Commands: the tc command lines that installed the delay.
 	Commands []string `json:"commands"`
 	// ForwarderBeforeMs and ForwarderMs: a connect to the forwarder's
@@ -127,4 +131,8 @@ type Path struct {
 	LocalAddedMs  float64 `json:"local_added_ms"`
 	LocalHighMs   float64 `json:"local_high_ms"`
 	OK            bool    `json:"ok"`
+	// Errors: what failed at this RTT besides a check out of its band
+	// (installing the delay, a probe, the sockets on the forwarders'
+	// address); the run fails with them.
+	Errors []string `json:"errors,omitempty"`
 }

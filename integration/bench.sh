@@ -23,11 +23,11 @@
 #   --ttfb     a new connection's time to first byte through the gateway
 #              chains instead (bench ttfb; docs/bench/ttfb.md): l7-l7,
 #              l4-l4 and l4-l4 with standby connections, netem delaying
-#              the gateway↔forwarder path at 1 and 20 ms RTT; the same
+#              the gateway↔forwarder path at 1, 20 and 100 ms RTT; the same
 #              real-time VM as --load (kernel $BENCH_TTFB_KERNEL, the chain's
 #              processes on vCPU 0, the client on vCPU 1); writes
 #              docs/bench/ttfb.json and renders ttfb.md (with --smoke: 3
-#              connections per contender and RTT, the path check's
+#              connections per contender at 1 and 20 ms, the path check's
 #              tolerance widened by 5 ms; writes
 #              $BUILD/bench/ttfb-smoke/ttfb.json)
 #   --native   on this host's own kernel, wall-clock figures; contenders that
@@ -132,7 +132,7 @@ if [ $KIND = ttfb ]; then
   if [ $SIZE = smoke ]; then
     # The path check's constant widened to 5 ms: on a busy host a TCG
     # connect alone can take milliseconds; 20 ms still has to show.
-    SIZES=(-conns 3 -pause 100ms -settle 1s -probes 5 -tolerance-ms 5 -label smoke)
+    SIZES=(-rtts 1ms,20ms -conns 3 -pause 100ms -settle 1s -probes 5 -tolerance-ms 5 -label smoke)
     DEST=${BENCH_OUT:-$OUT/ttfb-smoke/ttfb.json} timeout=900
   else
     SIZES=()

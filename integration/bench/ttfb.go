@@ -389,6 +389,10 @@ func (p *probes) close() {
 	p.wg.Wait()
 }
 
+// pathBatches bounds the batches of probes a path check takes with the
+// delay in place.
+const pathBatches = 3
+
 // connectFastest is the fastest of n TCP connects to ln's address, one
 // after the other (ms): a connect returns once the SYN-ACK is back, one
 // round trip. Under TCG a connect's own time varies by milliseconds,
@@ -566,18 +570,33 @@ func ttfbAtRTT(chains []*ttfbChain, rtt time.Duration, s ttfbSetup) (path *ttfbj
 			path.Errors = append(path.Errors, "removing the delay: "+err.Error())
 		}
 	}()
-	if path.ForwarderMs, err = connectFastest(s.probes.fwd, p.Probes); err != nil {
-		return fail("path check: %v", err)
-	}
-	if path.LocalMs, err = connectFastest(s.probes.local, p.Probes); err != nil {
-		return fail("path check of 127.0.0.1: %v", err)
-	}
-	path.AddedMs = round(path.ForwarderMs-path.ForwarderBeforeMs, 3)
-	path.LocalAddedMs = round(path.LocalMs-path.LocalBeforeMs, 3)
 	path.LowMs, path.HighMs = pathBand(rtt, p.ToleranceRel, p.ToleranceMs)
 	path.LocalHighMs = round(path.RTTMs/2+p.ToleranceMs, 3)
-	path.OK = path.AddedMs >= path.LowMs && path.AddedMs <= path.HighMs && path.LocalAddedMs < path.LocalHighMs
-	log.Printf("   at %v: the delay adds %.3f ms to a connect to %s (%.3f before), %.3f to one to 127.0.0.1", rtt, path.AddedMs, s.probes.fwdAddr(), path.ForwarderBeforeMs, path.LocalAddedMs)
+	// With the delay, batches of probes until the check passes: each
+	// figure is the fastest connect of every batch so far. Under TCG each
+	// delayed packet also waits for its vCPU to wake, so at 1 ms a batch's
+	// fastest can exceed the band where the next one's does not.
+	for path.Batches = 1; ; path.Batches++ {
+		f, err := connectFastest(s.probes.fwd, p.Probes)
+		if err != nil {
+			return fail("path check: %v", err)
+		}
+		l, err := connectFastest(s.probes.local, p.Probes)
+		if err != nil {
+			return fail("path check of 127.0.0.1: %v", err)
+		}
+		if path.Batches == 1 {
+			path.ForwarderMs, path.LocalMs = f, l
+		}
+		path.ForwarderMs, path.LocalMs = min(path.ForwarderMs, f), min(path.LocalMs, l)
+		path.AddedMs = round(path.ForwarderMs-path.ForwarderBeforeMs, 3)
+		path.LocalAddedMs = round(path.LocalMs-path.LocalBeforeMs, 3)
+		path.OK = path.AddedMs >= path.LowMs && path.AddedMs <= path.HighMs && path.LocalAddedMs < path.LocalHighMs
+		if path.OK || path.Batches == pathBatches {
+			break
+		}
+	}
+	log.Printf("   at %v: the delay adds %.3f ms to a connect to %s (%.3f before), %.3f to one to 127.0.0.1 (%d batches of probes)", rtt, path.AddedMs, s.probes.fwdAddr(), path.ForwarderBeforeMs, path.LocalAddedMs, path.Batches)
 	if !path.OK {
 		return fail("path check: the delay adds %.3f ms to a connect to %s (%.3f before, %.3f with it), want %.3f to %.3f for an RTT of %v; %.3f ms to one to 127.0.0.1 (%.3f before, %.3f with it), want below %.3f",
 			path.AddedMs, s.probes.fwdAddr(), path.ForwarderBeforeMs, path.ForwarderMs, path.LowMs, path.HighMs, rtt,
@@ -832,9 +851,9 @@ func ttfbNotes(p ttfbjson.Params) []string {
 	return []string{
 		fmt.Sprintf("chains: each contender is two Caddy processes, the gateway (on 127.0.0.1, where the client connects) and the forwarder hop behind it (on %s, an address of its own), as bench run starts them (docs/bench/gateway.md): l7-l7 is reverse_proxy to a dataplane reverse_proxy over mutual TLS, its HTTP/1.1 tunnels pooled; l4-l4 is the ktls handler and sandbox_proxy to this project's ktls+sandbox forwarder, a tunnel per user connection; %s is l4-l4 whose sandbox_proxy has standby %d (connections with mutual TLS done, waiting for a tunnel's preamble). Both reach the bench's upstream on 127.0.0.1.", p.ForwarderAddr, ttfbStandby, p.Standby),
 		fmt.Sprintf("delay: netem on %s's egress holds every IPv4 packet to or from %s half the RTT (a prio qdisc sends those, by two u32 filters, to the band netem is on, and the rest to one without); on loopback a packet passes that qdisc once, so the gateway↔forwarder round trip is the RTT, and the client↔gateway and forwarder↔upstream paths (127.0.0.1 at both ends) are not delayed. After each RTT's connections every established connection on %s must be one of a forwarder's listener's.", p.Device, p.ForwarderAddr, p.ForwarderAddr),
-		fmt.Sprintf("path check: per RTT, the fastest of %d blocking TCP connects (one round trip each) of the client to a listener of its own on %s, before the delay and with it: their difference is the round trip the delay added, which must be within ±%g %% + %g ms of the RTT asked; the same to a listener on 127.0.0.1 must grow by less than half the RTT + %g ms. The fastest, not the median: under TCG a connect's own time varies by milliseconds, upward.", p.Probes, p.ForwarderAddr, p.ToleranceRel*100, p.ToleranceMs, p.ToleranceMs),
+		fmt.Sprintf("path check: per RTT, the fastest of %d blocking TCP connects (one round trip each) of the client to a listener of its own on %s, before the delay and with it (with it, up to %d batches of %d until the check passes, the fastest of all): their difference is the round trip the delay added, which must be within ±%g %% + %g ms of the RTT asked; the same to a listener on 127.0.0.1 must grow by less than half the RTT + %g ms. The fastest, not the median: under TCG a connect's own time varies by milliseconds, upward, and each delayed packet also waits for its vCPU to wake.", p.Probes, p.ForwarderAddr, pathBatches, p.Probes, p.ToleranceRel*100, p.ToleranceMs, p.ToleranceMs),
 		fmt.Sprintf("time to first byte: every chain runs at once (its forwarder on a port of its own). At each RTT, one uncounted connection per chain first (it opens the L7 gateway's pooled tunnel and starts the standby refill), %g ms of quiet, then %d rounds of one new connection per chain, the chains in turn (each starts a round as often as the others), each followed by %g ms + 3 RTT of quiet (a standby refill, a connect and a TLS handshake across the path, is done by then; netem's packets in that quiet count to the chain just measured). Each connection is timed from the start of its TCP connect to the gateway to the first byte of its one call's response (%d B up, %d B down, every byte checked): for l7 gateways an HTTPS request on a connection of its own to the first byte of the response's head; for l4-l4 the TLS 1.3 connection to the gateway, the call's header and request in one write, the first byte back. The client's own TLS handshake with the gateway (a full one) is in every figure. Percentiles by nearest rank.", p.SettleMs, p.Conns, p.PauseMs, p.Req, p.Resp),
-		"round trips across the path: the slope of p50 between the lowest and the highest RTT, (p50 at the highest − p50 at the lowest) ÷ (their difference): the gateway↔forwarder round trips a new connection waits for, without the CPU time, which does not change with the RTT. A tunnel of its own takes 3 (connect, TLS handshake, the preamble and the call), a standby connection or a pooled tunnel 1.",
+		"round trips across the path: the slope of p50 between the lowest and the highest RTT, (p50 at the highest − p50 at the lowest) ÷ (their difference): the gateway↔forwarder round trips a new connection waits for, as far as its CPU time is the same at both RTTs. A tunnel of its own takes 3 (connect, TLS handshake, the preamble and the call), a standby connection or a pooled tunnel 1. l4-l4-standby's CPU time is not the same: the refill its connection starts (a connect, then a TLS handshake with the forwarder) competes with the connection for the chains' one vCPU at a low RTT, and has not reached the forwarder by the first byte at a high one, which lowers its slope.",
 		"a failed connection fails the run, as does a path check out of its band, netem delaying no packet in a chain's turns, or a process of a chain exiting.",
 	}
 }

@@ -169,7 +169,7 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 
 	if len(rtts) >= 2 {
 		lo, hi := rtts[0], rtts[len(rtts)-1]
-		fmt.Fprintf(&b, "\n## Round trips across the path\n\nThe p50's slope between %g and %g ms RTT: the gateway↔forwarder round trips a new connection waits for. The CPU time of both hops and of the client, which the RTT does not change, drops out. A tunnel of its own takes 3 (connect, TLS handshake, then the preamble and the call), a standby connection or a pooled tunnel 1.\n\n", lo, hi)
+		fmt.Fprintf(&b, "\n## Round trips across the path\n\nThe p50's slope between %g and %g ms RTT: the gateway↔forwarder round trips a new connection waits for. The CPU time of both hops and of the client drops out as far as it is the same at both RTTs (the notes say where it is not). A tunnel of its own takes 3 (connect, TLS handshake, then the preamble and the call), a standby connection or a pooled tunnel 1.\n\n", lo, hi)
 		fmt.Fprintf(&b, "| contender | p50 at %g ms | p50 at %g ms | round trips |\n|---|---:|---:|---:|\n", lo, hi)
 		for _, c := range contenders {
 			a, z := ttfbResult(t, c, lo), ttfbResult(t, c, hi)
@@ -196,15 +196,15 @@ func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
 		fmt.Fprintf(&b, "- p90: %s against %s ms (%s): %s.\n", msCell(subject.P90Ms), msCell(base.P90Ms), ratioCell(subject.P90Ms, base.P90Ms), verdict(subject.P90Ms, base.P90Ms))
 	}
 
-	b.WriteString("\n## Path checks\n\nPer RTT, the fastest of the probes' TCP connects (one round trip each) from the client to a listener of its own on the forwarders' address, before the delay was installed and with it (*forwarder before / with*): the delay *added* their difference, which must fall in *band*. The same to a listener on 127.0.0.1 (*127.0.0.1 before / with*) must grow by less than *bound*.\n\n")
-	b.WriteString("| RTT | forwarder before / with | added | band | 127.0.0.1 before / with | added | bound | check |\n|---:|---:|---:|---|---:|---:|---:|---|\n")
+	fmt.Fprintf(&b, "\n## Path checks\n\nPer RTT, the fastest of the probes' TCP connects (one round trip each) from the client to a listener of its own on the forwarders' address, before the delay was installed and with it (*forwarder before / with*): the delay *added* their difference, which must fall in *band*. The same to a listener on 127.0.0.1 (*127.0.0.1 before / with*) must grow by less than *bound*. *probes*: the connects each figure with the delay is the fastest of (batches of %d until the check passed; %d before it).\n\n", t.Params.Probes, t.Params.Probes)
+	b.WriteString("| RTT | forwarder before / with | added | band | 127.0.0.1 before / with | added | bound | probes | check |\n|---:|---:|---:|---|---:|---:|---:|---:|---|\n")
 	for _, q := range t.Paths {
 		check := "ok"
 		if !q.OK || len(q.Errors) > 0 {
 			check = "**failed**"
 		}
-		fmt.Fprintf(&b, "| %g | %s / %s | %s | %s–%s | %s / %s | %s | < %s | %s |\n", q.RTTMs, msCell(q.ForwarderBeforeMs), msCell(q.ForwarderMs), msSigned(q.AddedMs),
-			msCell(q.LowMs), msCell(q.HighMs), msCell(q.LocalBeforeMs), msCell(q.LocalMs), msSigned(q.LocalAddedMs), msCell(q.LocalHighMs), check)
+		fmt.Fprintf(&b, "| %g | %s / %s | %s | %s–%s | %s / %s | %s | < %s | %d | %s |\n", q.RTTMs, msCell(q.ForwarderBeforeMs), msCell(q.ForwarderMs), msSigned(q.AddedMs),
+			msCell(q.LowMs), msCell(q.HighMs), msCell(q.LocalBeforeMs), msCell(q.LocalMs), msSigned(q.LocalAddedMs), msCell(q.LocalHighMs), q.Batches*t.Params.Probes, check)
 	}
 	if len(t.Paths) > 0 && len(t.Paths[0].Commands) > 0 {
 		fmt.Fprintf(&b, "\nThe delay at %g ms RTT:\n\n```sh\n%s\n```\n", t.Paths[0].RTTMs, strings.Join(t.Paths[0].Commands, "\n"))

@@ -112,6 +112,10 @@ type Result struct {
 // each): a connect's own time under TCG varies by milliseconds, upward.
 type Path struct {
 	RTTMs float64 `json:"rtt_ms"`
+	// Batches: the batches of probes taken with the delay in place, until
+	// the check passed or the last; the figures with it are the fastest
+	// of them all.
+	Batches int `json:"batches"`
 	// Commands: the tc command lines that installed the delay.
 	Commands []string `json:"commands"`
 	// ForwarderBeforeMs and ForwarderMs: a connect to the forwarder's

@@ -52,6 +52,7 @@ var benchReports = []struct {
 	{[]string{"gateway.md", "gateway-results.md"}, []string{"gateway-results-1.json", "gateway-results-2.json"}, measuredGateway, "make bench-gateway && make bench-report"},
 	{[]string{"gateway-resumption.md"}, []string{"gateway-resumption.json"}, measuredGateway, "the command in docs/bench/gateway-resumption.md"},
 	{[]string{"load.md"}, []string{"load.json"}, measuredForwarder, "make bench-load, or the reduced run's command in docs/bench/README.md"},
+	{[]string{"ttfb.md"}, []string{"ttfb.json"}, measuredGateway, "make bench-ttfb"},
 }
 
 // knownStale are reports measured before a change to the code they

@@ -19,7 +19,7 @@ export KTLS_TEST_MIB
 # Size (MiB) of the real-binary test's curl download; empty = KTLS_TEST_MIB's.
 export KTLS_BINARY_DOWNLOAD_MIB
 
-.PHONY: help build tools xcaddy demo test vet hosttest fuzz vmtest flake bench bench-smoke bench-load bench-bulk bench-gateway bench-host bench-report clean
+.PHONY: help build tools xcaddy demo test vet hosttest fuzz vmtest flake bench bench-smoke bench-load bench-ttfb bench-bulk bench-gateway bench-host bench-report clean
 
 help:
 	@echo 'make build        bin/caddy: Caddy + caddy-l4 + caddy-ktls (plain go build of cmd/caddy)'
@@ -31,8 +31,9 @@ help:
 	@echo 'make vmtest KERNEL=6.1|6.12|7.3   kernel tests on one kernel'
 	@echo "make flake KERNEL=7.3|6.1|6.12|host RUN='^TestKernelSandbox' COUNT=10   rerun tests COUNT times in one VM (or on the host with $(HOST_TEST_FLAGS)), failures counted per test"
 	@echo 'make bench        every forwarder contender, every shape, in two 7.3 VMs under qemu -icount: docs/bench/results.md'
-	@echo 'make bench-smoke  the same at a tiny size, once each, in VMs and natively, and the load run at a tiny size: fails on any wrong byte or data path'
+	@echo 'make bench-smoke  the same at a tiny size, once each, in VMs and natively, and the load and time-to-first-byte runs at a tiny size: fails on any wrong byte or data path'
 	@echo 'make bench-load   the open-loop load run (capacity, latency per offered rate, fairness) in a real-time two-vCPU 6.1 VM: docs/bench/load.md'
+	@echo 'make bench-ttfb   time to first byte through l7-l7, l4-l4 and l4-l4 with standby, netem at 1, 20 and 100 ms RTT between gateway and forwarder, in a real-time two-vCPU 6.1 VM: docs/bench/ttfb.md'
 	@echo 'make bench-bulk   1 GiB upload and download per contender, two VMs side by side: docs/bench/bulk-1gib.md'
 	@echo 'make bench-gateway the edge-gateway paths (l7-l7, l7-l4, l4-l4) in a 7.3 VM: docs/bench/gateway.md'
 	@echo 'make bench-host   native Go benchmarks (relay, handshake, preamble) on this host: docs/bench/host.md'
@@ -134,6 +135,7 @@ bench-smoke:
 		integration/bench.sh --smoke -gateway-ktls -contenders $(BENCH_SMOKE_GATEWAY_KTLS)
 	integration/bench.sh --native --smoke
 	integration/bench.sh --load --smoke
+	integration/bench.sh --ttfb --smoke
 
 # The open-loop load run of issue 34 (docs/bench/load.md): every load
 # contender, both shapes, 10,000 tunnels to 1,000 targets, the capacity
@@ -141,6 +143,12 @@ bench-smoke:
 # driver flags make a reduced run, see docs/bench/load.md).
 bench-load:
 	integration/bench.sh --load
+
+# A new connection's time to first byte through the gateway chains with
+# netem between gateway and forwarder (issue 34, docs/bench/ttfb.md): 40
+# connections per chain at each of 1, 20 and 100 ms RTT, about 5 minutes.
+bench-ttfb:
+	integration/bench.sh --ttfb
 
 bench-bulk:
 	BENCH_BULK_MIB=1024 BENCH_SPLIT='$(BENCH_VM_SPLIT)' BENCH_OUT=docs/bench/bulk-1gib.json \

@@ -3,7 +3,7 @@
 # driver (integration/bench), then runs every contender against the same
 # upstream and writes one JSON document.
 #
-# usage: integration/bench.sh [--native] [--smoke] [--load] [driver flags...]
+# usage: integration/bench.sh [--native] [--smoke] [--load | --ttfb] [driver flags...]
 #        BENCH_SPLIT='A,B C,D' integration/bench.sh ... (see env)
 #
 #   (default)  in a VM on kernel $BENCH_KERNEL under qemu -icount (guest time
@@ -20,6 +20,16 @@
 #              (with --smoke: 4 and 8 calls/s, 2 s each, 50 tunnels, 20 targets, ktls
 #              and haproxy, strict: any failed call fails; writes
 #              $BUILD/bench/load-smoke/load.json)
+#   --ttfb     a new connection's time to first byte through the gateway
+#              chains instead (bench ttfb; docs/bench/ttfb.md): l7-l7,
+#              l4-l4 and l4-l4 with standby connections, netem delaying
+#              the gateway↔forwarder path at 1, 20 and 100 ms RTT; the same
+#              real-time VM as --load (kernel $BENCH_TTFB_KERNEL, the chain's
+#              processes on vCPU 0, the client on vCPU 1); writes
+#              docs/bench/ttfb.json and renders ttfb.md (with --smoke: 3
+#              connections per contender at 1 and 20 ms, the path check's
+#              tolerance widened by 5 ms; writes
+#              $BUILD/bench/ttfb-smoke/ttfb.json)
 #   --native   on this host's own kernel, wall-clock figures; contenders that
 #              need kTLS are refused (REFUSED, in the log and the JSON's
 #              "skipped") when the kernel has none. The strace pass needs root
@@ -27,12 +37,13 @@
 #              Writes $BUILD/bench/native/results.json, with --smoke
 #              $BUILD/bench/native-smoke/results.json
 #
-# Driver flags (integration/.build/bench/bench run -h) override the sizes,
+# Driver flags (integration/.build/bench/bench run -h; load -h, ttfb -h) override the sizes,
 # e.g. -contenders ktls,floor-ktls -shapes upload; -gateway-ktls makes the
 # gateway seal its records in its kernel. A kTLS change is measured with
 # VM_TLS_KO (vm.sh; docs/kernel).
 # env: BENCH_KERNEL (default 7.3), BENCH_LOAD_KERNEL (default 6.1: two
-#      vCPUs make 7.x's early-boot oops likelier), BENCH_LOAD_LABEL (the
+#      vCPUs make 7.x's early-boot oops likelier), BENCH_TTFB_KERNEL
+#      (default 6.1, for the same reason), BENCH_LOAD_LABEL (the
 #      load report's label, e.g. a reduced run's), BENCH_BULK_MIB (64), BENCH_REPS (3),
 #      BENCH_OUT (the JSON's destination), CADDY (a prebuilt Caddy binary
 #      inside the checkout instead of building one), VM_TIMEOUT
@@ -61,6 +72,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     --smoke) SIZE=smoke; shift ;;
     --load) KIND=load; shift ;;
+    --ttfb) KIND=ttfb; shift ;;
     --native) WHERE=native; shift ;;
     *) break ;;
   esac
@@ -111,6 +123,39 @@ if [ $KIND = load ]; then
     rc=1
   fi
   log "bench load ($SIZE): exit $rc, wall $(elapsed "$start")s, results in $DEST and ${DEST%.json}.md"
+  exit $rc
+fi
+
+if [ $KIND = ttfb ]; then
+  # The same real-time VM as the load run: the chain's two Caddy processes
+  # on vCPU 0, the client (and the upstream, in its process) on vCPU 1.
+  if [ $SIZE = smoke ]; then
+    # The path check's constant widened to 5 ms: on a busy host a TCG
+    # connect alone can take milliseconds; 20 ms still has to show.
+    SIZES=(-rtts 1ms,20ms -conns 3 -pause 100ms -settle 1s -probes 5 -tolerance-ms 5 -label smoke)
+    DEST=${BENCH_OUT:-$OUT/ttfb-smoke/ttfb.json} timeout=900
+  else
+    SIZES=()
+    DEST=${BENCH_OUT:-docs/bench/ttfb.json} timeout=1800
+  fi
+  [ $WHERE = native ] && die "bench: --ttfb runs in a VM (it puts netem on the loopback device)"
+  mkdir -p "$(dirname "$DEST")"
+  start=$(now)
+  vm_out=$OUT/vm-out-ttfb-$SIZE
+  rm -rf "$vm_out"
+  mkdir -p "$vm_out"
+  cmd=$(printf '%q ' taskset -c 1 "$OUT/bench" ttfb -mode vm -pin-contender 0 -caddy "$CADDY" -commit "$COMMIT" -out /run/vm-out/ttfb.json "${SIZES[@]}" "$@")
+  rc=0
+  VM_SMP=2 VM_OUT=$vm_out VM_TIMEOUT=${VM_TIMEOUT:-$timeout} \
+    "$(dirname "$0")/vm.sh" "${BENCH_TTFB_KERNEL:-6.1}" "$cmd" || rc=$?
+  if [ -f "$vm_out/ttfb.json" ]; then
+    cp "$vm_out/ttfb.json" "$DEST"
+    go run ./integration/benchreport ttfb -in "$DEST" -md "${DEST%.json}.md" || rc=1
+  else
+    log "bench: the guest wrote no ttfb.json"
+    rc=1
+  fi
+  log "bench ttfb ($SIZE): exit $rc, wall $(elapsed "$start")s, results in $DEST and ${DEST%.json}.md"
   exit $rc
 fi
 

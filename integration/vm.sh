@@ -65,10 +65,12 @@ R=$W/root
 mkdir -p "$R/bin" "$R/mods" "$R/proc" "$R/sys" "$R/dev" "$R/host"
 cp /bin/busybox "$R/bin/busybox"
 # inet_diag/tcp_diag serve sock_diag queries (ss, the ULP diagnostics);
-# ccm, the kernel TLS selftest's AES-CCM cases (docs/kernel).
+# ccm, the kernel TLS selftest's AES-CCM cases (docs/kernel); sch_prio,
+# sch_netem and cls_u32, the delay bench ttfb puts on one loopback address
+# (its tc fails, naming them, where one is missing).
 MODULES="virtio_pci 9pnet_virtio 9p tls gcm ctr ccm ghash_generic ghash_clmulni_intel aesni_intel
   chacha20poly1305 chacha_x86_64 poly1305_x86_64 libchacha chacha chacha_generic libpoly1305 poly1305_generic
-  inet_diag tcp_diag"
+  inet_diag tcp_diag sch_prio sch_netem cls_u32"
 for m in $MODULES; do
   { modprobe -d "$MBASE" -S "$KVER" --show-depends "$m" 2>/dev/null || true; } | awk '$1 == "insmod" { print $2 }'
 done | awk '!seen[$0]++' | while read -r ko; do

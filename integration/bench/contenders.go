@@ -117,6 +117,8 @@ type runEnv struct {
 	// maxHandshakes: the ktls contenders' max_handshakes (0: the
 	// handler's default).
 	maxHandshakes int
+	// gatewayStandby: the standby option of an l4-l4 gateway (0: none).
+	gatewayStandby int
 }
 
 var contenders = []contender{
@@ -387,15 +389,24 @@ func l7l4(env *runEnv) ([]hop, error) {
 
 // l4l4 is the raw TCP path: the gateway's ktls handler terminates the
 // user's TLS, sandbox_proxy opens the tunnel (kTLS) and splices between
-// the two kTLS sockets; the forwarder splices to the upstream.
+// the two kTLS sockets; the forwarder splices to the upstream. With
+// env.gatewayStandby, sandbox_proxy keeps that many standby connections
+// to the forwarder (the forwarder's sandbox handler takes them by
+// default).
 func l4l4(env *runEnv) ([]hop, error) {
-	gw := layer4At(env.listen, map[string]any{"handler": "ktls"}, gatewayDial(env, map[string]any{
+	proxy := gatewayDial(env, map[string]any{
 		"handler":   "sandbox_proxy",
 		"forwarder": env.hopListen,
 		"sandbox":   "bench",
 		"target":    env.up.rawAddr(),
-	}))
-	return chainHops(env, "l4-l4", gw, sandboxForwarder(env, env.hopListen, nil), "forwarder")
+	})
+	name := "l4-l4"
+	if env.gatewayStandby > 0 {
+		proxy["standby"] = env.gatewayStandby
+		name += "-standby"
+	}
+	gw := layer4At(env.listen, map[string]any{"handler": "ktls"}, proxy)
+	return chainHops(env, name, gw, sandboxForwarder(env, env.hopListen, nil), "forwarder")
 }
 
 // HAProxy 2.6: TLS termination, mode tcp, one thread, no master process.

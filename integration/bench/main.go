@@ -13,6 +13,9 @@
 //	bench run [flags]      the driver: gateway, upstream, contenders, JSON
 //	bench load [flags]     the open-loop load generator (latency against
 //	                       offered load, capacity; docs/bench/load.md)
+//	bench ttfb [flags]     a new connection's time to first byte through
+//	                       the gateway chains, netem between gateway and
+//	                       forwarder (docs/bench/ttfb.md)
 //	bench floor-ktls ...   the crypto floor: TLS 1.3 → kTLS TX+RX → splice
 //	bench floor-plain ...  plain TCP → splice
 //	bench floor-rw-ktls ... TLS 1.3 → its own kTLS install → read/write
@@ -43,7 +46,7 @@ import (
 func main() {
 	log.SetFlags(0)
 	if len(os.Args) < 2 {
-		log.Fatal("usage: bench run|load|floor-ktls|floor-plain|floor-rw-ktls|floor-rw-plain [flags]")
+		log.Fatal("usage: bench run|load|ttfb|floor-ktls|floor-plain|floor-rw-ktls|floor-rw-plain [flags]")
 	}
 	var err error
 	switch sub := os.Args[1]; sub {
@@ -51,6 +54,8 @@ func main() {
 		err = runDriver(os.Args[2:])
 	case "load":
 		err = runLoad(os.Args[2:])
+	case "ttfb":
+		err = runTTFB(os.Args[2:])
 	case "floor-ktls", "floor-plain":
 		err = runFloor(sub, os.Args[2:])
 	case "floor-rw-ktls", "floor-rw-plain":

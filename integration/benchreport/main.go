@@ -6,6 +6,7 @@
 //	benchreport host -in raw.txt -md docs/bench/host.md
 //	benchreport gateway -in docs/bench/gateway-results-1.json,docs/bench/gateway-results-2.json -md docs/bench/gateway.md -full gateway-results.md
 //	benchreport load -in docs/bench/load.json -md docs/bench/load.md
+//	benchreport ttfb -in docs/bench/ttfb.json -md docs/bench/ttfb.md
 //
 // "results" reads the VM harness's results.json (integration/bench.sh), or
 // several of them from runs of one setup merged into one report, and
@@ -19,7 +20,10 @@
 // can say; -full names the full report of the same run to link. "load"
 // reads the JSON of the open-loop load run (bench load) and writes
 // docs/bench/load.md: capacity, latency per offered rate, errors by class,
-// goodput past capacity and the bulk mix's fairness.
+// goodput past capacity and the bulk mix's fairness. "ttfb" reads the JSON
+// of the time-to-first-byte run (bench ttfb) and writes docs/bench/ttfb.md:
+// per RTT between gateway and forwarder, each chain's percentiles, the
+// round trips across that path, the goal's verdict and the path checks.
 package main
 
 import (
@@ -41,7 +45,7 @@ func main() {
 
 func run(args []string) error {
 	if len(args) == 0 {
-		return errors.New("usage: benchreport results|host|gateway|load -in FILE[,FILE...] -md FILE [-png FILE] [-full FILE]")
+		return errors.New("usage: benchreport results|host|gateway|load|ttfb -in FILE[,FILE...] -md FILE [-png FILE] [-full FILE]")
 	}
 	fs := flag.NewFlagSet("benchreport "+args[0], flag.ContinueOnError)
 	in := fs.String("in", "", "input file; for results, several comma-separated ones merge into one report (runs of one setup)")
@@ -101,6 +105,19 @@ func run(args []string) error {
 			return fmt.Errorf("%s: %w", *in, err)
 		}
 		return os.WriteFile(*md, renderLoadMarkdown(l, *in), 0o644)
+	case "ttfb":
+		if *png != "" {
+			return errors.New("ttfb: no chart")
+		}
+		data, err := os.ReadFile(*in)
+		if err != nil {
+			return err
+		}
+		t, err := parseTTFB(data)
+		if err != nil {
+			return fmt.Errorf("%s: %w", *in, err)
+		}
+		return os.WriteFile(*md, renderTTFBMarkdown(t, *in), 0o644)
 	case "host":
 		if *png != "" {
 			return errors.New("host: no chart")
@@ -115,7 +132,7 @@ func run(args []string) error {
 		}
 		return os.WriteFile(*md, renderHostMarkdown(h), 0o644)
 	default:
-		return fmt.Errorf("unknown report %q: want results, host, gateway or load", args[0])
+		return fmt.Errorf("unknown report %q: want results, host, gateway, load or ttfb", args[0])
 	}
 }
 

@@ -54,6 +54,7 @@ var benchReports = []struct {
 	{[]string{"load.md"}, []string{"load.json"}, measuredForwarder, "make bench-load, or the reduced run's command in docs/bench/README.md"},
 	{[]string{"load-native-percall.md"}, []string{"load-native-percall.json"}, measuredForwarder, "the native load run's commands in docs/bench/overload.md, on a machine with cores to spare"},
 	{[]string{"load-native-reuse.md"}, []string{"load-native-reuse.json"}, measuredForwarder, "the native load run's commands in docs/bench/overload.md, on a machine with cores to spare"},
+	{[]string{"ttfb.md"}, []string{"ttfb.json"}, measuredGateway, "make bench-ttfb"},
 }
 
 // knownStale are reports measured before a change to the code they

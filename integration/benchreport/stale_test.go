@@ -62,12 +62,15 @@ var benchReports = []struct {
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"results.md":            "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03, the bulk shapes were not rerun",
-	"bulk-1gib.md":          "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since",
-	"small-calls.md":        "measured 2026-12-03 08:32 (inferred: 81c077a); the relay's end handling and sandbox-ID checks changed since",
-	"small-mtls.md":         "measured 2026-12-02 (inferred: 8824782); the forwarder changed since, as for results.md",
-	"gateway.md":            "measured 2026-12-03 21:32 on b5f2df8 (inferred; expect_no_pad), then the gateway's refusal classification and sandbox-ID checks changed (2026-12-04): a per-dial check, not measured again",
-	"gateway-resumption.md": "measured 2026-12-03 07:02 (inferred: fb1513f); expect_no_pad and the gateway changes since were not measured with resumption alone (gateway.md's run resumes too)",
+	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03, the bulk shapes were not rerun",
+	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since",
+	"small-calls.md":         "measured 2026-12-03 08:32 (inferred: 81c077a); the relay's end handling and sandbox-ID checks changed since",
+	"small-mtls.md":          "measured 2026-12-02 (inferred: 8824782); the forwarder changed since, as for results.md",
+	"gateway.md":             "measured 2026-12-03 21:32 on b5f2df8 (inferred; expect_no_pad), then the gateway's refusal classification and sandbox-ID checks changed (2026-12-04): a per-dial check, not measured again",
+	"gateway-resumption.md":  "measured 2026-12-03 07:02 (inferred: fb1513f); expect_no_pad and the gateway changes since were not measured with resumption alone (gateway.md's run resumes too)",
+	"load.md":                "measured 2026-12-04 on bfd0b8d (recorded); since: the bench's memory fields, shared JSON types, the ktls-off contender and -max-handshakes, max_handshakes counted over the process (the same with the one ktls handler measured), the sandbox handler's refusal-summary table (no behaviour change), ktls Handoff/Adopt (not on a relay's path) and its TX wear bound counting every record under the key; the shedding it could not reach is measured natively in load-native-percall.md; a rerun takes the 2-core host for 15 min",
+	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt and the bench's memory fields; rerun with the commands in docs/bench/overload.md on such a machine",
+	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since",
 }
 
 // git runs git in the repository root and returns its trimmed output.

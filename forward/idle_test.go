@@ -705,10 +705,13 @@ func tunnelBytes(reg *Registry) map[uint64][2]int64 {
 }
 
 // waitMoved waits until every tunnel in prev has moved bytes both ways
-// since prev was taken, and returns what they have moved now.
+// since prev was taken, and returns what they have moved now. A tunnel's
+// turn may take long where many share a slow machine (an emulated one):
+// the wait is bounded by two minutes and 100 ms more per tunnel.
 func waitMoved(t *testing.T, reg *Registry, prev map[uint64][2]int64) map[uint64][2]int64 {
 	t.Helper()
-	deadline := time.Now().Add(2 * time.Minute)
+	limit := 2*time.Minute + time.Duration(len(prev))*100*time.Millisecond
+	deadline := time.Now().Add(limit)
 	for {
 		now, behind := tunnelBytes(reg), 0
 		for id, p := range prev {
@@ -720,7 +723,7 @@ func waitMoved(t *testing.T, reg *Registry, prev map[uint64][2]int64) map[uint64
 			return now
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("streaming: %d of %d tunnels did not move bytes both ways within 2 minutes", behind, len(prev))
+			t.Fatalf("streaming: %d of %d tunnels did not move bytes both ways within %v", behind, len(prev), limit)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -57,6 +57,10 @@ const (
 	// sampled) of the forwarder while the tunnels are idle: where the bytes
 	// per tunnel go.
 	idleHeapProfileEnv = "KTLS_IDLE_HEAP_PROFILE"
+	// activeHeapProfileEnv names a file for a heap profile of the forwarder
+	// at the last sample while the tunnels stream; beside the idle one,
+	// `go tool pprof -base IDLE ACTIVE` shows what activity adds.
+	activeHeapProfileEnv = "KTLS_ACTIVE_HEAP_PROFILE"
 	// idlePeerEnv makes this binary the peer process; its value is the
 	// JSON idlePeerConfig.
 	idlePeerEnv = "KTLS_IDLE_PEER"
@@ -485,7 +489,7 @@ func measureTunnels(t *testing.T, run tunnelRun) tunnelFigures {
 	}
 	n := tunnelCount(t, run.countEnv, run.def, fdsPerTunnel)
 	heapProfile := os.Getenv(idleHeapProfileEnv)
-	if heapProfile != "" {
+	if heapProfile != "" || os.Getenv(activeHeapProfileEnv) != "" {
 		runtime.MemProfileRate = 1
 	}
 
@@ -658,9 +662,12 @@ func activate(t *testing.T, s *idleServer, peer *idlePeer, n int, before idleSna
 	start := time.Now()
 	peer.command(t, fmt.Sprintf("stream %d", n), "streaming")
 	moved := tunnelBytes(s.reg)
-	for range activeSamples {
+	for i := range activeSamples {
 		moved = waitMoved(t, s.reg, moved)
 		snap := takeIdleSnapshot(t, s.pipes)
+		if p := os.Getenv(activeHeapProfileEnv); p != "" && i == activeSamples-1 {
+			writeHeapProfile(t, p)
+		}
 		check("streaming", snap)
 		fig.Streaming = append(fig.Streaming, activeSample{
 			HeapInuse: perTunnel(snap.heapInuse, before.heapInuse, n), HeapLive: perTunnel(snap.heapLive, before.heapLive, n),

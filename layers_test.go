@@ -56,8 +56,9 @@ var layers = []layer{
 
 	// Tools and examples beside the product.
 	{"integration/internal/loadjson", false, nil}, // the load run's JSON, which bench writes and benchreport renders
-	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest", "integration/internal/loadjson"}},
-	{"integration/benchreport", false, []string{"integration/internal/loadjson"}},
+	{"integration/internal/ttfbjson", false, nil}, // the time-to-first-byte run's JSON, which bench writes and benchreport renders
+	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest", "integration/internal/loadjson", "integration/internal/ttfbjson"}},
+	{"integration/benchreport", false, []string{"integration/internal/loadjson", "integration/internal/ttfbjson"}},
 	{"deploy", false, nil},
 	{"examples/demo-upstream", false, nil},
 }

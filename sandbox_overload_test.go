@@ -50,19 +50,7 @@ func sandboxShedsHandshakes(t *testing.T, kernel bool) {
 
 	// Two connections that never send a ClientHello hold both handshakes
 	// (until handshake_timeout).
-	var held []net.Conn
-	defer func() {
-		for _, c := range held {
-			c.Close()
-		}
-	}()
-	for range 2 {
-		c, err := net.Dial("tcp", e.addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		held = append(held, c)
-	}
+	held := holdHandshakes(t, e.addr, 2)
 	waitInProgress(2)
 	shed0 := e.metric(t, shedSeries)
 	since := dataPathDelta(t, kernel)
@@ -81,16 +69,7 @@ func sandboxShedsHandshakes(t *testing.T, kernel bool) {
 		t.Fatalf("gateway dial while 2 handshakes are in progress: %v, want a retry-safe DialError at the handshake with ErrOverloaded", err)
 	}
 	// On the wire: the alert record, then the end, whatever the client sent.
-	raw, err := net.Dial("tcp", e.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw.SetReadDeadline(time.Now().Add(10 * time.Second))
-	got, err := io.ReadAll(raw)
-	raw.Close()
-	if want := []byte{21, 3, 3, 0, 2, 2, 49}; !bytes.Equal(got, want) || err != nil {
-		t.Errorf("a shed connection read % x (%v), want the access_denied alert record % x and the end", got, err, want)
-	}
+	checkShedAlert(t, e.addr, "a shed connection")
 	if n := e.metric(t, shedSeries) - shed0; n != 2 {
 		t.Errorf("%s moved by %d, want 2 (the gateway's and the raw connection)", shedSeries, n)
 	}
@@ -148,31 +127,10 @@ func TestSandboxMaxHandshakesSharedByHandlers(t *testing.T) {
 	shedSeries := `caddy_ktls_handshake_failures_total{module="layer4.handlers.ktls",reason="overloaded"}`
 
 	// Two connections to the first server that never send a ClientHello.
-	var held []net.Conn
-	defer func() {
-		for _, c := range held {
-			c.Close()
-		}
-	}()
-	for range 2 {
-		c, err := net.Dial("tcp", e.addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		held = append(held, c)
-	}
+	held := holdHandshakes(t, e.addr, 2)
 	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == 2 }, "the 2 held handshakes")
 	shed0 := e.metric(t, shedSeries)
-	raw, err := net.Dial("tcp", secondAddr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw.SetReadDeadline(time.Now().Add(10 * time.Second))
-	got, err := io.ReadAll(raw)
-	raw.Close()
-	if want := []byte{21, 3, 3, 0, 2, 2, 49}; !bytes.Equal(got, want) || err != nil {
-		t.Errorf("the second server's connection read % x (%v), want the access_denied alert record % x and the end", got, err, want)
-	}
+	checkShedAlert(t, secondAddr, "the second server's connection")
 	if n := e.metric(t, shedSeries) - shed0; n != 1 {
 		t.Errorf("%s moved by %d, want 1", shedSeries, n)
 	}
@@ -180,7 +138,6 @@ func TestSandboxMaxHandshakesSharedByHandlers(t *testing.T) {
 	for _, c := range held {
 		c.Close()
 	}
-	held = nil
 	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == 0 }, "the held handshakes to end")
 	d, err := gateway.New(gateway.Config{TLS: e.tlsConfig(e.client), Signer: e.gw.Signer})
 	if err != nil {
@@ -197,6 +154,43 @@ func TestSandboxMaxHandshakesSharedByHandlers(t *testing.T) {
 		t.Fatalf("the tunnel through the second server: %v", err)
 	}
 	checkTunnelTransfer(t, up, size, 9, n, sum)
+}
+
+// holdHandshakes opens n connections to addr that never send a
+// ClientHello: each holds a handshake in progress until handshake_timeout
+// or its close (at the test's end, if not before).
+func holdHandshakes(t *testing.T, addr string, n int) []net.Conn {
+	t.Helper()
+	held := make([]net.Conn, 0, n)
+	t.Cleanup(func() {
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	for range n {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+	}
+	return held
+}
+
+// checkShedAlert fails t unless a new connection to addr reads exactly the
+// plaintext access_denied alert record, then the end (ktls.Shed).
+func checkShedAlert(t *testing.T, addr, what string) {
+	t.Helper()
+	raw, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(raw)
+	raw.Close()
+	if want := []byte{21, 3, 3, 0, 2, 2, 49}; !bytes.Equal(got, want) || err != nil {
+		t.Errorf("%s read % x (%v), want the access_denied alert record % x and the end", what, got, err, want)
+	}
 }
 
 // While max_dials tunnels are dialing (here one waiting for its sandbox to

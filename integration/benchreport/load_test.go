@@ -7,6 +7,8 @@ import (
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
 )
 
 var updateGolden = flag.Bool("update", false, "rewrite the golden reports under testdata/ from the renderer")
@@ -15,14 +17,7 @@ var updateGolden = flag.Bool("update", false, "rewrite the golden reports under 
 // file (go test -update rewrites it; review the diff).
 func TestLoadReportGolden(t *testing.T) {
 	const in, golden = "testdata/synthetic-load.json", "testdata/synthetic-load.golden.md"
-	data, err := os.ReadFile(in)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := parseLoad(data)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := readSyntheticLoad(t, in)
 	got := renderLoadMarkdown(l, in)
 	if *updateGolden {
 		if err := os.WriteFile(golden, got, 0o644); err != nil {
@@ -57,14 +52,7 @@ func TestParseLoadRefusesOtherKinds(t *testing.T) {
 // report is the one without memory (the golden file's), line for line.
 func TestLoadReportContenderMemory(t *testing.T) {
 	const in, golden = "testdata/synthetic-load.json", "testdata/synthetic-load.golden.md"
-	data, err := os.ReadFile(in)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := parseLoad(data)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := readSyntheticLoad(t, in)
 	ktls := l.Results[0]
 	ktls.Unloaded.ContenderRSS, ktls.Unloaded.ContenderFDs = 3<<20+1<<19, 25
 	ktls.Steps[1].ContenderRSS, ktls.Steps[1].ContenderFDs = 812<<20, 10071
@@ -128,14 +116,7 @@ func TestLoadReportContenderMemory(t *testing.T) {
 // and the growth per tunnel held (params.tunnels); a result without the
 // before figures gets none, and a run where none has them no section.
 func TestLoadReportMemoryHeld(t *testing.T) {
-	data, err := os.ReadFile("testdata/synthetic-load.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := parseLoad(data)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := readSyntheticLoad(t, "testdata/synthetic-load.json")
 	if md := string(renderLoadMarkdown(l, "x")); strings.Contains(md, "## Memory of the tunnels held") {
 		t.Error("a run without the before figures has a memory section")
 	}
@@ -163,4 +144,18 @@ func TestLoadReportMemoryHeld(t *testing.T) {
 	if !strings.Contains(section, "holds 100 tunnels open") {
 		t.Errorf("the section does not say how many tunnels were held:\n%s", section)
 	}
+}
+
+// readSyntheticLoad parses the load run in the file named.
+func readSyntheticLoad(t *testing.T, name string) *loadjson.Report {
+	t.Helper()
+	data, err := os.ReadFile(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := parseLoad(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
 }

@@ -155,7 +155,8 @@ func TestHandedOffConnRefusesUse(t *testing.T) {
 	for _, end := range []string{"Close", "Abort", "Refuse", "CloseWrite+Close"} {
 		t.Run(end, func(t *testing.T) {
 			checkNoFDLeak(t, kerneltest.OpenFDs)
-			peer, sock := tcpPair(t)
+			peer, conn := loopbackPair(t)
+			sock := conn.(*net.TCPConn)
 			defer peer.Close()
 			rc, err := sock.SyscallConn()
 			if err != nil {
@@ -239,26 +240,6 @@ func TestHandedOffConnRefusesUse(t *testing.T) {
 			}
 		})
 	}
-}
-
-// tcpPair returns the two ends of a loopback TCP connection.
-func tcpPair(t *testing.T) (client, server *net.TCPConn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := ln.Accept()
-	if err != nil {
-		c.Close()
-		t.Fatal(err)
-	}
-	return c.(*net.TCPConn), s.(*net.TCPConn)
 }
 
 // testState is a valid TLS 1.3 state.
@@ -401,7 +382,8 @@ func TestHandoffStateDecodeStrict(t *testing.T) {
 // before. An invalid state is refused before the socket is looked at.
 func TestAdoptRefusesPlainSocket(t *testing.T) {
 	checkNoFDLeak(t, kerneltest.OpenFDs)
-	peer, sock := tcpPair(t)
+	peer, conn := loopbackPair(t)
+	sock := conn.(*net.TCPConn)
 	defer peer.Close()
 	defer sock.Close()
 	f, err := sock.File()

@@ -158,6 +158,15 @@ func TestStandbyLostAndExpired(t *testing.T) {
 		_, ends := f.reg.Standby()
 		return ends[forward.StandbyExpired] == 1
 	})
+	// The forwarder counts the expiry before its alert and FIN are sent:
+	// the tunnel must come after they reached the gateway's socket, or it
+	// may take the connection while it is still established.
+	waitFor(t, "the forwarder's end of the standby connection to reach the gateway", func() bool {
+		d.standby.mu.Lock()
+		defer d.standby.mu.Unlock()
+		ready := d.standby.ready[f.addr()]
+		return len(ready) == 1 && !established(ready[0].conn)
+	})
 	exactDial(t, d, route, standbyTunnelSize, 2)
 	if used, lost := log.count(StandbyUsed), log.count(StandbyLost); used != 0 || lost != 1 {
 		t.Errorf("standby used %d, lost %d; want 0 and 1", used, lost)

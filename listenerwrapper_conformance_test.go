@@ -60,36 +60,56 @@ var confProtocols = [][]string{{"h1", "h2"}, {"h1"}, {"h2"}}
 func confRun(t *testing.T, kernel bool) {
 	site := confStart(t)
 	offloaded := ktls.Stats().Outcomes[ktls.ReasonNone]
+	// h2spec mostly waits (h2specDelay per request): every server's run
+	// starts here, side by side, and the cases run meanwhile. The protocol
+	// sets run side by side too; the group returns when all have ended.
+	h2spec := map[string]*h2specProcess{}
 	for i, protos := range confProtocols {
-		stock, wrapped := site.addrs[2*i], site.addrs[2*i+1]
-		t.Run(strings.Join(protos, "+"), func(t *testing.T) {
-			for _, c := range confCases {
-				t.Run(c.name, func(t *testing.T) {
-					t.Parallel()
-					want := c.run(t, site, stock)
-					got := c.run(t, site, wrapped)
-					if c.refusedEitherWay {
-						want, got = refusedOutcome(want), refusedOutcome(got)
-					}
-					if c.pri && strings.Contains(want, "HTTP/2.0 PRI *") {
-						// The one documented difference (prefaceGate).
-						want = want[:strings.IndexByte(want, '\n')+1]
-					}
-					if got != want {
-						t.Errorf("the wrapper differs from stock Caddy\n--- stock Caddy:\n%s\n--- with ktls:\n%s", want, got)
-					}
-				})
+		if slices.Contains(protos, "h2") {
+			for _, addr := range site.addrs[2*i : 2*i+2] {
+				h2spec[addr] = h2specStart(t, addr)
 			}
-			if slices.Contains(protos, "h2") {
-				t.Run("h2spec", func(t *testing.T) {
-					t.Parallel()
-					confH2Spec(t, site, stock, wrapped)
-				})
+		}
+	}
+	t.Run("sets", func(t *testing.T) {
+		for i, protos := range confProtocols {
+			stock, wrapped := site.addrs[2*i], site.addrs[2*i+1]
+			t.Run(strings.Join(protos, "+"), func(t *testing.T) {
+				t.Parallel()
+				confSet(t, site, protos, stock, wrapped, h2spec)
+			})
+		}
+	})
+	if kernel && ktls.Stats().Outcomes[ktls.ReasonNone] == offloaded {
+		t.Error("no connection of the wrapper was offloaded")
+	}
+}
+
+// confSet compares one protocol set's stock and wrapped servers case by
+// case, and by their h2spec runs where the set has h2.
+func confSet(t *testing.T, site *confSite, protos []string, stock, wrapped string, h2spec map[string]*h2specProcess) {
+	for _, c := range confCases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			want := c.run(t, site, stock)
+			got := c.run(t, site, wrapped)
+			if c.refusedEitherWay {
+				want, got = refusedOutcome(want), refusedOutcome(got)
+			}
+			if c.pri && strings.Contains(want, "HTTP/2.0 PRI *") {
+				// The one documented difference (prefaceGate).
+				want = want[:strings.IndexByte(want, '\n')+1]
+			}
+			if got != want {
+				t.Errorf("the wrapper differs from stock Caddy\n--- stock Caddy:\n%s\n--- with ktls:\n%s", want, got)
 			}
 		})
 	}
-	if kernel && ktls.Stats().Outcomes[ktls.ReasonNone] == offloaded {
-		t.Error("no connection of the wrapper was offloaded")
+	if slices.Contains(protos, "h2") {
+		t.Run("h2spec", func(t *testing.T) {
+			t.Parallel()
+			confH2Spec(t, site, h2spec[stock], h2spec[wrapped])
+		})
 	}
 }
 
@@ -483,8 +503,9 @@ func confGoAway() string {
 // results differ is run again on both, and only a result the wrapper gives
 // that stock Caddy never gave in those runs (nor the reverse) is a
 // difference.
-func confH2Spec(t *testing.T, s *confSite, stock, wrapped string) {
-	want, got := h2specRun(t, stock), h2specRun(t, wrapped)
+func confH2Spec(t *testing.T, s *confSite, stockRun, wrappedRun *h2specProcess) {
+	stock, wrapped := stockRun.addr, wrappedRun.addr
+	want, got := stockRun.results(t), wrappedRun.results(t)
 	if len(want) < 100 {
 		t.Fatalf("h2spec reported %d cases against stock Caddy, want the whole suite", len(want))
 	}
@@ -543,16 +564,48 @@ type h2specCase struct{ id, result string }
 // each case's result by its section and name.
 func h2specRun(t *testing.T, addr string, cases ...string) map[string]h2specCase {
 	t.Helper()
+	return h2specStart(t, addr, cases...).results(t)
+}
+
+// h2specProcess is a running h2spec.
+type h2specProcess struct {
+	addr   string
+	cmd    *exec.Cmd
+	out    bytes.Buffer
+	report string
+}
+
+// h2specStart starts h2spec (the cases given, or all) against addr.
+func h2specStart(t *testing.T, addr string, cases ...string) *h2specProcess {
+	t.Helper()
 	_, port, _ := net.SplitHostPort(addr)
-	report := filepath.Join(t.TempDir(), "report.xml")
+	p := &h2specProcess{addr: addr, report: filepath.Join(t.TempDir(), "report.xml")}
 	// -o: seconds h2spec waits for an expected frame; a liveness bound
 	// for an emulated CPU, not a measurement.
-	args := append([]string{"-t", "-k", "-h", "127.0.0.1", "-p", port, "-P", h2specPath, "-o", "10", "-j", report}, cases...)
-	out, err := exec.Command(h2specBinary(t), args...).CombinedOutput()
-	if _, ok := err.(*exec.ExitError); err != nil && !ok {
-		t.Fatalf("h2spec: %v\n%s", err, out)
+	args := append([]string{"-t", "-k", "-h", "127.0.0.1", "-p", port, "-P", h2specPath, "-o", "10", "-j", p.report}, cases...)
+	p.cmd = exec.Command(h2specBinary(t), args...)
+	p.cmd.Stdout, p.cmd.Stderr = &p.out, &p.out
+	if err := p.cmd.Start(); err != nil {
+		t.Fatalf("h2spec: %v", err)
 	}
-	return h2specResults(t, report, out)
+	t.Cleanup(func() {
+		if p.cmd.ProcessState == nil { // never waited for: the test failed first
+			p.cmd.Process.Kill()
+			p.cmd.Wait()
+		}
+	})
+	return p
+}
+
+// results waits for p to end and returns each case's result by its
+// section and name (h2spec exits non-zero when a case failed).
+func (p *h2specProcess) results(t *testing.T) map[string]h2specCase {
+	t.Helper()
+	err := p.cmd.Wait()
+	if _, ok := err.(*exec.ExitError); err != nil && !ok {
+		t.Fatalf("h2spec: %v\n%s", err, p.out.Bytes())
+	}
+	return h2specResults(t, p.report, p.out.Bytes())
 }
 
 // h2specBinary is the h2spec that `make tools` builds (override:

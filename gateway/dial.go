@@ -227,7 +227,17 @@ func New(cfg Config) (*Dialer, error) {
 // how it ends is the forwarder's verdict (EndOf). Every error is a
 // *DialError, and then nothing was sent past the preamble: nothing reached
 // the sandbox. ctx and Config.DialTimeout bound the whole of it.
+//
+// Once the forwarder answered, Dial refills its standby connections
+// (Config.Standby), after the preamble is written.
 func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
+	return d.dial(ctx, r, func() { d.standby.refill(r.Forwarder) })
+}
+
+// dial is Dial; connected is called, after the preamble was written or
+// failed, when the forwarder answered the connection (mutual TLS done, or
+// a standby connection taken).
+func (d *Dialer) dial(ctx context.Context, r Route, connected func()) (*ktls.Conn, error) {
 	// Checked before anything is dialed, as the client below: a preamble
 	// that cannot be signed costs the forwarder nothing.
 	if err := preamble.CheckSandboxID(r.Sandbox); err != nil {
@@ -254,7 +264,7 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 			return nil, &DialError{Route: r, Step: step, Err: err}
 		}
 	}
-	d.standby.refill(r.Forwarder)
+	defer connected()
 	now := time.Now()
 	claims := preamble.Claims{SandboxID: r.Sandbox, Target: r.Target, IssuedAt: now, ExpiresAt: now.Add(d.cfg.PreambleTTL), Extensions: exts}
 	if err := preamble.Send(ctx, conn, d.cfg.Signer, claims); err != nil {

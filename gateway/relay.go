@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/splice"
@@ -84,7 +86,15 @@ func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered
 	if onDial == nil {
 		onDial = func(*ktls.Conn, error) {}
 	}
-	tunnel, err := d.Dial(dialCtx, r)
+	// The standby refill waits for the forwarder's first byte (the
+	// tunnel's end, or standbyRefillWait at most): its handshakes then
+	// never compete with this tunnel's opening for the CPU.
+	refill := sync.OnceFunc(func() { d.standby.refill(r.Forwarder) })
+	var refillTimer *time.Timer
+	tunnel, err := d.dial(dialCtx, r, func() { refillTimer = time.AfterFunc(standbyRefillWait, refill) })
+	if refillTimer != nil {
+		defer func() { refillTimer.Stop(); refill() }()
+	}
 	if err != nil {
 		splice.Refuse(user)
 		onDial(nil, err)
@@ -93,6 +103,7 @@ func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered
 	var opened atomic.Bool
 	open := func() {
 		if opened.CompareAndSwap(false, true) {
+			refill()
 			onDial(tunnel, nil)
 		}
 	}

@@ -15,6 +15,11 @@ import (
 // forwarders' default standby_timeout.
 const DefaultStandbyMaxIdle = 30 * time.Second
 
+// standbyRefillWait bounds how long Carry defers its forwarder's standby
+// refill for the tunnel's first byte back: a sandbox that speaks only
+// when spoken to may stay silent longer than any round trip.
+var standbyRefillWait = time.Second
+
 // How a standby connection ended, as Config.OnStandby is told.
 const (
 	// StandbyUsed: a tunnel's preamble went on it.
@@ -35,7 +40,8 @@ func StandbyOutcomes() []string {
 
 // standbys keeps Config.Standby connections per forwarder whose mutual TLS
 // is done and whose preamble is not written: Dial takes one where it can,
-// and each Dial refills its forwarder's in the background. A forwarder
+// and each Dial refills its forwarder's in the background once its
+// preamble is written (Carry: once the tunnel's first byte came back). A forwarder
 // waits for such a connection's first preamble byte under its
 // standby_timeout (forward.Config.StandbyTimeout); each is closed unused
 // after StandbyMaxIdle, below that.

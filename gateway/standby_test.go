@@ -4,6 +4,8 @@ import (
 	"context"
 	"crypto/sha256"
 	"io"
+	"net"
+	"net/netip"
 	"slices"
 	"sync"
 	"testing"
@@ -192,4 +194,128 @@ func TestStandbyLostAndExpired(t *testing.T) {
 	if rej := f.reg.RefusedTunnels(); len(rej) != 0 {
 		t.Errorf("forwarder rejections %v, want none", rej)
 	}
+}
+
+// heldUpstream accepts connections and, on each, reads everything and
+// sends size bytes of pattern 2, then half-closes, only once release is
+// closed. got receives a value for each connection once it read want
+// bytes.
+type heldUpstream struct {
+	ln      net.Listener
+	release chan struct{}
+	got     chan struct{} // one per connection that read want bytes
+	wg      sync.WaitGroup
+}
+
+func newHeldUpstream(t *testing.T, want, size int64) *heldUpstream {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := &heldUpstream{ln: ln, release: make(chan struct{}), got: make(chan struct{}, 16)}
+	u.wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			u.wg.Go(func() {
+				defer c.Close()
+				if n, _ := io.CopyN(io.Discard, c, want); n == want {
+					u.got <- struct{}{}
+				}
+				<-u.release
+				forwardtest.SendPattern(c.(*net.TCPConn), size, 2)
+				io.Copy(io.Discard, c)
+			})
+		}
+	})
+	t.Cleanup(func() {
+		select {
+		case <-u.release:
+		default:
+			close(u.release)
+		}
+		ln.Close()
+		u.wg.Wait()
+	})
+	return u
+}
+
+func (u *heldUpstream) addr() netip.AddrPort { return u.ln.Addr().(*net.TCPAddr).AddrPort() }
+
+// standbyState is d's standby set for forwarder: ready connections, and
+// whether a refill runs.
+func (d *Dialer) standbyState(forwarder string) (ready int, filling bool) {
+	d.standby.mu.Lock()
+	defer d.standby.mu.Unlock()
+	return len(d.standby.ready[forwarder]), d.standby.filling[forwarder]
+}
+
+// Carry starts its forwarder's standby refill at the tunnel's first byte
+// back, not while the tunnel opens: a tunnel whose sandbox has read the
+// user's bytes and not answered yet has started no refill; its answer
+// starts it, and every byte arrives exact.
+func TestCarryRefillsStandbyAtFirstByte(t *testing.T) {
+	const size = 8 << 10
+	p, gw, _, f := standbyForwarder(t, time.Minute)
+	up := newHeldUpstream(t, size, size)
+	d, err := New(Config{TLS: p.client, Signer: gw.Signer, Standby: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	fr := startFront(t, p, d, Route{Forwarder: f.addr(), Sandbox: "sbx-refill", Target: up.addr()})
+	type user struct {
+		recv [32]byte
+		n    int64
+		err  error
+	}
+	done := make(chan user, 1)
+	go func() {
+		var u user
+		_, u.recv, u.n, u.err = userTunnel(t, fr.ln.Addr().String(), p.client, size, 1)
+		done <- u
+	}()
+	<-up.got // the sandbox has every byte the user sent, and has not answered
+	if ready, filling := d.standbyState(f.addr()); ready != 0 || filling {
+		t.Errorf("before the tunnel's first byte back: %d standby connections ready, refilling %v; want none started", ready, filling)
+	}
+	close(up.release)
+	u := <-done
+	if u.err != nil || u.n != size || u.recv != forwardtest.PatternSum(2, size) {
+		t.Errorf("user received %d bytes (want %d), read error %v, or another hash", u.n, size, u.err)
+	}
+	if r := fr.result(t); r.err != nil {
+		t.Errorf("relay: %v", r.err)
+	}
+	waitFor(t, "2 standby connections after the first byte", func() bool { return d.standbyReady(f.addr()) == 2 })
+}
+
+// A sandbox that stays silent defers the refill standbyRefillWait at most.
+func TestCarryRefillsStandbyAfterWait(t *testing.T) {
+	const size = 8 << 10
+	defer func(w time.Duration) { standbyRefillWait = w }(standbyRefillWait)
+	standbyRefillWait = 50 * time.Millisecond
+	p, gw, _, f := standbyForwarder(t, time.Minute)
+	up := newHeldUpstream(t, size, size)
+	d, err := New(Config{TLS: p.client, Signer: gw.Signer, Standby: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	fr := startFront(t, p, d, Route{Forwarder: f.addr(), Sandbox: "sbx-refill", Target: up.addr()})
+	done := make(chan int64, 1)
+	go func() {
+		_, _, n, _ := userTunnel(t, fr.ln.Addr().String(), p.client, size, 1)
+		done <- n
+	}()
+	<-up.got
+	waitFor(t, "2 standby connections while the sandbox is silent", func() bool { return d.standbyReady(f.addr()) == 2 })
+	close(up.release)
+	if n := <-done; n != size {
+		t.Errorf("user received %d bytes, want %d", n, size)
+	}
+	fr.result(t)
 }

@@ -37,6 +37,9 @@ type Registry struct {
 	// refusing holds the sandboxes that Close refuses new tunnels to, until
 	// when.
 	refusing map[string]time.Time
+	// handingOff is set while HandOff's report stream waits for its
+	// verdict: no report is taken meanwhile.
+	handingOff bool
 
 	opened  atomic.Uint64
 	dialing atomic.Int64 // tunnels dialing their target now (startDial)
@@ -510,6 +513,9 @@ func (r *Registry) TakeDeltas() []SandboxDelta {
 }
 
 func (r *Registry) takeDeltasLocked() []SandboxDelta {
+	if r.handingOff {
+		return nil
+	}
 	var out []SandboxDelta
 	for id, sb := range r.sandboxes {
 		to, from := sb.pendingTo.Swap(0), sb.pendingFrom.Swap(0)

@@ -33,6 +33,9 @@ func (b Bandwidth) burst() int64 {
 type limiterTable struct {
 	mu      sync.Mutex
 	buckets map[limiterKey]*limiterEntry
+	// seeds are the token levels of buckets another process handed over
+	// (Registry.AdoptReports): the bucket's first acquire starts from it.
+	seeds map[limiterKey]int64
 	// Time capped directions spent waiting, by direction, over closed
 	// tunnels.
 	throttledTo, throttledFrom atomic.Int64
@@ -61,7 +64,12 @@ func (t *limiterTable) acquire(key limiterKey) *splice.RateLimiter {
 	}
 	e := t.buckets[key]
 	if e == nil {
-		e = &limiterEntry{lim: splice.NewRateLimiter(key.cap.BytesPerSecond, key.cap.burst())}
+		lim := splice.NewRateLimiter(key.cap.BytesPerSecond, key.cap.burst())
+		if tokens, ok := t.seeds[key]; ok {
+			lim = splice.NewRateLimiterHolding(key.cap.BytesPerSecond, key.cap.burst(), tokens)
+			delete(t.seeds, key)
+		}
+		e = &limiterEntry{lim: lim}
 		t.buckets[key] = e
 	}
 	e.refs++
@@ -106,4 +114,44 @@ func (r *Registry) addThrottled(res splice.Stats) {
 // sandbox's bandwidth cap (Config.BandwidthToSandbox, BandwidthFromSandbox).
 func (r *Registry) Throttled() (toSandbox, fromSandbox time.Duration) {
 	return time.Duration(r.bandwidth.throttledTo.Load()), time.Duration(r.bandwidth.throttledFrom.Load())
+}
+
+// BucketState is one sandbox bucket's level as it moves to another
+// process (ReportState.Buckets).
+type BucketState struct {
+	Sandbox        string           `json:"sandbox"`
+	Direction      splice.Direction `json:"direction"`
+	BytesPerSecond int64            `json:"bytes_per_second"`
+	Burst          int64            `json:"burst"`
+	Tokens         int64            `json:"tokens"`
+}
+
+// take empties every bucket and returns their levels, and the function
+// that gives them back.
+func (t *limiterTable) take() ([]BucketState, func()) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []BucketState
+	var lims []*splice.RateLimiter
+	for k, e := range t.buckets {
+		out = append(out, BucketState{Sandbox: k.sandbox, Direction: k.dir, BytesPerSecond: k.cap.BytesPerSecond, Burst: k.cap.Burst, Tokens: e.lim.TakeTokens()})
+		lims = append(lims, e.lim)
+	}
+	return out, func() {
+		for i, l := range lims {
+			l.PutTokens(out[i].Tokens)
+		}
+	}
+}
+
+// seed makes the buckets of bs start from their levels when first used.
+func (t *limiterTable) seed(bs []BucketState) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, b := range bs {
+		if t.seeds == nil {
+			t.seeds = map[limiterKey]int64{}
+		}
+		t.seeds[limiterKey{sandbox: b.Sandbox, dir: b.Direction, cap: Bandwidth{BytesPerSecond: b.BytesPerSecond, Burst: b.Burst}}] = b.Tokens
+	}
 }

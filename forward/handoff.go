@@ -34,6 +34,10 @@ type ReportState struct {
 	Sandboxes    []SandboxState `json:"sandboxes"`
 	// Refusing are the sandboxes Close refuses new tunnels to, until when.
 	Refusing map[string]time.Time `json:"refusing,omitempty"`
+	// Buckets are the bandwidth caps' token buckets, with what they held:
+	// the old process's are emptied, so the two never grant together more
+	// than one would have at the handoff.
+	Buckets []BucketState `json:"buckets,omitempty"`
 }
 
 // SandboxState is one sandbox's counters in a ReportState.
@@ -64,6 +68,12 @@ var ErrHandingOff = errors.New("forward: a handoff of the report stream is in pr
 // its tunnels count beyond what was exported. done(false): nothing moved,
 // reports go on as before, nothing lost. The moved tunnels are closed
 // here before done(true).
+//
+// The bandwidth caps' buckets are emptied into the export (done(false)
+// refills them). Their sandboxes' tunnels that stay here (those that could
+// not move) then share a bucket that refills from empty, while the moved
+// ones use the exported level: until the last of them ends, such a
+// sandbox may move up to twice its cap across the two processes.
 func (r *Registry) HandOff() (ReportState, func(moved bool), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -93,11 +103,14 @@ func (r *Registry) HandOff() (ReportState, func(moved bool), error) {
 			st.Refusing[id] = until
 		}
 	}
+	var putBack func()
+	st.Buckets, putBack = r.bandwidth.take()
 	done := func(moved bool) {
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		r.handingOff = false
 		if !moved {
+			putBack()
 			return
 		}
 		// What was exported is the new process's to report; what the
@@ -144,6 +157,7 @@ func (r *Registry) AdoptReports(st ReportState) error {
 	for id, until := range st.Refusing {
 		r.refusing[id] = until
 	}
+	r.bandwidth.seed(st.Buckets)
 	return nil
 }
 

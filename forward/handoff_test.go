@@ -185,3 +185,50 @@ func TestAdoptReportsRefusals(t *testing.T) {
 		t.Error("a report state of another version was adopted")
 	}
 }
+
+// The bandwidth buckets move with what they held: the old process's are
+// empty after the export (the two never grant more than one would), the
+// new process's first tunnel of the sandbox gets exactly the rest; an
+// aborted handoff gives the tokens back.
+func TestHandOffBandwidthBuckets(t *testing.T) {
+	const burst = 64 << 10
+	capped := Bandwidth{BytesPerSecond: 1, Burst: burst} // refills nothing within a test
+	old := NewRegistry()
+	lim, release := old.limits("sbx", capped, Bandwidth{})
+	defer release()
+	if n, _ := lim[0].Grant(burst - 20000); n != burst-20000 {
+		t.Fatalf("granted %d", n)
+	}
+	st, done, err := old.HandOff()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Buckets) != 1 || st.Buckets[0].Tokens != 20000 || st.Buckets[0].Sandbox != "sbx" {
+		t.Fatalf("exported buckets %+v, want sbx's with 20000 tokens", st.Buckets)
+	}
+	if n, _ := lim[0].Grant(1 << 20); n != 0 {
+		t.Errorf("the old bucket granted %d after the export, want 0", n)
+	}
+	done(false)
+	if n, _ := lim[0].Grant(1 << 20); n != 20000 {
+		t.Errorf("after an aborted handoff the old bucket granted %d, want the 20000 back", n)
+	}
+	lim[0].Refund(20000)
+
+	st, done, _ = old.HandOff()
+	done(true)
+	nu := NewRegistry()
+	if err := nu.AdoptReports(viaJSON(t, st)); err != nil {
+		t.Fatal(err)
+	}
+	newLim, newRelease := nu.limits("sbx", capped, Bandwidth{})
+	defer newRelease()
+	if n, _ := newLim[0].Grant(1 << 20); n != 20000 {
+		t.Errorf("the moved bucket granted %d, want the 20000 it held", n)
+	}
+	other, otherRelease := nu.limits("sbx-other", capped, Bandwidth{})
+	defer otherRelease()
+	if n, _ := other[0].Grant(1 << 20); n != burst {
+		t.Errorf("another sandbox's new bucket granted %d, want a full %d", n, burst)
+	}
+}

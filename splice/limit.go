@@ -36,6 +36,35 @@ func NewRateLimiter(bytesPerSecond, burst int64) *RateLimiter {
 	return &RateLimiter{rate: float64(bytesPerSecond), burst: b, tokens: b, now: time.Now}
 }
 
+// NewRateLimiterHolding is NewRateLimiter whose bucket holds tokens bytes
+// (at most burst) instead of being full: a bucket that continues another
+// one (TakeTokens).
+func NewRateLimiterHolding(bytesPerSecond, burst, tokens int64) *RateLimiter {
+	l := NewRateLimiter(bytesPerSecond, burst)
+	l.tokens = min(l.burst, float64(max(tokens, 0)))
+	l.last = l.now()
+	return l
+}
+
+// TakeTokens empties the bucket and returns what it held, refilled up to
+// now: for a bucket that continues elsewhere, so that the two together
+// never grant more than one would. PutTokens gives them back.
+func (l *RateLimiter) TakeTokens() int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	now := l.now()
+	if !l.last.IsZero() {
+		l.tokens = min(l.burst, l.tokens+now.Sub(l.last).Seconds()*l.rate)
+	}
+	l.last = now
+	n := int64(l.tokens)
+	l.tokens -= float64(n)
+	return n
+}
+
+// PutTokens gives back what TakeTokens took, up to the burst.
+func (l *RateLimiter) PutTokens(n int64) { l.Refund(int(n)) }
+
 // Grant implements Limiter.
 func (l *RateLimiter) Grant(want int) (int, time.Duration) {
 	l.mu.Lock()

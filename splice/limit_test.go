@@ -42,6 +42,37 @@ func TestRateLimiterBucket(t *testing.T) {
 	}
 }
 
+// A bucket handed to another process: TakeTokens returns what it holds,
+// refilled to now, and leaves it empty; a bucket made holding them grants
+// exactly those; PutTokens gives them back.
+func TestRateLimiterTakeTokens(t *testing.T) {
+	now := time.Unix(1000, 0)
+	l := NewRateLimiter(1<<20, 64<<10)
+	l.now = func() time.Time { return now }
+	if n, _ := l.Grant(40 << 10); n != 40<<10 {
+		t.Fatalf("granted %d", n)
+	}
+	now = now.Add(time.Second / 128) // 8 KiB at 1 MiB/s
+	if got := l.TakeTokens(); got != 32<<10 {
+		t.Fatalf("TakeTokens: %d, want the 24 KiB left and 8 KiB refilled", got)
+	}
+	if n, w := l.Grant(1 << 20); n != 0 || w == 0 {
+		t.Errorf("after TakeTokens: granted %d (wait %v), want an empty bucket", n, w)
+	}
+	l.PutTokens(32 << 10)
+	if n, _ := l.Grant(1 << 20); n != 32<<10 {
+		t.Errorf("after PutTokens: granted %d, want 32 KiB", n)
+	}
+	moved := NewRateLimiterHolding(1<<20, 64<<10, 20<<10)
+	moved.now, moved.last = func() time.Time { return now }, now
+	if n, _ := moved.Grant(1 << 20); n != 20<<10 {
+		t.Errorf("a bucket made holding 20 KiB granted %d", n)
+	}
+	if full := NewRateLimiterHolding(1<<20, 64<<10, 1<<30); full.tokens != 64<<10 {
+		t.Errorf("a bucket made holding more than its burst holds %v", full.tokens)
+	}
+}
+
 // A capped direction moves its bytes exact at the cap (never faster than
 // rate × time + burst), the other direction unhindered; two tunnels that
 // share one Limiter share its rate; the wait is reported as Throttled.

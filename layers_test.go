@@ -22,6 +22,7 @@ var layers = []layer{
 	{"internal/loopback", false, nil},
 	{"internal/cphttp", false, nil},
 	{"internal/fdpass", false, nil},
+	{"internal/handoff", false, []string{"internal/fdpass"}},
 	{"ktls", false, []string{"internal/loopback"}},
 	{"splice", false, []string{"internal/sockerr"}},
 	{"preamble", false, nil},

@@ -1,0 +1,204 @@
+// Package handoff moves live objects (a tunnel's sockets and state, a
+// listening socket, a process's tables) from a running process to the one
+// that replaces it, one at a time, so that each is in exactly one process
+// whatever fails: either process dying, the socket breaking, or the new
+// process refusing an object.
+//
+// The old process accepts one connection on a Unix socket (Listen,
+// Accept: a Sender); the new one dials it (Dial: a Receiver). Both say
+// hello first (protocol version, build), and each may refuse the other.
+// Then, per object:
+//
+//	sender                           receiver
+//	ITEM (state, descriptors)  --->  builds the object, does not start it
+//	                           <---  ADOPTED (or REFUSED: the sender keeps it)
+//	RELEASED                   --->  starts it
+//
+// The sender stops using its copy only once RELEASED was sent; the
+// receiver starts its copy only once RELEASED arrived. A sender that waited
+// Timeout for the answer, or failed to send RELEASED, keeps the object: it
+// sends KEEP (when it still can) and ends the session, and a receiver that
+// adopted the object meanwhile reads KEEP and closes its copy. A receiver
+// that adopted an object and sees the session end with neither RELEASED
+// nor KEEP learns from the sender's pidfd whether the sender died: then it
+// starts the object (no other copy is in use); else it closes its copy
+// (fail closed: never two copies in use). The receiver dying after ADOPTED
+// is a process with objects that dies: the object ends with it, as any
+// object of a process that dies.
+//
+// The package moves bytes and descriptors (package fdpass); what an object
+// is, is the caller's.
+package handoff
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/fdpass"
+)
+
+// Protocol is the handoff protocol version this package speaks.
+const Protocol = 1
+
+// Message kinds (fdpass kinds).
+const (
+	kindHello    uint16 = 1
+	kindItem     uint16 = 2 // u16 object kind, u64 id, state (its tail, after MORE)
+	kindMore     uint16 = 3 // a part of the next ITEM's state
+	kindAdopted  uint16 = 4 // u64 id
+	kindRefused  uint16 = 5 // u64 id, reason
+	kindReleased uint16 = 6 // u64 id
+	kindKeep     uint16 = 7 // u64 id, reason
+	kindDone     uint16 = 8 // the sender has no more objects
+	kindAccepted uint16 = 9 // the peer's hello is accepted
+)
+
+// chunk is the most state one message carries: a SOCK_SEQPACKET message
+// must fit the socket's send buffer (net.core.wmem_default, 208 KiB on
+// most systems), so larger states go in parts.
+const chunk = 32 << 10
+
+// MaxState bounds one object's state as a Receiver reads it.
+const MaxState = 64 << 20
+
+// Hello is what each side says of itself first.
+type Hello struct {
+	Protocol int    `json:"protocol"`
+	Build    string `json:"build"` // the binary's version, for Compatible and the logs
+	PID      int    `json:"pid"`
+}
+
+// Config configures either side.
+type Config struct {
+	// Build names this binary (its module version); the peer's
+	// Compatible sees it.
+	Build string
+	// Compatible, when set, refuses a peer whose Hello it returns an
+	// error for; the peer is told why.
+	Compatible func(peer Hello) error
+	// Timeout bounds each wait for the peer: its hello, and a sender's
+	// wait for an object's answer. Zero means DefaultTimeout.
+	Timeout time.Duration
+}
+
+// DefaultTimeout is Config.Timeout's default.
+const DefaultTimeout = 5 * time.Second
+
+func (c Config) timeout() time.Duration {
+	if c.Timeout > 0 {
+		return c.Timeout
+	}
+	return DefaultTimeout
+}
+
+// Errors.
+var (
+	// ErrKept: the sender keeps the object (KEEP, or it ended the session
+	// while alive): the receiver's copy must be closed, never started.
+	ErrKept = errors.New("handoff: the sending process keeps the object")
+	// ErrBroken: an earlier failure ended the session.
+	ErrBroken = errors.New("handoff: the session has ended")
+)
+
+// RefusedError is an object, or a hello, the peer refused.
+type RefusedError struct{ Reason string }
+
+func (e *RefusedError) Error() string { return "handoff: refused by the peer: " + e.Reason }
+
+// hello sends ours and reads the peer's, then each side's verdict on the
+// other: both know the session is on before either uses it.
+func hello(c *net.UnixConn, cfg Config) (Hello, error) {
+	mine, _ := json.Marshal(Hello{Protocol: Protocol, Build: cfg.Build, PID: os.Getpid()})
+	if err := fdpass.Send(c, kindHello, mine); err != nil {
+		return Hello{}, err
+	}
+	c.SetReadDeadline(time.Now().Add(cfg.timeout()))
+	defer c.SetReadDeadline(time.Time{})
+	m, err := receiveBare(c)
+	if err != nil {
+		return Hello{}, fmt.Errorf("handoff: the peer's hello: %w", err)
+	}
+	var peer Hello
+	if m.Kind != kindHello || json.Unmarshal(m.Payload, &peer) != nil {
+		return Hello{}, fmt.Errorf("handoff: the peer's first message is no hello (kind %d)", m.Kind)
+	}
+	var why error
+	if peer.Protocol != Protocol {
+		why = fmt.Errorf("handoff protocol %d, this process speaks %d (builds %q and %q)", peer.Protocol, Protocol, peer.Build, cfg.Build)
+	} else if cfg.Compatible != nil {
+		why = cfg.Compatible(peer)
+	}
+	if why != nil {
+		fdpass.Send(c, kindRefused, idPayload(0, why.Error()))
+		return peer, fmt.Errorf("handoff: refused the peer (pid %d, build %q): %w", peer.PID, peer.Build, why)
+	}
+	// A peer that refused this one has sent why and closed: the send
+	// fails, and the refusal waits to be read.
+	serr := fdpass.Send(c, kindAccepted, nil)
+	if m, err = receiveBare(c); err != nil {
+		return peer, fmt.Errorf("handoff: the peer's verdict: %w", errors.Join(err, serr))
+	}
+	switch m.Kind {
+	case kindAccepted:
+		return peer, nil
+	case kindRefused:
+		_, reason, _ := payloadID(m.Payload)
+		return peer, &RefusedError{Reason: reason}
+	}
+	return peer, fmt.Errorf("handoff: the peer's verdict is a message of kind %d", m.Kind)
+}
+
+// receiveBare receives a message that carries no descriptors (any that
+// came are closed).
+func receiveBare(c *net.UnixConn) (*fdpass.Message, error) {
+	m, err := fdpass.Receive(c, fdpass.Limits{})
+	if err == nil {
+		m.Close()
+	}
+	return m, err
+}
+
+func idPayload(id uint64, tail string) []byte {
+	return append(binary.BigEndian.AppendUint64(nil, id), tail...)
+}
+
+func payloadID(p []byte) (uint64, string, bool) {
+	if len(p) < 8 {
+		return 0, "", false
+	}
+	return binary.BigEndian.Uint64(p), string(p[8:]), true
+}
+
+// Listen makes the Unix socket a Sender accepts on at path, reachable by
+// this process's user only (mode 0600; an old file at path is replaced).
+func Listen(path string) (*net.UnixListener, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("handoff: %w", err)
+	}
+	old := unix.Umask(0o177)
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	unix.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("handoff: %w", err)
+	}
+	return ln, nil
+}
+
+// checkPeer refuses a peer of another user (root excepted).
+func checkPeer(c *net.UnixConn) (*unix.Ucred, error) {
+	cred, err := fdpass.PeerCredentials(c)
+	if err != nil {
+		return nil, err
+	}
+	if me := os.Getuid(); int(cred.Uid) != me && cred.Uid != 0 {
+		return nil, fmt.Errorf("handoff: the peer (pid %d) runs as uid %d, this process as %d", cred.Pid, cred.Uid, me)
+	}
+	return cred, nil
+}

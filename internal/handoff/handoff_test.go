@@ -1,0 +1,333 @@
+package handoff
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/fdpass"
+)
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// checkFDs fails t if it ends with more descriptors open than it began.
+func checkFDs(t *testing.T) {
+	before := openFDs(t)
+	t.Cleanup(func() {
+		// Sockets close asynchronously in the poller; give them a moment.
+		for range 100 {
+			if openFDs(t) <= before {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		t.Errorf("%d descriptors open at the end, %d at the start", openFDs(t), before)
+	})
+}
+
+// session returns a connected sender and receiver with cfgs.
+func session(t *testing.T, send, recv Config) (*Sender, *Receiver) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "handoff.sock")
+	ln, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("socket mode %v (%v), want 0600", fi.Mode().Perm(), err)
+	}
+	type accepted struct {
+		s   *Sender
+		err error
+	}
+	ch := make(chan accepted, 1)
+	go func() {
+		s, err := Accept(ln, send)
+		ch <- accepted{s, err}
+	}()
+	r, err := Dial(path, recv)
+	a := <-ch
+	if err != nil || a.err != nil {
+		t.Fatalf("dial: %v; accept: %v", err, a.err)
+	}
+	t.Cleanup(func() { a.s.Close(); r.Close() })
+	return a.s, r
+}
+
+// pipeObject is a test object: the write end of a pipe travels, the test
+// reads what arrives at the read end.
+func pipeObject(t *testing.T) (read, write *os.File) {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close(); w.Close() })
+	return r, w
+}
+
+// Objects move one after another, a state far above one message's size
+// exact, their descriptors usable on the receiving side; the session
+// ends with ErrDone and leaves no descriptor open.
+func TestMoveObjects(t *testing.T) {
+	checkFDs(t)
+	s, r := session(t, Config{Build: "old"}, Config{Build: "new"})
+	if s.Peer().Build != "new" || r.Peer().Build != "old" || r.Peer().PID != os.Getpid() {
+		t.Fatalf("hellos: sender saw %+v, receiver %+v", s.Peer(), r.Peer())
+	}
+	big := make([]byte, 5*chunk+123)
+	rand.Read(big)
+	states := [][]byte{[]byte("small"), big, nil}
+	done := make(chan error, 1)
+	go func() {
+		for i := range states {
+			it, err := r.Next()
+			if err != nil {
+				done <- err
+				return
+			}
+			if it.Kind != uint16(10+i) || !bytes.Equal(it.State, states[i]) || len(it.Files) != 1 {
+				done <- fmt.Errorf("object %d: kind %d, %d state bytes, %d files", i, it.Kind, len(it.State), len(it.Files))
+				return
+			}
+			if err := it.Adopt(); err != nil {
+				done <- err
+				return
+			}
+			fmt.Fprintf(it.Files[0], "from the receiver %d", i)
+			it.Files[0].Close()
+		}
+		_, err := r.Next()
+		done <- err
+	}()
+	for i, st := range states {
+		rd, wr := pipeObject(t)
+		fate, err := s.Move(uint16(10+i), st, wr)
+		if fate != Moved || err != nil {
+			t.Fatalf("object %d: %v, %v", i, fate, err)
+		}
+		wr.Close() // moved: the sender's copy goes
+		got, _ := io.ReadAll(rd)
+		if want := fmt.Sprintf("from the receiver %d", i); string(got) != want {
+			t.Fatalf("object %d: read %q through the moved descriptor, want %q", i, got, want)
+		}
+	}
+	s.Close()
+	if err := <-done; !errors.Is(err, ErrDone) {
+		t.Fatalf("receiver: %v, want ErrDone", err)
+	}
+}
+
+// A refused object stays the sender's, and the session goes on.
+func TestMoveRefused(t *testing.T) {
+	checkFDs(t)
+	s, r := session(t, Config{}, Config{})
+	done := make(chan struct{})
+	defer func() { <-done }()
+	go func() {
+		defer close(done)
+		it, _ := r.Next()
+		it.Refuse("kind 7 unknown to this build")
+		it, _ = r.Next()
+		it.Adopt()
+		it.Files[0].Close()
+	}()
+	_, wr := pipeObject(t)
+	fate, err := s.Move(7, nil, wr)
+	var re *RefusedError
+	if fate != Kept || !errors.As(err, &re) || re.Reason != "kind 7 unknown to this build" {
+		t.Fatalf("refused object: %v, %v", fate, err)
+	}
+	if fate, err := s.Move(8, nil, wr); fate != Moved || err != nil {
+		t.Fatalf("the next object: %v, %v", fate, err)
+	}
+}
+
+// A sender whose wait for the answer runs out keeps the object; the
+// receiver that adopts it afterwards learns so, and must not start it.
+func TestSenderKeepsAfterTimeout(t *testing.T) {
+	checkFDs(t)
+	s, r := session(t, Config{Timeout: 100 * time.Millisecond}, Config{})
+	items := make(chan *Item, 1)
+	go func() {
+		it, err := r.Next()
+		if err != nil {
+			t.Error(err)
+		}
+		items <- it
+	}()
+	_, wr := pipeObject(t)
+	fate, err := s.Move(1, []byte("x"), wr)
+	if fate != Kept || err == nil {
+		t.Fatalf("no answer within the timeout: %v, %v; want kept", fate, err)
+	}
+	it := <-items
+	defer it.Files[0].Close()
+	if err := it.Adopt(); !errors.Is(err, ErrKept) {
+		t.Fatalf("adopting after the sender kept it: %v, want ErrKept", err)
+	}
+	if fate, err := s.Move(2, nil, wr); fate != Kept || !errors.Is(err, ErrBroken) {
+		t.Fatalf("a Move after the session broke: %v, %v", fate, err)
+	}
+}
+
+// A receiver that goes away before answering leaves the object with the
+// sender.
+func TestReceiverGoneBeforeAnswer(t *testing.T) {
+	checkFDs(t)
+	s, r := session(t, Config{}, Config{})
+	done := make(chan struct{})
+	defer func() { <-done }()
+	go func() {
+		defer close(done)
+		it, _ := r.Next()
+		it.Files[0].Close()
+		r.c.Close() // as a process that exits
+	}()
+	_, wr := pipeObject(t)
+	if fate, err := s.Move(1, nil, wr); fate != Kept || err == nil {
+		t.Fatalf("receiver gone: %v, %v; want kept", fate, err)
+	}
+}
+
+// Either side refuses a peer its Compatible rejects, and says why.
+func TestIncompatiblePeer(t *testing.T) {
+	checkFDs(t)
+	path := filepath.Join(t.TempDir(), "handoff.sock")
+	ln, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	errc := make(chan error, 1)
+	go func() {
+		_, err := Accept(ln, Config{Build: "v1.2.0", Compatible: func(p Hello) error {
+			return fmt.Errorf("build %s cannot take tunnels from %s", p.Build, "v1.2.0")
+		}})
+		errc <- err
+	}()
+	_, err = Dial(path, Config{Build: "v2.0.0"})
+	var re *RefusedError
+	if !errors.As(err, &re) || re.Reason != "build v2.0.0 cannot take tunnels from v1.2.0" {
+		t.Fatalf("dial to a sender that refuses this build: %v", err)
+	}
+	if err := <-errc; err == nil {
+		t.Fatal("the sender accepted a peer it refused")
+	}
+}
+
+// The sender's side of the fault tests, in a process of its own: it
+// offers one object and then, as HANDOFF_CHILD says, dies without
+// releasing it, or closes the session without a word and lives on.
+func TestMain(m *testing.M) {
+	if mode := os.Getenv("HANDOFF_CHILD"); mode != "" {
+		os.Exit(child(mode, os.Getenv("HANDOFF_PATH")))
+	}
+	os.Exit(m.Run())
+}
+
+func child(mode, path string) int {
+	ln, err := Listen(path)
+	if err != nil {
+		return 2
+	}
+	os.WriteFile(path+".ready", nil, 0o600)
+	s, err := Accept(ln, Config{})
+	if err != nil {
+		return 2
+	}
+	_, wr, _ := os.Pipe()
+	item := []byte{0, 1, 0, 0, 0, 0, 0, 0, 0, 1}
+	if fdpass.Send(s.c, kindItem, item, wr) != nil {
+		return 2
+	}
+	if m, err := fdpass.Receive(s.c, fdpass.Limits{}); err != nil || m.Kind != kindAdopted {
+		return 2
+	}
+	if mode == "die" {
+		os.Exit(3) // ADOPTED read, RELEASED never sent
+	}
+	s.c.Close() // "close": ends the session without RELEASED or KEEP, and lives
+	time.Sleep(time.Minute)
+	return 0
+}
+
+// startChild runs child(mode) and returns its socket's path.
+func startChild(t *testing.T, mode string) (string, *exec.Cmd) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "handoff.sock")
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "HANDOFF_CHILD="+mode, "HANDOFF_PATH="+path)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if _, err := os.Stat(path + ".ready"); err == nil {
+			return path, cmd
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the sender process did not listen")
+		}
+	}
+}
+
+// The sender dies after the receiver adopted an object and before it was
+// released: its copy died with it, so the receiver starts the object.
+func TestSenderDiedAfterAdopted(t *testing.T) {
+	path, cmd := startChild(t, "die")
+	r, err := Dial(path, Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	it, err := r.Next()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer it.Files[0].Close()
+	if err := it.Adopt(); err != nil {
+		t.Fatalf("the sender died before releasing: %v, want nil (start it)", err)
+	}
+	if err := cmd.Wait(); cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 3 {
+		t.Fatalf("the sender exited %v (%v), want 3: it did not die where the test says", cmd.ProcessState, err)
+	}
+}
+
+// A sender that ends the session without a verdict and lives may still
+// use the object: the receiver closes its copy (never two in use).
+func TestSenderAliveClosedWithoutVerdict(t *testing.T) {
+	path, cmd := startChild(t, "close")
+	r, err := Dial(path, Config{Timeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	it, err := r.Next()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer it.Files[0].Close()
+	if err := it.Adopt(); !errors.Is(err, ErrKept) {
+		t.Fatalf("a live sender ended the session before releasing: %v, want ErrKept", err)
+	}
+	if cmd.ProcessState != nil {
+		t.Fatal("the sender had exited: the test proves nothing")
+	}
+}

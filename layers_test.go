@@ -56,10 +56,9 @@ var layers = []layer{
 	{"cmd/caddy", true, []string{""}},
 
 	// Tools and examples beside the product.
-	{"integration/internal/loadjson", false, nil}, // the load run's JSON, which bench writes and benchreport renders
-	{"integration/internal/ttfbjson", false, nil}, // the time-to-first-byte run's JSON, which bench writes and benchreport renders
-	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest", "integration/internal/loadjson", "integration/internal/ttfbjson"}},
-	{"integration/benchreport", false, []string{"integration/internal/loadjson", "integration/internal/ttfbjson"}},
+	{"integration/internal/benchjson", false, nil}, // the load and time-to-first-byte runs' JSON, which bench writes and benchreport renders
+	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest", "integration/internal/benchjson"}},
+	{"integration/benchreport", false, []string{"integration/internal/benchjson"}},
 	{"deploy", false, nil},
 	{"examples/demo-upstream", false, nil},
 }

@@ -2,26 +2,22 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"log"
 	"net"
 	"net/http"
-	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"net/netip"
 
-	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
@@ -35,7 +31,7 @@ var loadShapes = []string{"reuse", "per-call"}
 
 func runLoad(args []string) error {
 	fs := flag.NewFlagSet("load", flag.ExitOnError)
-	p := loadjson.Params{PeersMTLS: true}
+	p := benchjson.LoadParams{PeersMTLS: true}
 	only := fs.String("contenders", strings.Join(loadContenders, ","), "contenders to drive")
 	shapeList := fs.String("shapes", strings.Join(loadShapes, ","), "shapes: reuse (calls on a fixed set of long-lived tunnels) and per-call (a resumed connection per call)")
 	fs.IntVar(&p.Tunnels, "tunnels", 10000, "reuse: tunnels; per-call: connections in flight at most (either: the generator's slots)")
@@ -103,12 +99,8 @@ func runLoad(args []string) error {
 	go serveLoad(lu)
 	targets := loadTargets(p.Targets, uint16(lu.Addr().(*net.TCPAddr).Port))
 
-	var uts syscall.Utsname
-	syscall.Uname(&uts)
-	rep := &loadjson.Report{Schema: loadjson.Schema, Kind: loadjson.Kind, Mode: *mode, Label: *label, Kernel: utsString(uts.Release[:]),
-		Date: time.Now().UTC().Format(time.RFC3339), Commit: *commit,
-		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Release[:]), utsString(uts.Machine[:])}, " "),
-		Go:   runtime.Version(), CPUs: runtime.NumCPU(), Params: p, Notes: loadNotes(p), OK: true}
+	rep := &benchjson.LoadReport{Header: newHeader(benchjson.LoadKind, benchjson.LoadSchema, *mode, *label, *commit),
+		Params: p, Notes: loadNotes(p), OK: true}
 	kernelTLS := kerneltest.Available()
 	for _, name := range strings.Split(*only, ",") {
 		c, ok := findContender(name)
@@ -118,7 +110,7 @@ func runLoad(args []string) error {
 		if (c.kernelTX || c.kernelRX) && kernelTLS != nil {
 			reason := fmt.Sprintf("this kernel has no kTLS (%v)", kernelTLS)
 			log.Printf("REFUSED %s: %s", name, reason)
-			rep.Skipped = append(rep.Skipped, loadjson.Skipped{Contender: name, Reason: reason})
+			rep.Skipped = append(rep.Skipped, benchjson.Skipped{Contender: name, Reason: reason})
 			continue
 		}
 		env := &runEnv{dir: h.dir, caddy: h.caddy, self: h.self, listen: freeAddr(), up: h.up, pki: h.pki, peersMTLS: p.PeersMTLS,
@@ -135,18 +127,7 @@ func runLoad(args []string) error {
 			}
 		}
 	}
-	data, err := json.MarshalIndent(rep, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(*out, append(data, '\n'), 0o644); err != nil {
-		return err
-	}
-	if !rep.OK {
-		return errors.New("FAIL: see the errors in " + *out)
-	}
-	log.Printf("bench load: OK, %d results in %s", len(rep.Results), *out)
-	return nil
+	return writeReport(*out, rep, rep.OK, "bench load", len(rep.Results), "see the errors in "+*out)
 }
 
 // serveLoad serves the header protocol on the targets' listener; its
@@ -192,7 +173,7 @@ func pinned(cmd *exec.Cmd, cpus string) *exec.Cmd {
 }
 
 // loadContender starts c and drives every shape through it.
-func loadContender(c contender, env *runEnv, p loadjson.Params, targets []netip.AddrPort, timeout time.Duration, strict bool) ([]*loadjson.Result, error) {
+func loadContender(c contender, env *runEnv, p benchjson.LoadParams, targets []netip.AddrPort, timeout time.Duration, strict bool) ([]*benchjson.LoadResult, error) {
 	hops, err := c.hops(env)
 	if err != nil {
 		return nil, err
@@ -210,9 +191,9 @@ func loadContender(c contender, env *runEnv, p loadjson.Params, targets []netip.
 		return nil, fmt.Errorf("%w; log:\n%s", err, tail(proc.log))
 	}
 	log.Printf("== load %s (pid %d)", c.name, proc.cmd.Process.Pid)
-	var results []*loadjson.Result
+	var results []*benchjson.LoadResult
 	for _, shape := range p.Shapes {
-		r := &loadjson.Result{Contender: c.name, Shape: shape}
+		r := &benchjson.LoadResult{Contender: c.name, Shape: shape}
 		results = append(results, r)
 		stat0, statErr := kerneltest.ReadStat()
 		g := c.gateway(env, shape == "per-call")
@@ -270,12 +251,12 @@ func loadContender(c contender, env *runEnv, p loadjson.Params, targets []netip.
 
 // runLoadShape runs the unloaded step, then the fixed rates or the capacity
 // search and the sweep, then the fairness steps.
-func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p loadjson.Params, r *loadjson.Result) {
+func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p benchjson.LoadParams, r *benchjson.LoadResult) {
 	seed := p.Seed
 	// before, when not nil, runs once the contender is idle, just before
 	// the step (the fairness step's bulk tunnels start there).
 	var before func()
-	step := func(rate, secs float64) loadjson.Step {
+	step := func(rate, secs float64) benchjson.Step {
 		seed++
 		settled := gen.settle(ctx, time.Minute)
 		if before != nil {
@@ -304,7 +285,7 @@ func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p
 			return
 		}
 		bound := p.P99Factor * u.P99us
-		ok := func(s loadjson.Step) bool { return s.ErrorCount() == 0 && s.Saturated == 0 && s.P99us <= bound }
+		ok := func(s benchjson.Step) bool { return s.ErrorCount() == 0 && s.Saturated == 0 && s.P99us <= bound }
 		good, bad := p.UnloadedRate, 0.0
 		for rate := 2 * p.UnloadedRate; rate <= p.MaxRate; rate *= 2 {
 			s := step(rate, p.StepSeconds)
@@ -373,8 +354,8 @@ func runLoadShape(ctx context.Context, gen *loadGen, c contender, env *runEnv, p
 // stepErrors are a result's failures: a wrong byte in any step (never
 // a success, whatever the load), and with strict any failed call,
 // saturated arrival or bulk error.
-func stepErrors(r *loadjson.Result, strict bool) []string {
-	steps := append(append([]loadjson.Step{}, r.Search...), r.Steps...)
+func stepErrors(r *benchjson.LoadResult, strict bool) []string {
+	steps := append(append([]benchjson.Step{}, r.Search...), r.Steps...)
 	if r.Unloaded != nil {
 		steps = append(steps, *r.Unloaded)
 	}
@@ -384,8 +365,8 @@ func stepErrors(r *loadjson.Result, strict bool) []string {
 	var errs []string
 	for _, s := range steps {
 		switch {
-		case s.Errors[loadjson.ClassCorrupt] > 0:
-			errs = append(errs, fmt.Sprintf("%.0f/s: %d calls answered wrong bytes", s.Rate, s.Errors[loadjson.ClassCorrupt]))
+		case s.Errors[benchjson.ClassCorrupt] > 0:
+			errs = append(errs, fmt.Sprintf("%.0f/s: %d calls answered wrong bytes", s.Rate, s.Errors[benchjson.ClassCorrupt]))
 		case strict && (s.ErrorCount() > 0 || s.Saturated > 0 || s.BulkErrors > 0):
 			errs = append(errs, fmt.Sprintf("%.0f/s (strict): errors %v, %d generator-saturated, %d bulk errors; first: %s", s.Rate, s.Causes, s.Saturated, s.BulkErrors, s.FirstError))
 		}
@@ -422,7 +403,7 @@ func bulkLoop(ctx context.Context, g *gateway, download bool, n int64) bulkTally
 }
 
 // loadNotes describe the method, recorded in the JSON and rendered.
-func loadNotes(p loadjson.Params) []string {
+func loadNotes(p benchjson.LoadParams) []string {
 	return []string{
 		"open loop: calls arrive as a Poisson process at the offered rate (seeded, so a seed gives the same schedule); each call's latency runs from its scheduled arrival to its verified response, so time a call spent waiting behind a slow contender or a late generator counts (no coordinated omission).",
 		"slots: reuse runs its calls on a fixed set of tunnels opened (with one uncounted call each) before any step, one call at a time per tunnel; per-call opens a connection per call whose TLS session resumes (the gateway's session cache is filled by one uncounted call first), with at most params.tunnels connections in flight. An arrival that finds no free slot is generator_saturated: not started, not the contender's error.",

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
-	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 )
 
 // Every value falls in the bucket whose bounds hold it: the buckets are
@@ -220,12 +220,12 @@ func TestLoadErrorClasses(t *testing.T) {
 		serve              func(net.Conn)
 		reuse              bool
 	}{
-		{"access_denied before the handshake, per-call", loadjson.ClassRefused, "overloaded", g.tlsDialer, deniedBeforeHandshake, false},
-		{"access_denied before the handshake, reuse", loadjson.ClassRefused, "overloaded", g.tlsDialer, deniedBeforeHandshake, true},
-		{"closed before the handshake", loadjson.ClassRefused, "closed before the handshake", g.tlsDialer, readClientHello, false},
-		{"reset", loadjson.ClassReset, "reset in first-read", plainDialer, reset, true},
-		{"generator deadline", loadjson.ClassTimeout, "generator deadline", plainDialer, func(net.Conn) { <-hang }, true},
-		{"wrong byte", loadjson.ClassCorrupt, "wrong bytes", plainDialer, corrupting, true},
+		{"access_denied before the handshake, per-call", benchjson.ClassRefused, "overloaded", g.tlsDialer, deniedBeforeHandshake, false},
+		{"access_denied before the handshake, reuse", benchjson.ClassRefused, "overloaded", g.tlsDialer, deniedBeforeHandshake, true},
+		{"closed before the handshake", benchjson.ClassRefused, "closed before the handshake", g.tlsDialer, readClientHello, false},
+		{"reset", benchjson.ClassReset, "reset in first-read", plainDialer, reset, true},
+		{"generator deadline", benchjson.ClassTimeout, "generator deadline", plainDialer, func(net.Conn) { <-hang }, true},
+		{"wrong byte", benchjson.ClassCorrupt, "wrong bytes", plainDialer, corrupting, true},
 	} {
 		addr := serveOn(t, c.serve)
 		gen := newLoadGen(c.reuse, 1, []func(context.Context) (net.Conn, error){c.dial(addr)}, "", nil, "", 16, 64, 500*time.Millisecond)
@@ -279,7 +279,7 @@ func TestLoadStepAccounting(t *testing.T) {
 	gen := newLoadGen(true, 4, []func(context.Context) (net.Conn, error){plainDialer(addr)}, "", nil, "", 16, 64, 5*time.Second)
 	s := gen.step(t.Context(), 400, 200*time.Millisecond, 2)
 	gen.close()
-	if s.Errors[loadjson.ClassCorrupt] == 0 || s.Completed+s.Saturated+s.ErrorCount() != s.Offered || s.Errors[loadjson.ClassCorrupt] != s.ErrorCount() {
+	if s.Errors[benchjson.ClassCorrupt] == 0 || s.Completed+s.Saturated+s.ErrorCount() != s.Offered || s.Errors[benchjson.ClassCorrupt] != s.ErrorCount() {
 		t.Errorf("corrupting upstream: offered %d, completed %d, saturated %d, errors %v", s.Offered, s.Completed, s.Saturated, s.Causes)
 	}
 }
@@ -296,7 +296,7 @@ func TestLoadGeneratorBounded(t *testing.T) {
 		gen := newLoadGen(reuse, 2, []func(context.Context) (net.Conn, error){plainDialer(addr)}, "", nil, "", 16, 64, 3*time.Second)
 		s := gen.step(t.Context(), 500, 200*time.Millisecond, 3)
 		gen.close()
-		if s.Offered < 10 || s.Saturated != s.Offered-2 || s.Errors[loadjson.ClassTimeout] != 2 || s.Completed != 0 {
+		if s.Offered < 10 || s.Saturated != s.Offered-2 || s.Errors[benchjson.ClassTimeout] != 2 || s.Completed != 0 {
 			t.Errorf("reuse %v: offered %d, saturated %d, errors %v, completed %d; want all but 2 saturated, 2 timeouts", reuse, s.Offered, s.Saturated, s.Causes, s.Completed)
 		}
 	}
@@ -313,13 +313,13 @@ func TestClassifyContenderErrors(t *testing.T) {
 		err          error
 		class, cause string
 	}{
-		{&callError{phaseFirstRead, denied}, loadjson.ClassRefused, "overloaded"},
-		{&callError{phaseCall, denied}, loadjson.ClassOther, "alert in call: tls: access denied"},
-		{&callError{phaseConnect, &net.OpError{Op: "remote error", Err: errors.New("tls: bad certificate")}}, loadjson.ClassRefused, "tls: bad certificate"},
-		{&callError{phaseCall, httpStatusError{502}}, loadjson.ClassTarget, "HTTP 502"},
-		{&callError{phaseCall, httpStatusError{503}}, loadjson.ClassRefused, "HTTP 503"},
-		{&callError{phaseCall, io.ErrUnexpectedEOF}, loadjson.ClassOther, "closed in call"},
-		{&callError{phaseCall, errWrongBytes}, loadjson.ClassCorrupt, "wrong bytes"},
+		{&callError{phaseFirstRead, denied}, benchjson.ClassRefused, "overloaded"},
+		{&callError{phaseCall, denied}, benchjson.ClassOther, "alert in call: tls: access denied"},
+		{&callError{phaseConnect, &net.OpError{Op: "remote error", Err: errors.New("tls: bad certificate")}}, benchjson.ClassRefused, "tls: bad certificate"},
+		{&callError{phaseCall, httpStatusError{502}}, benchjson.ClassTarget, "HTTP 502"},
+		{&callError{phaseCall, httpStatusError{503}}, benchjson.ClassRefused, "HTTP 503"},
+		{&callError{phaseCall, io.ErrUnexpectedEOF}, benchjson.ClassOther, "closed in call"},
+		{&callError{phaseCall, errWrongBytes}, benchjson.ClassCorrupt, "wrong bytes"},
 	} {
 		if class, cause := classify(c.err); class != c.class || cause != c.cause {
 			t.Errorf("%v: classified %s (%s), want %s (%s)", c.err, class, cause, c.class, c.cause)

@@ -9,7 +9,7 @@ import (
 	"os"
 	"syscall"
 
-	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 )
 
 // Phases of a load call, in order: where an error happened decides
@@ -51,43 +51,43 @@ func classify(err error) (class, cause string) {
 	var st httpStatusError
 	switch {
 	case errors.Is(err, errWrongBytes):
-		return loadjson.ClassCorrupt, "wrong bytes"
+		return benchjson.ClassCorrupt, "wrong bytes"
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded):
-		return loadjson.ClassTimeout, "generator deadline"
+		return benchjson.ClassTimeout, "generator deadline"
 	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
-		return loadjson.ClassReset, "reset in " + phase
+		return benchjson.ClassReset, "reset in " + phase
 	case errors.Is(err, syscall.ECONNREFUSED):
-		return loadjson.ClassRefused, "connection refused"
+		return benchjson.ClassRefused, "connection refused"
 	case errors.As(err, &op) && op.Op == "remote error":
 		// A TLS alert from the peer: access_denied is the forwarder's
 		// overload refusal, before the handshake (max_handshakes) or on
 		// the first read after the preamble (max_pending_dials).
 		alert := op.Err.Error()
 		if alert == "tls: access denied" && (phase == phaseConnect || phase == phasePreamble || phase == phaseFirstRead) {
-			return loadjson.ClassRefused, "overloaded"
+			return benchjson.ClassRefused, "overloaded"
 		}
 		if phase == phaseConnect {
-			return loadjson.ClassRefused, alert
+			return benchjson.ClassRefused, alert
 		}
-		return loadjson.ClassOther, "alert in " + phase + ": " + alert
+		return benchjson.ClassOther, "alert in " + phase + ": " + alert
 	case errors.As(err, &st):
 		switch st.code {
 		case 502:
-			return loadjson.ClassTarget, "HTTP 502"
+			return benchjson.ClassTarget, "HTTP 502"
 		case 503:
-			return loadjson.ClassRefused, "HTTP 503"
+			return benchjson.ClassRefused, "HTTP 503"
 		case 504:
-			return loadjson.ClassOther, "HTTP 504 (proxy timeout)"
+			return benchjson.ClassOther, "HTTP 504 (proxy timeout)"
 		}
-		return loadjson.ClassOther, st.Error()
+		return benchjson.ClassOther, st.Error()
 	case phase == phaseConnect && (errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)):
-		return loadjson.ClassRefused, "closed before the handshake"
+		return benchjson.ClassRefused, "closed before the handshake"
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return loadjson.ClassOther, "closed in " + phase
+		return benchjson.ClassOther, "closed in " + phase
 	}
 	msg := err.Error()
 	if len(msg) > 120 {
 		msg = msg[:120]
 	}
-	return loadjson.ClassOther, msg
+	return benchjson.ClassOther, msg
 }

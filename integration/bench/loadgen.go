@@ -17,7 +17,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 )
 
 // loadGen is the open-loop load generator of one contender and shape: calls
@@ -274,9 +274,9 @@ func (g *loadGen) httpCall(ctx context.Context) (err error) {
 // step offers calls at rate for dur on the schedule of seed, waits for the
 // calls in flight to end (each bounded by the generator's timeout), and
 // returns the step's figures.
-func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, seed uint64) loadjson.Step {
+func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, seed uint64) benchjson.Step {
 	sched := poissonSchedule(rate, dur, seed)
-	s := loadjson.Step{Rate: rate, Seconds: dur.Seconds(), Offered: len(sched), Errors: map[string]int{}, Causes: map[string]int{}}
+	s := benchjson.Step{Rate: rate, Seconds: dur.Seconds(), Offered: len(sched), Errors: map[string]int{}, Causes: map[string]int{}}
 	var (
 		mu       sync.Mutex
 		lat, lag histogram

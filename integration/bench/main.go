@@ -40,6 +40,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
@@ -308,18 +309,36 @@ func runDriver(args []string) error {
 	if stat1, err := kerneltest.ReadStat(); err == nil {
 		rep.TLSStat = stat1.Sub(stat0)
 	}
+	printTable(rep)
+	return writeReport(*out, rep, rep.OK, "bench", len(rep.Results),
+		"a contender did not move the exact bytes or ran on the wrong data path (see errors in "+*out+")")
+}
+
+// newHeader is the header of a run of kind and schema on this machine,
+// now.
+func newHeader(kind string, schema int, mode, label, commit string) benchjson.Header {
+	var uts syscall.Utsname
+	syscall.Uname(&uts)
+	return benchjson.Header{Schema: schema, Kind: kind, Mode: mode, Label: label, Kernel: utsString(uts.Release[:]),
+		Date: time.Now().UTC().Format(time.RFC3339), Commit: commit,
+		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Release[:]), utsString(uts.Machine[:])}, " "),
+		Go:   runtime.Version(), CPUs: runtime.NumCPU()}
+}
+
+// writeReport writes rep as indented JSON to out; a run that was not ok
+// fails with why, one that was logs what it wrote.
+func writeReport(out string, rep any, ok bool, run string, results int, why string) error {
 	data, err := json.MarshalIndent(rep, "", "  ")
 	if err != nil {
 		return err
 	}
-	if err := os.WriteFile(*out, append(data, '\n'), 0o644); err != nil {
+	if err := os.WriteFile(out, append(data, '\n'), 0o644); err != nil {
 		return err
 	}
-	printTable(rep)
-	if !rep.OK {
-		return errors.New("FAIL: a contender did not move the exact bytes or ran on the wrong data path (see errors in " + *out + ")")
+	if !ok {
+		return errors.New("FAIL: " + why)
 	}
-	log.Printf("bench: OK, %d results in %s", len(rep.Results), *out)
+	log.Printf("%s: OK, %d results in %s", run, results, out)
 	return nil
 }
 

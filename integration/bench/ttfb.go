@@ -23,12 +23,11 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/ktlsingress/caddy-ktls/integration/internal/ttfbjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
@@ -66,7 +65,7 @@ var ttfbContenders = []string{"l7-l7", "l7-l4", "l4-l4", ttfbStandby}
 // not on the one measured at that time.
 func runTTFB(args []string) error {
 	fs := flag.NewFlagSet("ttfb", flag.ExitOnError)
-	var p ttfbjson.Params
+	var p benchjson.TTFBParams
 	only := fs.String("contenders", "l7-l7,l4-l4,"+ttfbStandby, "chains to measure, of "+strings.Join(ttfbContenders, ", ")+" ("+ttfbStandby+": l4-l4 whose gateway keeps -standby standby connections)")
 	rtts := fs.String("rtts", "1ms,20ms,100ms", "round-trip times between gateway and forwarder (Go durations, comma-separated): netem holds each packet of that path half of one, each way (issue 34 asks for 1 and 20 ms; 100 ms makes the round trips across the path stand out of the CPU time's spread under TCG)")
 	fs.IntVar(&p.Conns, "conns", 40, "measured connections per contender and RTT, one after the other, to the chains in turn")
@@ -126,12 +125,8 @@ func runTTFB(args []string) error {
 	}
 	defer probes.close()
 
-	var uts syscall.Utsname
-	syscall.Uname(&uts)
-	rep := &ttfbjson.Report{Schema: ttfbjson.Schema, Kind: ttfbjson.Kind, Mode: *mode, Label: *label, Kernel: utsString(uts.Release[:]),
-		Date: time.Now().UTC().Format(time.RFC3339), Commit: *commit,
-		Host: strings.Join([]string{utsString(uts.Sysname[:]), utsString(uts.Release[:]), utsString(uts.Machine[:])}, " "),
-		Go:   runtime.Version(), CPUs: runtime.NumCPU(), Params: p, Notes: ttfbNotes(p), OK: true}
+	rep := &benchjson.TTFBReport{Header: newHeader(benchjson.TTFBKind, benchjson.TTFBSchema, *mode, *label, *commit),
+		Params: p, Notes: ttfbNotes(p), OK: true}
 	kernelTLS := kerneltest.Available()
 	var chains []*ttfbChain
 	defer func() {
@@ -144,7 +139,7 @@ func runTTFB(args []string) error {
 		if (c.kernelTX || c.kernelRX) && kernelTLS != nil {
 			reason := fmt.Sprintf("this kernel has no kTLS (%v)", kernelTLS)
 			log.Printf("REFUSED %s: %s", name, reason)
-			rep.Skipped = append(rep.Skipped, ttfbjson.Skipped{Contender: name, Reason: reason})
+			rep.Skipped = append(rep.Skipped, benchjson.Skipped{Contender: name, Reason: reason})
 			rep.OK = false
 			continue
 		}
@@ -155,7 +150,7 @@ func runTTFB(args []string) error {
 		ch, err := startTTFBChain(name, c, env, p)
 		if err != nil {
 			log.Printf("FAIL %s: %v", name, err)
-			rep.Skipped = append(rep.Skipped, ttfbjson.Skipped{Contender: name, Reason: "not started: " + err.Error()})
+			rep.Skipped = append(rep.Skipped, benchjson.Skipped{Contender: name, Reason: "not started: " + err.Error()})
 			rep.OK = false
 			continue
 		}
@@ -179,23 +174,12 @@ func runTTFB(args []string) error {
 			}
 		}
 	}
-	data, err := json.MarshalIndent(rep, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(*out, append(data, '\n'), 0o644); err != nil {
-		return err
-	}
-	if !rep.OK {
-		return errors.New("FAIL: see the errors in " + *out)
-	}
-	log.Printf("bench ttfb: OK, %d results in %s", len(rep.Results), *out)
-	return nil
+	return writeReport(*out, rep, rep.OK, "bench ttfb", len(rep.Results), "see the errors in "+*out)
 }
 
 // ttfbSetup is what every contender of a ttfb run shares.
 type ttfbSetup struct {
-	p                      ttfbjson.Params
+	p                      benchjson.TTFBParams
 	pause, settle, timeout time.Duration
 	probes                 *probes
 }
@@ -467,7 +451,7 @@ type ttfbChain struct {
 }
 
 // startTTFBChain starts c's processes, pinned to p.PinContender.
-func startTTFBChain(name string, c contender, env *runEnv, p ttfbjson.Params) (*ttfbChain, error) {
+func startTTFBChain(name string, c contender, env *runEnv, p benchjson.TTFBParams) (*ttfbChain, error) {
 	hops, err := c.hops(env)
 	if err != nil {
 		return nil, err
@@ -540,13 +524,13 @@ func ttfbOrder(i, chains int) []int {
 // ttfbAtRTT installs the delay for rtt, checks it, and measures the
 // chains' connections: one uncounted connection each, the settle time,
 // then rounds of one connection per chain, in turn (ttfbOrder).
-func ttfbAtRTT(chains []*ttfbChain, rtt time.Duration, s ttfbSetup) (path *ttfbjson.Path, results []*ttfbjson.Result) {
+func ttfbAtRTT(chains []*ttfbChain, rtt time.Duration, s ttfbSetup) (path *benchjson.Path, results []*benchjson.TTFBResult) {
 	p := s.p
-	path = &ttfbjson.Path{RTTMs: durMs(rtt)}
+	path = &benchjson.Path{RTTMs: durMs(rtt)}
 	for _, c := range chains {
-		results = append(results, &ttfbjson.Result{Contender: c.name, RTTMs: durMs(rtt)})
+		results = append(results, &benchjson.TTFBResult{Contender: c.name, RTTMs: durMs(rtt)})
 	}
-	fail := func(format string, args ...any) (*ttfbjson.Path, []*ttfbjson.Result) {
+	fail := func(format string, args ...any) (*benchjson.Path, []*benchjson.TTFBResult) {
 		path.Errors = append(path.Errors, fmt.Sprintf(format, args...))
 		log.Printf("FAIL at %v: %s", rtt, path.Errors[len(path.Errors)-1])
 		return path, results
@@ -847,7 +831,7 @@ func ttfbCall(c contender, g *gateway, req, resp int) (call func(context.Context
 }
 
 // ttfbNotes describe the method, recorded in the JSON and rendered.
-func ttfbNotes(p ttfbjson.Params) []string {
+func ttfbNotes(p benchjson.TTFBParams) []string {
 	return []string{
 		fmt.Sprintf("chains: each contender is two Caddy processes, the gateway (on 127.0.0.1, where the client connects) and the forwarder hop behind it (on %s, an address of its own), as bench run starts them (docs/bench/gateway.md): l7-l7 is reverse_proxy to a dataplane reverse_proxy over mutual TLS, its HTTP/1.1 tunnels pooled; l4-l4 is the ktls handler and sandbox_proxy to this project's ktls+sandbox forwarder, a tunnel per user connection; %s is l4-l4 whose sandbox_proxy has standby %d (connections with mutual TLS done, waiting for a tunnel's preamble). Both reach the bench's upstream on 127.0.0.1.", p.ForwarderAddr, ttfbStandby, p.Standby),
 		fmt.Sprintf("delay: netem on %s's egress holds every IPv4 packet to or from %s half the RTT (a prio qdisc sends those, by two u32 filters, to the band netem is on, and the rest to one without); on loopback a packet passes that qdisc once, so the gateway↔forwarder round trip is the RTT, and the client↔gateway and forwarder↔upstream paths (127.0.0.1 at both ends) are not delayed. After each RTT's connections every established connection on %s must be one of a forwarder's listener's.", p.Device, p.ForwarderAddr, p.ForwarderAddr),

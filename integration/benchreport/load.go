@@ -9,17 +9,17 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 )
 
 // parseLoad reads the JSON of a load run (bench load).
-func parseLoad(data []byte) (*loadjson.Report, error) {
-	var l loadjson.Report
+func parseLoad(data []byte) (*benchjson.LoadReport, error) {
+	var l benchjson.LoadReport
 	if err := json.Unmarshal(data, &l); err != nil {
 		return nil, err
 	}
-	if l.Kind != loadjson.Kind {
-		return nil, fmt.Errorf("kind %q, want %s (a bench load document)", l.Kind, loadjson.Kind)
+	if l.Kind != benchjson.LoadKind {
+		return nil, fmt.Errorf("kind %q, want %s (a bench load document)", l.Kind, benchjson.LoadKind)
 	}
 	if len(l.Results) == 0 {
 		return nil, errors.New("no results")
@@ -40,9 +40,9 @@ func ms(us float64) string {
 
 // errorCell is a step's errors by class ("0" for none), and its saturated
 // arrivals apart.
-func errorCell(s *loadjson.Step) string {
+func errorCell(s *benchjson.Step) string {
 	var parts []string
-	for _, c := range loadjson.Classes {
+	for _, c := range benchjson.Classes {
 		if n := s.Errors[c]; n > 0 {
 			parts = append(parts, fmt.Sprintf("%s %d", c, n))
 		}
@@ -54,7 +54,7 @@ func errorCell(s *loadjson.Step) string {
 }
 
 // renderLoadMarkdown writes docs/bench/load.md from a load run.
-func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
+func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 	var b bytes.Buffer
 	p := &l.Params
 	writeTitle(&b, "Under load: latency against offered load (issue 34)", "integration/benchreport", []string{source})
@@ -98,7 +98,7 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 	b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---|---:|---|---|\n")
 	for _, r := range l.Results {
 		unloaded, capacity, ratio, top, busy := "–", "–", "–", "–", "–"
-		if i := slices.IndexFunc(r.Steps, func(s loadjson.Step) bool { return s.Pct == 100 }); i >= 0 {
+		if i := slices.IndexFunc(r.Steps, func(s benchjson.Step) bool { return s.Pct == 100 }); i >= 0 {
 			busy = busyCell(&r.Steps[i], genCPUs, contCPUs)
 		}
 		if r.Unloaded != nil {
@@ -106,7 +106,7 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 		}
 		if r.Capacity > 0 {
 			capacity = fmt.Sprintf("%.0f", r.Capacity)
-			if !slices.ContainsFunc(r.Search, func(s loadjson.Step) bool { return s.Rate > r.Capacity }) {
+			if !slices.ContainsFunc(r.Search, func(s benchjson.Step) bool { return s.Rate > r.Capacity }) {
 				// No step failed the bound: the search stopped at its
 				// highest rate (params.max_rate).
 				capacity = "≥ " + capacity + " (no search step failed)"
@@ -114,8 +114,8 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 		}
 		// From the sweep's steps, so that a collapse to no goodput at
 		// 200 % shows as 0.
-		at100 := slices.IndexFunc(r.Steps, func(s loadjson.Step) bool { return s.Pct == 100 })
-		at200 := slices.IndexFunc(r.Steps, func(s loadjson.Step) bool { return s.Pct == 200 })
+		at100 := slices.IndexFunc(r.Steps, func(s benchjson.Step) bool { return s.Pct == 100 })
+		at200 := slices.IndexFunc(r.Steps, func(s benchjson.Step) bool { return s.Pct == 200 })
 		if at100 >= 0 && at200 >= 0 && r.Steps[at100].Goodput > 0 {
 			ratio = fmt.Sprintf("%.2f", r.Steps[at200].Goodput/r.Steps[at100].Goodput)
 		}
@@ -134,7 +134,7 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 	b.WriteString("\n\n## Latency per offered rate\n\nLatency from each call's scheduled arrival to its verified response, in ms; goodput is calls completed within the step per second; errors by class; *sat.* counts arrivals that found no free slot (the generator's limit: not started, not the contender's); *lag* is the generator's own lateness (p99), inside the latencies; *gen* its CPU in cores (the upstream's included), *cont.* the contender's; *settle* how long the step first waited for the contender to go idle (work an earlier, overloaded step left it).")
 	// The contender's memory has a column only in runs that recorded it
 	// (before, bench load did not): a step without it shows "–".
-	memory := slices.ContainsFunc(l.Results, func(r *loadjson.Result) bool { return slices.ContainsFunc(resultSteps(r), hasMemory) })
+	memory := slices.ContainsFunc(l.Results, func(r *benchjson.LoadResult) bool { return slices.ContainsFunc(resultSteps(r), hasMemory) })
 	if memory {
 		b.WriteString(" The last column, *cont. RSS MiB / fds*, is the contender's resident memory and open file descriptors at the step's end, its tunnels and the calls still in flight included (– where a step did not record them).")
 	}
@@ -146,7 +146,7 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 		} else {
 			b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n")
 		}
-		row := func(kind string, s *loadjson.Step) {
+		row := func(kind string, s *benchjson.Step) {
 			pct := "–"
 			if s.Pct > 0 {
 				pct = fmt.Sprintf("%g", s.Pct)
@@ -179,7 +179,7 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 		}
 	}
 
-	fair := slices.IndexFunc(l.Results, func(r *loadjson.Result) bool { return r.Fairness != nil && r.Baseline != nil })
+	fair := slices.IndexFunc(l.Results, func(r *benchjson.LoadResult) bool { return r.Fairness != nil && r.Baseline != nil })
 	if fair >= 0 {
 		fmt.Fprintf(&b, "\n## Fairness: small calls beside bulk tunnels\n\nThe same rate with and without %d bulk tunnels streaming %d MiB transfers (half of them downloads, half uploads) through the same contender: does a bulk transfer hold up small calls? The bulk tunnels' payload, checksums and TLS run in the generator's process, on its vCPU: where the bulk step's *gen* is near 1 core (the +bulk rows above), the rise in p99 is the generator's as much as the contender's, and the ratio says nothing about the contender's fairness.\n\n", p.Bulk, p.BulkBytes>>20)
 		b.WriteString("| contender | shape | offered/s | p99 without (ms) | p99 with (ms) | with / without | bulk MiB moved | small-call errors with bulk | bulk errors |\n|---|---|---:|---:|---:|---:|---:|---|---:|\n")
@@ -196,7 +196,7 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 		}
 	}
 
-	held := slices.ContainsFunc(l.Results, func(r *loadjson.Result) bool { return r.Shape == "reuse" && r.RSSBefore > 0 })
+	held := slices.ContainsFunc(l.Results, func(r *benchjson.LoadResult) bool { return r.Shape == "reuse" && r.RSSBefore > 0 })
 	if held {
 		fmt.Fprintf(&b, "\n## Memory of the tunnels held\n\nThe reuse shape holds %d tunnels open while calls run on them: the contender's resident memory and open fds just before it opened them and at the step where its memory peaked (the bulk step included), and the difference per tunnel. Resident memory is the process's (Go heap, stacks and what the runtime has not returned), not the kernel's socket buffers or pipes; each pipe a burst holds is 2 of the fds.\n\n", p.Tunnels)
 		b.WriteString("| contender | RSS before (MiB) | RSS at its peak (MiB) | at step (calls/s) | per tunnel (KiB) | fds before | fds at that step | per tunnel |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
@@ -258,8 +258,8 @@ func renderLoadMarkdown(l *loadjson.Report, source string) []byte {
 // resultSteps are the steps of r that its table shows: the search, the
 // sweep (or fixed rates), the unloaded step and the fairness step (the
 // baseline is one of the sweep's).
-func resultSteps(r *loadjson.Result) []loadjson.Step {
-	steps := append(append([]loadjson.Step{}, r.Search...), r.Steps...)
+func resultSteps(r *benchjson.LoadResult) []benchjson.Step {
+	steps := append(append([]benchjson.Step{}, r.Search...), r.Steps...)
 	if r.Unloaded != nil {
 		steps = append(steps, *r.Unloaded)
 	}
@@ -270,11 +270,11 @@ func resultSteps(r *loadjson.Result) []loadjson.Step {
 }
 
 // hasMemory says whether s recorded the contender's memory.
-func hasMemory(s loadjson.Step) bool { return s.ContenderRSS > 0 || s.ContenderFDs > 0 }
+func hasMemory(s benchjson.Step) bool { return s.ContenderRSS > 0 || s.ContenderFDs > 0 }
 
 // memoryCell is the contender's resident memory in MiB and its open file
 // descriptors at the end of s, "–" for what the step did not record.
-func memoryCell(s *loadjson.Step) string {
+func memoryCell(s *benchjson.Step) string {
 	if !hasMemory(*s) {
 		return "–"
 	}
@@ -290,7 +290,7 @@ func memoryCell(s *loadjson.Step) string {
 
 // busyCell says which side was busy in a step: the generator, the
 // contender, both (0.85 of its CPUs or more), or neither.
-func busyCell(s *loadjson.Step, genCPUs, contCPUs int) string {
+func busyCell(s *benchjson.Step, genCPUs, contCPUs int) string {
 	gen, cont := s.GenCPU >= 0.85*float64(max(genCPUs, 1)), s.ContenderCPU >= 0.85*float64(max(contCPUs, 1))
 	cores := fmt.Sprintf(" (gen %.2f, cont. %.2f)", s.GenCPU, s.ContenderCPU)
 	switch {

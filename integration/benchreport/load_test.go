@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ktlsingress/caddy-ktls/integration/internal/loadjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 )
 
 var updateGolden = flag.Bool("update", false, "rewrite the golden reports under testdata/ from the renderer")
@@ -147,7 +147,7 @@ func TestLoadReportMemoryHeld(t *testing.T) {
 }
 
 // readSyntheticLoad parses the load run in the file named.
-func readSyntheticLoad(t *testing.T, name string) *loadjson.Report {
+func readSyntheticLoad(t *testing.T, name string) *benchjson.LoadReport {
 	t.Helper()
 	data, err := os.ReadFile(name)
 	if err != nil {

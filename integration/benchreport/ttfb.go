@@ -8,7 +8,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/ktlsingress/caddy-ktls/integration/internal/ttfbjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 )
 
 // The goal of issue 34 this run answers: a new connection's time to first
@@ -21,13 +21,13 @@ const (
 )
 
 // parseTTFB reads the JSON of a time-to-first-byte run (bench ttfb).
-func parseTTFB(data []byte) (*ttfbjson.Report, error) {
-	var t ttfbjson.Report
+func parseTTFB(data []byte) (*benchjson.TTFBReport, error) {
+	var t benchjson.TTFBReport
 	if err := json.Unmarshal(data, &t); err != nil {
 		return nil, err
 	}
-	if t.Kind != ttfbjson.Kind {
-		return nil, fmt.Errorf("kind %q, want %s (a bench ttfb document)", t.Kind, ttfbjson.Kind)
+	if t.Kind != benchjson.TTFBKind {
+		return nil, fmt.Errorf("kind %q, want %s (a bench ttfb document)", t.Kind, benchjson.TTFBKind)
 	}
 	if len(t.Results) == 0 {
 		return nil, errors.New("no results")
@@ -60,8 +60,8 @@ func msSigned(v float64) string {
 }
 
 // ttfbResult is the result of contender at rtt, or nil.
-func ttfbResult(t *ttfbjson.Report, contender string, rtt float64) *ttfbjson.Result {
-	i := slices.IndexFunc(t.Results, func(r *ttfbjson.Result) bool { return r.Contender == contender && r.RTTMs == rtt })
+func ttfbResult(t *benchjson.TTFBReport, contender string, rtt float64) *benchjson.TTFBResult {
+	i := slices.IndexFunc(t.Results, func(r *benchjson.TTFBResult) bool { return r.Contender == contender && r.RTTMs == rtt })
 	if i < 0 {
 		return nil
 	}
@@ -69,8 +69,8 @@ func ttfbResult(t *ttfbjson.Report, contender string, rtt float64) *ttfbjson.Res
 }
 
 // ttfbPath is the path check at rtt, or nil.
-func ttfbPath(t *ttfbjson.Report, rtt float64) *ttfbjson.Path {
-	i := slices.IndexFunc(t.Paths, func(p *ttfbjson.Path) bool { return p.RTTMs == rtt })
+func ttfbPath(t *benchjson.TTFBReport, rtt float64) *benchjson.Path {
+	i := slices.IndexFunc(t.Paths, func(p *benchjson.Path) bool { return p.RTTMs == rtt })
 	if i < 0 {
 		return nil
 	}
@@ -79,7 +79,7 @@ func ttfbPath(t *ttfbjson.Report, rtt float64) *ttfbjson.Path {
 
 // ttfbMeasured says whether r has figures to compare: connections
 // measured, and the delay at its RTT checked and in place.
-func ttfbMeasured(t *ttfbjson.Report, r *ttfbjson.Result) bool {
+func ttfbMeasured(t *benchjson.TTFBReport, r *benchjson.TTFBResult) bool {
 	if r == nil || r.N == 0 {
 		return false
 	}
@@ -88,7 +88,7 @@ func ttfbMeasured(t *ttfbjson.Report, r *ttfbjson.Result) bool {
 }
 
 // ttfbContenders are the contenders of t in the order measured.
-func ttfbContenders(t *ttfbjson.Report) []string {
+func ttfbContenders(t *benchjson.TTFBReport) []string {
 	var out []string
 	for _, r := range t.Results {
 		if !slices.Contains(out, r.Contender) {
@@ -99,7 +99,7 @@ func ttfbContenders(t *ttfbjson.Report) []string {
 }
 
 // ttfbRTTs are the RTTs of t, ascending.
-func ttfbRTTs(t *ttfbjson.Report) []float64 {
+func ttfbRTTs(t *benchjson.TTFBReport) []float64 {
 	var out []float64
 	for _, r := range t.Results {
 		if !slices.Contains(out, r.RTTMs) {
@@ -119,7 +119,7 @@ func ratioCell(a, b float64) string {
 }
 
 // renderTTFBMarkdown writes docs/bench/ttfb.md from a ttfb run.
-func renderTTFBMarkdown(t *ttfbjson.Report, source string) []byte {
+func renderTTFBMarkdown(t *benchjson.TTFBReport, source string) []byte {
 	var b bytes.Buffer
 	p := &t.Params
 	writeTitle(&b, "Time to first byte through the gateway chains (issue 34)", "integration/benchreport", []string{source})

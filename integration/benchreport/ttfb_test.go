@@ -6,12 +6,12 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ktlsingress/caddy-ktls/integration/internal/ttfbjson"
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
 )
 
 const syntheticTTFB, syntheticTTFBGolden = "testdata/synthetic-ttfb.json", "testdata/synthetic-ttfb.golden.md"
 
-func readSyntheticTTFB(t *testing.T) *ttfbjson.Report {
+func readSyntheticTTFB(t *testing.T) *benchjson.TTFBReport {
 	t.Helper()
 	data, err := os.ReadFile(syntheticTTFB)
 	if err != nil {
@@ -50,7 +50,7 @@ func TestTTFBReportGolden(t *testing.T) {
 // standby is at most l7-l7, missed by the difference above it, and not
 // claimed either way without both, or with the path check at 20 ms failed.
 func TestTTFBGoalVerdict(t *testing.T) {
-	goal := func(r *ttfbjson.Report) string {
+	goal := func(r *benchjson.TTFBReport) string {
 		md := string(renderTTFBMarkdown(r, syntheticTTFB))
 		_, after, ok := strings.Cut(md, "## The goal")
 		if !ok {

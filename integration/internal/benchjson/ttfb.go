@@ -1,40 +1,25 @@
-// Package ttfbjson is the JSON document of a time-to-first-byte run: bench
-// ttfb (integration/bench) writes it and benchreport ttfb
-// (integration/benchreport) renders it, docs/bench/ttfb.json into
-// docs/bench/ttfb.md. Its types are that document's schema, declared once
-// for both: a field added here is written by the one and read by the other.
-package ttfbjson
+package benchjson
 
-// Kind and Schema identify a time-to-first-byte document.
+// TTFBKind and TTFBSchema identify a time-to-first-byte document.
 const (
-	Kind   = "ttfb"
-	Schema = 1
+	TTFBKind   = "ttfb"
+	TTFBSchema = 1
 )
 
-// Report is the JSON document of a time-to-first-byte run.
-type Report struct {
-	Schema int    `json:"schema"`
-	Kind   string `json:"kind"` // Kind
-	Mode   string `json:"mode"`
-	Label  string `json:"label,omitempty"`
-	Kernel string `json:"kernel"`
-	Date   string `json:"date"`
-	Commit string `json:"commit,omitempty"`
-	Host   string `json:"host"`
-	Go     string `json:"go"`
-	// CPUs: the CPUs the client (the bench process) may run on.
-	CPUs   int      `json:"cpus"`
-	Params Params   `json:"params"`
-	Notes  []string `json:"notes"`
+// TTFBReport is the JSON document of a time-to-first-byte run.
+type TTFBReport struct {
+	Header
+	Params TTFBParams `json:"params"`
+	Notes  []string   `json:"notes"`
 	// Paths: the delay's check at each RTT (the chains share the delay).
-	Paths   []*Path   `json:"paths"`
-	Results []*Result `json:"results"`
-	Skipped []Skipped `json:"skipped,omitempty"`
-	OK      bool      `json:"ok"`
+	Paths   []*Path       `json:"paths"`
+	Results []*TTFBResult `json:"results"`
+	Skipped []Skipped     `json:"skipped,omitempty"`
+	OK      bool          `json:"ok"`
 }
 
-// Params are the settings of a run.
-type Params struct {
+// TTFBParams are the settings of a run.
+type TTFBParams struct {
 	Contenders []string `json:"contenders"`
 	// RTTsMs: the round-trip times asked between gateway and forwarder.
 	RTTsMs []float64 `json:"rtts_ms"`
@@ -66,14 +51,8 @@ type Params struct {
 	PinContender string `json:"pin_contender,omitempty"`
 }
 
-// Skipped is a contender the run could not start, and why.
-type Skipped struct {
-	Contender string `json:"contender"`
-	Reason    string `json:"reason"`
-}
-
-// Result is one contender at one RTT.
-type Result struct {
+// TTFBResult is one contender at one RTT.
+type TTFBResult struct {
 	Contender string  `json:"contender"`
 	RTTMs     float64 `json:"rtt_ms"`
 	// WarmupMs: the time to first byte of the uncounted first connection

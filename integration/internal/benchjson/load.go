@@ -1,37 +1,23 @@
-// Package loadjson is the JSON document of an open-loop load run: bench
-// load (integration/bench) writes it and benchreport load
-// (integration/benchreport) renders it, docs/bench/load.json into
-// docs/bench/load.md. Its types are that document's schema, declared once
-// for both: a field added here is written by the one and read by the other.
-package loadjson
+package benchjson
 
-// Kind and Schema identify a load document.
+// LoadKind and LoadSchema identify a load document.
 const (
-	Kind   = "load"
-	Schema = 1
+	LoadKind   = "load"
+	LoadSchema = 1
 )
 
-// Report is the JSON document of a load run.
-type Report struct {
-	Schema  int       `json:"schema"`
-	Kind    string    `json:"kind"` // Kind
-	Mode    string    `json:"mode"`
-	Label   string    `json:"label,omitempty"`
-	Kernel  string    `json:"kernel"`
-	Date    string    `json:"date"`
-	Commit  string    `json:"commit,omitempty"`
-	Host    string    `json:"host"`
-	Go      string    `json:"go"`
-	CPUs    int       `json:"cpus"`
-	Params  Params    `json:"params"`
-	Notes   []string  `json:"notes"`
-	Results []*Result `json:"results"`
-	Skipped []Skipped `json:"skipped,omitempty"`
-	OK      bool      `json:"ok"`
+// LoadReport is the JSON document of an open-loop load run.
+type LoadReport struct {
+	Header
+	Params  LoadParams    `json:"params"`
+	Notes   []string      `json:"notes"`
+	Results []*LoadResult `json:"results"`
+	Skipped []Skipped     `json:"skipped,omitempty"`
+	OK      bool          `json:"ok"`
 }
 
-// Params are the sizes of a load run.
-type Params struct {
+// LoadParams are the sizes of a load run.
+type LoadParams struct {
 	Shapes  []string `json:"shapes"`
 	Tunnels int      `json:"tunnels"`
 	// Targets: sandbox targets behind the forwarder (ktls; the peers
@@ -64,14 +50,8 @@ type Params struct {
 	MaxHandshakes int `json:"max_handshakes,omitempty"`
 }
 
-// Skipped is a contender the run could not drive, and why.
-type Skipped struct {
-	Contender string `json:"contender"`
-	Reason    string `json:"reason"`
-}
-
-// Result is one contender and shape.
-type Result struct {
+// LoadResult is one contender and shape.
+type LoadResult struct {
 	Contender string `json:"contender"`
 	Shape     string `json:"shape"`
 	Unloaded  *Step  `json:"unloaded,omitempty"`

@@ -343,7 +343,10 @@ func (t *Relay) exit(d Direction) {
 }
 
 // flushNow splices from the pipe into the sink what the sink takes without
-// waiting. It goes through Control, which a deadline does not refuse.
+// waiting. It goes through Control, which a deadline does not refuse. A
+// sink that parked the direction may take more here: TCP wakes a writer
+// only once a third of its send buffer is free (sk_stream_is_writeable),
+// and takes less than that without a wake.
 func (sd *spliced) flushNow(d Direction) error {
 	p := sd.p
 	for p.buffered > 0 {

@@ -111,7 +111,17 @@ type pausing struct {
 
 func startPausing(t *testing.T, a, b net.Conn, opts Options) *pausing {
 	tun := New(a, b, opts)
-	return &pausing{t: t, opts: opts, tun: tun, wait: runRelay(t.Context(), tun), conns: [2]net.Conn{a, b}}
+	return &pausing{t: t, opts: opts, tun: tun, wait: runStarted(t, tun), conns: [2]net.Conn{a, b}}
+}
+
+// runStarted is runRelay, returning once Run has begun: before, Pause
+// refuses (PauseNotRunning).
+func runStarted(t *testing.T, tun *Relay) (wait func() (Stats, error)) {
+	wait = runRelay(t.Context(), tun)
+	for !tun.started.Load() {
+		time.Sleep(time.Millisecond)
+	}
+	return wait
 }
 
 // counters is a DirectionStats without what a pause does not carry.
@@ -170,7 +180,7 @@ func (pz *pausing) cycle() PauseState {
 	if got := next.Stats(); got != st.Stats() {
 		t.Fatalf("resumed relay's counters %+v, the paused state's %+v", got, st.Stats())
 	}
-	pz.tun, pz.wait = next, runRelay(t.Context(), next)
+	pz.tun, pz.wait = next, runStarted(t, next)
 	return st
 }
 
@@ -215,7 +225,7 @@ func TestPauseResumeLoop(t *testing.T) {
 	pool := newTestPool(t, 4)
 	tp := newTopology(t)
 	smallSinks(t, tp)
-	const size = 16 * MiB
+	const size = 32 * MiB
 	var gates [2]sync.RWMutex // gates[d] stops the reader of direction d
 	sentAB := goSend(tp.client, size, 11)
 	sentBA := goSend(tp.upstream, size, 12)

@@ -41,6 +41,21 @@
 // tunnel ends there (a Read would only fail on the same record again). The
 // contract is the Source interface, implemented by *ktls.Conn; this package
 // does not import ktls.
+//
+// A running Relay can stop and be continued by another, in this process or
+// one the sockets are passed to (an upgrade that keeps its tunnels): Pause
+// stops both directions at a safe point, where neither holds a byte in this
+// process, and Run returns ErrPaused with both connections open. A
+// direction parked for readability stops at once; one whose sink does not
+// take the rest of its pipe hands the pipe over (its read end, in
+// Paused.Pipes, and its byte count, in the state), never drops it. A
+// direction on the copy path that holds bytes it read and has not written
+// makes Pause refuse (PauseBuffered), and the relay goes on unharmed.
+// Resume builds the next Relay from the connections, the pipes and the
+// PauseState (which encodes as versioned JSON, descriptors apart): its
+// counters go on from the paused relay's, an ended direction stays ended,
+// and a pipe's bytes reach their sink before anything else in their
+// direction.
 package splice
 
 import (
@@ -325,9 +340,9 @@ var copyBuffers = sync.Pool{New: func() any { b := make([]byte, copyBufferSize);
 // goroutine while it runs.
 //
 // Ownership: a Relay owns both connections once Run is called. It closes
-// both before Run returns, whatever the outcome, and sets their deadlines
-// to stop the relay early (context canceled, or a failed direction); callers
-// must not use the connections meanwhile.
+// both before Run returns, whatever the outcome but a Pause, and sets their
+// deadlines to stop the relay early (context canceled, a failed direction,
+// a Pause); callers must not use the connections meanwhile.
 type Relay struct {
 	conns  [2]net.Conn
 	opts   Options

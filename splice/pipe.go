@@ -30,11 +30,16 @@ type pipe struct {
 	rfd, wfd int
 	size     int // capacity the kernel actually granted (F_GETPIPE_SZ)
 	buffered int // bytes spliced in and not yet spliced out
+	// handed: the pipe came with a paused relay (Resume), not from a
+	// pool; wfd is -1.
+	handed bool
 }
 
 func (p *pipe) close() {
 	unix.Close(p.rfd)
-	unix.Close(p.wfd)
+	if p.wfd >= 0 {
+		unix.Close(p.wfd)
+	}
 }
 
 // PipePool hands out pipes for transfer bursts. A tunnel takes a pipe when
@@ -142,6 +147,16 @@ func (pp *PipePool) put(p *pipe) {
 	}
 	pp.idle = append(pp.idle, p)
 	pp.mu.Unlock()
+}
+
+// detach takes p out of the pool for good, to be handed over with its
+// bytes (Pause): its write end is closed, its read end is the caller's, and
+// the pool counts it closed.
+func (pp *PipePool) detach(p *pipe) (rfd int) {
+	defer pp.inUse.Add(-1)
+	unix.Close(p.wfd)
+	pp.destroyed.Add(1)
+	return p.rfd
 }
 
 func (pp *PipePool) open() (*pipe, error) {

@@ -41,6 +41,21 @@
 // tunnel ends there (a Read would only fail on the same record again). The
 // contract is the Source interface, implemented by *ktls.Conn; this package
 // does not import ktls.
+//
+// A running Relay can stop and be continued by another, in this process or
+// one the sockets are passed to (an upgrade that keeps its tunnels): Pause
+// stops both directions at a safe point, where neither holds a byte in this
+// process, and Run returns ErrPaused with both connections open. A
+// direction parked for readability stops at once; one whose sink does not
+// take the rest of its pipe hands the pipe over (its read end, in
+// Paused.Pipes, and its byte count, in the state), never drops it. A
+// direction on the copy path that holds bytes it read and has not written
+// makes Pause refuse (PauseBuffered), and the relay goes on unharmed.
+// Resume builds the next Relay from the connections, the pipes and the
+// PauseState (which encodes as versioned JSON, descriptors apart): its
+// counters go on from the paused relay's, an ended direction stays ended,
+// and a pipe's bytes reach their sink before anything else in their
+// direction.
 package splice
 
 import (
@@ -164,6 +179,7 @@ const (
 	EndError                     // reading the source or writing the sink failed; DirectionStats.Err says how
 	EndAborted                   // stopped because the other direction failed (or ended, with Options.CloseOnEOF)
 	EndCanceled                  // stopped because the context was canceled
+	EndPaused                    // stopped at a safe point by Pause; the connections are untouched
 )
 
 // String returns the reason as a short lowercase word.
@@ -179,6 +195,8 @@ func (r EndReason) String() string {
 		return "aborted"
 	case EndCanceled:
 		return "canceled"
+	case EndPaused:
+		return "paused"
 	}
 	return fmt.Sprintf("EndReason(%d)", uint32(r))
 }
@@ -322,9 +340,9 @@ var copyBuffers = sync.Pool{New: func() any { b := make([]byte, copyBufferSize);
 // goroutine while it runs.
 //
 // Ownership: a Relay owns both connections once Run is called. It closes
-// both before Run returns, whatever the outcome, and sets their deadlines
-// to stop the relay early (context canceled, or a failed direction); callers
-// must not use the connections meanwhile.
+// both before Run returns, whatever the outcome but a Pause, and sets their
+// deadlines to stop the relay early (context canceled, a failed direction,
+// a Pause); callers must not use the connections meanwhile.
 type Relay struct {
 	conns  [2]net.Conn
 	opts   Options
@@ -340,6 +358,20 @@ type Relay struct {
 	// peerGone aborts the tunnel peerGoneGrace after a direction found its
 	// sink's peer gone, unless Run has ended by then (see finish).
 	peerGone atomic.Pointer[time.Timer]
+
+	// deadlineMu orders abort's and Pause's deadline changes: once paused,
+	// abort leaves the deadlines alone; once aborted, Pause cannot clear them.
+	deadlineMu sync.Mutex
+	paused     bool // a Pause committed (under deadlineMu)
+	// pauseMu guards the pause handshake (pause.go).
+	pauseMu   sync.Mutex
+	pauseReq  *pauseRequest    // the Pause in progress, nil when none
+	pauseWake chan struct{}    // closed when the next Pause starts: wakes throttled directions
+	exited    [2]bool          // direction d has returned
+	exitedCh  [2]chan struct{} // closed when direction d returns
+	// pending[d] is the pipe a resumed direction delivers to its sink
+	// before it reads its source (Resume).
+	pending [2]*pipe
 }
 
 // peerGoneGrace bounds how long the other direction may go on delivering
@@ -389,7 +421,8 @@ func New(a, b net.Conn, opts Options) *Relay {
 }
 
 func newRelay(a, b net.Conn, opts Options, splice spliceFunc) *Relay {
-	t := &Relay{conns: [2]net.Conn{a, b}, opts: opts, pipes: opts.Pipes, splice: splice, aborted: make(chan struct{})}
+	t := &Relay{conns: [2]net.Conn{a, b}, opts: opts, pipes: opts.Pipes, splice: splice, aborted: make(chan struct{}), pauseWake: make(chan struct{})}
+	t.exitedCh = [2]chan struct{}{make(chan struct{}), make(chan struct{})}
 	if t.pipes == nil {
 		t.pipes = defaultPipes
 	}
@@ -415,7 +448,9 @@ func Run(ctx context.Context, a, b net.Conn, opts Options) (Stats, error) {
 // orderly end (close_notify or FIN after every byte) is closed as usual.
 // The error is nil when both directions ended with EOF (or, with CloseOnEOF,
 // one did); otherwise it names the failed direction, or wraps the context's
-// cause when ctx was canceled. Run may be called once.
+// cause when ctx was canceled. After a Pause that succeeded, Run returns
+// ErrPaused and the counters at the pause, and leaves both connections
+// open, with no deadline set, for the caller. Run may be called once.
 func (t *Relay) Run(ctx context.Context) (Stats, error) {
 	if !t.started.CompareAndSwap(false, true) {
 		return t.Stats(), errors.New("splice: Relay.Run called twice")
@@ -433,6 +468,12 @@ func (t *Relay) Run(ctx context.Context) (Stats, error) {
 		grace.Stop()
 	}
 	res := t.Stats()
+	t.deadlineMu.Lock()
+	paused := t.paused
+	t.deadlineMu.Unlock()
+	if paused {
+		return res, ErrPaused
+	}
 	err := t.resultErr(ctx, res)
 	for i, c := range t.conns {
 		// Connection i is the sink of direction 1-i.
@@ -526,22 +567,52 @@ func (t *Relay) abort(reason EndReason) {
 	t.abortOnce.Do(func() {
 		t.abortReason.Store(uint32(reason))
 		close(t.aborted)
-		past := time.Unix(1, 0)
-		for _, c := range t.conns {
-			c.SetDeadline(past)
+		t.deadlineMu.Lock()
+		defer t.deadlineMu.Unlock()
+		if !t.paused {
+			t.setDeadlines(pastDeadline)
 		}
 	})
 }
 
+// pastDeadline wakes every goroutine parked on a connection.
+var pastDeadline = time.Unix(1, 0)
+
+func (t *Relay) setDeadlines(when time.Time) {
+	for _, c := range t.conns {
+		c.SetDeadline(when)
+	}
+}
+
 func (t *Relay) runDirection(d Direction) {
+	defer t.exit(d)
+	if EndReason(t.dirs[d].end.Load()) == EndEOF {
+		return // ended before a pause (Resume)
+	}
 	src, dst := t.conns[d], t.conns[1-d]
-	var err error
 	srcEnd, srcOK := sourceEnd(src)
 	dstEnd, dstOK := sinkEnd(dst)
+	if p := t.pending[d]; p != nil {
+		// What the paused relay's pipe held precedes everything the
+		// source has yet to give. Resume made sure the sink splices.
+		t.pending[d] = nil
+		sd := &spliced{t: t, dst: dstEnd, p: p}
+		sd.flush = sd.flushPipe
+		err := sd.drain(d)
+		if sd.p != nil {
+			sd.p.close()
+		}
+		if err != nil {
+			t.finish(d, dst, err)
+			return
+		}
+	}
+	var err error
 	if srcOK && dstOK {
 		t.dirs[d].spliced.Store(true)
 		err = t.spliceLoop(d, src, srcEnd, dst, dstEnd)
 	} else {
+		t.dirs[d].spliced.Store(false)
 		err = t.copyLoop(d, src, dst)
 	}
 	t.finish(d, dst, err)
@@ -550,6 +621,10 @@ func (t *Relay) runDirection(d Direction) {
 // finish records how direction d ended; err == nil means its source ended.
 func (t *Relay) finish(d Direction, dst net.Conn, err error) {
 	s := &t.dirs[d]
+	if err == ErrPaused {
+		s.end.Store(uint32(EndPaused))
+		return
+	}
 	if err == nil && t.opts.RequireCloseNotify[d] {
 		if cn, ok := t.conns[d].(CloseNotifier); ok && !cn.CloseNotified() {
 			err = fmt.Errorf("source: %w", ErrTruncated)
@@ -688,11 +763,22 @@ func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.
 			// The source is readable but the Limiter grants nothing yet:
 			// wait with the bytes in the kernel, then splice again.
 			if !t.throttleWait(d, sd.wait) {
-				return t.stoppedErr()
+				if t.aborting() {
+					return t.stoppedErr()
+				}
+				if t.stop(d, &sd.p, 0) {
+					return ErrPaused
+				}
 			}
 			continue
 		}
 		switch {
+		case err != nil && t.pausing(err):
+			// Parked for readability with the pipe empty: a safe point.
+			if t.stop(d, &sd.p, 0) {
+				return ErrPaused
+			}
+			continue
 		case err != nil:
 			return fmt.Errorf("source: %w", sockerr.ReadError(src, err))
 		case pipeShortage(perr):
@@ -835,7 +921,19 @@ func (sd *spliced) drain(d Direction) error {
 		}
 		sd.werr = nil
 		if err := sd.dst.rc.Write(sd.flush); err != nil {
-			return sinkError{fmt.Errorf("sink: %w", err)}
+			if !sd.t.pausing(err) {
+				return sinkError{fmt.Errorf("sink: %w", err)}
+			}
+			// The deadline that stops the direction refuses the write
+			// before trying it: give the sink what it takes now, and
+			// hand what it does not take over with the pipe.
+			if err := sd.flushNow(d); err != nil {
+				return err
+			}
+			if sd.t.stop(d, &sd.p, 0) {
+				return ErrPaused
+			}
+			continue
 		}
 		if sd.werr != nil {
 			return sinkError{os.NewSyscallError("splice sink", sd.werr)}
@@ -853,10 +951,17 @@ func (sd *spliced) drain(d Direction) error {
 // splice(2) could not read, and forwards any data bytes it yields. It
 // returns io.EOF when the record was close_notify.
 func (t *Relay) controlRecord(d Direction, src, dst net.Conn) error {
-	t.dirs[d].controlRecords.Add(1)
 	bufp := copyBuffers.Get().(*[]byte)
 	defer copyBuffers.Put(bufp)
 	n, err := src.Read(*bufp)
+	if n == 0 && t.pausing(err) {
+		// The record stays in the socket for whoever reads it next.
+		if t.stop(d, nil, 0) {
+			return ErrPaused
+		}
+		return nil
+	}
+	t.dirs[d].controlRecords.Add(1)
 	if n > 0 {
 		if werr := t.write(d, dst, (*bufp)[:n]); werr != nil {
 			return werr
@@ -894,6 +999,12 @@ func (t *Relay) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
 	bufp := copyBuffers.Get().(*[]byte)
 	defer copyBuffers.Put(bufp)
 	n, rerr := src.Read(*bufp)
+	if n == 0 && t.pausing(rerr) {
+		if t.stop(d, nil, 0) {
+			return true, ErrPaused
+		}
+		return false, nil
+	}
 	lim := t.opts.Limit[d]
 	for off := 0; off < n; {
 		// The copy path holds the bytes already: it waits for their
@@ -927,13 +1038,17 @@ func (t *Relay) throttle(d Direction, lim Limiter, want int) int {
 			return n
 		}
 		if !t.throttleWait(d, wait) {
-			return 0
+			if t.aborting() {
+				return 0
+			}
+			// A Pause: the direction holds want bytes, so it refuses.
+			t.stop(d, nil, want)
 		}
 	}
 }
 
 // throttleWait waits for wait, adding it to direction d's Throttled time;
-// false when the tunnel was aborted meanwhile.
+// false when the tunnel was aborted or a Pause started meanwhile.
 func (t *Relay) throttleWait(d Direction, wait time.Duration) bool {
 	start := time.Now()
 	timer := time.NewTimer(wait)
@@ -942,9 +1057,15 @@ func (t *Relay) throttleWait(d Direction, wait time.Duration) bool {
 	case <-timer.C:
 		return true
 	case <-t.aborted:
-		timer.Stop()
-		return false
+	case <-t.pauseSignal():
 	}
+	timer.Stop()
+	return false
+}
+
+// aborting reports whether abort has stopped the tunnel.
+func (t *Relay) aborting() bool {
+	return EndReason(t.abortReason.Load()) != EndRunning
 }
 
 // stoppedErr is the error of a direction that abort stopped while it
@@ -954,14 +1075,23 @@ func (t *Relay) stoppedErr() error {
 }
 
 func (t *Relay) write(d Direction, dst net.Conn, b []byte) error {
-	n, err := dst.Write(b)
-	if n > 0 {
-		t.count(d, int64(n), false)
+	for {
+		n, err := dst.Write(b)
+		if n > 0 {
+			t.count(d, int64(n), false)
+			b = b[n:]
+		}
+		switch {
+		case err == nil:
+			return nil
+		case len(b) > 0 && t.pausing(err):
+			// Bytes in this process's buffer cannot be handed over: the
+			// Pause is refused and the write goes on.
+			t.stop(d, nil, len(b))
+		default:
+			return sinkError{fmt.Errorf("sink: %w", err)}
+		}
 	}
-	if err != nil {
-		return sinkError{fmt.Errorf("sink: %w", err)}
-	}
-	return nil
 }
 
 func (t *Relay) count(d Direction, n int64, spliced bool) {

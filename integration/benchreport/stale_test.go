@@ -71,6 +71,7 @@ var knownStale = map[string]string{
 	"load.md":                "measured 2026-12-04 on bfd0b8d (recorded); since: the bench's memory fields, shared JSON types, the ktls-off contender and -max-handshakes, max_handshakes counted over the process (the same with the one ktls handler measured), the sandbox handler's refusal-summary table (no behaviour change), ktls Handoff/Adopt (not on a relay's path) and its TX wear bound counting every record under the key; the shedding it could not reach is measured natively in load-native-percall.md; a rerun takes the 2-core host for 15 min",
 	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt and the bench's memory fields; rerun with the commands in docs/bench/overload.md on such a machine",
 	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since",
+	"ttfb.md":                "measured 2026-12-04 on 088db09 (recorded); since: relay pause/resume added (#35); rerun pending",
 }
 
 // git runs git in the repository root and returns its trimmed output.

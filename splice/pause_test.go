@@ -1,0 +1,600 @@
+package splice
+
+import (
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// pacedRead reads exactly n bytes from r in chunks of at most 32 KiB,
+// sleeping pace after each, and returns their SHA-256. A chunk is read
+// holding gate's read lock: a test that holds gate stops the reader, so
+// that its sink backs up.
+func pacedRead(r io.Reader, n int64, pace time.Duration, gate *sync.RWMutex) ([]byte, error) {
+	h := sha256.New()
+	buf := make([]byte, 32<<10)
+	for got := int64(0); got < n; {
+		gate.RLock()
+		m, err := r.Read(buf[:min(int64(len(buf)), n-got)])
+		gate.RUnlock()
+		h.Write(buf[:m])
+		got += int64(m)
+		if err != nil {
+			return nil, err
+		}
+		time.Sleep(pace)
+	}
+	return h.Sum(nil), nil
+}
+
+// goPacedRead starts pacedRead; got waits for it and fails the test if it
+// failed.
+func goPacedRead(r io.Reader, n int64, pace time.Duration, gate *sync.RWMutex) (got func(t *testing.T) []byte) {
+	done := make(chan struct{})
+	var sum []byte
+	var err error
+	go func() {
+		defer close(done)
+		sum, err = pacedRead(r, n, pace, gate)
+	}()
+	return func(t *testing.T) []byte {
+		t.Helper()
+		<-done
+		if err != nil {
+			t.Fatalf("read: %v", err)
+		}
+		return sum
+	}
+}
+
+// moveConn hands c over as a process handoff does: a duplicate of its
+// socket becomes a new net.Conn (net.FileConn), and c is closed.
+func moveConn(t *testing.T, c net.Conn) net.Conn {
+	t.Helper()
+	fc, ok := c.(interface{ File() (*os.File, error) })
+	if !ok {
+		t.Fatalf("%T has no File method", c)
+	}
+	f, err := fc.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	nc, err := net.FileConn(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	t.Cleanup(func() { nc.Close() })
+	return nc
+}
+
+// movePipes replaces p's pipes by duplicates, as SCM_RIGHTS would, and
+// closes the originals.
+func movePipes(t *testing.T, p *Paused) {
+	t.Helper()
+	for d, f := range p.Pipes {
+		if f == nil {
+			continue
+		}
+		fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		p.Pipes[d] = os.NewFile(uintptr(fd), "moved-pipe")
+	}
+}
+
+// pausing drives a tunnel through pauses: each cycle pauses the running
+// relay, checks what Run returned against the paused state, hands the
+// connections over (move) and resumes into a new Relay.
+type pausing struct {
+	t     *testing.T
+	opts  Options
+	tun   *Relay
+	wait  func() (Stats, error)
+	conns [2]net.Conn
+	// move hands the connections over between pause and resume; nil
+	// keeps them.
+	move func(a, b net.Conn) (net.Conn, net.Conn)
+	// pending counts the pauses that handed a pipe over, per direction.
+	pending [2]int
+}
+
+func startPausing(t *testing.T, a, b net.Conn, opts Options) *pausing {
+	tun := New(a, b, opts)
+	return &pausing{t: t, opts: opts, tun: tun, wait: runStarted(t, tun), conns: [2]net.Conn{a, b}}
+}
+
+// runStarted is runRelay, returning once Run has begun: before, Pause
+// refuses (PauseNotRunning).
+func runStarted(t *testing.T, tun *Relay) (wait func() (Stats, error)) {
+	wait = runRelay(t.Context(), tun)
+	for !tun.started.Load() {
+		time.Sleep(time.Millisecond)
+	}
+	return wait
+}
+
+// counters is a DirectionStats without what a pause does not carry.
+func counters(ds DirectionStats) DirectionStats {
+	ds.Err = nil
+	if ds.End == EndPaused {
+		ds.End = EndRunning
+	}
+	return ds
+}
+
+// cycle pauses, checks and resumes once; it returns the paused state.
+func (pz *pausing) cycle() PauseState {
+	t := pz.t
+	t.Helper()
+	p, err := pz.tun.Pause(t.Context())
+	if err != nil {
+		t.Fatalf("pause: %v", err)
+	}
+	res, err := pz.wait()
+	if !errors.Is(err, ErrPaused) {
+		t.Fatalf("Run after Pause: %v, want ErrPaused", err)
+	}
+	st := p.State
+	for d := range st.Dirs {
+		got, want := counters(res.Dir(Direction(d))), st.Stats().Dir(Direction(d))
+		if got != want {
+			t.Fatalf("%s: Run returned %+v, the paused state says %+v", Direction(d), got, want)
+		}
+		if end := res.Dir(Direction(d)).End; end != EndPaused && end != EndEOF {
+			t.Fatalf("%s ended %s after Pause, want paused or eof", Direction(d), end)
+		}
+		if st.Dirs[d].Pending > 0 {
+			pz.pending[d]++
+		}
+	}
+	// The encoded state is what travels.
+	enc, err := st.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.State, err = DecodePauseState(enc); err != nil {
+		t.Fatal(err)
+	}
+	if pz.move != nil {
+		pz.conns[0], pz.conns[1] = pz.move(pz.conns[0], pz.conns[1])
+		movePipes(t, p)
+	}
+	next, err := Resume(pz.conns[0], pz.conns[1], p, pz.opts)
+	if cerr := p.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		t.Fatalf("resume: %v", err)
+	}
+	if got := next.Stats(); got != st.Stats() {
+		t.Fatalf("resumed relay's counters %+v, the paused state's %+v", got, st.Stats())
+	}
+	pz.tun, pz.wait = next, runStarted(t, next)
+	return st
+}
+
+// stalled waits until direction d of the running relay has moved nothing
+// for 100 ms.
+func (pz *pausing) stalled(d Direction) {
+	last := pz.tun.Stats().Dir(d).Bytes
+	for quiet := time.Now(); time.Since(quiet) < 100*time.Millisecond; {
+		time.Sleep(10 * time.Millisecond)
+		if n := pz.tun.Stats().Dir(d).Bytes; n != last {
+			last, quiet = n, time.Now()
+		}
+	}
+}
+
+// smallSinks shrinks the send buffers of the relay's sockets and the
+// receive buffers of the peers, so that a stalled reader backs the tunnel
+// up into the relay's pipe soon and leaves more in it than the sink takes.
+// The relay's receive buffers stay as they are: a burst fills the pipe.
+func smallSinks(t *testing.T, tp topology) {
+	for _, c := range []*net.TCPConn{tp.relayA, tp.relayB} {
+		if err := c.SetWriteBuffer(64 << 10); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, c := range []*net.TCPConn{tp.client, tp.upstream} {
+		if err := c.SetReadBuffer(64 << 10); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestPauseResumeLoop: a pattern each way through a spliced tunnel that is
+// paused twelve times mid-stream, each time resumed into a new Relay, on
+// duplicated sockets every other time (the process handoff's
+// net.FileConn); every third time the reader of one side stops first, so
+// that the pause hands that direction's pipe over with bytes in it (unless
+// the sink took them all when asked once more). Both streams arrive exact
+// and the last relay's counters are the streams' sizes.
+func TestPauseResumeLoop(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 4)
+	tp := newTopology(t)
+	smallSinks(t, tp)
+	const size = 32 * MiB
+	var gates [2]sync.RWMutex // gates[d] stops the reader of direction d
+	sentAB := goSend(tp.client, size, 11)
+	sentBA := goSend(tp.upstream, size, 12)
+	gotAB := goPacedRead(tp.upstream, size, time.Millisecond, &gates[AToB])
+	gotBA := goPacedRead(tp.client, size, time.Millisecond, &gates[BToA])
+
+	pz := startPausing(t, tp.relayA, tp.relayB, Options{Pipes: pool})
+	var last PauseState
+	for i := range 12 {
+		time.Sleep(20 * time.Millisecond)
+		d := Direction(i / 3 % 2)
+		blocked := i%3 == 2
+		if blocked {
+			gates[d].Lock()
+			pz.stalled(d)
+		}
+		if i%2 == 1 {
+			pz.move = func(a, b net.Conn) (net.Conn, net.Conn) { return moveConn(t, a), moveConn(t, b) }
+		} else {
+			pz.move = nil
+		}
+		last = pz.cycle()
+		if blocked {
+			t.Logf("pause %d, %s's reader stopped: %+v", i, d, last.Dirs[d])
+			gates[d].Unlock()
+		}
+	}
+	for d, pd := range last.Dirs {
+		if pd.Bytes+pd.Pending >= size {
+			t.Fatalf("%s had moved everything (%d bytes, %d pending) by the last pause: the pauses must land mid-stream", Direction(d), pd.Bytes, pd.Pending)
+		}
+	}
+	if pz.pending[AToB] == 0 || pz.pending[BToA] == 0 {
+		t.Errorf("pauses with a pipe handed over: %v, want some in each direction", pz.pending)
+	}
+	if string(gotAB(t)) != string(sentAB(t)) || string(gotBA(t)) != string(sentBA(t)) {
+		t.Fatal("a stream arrived corrupted through the pauses")
+	}
+	tp.client.CloseWrite()
+	tp.upstream.CloseWrite()
+	res, err := pz.wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []Direction{AToB, BToA} {
+		ds := res.Dir(d)
+		if ds.Bytes != size || ds.SpliceBytes != size || ds.CopyBytes != 0 || !ds.Spliced || ds.End != EndEOF {
+			t.Errorf("%s: %+v, want %d bytes, all spliced, eof", d, ds, int64(size))
+		}
+	}
+}
+
+// TestPauseBlockedSink: the upstream reads nothing, so the client's
+// stream backs up into the relay's pipe. The pause hands the pipe over
+// with its bytes; the resumed relay is paused again while it still holds
+// them (its sink is still blocked), which hands the same bytes on; the
+// last relay delivers them first, then the rest: the upstream reads the
+// stream exactly once, in order.
+func TestPauseBlockedSink(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	tp := newTopology(t)
+	smallSinks(t, tp)
+	const size = 8 * MiB
+	sent := goSend(tp.client, size, 21)
+	pz := startPausing(t, tp.relayA, tp.relayB, Options{Pipes: pool})
+	pz.move = func(a, b net.Conn) (net.Conn, net.Conn) { return moveConn(t, a), moveConn(t, b) }
+	pz.stalled(AToB)
+	first := pz.cycle().Dirs[AToB]
+	if first.Pending == 0 || first.Bytes == 0 {
+		t.Fatalf("paused with the upstream not reading: %+v, want bytes delivered and bytes pending", first)
+	}
+	time.Sleep(50 * time.Millisecond)
+	second := pz.cycle().Dirs[AToB]
+	if second.Pending != first.Pending || second.Bytes != first.Bytes {
+		t.Fatalf("second pause %+v, want the first's %d bytes and %d pending, untouched", second, first.Bytes, first.Pending)
+	}
+	if st := pool.Stats(); st.InUse != 0 || st.Created != st.Destroyed+uint64(st.Idle) {
+		t.Errorf("pool after the pauses: %+v, want the handed pipe counted closed", st)
+	}
+	got := readExact(t, tp.upstream, size)
+	if string(got) != string(sent(t)) {
+		t.Fatal("the upstream's stream differs from the client's: pending bytes lost, repeated or out of order")
+	}
+	tp.client.CloseWrite()
+	tp.upstream.CloseWrite()
+	res, err := pz.wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ds := res.AToB; ds.Bytes != size || ds.SpliceBytes != size || ds.End != EndEOF {
+		t.Errorf("a->b %+v, want %d bytes spliced, eof", ds, int64(size))
+	}
+}
+
+// TestPauseAfterHalfClose: the client's stream has ended and been passed
+// on as a half-close when the relay is paused mid-way through the
+// upstream's answer; the resumed relay keeps that direction ended and
+// finishes the other.
+func TestPauseAfterHalfClose(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	tp := newTopology(t)
+	smallSinks(t, tp)
+	const size = 4 * MiB
+	pz := startPausing(t, tp.relayA, tp.relayB, Options{Pipes: pool})
+	pz.move = func(a, b net.Conn) (net.Conn, net.Conn) { return moveConn(t, a), moveConn(t, b) }
+	sentAB := goSend(tp.client, size, 31)
+	if got := readExact(t, tp.upstream, size); string(got) != string(sentAB(t)) {
+		t.Fatal("a->b corrupted")
+	}
+	tp.client.CloseWrite()
+	if n, err := tp.upstream.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("upstream after the client's half-close: %d, %v; want EOF", n, err)
+	}
+	var gate sync.RWMutex
+	gotBA := goPacedRead(tp.client, size, time.Millisecond, &gate)
+	sentBA := goSend(tp.upstream, size, 32)
+	time.Sleep(20 * time.Millisecond)
+	st := pz.cycle()
+	if ab := st.Dirs[AToB]; ab.End != EndEOF || ab.Bytes != size || ab.Pending != 0 {
+		t.Fatalf("a->b in the paused state %+v, want ended (eof) after %d bytes", ab, int64(size))
+	}
+	if ba := st.Dirs[BToA]; ba.End != EndRunning || ba.Bytes+ba.Pending >= size {
+		t.Fatalf("b->a in the paused state %+v, want running, mid-stream", ba)
+	}
+	if ds := pz.tun.Stats().AToB; ds.End != EndEOF {
+		t.Fatalf("resumed relay's a->b %+v, want ended", ds)
+	}
+	if string(gotBA(t)) != string(sentBA(t)) {
+		t.Fatal("b->a corrupted through the pause")
+	}
+	tp.upstream.CloseWrite()
+	res, err := pz.wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.AToB.Bytes != size || res.AToB.End != EndEOF || res.BToA.Bytes != size || res.BToA.End != EndEOF {
+		t.Errorf("result %+v, want %d bytes each way, both eof", res, int64(size))
+	}
+}
+
+// TestPauseDrainsAnAcceptingSink: a direction parked mid-burst with bytes
+// in its pipe, whose sink would take them (an injected EAGAIN parked it,
+// so no wake comes), gives the sink those bytes when paused: nothing is
+// pending, and everything is counted as delivered.
+func TestPauseDrainsAnAcceptingSink(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	tp := newTopology(t)
+	sink := socketFD(t, tp.relayB)
+	var blocked atomic.Bool
+	blocked.Store(true)
+	stall := func(rfd, wfd, n, flags int) (int64, error) {
+		if wfd == sink && blocked.CompareAndSwap(true, false) {
+			return 0, unix.EAGAIN
+		}
+		return spliceSyscall(rfd, wfd, n, flags)
+	}
+	const size = 256 << 10
+	tun := newRelay(tp.relayA, tp.relayB, Options{Pipes: pool}, stall)
+	pz := &pausing{t: t, opts: Options{Pipes: pool}, tun: tun, wait: runStarted(t, tun), conns: [2]net.Conn{tp.relayA, tp.relayB}}
+	sent := goSend(tp.client, size, 81)
+	sum := sent(t)
+	for blocked.Load() {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if ds := tun.Stats().AToB; ds.Bytes != 0 {
+		t.Fatalf("a->b %+v before the pause, want parked with nothing delivered", ds)
+	}
+	if st := pool.Stats(); st.InUse != 1 {
+		t.Fatalf("pool %+v before the pause, want the parked burst's pipe in use", st)
+	}
+	ab := pz.cycle().Dirs[AToB]
+	if ab.Pending != 0 || ab.Bytes == 0 {
+		t.Fatalf("a->b paused %+v, want its pipe drained into the sink", ab)
+	}
+	if got := readExact(t, tp.upstream, size); string(got) != string(sum) {
+		t.Fatal("a->b corrupted")
+	}
+	tp.client.CloseWrite()
+	tp.upstream.CloseWrite()
+	res, err := pz.wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.AToB.Bytes != size {
+		t.Errorf("a->b %+v, want %d bytes", res.AToB, size)
+	}
+}
+
+// TestPauseRefusedWithBufferedBytes: a tunnel whose client side is read
+// through userspace (the copy path, as for a TLS conn kept in Go), with an
+// upstream that reads nothing: the client->upstream direction holds bytes
+// it read and cannot write. Pause refuses (PauseBuffered), Run goes on as
+// if nothing happened: once the upstream reads, both streams arrive exact
+// and the tunnel ends in order. Once nothing is held, a pause succeeds on
+// the copy path too, and the resumed relay finishes the streams.
+func TestPauseRefusedWithBufferedBytes(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	tp := newTopology(t)
+	smallSinks(t, tp)
+	const size = 4 * MiB
+	a := opaqueConn{tp.relayA}
+	sentAB := goSend(tp.client, size, 51)
+	pz := startPausing(t, a, tp.relayB, Options{Pipes: pool})
+	pz.stalled(AToB)
+	_, err := pz.tun.Pause(t.Context())
+	var pe *PauseError
+	if !errors.As(err, &pe) || pe.Reason != PauseBuffered {
+		t.Fatalf("Pause with a copying direction blocked on its sink: %v, want a PauseError (%s)", err, PauseBuffered)
+	}
+	if ds := pz.tun.Stats().AToB; ds.End != EndRunning || ds.Spliced {
+		t.Fatalf("a->b after the refusal: %+v, want running on the copy path", ds)
+	}
+	var gate sync.RWMutex
+	gotAB := goPacedRead(tp.upstream, size, 0, &gate)
+	if string(gotAB(t)) != string(sentAB(t)) {
+		t.Fatal("a->b corrupted after a refused pause")
+	}
+	// Nothing held now: both directions wait in Read.
+	sentBA := goSend(tp.upstream, size/2, 52)
+	gotBA := readExact(t, tp.client, size/2)
+	if string(gotBA) != string(sentBA(t)) {
+		t.Fatal("b->a corrupted after a refused pause")
+	}
+	st := pz.cycle()
+	if st.Dirs[AToB].Bytes != size || st.Dirs[BToA].Bytes != size/2 || st.Dirs[AToB].Pending != 0 {
+		t.Fatalf("paused state %+v, want %d and %d bytes, nothing pending", st, int64(size), int64(size/2))
+	}
+	sentBA = goSend(tp.upstream, size/2, 53)
+	if got := readExact(t, tp.client, size/2); string(got) != string(sentBA(t)) {
+		t.Fatal("b->a corrupted after the resume")
+	}
+	tp.client.CloseWrite()
+	tp.upstream.CloseWrite()
+	res, err := pz.wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.AToB.Bytes != size || res.AToB.CopyBytes != size || res.BToA.Bytes != size || res.AToB.End != EndEOF || res.BToA.End != EndEOF {
+		t.Errorf("result %+v, want %d bytes copied each way, both eof", res, int64(size))
+	}
+}
+
+// TestPauseThrottled: a direction waiting for its Limiter (whose next
+// grant is a second away) is stopped at once: the wait is cut short, not
+// served, and the resumed relay, without a Limiter, delivers the rest.
+func TestPauseThrottled(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	tp := newTopology(t)
+	const size = 64 << 10
+	lim := NewRateLimiter(minGrant, minGrant) // after the first grant, one a second
+	sent := goSend(tp.client, size, 61)
+	var gate sync.RWMutex
+	got := goPacedRead(tp.upstream, size, 0, &gate)
+	pz := startPausing(t, tp.relayA, tp.relayB, Options{Pipes: pool, Limit: [2]Limiter{AToB: lim}})
+	for pz.tun.Stats().AToB.Bytes == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond) // waiting for the next grant
+	start := time.Now()
+	pz.opts.Limit[AToB] = nil
+	st := pz.cycle()
+	if took := time.Since(start); took > 500*time.Millisecond {
+		t.Errorf("pausing a throttled direction took %v; its wait should be cut short", took)
+	}
+	if ab := st.Dirs[AToB]; ab.Bytes == 0 || ab.Bytes > minGrant || ab.Throttled <= 0 || ab.Throttled >= time.Second {
+		t.Errorf("a->b paused %+v, want the first grant's bytes and a throttled wait cut short", ab)
+	}
+	if string(got(t)) != string(sent(t)) {
+		t.Fatal("a->b corrupted through the pause")
+	}
+	tp.client.CloseWrite()
+	tp.upstream.CloseWrite()
+	res, err := pz.wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.AToB.Bytes != size || res.AToB.Throttled != st.Dirs[AToB].Throttled {
+		t.Errorf("a->b %+v, want %d bytes, throttled only before the pause", res.AToB, size)
+	}
+}
+
+// TestPauseNotRunning: Pause before Run, and after Run returned, refuses
+// and changes nothing.
+func TestPauseNotRunning(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	tp := newTopology(t)
+	tun := New(tp.relayA, tp.relayB, Options{Pipes: pool})
+	var pe *PauseError
+	if _, err := tun.Pause(t.Context()); !errors.As(err, &pe) || pe.Reason != PauseNotRunning {
+		t.Fatalf("Pause before Run: %v, want %s", err, PauseNotRunning)
+	}
+	res, err := echoRun(t.Context(), tp, tun, 71, 1*MiB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tun.Pause(t.Context()); !errors.As(err, &pe) || pe.Reason != PauseEnded {
+		t.Fatalf("Pause after Run: %v, want %s", err, PauseEnded)
+	}
+	if res.AToB.Bytes != 1*MiB || res.BToA.Bytes != 1*MiB {
+		t.Errorf("result %+v", res)
+	}
+}
+
+// TestPauseStateEncoding: a state survives its encoding; another version,
+// an unknown field and states Resume could not continue are refused.
+func TestPauseStateEncoding(t *testing.T) {
+	st := PauseState{Dirs: [2]PausedDirection{
+		{Bytes: 5 << 20, SpliceBytes: 5<<20 - 100, CopyBytes: 100, ControlRecords: 3, PipeShortages: 1, Throttled: 1500 * time.Millisecond, Spliced: true, End: EndRunning, Pending: 65536},
+		{Bytes: 7, SpliceBytes: 0, CopyBytes: 7, End: EndEOF},
+	}}
+	enc, err := st.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := DecodePauseState(enc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != st {
+		t.Fatalf("round trip: %+v, want %+v", got, st)
+	}
+	// Inside a larger message, through encoding/json.
+	msg, err := json.Marshal(struct{ Relay PauseState }{st})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back struct{ Relay PauseState }
+	if err := json.Unmarshal(msg, &back); err != nil || back.Relay != st {
+		t.Fatalf("inside a message: %+v, %v", back.Relay, err)
+	}
+
+	var ve *PauseVersionError
+	other := strings.Replace(string(enc), `"v":1`, `"v":2`, 1)
+	if _, err := DecodePauseState([]byte(other)); !errors.As(err, &ve) || ve.Got != 2 {
+		t.Errorf("version 2: %v, want a PauseVersionError", err)
+	}
+	for name, b := range map[string]string{
+		"no version":    strings.Replace(string(enc), `"v":1,`, ``, 1),
+		"unknown field": strings.Replace(string(enc), `"v":1,`, `"v":1,"fd":3,`, 1),
+		"trailing":      string(enc) + "{}",
+		"unknown end":   strings.Replace(string(enc), `"end":"eof"`, `"end":"error"`, 1),
+	} {
+		if _, err := DecodePauseState([]byte(b)); err == nil {
+			t.Errorf("%s: decoded %s", name, b)
+		}
+	}
+	for name, bad := range map[string]func(*PauseState){
+		"bytes do not add up":      func(s *PauseState) { s.Dirs[0].CopyBytes++ },
+		"negative":                 func(s *PauseState) { s.Dirs[1].ControlRecords = -1 },
+		"pending after the end":    func(s *PauseState) { s.Dirs[1].Pending = 1 },
+		"an end that cannot go on": func(s *PauseState) { s.Dirs[0].End = EndError },
+	} {
+		s := st
+		bad(&s)
+		if _, err := s.Encode(); err == nil {
+			t.Errorf("%s: encoded", name)
+		}
+		if _, err := Resume(&net.TCPConn{}, &net.TCPConn{}, &Paused{State: s}, Options{}); err == nil {
+			t.Errorf("%s: resumed", name)
+		}
+	}
+}

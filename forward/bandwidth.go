@@ -104,12 +104,6 @@ func (r *Registry) limits(sandbox string, toSandbox, fromSandbox Bandwidth) (lim
 	}
 }
 
-// addThrottled adds a closed tunnel's capped waits.
-func (r *Registry) addThrottled(res splice.Stats) {
-	r.bandwidth.throttledTo.Add(int64(res.AToB.Throttled))
-	r.bandwidth.throttledFrom.Add(int64(res.BToA.Throttled))
-}
-
 // Throttled is how long the directions of closed tunnels waited for their
 // sandbox's bandwidth cap (Config.BandwidthToSandbox, BandwidthFromSandbox).
 func (r *Registry) Throttled() (toSandbox, fromSandbox time.Duration) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"slices"
 	"time"
 
@@ -122,6 +123,17 @@ type Config struct {
 	// bytes: no counter of the tunnel includes them. Zero writes none; other
 	// values are refused by New.
 	ProxyProtocol int
+	// HandOffConn, when set (with AdoptConn), lets MoveTunnels move this
+	// Forwarder's tunnels: it gives up a gateway connection's session (the relay's
+	// connection, paused) and returns its encoded state and a descriptor
+	// of its socket, or an error when it cannot (a userspace TLS session).
+	// The glue sets it to the kernel TLS handoff (ktls.Conn.Handoff).
+	HandOffConn func(net.Conn) (state []byte, socket *os.File, err error)
+	// AdoptConn, when set, lets this Forwarder adopt tunnels
+	// (Forwarder.Adopt): it builds a gateway connection from what
+	// HandOffConn returned, and the function that drops it without ending
+	// its session (the other process keeps it).
+	AdoptConn func(state []byte, socket *os.File) (conn net.Conn, release func(), err error)
 	// OnStep, when set, is called as each timed Step of a tunnel's opening
 	// ends, with how long it took, whatever its outcome (a refusal is also
 	// counted by its reason in the Registry). It runs on the tunnel's
@@ -187,6 +199,11 @@ func New(cfg Config) (*Forwarder, error) {
 	if cfg.StandbyTimeout < 0 || cfg.MaxStandbyPerClient < 0 || cfg.MaxDials < 0 {
 		return nil, errors.New("forward: negative StandbyTimeout, MaxStandbyPerClient or MaxDials")
 	}
+	if cfg.HandOffConn != nil && cfg.AdoptConn == nil {
+		// A tunnel the other process does not take runs on here, on the
+		// connection adopted back.
+		return nil, errors.New("forward: HandOffConn needs AdoptConn")
+	}
 	if cfg.MaxStandbyPerClient == 0 {
 		cfg.MaxStandbyPerClient = DefaultMaxStandbyPerClient
 	}
@@ -236,6 +253,9 @@ type Result struct {
 	// the target answered; Tunnel.Opened) to its end, when Serve returns.
 	// Zero for a refused tunnel (Tunnel.ID is zero).
 	Duration time.Duration
+	// Moved: the tunnel went on in another process (Registry.MoveTunnels);
+	// Relay holds its counters until then.
+	Moved bool
 }
 
 // Serve carries one tunnel and returns when it has ended; it always closes
@@ -269,11 +289,6 @@ func (f *Forwarder) Serve(c Gateway) (Result, error) {
 		res.Tunnel, res.Duration = tun.Info(), time.Since(tun.Opened)
 		return res, err
 	}
-	if f.cfg.MaxTunnelLifetime > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, f.cfg.MaxTunnelLifetime, &LifetimeError{Lifetime: f.cfg.MaxTunnelLifetime})
-		defer cancel()
-	}
 	if c.OnOpen != nil {
 		c.OnOpen(tun.Info())
 	}
@@ -306,9 +321,16 @@ func (f *Forwarder) Serve(c Gateway) (Result, error) {
 			return ended(Result{}, fmt.Errorf("forward: buffered client bytes to target: %w", werr))
 		}
 	}
-	limit, release := f.cfg.Registry.limits(tun.Sandbox, f.cfg.BandwidthToSandbox, f.cfg.BandwidthFromSandbox)
+	opts, release := f.relayOptions(tun)
 	defer release()
-	res, err := splice.New(relay, upstream, splice.Options{
+	return ended(f.carry(ctx, tun, splice.New(relay, upstream, opts), relay, upstream, opts, splice.Stats{}))
+}
+
+// relayOptions are the relay options of tun, and the function that
+// releases its bandwidth buckets when it ends.
+func (f *Forwarder) relayOptions(tun *Tunnel) (splice.Options, func()) {
+	limit, release := f.cfg.Registry.limits(tun.Sandbox, f.cfg.BandwidthToSandbox, f.cfg.BandwidthFromSandbox)
+	return splice.Options{
 		Pipes: f.cfg.Pipes,
 		Limit: limit,
 		// A gateway ends its tunnel in order with close_notify: without
@@ -322,13 +344,46 @@ func (f *Forwarder) Serve(c Gateway) (Result, error) {
 				tun.AddFromSandbox(int64(n))
 			}
 		},
-	}).Run(ctx)
-	f.cfg.Registry.addDataPath(res)
-	f.cfg.Registry.addThrottled(res)
-	if errors.As(err, new(*LifetimeError)) {
-		f.cfg.Registry.expired.Add(1)
+	}, release
+}
+
+// carry runs relay (gw ↔ upstream) to the end of tun: a tunnel Serve
+// opened, or one another process moved here (base: its relay's counters
+// then). Config.MaxTunnelLifetime counts from the tunnel's opening. A
+// tunnel that MoveTunnels moved ends here with Result.Moved, its
+// connections' descriptors closed and the sockets left to the other
+// process; one it kept runs on.
+func (f *Forwarder) carry(ctx context.Context, tun *Tunnel, relay *splice.Relay, gw, upstream net.Conn, opts splice.Options, base splice.Stats) (Result, error) {
+	if f.cfg.MaxTunnelLifetime > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadlineCause(ctx, tun.Opened.Add(f.cfg.MaxTunnelLifetime), &LifetimeError{Lifetime: f.cfg.MaxTunnelLifetime})
+		defer cancel()
 	}
-	return ended(Result{Relay: res}, err)
+	mv := &movable{f: f, relay: relay, gw: gw, upstream: upstream, opts: opts, verdict: make(chan moveVerdict, 1)}
+	tun.movable.Store(mv)
+	defer tun.movable.Store(nil)
+	for {
+		res, err := relay.Run(ctx)
+		if errors.Is(err, splice.ErrPaused) {
+			v := <-mv.verdict
+			switch {
+			case v.moved:
+				f.cfg.Registry.addRelay(res, base)
+				gw.Close()
+				upstream.Close()
+				return Result{Relay: res, Moved: true}, nil
+			case v.relay != nil:
+				relay, gw = v.relay, v.gw
+				continue
+			}
+			err = errors.New("forward: the tunnel did not resume after a move that failed")
+		}
+		f.cfg.Registry.addRelay(res, base)
+		if errors.As(err, new(*LifetimeError)) {
+			f.cfg.Registry.expired.Add(1)
+		}
+		return Result{Relay: res}, err
+	}
 }
 
 // LifetimeError ends a tunnel that reached Config.MaxTunnelLifetime.

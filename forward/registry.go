@@ -114,6 +114,8 @@ type Tunnel struct {
 	// closing is set by the Close that ends the tunnel, so that another
 	// one neither counts nor reports it again.
 	closing atomic.Bool
+	// movable is set while the tunnel's relay runs (MoveTunnels).
+	movable atomic.Pointer[movable]
 }
 
 // TunnelInfo is a snapshot of one tunnel, as served by the admin API.
@@ -449,13 +451,18 @@ func (r *Registry) DataPath() DataPath {
 		ControlRecords: r.controlRecords.Load(), PipeShortages: r.pipeShortages.Load()}
 }
 
-func (r *Registry) addDataPath(res splice.Stats) {
-	for _, d := range []splice.DirectionStats{res.AToB, res.BToA} {
-		r.spliceBytes.Add(d.SpliceBytes)
-		r.copyBytes.Add(d.CopyBytes)
-		r.controlRecords.Add(d.ControlRecords)
-		r.pipeShortages.Add(d.PipeShortages)
+// addRelay adds what a relay did in this process: its counters res less
+// base, those it came with from another process.
+func (r *Registry) addRelay(res, base splice.Stats) {
+	for i, d := range []splice.DirectionStats{res.AToB, res.BToA} {
+		b := []splice.DirectionStats{base.AToB, base.BToA}[i]
+		r.spliceBytes.Add(d.SpliceBytes - b.SpliceBytes)
+		r.copyBytes.Add(d.CopyBytes - b.CopyBytes)
+		r.controlRecords.Add(d.ControlRecords - b.ControlRecords)
+		r.pipeShortages.Add(d.PipeShortages - b.PipeShortages)
 	}
+	r.bandwidth.throttledTo.Add(int64(res.AToB.Throttled - base.AToB.Throttled))
+	r.bandwidth.throttledFrom.Add(int64(res.BToA.Throttled - base.BToA.Throttled))
 }
 
 // Tunnels returns a snapshot of the open tunnels, oldest first.

@@ -1,0 +1,303 @@
+package forward
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/splice"
+)
+
+// Moving a live tunnel to another process (a binary upgrade): its relay
+// pauses at a safe point (splice.Relay.Pause), the gateway's connection
+// gives up its session (Config.HandOffConn: the kernel TLS state), and the
+// two sockets, the pipes holding bytes in flight and a MovedTunnel go to
+// the other process (a Mover), whose Forwarder adopts them (Adopt) and
+// resumes the relay. A tunnel the other process does not take resumes
+// here, as if nothing had happened. Either way it is in exactly one
+// process: the Mover decides which (internal/handoff).
+
+// Mover moves one object to another process: kind and state are the
+// object's, files its descriptors (the caller's still). moved reports
+// whether the other process took it; when it did not, err says why.
+type Mover interface {
+	Move(kind uint16, state []byte, files ...*os.File) (moved bool, err error)
+}
+
+// MoveKindTunnel is the object kind of a tunnel for a Mover.
+const MoveKindTunnel uint16 = 1
+
+// MovedTunnelVersion is the MovedTunnel.Version this build writes and
+// adopts.
+const MovedTunnelVersion = 1
+
+// MovedTunnel is a tunnel's state as it moves. Its descriptors travel
+// beside it, in this order: the gateway's connection, the target's, then
+// the pipes of the directions with bytes pending (AToB first).
+type MovedTunnel struct {
+	Version int         `json:"version"`
+	Tunnel  TunnelState `json:"tunnel"`
+	// Conn is the gateway connection's session as Config.HandOffConn
+	// encoded it.
+	Conn  []byte            `json:"conn"`
+	Relay splice.PauseState `json:"relay"`
+}
+
+// movable is what a running tunnel's Serve offers MoveTunnels.
+type movable struct {
+	f              *Forwarder
+	relay          *splice.Relay
+	gw, upstream   net.Conn
+	opts           splice.Options
+	verdict        chan moveVerdict // MoveTunnels tells the paused Serve
+	mu             sync.Mutex       // guards relay and gw across a kept move
+	baseOfThisProc splice.Stats     // counters the relay had when it came here (Adopt)
+}
+
+type moveVerdict struct {
+	moved bool
+	relay *splice.Relay // the resumed relay, when kept
+	gw    net.Conn      // the gateway connection it runs on, when kept
+}
+
+// MoveResult counts what MoveTunnels did.
+type MoveResult struct {
+	Moved int
+	// Stayed counts the tunnels that stay here, by why: they run on as
+	// before (and end here, as tunnels do). Stays says which and the
+	// error.
+	Stayed map[string]int
+	Stays  []Stay
+	// Pauses are how long each moved tunnel's relay stood still, in
+	// order.
+	Pauses []time.Duration
+}
+
+// Stay is a tunnel that stayed, why and the error that said so.
+type Stay struct {
+	Tunnel uint64
+	Why    string
+	Err    error
+}
+
+func (r *MoveResult) stay(id uint64, why string, err error) {
+	if r.Stayed == nil {
+		r.Stayed = map[string]int{}
+	}
+	r.Stayed[why]++
+	r.Stays = append(r.Stays, Stay{Tunnel: id, Why: why, Err: err})
+}
+
+// The reasons a tunnel stays (MoveResult.Stayed).
+const (
+	StayNotMovable = "not-movable" // its Forwarder has no HandOffConn, or it is opening or ending
+	StayPause      = "pause"       // the relay would not pause (splice.PauseReason in the log)
+	StayConn       = "conn"        // the gateway connection could not give up its session (userspace TLS)
+	StayRefused    = "refused"     // the other process refused it, or the session failed
+)
+
+// MoveTunnels offers every open tunnel to m, one at a time, and returns
+// what became of them. It stops offering after the first failure of m's
+// session (a Mover error that is not a refusal of one tunnel is
+// indistinguishable here: every later offer fails the same way and is
+// counted as such). The moved tunnels' Serve return with Result.Moved.
+func (r *Registry) MoveTunnels(ctx context.Context, m Mover) MoveResult {
+	var res MoveResult
+	for _, t := range r.openTunnels() {
+		why, pause, err := t.move(ctx, m)
+		if why == "" {
+			res.Moved++
+			res.Pauses = append(res.Pauses, pause)
+		} else {
+			res.stay(t.ID, why, err)
+		}
+	}
+	return res
+}
+
+func (r *Registry) openTunnels() []*Tunnel {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	list := make([]*Tunnel, 0, len(r.tunnels))
+	for _, t := range r.tunnels {
+		list = append(list, t)
+	}
+	return list
+}
+
+// move offers t to m: "" when it moved, else why it stays and the error.
+func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Duration, err error) {
+	mv := t.movable.Load()
+	if mv == nil {
+		return StayNotMovable, 0, errors.New("its relay is not running")
+	}
+	if mv.f.cfg.HandOffConn == nil {
+		return StayNotMovable, 0, errors.New("its forwarder hands off no connection (HandOffConn)")
+	}
+	mv.mu.Lock()
+	defer mv.mu.Unlock()
+	start := time.Now()
+	paused, err := mv.relay.Pause(ctx)
+	if err != nil {
+		return StayPause, 0, err
+	}
+	defer paused.Close()
+	// keep resumes the relay here on gw, and says why it stayed.
+	keep := func(why string, gw net.Conn, cause error) (string, time.Duration, error) {
+		relay, err := splice.Resume(gw, mv.upstream, paused, mv.opts)
+		if err != nil {
+			// Unreachable: the state came from this relay; end the
+			// tunnel as a failure rather than leave it stopped.
+			splice.Abort(gw)
+			splice.Abort(mv.upstream)
+			mv.verdict <- moveVerdict{}
+			return why, 0, errors.Join(cause, err)
+		}
+		mv.relay, mv.gw = relay, gw
+		mv.verdict <- moveVerdict{relay: relay, gw: gw}
+		return why, 0, cause
+	}
+	connState, connFile, err := mv.f.cfg.HandOffConn(mv.gw)
+	if err != nil {
+		return keep(StayConn, mv.gw, err)
+	}
+	defer connFile.Close()
+	// From here the gateway connection here is given up: a tunnel that
+	// stays runs on the connection adopted back from connFile.
+	stayHere := func(why string, cause error) (string, time.Duration, error) {
+		given := mv.gw
+		defer given.Close() // its descriptors; the session goes on in gw
+		gw, _, err := mv.f.cfg.AdoptConn(connState, connFile)
+		if err != nil {
+			splice.Abort(mv.upstream)
+			mv.verdict <- moveVerdict{}
+			return why, 0, errors.Join(cause, err)
+		}
+		return keep(why, gw, cause)
+	}
+	fc, ok := mv.upstream.(interface{ File() (*os.File, error) })
+	if !ok {
+		return stayHere(StayNotMovable, fmt.Errorf("the target's connection (%T) has no descriptor to pass", mv.upstream))
+	}
+	up, err := fc.File()
+	if err != nil {
+		return stayHere(StayNotMovable, err)
+	}
+	defer up.Close()
+	state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Tunnel: t.State(), Conn: connState, Relay: paused.State})
+	if err != nil {
+		return stayHere(StayNotMovable, err)
+	}
+	files := []*os.File{connFile, up}
+	for _, p := range paused.Pipes {
+		if p != nil {
+			files = append(files, p)
+		}
+	}
+	if moved, err := m.Move(MoveKindTunnel, state, files...); !moved {
+		return stayHere(StayRefused, err)
+	}
+	pause = time.Since(start)
+	// Its registration goes with it: this registry closes it now, so that
+	// a report stream handed off (HandOff) never counts it open here.
+	t.Close()
+	mv.verdict <- moveVerdict{moved: true}
+	return "", pause, nil
+}
+
+// AdoptedTunnel is a tunnel another process moved here, built and not
+// started: Run it once the other process released it, or Discard it.
+type AdoptedTunnel struct {
+	f        *Forwarder
+	tun      *Tunnel
+	ctx      context.Context
+	relay    *splice.Relay
+	gw       net.Conn
+	release  func()
+	upstream net.Conn
+	opts     splice.Options
+	base     splice.Stats
+}
+
+// Adopt builds, without starting it, the tunnel of a MovedTunnel state
+// and its descriptors (MoveTunnels' order), registered in f's Registry,
+// which must have adopted the tunnel's report stream (AdoptReports). The
+// descriptors stay the caller's. A refusal says why; nothing was used.
+func (f *Forwarder) Adopt(state []byte, files []*os.File) (*AdoptedTunnel, error) {
+	if f.cfg.AdoptConn == nil {
+		return nil, errors.New("forward: this forwarder adopts no tunnel (no AdoptConn)")
+	}
+	var mt MovedTunnel
+	if err := json.Unmarshal(state, &mt); err != nil {
+		return nil, fmt.Errorf("forward: moved tunnel: %w", err)
+	}
+	if mt.Version != MovedTunnelVersion {
+		return nil, fmt.Errorf("forward: moved tunnel version %d, this build adopts %d", mt.Version, MovedTunnelVersion)
+	}
+	pending := 0
+	for _, d := range mt.Relay.Dirs {
+		if d.Pending > 0 {
+			pending++
+		}
+	}
+	if len(files) != 2+pending {
+		return nil, fmt.Errorf("forward: moved tunnel %d: %d descriptors, want %d", mt.Tunnel.ID, len(files), 2+pending)
+	}
+	paused := &splice.Paused{State: mt.Relay}
+	next := 2
+	for d, pd := range mt.Relay.Dirs {
+		if pd.Pending > 0 {
+			paused.Pipes[d] = files[next]
+			next++
+		}
+	}
+	gw, release, err := f.cfg.AdoptConn(mt.Conn, files[0])
+	if err != nil {
+		return nil, fmt.Errorf("forward: moved tunnel %d: the gateway's connection: %w", mt.Tunnel.ID, err)
+	}
+	upstream, err := net.FileConn(files[1])
+	if err != nil {
+		release()
+		return nil, fmt.Errorf("forward: moved tunnel %d: the target's connection: %w", mt.Tunnel.ID, err)
+	}
+	tun, ctx, err := f.cfg.Registry.AdoptTunnel(mt.Tunnel)
+	if err != nil {
+		release()
+		upstream.Close()
+		return nil, err
+	}
+	a := &AdoptedTunnel{f: f, tun: tun, ctx: ctx, gw: gw, release: release, upstream: upstream, base: mt.Relay.Stats()}
+	opts, releaseLimits := f.relayOptions(tun)
+	relay, err := splice.Resume(gw, upstream, paused, opts)
+	if err != nil {
+		releaseLimits()
+		a.Discard()
+		return nil, fmt.Errorf("forward: moved tunnel %d: %w", mt.Tunnel.ID, err)
+	}
+	a.relay, a.opts = relay, opts
+	a.release = func() { releaseLimits(); release() }
+	return a, nil
+}
+
+// Discard drops an adopted tunnel that the other process kept: this
+// process's descriptors close, the sockets and the session stay the other
+// process's, and the tunnel leaves the registry.
+func (a *AdoptedTunnel) Discard() {
+	a.release()
+	a.upstream.Close()
+	a.tun.Close()
+}
+
+// Run carries the adopted tunnel to its end, as Serve does.
+func (a *AdoptedTunnel) Run() (Result, error) {
+	defer a.tun.Close()
+	defer a.release()
+	res, err := a.f.carry(a.ctx, a.tun, a.relay, a.gw, a.upstream, a.opts, a.base)
+	res.Tunnel, res.Duration = a.tun.Info(), time.Since(a.tun.Opened)
+	return res, err
+}

@@ -1,0 +1,326 @@
+package forward
+
+import (
+	"context"
+	"crypto/ed25519"
+	"crypto/sha256"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// Plain TCP gateway connections move as the descriptor alone (the kernel
+// TLS session is ktls's, tested in the VM).
+func tcpHandOff(c net.Conn) ([]byte, *os.File, error) {
+	f, err := c.(*net.TCPConn).File()
+	return []byte("tcp"), f, err
+}
+
+func tcpAdopt(state []byte, f *os.File) (net.Conn, func(), error) {
+	if string(state) != "tcp" {
+		return nil, nil, errors.New("not a tcp state")
+	}
+	c, err := net.FileConn(f)
+	if err != nil {
+		return nil, nil, err
+	}
+	return c, func() { c.Close() }, nil
+}
+
+// sessionMover moves through a handoff session.
+type sessionMover struct{ s *handoff.Sender }
+
+func (m sessionMover) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
+	fate, err := m.s.Move(kind, state, files...)
+	return fate == handoff.Moved, err
+}
+
+// newProcess is a second forwarder, as the new process has it: its own
+// registry, trusting the same gateway.
+func newProcess(t *testing.T, gw *forwardtest.Gateway) (*Forwarder, *Registry) {
+	t.Helper()
+	v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": gw.Pub}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol, err := NewTargetPolicy([]string{"127.0.0.0/8"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := NewRegistry()
+	f, err := New(Config{Verifier: v, Policy: pol, Registry: reg, AdoptConn: tcpAdopt})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f, reg
+}
+
+// handoffSession connects a sender and a receiver; the receiver adopts
+// every tunnel into f unless refuse says no, runs the adopted ones, and
+// sends their results to results.
+func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Result, runs *sync.WaitGroup) *handoff.Sender {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "handoff.sock")
+	ln, err := handoff.Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		r, err := handoff.Dial(path, handoff.Config{})
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer r.Close()
+		for {
+			it, err := r.Next()
+			if err != nil {
+				return
+			}
+			if refuse {
+				it.Refuse("the test refuses every tunnel")
+				continue
+			}
+			a, err := f.Adopt(it.State, it.Files)
+			if err != nil {
+				for _, f := range it.Files {
+					f.Close()
+				}
+				it.Refuse(err.Error())
+				continue
+			}
+			err = it.Adopt()
+			for _, f := range it.Files {
+				f.Close()
+			}
+			if err != nil {
+				a.Discard()
+				continue
+			}
+			runs.Go(func() {
+				res, err := a.Run()
+				if err != nil {
+					t.Errorf("adopted tunnel %d: %v", res.Tunnel.ID, err)
+				}
+				results <- res
+			})
+		}
+	}()
+	s, err := handoff.Accept(ln, handoff.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// streamingClient is a gateway's tunnel that writes its pattern in paced
+// chunks until release is closed and 32 chunks more, then half-closes,
+// and reads to the end.
+type streamingClient struct {
+	sent, recv   [32]byte
+	sentN, recvN int64
+	err          error
+}
+
+func runStreaming(c *net.TCPConn, frame []byte, seed uint64, release <-chan struct{}) *streamingClient {
+	sc := &streamingClient{}
+	defer c.Close()
+	errc := make(chan error, 1)
+	go func() {
+		if _, err := c.Write(frame); err != nil {
+			errc <- err
+			return
+		}
+		h, p := sha256.New(), forwardtest.NewPattern(seed)
+		buf := make([]byte, 16<<10)
+		for more := 32; more > 0; time.Sleep(2 * time.Millisecond) {
+			select {
+			case <-release:
+				more--
+			default:
+			}
+			p.Read(buf)
+			h.Write(buf)
+			if _, err := c.Write(buf); err != nil {
+				errc <- err
+				return
+			}
+			sc.sentN += int64(len(buf))
+		}
+		copy(sc.sent[:], h.Sum(nil))
+		errc <- c.CloseWrite()
+	}()
+	h := sha256.New()
+	sc.recvN, sc.err = io.Copy(h, c)
+	copy(sc.recv[:], h.Sum(nil))
+	if werr := <-errc; sc.err == nil {
+		sc.err = werr
+	}
+	return sc
+}
+
+// exactBothWays checks that each client's bytes reached an upstream
+// connection exact, and that it read exactly what that connection sent.
+func exactBothWays(t *testing.T, clients []*streamingClient, ups []forwardtest.Result) {
+	t.Helper()
+	for i, sc := range clients {
+		ok := false
+		for _, r := range ups {
+			ok = ok || (r.RecvSum == sc.sent && r.Received == sc.sentN && r.SentSum == sc.recv && r.Sent == sc.recvN)
+		}
+		if !ok || sc.err != nil || sc.recvN == 0 {
+			t.Errorf("client %d (sent %d, read %d, %v): no upstream connection received its bytes exact and sent it what it read", i, sc.sentN, sc.recvN, sc.err)
+		}
+	}
+}
+
+// Tunnels streaming both ways move to another forwarder mid-stream: every
+// byte arrives exact both ways, the old Serve ends Moved, the adopted relay
+// counts on from the old one's counters, and the report streams of the
+// two registries carry every byte exactly once.
+func TestMoveTunnelsMidStream(t *testing.T) {
+	const n = 8
+	forwardtest.CheckLeaks(t)
+	old := newFixture(t, func(c *Config) { c.HandOffConn, c.AdoptConn = tcpHandOff, tcpAdopt })
+	up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
+	nu, nuReg := newProcess(t, old.gw)
+
+	clients := make([]*streamingClient, n)
+	var wg sync.WaitGroup
+	release := make(chan struct{})
+	for i := range n {
+		c, frame := old.dial(t), old.gw.Frame(t, "sbx-move", up.Addr())
+		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), release) })
+	}
+	waitUntil(t, "every tunnel open and moving bytes", func() bool {
+		open, _ := old.reg.Counts()
+		return open == n && up.Received() > n*64<<10
+	})
+	first, _ := old.reg.TakeReport("fwd")
+
+	st, done, err := old.reg.HandOff()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nuReg.AdoptReports(st); err != nil {
+		t.Fatal(err)
+	}
+	results := make(chan Result, n)
+	var runs sync.WaitGroup
+	s := handoffSession(t, nu, false, results, &runs)
+	res := old.reg.MoveTunnels(context.Background(), sessionMover{s})
+	s.Close()
+	done(true)
+	if res.Moved != n || len(res.Stayed) != 0 {
+		t.Fatalf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)
+	}
+	if open, _ := old.reg.Counts(); open != 0 {
+		t.Errorf("%d tunnels open in the old registry after the move", open)
+	}
+
+	close(release)
+	wg.Wait()
+	up.Close()
+	runs.Wait()
+	close(results)
+	ups := up.Results()
+	exactBothWays(t, clients, ups)
+	var movedTo, movedFrom int64
+	for _, r := range old.wait(t, n) {
+		if r != nil {
+			t.Errorf("old Serve: %v", r)
+		}
+	}
+	for _, r := range old.res {
+		if !r.Moved {
+			t.Errorf("old Serve of tunnel %d: not Moved", r.Tunnel.ID)
+		}
+	}
+	var adopted int
+	for r := range results {
+		adopted++
+		movedTo += r.Relay.AToB.Bytes
+		movedFrom += r.Relay.BToA.Bytes
+	}
+	var upTo, upFrom int64
+	for _, r := range ups {
+		upTo += r.Received
+		upFrom += r.Sent
+	}
+	if adopted != n || movedTo != upTo || movedFrom != upFrom {
+		t.Errorf("adopted %d tunnels counting %d bytes to and %d from the sandbox; the upstream received %d and sent %d",
+			adopted, movedTo, movedFrom, upTo, upFrom)
+	}
+	// Every byte in exactly one report: the stream's first report (old),
+	// its next (new), and the old process's stream of its own.
+	next, _ := nuReg.TakeReport("fwd")
+	own, _ := old.reg.TakeReport("fwd")
+	var to, from int64
+	for _, rep := range []ActivityReport{first, next, own} {
+		for _, d := range rep.Sandboxes {
+			to += d.BytesToSandbox
+			from += d.BytesFromSandbox
+		}
+	}
+	if to != upTo || from != upFrom || next.Sequence != first.Sequence+1 || next.ProcessStart != first.ProcessStart {
+		t.Errorf("reports carry %d bytes to and %d from the sandbox, want %d and %d; the new process's report is %+v after %+v",
+			to, from, upTo, upFrom, next.ReportID, first.ReportID)
+	}
+}
+
+// A tunnel the other process refuses stays and runs on exact.
+func TestMoveTunnelsRefusedStay(t *testing.T) {
+	const n = 4
+	forwardtest.CheckLeaks(t)
+	old := newFixture(t, func(c *Config) { c.HandOffConn, c.AdoptConn = tcpHandOff, tcpAdopt })
+	up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
+	nu, _ := newProcess(t, old.gw)
+	clients := make([]*streamingClient, n)
+	var wg sync.WaitGroup
+	release := make(chan struct{})
+	for i := range n {
+		c, frame := old.dial(t), old.gw.Frame(t, "sbx-stay", up.Addr())
+		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), release) })
+	}
+	waitUntil(t, "every tunnel open and moving bytes", func() bool {
+		open, _ := old.reg.Counts()
+		return open == n && up.Received() > n*32<<10
+	})
+	results := make(chan Result, n)
+	var runs sync.WaitGroup
+	s := handoffSession(t, nu, true, results, &runs)
+	res := old.reg.MoveTunnels(context.Background(), sessionMover{s})
+	s.Close()
+	if res.Moved != 0 || res.Stayed[StayRefused] != n {
+		t.Fatalf("moved %d, stayed %v (%v); want all %d refused", res.Moved, res.Stayed, res.Stays, n)
+	}
+	close(release)
+	wg.Wait()
+	up.Close()
+	runs.Wait()
+	for i, r := range old.wait(t, n) {
+		if r != nil || old.res[i].Moved {
+			t.Errorf("tunnel %d: %v, moved %v", old.res[i].Tunnel.ID, r, old.res[i].Moved)
+		}
+	}
+	exactBothWays(t, clients, up.Results())
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}

@@ -68,6 +68,7 @@ func TestKernelPauseHandoff(t *testing.T) {
 			var pending [2]int
 			delta := kerneltest.StatDelta(t, func() {
 				tp := newKTLSTopology(t, tc.version, ktls.Options{RequireOffload: true})
+				bounded(t, tp.gateway, tp.upstream)
 				smallSinks(t, topology{relayA: tp.server.NetConn().(*net.TCPConn), relayB: tp.relayB, client: tp.gateway.NetConn().(*net.TCPConn), upstream: tp.upstream})
 				var gates [2]sync.RWMutex
 				sentAB := goSend(tp.gateway, size, 41)

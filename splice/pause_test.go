@@ -57,6 +57,16 @@ func goPacedRead(r io.Reader, n int64, pace time.Duration, gate *sync.RWMutex) (
 	}
 }
 
+// bounded gives the peers' reads and writes a deadline, so that a byte the
+// tunnel loses fails the test instead of hanging it.
+func bounded(t *testing.T, cs ...net.Conn) {
+	for _, c := range cs {
+		if err := c.SetDeadline(time.Now().Add(30 * time.Second)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // moveConn hands c over as a process handoff does: a duplicate of its
 // socket becomes a new net.Conn (net.FileConn), and c is closed.
 func moveConn(t *testing.T, c net.Conn) net.Conn {
@@ -227,6 +237,7 @@ func TestPauseResumeLoop(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 4)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	smallSinks(t, tp)
 	const size = 32 * MiB
 	var gates [2]sync.RWMutex // gates[d] stops the reader of direction d
@@ -291,6 +302,7 @@ func TestPauseBlockedSink(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	smallSinks(t, tp)
 	const size = 8 * MiB
 	sent := goSend(tp.client, size, 21)
@@ -332,6 +344,7 @@ func TestPauseAfterHalfClose(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	smallSinks(t, tp)
 	const size = 4 * MiB
 	pz := startPausing(t, tp.relayA, tp.relayB, Options{Pipes: pool})
@@ -379,6 +392,7 @@ func TestPauseDrainsAnAcceptingSink(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	sink := socketFD(t, tp.relayB)
 	var blocked atomic.Bool
 	blocked.Store(true)
@@ -432,6 +446,7 @@ func TestPauseRefusedWithBufferedBytes(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	smallSinks(t, tp)
 	const size = 4 * MiB
 	a := opaqueConn{tp.relayA}
@@ -483,6 +498,7 @@ func TestPauseThrottled(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	const size = 64 << 10
 	lim := NewRateLimiter(minGrant, minGrant) // after the first grant, one a second
 	sent := goSend(tp.client, size, 61)
@@ -522,6 +538,7 @@ func TestPauseNotRunning(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	tun := New(tp.relayA, tp.relayB, Options{Pipes: pool})
 	var pe *PauseError
 	if _, err := tun.Pause(t.Context()); !errors.As(err, &pe) || pe.Reason != PauseNotRunning {

@@ -453,7 +453,17 @@ func TestPauseRefusedWithBufferedBytes(t *testing.T) {
 	sentAB := goSend(tp.client, size, 51)
 	pz := startPausing(t, a, tp.relayB, Options{Pipes: pool})
 	pz.stalled(AToB)
-	_, err := pz.tun.Pause(t.Context())
+	refused := make(chan error, 1)
+	go func() {
+		_, err := pz.tun.Pause(t.Context())
+		refused <- err
+	}()
+	var err error
+	select {
+	case err = <-refused:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Pause did not return within 10s")
+	}
 	var pe *PauseError
 	if !errors.As(err, &pe) || pe.Reason != PauseBuffered {
 		t.Fatalf("Pause with a copying direction blocked on its sink: %v, want a PauseError (%s)", err, PauseBuffered)

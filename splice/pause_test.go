@@ -625,3 +625,69 @@ func TestPauseStateEncoding(t *testing.T) {
 		}
 	}
 }
+
+// tailSource is a copy-path source whose second Read, once a deadline in
+// the past stops it, returns a last few bytes together with the deadline's
+// error, as a buffering conn (crypto/tls) may; the reads after it read the
+// socket.
+type tailSource struct {
+	net.Conn
+	first, tail string
+	past        chan struct{}
+	once        sync.Once
+	reads       atomic.Int32
+}
+
+func (c *tailSource) SetDeadline(t time.Time) error {
+	if !t.IsZero() && t.Before(time.Now()) {
+		c.once.Do(func() { close(c.past) })
+	}
+	return c.Conn.SetDeadline(t)
+}
+
+func (c *tailSource) Read(p []byte) (int, error) {
+	switch c.reads.Add(1) {
+	case 1:
+		return copy(p, c.first), nil
+	case 2:
+		<-c.past
+		return copy(p, c.tail), os.ErrDeadlineExceeded
+	}
+	return c.Conn.Read(p)
+}
+
+// TestPauseRefusedForBytesReturnedWithTheDeadline: a copying direction
+// whose Read returns bytes along with the pause's deadline holds them when
+// its sink's write meets the same deadline: the pause is refused, the
+// direction writes them and goes on reading, and the stream arrives whole.
+func TestPauseRefusedForBytesReturnedWithTheDeadline(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
+	src := &tailSource{Conn: tp.relayA, first: "hello ", tail: "world", past: make(chan struct{})}
+	tun := New(src, tp.relayB, Options{Pipes: pool})
+	wait := runStarted(t, tun)
+	if got := readN(t, tp.upstream, 6); string(got) != "hello " {
+		t.Fatalf("upstream read %q", got)
+	}
+	var pe *PauseError
+	if _, err := tun.Pause(t.Context()); !errors.As(err, &pe) || pe.Reason != PauseBuffered {
+		t.Fatalf("Pause: %v, want a PauseError (%s)", err, PauseBuffered)
+	}
+	if _, err := tp.client.Write([]byte("!")); err != nil {
+		t.Fatal(err)
+	}
+	tp.client.CloseWrite()
+	if rest, err := io.ReadAll(tp.upstream); err != nil || string(rest) != "world!" {
+		t.Fatalf("upstream read %q, %v after the refused pause; want \"world!\"", rest, err)
+	}
+	tp.upstream.CloseWrite()
+	res, err := wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.AToB.Bytes != 12 || res.AToB.End != EndEOF {
+		t.Errorf("a->b %+v, want 12 bytes, eof", res.AToB)
+	}
+}

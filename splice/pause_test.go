@@ -626,23 +626,31 @@ func TestPauseStateEncoding(t *testing.T) {
 	}
 }
 
-// tailSource is a copy-path source whose second Read, once a deadline in
-// the past stops it, returns a last few bytes together with the deadline's
-// error, as a buffering conn (crypto/tls) may; the reads after it read the
-// socket.
-type tailSource struct {
-	net.Conn
-	first, tail string
-	past        chan struct{}
-	once        sync.Once
-	reads       atomic.Int32
+// pastSignal is a socket that closes past once its deadline has been
+// moved into the past (a Pause), and that the relay copies through
+// userspace.
+type pastSignal struct {
+	*net.TCPConn
+	past chan struct{}
+	once sync.Once
 }
 
-func (c *tailSource) SetDeadline(t time.Time) error {
+func (c *pastSignal) SetDeadline(t time.Time) error {
+	err := c.TCPConn.SetDeadline(t)
 	if !t.IsZero() && t.Before(time.Now()) {
 		c.once.Do(func() { close(c.past) })
 	}
-	return c.Conn.SetDeadline(t)
+	return err
+}
+
+// tailSource is a copy-path source whose second Read, once past is closed,
+// returns a last few bytes together with the deadline's error, as a
+// buffering conn (crypto/tls) may; the reads after it read the socket.
+type tailSource struct {
+	*net.TCPConn
+	first, tail string
+	past        <-chan struct{}
+	reads       atomic.Int32
 }
 
 func (c *tailSource) Read(p []byte) (int, error) {
@@ -653,7 +661,7 @@ func (c *tailSource) Read(p []byte) (int, error) {
 		<-c.past
 		return copy(p, c.tail), os.ErrDeadlineExceeded
 	}
-	return c.Conn.Read(p)
+	return c.TCPConn.Read(p)
 }
 
 // TestPauseRefusedForBytesReturnedWithTheDeadline: a copying direction
@@ -665,8 +673,11 @@ func TestPauseRefusedForBytesReturnedWithTheDeadline(t *testing.T) {
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
 	bounded(t, tp.client, tp.upstream)
-	src := &tailSource{Conn: tp.relayA, first: "hello ", tail: "world", past: make(chan struct{})}
-	tun := New(src, tp.relayB, Options{Pipes: pool})
+	// The source returns its tail once the sink's deadline is past too,
+	// so that the sink refuses the tail's write.
+	sink := &pastSignal{TCPConn: tp.relayB, past: make(chan struct{})}
+	src := &tailSource{TCPConn: tp.relayA, first: "hello ", tail: "world", past: sink.past}
+	tun := New(src, sink, Options{Pipes: pool})
 	wait := runStarted(t, tun)
 	if got := readN(t, tp.upstream, 6); string(got) != "hello " {
 		t.Fatalf("upstream read %q", got)

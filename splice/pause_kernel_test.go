@@ -68,6 +68,7 @@ func TestKernelPauseHandoff(t *testing.T) {
 			var pending [2]int
 			delta := kerneltest.StatDelta(t, func() {
 				tp := newKTLSTopology(t, tc.version, ktls.Options{RequireOffload: true})
+				bounded(t, tp.gateway, tp.upstream)
 				smallSinks(t, topology{relayA: tp.server.NetConn().(*net.TCPConn), relayB: tp.relayB, client: tp.gateway.NetConn().(*net.TCPConn), upstream: tp.upstream})
 				var gates [2]sync.RWMutex
 				sentAB := goSend(tp.gateway, size, 41)
@@ -108,6 +109,9 @@ func TestKernelPauseHandoff(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Logf("result %+v; pauses with a pipe handed over %v; tls_stat delta %v", res, pending, delta)
+			if pending[AToB] == 0 || pending[BToA] == 0 {
+				t.Errorf("pauses with a pipe handed over: %v, want some in each direction (plaintext from kTLS RX, and bound for kTLS TX)", pending)
+			}
 			in, out := res.AToB, res.BToA
 			if in.Bytes != size || in.SpliceBytes != size || in.ControlRecords != 1 || in.End != EndEOF {
 				t.Errorf("gateway->upstream %+v, want %d bytes spliced from kTLS RX, close_notify the one control record", in, size)

@@ -57,6 +57,16 @@ func goPacedRead(r io.Reader, n int64, pace time.Duration, gate *sync.RWMutex) (
 	}
 }
 
+// bounded gives the peers' reads and writes a deadline, so that a byte the
+// tunnel loses fails the test instead of hanging it.
+func bounded(t *testing.T, cs ...net.Conn) {
+	for _, c := range cs {
+		if err := c.SetDeadline(time.Now().Add(30 * time.Second)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // moveConn hands c over as a process handoff does: a duplicate of its
 // socket becomes a new net.Conn (net.FileConn), and c is closed.
 func moveConn(t *testing.T, c net.Conn) net.Conn {
@@ -227,6 +237,7 @@ func TestPauseResumeLoop(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 4)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	smallSinks(t, tp)
 	const size = 32 * MiB
 	var gates [2]sync.RWMutex // gates[d] stops the reader of direction d
@@ -291,6 +302,7 @@ func TestPauseBlockedSink(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	smallSinks(t, tp)
 	const size = 8 * MiB
 	sent := goSend(tp.client, size, 21)
@@ -332,6 +344,7 @@ func TestPauseAfterHalfClose(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	smallSinks(t, tp)
 	const size = 4 * MiB
 	pz := startPausing(t, tp.relayA, tp.relayB, Options{Pipes: pool})
@@ -379,6 +392,7 @@ func TestPauseDrainsAnAcceptingSink(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	sink := socketFD(t, tp.relayB)
 	var blocked atomic.Bool
 	blocked.Store(true)
@@ -432,13 +446,24 @@ func TestPauseRefusedWithBufferedBytes(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	smallSinks(t, tp)
 	const size = 4 * MiB
 	a := opaqueConn{tp.relayA}
 	sentAB := goSend(tp.client, size, 51)
 	pz := startPausing(t, a, tp.relayB, Options{Pipes: pool})
 	pz.stalled(AToB)
-	_, err := pz.tun.Pause(t.Context())
+	refused := make(chan error, 1)
+	go func() {
+		_, err := pz.tun.Pause(t.Context())
+		refused <- err
+	}()
+	var err error
+	select {
+	case err = <-refused:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Pause did not return within 10s")
+	}
 	var pe *PauseError
 	if !errors.As(err, &pe) || pe.Reason != PauseBuffered {
 		t.Fatalf("Pause with a copying direction blocked on its sink: %v, want a PauseError (%s)", err, PauseBuffered)
@@ -483,6 +508,7 @@ func TestPauseThrottled(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	const size = 64 << 10
 	lim := NewRateLimiter(minGrant, minGrant) // after the first grant, one a second
 	sent := goSend(tp.client, size, 61)
@@ -522,6 +548,7 @@ func TestPauseNotRunning(t *testing.T) {
 	checkLeaks(t)
 	pool := newTestPool(t, 2)
 	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
 	tun := New(tp.relayA, tp.relayB, Options{Pipes: pool})
 	var pe *PauseError
 	if _, err := tun.Pause(t.Context()); !errors.As(err, &pe) || pe.Reason != PauseNotRunning {
@@ -596,5 +623,82 @@ func TestPauseStateEncoding(t *testing.T) {
 		if _, err := Resume(&net.TCPConn{}, &net.TCPConn{}, &Paused{State: s}, Options{}); err == nil {
 			t.Errorf("%s: resumed", name)
 		}
+	}
+}
+
+// pastSignal is a socket that closes past once its deadline has been
+// moved into the past (a Pause), and that the relay copies through
+// userspace.
+type pastSignal struct {
+	*net.TCPConn
+	past chan struct{}
+	once sync.Once
+}
+
+func (c *pastSignal) SetDeadline(t time.Time) error {
+	err := c.TCPConn.SetDeadline(t)
+	if !t.IsZero() && t.Before(time.Now()) {
+		c.once.Do(func() { close(c.past) })
+	}
+	return err
+}
+
+// tailSource is a copy-path source whose second Read, once past is closed,
+// returns a last few bytes together with the deadline's error, as a
+// buffering conn (crypto/tls) may; the reads after it read the socket.
+type tailSource struct {
+	*net.TCPConn
+	first, tail string
+	past        <-chan struct{}
+	reads       atomic.Int32
+}
+
+func (c *tailSource) Read(p []byte) (int, error) {
+	switch c.reads.Add(1) {
+	case 1:
+		return copy(p, c.first), nil
+	case 2:
+		<-c.past
+		return copy(p, c.tail), os.ErrDeadlineExceeded
+	}
+	return c.TCPConn.Read(p)
+}
+
+// TestPauseRefusedForBytesReturnedWithTheDeadline: a copying direction
+// whose Read returns bytes along with the pause's deadline holds them when
+// its sink's write meets the same deadline: the pause is refused, the
+// direction writes them and goes on reading, and the stream arrives whole.
+func TestPauseRefusedForBytesReturnedWithTheDeadline(t *testing.T) {
+	checkLeaks(t)
+	pool := newTestPool(t, 2)
+	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
+	// The source returns its tail once the sink's deadline is past too,
+	// so that the sink refuses the tail's write.
+	sink := &pastSignal{TCPConn: tp.relayB, past: make(chan struct{})}
+	src := &tailSource{TCPConn: tp.relayA, first: "hello ", tail: "world", past: sink.past}
+	tun := New(src, sink, Options{Pipes: pool})
+	wait := runStarted(t, tun)
+	if got := readN(t, tp.upstream, 6); string(got) != "hello " {
+		t.Fatalf("upstream read %q", got)
+	}
+	var pe *PauseError
+	if _, err := tun.Pause(t.Context()); !errors.As(err, &pe) || pe.Reason != PauseBuffered {
+		t.Fatalf("Pause: %v, want a PauseError (%s)", err, PauseBuffered)
+	}
+	if _, err := tp.client.Write([]byte("!")); err != nil {
+		t.Fatal(err)
+	}
+	tp.client.CloseWrite()
+	if rest, err := io.ReadAll(tp.upstream); err != nil || string(rest) != "world!" {
+		t.Fatalf("upstream read %q, %v after the refused pause; want \"world!\"", rest, err)
+	}
+	tp.upstream.CloseWrite()
+	res, err := wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.AToB.Bytes != 12 || res.AToB.End != EndEOF {
+		t.Errorf("a->b %+v, want 12 bytes, eof", res.AToB)
 	}
 }

@@ -967,6 +967,13 @@ func (t *Relay) controlRecord(d Direction, src, dst net.Conn) error {
 			return werr
 		}
 	}
+	if t.pausing(err) {
+		// The Read took the record and what it returned is written.
+		if t.stop(d, nil, 0) {
+			return ErrPaused
+		}
+		return nil
+	}
 	if err != nil && err != io.EOF {
 		return fmt.Errorf("source control record: %w", err)
 	}
@@ -999,12 +1006,6 @@ func (t *Relay) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
 	bufp := copyBuffers.Get().(*[]byte)
 	defer copyBuffers.Put(bufp)
 	n, rerr := src.Read(*bufp)
-	if n == 0 && t.pausing(rerr) {
-		if t.stop(d, nil, 0) {
-			return true, ErrPaused
-		}
-		return false, nil
-	}
 	lim := t.opts.Limit[d]
 	for off := 0; off < n; {
 		// The copy path holds the bytes already: it waits for their
@@ -1023,6 +1024,12 @@ func (t *Relay) copyOnce(d Direction, src, dst net.Conn) (end bool, err error) {
 	switch {
 	case rerr == io.EOF:
 		return true, nil
+	case t.pausing(rerr):
+		// Stopped by a Pause, with what the Read returned written.
+		if t.stop(d, nil, 0) {
+			return true, ErrPaused
+		}
+		return false, nil
 	case rerr != nil:
 		return true, fmt.Errorf("source: %w", sockerr.ReadError(src, rerr))
 	}

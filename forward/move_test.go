@@ -123,24 +123,28 @@ func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Resu
 	return s
 }
 
-// streamingClient is a gateway's tunnel that writes its pattern in paced
-// chunks until release is closed and 32 chunks more, then half-closes,
-// and reads to the end.
+// streamingClient is a gateway's tunnel that writes its preamble frame,
+// then, once start is closed, its pattern in paced chunks until release is
+// closed and 32 chunks more, then half-closes, and reads to the end.
 type streamingClient struct {
 	sent, recv   [32]byte
 	sentN, recvN int64
 	err          error
 }
 
-func runStreaming(c *net.TCPConn, frame []byte, seed uint64, release <-chan struct{}) *streamingClient {
+func runStreaming(c interface {
+	net.Conn
+	CloseWrite() error
+}, frame []byte, seed uint64, start, release <-chan struct{}) *streamingClient {
 	sc := &streamingClient{}
 	defer c.Close()
 	errc := make(chan error, 1)
 	go func() {
-		if _, err := c.Write(frame); err != nil {
+		if _, err := c.Write(frame); len(frame) > 0 && err != nil {
 			errc <- err
 			return
 		}
+		<-start
 		h, p := sha256.New(), forwardtest.NewPattern(seed)
 		buf := make([]byte, 16<<10)
 		for more := 32; more > 0; time.Sleep(2 * time.Millisecond) {
@@ -197,15 +201,12 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 
 	clients := make([]*streamingClient, n)
 	var wg sync.WaitGroup
-	release := make(chan struct{})
+	start, release := make(chan struct{}), make(chan struct{})
 	for i := range n {
 		c, frame := old.dial(t), old.gw.Frame(t, "sbx-move", up.Addr())
-		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), release) })
+		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), start, release) })
 	}
-	waitUntil(t, "every tunnel open and moving bytes", func() bool {
-		open, _ := old.reg.Counts()
-		return open == n && up.Received() > n*64<<10
-	})
+	waitStreaming(t, old.reg, up, n, start)
 	first, _ := old.reg.TakeReport("fwd")
 
 	st, done, err := old.reg.HandOff()
@@ -287,15 +288,12 @@ func TestMoveTunnelsRefusedStay(t *testing.T) {
 	nu, _ := newProcess(t, old.gw)
 	clients := make([]*streamingClient, n)
 	var wg sync.WaitGroup
-	release := make(chan struct{})
+	start, release := make(chan struct{}), make(chan struct{})
 	for i := range n {
 		c, frame := old.dial(t), old.gw.Frame(t, "sbx-stay", up.Addr())
-		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), release) })
+		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), start, release) })
 	}
-	waitUntil(t, "every tunnel open and moving bytes", func() bool {
-		open, _ := old.reg.Counts()
-		return open == n && up.Received() > n*32<<10
-	})
+	waitStreaming(t, old.reg, up, n, start)
 	results := make(chan Result, n)
 	var runs sync.WaitGroup
 	s := handoffSession(t, nu, true, results, &runs)
@@ -314,6 +312,15 @@ func TestMoveTunnelsRefusedStay(t *testing.T) {
 		}
 	}
 	exactBothWays(t, clients, up.Results())
+}
+
+// waitStreaming waits for n tunnels open in reg, starts their streams and
+// waits for bytes of each to have reached up.
+func waitStreaming(t *testing.T, reg *Registry, up *forwardtest.Upstream, n int, start chan struct{}) {
+	t.Helper()
+	waitUntil(t, "every tunnel open", func() bool { open, _ := reg.Counts(); return open == n })
+	close(start)
+	waitUntil(t, "bytes moving", func() bool { return up.Received() > int64(n)*64<<10 })
 }
 
 func waitUntil(t *testing.T, what string, cond func() bool) {

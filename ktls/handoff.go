@@ -570,3 +570,58 @@ func (s *HandoffState) UnmarshalJSON(b []byte) error {
 	*s = d
 	return nil
 }
+
+// HandOffConn is Handoff for c, a *Conn, with the state encoded: what
+// forward.Config.HandOffConn takes. Any other connection is refused.
+func HandOffConn(c net.Conn) ([]byte, *os.File, error) {
+	kc, ok := c.(*Conn)
+	if !ok {
+		return nil, nil, &HandoffError{Reason: HandoffNotOffloaded, Err: fmt.Errorf("a %T is no kernel TLS connection", c)}
+	}
+	st, f, err := kc.Handoff()
+	if err != nil {
+		return nil, nil, err
+	}
+	defer st.Zero()
+	b, err := st.Encode()
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	return b, f, nil
+}
+
+// AdoptConn returns what forward.Config.AdoptConn takes: Adopt of an
+// encoded state with opts, and the function that drops the Conn without
+// ending its session (its descriptors close, nothing is sent): for a
+// connection whose session stays with the process that handed it over.
+func AdoptConn(opts Options) func(state []byte, f *os.File) (net.Conn, func(), error) {
+	return func(state []byte, f *os.File) (net.Conn, func(), error) {
+		st, err := DecodeHandoffState(state)
+		if err != nil {
+			return nil, nil, err
+		}
+		defer st.Zero()
+		c, err := Adopt(f, st, opts)
+		if err != nil {
+			return nil, nil, err
+		}
+		return c, c.forget, nil
+	}
+}
+
+// forget releases an adopted Conn that was never used, its session left
+// to the process that handed it over: the secrets are wiped, this
+// process's descriptors closed, nothing sent.
+func (c *Conn) forget() {
+	c.readMu.Lock()
+	c.writeMu.Lock()
+	c.handedOff.Store(true)
+	c.readErr = ErrHandedOff
+	clear(c.txSecret)
+	clear(c.rxSecret)
+	c.keys.wipe()
+	c.writeMu.Unlock()
+	c.readMu.Unlock()
+	c.closeLocal()
+}

@@ -18,9 +18,11 @@ package splice
 //     sink before it reads the source again;
 //   - a kTLS source's control record not yet read: it stays in the socket.
 //
-// A direction holding bytes in this process's memory (the copy path, or a
-// control record's data, between its Read and the sink's Write) reports
-// them and the Pause is refused: it clears the deadlines and the
+// A direction on the copy path is never paused (PauseCopyPath): its sink
+// may be a userspace TLS session, which a Write cut short by a deadline
+// leaves corrupt for good. A spliced direction holding bytes in this
+// process's memory (a control record's data, between its Read and the
+// sink's Write) reports them and the Pause is refused: it clears the deadlines and the
 // direction goes on where it was. A refusal leaves the relay as it was;
 // only Throttled counts the time the wait was cut short.
 //
@@ -57,6 +59,10 @@ const (
 	// The relay is ending: a direction failed or was aborted, or both
 	// directions have ended.
 	PauseEnded PauseReason = "ended"
+	// A running direction is on the copy path: its source or its sink is
+	// in userspace (a crypto/tls session, say), whose Write a deadline
+	// would leave corrupt for good. Such a tunnel is never paused.
+	PauseCopyPath PauseReason = "copy-path"
 	// Run has not started, another Pause is in progress, or one succeeded.
 	PauseNotRunning PauseReason = "not-running"
 	// Pause's context ended before both directions stopped.
@@ -184,6 +190,12 @@ func (t *Relay) Pause(ctx context.Context) (*Paused, error) {
 	case running == 0:
 		t.pauseMu.Unlock()
 		return refuse(PauseEnded, "both directions have ended")
+	}
+	for d := range t.dirs {
+		if !t.exited[d] && t.dirs[d].end.Load() == uint32(EndRunning) && !t.dirs[d].spliced.Load() {
+			t.pauseMu.Unlock()
+			return refuse(PauseCopyPath, "%s runs the copy path (or has not chosen its path yet)", Direction(d))
+		}
 	}
 	req := &pauseRequest{reports: make(chan stopReport, 2), verdict: make(chan struct{})}
 	t.pauseReq = req

@@ -1,0 +1,177 @@
+package forward
+
+import (
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/tls"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/testpki"
+	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+)
+
+// Kernel TLS tunnels move mid-stream to another forwarder and on the
+// sockets, sessions and record sequences the kernel holds: every byte
+// exact both ways, no record the kernel could not authenticate, and no
+// session installed twice (the adopted sockets keep theirs).
+func TestKernelMoveTunnels(t *testing.T) {
+	kerneltest.Require(t)
+	moveTLSTunnels(t, ktls.Options{RequireOffload: true}, 16)
+}
+
+// Tunnels whose gateway session runs in userspace TLS cannot move: they
+// stay and finish exact, and the result says why.
+func TestMoveUserspaceTLSTunnelsStay(t *testing.T) {
+	moveTLSTunnels(t, ktls.Options{Disable: true}, 4)
+}
+
+func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
+	ca := testpki.NewCA(t, "move CA")
+	serverLeaf, gatewayLeaf := ca.Server(t), ca.Client(t, "gateway")
+	seed := make([]byte, ed25519.SeedSize)
+	rand.Read(seed)
+	key := ed25519.NewKeyFromSeed(seed)
+	newForwarder := func(reg *Registry) *Forwarder {
+		v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": key.Public().(ed25519.PublicKey)}, RequireBinding: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pol, err := NewTargetPolicy([]string{"127.0.0.0/8"}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := New(Config{Verifier: v, Policy: pol, Registry: reg, RequireClientCertificate: true,
+			HandOffConn: ktls.HandOffConn, AdoptConn: ktls.AdoptConn(opts)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	oldReg, nuReg := NewRegistry(), NewRegistry()
+	old, nu := newForwarder(oldReg), newForwarder(nuReg)
+	serverCfg := &tls.Config{Certificates: []tls.Certificate{serverLeaf.TLS}, ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: ca.Pool, MinVersion: tls.VersionTLS13}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	forwardtest.CheckLeaks(t)
+	var serves sync.WaitGroup
+	oldResults := make(chan Result, n)
+	serves.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			serves.Go(func() {
+				kc := ktls.Server(c, serverCfg, opts)
+				if err := kc.HandshakeContext(context.Background()); err != nil {
+					kc.Close()
+					t.Errorf("handshake: %v", err)
+					return
+				}
+				cs := kc.ConnectionState()
+				binding, _ := preamble.ChannelBinding(cs)
+				res, err := old.Serve(Gateway{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String(),
+					Certificate: cs.PeerCertificates[0].Subject.String(), CertificateVerified: len(cs.VerifiedChains) > 0})
+				if err != nil {
+					t.Errorf("old Serve of tunnel %d: %v", res.Tunnel.ID, err)
+				}
+				oldResults <- res
+			})
+		}
+	})
+	defer func() { ln.Close(); serves.Wait() }()
+
+	signer, err := preamble.NewSigner("gw-1", key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The gateway's side in userspace TLS: the kernel's counters then
+	// count the forwarder's sessions only.
+	dialer, err := gateway.New(gateway.Config{TLS: &tls.Config{Certificates: []tls.Certificate{gatewayLeaf.TLS}, RootCAs: ca.Pool, ServerName: "localhost", MinVersion: tls.VersionTLS13},
+		Signer: signer, KTLS: ktls.Options{Disable: true}, DialTimeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dialer.Close()
+	up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
+	stat0, statErr := kerneltest.ReadStat()
+
+	clients := make([]*streamingClient, n)
+	var wg sync.WaitGroup
+	start, release := make(chan struct{}), make(chan struct{})
+	for i := range n {
+		c, err := dialer.Dial(context.Background(), gateway.Route{Forwarder: ln.Addr().String(), Sandbox: "sbx-move", Target: up.Addr()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() { clients[i] = runStreaming(c, nil, uint64(i+1), start, release) })
+	}
+	waitStreaming(t, oldReg, up, n, start)
+	st, done, err := oldReg.HandOff()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nuReg.AdoptReports(st); err != nil {
+		t.Fatal(err)
+	}
+	nuResults := make(chan Result, n)
+	var runs sync.WaitGroup
+	s := handoffSession(t, nu, false, nuResults, &runs)
+	res := oldReg.MoveTunnels(context.Background(), sessionMover{s})
+	s.Close()
+	done(res.Moved > 0)
+	movable := !opts.Disable
+	if movable && (res.Moved != n || len(res.Stayed) != 0) {
+		t.Errorf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)
+	}
+	// A userspace session stays: its relay holds decrypted bytes (the
+	// pause is refused), or it holds none and the session cannot be
+	// handed off.
+	if !movable && (res.Moved != 0 || res.Stayed[StayConn]+res.Stayed[StayPause] != n) {
+		t.Errorf("moved %d, stayed %v (%v); want all %d to stay: userspace TLS", res.Moved, res.Stayed, res.Stays, n)
+	}
+	close(release)
+	wg.Wait()
+	up.Close()
+	runs.Wait()
+	ln.Close()
+	serves.Wait()
+	close(oldResults)
+	close(nuResults)
+	exactBothWays(t, clients, up.Results())
+	moved, spliced := 0, 0
+	for r := range oldResults {
+		if r.Moved {
+			moved++
+		}
+	}
+	for r := range nuResults {
+		if r.Relay.AToB.Spliced && r.Relay.BToA.Spliced {
+			spliced++
+		}
+	}
+	if moved != res.Moved || (movable && spliced != n) {
+		t.Errorf("old Serves ended moved: %d; adopted relays splicing both ways: %d; want %d each", moved, spliced, res.Moved)
+	}
+	if statErr == nil && movable {
+		stat1, err := kerneltest.ReadStat()
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := stat1.Sub(stat0)
+		if d["TlsDecryptError"] != 0 || d["TlsTxSw"] != int64(n) || d["TlsRxSw"] != int64(n) {
+			t.Errorf("tls_stat deltas %v: want no decrypt error and exactly %d sessions installed each way (none again at the adoption)", d, n)
+		}
+	}
+}
+

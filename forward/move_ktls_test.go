@@ -174,4 +174,3 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 		}
 	}
 }
-

@@ -77,6 +77,11 @@ type Conn struct {
 	wroteEOF  bool   // close_notify sent (on the userspace path too, for Abort)
 	closeOnce sync.Once
 	closeErr  error
+	// tlsWriteFailed: a Write through crypto/tls (TX in userspace) failed.
+	// crypto/tls seals a record, spending its sequence number, before it
+	// writes it, so its close_notify would then not authenticate at the
+	// peer: Close closes the socket without one, and CloseWrite refuses.
+	tlsWriteFailed atomic.Bool
 
 	// Handoff (handoff.go). handedOff is set under readMu and writeMu;
 	// closing is set by Close and the aborts before they touch the socket,
@@ -631,7 +636,11 @@ func (c *Conn) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	if !c.kernelTX() {
-		return c.tlsConn.Write(p)
+		n, err := c.tlsConn.Write(p)
+		if err != nil {
+			c.tlsWriteFailed.Store(true)
+		}
+		return n, err
 	}
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
@@ -668,10 +677,16 @@ func (c *Conn) writableLocked() error {
 }
 
 // Close sends close_notify (when the handshake completed) and closes. After
-// Handoff it closes this process's descriptors only.
+// Handoff it closes this process's descriptors only. With TX in userspace,
+// after a Write that failed it closes without close_notify, which could not
+// authenticate (tlsWriteFailed): the peer reads an end without it.
 func (c *Conn) Close() error {
 	c.closing.Store(true)
 	c.closeOnce.Do(func() {
+		if c.hsDone.Load() && !c.kernelTX() && c.tlsWriteFailed.Load() {
+			c.closeErr = ignoreClosed(c.raw.Close())
+			return
+		}
 		if !c.hsDone.Load() || !c.kernelTX() {
 			// tls.Conn.Close sends close_notify after a completed
 			// handshake and closes the raw conn.
@@ -920,6 +935,9 @@ func (c *Conn) CloseWrite() error {
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
 	if !c.kernelTX() {
+		if c.tlsWriteFailed.Load() {
+			return errCloseNotifyAfterFailedWrite
+		}
 		err := c.tlsConn.CloseWrite()
 		c.wroteEOF = err == nil
 		return err
@@ -936,6 +954,10 @@ func (c *Conn) CloseWrite() error {
 	c.wroteEOF = true
 	return c.sock.CloseWrite()
 }
+
+// errCloseNotifyAfterFailedWrite: CloseWrite with TX in userspace after a
+// Write that failed, whose close_notify the peer could not authenticate.
+var errCloseNotifyAfterFailedWrite = errors.New("ktls: no close_notify after a failed write: the peer could not authenticate it")
 
 // sendControlLocked writes one non-data record through kTLS TX: sendmsg
 // with the record type in a TLS_SET_RECORD_TYPE cmsg. Caller holds writeMu.

@@ -174,7 +174,7 @@ func (g *gateway) preambleDialer(addr string, signer *preamble.Signer, target ne
 			g.preambleBytes.Add(cc.wrote)
 		}
 		if err != nil {
-			c.Close()
+			abandon(c)
 			return nil, err
 		}
 		return c, nil

@@ -2,12 +2,15 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"math"
 	"math/rand/v2"
 	"net"
+	"os"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -324,5 +327,72 @@ func TestClassifyContenderErrors(t *testing.T) {
 		if class, cause := classify(c.err); class != c.class || cause != c.cause {
 			t.Errorf("%v: classified %s (%s), want %s (%s)", c.err, class, cause, c.class, c.cause)
 		}
+	}
+}
+
+// A call whose deadline passes after its handshake fails on its first
+// Write before a byte left; the generator then goes away without
+// close_notify (abandon). crypto/tls spent the unsent record's sequence
+// number, so a close_notify would reach the contender under the next one
+// and fail authentication there (a kTLS contender's TlsDecryptError): the
+// contender must see the end of the stream, not a bad record. Closing the
+// same connection with Close instead shows the bad record, per shape.
+func TestFailedCallLeavesNoBadRecord(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	kp, err := newPKI(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := tls.LoadX509KeyPair(kp.certFile, kp.keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &gateway{tls: gatewayTLS(kp)}
+	ends := make(chan error, 1)
+	addr := serveOn(t, func(c net.Conn) {
+		c.SetDeadline(time.Now().Add(time.Minute))
+		_, err := io.ReadAll(tls.Server(c, &tls.Config{Certificates: []tls.Certificate{cert}}))
+		ends <- err
+	})
+	// lateDial hands the call its connection once the call's deadline
+	// has passed, with that deadline set (as gateway.counted does).
+	lateDial := func(ctx context.Context) (net.Conn, error) {
+		c, err := g.tlsDialer(addr)(ctx)
+		if err != nil {
+			return nil, err
+		}
+		d, _ := ctx.Deadline()
+		time.Sleep(time.Until(d) + 10*time.Millisecond)
+		c.SetDeadline(d)
+		return c, nil
+	}
+	for _, reuse := range []bool{true, false} {
+		gen := newLoadGen(reuse, 1, []func(context.Context) (net.Conn, error){lateDial}, "", nil, "", 16, 64, time.Second)
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		if reuse {
+			err = gen.tunnels[0].call(ctx)
+		} else {
+			err = gen.perCall(ctx)
+		}
+		cancel()
+		if class, cause := classify(err); class != loadjson.ClassTimeout {
+			t.Errorf("reuse %v: call error %v classified %s (%s), want %s", reuse, err, class, cause, loadjson.ClassTimeout)
+		}
+		if end := <-ends; end != nil {
+			t.Errorf("reuse %v: the server's read ended with %v, want the end of the stream", reuse, end)
+		}
+	}
+	// What abandon prevents: the same failed Write, then Close.
+	c, err := g.tlsDialer(addr)(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetWriteDeadline(time.Now().Add(-time.Second))
+	if _, err := c.Write([]byte("call")); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Write past the deadline: %v", err)
+	}
+	c.Close()
+	if end := <-ends; end == nil || !strings.Contains(end.Error(), "bad record MAC") {
+		t.Errorf("Close after the failed Write: the server's read ended with %v, want bad record MAC", end)
 	}
 }

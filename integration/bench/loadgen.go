@@ -158,7 +158,7 @@ func (t *loadTunnel) call(ctx context.Context) (err error) {
 		if err != nil {
 			err = &callError{phase: phase, err: err}
 			if t.conn != nil {
-				t.conn.Close()
+				abandon(t.conn)
 				t.conn = nil
 			}
 		}
@@ -209,7 +209,13 @@ func (g *loadGen) perCall(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer func() {
+		if err != nil {
+			abandon(c)
+		} else {
+			c.Close()
+		}
+	}()
 	d, _ := ctx.Deadline()
 	c.SetDeadline(d)
 	seed := nextSeed()
@@ -232,6 +238,23 @@ func (g *loadGen) perCall(ctx context.Context) (err error) {
 		return err
 	}
 	return expectEOF(c)
+}
+
+// abandon closes the connection of a call that failed: the socket under its
+// TLS session, without close_notify, as a gateway that gives up on a call
+// goes away. crypto/tls seals a record, spending its sequence number, before
+// it writes it, and its Close sends close_notify even after a Write that
+// failed: after a Write that met its deadline before a byte left, that
+// close_notify would go out under a sequence number the contender never
+// received, a record no receiver can authenticate (a kTLS contender's
+// kernel fails it with EBADMSG and counts it in TlsDecryptError: ktls
+// TestKernelGoClientCloseAfterFailedWrite), which the run would report as
+// the contender's error.
+func abandon(c net.Conn) error {
+	if tc, ok := c.(interface{ NetConn() net.Conn }); ok {
+		return tc.NetConn().Close()
+	}
+	return c.Close()
 }
 
 // httpCall makes one call through the HTTP contender (on a pooled

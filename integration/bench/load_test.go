@@ -375,8 +375,8 @@ func TestFailedCallLeavesNoBadRecord(t *testing.T) {
 			err = gen.perCall(ctx)
 		}
 		cancel()
-		if class, cause := classify(err); class != loadjson.ClassTimeout {
-			t.Errorf("reuse %v: call error %v classified %s (%s), want %s", reuse, err, class, cause, loadjson.ClassTimeout)
+		if class, cause := classify(err); class != benchjson.ClassTimeout {
+			t.Errorf("reuse %v: call error %v classified %s (%s), want %s", reuse, err, class, cause, benchjson.ClassTimeout)
 		}
 		if end := <-ends; end != nil {
 			t.Errorf("reuse %v: the server's read ended with %v, want the end of the stream", reuse, end)

@@ -72,7 +72,6 @@ var knownStale = map[string]string{
 	"ttfb.md":                "measured 2026-12-04 on 088db09 (recorded); since: the load generator and the gateway's preamble dial close a failed call's socket without close_notify, code bench ttfb does not run (its connections go through the gateway chains, and any failure fails the run), and ktls with TX in userspace closing without close_notify after a failed Write (the chains' TX is in the kernel)",
 	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify and ktls-off closing without close_notify after a failed Write; rerun with the commands in docs/bench/overload.md on such a machine",
 	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since",
-	"ttfb.md":                "measured 2026-12-04 on 088db09 (recorded); since: relay pause/resume added (#35); rerun pending",
 }
 
 // git runs git in the repository root and returns its trimmed output.

@@ -192,9 +192,15 @@ func (t *Relay) Pause(ctx context.Context) (*Paused, error) {
 		return refuse(PauseEnded, "both directions have ended")
 	}
 	for d := range t.dirs {
-		if !t.exited[d] && t.dirs[d].end.Load() == uint32(EndRunning) && !t.dirs[d].spliced.Load() {
+		if t.exited[d] || t.dirs[d].end.Load() != uint32(EndRunning) {
+			continue
+		}
+		// As runDirection chooses, whether it has yet or not.
+		_, srcOK := sourceEnd(t.conns[d])
+		_, dstOK := sinkEnd(t.conns[1-d])
+		if !srcOK || !dstOK {
 			t.pauseMu.Unlock()
-			return refuse(PauseCopyPath, "%s runs the copy path (or has not chosen its path yet)", Direction(d))
+			return refuse(PauseCopyPath, "%s runs the copy path", Direction(d))
 		}
 	}
 	req := &pauseRequest{reports: make(chan stopReport, 2), verdict: make(chan struct{})}

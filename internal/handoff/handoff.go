@@ -137,6 +137,10 @@ func hello(c *net.UnixConn, cfg Config) (Hello, error) {
 	}
 	if why != nil {
 		fdpass.Send(c, kindRefused, idPayload(0, why.Error()))
+		// The peer's verdict is read before the caller closes: a socket
+		// closed with a message unread resets its peer, whose read would
+		// then fail before it reaches the refusal.
+		receiveBare(c)
 		return peer, fmt.Errorf("handoff: refused the peer (pid %d, build %q): %w", peer.PID, peer.Build, why)
 	}
 	// A peer that refused this one has sent why and closed: the send

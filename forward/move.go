@@ -50,13 +50,12 @@ type MovedTunnel struct {
 
 // movable is what a running tunnel's Serve offers MoveTunnels.
 type movable struct {
-	f              *Forwarder
-	relay          *splice.Relay
-	gw, upstream   net.Conn
-	opts           splice.Options
-	verdict        chan moveVerdict // MoveTunnels tells the paused Serve
-	mu             sync.Mutex       // guards relay and gw across a kept move
-	baseOfThisProc splice.Stats     // counters the relay had when it came here (Adopt)
+	f            *Forwarder
+	relay        *splice.Relay
+	gw, upstream net.Conn
+	opts         splice.Options
+	verdict      chan moveVerdict // MoveTunnels tells the paused Serve
+	mu           sync.Mutex       // guards relay and gw across a kept move
 }
 
 type moveVerdict struct {

@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"io"
+	"net"
 	"os"
 	"testing"
 	"time"
@@ -30,27 +31,9 @@ func TestCloseAfterFailedWriteUserspace(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			a, b := loopbackPair(t)
-			var ours *Conn
-			var peer *tls.Conn
-			if c.client {
-				ours, peer = Client(a, ccfg, Options{Disable: true}), tls.Server(b, scfg)
-			} else {
-				ours, peer = Server(b, scfg, Options{Disable: true}), tls.Client(a, ccfg)
-			}
+			ours, peer := userspacePair(t, a, b, scfg, ccfg, c.client)
 			defer peer.Close()
 			defer ours.Close()
-			peer.SetDeadline(time.Now().Add(10 * time.Second))
-			errc := make(chan error, 1)
-			go func() { errc <- peer.Handshake() }()
-			if err := ours.Handshake(); err != nil {
-				t.Fatal(err)
-			}
-			if err := <-errc; err != nil {
-				t.Fatal(err)
-			}
-			if ours.Offload().TX != ModeUserspace {
-				t.Fatalf("TX %v, want userspace", ours.Offload().TX)
-			}
 			ours.SetWriteDeadline(time.Now().Add(-time.Second))
 			if n, err := ours.Write([]byte("call")); n != 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
 				t.Fatalf("Write past the deadline: %d, %v; want 0, a deadline error", n, err)
@@ -69,4 +52,31 @@ func TestCloseAfterFailedWriteUserspace(t *testing.T) {
 			}
 		})
 	}
+}
+
+// userspacePair completes a handshake between a Conn with kernel TLS off
+// (a Client on a when client, else a Server on b) and a crypto/tls peer on
+// the other end, whose deadline is 10 s away.
+func userspacePair(t *testing.T, a, b net.Conn, scfg, ccfg *tls.Config, client bool) (*Conn, *tls.Conn) {
+	t.Helper()
+	var ours *Conn
+	var peer *tls.Conn
+	if client {
+		ours, peer = Client(a, ccfg, Options{Disable: true}), tls.Server(b, scfg)
+	} else {
+		ours, peer = Server(b, scfg, Options{Disable: true}), tls.Client(a, ccfg)
+	}
+	peer.SetDeadline(time.Now().Add(10 * time.Second))
+	errc := make(chan error, 1)
+	go func() { errc <- peer.Handshake() }()
+	if err := ours.Handshake(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if ours.Offload().TX != ModeUserspace {
+		t.Fatalf("TX %v, want userspace", ours.Offload().TX)
+	}
+	return ours, peer
 }

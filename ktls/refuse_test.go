@@ -38,27 +38,9 @@ func TestRefuseUserspace(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			scfg, ccfg := p.configs(connCase{version: c.version, tickets: true})
 			a, b := loopbackPair(t)
-			var ours *Conn
-			var peer *tls.Conn
-			if c.client {
-				ours, peer = Client(a, ccfg, Options{Disable: true}), tls.Server(b, scfg)
-			} else {
-				ours, peer = Server(b, scfg, Options{Disable: true}), tls.Client(a, ccfg)
-			}
+			ours, peer := userspacePair(t, a, b, scfg, ccfg, c.client)
 			defer peer.Close()
 			defer ours.Close()
-			peer.SetDeadline(time.Now().Add(10 * time.Second))
-			errc := make(chan error, 1)
-			go func() { errc <- peer.Handshake() }()
-			if err := ours.Handshake(); err != nil {
-				t.Fatal(err)
-			}
-			if err := <-errc; err != nil {
-				t.Fatal(err)
-			}
-			if ours.Offload().TX != ModeUserspace {
-				t.Fatalf("TX %v, want userspace", ours.Offload().TX)
-			}
 			if c.write > 0 {
 				if _, err := ours.Write(make([]byte, c.write)); err != nil {
 					t.Fatal(err)

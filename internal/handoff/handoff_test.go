@@ -288,11 +288,12 @@ func startChild(t *testing.T, mode string) (string, *exec.Cmd) {
 	}
 }
 
-// The sender dies after the receiver adopted an object and before it was
-// released: its copy died with it, so the receiver starts the object.
-func TestSenderDiedAfterAdopted(t *testing.T) {
-	path, cmd := startChild(t, "die")
-	r, err := Dial(path, Config{})
+// adoptFromChild dials the sender child(mode), takes its one object and
+// returns what Adopt said.
+func adoptFromChild(t *testing.T, mode string, cfg Config) (*exec.Cmd, error) {
+	t.Helper()
+	path, cmd := startChild(t, mode)
+	r, err := Dial(path, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -302,7 +303,14 @@ func TestSenderDiedAfterAdopted(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer it.Files[0].Close()
-	if err := it.Adopt(); err != nil {
+	return cmd, it.Adopt()
+}
+
+// The sender dies after the receiver adopted an object and before it was
+// released: its copy died with it, so the receiver starts the object.
+func TestSenderDiedAfterAdopted(t *testing.T) {
+	cmd, err := adoptFromChild(t, "die", Config{})
+	if err != nil {
 		t.Fatalf("the sender died before releasing: %v, want nil (start it)", err)
 	}
 	if err := cmd.Wait(); cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 3 {
@@ -313,18 +321,8 @@ func TestSenderDiedAfterAdopted(t *testing.T) {
 // A sender that ends the session without a verdict and lives may still
 // use the object: the receiver closes its copy (never two in use).
 func TestSenderAliveClosedWithoutVerdict(t *testing.T) {
-	path, cmd := startChild(t, "close")
-	r, err := Dial(path, Config{Timeout: 300 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	it, err := r.Next()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer it.Files[0].Close()
-	if err := it.Adopt(); !errors.Is(err, ErrKept) {
+	cmd, err := adoptFromChild(t, "close", Config{Timeout: 300 * time.Millisecond})
+	if !errors.Is(err, ErrKept) {
 		t.Fatalf("a live sender ended the session before releasing: %v, want ErrKept", err)
 	}
 	if cmd.ProcessState != nil {

@@ -199,14 +199,7 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 	up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
 	nu, nuReg := newProcess(t, old.gw)
 
-	clients := make([]*streamingClient, n)
-	var wg sync.WaitGroup
-	start, release := make(chan struct{}), make(chan struct{})
-	for i := range n {
-		c, frame := old.dial(t), old.gw.Frame(t, "sbx-move", up.Addr())
-		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), start, release) })
-	}
-	waitStreaming(t, old.reg, up, n, start)
+	clients, wg, release := openStreams(t, old, up, "sbx-move", n)
 	first, _ := old.reg.TakeReport("fwd")
 
 	st, done, err := old.reg.HandOff()
@@ -286,14 +279,7 @@ func TestMoveTunnelsRefusedStay(t *testing.T) {
 	old := newFixture(t, func(c *Config) { c.HandOffConn, c.AdoptConn = tcpHandOff, tcpAdopt })
 	up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
 	nu, _ := newProcess(t, old.gw)
-	clients := make([]*streamingClient, n)
-	var wg sync.WaitGroup
-	start, release := make(chan struct{}), make(chan struct{})
-	for i := range n {
-		c, frame := old.dial(t), old.gw.Frame(t, "sbx-stay", up.Addr())
-		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), start, release) })
-	}
-	waitStreaming(t, old.reg, up, n, start)
+	clients, wg, release := openStreams(t, old, up, "sbx-stay", n)
 	results := make(chan Result, n)
 	var runs sync.WaitGroup
 	s := handoffSession(t, nu, true, results, &runs)
@@ -312,6 +298,22 @@ func TestMoveTunnelsRefusedStay(t *testing.T) {
 		}
 	}
 	exactBothWays(t, clients, up.Results())
+}
+
+// openStreams opens n streaming tunnels to sandbox through old's
+// forwarder and waits until each moves bytes; closing release lets them
+// finish, and wg waits for them.
+func openStreams(t *testing.T, old *fixture, up *forwardtest.Upstream, sandbox string, n int) ([]*streamingClient, *sync.WaitGroup, chan struct{}) {
+	t.Helper()
+	clients := make([]*streamingClient, n)
+	wg := new(sync.WaitGroup)
+	start, release := make(chan struct{}), make(chan struct{})
+	for i := range n {
+		c, frame := old.dial(t), old.gw.Frame(t, sandbox, up.Addr())
+		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), start, release) })
+	}
+	waitStreaming(t, old.reg, up, n, start)
+	return clients, wg, release
 }
 
 // waitStreaming waits for n tunnels open in reg, starts their streams and

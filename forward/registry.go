@@ -467,12 +467,7 @@ func (r *Registry) addRelay(res, base splice.Stats) {
 
 // Tunnels returns a snapshot of the open tunnels, oldest first.
 func (r *Registry) Tunnels() []TunnelInfo {
-	r.mu.Lock()
-	list := make([]*Tunnel, 0, len(r.tunnels))
-	for _, t := range r.tunnels {
-		list = append(list, t)
-	}
-	r.mu.Unlock()
+	list := r.openTunnels()
 	infos := make([]TunnelInfo, len(list))
 	for i, t := range list {
 		infos[i] = t.Info()

@@ -18,6 +18,15 @@ import (
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
+// Kernel TLS tunnels move mid-stream to another forwarder and on the
+// sockets, sessions and record sequences the kernel holds: every byte
+// exact both ways, no record the kernel could not authenticate, and no
+// session installed twice (the adopted sockets keep theirs).
+func TestKernelMoveTunnels(t *testing.T) {
+	kerneltest.Require(t)
+	moveTLSTunnels(t, ktls.Options{RequireOffload: true}, 16)
+}
+
 // Tunnels whose gateway session runs in userspace TLS cannot move: they
 // stay and finish exact, and the result says why.
 func TestMoveUserspaceTLSTunnelsStay(t *testing.T) {

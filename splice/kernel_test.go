@@ -269,3 +269,43 @@ func digits(n int, d byte) []byte {
 	b[n-1] = '\n'
 	return b
 }
+
+// TestKernelRelayFullKTLSSink: a kTLS sink whose send buffer holds less than
+// one record (as TCP memory pressure shrinks any socket's) still takes the
+// whole stream. On kernels before 6.5 the record sealed last sits in TCP,
+// queued and not sent, when the splice finds no room for the next one; the
+// relay pushes it before it waits, or the direction waits forever.
+func TestKernelRelayFullKTLSSink(t *testing.T) {
+	kerneltest.Require(t)
+	ktls.Probe()
+	checkLeaks(t)
+	tp := newKTLSTopology(t, tls.VersionTLS13, ktls.Options{RequireOffload: true})
+	// The kernel doubles the value and raises it to its minimum (4,608
+	// bytes): less than one 16 KiB record.
+	if err := tp.server.NetConn().(*net.TCPConn).SetWriteBuffer(1); err != nil {
+		t.Fatal(err)
+	}
+	size := int64(kerneltest.BulkMiB(t, 1)) * MiB
+	wait := runRelay(t.Context(), New(tp.server, tp.relayB, Options{Pipes: newTestPool(t, 1)}))
+	sent := goSend(tp.upstream, size, 11)
+	// A stalled direction turns into a failed read here, not a hung test.
+	tp.gateway.SetReadDeadline(time.Now().Add(2 * time.Minute))
+	got := readExact(t, tp.gateway, size)
+	if !bytes.Equal(got, sent(t)) {
+		t.Fatal("upstream→gateway through a full kTLS sink: digest mismatch")
+	}
+	tp.upstream.CloseWrite()
+	if err := tp.gateway.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := io.Copy(io.Discard, tp.upstream); err != nil || n != 0 {
+		t.Fatalf("upstream read %d bytes, %v; want EOF only", n, err)
+	}
+	res, err := wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out := res.BToA; out.Bytes != size || !out.Spliced || out.SpliceBytes != size {
+		t.Errorf("upstream->gateway %+v, want %d bytes spliced into kTLS TX", out, size)
+	}
+}

@@ -904,10 +904,38 @@ func (sd *spliced) flushPipe(fd uintptr) bool {
 		}
 		sd.m, sd.werr = sd.t.splice(sd.p.rfd, int(fd), sd.want, spliceFlags)
 		s.EndSeal(max(sd.m, 0))
-		return sd.werr != unix.EAGAIN
+	} else {
+		sd.m, sd.werr = sd.t.splice(sd.p.rfd, int(fd), sd.want, spliceFlags)
 	}
-	sd.m, sd.werr = sd.t.splice(sd.p.rfd, int(fd), sd.want, spliceFlags)
-	return sd.werr != unix.EAGAIN
+	if sd.werr != unix.EAGAIN {
+		return true
+	}
+	if sd.dst.ktls {
+		if err := pushSealed(int(fd)); err != nil {
+			sd.werr = err
+			return true
+		}
+	}
+	return false
+}
+
+// pushSealed makes TCP send what a kTLS sink has sealed and queued.
+//
+// The kernel surprises here: before Linux 6.5 (splice through sendpage) a
+// kTLS socket hands each record it seals to TCP with the splice's "more"
+// flag, which every pipe buffer but the last carries, so TCP queues it
+// without sending. When the socket then has no room for the next record,
+// the splice returns EAGAIN without pushing what TCP holds; with nothing in
+// flight no ACK comes to push it, and the socket never becomes writable:
+// the direction stalls for good. A send buffer that small is what TCP
+// memory pressure makes of any socket (sk_stream_moderate_sndbuf). Setting
+// TCP_NODELAY pushes the queue (tcp_push_pending_frames); a plain TCP sink
+// pushes by itself before it waits for room.
+func pushSealed(fd int) error {
+	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+		return os.NewSyscallError("setsockopt TCP_NODELAY (push before waiting for room)", err)
+	}
+	return nil
 }
 
 // drain splices everything buffered in the pipe into the sink, counting

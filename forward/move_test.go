@@ -75,8 +75,11 @@ func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Resu
 		t.Fatal(err)
 	}
 	defer ln.Close()
+	// A kernel test's VM runs every tunnel's stream and both processes on
+	// one emulated CPU: an answer can take longer than the default.
+	cfg := handoff.Config{Timeout: time.Minute}
 	go func() {
-		r, err := handoff.Dial(path, handoff.Config{})
+		r, err := handoff.Dial(path, cfg)
 		if err != nil {
 			t.Error(err)
 			return
@@ -116,7 +119,7 @@ func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Resu
 			})
 		}
 	}()
-	s, err := handoff.Accept(ln, handoff.Config{})
+	s, err := handoff.Accept(ln, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -287,6 +287,9 @@ func (f *Forwarder) Adopt(state []byte, files []*os.File) (*AdoptedTunnel, error
 // process's descriptors close, the sockets and the session stay the other
 // process's, and the tunnel leaves the registry.
 func (a *AdoptedTunnel) Discard() {
+	if a.relay != nil {
+		a.relay.Discard()
+	}
 	a.release()
 	a.upstream.Close()
 	a.tun.Close()

@@ -449,6 +449,18 @@ func Resume(a, b net.Conn, p *Paused, opts Options) (*Relay, error) {
 	return t, nil
 }
 
+// Discard releases what Resume took for a relay that will never run (the
+// other process kept the tunnel): the duplicates of the pipes handed over.
+// The connections stay the caller's. Only before Run.
+func (t *Relay) Discard() {
+	for d, q := range t.pending {
+		if q != nil {
+			q.close()
+			t.pending[d] = nil
+		}
+	}
+}
+
 // adoptPipe checks that f is a pipe holding exactly want bytes and
 // returns a non-blocking duplicate of its descriptor.
 func adoptPipe(f *os.File, want int64) (int, error) {

@@ -607,3 +607,48 @@ func TestPauseStateEncoding(t *testing.T) {
 		}
 	}
 }
+
+// TestResumeDiscard: a relay resumed with a pipe of pending bytes and never
+// run (the other process kept the tunnel) releases its duplicate of the
+// pipe with Discard; the caller's pipe and connections stay open.
+func TestResumeDiscard(t *testing.T) {
+	checkLeaks(t)
+	tp := newTopology(t)
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	if _, err := w.Write(make([]byte, 1000)); err != nil {
+		t.Fatal(err)
+	}
+	before := openFDs(t)
+	var st PauseState
+	st.Dirs[AToB].Pending = 1000
+	tun, err := Resume(tp.relayA, tp.relayB, &Paused{State: st, Pipes: [2]*os.File{r, nil}}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := openFDs(t); got != before+1 {
+		t.Fatalf("Resume took %d descriptors, want 1 (its duplicate of the pipe)", got-before)
+	}
+	tun.Discard()
+	if got := openFDs(t); got != before {
+		t.Errorf("%d descriptors left after Discard, want none", got-before)
+	}
+	// The caller's end still reads the pending bytes: nothing was consumed.
+	if n, err := r.Read(make([]byte, 2000)); n != 1000 || err != nil {
+		t.Errorf("the caller's pipe read %d bytes, %v; want the 1000 pending", n, err)
+	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}

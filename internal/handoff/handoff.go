@@ -73,6 +73,9 @@ type Hello struct {
 	Protocol int    `json:"protocol"`
 	Build    string `json:"build"` // the binary's version, for Compatible and the logs
 	PID      int    `json:"pid"`
+	// Want is what a receiver asks for (the caller's vocabulary); a
+	// sender's is empty.
+	Want string `json:"want,omitempty"`
 }
 
 // Config configures either side.
@@ -86,6 +89,9 @@ type Config struct {
 	// Timeout bounds each wait for the peer: its hello, and a sender's
 	// wait for an object's answer. Zero means DefaultTimeout.
 	Timeout time.Duration
+	// Want is what a receiver asks the sender for (Hello.Want); a
+	// Sender ignores it.
+	Want string
 }
 
 // DefaultTimeout is Config.Timeout's default.
@@ -115,7 +121,7 @@ func (e *RefusedError) Error() string { return "handoff: refused by the peer: " 
 // hello sends ours and reads the peer's, then each side's verdict on the
 // other: both know the session is on before either uses it.
 func hello(c *net.UnixConn, cfg Config) (Hello, error) {
-	mine, _ := json.Marshal(Hello{Protocol: Protocol, Build: cfg.Build, PID: os.Getpid()})
+	mine, _ := json.Marshal(Hello{Protocol: Protocol, Build: cfg.Build, PID: os.Getpid(), Want: cfg.Want})
 	if err := fdpass.Send(c, kindHello, mine); err != nil {
 		return Hello{}, err
 	}

@@ -87,8 +87,8 @@ func pipeObject(t *testing.T) (read, write *os.File) {
 // ends with ErrDone and leaves no descriptor open.
 func TestMoveObjects(t *testing.T) {
 	checkFDs(t)
-	s, r := session(t, Config{Build: "old"}, Config{Build: "new"})
-	if s.Peer().Build != "new" || r.Peer().Build != "old" || r.Peer().PID != os.Getpid() {
+	s, r := session(t, Config{Build: "old", Want: "ignored"}, Config{Build: "new", Want: "objects"})
+	if s.Peer().Build != "new" || s.Peer().Want != "objects" || r.Peer().Build != "old" || r.Peer().Want != "" || r.Peer().PID != os.Getpid() {
 		t.Fatalf("hellos: sender saw %+v, receiver %+v", s.Peer(), r.Peer())
 	}
 	big := make([]byte, 5*chunk+123)

@@ -48,6 +48,7 @@ func Accept(ln *net.UnixListener, cfg Config) (*Sender, error) {
 		c.Close()
 		return nil, err
 	}
+	cfg.Want = ""
 	peer, err := hello(c, cfg)
 	if err != nil {
 		c.Close()

@@ -9,10 +9,10 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// The binary has the tcp-retry network (acceptretry.go imports it): an
-// address listens through Caddy and accepts.
+// The binary has the tcp-retry and tcp-handoff networks (acceptretry.go
+// imports them): an address of each listens through Caddy and accepts.
 func TestRetryNetworks(t *testing.T) {
-	for _, network := range []string{"tcp-retry"} {
+	for _, network := range []string{"tcp-retry", "tcp-handoff"} {
 		na, err := caddy.ParseNetworkAddress(network + "/127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)

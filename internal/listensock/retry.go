@@ -1,6 +1,3 @@
-// Package listensock holds caddy-ktls's listener networks for Caddy
-// servers (caddy-l4's "listen" addresses): `tcp-retry`, plain TCP whose
-// Accept rides out a shortage of descriptors or memory.
 package listensock
 
 import (
@@ -42,7 +39,9 @@ var descAcceptRetries = prometheus.NewDesc("caddy_ktls_accept_retries_total",
 
 func init() {
 	caddy.RegisterNetwork(RetryNetwork, listenRetry)
-	// A tcp-retry listener may serve any module's connections.
+	caddy.RegisterNetwork(Network, listen)
+	// A tcp-retry or tcp-handoff listener may serve any module's
+	// connections.
 	caddymetrics.Add(moduleid.Any, &caddymetrics.Gathered{
 		Descs: []*prometheus.Desc{descAcceptRetries},
 		Gather: func(ch chan<- prometheus.Metric) {

@@ -1,63 +1,41 @@
 package caddyktls
 
 import (
-	"errors"
+	"context"
+	"io"
 	"net"
-	"os"
-	"syscall"
 	"testing"
-	"time"
 
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-	"go.uber.org/zap/zaptest/observer"
+	"github.com/caddyserver/caddy/v2"
 )
 
-func acceptErr(errno syscall.Errno) error {
-	return &net.OpError{Op: "accept", Net: "tcp", Err: os.NewSyscallError("accept4", errno)}
-}
-
-// Accept rides out EMFILE/ENFILE with a logged, counted backoff and hands
-// out the next connection; any other error ends it, and Close ends a wait.
-func TestRetryListener(t *testing.T) {
-	base, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer base.Close()
-	conn, peer := net.Pipe()
-	defer conn.Close()
-	defer peer.Close()
-	core, logs := observer.New(zapcore.WarnLevel)
-	sl := &scriptedListener{Listener: base, conn: conn, closed: make(chan struct{}),
-		errs: []error{acceptErr(syscall.EMFILE), acceptErr(syscall.ENFILE), acceptErr(syscall.EMFILE)}}
-	ln := &retryListener{Listener: sl, logger: zap.New(core), closed: make(chan struct{})}
-	before := acceptRetries.Load()
-	if c, err := ln.Accept(); c != conn || err != nil {
-		t.Fatalf("Accept = %v, %v; want the connection after the shortage", c, err)
-	}
-	if got := acceptRetries.Load() - before; got != 3 {
-		t.Errorf("%d retries counted, want 3", got)
-	}
-	if n := logs.FilterMessage("accept failed for lack of resources; retrying").Len(); n != 3 {
-		t.Errorf("%d WARN lines, want 3", n)
-	}
-
-	// Another error is the caller's business.
-	sl.errs = []error{acceptErr(syscall.EINVAL)}
-	if _, err := ln.Accept(); !errors.Is(err, syscall.EINVAL) {
-		t.Errorf("Accept = %v, want EINVAL passed through", err)
-	}
-
-	// Close during a backoff wait ends Accept.
-	sl.errs = []error{acceptErr(syscall.EMFILE)}
-	done := make(chan error, 1)
-	go func() { _, err := ln.Accept(); done <- err }()
-	for acceptRetries.Load()-before < 4 {
-		time.Sleep(time.Millisecond)
-	}
-	ln.Close()
-	if err := <-done; !errors.Is(err, net.ErrClosed) {
-		t.Errorf("Accept after Close = %v, want net.ErrClosed", err)
+// The binary has the tcp-retry and tcp-handoff networks (acceptretry.go
+// imports them): an address of each listens through Caddy and accepts.
+func TestRetryNetworks(t *testing.T) {
+	for _, network := range []string{"tcp-retry", "tcp-handoff"} {
+		na, err := caddy.ParseNetworkAddress(network + "/127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := na.Listen(context.Background(), 0, net.ListenConfig{})
+		if err != nil {
+			t.Fatalf("%s: %v", network, err)
+		}
+		ln := got.(net.Listener)
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := ln.Accept()
+		if err != nil {
+			t.Fatalf("%s: Accept: %v", network, err)
+		}
+		c.Write([]byte("x"))
+		c.Close()
+		if b, err := io.ReadAll(s); string(b) != "x" || err != nil {
+			t.Errorf("%s: read %q, %v; want x", network, b, err)
+		}
+		s.Close()
+		ln.Close()
 	}
 }

@@ -20,34 +20,6 @@ import (
 // The real binary (bin/caddy) as a child process: start, signal, exit,
 // and its file descriptors.
 
-// scriptedListener returns the queued errors from Accept, then its
-// connection, then blocks until closed.
-type scriptedListener struct {
-	net.Listener // for Addr; never used to accept
-	errs         []error
-	conn         net.Conn
-	closed       chan struct{}
-}
-
-func (l *scriptedListener) Accept() (net.Conn, error) {
-	if len(l.errs) > 0 {
-		err := l.errs[0]
-		l.errs = l.errs[1:]
-		return nil, err
-	}
-	if c := l.conn; c != nil {
-		l.conn = nil
-		return c, nil
-	}
-	<-l.closed
-	return nil, net.ErrClosed
-}
-
-func (l *scriptedListener) Close() error {
-	close(l.closed)
-	return nil
-}
-
 // caddyBinary is the Caddy built by `make build` (override: KTLS_CADDY_BIN).
 // A kernel test fails without it: the VM harness builds it first.
 func caddyBinary(t *testing.T) string {

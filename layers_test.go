@@ -41,17 +41,18 @@ var layers = []layer{
 	{"internal/controlplane", true, nil},
 	{"internal/l4conn", true, []string{"splice"}},
 	{"internal/caddymetrics", true, []string{"internal/moduleid"}},
+	{"internal/listensock", true, []string{"internal/moduleid", "internal/caddymetrics"}},
 	{"internal/offload", true, []string{"ktls", "gateway", "internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs"}},
 
 	// The features.
 	{"modules/forwarder", true, []string{"ktls", "preamble", "forward",
-		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload"}},
+		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/listensock"}},
 	{"modules/edgegateway", true, []string{"ktls", "splice", "preamble", "gateway",
 		"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload"}},
 	{"internal/cli", true, []string{"ktls", "preamble", "gateway", "internal/offload"}},
 
 	// The root: the map, and the TLS offload modules.
-	{"", true, []string{"ktls", "internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/offload",
+	{"", true, []string{"ktls", "internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/offload", "internal/listensock",
 		"modules/forwarder", "modules/edgegateway", "internal/cli"}},
 	{"cmd/caddy", true, []string{""}},
 

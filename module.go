@@ -27,14 +27,17 @@
 //	http.handlers.sandbox_lookup           modules/edgegateway  lookup.go
 //	layer4.handlers.sandbox_lookup         modules/edgegateway  lookupl4.go
 //
-// The `tcp-retry` network is acceptretry.go; the `caddy ktls` and `caddy
-// sandbox` subcommands are internal/cli. What the features share sits
-// below them in internal/: moduleid (the module IDs and which metrics each
-// moves), caddymetrics (how process-level metrics reach every
+// The `tcp-retry` and `tcp-handoff` listener networks are
+// internal/listensock (acceptretry.go imports it); the `caddy ktls` and
+// `caddy sandbox` subcommands are internal/cli. What the features share
+// sits below them in internal/: moduleid (the module IDs and which metrics
+// each moves), caddymetrics (how process-level metrics reach every
 // configuration's registry), offload (the kTLS offload options, handshake
-// logging and the engine's metrics), controlplane, l4conn, logsummary and
-// caddyfileargs. TestImportLayers (layers_test.go) holds who may import
-// whom.
+// logging and the engine's metrics), listensock (the listener networks:
+// listening sockets that ride out accept errors, outlive config reloads
+// and pass to the process of a binary upgrade), controlplane, l4conn,
+// logsummary and caddyfileargs. TestImportLayers (layers_test.go) holds
+// who may import whom.
 package caddyktls
 
 import (

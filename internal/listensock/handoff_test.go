@@ -1,0 +1,246 @@
+package listensock
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/fdpass"
+)
+
+// childEnv makes the test binary the new process of TestHandoffToChild
+// (TestMain): it adopts the sockets that arrive on descriptor 3 and
+// serves them.
+const childEnv = "LISTENSOCK_TEST_CHILD"
+
+// Message kinds between the test and its child.
+const (
+	kindSockets = 1 // parent: the addresses (JSON), with the descriptors
+	kindReady   = 2 // child: it listens
+	kindFinish  = 3 // parent: stop serving and report
+	kindReport  = 4 // child: childReport
+)
+
+type childReport struct {
+	Served int
+	Err    string
+}
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) != "" {
+		if err := child(); err != nil {
+			fmt.Fprintln(os.Stderr, "listensock child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// child adopts the sockets it is sent, listens on them as its
+// configuration would, and serves them until told to finish.
+func child() error {
+	f := os.NewFile(3, "parent")
+	conn, err := fdpass.FileConn(f)
+	f.Close()
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	msg, err := fdpass.Receive(conn, fdpass.Limits{})
+	if err != nil {
+		return err
+	}
+	var addrs []string
+	if err := json.Unmarshal(msg.Payload, &addrs); err != nil || len(addrs) != len(msg.Files) {
+		msg.Close()
+		return fmt.Errorf("bad sockets message: %v", err)
+	}
+	for i, a := range addrs {
+		if err := Adopt(a, msg.Files[i]); err != nil {
+			msg.Close()
+			return err
+		}
+	}
+	msg.Close()
+	if len(addrs) != 1 {
+		return fmt.Errorf("%d sockets, want 1", len(addrs))
+	}
+	ln, err := listenAddr(addrs[0])
+	if err != nil {
+		return err
+	}
+	var served int
+	var serveErr error
+	done := make(chan struct{})
+	go func() { served, serveErr = serve(ln, 'C'); close(done) }()
+	if err := fdpass.Send(conn, kindReady, nil); err != nil {
+		return err
+	}
+	if m, err := fdpass.Receive(conn, fdpass.Limits{}); err != nil || m.Kind != kindFinish {
+		return fmt.Errorf("waiting for finish: %v", err)
+	}
+	ln.Close()
+	<-done
+	rep := childReport{Served: served}
+	if !errors.Is(serveErr, net.ErrClosed) {
+		rep.Err = fmt.Sprint(serveErr)
+	}
+	b, _ := json.Marshal(rep)
+	return fdpass.Send(conn, kindReport, b)
+}
+
+// The old process (this one) exports its socket to a new one (a child),
+// which adopts it and accepts from the same queue; the old one then stops
+// accepting and closes its listener. A client that dials throughout sees
+// every connection answered, each by exactly one of the two processes.
+func TestHandoffToChild(t *testing.T) {
+	checkLeaks(t)
+	ln := listenT(t, "127.0.0.1:0")
+	defer ln.Close()
+	addr := ln.Addr().String()
+	var parentServed int
+	var parentErr error
+	parentDone := make(chan struct{})
+	go func() { parentServed, parentErr = serve(ln, 'P'); close(parentDone) }()
+
+	// The client dials throughout, from 4 goroutines.
+	var (
+		stop       atomic.Bool
+		nextID     atomic.Uint64
+		byP, byC   atomic.Int64
+		clientMu   sync.Mutex
+		clientErrs []error
+		clients    sync.WaitGroup
+	)
+	for range 4 {
+		clients.Go(func() {
+			for !stop.Load() {
+				tag, err := dialOnce(addr, nextID.Add(1))
+				switch {
+				case err != nil:
+					clientMu.Lock()
+					clientErrs = append(clientErrs, err)
+					clientMu.Unlock()
+				case tag == 'P':
+					byP.Add(1)
+				case tag == 'C':
+					byC.Add(1)
+				}
+			}
+		})
+	}
+	defer func() { stop.Store(true); clients.Wait() }()
+	waitFor := func(what string, ok func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); !ok(); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting until %s (parent served %d, child %d)", what, byP.Load(), byC.Load())
+			}
+		}
+	}
+	waitFor("the parent served 50", func() bool { return byP.Load() >= 50 })
+
+	// Start the new process and hand it the socket.
+	pa, pb, err := fdpass.Pair()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pa.Close()
+	bf, err := pb.File()
+	pb.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run", "^$")
+	cmd.Env = append(os.Environ(), childEnv+"=1")
+	cmd.ExtraFiles = []*os.File{bf}
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	bf.Close()
+	defer func() {
+		pa.Close() // a child still waiting for a message ends
+		cmd.Wait()
+	}()
+	exported, err := Export()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(exported) != 1 || exported[0].Address != addr {
+		t.Fatalf("Export = %v, want one socket of %s", exported, addr)
+	}
+	payload, _ := json.Marshal([]string{exported[0].Address})
+	err = fdpass.Send(pa, kindSockets, payload, exported[0].File)
+	exported[0].File.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, err := fdpass.Receive(pa, fdpass.Limits{}); err != nil || m.Kind != kindReady {
+		t.Fatalf("child's ready: %v", err)
+	}
+
+	// Both accept from the one queue.
+	pBefore := byP.Load()
+	waitFor("the child served 20", func() bool { return byC.Load() >= 20 })
+	waitFor("the parent served 20 more", func() bool { return byP.Load() >= pBefore+20 })
+
+	StopAccepting()
+	select {
+	case <-parentDone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the parent's accept loop runs on 10s after StopAccepting")
+	}
+	if !errors.Is(parentErr, net.ErrClosed) {
+		t.Errorf("the parent's accept loop ended with %v, want net.ErrClosed", parentErr)
+	}
+	afterStop := byC.Load()
+	waitFor("the child served 100 after StopAccepting", func() bool { return byC.Load() >= afterStop+100 })
+	// The old process's configuration unloads: its descriptor closes, the
+	// child's keeps the socket.
+	ln.Close()
+	afterClose := byC.Load()
+	waitFor("the child served 100 after the parent closed", func() bool { return byC.Load() >= afterClose+100 })
+	stop.Store(true)
+	clients.Wait()
+
+	if err := fdpass.Send(pa, kindFinish, nil); err != nil {
+		t.Fatal(err)
+	}
+	m, err := fdpass.Receive(pa, fdpass.Limits{})
+	if err != nil || m.Kind != kindReport {
+		t.Fatalf("child's report: %v", err)
+	}
+	var rep childReport
+	if err := json.Unmarshal(m.Payload, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Errorf("child: %v", err)
+	}
+	if rep.Err != "" {
+		t.Errorf("the child's accept loop ended with %s, want net.ErrClosed", rep.Err)
+	}
+	clientMu.Lock()
+	defer clientMu.Unlock()
+	if len(clientErrs) > 0 {
+		t.Errorf("%d connections failed, first: %v", len(clientErrs), clientErrs[0])
+	}
+	total := byP.Load() + byC.Load()
+	t.Logf("%d connections: parent %d, child %d", total, byP.Load(), byC.Load())
+	if int64(parentServed) != byP.Load() || int64(rep.Served) != byC.Load() {
+		t.Errorf("the parent accepted %d and the child %d; the client was answered by them %d and %d times",
+			parentServed, rep.Served, byP.Load(), byC.Load())
+	}
+	if int64(parentServed+rep.Served) != int64(nextID.Load())-int64(len(clientErrs)) || len(clientErrs) != 0 {
+		t.Errorf("%d dials, %d accepted in all", nextID.Load(), parentServed+rep.Served)
+	}
+}

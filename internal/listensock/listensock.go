@@ -1,0 +1,569 @@
+// Package listensock holds caddy-ktls's listener networks for Caddy
+// servers (caddy-l4's "listen" addresses): `tcp-retry`, plain TCP whose
+// Accept rides out a shortage of descriptors or memory, and `tcp-handoff`,
+// which does the same on a listening socket that outlives config reloads
+// and can be handed to the process that replaces this one.
+//
+// # tcp-handoff
+//
+// Caddy on Linux binds a new SO_REUSEPORT socket for a "tcp" address at
+// every config load: during a reload two sockets split the incoming
+// connections, and those queued on the old one are reset when it closes.
+// A `tcp-handoff/<host>:<port>` address instead has one socket per address
+// in the process, bound without SO_REUSEPORT, which every configuration
+// that listens on the address shares: a reload's new configuration takes
+// it before the old one lets it go, so it stays open, and the socket
+// closes when the last configuration that listens on it is unloaded.
+//
+// For a binary upgrade, the old process passes Export's descriptors to the
+// new one, which Adopts each under its address before its configuration
+// loads; its `tcp-handoff` listens then take the adopted socket instead of
+// binding. Both processes accept from the one kernel queue until the old
+// one calls StopAccepting: from then on only the new process accepts, and
+// a connection the kernel queued is accepted by exactly one of them.
+//
+// The address is the socket's key: the host must be an IP address or empty
+// (a name could resolve to another address in the adopting process), and
+// it is written in one canonical form (Exported.Address): the IP as
+// netip writes it, IPv4-mapped IPv6 addresses as IPv4, and every wildcard
+// (no host, 0.0.0.0, ::) as [::], since Go binds one dual-stack socket for
+// each of them. Port 0 binds a new socket on a port the kernel picks,
+// registered under the address it got. A port range is a socket per port.
+//
+// Each listener that Caddy's configuration holds is a wrapper of the
+// shared socket. One goroutine per socket accepts, and only while some
+// wrapper's Accept waits; it hands each connection to the longest-waiting
+// Accept. Closing a wrapper ends its own Accepts only (net.ErrClosed);
+// when no Accept is left waiting, a deadline in the past wakes the
+// accepting goroutine, and connections stay in the kernel's queue. A
+// connection accepted just as the last waiting Accept went away is kept
+// for the next Accept of any wrapper of the socket, including one of the
+// next configuration, and after StopAccepting too: Accept returns those
+// before it reports net.ErrClosed. Only when the socket itself closes,
+// its last wrapper closed, are such connections closed, with a warning,
+// as the kernel resets the connections still queued on a socket it
+// closes.
+package listensock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+)
+
+// Network names the listener network of handed-over sockets, as in a
+// caddy-l4 server's `"listen": ["tcp-handoff/127.0.0.1:9443"]`.
+const Network = "tcp-handoff"
+
+// Exported is a listening socket offered to another process.
+type Exported struct {
+	// Address is the socket's key, in the package's canonical form
+	// ("127.0.0.1:9443", "[::]:9443" for a wildcard): pass it to Adopt.
+	Address string
+	// File is a duplicate of the socket's descriptor; the caller closes
+	// it. It shares the open file, and so its O_NONBLOCK flag, with every
+	// holder of the socket: its Fd method, which makes the file blocking,
+	// would leave this process's accepts blocking a thread that no
+	// deadline wakes. Pass it with internal/fdpass, which reads the
+	// descriptor without Fd.
+	File *os.File
+}
+
+var (
+	// mu guards sockets, stopped, and every socket's and wrapper's state.
+	mu sync.Mutex
+	// sockets holds the process's sockets by address: those some wrapper
+	// holds, and those adopted and not yet listened on.
+	sockets = map[string]*socket{}
+	// stopped is set by StopAccepting.
+	stopped bool
+)
+
+// aLongTimeAgo is a deadline in the past: it ends a blocked Accept.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// A socket is one listening socket of the process and its accepting
+// goroutine.
+type socket struct {
+	addr string // the key in sockets
+	ln   *net.TCPListener
+	// accept is ln.AcceptTCP, as a net.Conn; a test injects errors.
+	accept func() (net.Conn, error)
+	logger *zap.Logger
+	refs   int // open wrappers
+
+	waiters []*waiter  // Accepts waiting, longest first
+	pending []net.Conn // accepted while no Accept waited (never both non-empty)
+
+	wake    *sync.Cond    // on mu: a waiter came, or quit
+	quit    bool          // the accepting goroutine must return
+	done    chan struct{} // closed with quit: ends a backoff
+	running bool          // the accepting goroutine started
+	exited  chan struct{} // closed when it returns
+}
+
+// A waiter is one Accept call waiting for a connection.
+type waiter struct {
+	l  *listener
+	ch chan result // buffered: sent once, under mu
+}
+
+type result struct {
+	c   net.Conn
+	err error
+}
+
+func newSocket(ln *net.TCPListener, addr string, logger *zap.Logger) *socket {
+	s := &socket{addr: addr, ln: ln, logger: logger, done: make(chan struct{}), exited: make(chan struct{})}
+	s.accept = func() (net.Conn, error) { return s.ln.Accept() }
+	s.wake = sync.NewCond(&mu)
+	return s
+}
+
+// listen is the tcp-handoff network's ListenerFunc.
+func listen(ctx context.Context, _, host, portRange string, portOffset uint, cfg net.ListenConfig) (any, error) {
+	na, err := caddy.ParseNetworkAddress(caddy.JoinNetworkAddress("tcp", host, portRange))
+	if err != nil {
+		return nil, fmt.Errorf("%s/%s: %w", Network, net.JoinHostPort(host, portRange), err)
+	}
+	hostport := na.JoinHostPort(portOffset)
+	where := Network + "/" + hostport
+	addr, port, err := canonical(hostport)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", where, err)
+	}
+	logger := contextLogger(ctx)
+
+	mu.Lock()
+	defer mu.Unlock()
+	if stopped {
+		return nil, fmt.Errorf("%s: this process has handed its listening sockets to another process (StopAccepting) and opens no more; load this configuration in the new process", where)
+	}
+	s := sockets[addr]
+	if port == 0 || s == nil {
+		ln, err := bind(ctx, cfg, hostport)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", where, err)
+		}
+		if port == 0 {
+			addr, _, _ = canonical(ln.Addr().String())
+			if sockets[addr] != nil {
+				ln.Close()
+				return nil, fmt.Errorf("%s: bound %s, which this process holds already", where, addr)
+			}
+		}
+		s = newSocket(ln, addr, logger)
+		sockets[addr] = s
+	}
+	s.logger = logger // the newest configuration's
+	s.refs++
+	if !s.running {
+		s.running = true
+		go s.loop()
+	}
+	return &listener{s: s}, nil
+}
+
+// bind opens a listening socket with SO_REUSEPORT off, so that a second
+// socket of the address, in this process or another, fails with
+// EADDRINUSE.
+func bind(ctx context.Context, cfg net.ListenConfig, hostport string) (*net.TCPListener, error) {
+	control := cfg.Control
+	cfg.Control = func(network, address string, c syscall.RawConn) error {
+		if control != nil {
+			if err := control(network, address, c); err != nil {
+				return err
+			}
+		}
+		var serr error
+		if err := c.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 0)
+		}); err != nil {
+			return err
+		}
+		if serr != nil {
+			return os.NewSyscallError("setsockopt SO_REUSEPORT", serr)
+		}
+		return nil
+	}
+	ln, err := cfg.Listen(ctx, "tcp", hostport)
+	if err != nil {
+		if errors.Is(err, syscall.EADDRINUSE) {
+			return nil, fmt.Errorf("%w (another socket holds the address: tcp-handoff never shares a port through SO_REUSEPORT; a process that replaces another adopts its socket instead)", err)
+		}
+		return nil, err
+	}
+	return ln.(*net.TCPListener), nil
+}
+
+// canonical returns the key of a host:port address (see the package
+// documentation) and its port. A host that is not an IP address is an
+// error.
+func canonical(hostport string) (string, uint16, error) {
+	host, p, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return "", 0, err
+	}
+	port, err := strconv.ParseUint(p, 10, 16)
+	if err != nil {
+		return "", 0, fmt.Errorf("port %q: want a number from 0 to 65535", p)
+	}
+	ip := netip.IPv6Unspecified()
+	if host != "" {
+		if ip, err = netip.ParseAddr(host); err != nil {
+			return "", 0, fmt.Errorf("host %q is not an IP address: a socket is handed over by its address, and a name could resolve to another one in the process that adopts it; listen on an IP address, or on every address (no host)", host)
+		}
+		if ip = ip.Unmap(); ip.IsUnspecified() {
+			ip = netip.IPv6Unspecified()
+		}
+	}
+	return netip.AddrPortFrom(ip, uint16(port)).String(), uint16(port), nil
+}
+
+// loop accepts connections on s while some Accept waits, and hands each
+// to the longest-waiting one.
+func (s *socket) loop() {
+	defer close(s.exited)
+	var b backoff
+	mu.Lock()
+	defer mu.Unlock()
+	for {
+		for len(s.waiters) == 0 && !s.quit {
+			s.wake.Wait()
+		}
+		if s.quit {
+			return
+		}
+		// Whoever leaves no Accept waiting sets a past deadline, under mu;
+		// this one is cleared only with an Accept waiting.
+		s.ln.SetDeadline(time.Time{})
+		accept, logger := s.accept, s.logger
+		mu.Unlock()
+		c, err := accept()
+		mu.Lock()
+		switch {
+		case err == nil:
+			b = backoff{}
+			s.deliver(result{c: c})
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			// Woken: no Accept waits any more, or quit.
+		default:
+			if delay, ok := b.next(logger, s.ln.Addr(), err); ok {
+				mu.Unlock()
+				t := time.NewTimer(delay)
+				select {
+				case <-t.C:
+				case <-s.done:
+					t.Stop()
+				}
+				mu.Lock()
+				continue
+			}
+			// Any other error is the caller's, as from a plain listener.
+			if len(s.waiters) > 0 {
+				s.deliver(result{err: err})
+			} else {
+				logger.Warn("accept failed", zap.Stringer("address", s.ln.Addr()), zap.Error(err))
+			}
+		}
+	}
+}
+
+// deliver hands r to the longest-waiting Accept; a connection that no
+// Accept waits for is kept for the next. Called with mu held.
+func (s *socket) deliver(r result) {
+	if len(s.waiters) > 0 {
+		w := s.waiters[0]
+		s.waiters = s.waiters[1:]
+		w.ch <- r
+		return
+	}
+	if r.c != nil {
+		s.pending = append(s.pending, r.c)
+	}
+}
+
+// stop makes s's goroutine return. Called with mu held.
+func (s *socket) stop() {
+	if s.quit {
+		return
+	}
+	s.quit = true
+	close(s.done)
+	s.ln.SetDeadline(aLongTimeAgo)
+	s.wake.Broadcast()
+}
+
+// A listener is one configuration's wrapper of a socket.
+type listener struct {
+	s      *socket
+	closed bool // under mu
+}
+
+func (l *listener) Addr() net.Addr { return l.s.ln.Addr() }
+
+func (l *listener) errClosed(op string) error {
+	return &net.OpError{Op: op, Net: "tcp", Addr: l.s.ln.Addr(), Err: net.ErrClosed}
+}
+
+// Accept returns the next connection of the socket. After Close, or once
+// the process stopped accepting and no connection accepted before is left,
+// it returns net.ErrClosed.
+func (l *listener) Accept() (net.Conn, error) {
+	mu.Lock()
+	s := l.s
+	if l.closed {
+		mu.Unlock()
+		return nil, l.errClosed("accept")
+	}
+	if len(s.pending) > 0 {
+		c := s.pending[0]
+		s.pending = s.pending[1:]
+		mu.Unlock()
+		return c, nil
+	}
+	if s.quit {
+		mu.Unlock()
+		return nil, l.errClosed("accept")
+	}
+	w := &waiter{l: l, ch: make(chan result, 1)}
+	s.waiters = append(s.waiters, w)
+	s.wake.Signal()
+	mu.Unlock()
+	r := <-w.ch
+	return r.c, r.err
+}
+
+// Close ends l's Accepts, and closes the socket if l was its last
+// wrapper.
+func (l *listener) Close() error {
+	mu.Lock()
+	if l.closed {
+		mu.Unlock()
+		return l.errClosed("close")
+	}
+	l.closed = true
+	s := l.s
+	s.waiters = slices.DeleteFunc(s.waiters, func(w *waiter) bool {
+		if w.l != l {
+			return false
+		}
+		w.ch <- result{err: l.errClosed("accept")}
+		return true
+	})
+	if len(s.waiters) == 0 {
+		s.ln.SetDeadline(aLongTimeAgo)
+	}
+	if s.refs--; s.refs > 0 {
+		mu.Unlock()
+		return nil
+	}
+	delete(sockets, s.addr)
+	s.stop()
+	mu.Unlock()
+	return s.close()
+}
+
+// close closes s, which no wrapper holds any more, once its goroutine
+// returned. Closing this process's descriptor leaves the socket open in
+// another process that holds one (close(2), never shutdown(2), which would
+// end the socket for every holder).
+func (s *socket) close() error {
+	<-s.exited
+	mu.Lock()
+	pending := s.pending
+	s.pending = nil
+	logger := s.logger
+	mu.Unlock()
+	if len(pending) > 0 {
+		logger.Warn("closing connections accepted after the last Accept of the socket ended",
+			zap.String("address", s.addr), zap.Int("connections", len(pending)))
+		for _, c := range pending {
+			c.Close()
+		}
+	}
+	return s.ln.Close()
+}
+
+// Export returns a duplicate of every tcp-handoff listening socket this
+// process holds: those open in at least one loaded configuration, and
+// those adopted and not listened on yet (else the process that adopts
+// them from this one could not bind their addresses).
+func Export() ([]Exported, error) {
+	mu.Lock()
+	defer mu.Unlock()
+	addrs := make([]string, 0, len(sockets))
+	for a := range sockets {
+		addrs = append(addrs, a)
+	}
+	slices.Sort(addrs)
+	var out []Exported
+	for _, a := range addrs {
+		f, err := sockets[a].ln.File()
+		if err != nil {
+			for _, e := range out {
+				e.File.Close()
+			}
+			return nil, fmt.Errorf("listensock: export %s: %w", a, err)
+		}
+		out = append(out, Exported{Address: a, File: f})
+	}
+	return out, nil
+}
+
+// Adopt registers a listening socket received from the old process under
+// address, before this process's configuration listens: the next
+// tcp-handoff listen of that address uses it (a duplicate; the caller
+// closes f) instead of binding. It refuses f unless it is a listening TCP
+// socket bound to address. An adopted socket that no configuration
+// listens on stays registered, and exported, until the process exits.
+// Adopt of an address this process holds already is an error.
+func Adopt(address string, f *os.File) error {
+	key, port, err := canonical(address)
+	if err != nil {
+		return fmt.Errorf("listensock: adopt %s: %w", address, err)
+	}
+	if port == 0 {
+		return fmt.Errorf("listensock: adopt %s: port 0 names no socket; give the address Export returned", address)
+	}
+	if err := checkListening(f, key); err != nil {
+		return fmt.Errorf("listensock: adopt %s: %w", address, err)
+	}
+	fl, err := net.FileListener(f)
+	if err != nil {
+		return fmt.Errorf("listensock: adopt %s: %w", address, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if stopped {
+		fl.Close()
+		return fmt.Errorf("listensock: adopt %s: this process has stopped accepting (StopAccepting) and takes no sockets", address)
+	}
+	if sockets[key] != nil {
+		fl.Close()
+		return fmt.Errorf("listensock: adopt %s: this process holds a socket of %s already (bound or adopted before); adopt each address once, before the configuration loads", address, key)
+	}
+	sockets[key] = newSocket(fl.(*net.TCPListener), key, caddy.Log().Named("accept"))
+	return nil
+}
+
+// checkListening returns an error unless f is a listening TCP socket whose
+// local address has the key addr.
+func checkListening(f *os.File, addr string) error {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var domain, typ, proto, listening int
+	var local unix.Sockaddr
+	var serr error
+	err = rc.Control(func(fd uintptr) {
+		get := func(opt int) int {
+			v, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, opt)
+			if serr == nil && err != nil {
+				serr = err
+			}
+			return v
+		}
+		if domain = get(unix.SO_DOMAIN); serr != nil {
+			return
+		}
+		typ, proto, listening = get(unix.SO_TYPE), get(unix.SO_PROTOCOL), get(unix.SO_ACCEPTCONN)
+		if serr == nil {
+			local, serr = unix.Getsockname(int(fd))
+		}
+	})
+	if err != nil {
+		return err
+	}
+	switch {
+	case errors.Is(serr, unix.ENOTSOCK):
+		return fmt.Errorf("%s is not a socket", f.Name())
+	case serr != nil:
+		return fmt.Errorf("%s: %w", f.Name(), serr)
+	case domain != unix.AF_INET && domain != unix.AF_INET6:
+		return fmt.Errorf("%s is not an IP socket (address family %d)", f.Name(), domain)
+	// Go listens with MPTCP where the kernel has it (net.ListenConfig's
+	// default since Go 1.24), and SO_PROTOCOL then says IPPROTO_MPTCP: a
+	// TCP listener all the same, whose clients may speak plain TCP.
+	case typ != unix.SOCK_STREAM || proto != unix.IPPROTO_TCP && proto != unix.IPPROTO_MPTCP:
+		what := fmt.Sprintf("socket type %d, protocol %d", typ, proto)
+		if typ == unix.SOCK_DGRAM {
+			what = "a UDP socket"
+		}
+		return fmt.Errorf("%s is %s, not TCP", f.Name(), what)
+	case listening == 0:
+		return fmt.Errorf("%s is a TCP socket that does not listen (a connection, or never passed to listen(2))", f.Name())
+	}
+	var got netip.AddrPort
+	switch sa := local.(type) {
+	case *unix.SockaddrInet4:
+		got = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
+	case *unix.SockaddrInet6:
+		ip := netip.AddrFrom16(sa.Addr)
+		if sa.ZoneId != 0 {
+			if ifi, err := net.InterfaceByIndex(int(sa.ZoneId)); err == nil {
+				ip = ip.WithZone(ifi.Name)
+			} else {
+				ip = ip.WithZone(strconv.Itoa(int(sa.ZoneId)))
+			}
+		}
+		got = netip.AddrPortFrom(ip, uint16(sa.Port))
+	default:
+		return fmt.Errorf("%s has local address %T, not an IP one", f.Name(), local)
+	}
+	key, _, _ := canonical(got.String())
+	if key != addr {
+		return fmt.Errorf("%s is bound to %s, not to %s: pass each socket under the address Export gave it", f.Name(), key, addr)
+	}
+	return nil
+}
+
+// StopAccepting makes every tcp-handoff listener of this process stop
+// accepting: blocked and later Accepts return net.ErrClosed (once the
+// connections this process accepted already are taken); the sockets stay
+// open for the process that accepts from them now, and a connection the
+// kernel queued stays queued for it. Closing a listener afterwards closes
+// this process's descriptor only. Listens after it fail: the process is
+// handing over. StopAccepting is idempotent.
+func StopAccepting() {
+	mu.Lock()
+	if stopped {
+		mu.Unlock()
+		return
+	}
+	stopped = true
+	var running []*socket
+	for _, s := range sockets {
+		s.stop()
+		if s.running {
+			running = append(running, s)
+		}
+	}
+	mu.Unlock()
+	// An accept that returned a connection as the deadline came hands it
+	// to a waiting Accept first; the others end then.
+	for _, s := range running {
+		<-s.exited
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, s := range running {
+		for _, w := range s.waiters {
+			w.ch <- result{err: w.l.errClosed("accept")}
+		}
+		s.waiters = nil
+	}
+}

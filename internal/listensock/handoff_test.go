@@ -194,19 +194,23 @@ func TestHandoffToChild(t *testing.T) {
 	waitFor("the parent served 20 more", func() bool { return byP.Load() >= pBefore+20 })
 
 	StopAccepting()
+	pStopped, afterStop := byP.Load(), byC.Load()
+	waitFor("the child served 100 after StopAccepting", func() bool { return byC.Load() >= afterStop+100 })
+	if n := byP.Load(); n > pStopped+1 {
+		// At most the one accept(2) in progress as it stopped.
+		t.Errorf("the parent accepted %d connections after StopAccepting returned", n-pStopped)
+	}
+	// The old process's configuration unloads: its descriptor closes, its
+	// waiting Accept ends, the child's keeps the socket.
+	ln.Close()
 	select {
 	case <-parentDone:
 	case <-time.After(10 * time.Second):
-		t.Fatal("the parent's accept loop runs on 10s after StopAccepting")
+		t.Fatal("the parent's accept loop runs on 10s after its listener closed")
 	}
 	if !errors.Is(parentErr, net.ErrClosed) {
 		t.Errorf("the parent's accept loop ended with %v, want net.ErrClosed", parentErr)
 	}
-	afterStop := byC.Load()
-	waitFor("the child served 100 after StopAccepting", func() bool { return byC.Load() >= afterStop+100 })
-	// The old process's configuration unloads: its descriptor closes, the
-	// child's keeps the socket.
-	ln.Close()
 	afterClose := byC.Load()
 	waitFor("the child served 100 after the parent closed", func() bool { return byC.Load() >= afterClose+100 })
 	stop.Store(true)

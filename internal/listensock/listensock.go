@@ -38,8 +38,7 @@
 // accepting goroutine, and connections stay in the kernel's queue. A
 // connection accepted just as the last waiting Accept went away is kept
 // for the next Accept of any wrapper of the socket, including one of the
-// next configuration, and after StopAccepting too: Accept returns those
-// before it reports net.ErrClosed. Only when the socket itself closes,
+// next configuration, and after StopAccepting too. Only when the socket itself closes,
 // its last wrapper closed, are such connections closed, with a warning,
 // as the kernel resets the connections still queued on a socket it
 // closes.
@@ -49,6 +48,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -87,8 +87,14 @@ var (
 	// sockets holds the process's sockets by address: those some wrapper
 	// holds, and those adopted and not yet listened on.
 	sockets = map[string]*socket{}
-	// stopped is set by StopAccepting.
+	// stopped is set by StopAccepting, cleared by ResumeAccepting: the
+	// process hands its sockets over, and opens or takes no more.
 	stopped bool
+	// paused is set by StopAccepting and PauseAccepting, cleared by
+	// ResumeAccepting: no accept(2) runs.
+	paused bool
+	// idle is signaled on mu when a socket's goroutine leaves accept(2).
+	idle = sync.NewCond(&mu)
 )
 
 // aLongTimeAgo is a deadline in the past: it ends a blocked Accept.
@@ -107,11 +113,12 @@ type socket struct {
 	waiters []*waiter  // Accepts waiting, longest first
 	pending []net.Conn // accepted while no Accept waited (never both non-empty)
 
-	wake    *sync.Cond    // on mu: a waiter came, or quit
-	quit    bool          // the accepting goroutine must return
-	done    chan struct{} // closed with quit: ends a backoff
-	running bool          // the accepting goroutine started
-	exited  chan struct{} // closed when it returns
+	wake      *sync.Cond    // on mu: a waiter came, or quit
+	quit      bool          // the accepting goroutine must return
+	done      chan struct{} // closed with quit: ends a backoff
+	running   bool          // the accepting goroutine started
+	accepting bool          // it is in accept(2), without mu
+	exited    chan struct{} // closed when it returns
 }
 
 // A waiter is one Accept call waiting for a connection.
@@ -240,19 +247,23 @@ func (s *socket) loop() {
 	mu.Lock()
 	defer mu.Unlock()
 	for {
-		for len(s.waiters) == 0 && !s.quit {
+		for (len(s.waiters) == 0 || paused) && !s.quit {
 			s.wake.Wait()
 		}
 		if s.quit {
 			return
 		}
-		// Whoever leaves no Accept waiting sets a past deadline, under mu;
-		// this one is cleared only with an Accept waiting.
+		// Whoever leaves no Accept waiting, or stops accepting, sets a
+		// past deadline, under mu; this one is cleared only with an
+		// Accept waiting and accepting on.
 		s.ln.SetDeadline(time.Time{})
 		accept, logger := s.accept, s.logger
+		s.accepting = true
 		mu.Unlock()
 		c, err := accept()
 		mu.Lock()
+		s.accepting = false
+		idle.Broadcast()
 		switch {
 		case err == nil:
 			b = backoff{}
@@ -532,38 +543,47 @@ func checkListening(f *os.File, addr string) error {
 }
 
 // StopAccepting makes every tcp-handoff listener of this process stop
-// accepting: blocked and later Accepts return net.ErrClosed (once the
-// connections this process accepted already are taken); the sockets stay
-// open for the process that accepts from them now, and a connection the
-// kernel queued stays queued for it. Closing a listener afterwards closes
-// this process's descriptor only. Listens after it fail: the process is
-// handing over. StopAccepting is idempotent.
+// accepting: it returns once no accept(2) of this process is in progress,
+// and from then on the kernel's queue is the other process's. Waiting and
+// later Accepts wait (a connection accepted before is still returned);
+// the sockets stay open. ResumeAccepting undoes it (the handoff failed);
+// closing the listeners (the process exits) ends their Accepts. Listens
+// and Adopt fail meanwhile: the process is handing over. Idempotent.
 func StopAccepting() {
 	mu.Lock()
-	if stopped {
-		mu.Unlock()
-		return
-	}
+	defer mu.Unlock()
 	stopped = true
-	var running []*socket
-	for _, s := range sockets {
-		s.stop()
-		if s.running {
-			running = append(running, s)
-		}
-	}
-	mu.Unlock()
-	// An accept that returned a connection as the deadline came hands it
-	// to a waiting Accept first; the others end then.
-	for _, s := range running {
-		<-s.exited
-	}
+	pause()
+}
+
+// PauseAccepting is StopAccepting for the process that takes the sockets
+// over: its configuration listens on them, and its Accepts wait until
+// ResumeAccepting, once it holds the state its connections need.
+func PauseAccepting() {
 	mu.Lock()
 	defer mu.Unlock()
-	for _, s := range running {
-		for _, w := range s.waiters {
-			w.ch <- result{err: w.l.errClosed("accept")}
-		}
-		s.waiters = nil
+	pause()
+}
+
+// pause stops every accept(2) and waits until none runs. Called with mu
+// held.
+func pause() {
+	paused = true
+	for _, s := range sockets {
+		s.ln.SetDeadline(aLongTimeAgo)
+	}
+	for slices.ContainsFunc(slices.Collect(maps.Values(sockets)), func(s *socket) bool { return s.accepting }) {
+		idle.Wait()
+	}
+}
+
+// ResumeAccepting undoes StopAccepting and PauseAccepting: the Accepts
+// waiting get connections again. Idempotent.
+func ResumeAccepting() {
+	mu.Lock()
+	defer mu.Unlock()
+	stopped, paused = false, false
+	for _, s := range sockets {
+		s.wake.Broadcast()
 	}
 }

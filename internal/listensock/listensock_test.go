@@ -31,7 +31,7 @@ func checkLeaks(t *testing.T) {
 	t.Cleanup(func() {
 		mu.Lock()
 		left := len(sockets)
-		stopped = false
+		stopped, paused = false, false
 		mu.Unlock()
 		if left > 0 {
 			t.Errorf("%d sockets left registered", left)
@@ -479,49 +479,71 @@ func TestHandoffRetry(t *testing.T) {
 	}
 }
 
-// StopAccepting ends blocked and later Accepts, leaves the socket open
-// with its queue, and refuses later listens.
+// StopAccepting leaves the kernel's queue to another holder of the socket
+// while this process's Accepts wait, refuses new listens, and
+// ResumeAccepting gives the waiting Accepts connections again.
 func TestStopAccepting(t *testing.T) {
 	checkLeaks(t)
 	ln := listenT(t, "127.0.0.1:0")
 	addr := ln.Addr().String()
-	done := make(chan error, 1)
-	go func() { _, err := ln.Accept(); done <- err }()
+	got := make(chan net.Conn, 2)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				close(got)
+				return
+			}
+			got <- c
+		}
+	}()
 	waiting(t, ln.s, 1)
 	StopAccepting()
 	StopAccepting()
-	if err := <-done; !errors.Is(err, net.ErrClosed) {
-		t.Errorf("blocked Accept after StopAccepting = %v, want net.ErrClosed", err)
-	}
-	if _, err := ln.Accept(); !errors.Is(err, net.ErrClosed) {
-		t.Errorf("Accept after StopAccepting = %v, want net.ErrClosed", err)
-	}
-	// A connection queues: the socket is open, nobody here accepts it.
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatalf("dial after StopAccepting: %v", err)
-	}
-	defer c.Close()
+	// A connection queues for whoever else holds the socket (f): nothing
+	// here takes it, though an Accept waits.
 	f := fileOf(t, ln.s.ln)
 	defer f.Close()
-	if _, err := listenAddr(addr); err == nil || !strings.Contains(err.Error(), "tcp-handoff/"+addr) {
-		t.Errorf("listen after StopAccepting = %v, want a refusal naming the address", err)
-	}
-	ln.Close()
-	// The queued connection is still there, for the holder of f.
 	fl, err := net.FileListener(f)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer fl.Close()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatalf("dial after StopAccepting: %v", err)
+	}
+	defer c.Close()
 	s, err := fl.Accept()
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s.RemoteAddr().String() != c.LocalAddr().String() {
-		t.Errorf("accepted %s, dialed from %s", s.RemoteAddr(), c.LocalAddr())
+		t.Errorf("the other holder accepted %s, dialed from %s", s.RemoteAddr(), c.LocalAddr())
 	}
 	s.Close()
+	if _, err := listenAddr(addr); err == nil || !strings.Contains(err.Error(), "tcp-handoff/"+addr) {
+		t.Errorf("listen after StopAccepting = %v, want a refusal naming the address", err)
+	}
+	// The handoff failed: this process accepts again, its waiting Accept
+	// first.
+	ResumeAccepting()
+	ResumeAccepting()
+	fl.Close()
+	c2, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	a := <-got
+	if a.RemoteAddr().String() != c2.LocalAddr().String() {
+		t.Errorf("after ResumeAccepting the waiting Accept got %s, dialed from %s", a.RemoteAddr(), c2.LocalAddr())
+	}
+	a.Close()
+	ln.Close()
+	if _, open := <-got; open {
+		t.Error("the Accept loop got a connection after Close")
+	}
 }
 
 // serve accepts from ln as caddy-l4 does until Accept fails, and answers

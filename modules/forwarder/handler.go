@@ -373,6 +373,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		// certificate reach the preamble (Handle says which did).
 		RequireClientCertificate: !h.InsecurePlaintext,
 		OnStep:                   observeStep,
+		// A binary upgrade moves tunnels whose gateway session runs in
+		// kernel TLS (sandbox_handoff, upgrade.go).
+		HandOffConn: ktls.HandOffConn,
+		AdoptConn:   ktls.AdoptConn(ktls.Options{RequireOffload: true}),
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
@@ -672,7 +676,20 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		h.logger.Warn(tunnelRefusedMsg, fields...)
 		return nil
 	}
+	if res.Moved {
+		h.logger.Debug("sandbox tunnel moved to the process that took over", zap.Uint64("id", res.Tunnel.ID),
+			zap.String("sandbox", res.Tunnel.Sandbox), zap.String("peer", peer))
+		return nil
+	}
+	h.tunnelEnded(res, err)
+	return nil
+}
+
+// tunnelEnded logs, counts and announces (sandbox_tunnel_closed) the end
+// of a tunnel this process carried, opened here or adopted (upgrade.go).
+func (h *Handler) tunnelEnded(res forward.Result, err error) {
 	ti := res.Tunnel
+	peer := ti.Peer
 	tunnelDuration.Observe(res.Duration.Seconds())
 	h.events.Emit(h.ctx, "sandbox_tunnel_closed", map[string]any{
 		"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
@@ -695,10 +712,9 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 			offload.CountClose(moduleid.L4Handler, offload.EventBadRecord)
 		}
 		h.logger.Info("sandbox tunnel ended with an error", append(fields, zap.Error(err))...)
-		return nil
+		return
 	}
 	h.logger.Debug("sandbox tunnel closed", fields...)
-	return nil
 }
 
 // tunnelRefusedMsg is the log message of a refused tunnel.

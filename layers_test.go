@@ -46,7 +46,7 @@ var layers = []layer{
 
 	// The features.
 	{"modules/forwarder", true, []string{"ktls", "preamble", "forward",
-		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/listensock"}},
+		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/listensock"}},
 	{"modules/edgegateway", true, []string{"ktls", "splice", "preamble", "gateway",
 		"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload"}},
 	{"internal/cli", true, []string{"ktls", "preamble", "gateway", "internal/offload"}},

@@ -38,6 +38,7 @@ its mutual-TLS connection to the forwarder:
   verify  check a preamble against a keyring; exit status 1 on rejection
   dial    connect to a forwarder like a gateway and pipe stdin/stdout through
   certs   make the CA, forwarder and gateway certificates of the mutual TLS
+  upgrade replace the running forwarder by the installed binary, tunnels kept
 ` + preambleSpecRef,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.AddCommand(SandboxSubcommands()...)
@@ -58,7 +59,7 @@ The preamble (byte layout, a worked example, every rejection reason):
 // SandboxSubcommands builds the subcommands of "caddy sandbox". They read
 // and write through cmd.InOrStdin/OutOrStdout so that tests can drive them.
 func SandboxSubcommands() []*cobra.Command {
-	return []*cobra.Command{keygenCommand(), signCommand(), verifyCommand(), dialCommand(), certsCommand()}
+	return []*cobra.Command{keygenCommand(), signCommand(), verifyCommand(), dialCommand(), certsCommand(), upgradeCommand()}
 }
 
 func keygenCommand() *cobra.Command {

@@ -17,6 +17,7 @@ const (
 	SandboxTransport  = "http.reverse_proxy.transport.sandbox"
 	SandboxLookupHTTP = "http.handlers.sandbox_lookup"
 	SandboxLookupL4   = "layer4.handlers.sandbox_lookup"
+	SandboxHandoff    = "sandbox_handoff"
 )
 
 // The roles: which modules move which metrics. The metrics' series are

@@ -64,6 +64,18 @@ func (s *keyringSet) trusts(id string, key ed25519.PublicKey) bool {
 	return false
 }
 
+// handlerTrusting returns a live handler that holds key under id, or nil.
+func (s *keyringSet) handlerTrusting(id string, key ed25519.PublicKey) *Handler {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for h, keys := range s.live {
+		if k, ok := keys[id]; ok && k.Equal(key) {
+			return h
+		}
+	}
+	return nil
+}
+
 // replayCaches holds the preamble replay caches in use, one per distinct
 // (size, window): the verifier of every configuration is new, but its
 // nonces must not be: a preamble accepted just before a reload would

@@ -1,0 +1,243 @@
+package caddyktls
+
+import (
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// A binary upgrade with the real binary: a second process started with
+// the same configuration takes the listening socket and the tunnels of the
+// running one, which then exits. Tunnels streaming both ways arrive exact,
+// and a client connecting in a loop throughout is never refused or reset.
+
+// TestKernelUpgradeMovesTunnels: every tunnel (kernel TLS) moves to the new
+// process mid-stream; the old process exits at once, no tunnel left to
+// drain.
+func TestKernelUpgradeMovesTunnels(t *testing.T) {
+	kerneltest.Require(t)
+	sandboxUpgrade(t, true)
+}
+
+// TestUpgradeUserspaceTunnelsStay: tunnels whose gateway session runs in
+// userspace TLS (a kernel without kTLS) cannot move; they finish in the old
+// process, which drains them, while the new process takes every new
+// connection.
+func TestUpgradeUserspaceTunnelsStay(t *testing.T) {
+	if kerneltest.Required() {
+		t.Skip("the kernel variant is TestKernelUpgradeMovesTunnels")
+	}
+	sandboxUpgrade(t, false)
+}
+
+func sandboxUpgrade(t *testing.T, kernel bool) {
+	const (
+		n     = 8
+		chunk = 4 << 10
+		pace  = 20 * time.Millisecond
+	)
+	up := forwardtest.NewPacedUpstream(t, chunk, pace)
+	small := forwardtest.NewUpstream(t, 4<<10)
+	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "2m"})
+	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
+	old := startCaddy(t, e, "")
+	since := dataPathDelta(t, kernel)
+
+	stop := make(chan struct{})
+	var streams []<-chan streamOutcome
+	for i := range n {
+		c := e.dial(t, fmt.Sprintf("sbx-upgrade-%d", i), up.Addr())
+		streams = append(streams, pacedStream(c, uint64(500+i), chunk, pace, stop))
+	}
+	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
+		"every tunnel's first bytes at the upstream")
+
+	// A preamble accepted before the upgrade is refused after it, as a
+	// replay: the replay cache moved.
+	frame := e.gw.Frame(t, "sbx-upgrade-replayed", small.Addr())
+	if got, err := io.ReadAll(e.rawTunnel(t, frame, true)); err != nil || len(got) != 4<<10 {
+		t.Fatalf("a tunnel before the upgrade read %d bytes, %v; want the target's 4 KiB", len(got), err)
+	}
+
+	// A client connecting in a loop through the upgrade.
+	var calls, failed atomic.Int64
+	var firstErr atomic.Value
+	loopDone := make(chan struct{})
+	var loop sync.WaitGroup
+	loop.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-loopDone:
+				return
+			default:
+			}
+			calls.Add(1)
+			if err := oneCall(e, fmt.Sprintf("sbx-upgrade-loop-%d", i), small.Addr()); err != nil {
+				failed.Add(1)
+				firstErr.CompareAndSwap(nil, err.Error())
+			}
+		}
+	})
+
+	nu := secondProcessConfig(t, e)
+	startCaddy(t, nu, "") // returns at once: the old process listens
+	waitUntil(t, 2*time.Minute, func() bool { _, err := os.Stat(nu.logFile); return err == nil }, "the new process's log")
+	const tookMsg, handedMsg = "took the running process's tunnels over", "handed the tunnels over to the new process"
+	waitUntil(t, 2*time.Minute, func() bool { return len(nu.logLines(t, tookMsg)) > 0 && len(e.logLines(t, handedMsg)) > 0 }, "the handoff's log lines")
+	took, handed := nu.waitLogLine(t, tookMsg, 0), e.waitLogLine(t, handedMsg, 0)
+	want := map[bool]float64{true: n, false: 0}[kernel]
+	if took["tunnels"] != want || handed["moved"] != want {
+		t.Errorf("the new process took %v tunnels, the old one handed %v over; want %v", took["tunnels"], handed["moved"], want)
+	}
+	if !kernel {
+		// The streams end, so that the old process's drain ends.
+		close(stop)
+	}
+	select {
+	case <-old.exited:
+		if old.exitErr != nil {
+			t.Errorf("the old process exited with %v", old.exitErr)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the old process did not exit after the handoff")
+	}
+	if kernel {
+		// The moved tunnels stream on in the new process.
+		at := up.Received()
+		waitUntil(t, time.Minute, func() bool { return up.Received() >= at+int64(n*chunk) }, "bytes through the moved tunnels")
+		close(stop)
+	}
+	close(loopDone)
+	loop.Wait()
+	replayed, _ := io.ReadAll(e.rawTunnel(t, frame, true))
+	if len(replayed) != 0 {
+		t.Errorf("a preamble replayed after the upgrade read %d bytes; want none (refused)", len(replayed))
+	}
+	var activity struct {
+		Rejections map[string]uint64 `json:"rejections"`
+	}
+	waitUntil(t, 30*time.Second, func() bool {
+		e.adminGet(t, "/sandbox/activity", &activity)
+		return activity.Rejections["replayed-nonce"] > 0
+	}, "the replayed preamble's refusal (replayed-nonce) in GET /sandbox/activity")
+	if len(activity.Rejections) != 1 || activity.Rejections["replayed-nonce"] != 1 {
+		t.Errorf("rejections %v, want one replayed-nonce", activity.Rejections)
+	}
+	var outcomes []streamOutcome
+	for _, s := range streams {
+		outcomes = append(outcomes, <-s)
+	}
+	up.Close()
+	for i, o := range outcomes {
+		exact := false
+		for _, r := range up.Results() {
+			exact = exact || (r.RecvSum == o.sentSum && r.Received == o.sent && r.SentSum == o.recvSum && r.Sent == o.recv)
+		}
+		if o.err != nil || !exact || o.recv == 0 {
+			t.Errorf("tunnel %d (sent %d, received %d, %v): not carried exact both ways through the upgrade", i, o.sent, o.recv, o.err)
+		}
+	}
+	if f := failed.Load(); f != 0 || calls.Load() == 0 {
+		t.Errorf("%d of %d calls through the upgrade failed (first: %v); want none", f, calls.Load(), firstErr.Load())
+	}
+	if kernel {
+		stat, _ := since()
+		if stat["TlsDecryptError"] != 0 {
+			t.Errorf("tls_stat TlsDecryptError %+d through the upgrade", stat["TlsDecryptError"])
+		}
+	}
+	t.Logf("%d calls through the upgrade; old process: %v; new process: %v", calls.Load(), handed, took)
+}
+
+// oneCall opens a tunnel to target, sends 1 KiB, closes its side and reads
+// the reply (4 KiB) to the end.
+func oneCall(e *sandboxEnv, sandbox string, target netip.AddrPort) error {
+	c, err := e.openTunnel(sandbox, target, 30*time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	if _, err := c.Write(make([]byte, 1<<10)); err != nil {
+		return err
+	}
+	if err := c.CloseWrite(); err != nil {
+		return err
+	}
+	n, err := io.Copy(io.Discard, c)
+	if err == nil && n != 4<<10 {
+		err = fmt.Errorf("reply of %d bytes, want %d", n, 4<<10)
+	}
+	return err
+}
+
+// A process started with another handoff socket cannot reach the running
+// one: it does not start, as the tcp-handoff port is the running one's
+// (bound without SO_REUSEPORT), and the running one serves on, its tunnel
+// untouched.
+func TestUpgradeSocketUnreachable(t *testing.T) {
+	if kerneltest.Required() {
+		t.Skip("the same on every kernel: a host test")
+	}
+	up := forwardtest.NewPacedUpstream(t, 4<<10, 20*time.Millisecond)
+	small := forwardtest.NewUpstream(t, 4<<10)
+	e := newSandboxConfig(t, nil)
+	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
+	startCaddy(t, e, "")
+	stop := make(chan struct{})
+	stream := pacedStream(e.dial(t, "sbx-unreachable", up.Addr()), 600, 4<<10, 20*time.Millisecond, stop)
+
+	nu := secondProcessConfig(t, e)
+	nu.cfg["apps"].(map[string]any)["sandbox_handoff"].(map[string]any)["socket"] = filepath.Join(t.TempDir(), "elsewhere.sock")
+	p := startCaddy(t, nu, "")
+	select {
+	case <-p.exited:
+		if p.exitErr == nil {
+			t.Error("the second process exited 0; want a failed start (the port is taken)")
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the second process kept running beside the first on one port")
+	}
+	if err := oneCall(e, "sbx-unreachable-call", small.Addr()); err != nil {
+		t.Errorf("a call after the failed start: %v", err)
+	}
+	close(stop)
+	o := <-stream
+	up.Close()
+	exact := false
+	for _, r := range up.Results() {
+		exact = exact || (r.RecvSum == o.sentSum && r.Received == o.sent && r.SentSum == o.recvSum && r.Sent == o.recv)
+	}
+	if o.err != nil || !exact || o.recv == 0 {
+		t.Errorf("the running process's tunnel (sent %d, received %d, %v): not exact both ways", o.sent, o.recv, o.err)
+	}
+}
+
+// handoffConfig makes e's layer4 server listen on tcp-handoff/ and adds the
+// sandbox_handoff app at socket.
+func handoffConfig(e *sandboxEnv, socket string) {
+	server := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["tunnels"].(map[string]any)
+	server["listen"] = []string{"tcp-handoff/" + e.addr}
+	e.cfg["apps"].(map[string]any)["sandbox_handoff"] = map[string]any{"socket": socket, "timeout": "1m"}
+}
+
+// secondProcessConfig is e's configuration for a second process: the same,
+// but for the log file.
+func secondProcessConfig(t *testing.T, e *sandboxEnv) *sandboxEnv {
+	t.Helper()
+	nu := *e
+	nu.logFile = filepath.Join(t.TempDir(), "caddy-new.log")
+	nu.cfg = cloneJSON(t, e.cfg)
+	logs := nu.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)
+	logs["writer"].(map[string]any)["filename"] = nu.logFile
+	return &nu
+}

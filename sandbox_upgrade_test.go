@@ -18,7 +18,8 @@ import (
 // A binary upgrade with the real binary: a second process started with
 // the same configuration takes the listening socket and the tunnels of the
 // running one, which then exits. Tunnels streaming both ways arrive exact,
-// and a client connecting in a loop throughout is never refused or reset.
+// clients connecting in a loop throughout are never refused or reset, and
+// a preamble accepted before is refused after as a replay.
 
 // TestKernelUpgradeMovesTunnels: every tunnel (kernel TLS) moves to the new
 // process mid-stream; the old process exits at once, no tunnel left to
@@ -68,25 +69,27 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 		t.Fatalf("a tunnel before the upgrade read %d bytes, %v; want the target's 4 KiB", len(got), err)
 	}
 
-	// A client connecting in a loop through the upgrade.
+	// Clients connecting in a loop through the upgrade.
 	var calls, failed atomic.Int64
 	var firstErr atomic.Value
 	loopDone := make(chan struct{})
 	var loop sync.WaitGroup
-	loop.Go(func() {
-		for i := 0; ; i++ {
-			select {
-			case <-loopDone:
-				return
-			default:
+	for c := range 4 {
+		loop.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-loopDone:
+					return
+				default:
+				}
+				calls.Add(1)
+				if err := oneCall(e, fmt.Sprintf("sbx-upgrade-loop-%d-%d", c, i), small.Addr()); err != nil {
+					failed.Add(1)
+					firstErr.CompareAndSwap(nil, err.Error())
+				}
 			}
-			calls.Add(1)
-			if err := oneCall(e, fmt.Sprintf("sbx-upgrade-loop-%d", i), small.Addr()); err != nil {
-				failed.Add(1)
-				firstErr.CompareAndSwap(nil, err.Error())
-			}
-		}
-	})
+		})
+	}
 
 	nu := secondProcessConfig(t, e)
 	startCaddy(t, nu, "") // returns at once: the old process listens
@@ -94,9 +97,11 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	const tookMsg, handedMsg = "took the running process's tunnels over", "handed the tunnels over to the new process"
 	waitUntil(t, 2*time.Minute, func() bool { return len(nu.logLines(t, tookMsg)) > 0 && len(e.logLines(t, handedMsg)) > 0 }, "the handoff's log lines")
 	took, handed := nu.waitLogLine(t, tookMsg, 0), e.waitLogLine(t, handedMsg, 0)
-	want := map[bool]float64{true: n, false: 0}[kernel]
-	if took["tunnels"] != want || handed["moved"] != want {
-		t.Errorf("the new process took %v tunnels, the old one handed %v over; want %v", took["tunnels"], handed["moved"], want)
+	// Every streaming tunnel moves in kernel TLS (and so may a looping
+	// call open at the time); none in userspace TLS.
+	moved, _ := handed["moved"].(float64)
+	if took["tunnels"] != moved || (kernel && moved < n) || (!kernel && moved != 0) {
+		t.Errorf("the new process took %v tunnels, the old one handed %v over; want the same, at least %d in kernel TLS, none in userspace TLS", took["tunnels"], handed["moved"], n)
 	}
 	if !kernel {
 		// The streams end, so that the old process's drain ends.

@@ -292,6 +292,7 @@ func (h *Handoff) serve() error {
 			return nil, err
 		}
 		s := &sender{ln: ln, logger: h.logger, done: make(chan struct{})}
+		s.cfg.Store(new(h.config("")))
 		go s.loop()
 		return s, nil
 	})
@@ -299,8 +300,8 @@ func (h *Handoff) serve() error {
 		return fmt.Errorf("sandbox_handoff: %w", err)
 	}
 	h.held = true
-	s := v.(*sender)
-	s.cfg.Store(new(h.config("")))
+	// A reload's configuration sets the timeout of the next handoff.
+	v.(*sender).cfg.Store(new(h.config("")))
 	return nil
 }
 

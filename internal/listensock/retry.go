@@ -35,7 +35,7 @@ const maxAcceptDelay = time.Second
 var acceptRetries atomic.Uint64
 
 var descAcceptRetries = prometheus.NewDesc("caddy_ktls_accept_retries_total",
-	"Accepts on tcp-retry listeners that failed for lack of file descriptors or memory and were retried.", nil, nil)
+	"Accepts on tcp-retry and tcp-handoff listeners that failed for lack of file descriptors or memory and were retried.", nil, nil)
 
 func init() {
 	caddy.RegisterNetwork(RetryNetwork, listenRetry)

@@ -267,7 +267,9 @@ type Result struct {
 // the relay or in it, ends both connections as failures (splice.Abort), so
 // neither peer takes it for complete.
 func (f *Forwarder) Serve(c Gateway) (Result, error) {
+	f.cfg.Registry.opening.Add(1)
 	upstream, tun, ctx, proxyHdr, err := f.open(c)
+	f.cfg.Registry.opening.Add(-1)
 	if se, ok := errors.AsType[*StandbyEndError](err); ok {
 		// No tunnel was asked for: an expired one learns it is gone by
 		// the refusal's alert, a closed one needs nothing.

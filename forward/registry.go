@@ -43,6 +43,7 @@ type Registry struct {
 
 	opened  atomic.Uint64
 	dialing atomic.Int64 // tunnels dialing their target now (startDial)
+	opening atomic.Int64 // Serve calls that have neither opened a tunnel nor been refused
 	// standby counts, by client, the standby connections waiting now;
 	// standbyEnds counts how they ended (StandbyEnds).
 	standby     map[string]int
@@ -315,6 +316,11 @@ func (r *Registry) Standby() (waiting int, ends map[string]uint64) {
 	}
 	return waiting, maps.Clone(r.standbyEnds)
 }
+
+// Opening returns how many Serve calls have neither opened their tunnel
+// nor been refused yet: standby connections waiting for their first
+// preamble byte (Standby), and connections reading, checking or dialing.
+func (r *Registry) Opening() int64 { return r.opening.Load() }
 
 // Dialing returns how many tunnels are dialing their target now, wakes
 // included.

@@ -37,6 +37,10 @@ func TestStandbyWaitsForPreamble(t *testing.T) {
 	// Two standby connections wait: the client's bound.
 	a, b := f.dial(t), f.dial(t)
 	waiting(2)
+	// Both are Serve calls that have opened no tunnel yet.
+	if n := f.reg.Opening(); n != 2 {
+		t.Errorf("Opening() = %d with two standby connections waiting, want 2", n)
+	}
 	// A third waits under PreambleTimeout: refused as a timeout.
 	f.refused(t, 1, "timeout", func(*net.TCPConn) {})
 	// Five preamble timeouts later, the first standby connection carries
@@ -56,6 +60,9 @@ func TestStandbyWaitsForPreamble(t *testing.T) {
 	}
 	if n, ends := f.reg.Standby(); n != 0 || ends[StandbyClosed] != 1 || ends[StandbyExpired] != 0 {
 		t.Errorf("standby: %d waiting, ends %v; want none waiting and one closed", n, ends)
+	}
+	if n := f.reg.Opening(); n != 0 {
+		t.Errorf("Opening() = %d once every connection opened its tunnel or ended, want 0", n)
 	}
 	if rej := f.reg.RefusedTunnels(); rej["timeout"] != 1 || len(rej) != 1 {
 		t.Errorf("rejections %v, want the one timeout", rej)

@@ -26,6 +26,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/internal/listensock"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
@@ -40,7 +41,8 @@ import (
 //     them. The old process goes on accepting.
 //  2. Once its configuration runs, it asks for the rest. The old process
 //     stops accepting (connections wait in the kernel's queue for the new
-//     one), moves its process state (the activity-report stream with
+//     one), lets the connections it accepted finish their handshake and
+//     open their tunnel (settle), moves its process state (the activity-report stream with
 //     every sandbox's counters, the preamble replay caches, Close's
 //     refusals, the bandwidth buckets), then every tunnel it can: those
 //     whose gateway session runs in kernel TLS, paused at a safe point.
@@ -407,6 +409,10 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	start := time.Now()
 	out := UpgradeResponse{PID: peer.PID, Build: peer.Build}
 	listensock.StopAccepting()
+	if !settle(time.Now().Add(settleFor)) {
+		s.logger.Warn("connections accepted before this process stopped accepting are still in their handshake or preamble; they stay here",
+			zap.Duration("waited", settleFor), zap.Int64("handshakes", offload.HandshakesInProgress.Load()), zap.Int64("opening", tunnels.Opening()))
+	}
 	giveUp := func(msg string, err error) UpgradeResponse {
 		listensock.ResumeAccepting()
 		s.logger.Error(msg+": this process goes on serving every tunnel and accepting", zap.Int("pid", peer.PID), zap.Error(err))
@@ -456,6 +462,29 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 			zap.String("why", st.Why), zap.Error(st.Err))
 	}
 	return out
+}
+
+// settleFor bounds the old process's wait for the connections it accepted
+// before it stopped accepting to finish their handshake and open their
+// tunnel (handshake_timeout and preamble_timeout bound each).
+const settleFor = 10 * time.Second
+
+// settle waits until no connection of this process is in its TLS
+// handshake or between it and its tunnel, but for the standby connections
+// waiting for their first preamble byte, or until deadline; it reports
+// whether they settled. A tunnel that opens after the report stream moved
+// would not belong to it: it could not move.
+func settle(deadline time.Time) bool {
+	for {
+		waiting, _ := tunnels.Standby()
+		if offload.HandshakesInProgress.Load() == 0 && tunnels.Opening() <= int64(waiting) {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // moveTunnels offers every open tunnel, then again those still opening,

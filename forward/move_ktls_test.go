@@ -24,7 +24,7 @@ import (
 // session installed twice (the adopted sockets keep theirs).
 func TestKernelMoveTunnels(t *testing.T) {
 	kerneltest.Require(t)
-	moveTLSTunnels(t, ktls.Options{RequireOffload: true}, 16)
+	moveTLSTunnels(t, ktls.Options{RequireOffload: true}, 8)
 }
 
 // Tunnels whose gateway session runs in userspace TLS cannot move: they

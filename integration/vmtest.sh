@@ -5,7 +5,7 @@
 #
 # usage: vmtest.sh [KERNEL...]     (default: $KERNELS, or "6.1 7.3")
 # env: KTLS_TEST_MIB (bulk transfer size of the kernel tests, default theirs),
-#      KTLS_LOAD_TUNNELS, KTLS_LOAD_RELOADS (size of the reload test, default its),
+#      KTLS_LOAD_TUNNELS, KTLS_LOAD_RELOADS (size of the reload and upgrade tests, default theirs),
 #      KTLS_BINARY_DOWNLOAD_MIB (the real-binary test's download, default KTLS_TEST_MIB),
 #      VM_TEST_RUN (which tests, a -test.run pattern; default ^TestKernel:
 #      all; packages without a top-level match are left out),

@@ -96,16 +96,11 @@ func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Resu
 			}
 			a, err := f.Adopt(it.State, it.Files)
 			if err != nil {
-				for _, f := range it.Files {
-					f.Close()
-				}
 				it.Refuse(err.Error())
 				continue
 			}
 			err = it.Adopt()
-			for _, f := range it.Files {
-				f.Close()
-			}
+			it.Close()
 			if err != nil {
 				a.Discard()
 				continue

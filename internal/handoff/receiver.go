@@ -142,12 +142,19 @@ func (it *Item) Adopt() error {
 	return r.fail(fmt.Errorf("%w: unexpected message kind %d for object %d", ErrKept, m.Kind, got))
 }
 
-// Refuse tells the sender this process does not take the object (the
-// sender keeps it) and closes the item's files.
-func (it *Item) Refuse(reason string) error {
+// Close closes the item's files: once the object built from them holds
+// what it needs (its own duplicates), or to drop them.
+func (it *Item) Close() {
 	for _, f := range it.Files {
 		f.Close()
 	}
+	it.Files = nil
+}
+
+// Refuse tells the sender this process does not take the object (the
+// sender keeps it) and closes the item's files.
+func (it *Item) Refuse(reason string) error {
+	it.Close()
 	if err := fdpass.Send(it.r.c, kindRefused, idPayload(it.id, reason)); err != nil {
 		return it.r.fail(err)
 	}

@@ -48,7 +48,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -572,9 +571,20 @@ func pause() {
 	for _, s := range sockets {
 		s.ln.SetDeadline(aLongTimeAgo)
 	}
-	for slices.ContainsFunc(slices.Collect(maps.Values(sockets)), func(s *socket) bool { return s.accepting }) {
+	for anyAccepting() {
 		idle.Wait()
 	}
+}
+
+// anyAccepting reports whether a socket's goroutine is in accept(2).
+// Called with mu held.
+func anyAccepting() bool {
+	for _, s := range sockets {
+		if s.accepting {
+			return true
+		}
+	}
+	return false
 }
 
 // ResumeAccepting undoes StopAccepting and PauseAccepting: the Accepts

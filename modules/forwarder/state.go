@@ -54,14 +54,7 @@ func (s *keyringSet) remove(h *Handler) {
 
 // trusts reports whether a live handler holds key under id.
 func (s *keyringSet) trusts(id string, key ed25519.PublicKey) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, keys := range s.live {
-		if k, ok := keys[id]; ok && k.Equal(key) {
-			return true
-		}
-	}
-	return false
+	return s.handlerTrusting(id, key) != nil
 }
 
 // handlerTrusting returns a live handler that holds key under id, or nil.

@@ -217,7 +217,6 @@ func (h *Handoff) takeListeners() error {
 			aerr = listensock.Adopt(addr, it.Files[0])
 		}
 		if aerr != nil {
-			closeFiles(it.Files)
 			it.Refuse(aerr.Error())
 			h.logger.Warn("refused a listening socket of the running process; this process binds its own", zap.String("address", addr), zap.Error(aerr))
 			continue
@@ -225,7 +224,7 @@ func (h *Handoff) takeListeners() error {
 		// Both processes accept from the socket until the old one stops:
 		// its verdict changes nothing here.
 		it.Adopt()
-		closeFiles(it.Files)
+		it.Close()
 		addrs = append(addrs, addr)
 	}
 	// This process's servers accept from the sockets only once it holds
@@ -239,12 +238,6 @@ func (h *Handoff) takeListeners() error {
 	h.logger.Info("took the listening sockets of the running process; its tunnels follow once this configuration runs",
 		zap.Int("pid", peer.PID), zap.String("build", peer.Build), zap.Strings("listeners", addrs))
 	return nil
-}
-
-func closeFiles(files []*os.File) {
-	for _, f := range files {
-		f.Close()
-	}
 }
 
 // Start listens on the handoff socket. In a process that took listeners
@@ -424,8 +417,12 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	if err != nil {
 		return giveUp("cannot hand the activity reports over", err)
 	}
-	ps := processState{Version: processStateVersion, Reports: reports, Replay: replayStates(time.Now())}
-	state, err := json.Marshal(ps)
+	replay, err := replayStates(time.Now())
+	if err != nil {
+		done(false)
+		return giveUp("cannot encode the replay caches", err)
+	}
+	state, err := json.Marshal(processState{Version: processStateVersion, Reports: reports, Replay: replay})
 	if err != nil {
 		done(false)
 		return giveUp("cannot encode the process state", err)
@@ -452,9 +449,9 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	fields := []zap.Field{zap.Int("pid", peer.PID), zap.String("build", peer.Build), zap.Int("moved", res.Moved),
 		zap.Any("stayed", res.Stayed), zap.Duration("duration", time.Since(start))}
 	if n := len(pauses); n > 0 {
-		out.PauseP99, out.PauseMax = caddy.Duration(pauses[(n*99)/100]), caddy.Duration(pauses[n-1])
-		fields = append(fields, zap.Duration("pause_p50", pauses[n/2]), zap.Duration("pause_p99", pauses[(n*99)/100]),
-			zap.Duration("pause_max", pauses[n-1]))
+		p50, p99, pmax := pauses[n/2], pauses[(n*99)/100], pauses[n-1]
+		out.PauseP99, out.PauseMax = caddy.Duration(p99), caddy.Duration(pmax)
+		fields = append(fields, zap.Duration("pause_p50", p50), zap.Duration("pause_p99", p99), zap.Duration("pause_max", pmax))
 	}
 	s.logger.Info("handed the tunnels over to the new process", fields...)
 	for _, st := range res.Stays {
@@ -512,18 +509,21 @@ func (m sessionMover) Move(kind uint16, state []byte, files ...*os.File) (bool, 
 	return fate == handoff.Moved, err
 }
 
-// replayStates exports every replay cache in use.
-func replayStates(now time.Time) []replayState {
+// replayStates exports every replay cache in use; a cache left out would
+// let its nonces be replayed in the new process, so any failure fails all.
+func replayStates(now time.Time) ([]replayState, error) {
 	var out []replayState
+	var err error
 	replayCaches.Range(func(k, v any) bool {
 		key := k.(replayCacheKey)
-		b, err := v.(replayCacheEntry).State(now).MarshalBinary()
-		if err == nil {
-			out = append(out, replayState{Size: key.size, Window: key.window, Nonces: b})
+		var b []byte
+		if b, err = v.(replayCacheEntry).State(now).MarshalBinary(); err != nil {
+			return false
 		}
+		out = append(out, replayState{Size: key.size, Window: key.window, Nonces: b})
 		return true
 	})
-	return out
+	return out, err
 }
 
 // UpgradeResponse is the answer of POST /sandbox/upgrade: what the new
@@ -646,13 +646,12 @@ func (h *Handoff) takeTunnels() {
 			break
 		}
 		if it.Kind != forward.MoveKindTunnel {
-			closeFiles(it.Files)
 			it.Refuse(fmt.Sprintf("object kind %d offered where tunnels were asked for", it.Kind))
 			refused++
 			continue
 		}
 		hd, a, err := adoptTunnel(it)
-		closeFiles(it.Files)
+		it.Close() // the adopted tunnel holds duplicates
 		if err != nil {
 			it.Refuse(err.Error())
 			refused++
@@ -713,13 +712,7 @@ func adoptProcess(it *handoff.Item) error {
 // adoptTunnel builds a moved tunnel in the sandbox handler that trusts the
 // key that signed its preamble.
 func adoptTunnel(it *handoff.Item) (*Handler, *forward.AdoptedTunnel, error) {
-	var mt struct {
-		Tunnel struct {
-			ID    uint64 `json:"id"`
-			KeyID string `json:"key_id"`
-			Key   []byte `json:"key"`
-		} `json:"tunnel"`
-	}
+	var mt forward.MovedTunnel
 	if err := json.Unmarshal(it.State, &mt); err != nil {
 		return nil, nil, fmt.Errorf("moved tunnel: %w", err)
 	}

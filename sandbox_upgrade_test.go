@@ -148,11 +148,7 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	}
 	up.Close()
 	for i, o := range outcomes {
-		exact := false
-		for _, r := range up.Results() {
-			exact = exact || (r.RecvSum == o.sentSum && r.Received == o.sent && r.SentSum == o.recvSum && r.Sent == o.recv)
-		}
-		if o.err != nil || !exact || o.recv == 0 {
+		if o.err != nil || !exactAtUpstream(o, up.Results()) || o.recv == 0 {
 			t.Errorf("tunnel %d (sent %d, received %d, %v): not carried exact both ways through the upgrade", i, o.sent, o.recv, o.err)
 		}
 	}
@@ -168,24 +164,29 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	t.Logf("%d calls through the upgrade; old process: %v; new process: %v", calls.Load(), handed, took)
 }
 
-// oneCall opens a tunnel to target, sends 1 KiB, closes its side and reads
-// the reply (4 KiB) to the end.
+// exactAtUpstream reports whether one of the upstream's connections
+// received exactly what o sent and sent exactly what o received.
+func exactAtUpstream(o streamOutcome, ups []forwardtest.Result) bool {
+	for _, r := range ups {
+		if r.RecvSum == o.sentSum && r.Received == o.sent && r.SentSum == o.recvSum && r.Sent == o.recv {
+			return true
+		}
+	}
+	return false
+}
+
+// oneCall opens a tunnel to target (a forwardtest.NewUpstream of 4 KiB),
+// sends 1 KiB, closes its side and reads the reply to the end: the
+// upstream's 4 KiB exactly.
 func oneCall(e *sandboxEnv, sandbox string, target netip.AddrPort) error {
 	c, err := e.openTunnel(sandbox, target, 30*time.Second)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
 	c.SetDeadline(time.Now().Add(30 * time.Second))
-	if _, err := c.Write(make([]byte, 1<<10)); err != nil {
-		return err
-	}
-	if err := c.CloseWrite(); err != nil {
-		return err
-	}
-	n, err := io.Copy(io.Discard, c)
-	if err == nil && n != 4<<10 {
-		err = fmt.Errorf("reply of %d bytes, want %d", n, 4<<10)
+	n, sum, err := transfer(c, 1<<10, 7)
+	if err == nil && (n != 4<<10 || sum != forwardtest.PatternSum(2, 4<<10)) {
+		err = fmt.Errorf("reply of %d bytes (want %d) or another hash", n, 4<<10)
 	}
 	return err
 }
@@ -223,11 +224,7 @@ func TestUpgradeSocketUnreachable(t *testing.T) {
 	close(stop)
 	o := <-stream
 	up.Close()
-	exact := false
-	for _, r := range up.Results() {
-		exact = exact || (r.RecvSum == o.sentSum && r.Received == o.sent && r.SentSum == o.recvSum && r.Sent == o.recv)
-	}
-	if o.err != nil || !exact || o.recv == 0 {
+	if o.err != nil || !exactAtUpstream(o, up.Results()) || o.recv == 0 {
 		t.Errorf("the running process's tunnel (sent %d, received %d, %v): not exact both ways", o.sent, o.recv, o.err)
 	}
 }

@@ -3,6 +3,7 @@ package caddyktls
 import (
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -247,4 +248,101 @@ func secondProcessConfig(t *testing.T, e *sandboxEnv) *sandboxEnv {
 	logs := nu.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)
 	logs["writer"].(map[string]any)["filename"] = nu.logFile
 	return &nu
+}
+
+// Either process of an upgrade is killed during the handoff: the other
+// serves on, and its log says what happened. A connection that stays in
+// its TLS handshake holds the old process in its settle step (it waits
+// for the connections it accepted), after it stopped accepting and before
+// its state moves: there the test kills one of the two.
+
+// midHandoff is an upgrade held in the old process's settle step.
+type midHandoff struct {
+	e, nuEnv *sandboxEnv
+	old, nu  *caddyProcess
+	stream   <-chan streamOutcome // a tunnel of the old process, streaming both ways
+	stop     chan struct{}
+	up       *forwardtest.Upstream
+	hold     net.Conn // in its TLS handshake with the old process
+}
+
+// killMidHandoff starts an upgrade and returns once the old process has
+// stopped accepting and waits for hold's handshake.
+func killMidHandoff(t *testing.T) *midHandoff {
+	if kerneltest.Required() {
+		t.Skip("the same on every kernel: a host test")
+	}
+	m := &midHandoff{stop: make(chan struct{})}
+	m.up = forwardtest.NewPacedUpstream(t, 4<<10, 20*time.Millisecond)
+	m.e = newSandboxConfig(t, map[string]any{"drain_grace_period": "1m"})
+	handoffConfig(m.e, filepath.Join(t.TempDir(), "handoff.sock"))
+	m.old = startCaddy(t, m.e, "")
+	m.stream = pacedStream(m.e.dial(t, "sbx-mid-handoff", m.up.Addr()), 700, 4<<10, 20*time.Millisecond, m.stop)
+	hold, err := net.Dial("tcp", m.e.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { hold.Close() })
+	// A TLS record header and no record: the handshake waits for it.
+	if _, err := hold.Write([]byte{0x16, 0x03, 0x01, 0x02, 0x00}); err != nil {
+		t.Fatal(err)
+	}
+	m.hold = hold
+	m.nuEnv = secondProcessConfig(t, m.e)
+	m.nu = startCaddy(t, m.nuEnv, "")
+	m.e.waitLogLine(t, "the new process asks for the tunnels: this process stops accepting, then hands its state and tunnels over", 0)
+	// The settle step waits for hold, its state not moved.
+	time.Sleep(200 * time.Millisecond)
+	if lines := m.e.logLines(t, "handed the tunnels over to the new process"); len(lines) != 0 {
+		t.Fatal("the old process handed over without waiting for the handshake in progress: the test proves nothing")
+	}
+	return m
+}
+
+// TestUpgradeNewProcessKilled: the old process takes everything back: it
+// accepts again, and its tunnel streams on exact.
+func TestUpgradeNewProcessKilled(t *testing.T) {
+	m := killMidHandoff(t)
+	m.nu.cmd.Process.Kill()
+	<-m.nu.exited
+	m.hold.Close() // the settle step ends
+	m.e.waitLogLine(t, "the new process did not take the process state over: this process goes on serving every tunnel it holds and accepting", 0)
+	small := forwardtest.NewUpstream(t, 4<<10)
+	if err := oneCall(m.e, "sbx-killed-new", small.Addr()); err != nil {
+		t.Errorf("a call after the new process was killed: %v", err)
+	}
+	close(m.stop)
+	o := <-m.stream
+	m.up.Close()
+	if o.err != nil || !exactAtUpstream(o, m.up.Results()) || o.recv == 0 {
+		t.Errorf("the old process's tunnel (sent %d, received %d, %v): not exact both ways", o.sent, o.recv, o.err)
+	}
+	select {
+	case <-m.old.exited:
+		t.Errorf("the old process exited (%v)", m.old.exitErr)
+	default:
+	}
+}
+
+// TestUpgradeOldProcessKilled: the new process serves as after a restart;
+// the old process's tunnel ended with it.
+func TestUpgradeOldProcessKilled(t *testing.T) {
+	m := killMidHandoff(t)
+	m.old.cmd.Process.Kill()
+	<-m.old.exited
+	m.nuEnv.waitLogLine(t, "the running process (pid "+fmt.Sprint(m.old.cmd.Process.Pid)+") died before it handed its state over: this process serves as after a restart (a report stream of its own, empty replay caches); the tunnels of the process that died ended with it", 0)
+	small := forwardtest.NewUpstream(t, 4<<10)
+	if err := oneCall(m.e, "sbx-killed-old", small.Addr()); err != nil {
+		t.Errorf("a call after the old process was killed: %v", err)
+	}
+	if o := <-m.stream; o.err == nil {
+		t.Errorf("the killed process's tunnel ended without an error (sent %d, received %d)", o.sent, o.recv)
+	}
+	close(m.stop)
+	m.up.Close()
+	select {
+	case <-m.nu.exited:
+		t.Errorf("the new process exited (%v)", m.nu.exitErr)
+	default:
+	}
 }

@@ -133,7 +133,10 @@ func (r *Registry) HandOff() (ReportState, func(moved bool), error) {
 // HandOff) in r, which must be new: no tunnel opened and no report taken,
 // so that no ID or sequence number is given twice. Its sandboxes' counters
 // and Close's refusals are r's from now on; their open tunnels count from
-// zero until the moved ones are adopted.
+// zero until the moved ones are adopted. No report is taken (TakeReport,
+// TakeDeltas find nothing) until ResumeReports: until the handoff ends,
+// the other process may take the stream back (its HandOff's done(false),
+// when this one dies), and must find no number of it given.
 func (r *Registry) AdoptReports(st ReportState) error {
 	if st.Version != ReportStateVersion {
 		return fmt.Errorf("forward: report state version %d, this build adopts %d", st.Version, ReportStateVersion)
@@ -158,7 +161,16 @@ func (r *Registry) AdoptReports(st ReportState) error {
 		r.refusing[id] = until
 	}
 	r.bandwidth.seed(st.Buckets)
+	r.handingOff = true
 	return nil
+}
+
+// ResumeReports ends the hold of AdoptReports once the handoff has ended:
+// the stream is r's alone.
+func (r *Registry) ResumeReports() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.handingOff = false
 }
 
 // TunnelState is a tunnel's registration as it moves to another process:

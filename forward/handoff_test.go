@@ -87,6 +87,10 @@ func TestHandOffReportStream(t *testing.T) {
 	}
 	adopted[0].AddFromSandbox(4000)
 	adopted[1].AddToSandbox(1)
+	if _, ok := nu.TakeReport("fwd"); ok {
+		t.Fatal("the new registry took a report before the handoff ended (ResumeReports)")
+	}
+	nu.ResumeReports()
 
 	next, ok := nu.TakeReport("fwd")
 	if !ok || next.Sequence != 2 || !next.ProcessStart.Equal(first.ProcessStart) || next.ID != "fwd/"+itoa64(first.ProcessStart.UnixNano())+"/2" {
@@ -127,21 +131,28 @@ func TestHandOffReportStream(t *testing.T) {
 func itoa64(n int64) string { b, _ := json.Marshal(n); return string(b) }
 
 // A handoff that fails leaves the stream where it was: the reports go on
-// with every byte, those counted meanwhile included.
+// with every byte, those counted meanwhile included, and those of a tunnel
+// that moved to a process that then died (closed here when it moved).
 func TestHandOffAborted(t *testing.T) {
 	reg := NewRegistry()
 	tun, _, _ := reg.Open("sbx", "10.1.0.1:80", Origin{}, 0)
+	gone, _, _ := reg.Open("sbx", "10.1.0.2:80", Origin{}, 0)
 	tun.AddToSandbox(10)
+	gone.AddFromSandbox(7)
 	_, done, err := reg.HandOff()
 	if err != nil {
 		t.Fatal(err)
 	}
 	tun.AddToSandbox(5)
+	gone.Close()
 	done(false)
 	rep, ok := reg.TakeReport("fwd")
 	deltas, totals := reportTotals(rep)
-	if !ok || rep.Sequence != 1 || deltas["sbx"] != [2]int64{15, 0} || totals["sbx"] != [2]int64{15, 0} {
+	if !ok || rep.Sequence != 1 || deltas["sbx"] != [2]int64{15, 7} || totals["sbx"] != [2]int64{15, 7} {
 		t.Errorf("after an aborted handoff: ok %v, sequence %d, deltas %v, totals %v", ok, rep.Sequence, deltas, totals)
+	}
+	if open, _ := reg.Counts(); open != 1 {
+		t.Errorf("%d tunnels open after an aborted handoff, want the one that stayed", open)
 	}
 	if _, _, err := reg.HandOff(); err != nil {
 		t.Errorf("a handoff after an aborted one: %v", err)

@@ -131,6 +131,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 	res := oldReg.MoveTunnels(context.Background(), sessionMover{s})
 	s.Close()
 	done(res.Moved > 0)
+	nuReg.ResumeReports()
 	movable := !opts.Disable
 	if movable && (res.Moved != n || len(res.Stayed) != 0) {
 		t.Errorf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)

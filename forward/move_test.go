@@ -213,6 +213,7 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 	res := old.reg.MoveTunnels(context.Background(), sessionMover{s})
 	s.Close()
 	done(true)
+	nuReg.ResumeReports()
 	if res.Moved != n || len(res.Stayed) != 0 {
 		t.Fatalf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)
 	}

@@ -37,8 +37,9 @@ type Registry struct {
 	// refusing holds the sandboxes that Close refuses new tunnels to, until
 	// when.
 	refusing map[string]time.Time
-	// handingOff is set while HandOff's report stream waits for its
-	// verdict: no report is taken meanwhile.
+	// handingOff is set while the report stream moves, HandOff's until
+	// its verdict, AdoptReports' until ResumeReports: no report is taken
+	// meanwhile.
 	handingOff bool
 
 	opened  atomic.Uint64

@@ -13,6 +13,9 @@
 //	ITEM (state, descriptors)  --->  builds the object, does not start it
 //	                           <---  ADOPTED (or REFUSED: the sender keeps it)
 //	RELEASED                   --->  starts it
+//	...
+//	DONE                       --->  owns what it started
+//	                           <---  DONE
 //
 // The sender stops using its copy only once RELEASED was sent; the
 // receiver starts its copy only once RELEASED arrived. A sender that waited
@@ -25,6 +28,12 @@
 // (fail closed: never two copies in use). The receiver dying after ADOPTED
 // is a process with objects that dies: the object ends with it, as any
 // object of a process that dies.
+//
+// The session ends with DONE both ways (Sender.Finish): a receiver that
+// read DONE has every object; a sender whose DONE is not answered learns
+// from the receiver's pidfd whether it died (PeerDied), so that it can
+// take back what the session moved besides its objects' descriptors (the
+// caller's state: a receiver acts on it only once the session ended).
 //
 // The package moves bytes and descriptors (package fdpass); what an object
 // is, is the caller's.
@@ -201,14 +210,36 @@ func Listen(path string) (*net.UnixListener, error) {
 	return ln, nil
 }
 
-// checkPeer refuses a peer of another user (root excepted).
-func checkPeer(c *net.UnixConn) (*unix.Ucred, error) {
+// checkPeer refuses a peer of another user (root excepted), and returns a
+// pidfd of the peer's process: from the connection on, so a recycled PID
+// is never mistaken for it.
+func checkPeer(c *net.UnixConn) (pidfd int, err error) {
 	cred, err := fdpass.PeerCredentials(c)
 	if err != nil {
-		return nil, err
+		return -1, err
 	}
 	if me := os.Getuid(); int(cred.Uid) != me && cred.Uid != 0 {
-		return nil, fmt.Errorf("handoff: the peer (pid %d) runs as uid %d, this process as %d", cred.Pid, cred.Uid, me)
+		return -1, fmt.Errorf("handoff: the peer (pid %d) runs as uid %d, this process as %d", cred.Pid, cred.Uid, me)
 	}
-	return cred, nil
+	pidfd, err = unix.PidfdOpen(int(cred.Pid), 0)
+	if err != nil {
+		return -1, fmt.Errorf("handoff: pidfd of the peer (pid %d): %w", cred.Pid, err)
+	}
+	return pidfd, nil
+}
+
+// peerDied reports whether the process of pidfd has exited, waiting up to
+// timeout for it: a process's sockets close while it exits, a moment
+// before its pidfd says so.
+func peerDied(pidfd int, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for {
+		fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+		wait := time.Until(deadline)
+		n, err := unix.Poll(fds, int(max(wait, 0)/time.Millisecond))
+		if err == unix.EINTR {
+			continue
+		}
+		return err == nil && n == 1
+	}
 }

@@ -128,7 +128,9 @@ func TestMoveObjects(t *testing.T) {
 			t.Fatalf("object %d: read %q through the moved descriptor, want %q", i, got, want)
 		}
 	}
-	s.Close()
+	if err := s.Finish(); err != nil {
+		t.Fatalf("finish: %v, want the receiver's answer", err)
+	}
 	if err := <-done; !errors.Is(err, ErrDone) {
 		t.Fatalf("receiver: %v, want ErrDone", err)
 	}
@@ -243,6 +245,9 @@ func TestMain(m *testing.M) {
 }
 
 func child(mode, path string) int {
+	if mode == "receive-die" || mode == "receive-close" {
+		return receiverChild(mode, path)
+	}
 	ln, err := Listen(path)
 	if err != nil {
 		return 2
@@ -327,5 +332,95 @@ func TestSenderAliveClosedWithoutVerdict(t *testing.T) {
 	}
 	if cmd.ProcessState != nil {
 		t.Fatal("the sender had exited: the test proves nothing")
+	}
+}
+
+// The receiver's side of the fault tests: it takes one object, then, as
+// HANDOFF_CHILD says, dies ("receive-die") or ends the session and lives
+// ("receive-close"), without answering the sender's DONE.
+func receiverChild(mode, path string) int {
+	r, err := Dial(path, Config{})
+	if err != nil {
+		return 2
+	}
+	it, err := r.Next()
+	if err != nil || it.Adopt() != nil {
+		return 2
+	}
+	if mode == "receive-die" {
+		os.Exit(3)
+	}
+	r.c.Close()
+	time.Sleep(time.Minute)
+	return 0
+}
+
+// finishWithChild moves one object to the receiver child(mode) and
+// returns the session, once the child did what its mode says.
+func finishWithChild(t *testing.T, mode string, cfg Config) (*Sender, *exec.Cmd) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "handoff.sock")
+	ln, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "HANDOFF_CHILD="+mode, "HANDOFF_PATH="+path)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	s, err := Accept(ln, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	_, wr := pipeObject(t)
+	if fate, err := s.Move(1, []byte("x"), wr); fate != Moved {
+		t.Fatalf("the object: %v, %v", fate, err)
+	}
+	// The child has answered RELEASED's read by now or soon; its end of
+	// the session is what Finish meets.
+	if mode == "receive-die" {
+		cmd.Wait()
+		if cmd.ProcessState.ExitCode() != 3 {
+			t.Fatalf("the receiver exited %v: it did not die where the test says", cmd.ProcessState)
+		}
+	} else {
+		var b [1]byte
+		s.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, _, _, _, err := s.c.ReadMsgUnix(b[:], nil); !errors.Is(err, io.EOF) && err == nil {
+			t.Fatalf("the receiver sent something before ending the session")
+		}
+		s.c.SetReadDeadline(time.Time{})
+	}
+	return s, cmd
+}
+
+// A receiver that died before answering DONE: Finish fails and PeerDied
+// says the receiver is gone with what it took.
+func TestFinishReceiverDied(t *testing.T) {
+	s, _ := finishWithChild(t, "receive-die", Config{})
+	if err := s.Finish(); err == nil {
+		t.Fatal("finish with a dead receiver: nil, want an error")
+	}
+	if !s.PeerDied() {
+		t.Fatal("PeerDied: false for a receiver that exited")
+	}
+}
+
+// A receiver that ended the session without answering DONE and lives:
+// Finish fails and PeerDied says it lives on (with what it took).
+func TestFinishReceiverAlive(t *testing.T) {
+	s, cmd := finishWithChild(t, "receive-close", Config{Timeout: 300 * time.Millisecond})
+	if err := s.Finish(); err == nil {
+		t.Fatal("finish with a receiver that closed the session: nil, want an error")
+	}
+	if s.PeerDied() {
+		t.Fatal("PeerDied: true for a receiver that lives")
+	}
+	if cmd.ProcessState != nil {
+		t.Fatal("the receiver had exited: the test proves nothing")
 	}
 }

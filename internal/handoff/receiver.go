@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -35,15 +34,10 @@ func Dial(path string, cfg Config) (*Receiver, error) {
 	if err != nil {
 		return nil, fmt.Errorf("handoff: %w", err)
 	}
-	cred, err := checkPeer(c)
+	pidfd, err := checkPeer(c)
 	if err != nil {
 		c.Close()
 		return nil, err
-	}
-	pidfd, err := unix.PidfdOpen(int(cred.Pid), 0)
-	if err != nil {
-		c.Close()
-		return nil, fmt.Errorf("handoff: pidfd of the sender (pid %d): %w", cred.Pid, err)
 	}
 	peer, err := hello(c, cfg)
 	if err != nil {
@@ -91,6 +85,9 @@ func (r *Receiver) Next() (*Item, error) {
 		case kindDone:
 			m.Close()
 			r.broken = ErrDone
+			// The answer tells the sender this process has every
+			// object; whether or not it arrives, this one owns them.
+			fdpass.Send(r.c, kindDone, nil)
 			return nil, ErrDone
 		case kindItem:
 			if len(m.Payload) < 10 {
@@ -123,7 +120,7 @@ func (it *Item) Adopt() error {
 	m, err := fdpass.Receive(r.c, fdpass.Limits{})
 	if err != nil {
 		// A process that exits with messages unread resets its peer.
-		if (errors.Is(err, io.EOF) || errors.Is(err, unix.ECONNRESET)) && r.senderDied() {
+		if (errors.Is(err, io.EOF) || errors.Is(err, unix.ECONNRESET)) && r.PeerDied() {
 			// The sender died between ADOPTED and RELEASED: its copy
 			// is closed with it, this one is the only one left.
 			r.fail(fmt.Errorf("the sender (pid %d) died", r.peer.PID))
@@ -161,21 +158,11 @@ func (it *Item) Refuse(reason string) error {
 	return nil
 }
 
-// senderDied reports whether the sender's process has exited, waiting up
-// to the timeout for it: a process's sockets close while it exits, a
-// moment before its pidfd says so.
-func (r *Receiver) senderDied() bool {
-	deadline := time.Now().Add(r.cfg.timeout())
-	for {
-		fds := []unix.PollFd{{Fd: int32(r.pidfd), Events: unix.POLLIN}}
-		wait := time.Until(deadline)
-		n, err := unix.Poll(fds, int(max(wait, 0)/time.Millisecond))
-		if err == unix.EINTR {
-			continue
-		}
-		return err == nil && n == 1
-	}
-}
+// PeerDied reports whether the sender's process has exited, waiting up to
+// the timeout for it: for a session that ended, whether the sender's
+// objects and state ended with it (this process is the only one left) or
+// the sender lives on.
+func (r *Receiver) PeerDied() bool { return peerDied(r.pidfd, r.cfg.timeout()) }
 
 // fail ends the session.
 func (r *Receiver) fail(err error) error {

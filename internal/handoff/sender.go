@@ -7,6 +7,8 @@ import (
 	"os"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ktlsingress/caddy-ktls/internal/fdpass"
 )
 
@@ -33,6 +35,7 @@ type Sender struct {
 	c      *net.UnixConn
 	cfg    Config
 	peer   Hello
+	pidfd  int // the receiver's process (checkPeer)
 	nextID uint64
 	broken error
 }
@@ -44,7 +47,8 @@ func Accept(ln *net.UnixListener, cfg Config) (*Sender, error) {
 	if err != nil {
 		return nil, fmt.Errorf("handoff: %w", err)
 	}
-	if _, err := checkPeer(c); err != nil {
+	pidfd, err := checkPeer(c)
+	if err != nil {
 		c.Close()
 		return nil, err
 	}
@@ -52,9 +56,10 @@ func Accept(ln *net.UnixListener, cfg Config) (*Sender, error) {
 	peer, err := hello(c, cfg)
 	if err != nil {
 		c.Close()
+		unix.Close(pidfd)
 		return nil, err
 	}
-	return &Sender{c: c, cfg: cfg, peer: peer}, nil
+	return &Sender{c: c, cfg: cfg, peer: peer, pidfd: pidfd}, nil
 }
 
 // Peer is the receiver's hello.
@@ -116,11 +121,47 @@ func (s *Sender) fail(id uint64, err error) error {
 	return fmt.Errorf("handoff: object %d kept: %w", id, err)
 }
 
-// Close tells the receiver that no object follows and ends the session.
+// Finish tells the receiver that no object follows and waits, up to the
+// timeout, for its answer. nil: the receiver has every object moved and
+// took the session's outcome over. An error: the session failed, now or
+// before; PeerDied then says whether the receiver died with what it took.
+func (s *Sender) Finish() error {
+	if s.broken != nil {
+		return fmt.Errorf("%w: %w", ErrBroken, s.broken)
+	}
+	s.broken = ErrBroken
+	if err := fdpass.Send(s.c, kindDone, nil); err != nil {
+		return fmt.Errorf("handoff: the end of the session: %w", err)
+	}
+	s.c.SetReadDeadline(time.Now().Add(s.cfg.timeout()))
+	m, err := fdpass.Receive(s.c, fdpass.Limits{})
+	s.c.SetReadDeadline(time.Time{})
+	if err != nil {
+		return fmt.Errorf("handoff: waiting for the receiver to end the session: %w", err)
+	}
+	m.Close()
+	if m.Kind != kindDone {
+		return fmt.Errorf("handoff: the receiver ended the session with message kind %d", m.Kind)
+	}
+	return nil
+}
+
+// PeerDied reports whether the receiver's process has exited, waiting up
+// to the timeout for it: for a session that failed, whether what moved
+// ended with the receiver (this process may take its state back) or the
+// receiver lives on with it.
+func (s *Sender) PeerDied() bool { return peerDied(s.pidfd, s.cfg.timeout()) }
+
+// Close ends the session, telling the receiver that no object follows
+// unless Finish did or the session failed.
 func (s *Sender) Close() error {
 	if s.broken == nil {
 		s.broken = ErrBroken
 		fdpass.Send(s.c, kindDone, nil)
+	}
+	if s.pidfd >= 0 {
+		unix.Close(s.pidfd)
+		s.pidfd = -1
 	}
 	return s.c.Close()
 }

@@ -77,8 +77,8 @@ var (
 var (
 	handoffs = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_sandbox_handoffs_total",
-		Help: "Upgrades without dropping a tunnel, by role (old: this process handed its state and tunnels over; new: it took them over) and result (done: the process state moved; failed: nothing moved, the old process serves on).",
-	}, []string{"role", "result"}, []string{"old", "new"}, []string{"done", "failed"})
+		Help: "Upgrades without dropping a tunnel, by role (old: this process handed its state and tunnels over; new: it took them over) and result (done: the process state moved; failed: nothing moved, the old process serves on; peer_died: the other process died during the handoff, this one serves on with what it holds).",
+	}, []string{"role", "result"}, []string{"old", "new"}, []string{"done", "failed", "peer_died"})
 	handoffTunnels = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_sandbox_handoff_tunnels_total",
 		Help: "Tunnels offered in upgrades, by result: moved and stayed, counted by the old process (stayed: running on there until they end or its drain ends them); adopted and refused, counted by the new one (refused: they stayed in the old process).",

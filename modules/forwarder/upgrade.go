@@ -49,11 +49,18 @@ import (
 //     A tunnel still opening is offered again until it is open or
 //     movePassesFor has passed.
 //
-// Then the old process exits as on SIGTERM: the tunnels that could not
-// move (userspace TLS, still opening) drain there for drain_grace_period.
-// Whatever fails, each listener, tunnel and report stream is served by
-// exactly one process: a failure before the process state moved leaves
-// everything with the old process, which accepts again.
+// The handoff ends when the new process answers the old one's DONE
+// (handoff.Sender.Finish); the old process then names the new one the
+// service's main process and exits as on SIGTERM: the tunnels that could
+// not move (userspace TLS, still opening) drain there for
+// drain_grace_period. Whatever fails, each listener, tunnel and report
+// stream is served by exactly one process: a failure before the process
+// state moved leaves everything with the old process, which accepts
+// again. If the new process dies before the end, the old one takes the
+// report stream back (the new one takes no report before the end) and
+// serves on; the tunnels that had moved ended with the new process. If
+// the old process dies, the new one serves on with what it took (as after
+// a restart when that was nothing).
 
 func init() {
 	caddy.RegisterModule(new(Handoff))
@@ -255,7 +262,7 @@ func (h *Handoff) Start() error {
 			h.logger.Warn("this configuration stopped before it ran: the tunnels stay with the process that runs them", zap.Int("pid", from.PID))
 			return
 		}
-		h.takeTunnels()
+		h.takeTunnels(from)
 		if err := h.serve(); err != nil {
 			h.logger.Error("cannot listen for the next upgrade", zap.Error(err))
 		}
@@ -401,15 +408,18 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	peer := sess.Peer()
 	start := time.Now()
 	out := UpgradeResponse{PID: peer.PID, Build: peer.Build}
+	s.logger.Info("the new process asks for the tunnels: this process stops accepting, then hands its state and tunnels over",
+		zap.Int("pid", peer.PID), zap.String("build", peer.Build))
 	listensock.StopAccepting()
 	if !settle(time.Now().Add(settleFor)) {
 		s.logger.Warn("connections accepted before this process stopped accepting are still in their handshake or preamble; they stay here",
 			zap.Duration("waited", settleFor), zap.Int64("handshakes", offload.HandshakesInProgress.Load()), zap.Int64("opening", tunnels.Opening()))
 	}
+	result := "failed"
 	giveUp := func(msg string, err error) UpgradeResponse {
 		listensock.ResumeAccepting()
-		s.logger.Error(msg+": this process goes on serving every tunnel and accepting", zap.Int("pid", peer.PID), zap.Error(err))
-		handoffs.WithLabelValues("old", "failed").Inc()
+		s.logger.Error(msg+": this process goes on serving every tunnel it holds and accepting", zap.Int("pid", peer.PID), zap.Error(err))
+		handoffs.WithLabelValues("old", result).Inc()
 		out.Error = fmt.Sprintf("%s: %v", msg, err)
 		return out
 	}
@@ -431,11 +441,20 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 		done(false)
 		return giveUp("the new process did not take the process state over", err)
 	}
+	res := moveTunnels(sess)
+	if err := sess.Finish(); err != nil && sess.PeerDied() {
+		// The new process died with what it took: the tunnels that moved
+		// ended with it; it reported nothing (a process takes reports of
+		// an adopted stream only once the handoff ended), so this process
+		// takes the stream back, and serves on.
+		done(false)
+		out.Moved, out.Stayed, result = res.Moved, res.Stayed, "peer_died"
+		return giveUp(fmt.Sprintf("the new process died during the handoff; the %d tunnels it had taken ended with it", res.Moved), err)
+	}
 	// The new process is the service's from now on: under systemd, the
 	// main process says so (NotifyAccess=main takes it from no other),
 	// and its own exit, and STOPPING=1, concern the service no more.
 	notifyMainPID(s.logger, peer.PID)
-	res := moveTunnels(sess)
 	done(true)
 	handoffs.WithLabelValues("old", "done").Inc()
 	handoffTunnels.WithLabelValues("moved").Add(float64(res.Moved))
@@ -543,7 +562,9 @@ type UpgradeResponse struct {
 	Duration caddy.Duration `json:"duration,omitempty"`
 	PauseP99 caddy.Duration `json:"pause_p99,omitempty"`
 	PauseMax caddy.Duration `json:"pause_max,omitempty"`
-	// Error says why no handoff happened: this process serves on.
+	// Error says why no handoff happened: this process serves on. Moved
+	// then counts the tunnels that had moved to a new process that died
+	// during the handoff (they ended with it).
 	Error string `json:"error,omitempty"`
 }
 
@@ -603,8 +624,9 @@ func (s *sender) exit(peer handoff.Hello) {
 	syscall.Kill(os.Getpid(), syscall.SIGTERM)
 }
 
-// takeTunnels is step 2 of a new process.
-func (h *Handoff) takeTunnels() {
+// takeTunnels is step 2 of a new process; from is the process whose
+// listeners it took.
+func (h *Handoff) takeTunnels(from *handoff.Hello) {
 	// Until the process state moved, a failure leaves everything with the
 	// running process; this one shares its listening sockets and would
 	// serve beside it, with a report stream of its own: it exits.
@@ -613,7 +635,19 @@ func (h *Handoff) takeTunnels() {
 		h.logger.Error(msg+"; the upgrade failed: exiting, the running process serves on", zap.Error(err))
 		os.Exit(1)
 	}
+	// A running process that died before its state moved took its
+	// tunnels and state with it: this one serves as after a restart.
+	alone := func(msg string, err error) {
+		handoffs.WithLabelValues("new", "peer_died").Inc()
+		h.logger.Error(msg+": this process serves as after a restart (a report stream of its own, empty replay caches); the tunnels of the process that died ended with it",
+			zap.Int("pid", from.PID), zap.Error(err))
+		listensock.ResumeAccepting()
+	}
 	r, err := handoff.Dial(h.Socket, h.config(wantTunnels))
+	if noProcessAt(err) && syscall.Kill(from.PID, 0) == syscall.ESRCH {
+		alone("the running process is gone", err)
+		return
+	}
 	if err != nil {
 		failed("cannot ask the running process for its tunnels", err)
 	}
@@ -622,6 +656,10 @@ func (h *Handoff) takeTunnels() {
 	start := time.Now()
 	it, err := r.Next()
 	if err != nil {
+		if r.PeerDied() {
+			alone(fmt.Sprintf("the running process (pid %d) died before it handed its state over", peer.PID), err)
+			return
+		}
 		failed(fmt.Sprintf("the running process (pid %d) sent no state", peer.PID), err)
 	}
 	if err := adoptProcess(it); err != nil {
@@ -633,6 +671,9 @@ func (h *Handoff) takeTunnels() {
 		// on with: it must not report, so it must not run.
 		failed(fmt.Sprintf("the running process (pid %d) kept its state after this one took it", peer.PID), err)
 	}
+	// The stream reports once the handoff has ended: until then the
+	// running process takes it back if this one dies.
+	defer tunnels.ResumeReports()
 	handoffs.WithLabelValues("new", "done").Inc()
 	listensock.ResumeAccepting()
 	moved, refused := 0, 0
@@ -642,7 +683,11 @@ func (h *Handoff) takeTunnels() {
 			break
 		}
 		if err != nil {
-			h.logger.Error("the handoff ended early: the running process keeps the tunnels it did not send", zap.Int("pid", peer.PID), zap.Error(err))
+			if r.PeerDied() {
+				h.logger.Error("the running process died during the handoff: the tunnels it had not sent ended with it; this process serves on", zap.Int("pid", peer.PID), zap.Error(err))
+			} else {
+				h.logger.Error("the handoff ended early: the running process keeps the tunnels it did not send", zap.Int("pid", peer.PID), zap.Error(err))
+			}
 			break
 		}
 		if it.Kind != forward.MoveKindTunnel {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
 // A binary upgrade with the real binary: a second process started with
@@ -24,7 +25,8 @@ import (
 
 // TestKernelUpgradeMovesTunnels: every tunnel (kernel TLS) moves to the new
 // process mid-stream; the old process exits at once, no tunnel left to
-// drain.
+// drain. Where the kernel rekeys, the moved tunnels renew their keys both
+// ways in the new process.
 func TestKernelUpgradeMovesTunnels(t *testing.T) {
 	kerneltest.Require(t)
 	sandboxUpgrade(t, true)
@@ -51,18 +53,31 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	small := forwardtest.NewUpstream(t, 4<<10)
 	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "2m"})
 	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
+	// Where the kernel rekeys (TLS 1.3, Linux 6.14+), each key protects 64
+	// records: in the new process, the moved tunnels renew their own keys
+	// (KeyUpdate sent, TX rekeyed) and ask the gateway to renew its own
+	// (its KeyUpdate applied, RX rekeyed), on the kernel state and
+	// secrets that moved.
+	rekey := kernel && ktls.Probe().Rekey
+	if rekey {
+		e.route()["handle"].([]any)[0].(map[string]any)["key_record_limit"] = 64
+	}
 	old := startCaddy(t, e, "")
 	since := dataPathDelta(t, kernel)
 
 	stop := make(chan struct{})
-	var streams []<-chan streamOutcome
+	// Every tunnel opens before any streams: the handshakes do not compete
+	// with hundreds of streams for the VM's one emulated CPU.
+	var conns []*ktls.Conn
 	for i := range n {
-		// A liveness bound: hundreds of streams already running slow the
-		// VM's one emulated CPU, and with it each new handshake.
 		c, err := e.openTunnel(fmt.Sprintf("sbx-upgrade-%d", i), up.Addr(), 2*time.Minute)
 		if err != nil {
 			t.Fatalf("tunnel %d: %v", i, err)
 		}
+		conns = append(conns, c)
+	}
+	var streams []<-chan streamOutcome
+	for i, c := range conns {
 		streams = append(streams, pacedStream(c, uint64(500+i), chunk, pace, stop))
 	}
 	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
@@ -124,7 +139,23 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	if kernel {
 		// The moved tunnels stream on in the new process.
 		at := up.Received()
+		afterHandoff := dataPathDelta(t, kernel)
 		waitUntil(t, time.Minute, func() bool { return up.Received() >= at+int64(n*chunk) }, "bytes through the moved tunnels")
+		if rekey {
+			// Only the new process runs kernel TLS now (the gateway's
+			// sessions here are userspace TLS).
+			for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+				stat, _ := afterHandoff()
+				if stat["TlsTxRekeyOk"] >= int64(n) && stat["TlsRxRekeyOk"] >= int64(n) {
+					t.Logf("in the new process: tls_stat TlsTxRekeyOk %+d, TlsRxRekeyOk %+d", stat["TlsTxRekeyOk"], stat["TlsRxRekeyOk"])
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("in 3m after the handoff, tls_stat TlsTxRekeyOk %+d and TlsRxRekeyOk %+d; want %d each: a key renewed each way per moved tunnel in the new process",
+						stat["TlsTxRekeyOk"], stat["TlsRxRekeyOk"], n)
+				}
+			}
+		}
 		close(stop)
 	}
 	close(loopDone)

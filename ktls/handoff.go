@@ -57,7 +57,7 @@ import (
 
 // HandoffVersion is the version of HandoffState's encoding. A decoder
 // refuses every other version.
-const HandoffVersion = 1
+const HandoffVersion = 2
 
 // ErrHandedOff is returned by every use of a Conn after Handoff.
 var ErrHandedOff = errors.New("ktls: the connection was handed off to another owner")
@@ -146,9 +146,15 @@ type HandoffState struct {
 	KeyUpdateAsked bool
 	// KeyUpdateTokens and KeyUpdateLast are the KeyUpdate rate limit's
 	// bucket (Options.KeyUpdateLimit): tokens left, and when it was last
-	// taken from (zero: never). The adopter's rate applies from then on.
+	// taken from (zero: never).
 	KeyUpdateTokens float64
 	KeyUpdateLast   time.Time
+	// RecordLimit and KeyUpdateLimit are the connection's
+	// Options.RecordLimit and Options.KeyUpdateLimit (zero: the defaults):
+	// a connection keeps the limits it was made with, in its new owner
+	// too.
+	RecordLimit    uint64
+	KeyUpdateLimit Rate
 	// What ConnectionState reports after adoption.
 	ServerName         string
 	NegotiatedProtocol string
@@ -245,6 +251,8 @@ func (c *Conn) handoff() (HandoffState, *os.File, error) {
 		KeyUpdateAsked:     c.rxAsked,
 		KeyUpdateTokens:    c.limiter.tokens,
 		KeyUpdateLast:      c.limiter.last,
+		RecordLimit:        c.opts.RecordLimit,
+		KeyUpdateLimit:     c.opts.KeyUpdateLimit,
 		ServerName:         cs.ServerName,
 		NegotiatedProtocol: cs.NegotiatedProtocol,
 		DidResume:          cs.DidResume,
@@ -286,9 +294,10 @@ var ErrAdoptMismatch = errors.New("ktls: the socket's kernel TLS state does not 
 // naming what is missing) and leaves the socket untouched.
 //
 // The Conn behaves as one after a handshake with both directions offloaded:
-// key wear continues from st's counts, a KeyUpdate (either side's) derives
-// the next key from st's secrets, and the closed ends stay closed. From
-// opts it takes KeyUpdateLimit, RecordLimit and Observer; the options that
+// key wear continues from st's counts under st's limits (RecordLimit,
+// KeyUpdateLimit: the connection's own, as it was made), a KeyUpdate
+// (either side's) derives the next key from st's secrets, and the closed
+// ends stay closed. From opts it takes only the Observer: the options that
 // choose an offload (Disable, DisableRX, RequireOffload, ExpectNoPad,
 // TXZeroCopyRO) were applied to the socket at its handshake and stay as
 // they are. No Observer event reports the adoption. A client Conn passes
@@ -323,6 +332,7 @@ func Adopt(f *os.File, st HandoffState, opts Options) (*Conn, error) {
 		sock.Close()
 		return nil, err
 	}
+	opts.RecordLimit, opts.KeyUpdateLimit = st.RecordLimit, st.KeyUpdateLimit
 	c := &Conn{raw: sock, isClient: st.Client, opts: opts, record: newRecordConn(sock), keys: &keyCapture{}}
 	c.sock, c.rawSock = sock, rawSock
 	c.off = Offload{TX: ModeSW, RX: ModeSW, Reason: ReasonNone, Version: st.Version, CipherSuite: st.CipherSuite}
@@ -450,6 +460,12 @@ func (s *HandoffState) validate() error {
 	if math.IsNaN(s.KeyUpdateTokens) || math.IsInf(s.KeyUpdateTokens, 0) || s.KeyUpdateTokens < 0 {
 		return fmt.Errorf("ktls: handoff state: KeyUpdate tokens %v", s.KeyUpdateTokens)
 	}
+	if s.RecordLimit > MaxRecordLimit {
+		return fmt.Errorf("ktls: handoff state: record limit %d above %d", s.RecordLimit, MaxRecordLimit)
+	}
+	if r := s.KeyUpdateLimit; math.IsNaN(r.PerSecond) || math.IsInf(r.PerSecond, 0) || r.PerSecond < 0 || r.Burst < 0 {
+		return fmt.Errorf("ktls: handoff state: KeyUpdate rate %v per second, burst %d", r.PerSecond, r.Burst)
+	}
 	for i, der := range s.PeerCertificates {
 		if len(der) == 0 {
 			return fmt.Errorf("ktls: handoff state: peer certificate %d is empty", i)
@@ -468,7 +484,7 @@ func (e *HandoffVersionError) Error() string {
 	return fmt.Sprintf("ktls: handoff state version %d, this build reads only version %d", e.Got, HandoffVersion)
 }
 
-// handoffWire is the encoding of HandoffState version 1: JSON, fields named
+// handoffWire is the encoding of HandoffState version 2: JSON, fields named
 // here, byte strings in base64.
 type handoffWire struct {
 	V                  int           `json:"v"`
@@ -482,6 +498,9 @@ type handoffWire struct {
 	KeyUpdateAsked     bool          `json:"key_update_asked"`
 	KeyUpdateTokens    float64       `json:"key_update_tokens"`
 	KeyUpdateLast      *time.Time    `json:"key_update_last,omitempty"`
+	RecordLimit        uint64        `json:"record_limit"`
+	KeyUpdatePerSecond float64       `json:"key_update_per_second"`
+	KeyUpdateBurst     int           `json:"key_update_burst"`
 	ServerName         string        `json:"server_name,omitempty"`
 	NegotiatedProtocol string        `json:"alpn,omitempty"`
 	DidResume          bool          `json:"did_resume"`
@@ -507,6 +526,7 @@ func (s *HandoffState) Encode() ([]byte, error) {
 		CloseNotifySent: s.CloseNotifySent, PeerEnd: s.PeerEnd, KeyUpdateAsked: s.KeyUpdateAsked,
 		KeyUpdateTokens: s.KeyUpdateTokens, ServerName: s.ServerName, NegotiatedProtocol: s.NegotiatedProtocol,
 		DidResume: s.DidResume, PeerCertificates: s.PeerCertificates,
+		RecordLimit: s.RecordLimit, KeyUpdatePerSecond: s.KeyUpdateLimit.PerSecond, KeyUpdateBurst: s.KeyUpdateLimit.Burst,
 	}
 	if !s.KeyUpdateLast.IsZero() {
 		t := s.KeyUpdateLast.Round(0) // the wall clock: a monotonic reading means nothing elsewhere
@@ -546,6 +566,7 @@ func DecodeHandoffState(b []byte) (HandoffState, error) {
 		CloseNotifySent: w.CloseNotifySent, PeerEnd: w.PeerEnd, KeyUpdateAsked: w.KeyUpdateAsked,
 		KeyUpdateTokens: w.KeyUpdateTokens, ServerName: w.ServerName, NegotiatedProtocol: w.NegotiatedProtocol,
 		DidResume: w.DidResume, PeerCertificates: w.PeerCertificates,
+		RecordLimit: w.RecordLimit, KeyUpdateLimit: Rate{PerSecond: w.KeyUpdatePerSecond, Burst: w.KeyUpdateBurst},
 	}
 	if w.KeyUpdateLast != nil {
 		s.KeyUpdateLast = *w.KeyUpdateLast

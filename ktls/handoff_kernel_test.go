@@ -611,8 +611,9 @@ func TestKernelAdopt(t *testing.T) {
 }
 
 // TestKernelAdoptKeyWear: key wear goes on from the count the old owner
-// handed over. The adopter's record limit is set just above that count, so
-// its first record (TX) or the first record it opens (RX) reaches the
+// handed over, under the connection's own record limit, which travels in
+// the state (the adopter's option, 1, does not apply). That limit is set
+// just above the count, so its first record (TX) or the first record it opens (RX) reaches the
 // limit: on TLS 1.3 with kernel rekey it renews its key (TX) or asks the
 // peer to (RX), and every byte arrives; elsewhere it fails with
 // ErrKeyExhausted. A Conn that started counting from zero would do
@@ -654,7 +655,8 @@ func TestKernelAdoptKeyWear(t *testing.T) {
 				if dir == "tx" {
 					limit = st.TX.Seq + sealMargin
 				}
-				adopted, err := Adopt(f, st, Options{RecordLimit: limit})
+				st.RecordLimit = limit // the connection's own limit travels with it
+				adopted, err := Adopt(f, st, Options{RecordLimit: 1})
 				if err != nil {
 					t.Fatal(err)
 				}

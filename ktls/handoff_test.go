@@ -252,6 +252,7 @@ func testState() HandoffState {
 		KeyUpdateTokens: 12.5, KeyUpdateLast: time.Date(2026, 5, 4, 3, 2, 1, 123456789, time.UTC),
 		ServerName: "sandbox.example", NegotiatedProtocol: "h2", DidResume: true,
 		PeerCertificates: [][]byte{{0x30, 1, 2}, {0x30, 3}},
+		RecordLimit:      4096, KeyUpdateLimit: Rate{PerSecond: 2.5, Burst: 7},
 	}
 }
 
@@ -270,7 +271,7 @@ func TestHandoffStateEncoding(t *testing.T) {
 	if !statesEqual(got, st) {
 		t.Fatalf("decoded %+v\nwant    %+v", got, st)
 	}
-	if !bytes.Contains(b, []byte(`"v":1`)) || !bytes.Contains(b, []byte(`"seq":1152921504606846976`)) {
+	if !bytes.Contains(b, []byte(`"v":2`)) || !bytes.Contains(b, []byte(`"seq":1152921504606846976`)) {
 		t.Fatalf("encoding %s: want the version and the exact 64-bit sequence number", b)
 	}
 	// Inside a message of the caller's.
@@ -333,11 +334,12 @@ func TestHandoffStateDecodeStrict(t *testing.T) {
 		in   []byte
 		says string
 	}{
-		{"version 2", edit(func(m map[string]any) { m["v"] = 2; m["new_field"] = 1 }), "version 2, this build reads only version 1"},
+		{"version 3", edit(func(m map[string]any) { m["v"] = 3; m["new_field"] = 1 }), "version 3, this build reads only version 2"},
+		{"version 1", edit(func(m map[string]any) { m["v"] = 1 }), "version 1, this build reads only version 2"},
 		{"no version", edit(func(m map[string]any) { delete(m, "v") }), "no version"},
 		{"unknown field", edit(func(m map[string]any) { m["extra"] = true }), `unknown field "extra"`},
 		{"unknown nested field", edit(func(m map[string]any) { m["tx"].(map[string]any)["iv"] = "AA==" }), `unknown field "iv"`},
-		{"trailing data", append(bytes.Clone(good), `{"v":1}`...), "after top-level value"},
+		{"trailing data", append(bytes.Clone(good), `{"v":2}`...), "after top-level value"},
 		{"not JSON", []byte("v=1"), "invalid character"},
 		{"short secret", edit(func(m map[string]any) { m["rx"].(map[string]any)["secret"] = "AAAA" }), "rx: ktls: traffic secret for TLS_AES_128_GCM_SHA256 is 3 bytes, want 32"},
 		{"TLS 1.3 without secret", edit(func(m map[string]any) { delete(m["tx"].(map[string]any), "secret") }), "tx: ktls: traffic secret"},
@@ -349,6 +351,8 @@ func TestHandoffStateDecodeStrict(t *testing.T) {
 		{"unknown version", edit(func(m map[string]any) { m["tls_version"] = tls.VersionTLS11 }), "unsupported TLS version"},
 		{"unknown peer end", edit(func(m map[string]any) { m["peer_end"] = "reset" }), `unknown peer end "reset"`},
 		{"negative tokens", edit(func(m map[string]any) { m["key_update_tokens"] = -1 }), "KeyUpdate tokens -1"},
+		{"record limit above the most", edit(func(m map[string]any) { m["record_limit"] = MaxRecordLimit + 1 }), "record limit 16777217 above 16777216"},
+		{"negative KeyUpdate rate", edit(func(m map[string]any) { m["key_update_per_second"] = -1 }), "KeyUpdate rate -1 per second"},
 		{"empty certificate", edit(func(m map[string]any) { m["peer_certificates"] = []string{""} }), "peer certificate 0 is empty"},
 		{"sequence number as text", edit(func(m map[string]any) { m["tx"].(map[string]any)["seq"] = "7" }), "cannot unmarshal string"},
 	} {
@@ -360,10 +364,10 @@ func TestHandoffStateDecodeStrict(t *testing.T) {
 			if st.Version != 0 || st.TX.Secret != nil {
 				t.Fatalf("a refused decode returned a state: %+v", st)
 			}
-			if tc.name == "version 2" {
+			if tc.name == "version 3" {
 				var ve *HandoffVersionError
-				if !errors.As(err, &ve) || ve.Got != 2 {
-					t.Fatalf("%v: want a *HandoffVersionError for version 2", err)
+				if !errors.As(err, &ve) || ve.Got != 3 {
+					t.Fatalf("%v: want a *HandoffVersionError for version 3", err)
 				}
 			}
 		})

@@ -376,7 +376,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		// A binary upgrade moves tunnels whose gateway session runs in
 		// kernel TLS (sandbox_handoff, upgrade.go).
 		HandOffConn: ktls.HandOffConn,
-		AdoptConn:   ktls.AdoptConn(ktls.Options{RequireOffload: true}),
+		AdoptConn:   ktls.AdoptConn(ktls.Options{Observer: h.observeAdopted}),
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)
@@ -630,16 +630,9 @@ func (h *Handler) Cleanup() error {
 
 // Handle carries one tunnel; it is terminal and never calls next.
 func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
-	peer := cx.RemoteAddr().String()
 	client := forward.Gateway{
 		Conn: cx,
-		Peer: peer,
-		OnOpen: func(ti forward.TunnelInfo) {
-			h.events.Emit(h.ctx, "sandbox_tunnel_opened", map[string]any{
-				"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
-				"client_certificate": ti.Certificate, "key_id": ti.KeyID,
-			})
-		},
+		Peer: cx.RemoteAddr().String(),
 		// What cx still buffers (a matcher read past the preamble) goes
 		// to the target first.
 		Unwrap: func() (net.Conn, []byte) { return l4conn.Unwrap(cx) },
@@ -657,12 +650,27 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		// for request or require, which take any certificate as sent.
 		client.CertificateVerified = len(state.PeerCertificates) > 0 && len(state.VerifiedChains) > 0
 	}
+	h.serve(client)
+	return nil
+}
+
+// serve carries client's tunnel to its end, or its refusal, and logs and
+// counts how it ended: a connection accepted here (Handle) or a standby
+// connection another process handed over (upgrade.go).
+func (h *Handler) serve(client forward.Gateway) {
+	peer := client.Peer
+	client.OnOpen = func(ti forward.TunnelInfo) {
+		h.events.Emit(h.ctx, "sandbox_tunnel_opened", map[string]any{
+			"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
+			"client_certificate": ti.Certificate, "key_id": ti.KeyID,
+		})
+	}
 	res, err := h.fwd.Serve(client)
 	if se, ok := errors.AsType[*forward.StandbyEndError](err); ok {
 		// A gateway's connection kept ready that no tunnel used: no refusal.
 		h.logger.Debug("sandbox standby connection ended unused", zap.String("end", se.End), zap.String("peer", peer),
 			zap.String("client_certificate", client.Certificate), zap.Error(se.Err))
-		return nil
+		return
 	}
 	if res.Tunnel.ID == 0 {
 		reason := forward.ReasonOf(err)
@@ -671,18 +679,17 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 		if s := h.refusals[forward.Reason(reason)]; s != nil {
 			h.logger.Debug(tunnelRefusedMsg, fields...)
 			s.Add(reason)
-			return nil
+			return
 		}
 		h.logger.Warn(tunnelRefusedMsg, fields...)
-		return nil
+		return
 	}
 	if res.Moved {
 		h.logger.Debug("sandbox tunnel moved to the process that took over", zap.Uint64("id", res.Tunnel.ID),
 			zap.String("sandbox", res.Tunnel.Sandbox), zap.String("peer", peer))
-		return nil
+		return
 	}
 	h.tunnelEnded(res, err)
-	return nil
 }
 
 // tunnelEnded logs, counts and announces (sandbox_tunnel_closed) the end
@@ -715,6 +722,16 @@ func (h *Handler) tunnelEnded(res forward.Result, err error) {
 		return
 	}
 	h.logger.Debug("sandbox tunnel closed", fields...)
+}
+
+// observeAdopted counts and logs what the kTLS engine reports of the
+// gateway connection of a tunnel an upgrade moved here (its key wear, its
+// KeyUpdates), as the ktls handler that made it did in the old process.
+func (h *Handler) observeAdopted(ev ktls.Event) {
+	offload.CountClose(moduleid.L4Handler, ev.Kind)
+	if ev.Err != nil {
+		h.logger.Warn("kTLS connection event", zap.String("event", string(ev.Kind)), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
+	}
 }
 
 // tunnelRefusedMsg is the log message of a refused tunnel.

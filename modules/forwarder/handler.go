@@ -391,6 +391,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	} else if err != nil {
 		return err
 	}
+	if err := checkHandoffListeners(ctx, h.logger); err != nil {
+		return err
+	}
 	warnProxyProtocolBefore(ctx, h.logger)
 	events, err := ctx.App("events")
 	if err != nil {

@@ -20,9 +20,10 @@ import (
 )
 
 // standbySession connects a sender and a receiver; the receiver adopts
-// every standby connection into f, unless refuse says no, and passes it
-// to adopted unserved. offered counts the objects offered.
-func standbySession(t *testing.T, f *Forwarder, refuse bool, adopted chan<- *AdoptedStandby, offered *atomic.Int64) *handoff.Sender {
+// every standby connection into f, unless refuse says no to its offer
+// (counted from 1), and passes it to adopted unserved. offered counts the
+// objects offered.
+func standbySession(t *testing.T, f *Forwarder, refuse func(offer int64) bool, adopted chan<- *AdoptedStandby, offered *atomic.Int64) *handoff.Sender {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	ln, err := handoff.Listen(path)
@@ -46,13 +47,13 @@ func standbySession(t *testing.T, f *Forwarder, refuse bool, adopted chan<- *Ado
 			if err != nil {
 				return
 			}
-			offered.Add(1)
+			offer := offered.Add(1)
 			if it.Kind != MoveKindStandby {
 				it.Refuse("not a standby connection")
 				t.Errorf("object kind %d offered, want MoveKindStandby", it.Kind)
 				continue
 			}
-			if refuse {
+			if refuse(offer) {
 				it.Refuse("the test refuses every standby connection")
 				continue
 			}
@@ -76,6 +77,9 @@ func standbySession(t *testing.T, f *Forwarder, refuse bool, adopted chan<- *Ado
 	}
 	return s
 }
+
+func never(int64) bool  { return false }
+func always(int64) bool { return true }
 
 // served is the end of one AdoptedStandby.Serve.
 type served struct {
@@ -137,7 +141,7 @@ func TestMoveStandby(t *testing.T) {
 
 	adopted := make(chan *AdoptedStandby, 1)
 	var offered atomic.Int64
-	s := standbySession(t, nu, false, adopted, &offered)
+	s := standbySession(t, nu, never, adopted, &offered)
 	res := old.reg.MoveStandby(context.Background(), sessionMover{s})
 	s.Close()
 	if res.Moved != 1 || len(res.Stays) != 0 || offered.Load() != 1 {
@@ -179,17 +183,22 @@ func TestMoveStandby(t *testing.T) {
 	}
 }
 
-// A standby connection the other process refuses, and one whose
-// forwarder cannot hand connections off, wait on here as if nothing had
-// happened, and a later preamble opens the tunnel here, exact.
+// A standby connection the other process refuses, one whose forwarder
+// cannot hand connections off, and one offered after ctx ended wait on
+// here as if nothing had happened, and a later preamble opens the tunnel
+// here, exact.
 func TestMoveStandbyStays(t *testing.T) {
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
 	for _, tc := range []struct {
 		name string
 		mod  func(*Config)
+		ctx  context.Context
 		why  string
 	}{
-		{"refused", standbyConfig, StayRefused},
-		{"not-movable", func(c *Config) { c.StandbyTimeout = 10 * time.Second }, StayNotMovable},
+		{"refused", standbyConfig, context.Background(), StayRefused},
+		{"not-movable", func(c *Config) { c.StandbyTimeout = 10 * time.Second }, context.Background(), StayNotMovable},
+		{"ctx-ended", standbyConfig, canceled, StayPause},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			forwardtest.CheckLeaks(t)
@@ -202,8 +211,8 @@ func TestMoveStandbyStays(t *testing.T) {
 			waitStandby(t, old.reg, 1)
 			adopted := make(chan *AdoptedStandby, 1)
 			var offered atomic.Int64
-			s := standbySession(t, nu, true, adopted, &offered)
-			res := old.reg.MoveStandby(context.Background(), sessionMover{s})
+			s := standbySession(t, nu, always, adopted, &offered)
+			res := old.reg.MoveStandby(tc.ctx, sessionMover{s})
 			s.Close()
 			if res.Moved != 0 || len(res.Stays) != 1 || res.Stayed[tc.why] != 1 || res.Stays[0].Peer != c.LocalAddr().String() {
 				t.Fatalf("moved %d, stays %v; want the one to stay: %s", res.Moved, res.Stays, tc.why)
@@ -239,6 +248,8 @@ type hookConn struct {
 	*net.TCPConn
 	onInterrupt func()
 	reads       chan readEnd
+	// hold, when set, holds each Read's return until it is closed.
+	hold atomic.Pointer[chan struct{}]
 }
 
 type readEnd struct {
@@ -256,6 +267,9 @@ func (h *hookConn) SetReadDeadline(t time.Time) error {
 
 func (h *hookConn) Read(p []byte) (int, error) {
 	n, err := h.TCPConn.Read(p)
+	if hold := h.hold.Load(); hold != nil {
+		<-*hold
+	}
 	select {
 	case h.reads <- readEnd{n, err}:
 	default:
@@ -320,7 +334,7 @@ func TestMoveStandbyRaces(t *testing.T) {
 			var mover Mover
 			adopted := make(chan *AdoptedStandby, 1)
 			var offered atomic.Int64
-			s := standbySession(t, nu, false, adopted, &offered)
+			s := standbySession(t, nu, never, adopted, &offered)
 			mover = sessionMover{s}
 			switch tc {
 			case "byte-first":
@@ -413,6 +427,81 @@ func TestMoveStandbyRaces(t *testing.T) {
 	}
 }
 
+// A MoveStandby whose ctx ends before the wait's Read returned gives up
+// (StayPause) and the wait resumes when it does; a later MoveStandby
+// interrupts it again and moves it, and its tunnel runs in the new
+// process, exact.
+func TestMoveStandbyAbandoned(t *testing.T) {
+	const send, reply = 64 << 10, 48 << 10
+	forwardtest.CheckLeaks(t)
+	old := newFixture(t, standbyConfig)
+	up := forwardtest.NewUpstream(t, reply)
+	nu, nuReg := newProcess(t, old.gw, func(c *Config) { c.StandbyTimeout = 10 * time.Second })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	cc, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := cc.(*net.TCPConn)
+	defer c.Close()
+	reads := make(chan readEnd, 1)
+	out := serveOne(t, old.fwd, ln, func(tc *net.TCPConn) *hookConn { return &hookConn{TCPConn: tc, reads: reads} }, &wg)
+	waitStandby(t, old.reg, 1)
+	w := old.reg.waitingStandby()[0]
+	ctx, cancel := context.WithCancel(context.Background())
+	hold := make(chan struct{})
+	w.mu.Lock()
+	h := w.c.Conn.(*hookConn)
+	h.hold.Store(&hold)
+	h.onInterrupt = cancel
+	w.mu.Unlock()
+	adopted := make(chan *AdoptedStandby, 1)
+	var offered atomic.Int64
+	s := standbySession(t, nu, never, adopted, &offered)
+	res := old.reg.MoveStandby(ctx, sessionMover{s})
+	if res.Moved != 0 || len(res.Stays) != 1 || res.Stayed[StayPause] != 1 || !errors.Is(res.Stays[0].Err, context.Canceled) {
+		t.Fatalf("moved %d, stays %v; want the one to stay: %s", res.Moved, res.Stays, StayPause)
+	}
+	second := make(chan MoveResult, 1)
+	go func() { second <- old.reg.MoveStandby(context.Background(), sessionMover{s}) }()
+	waitUntil(t, "the second interruption", func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return w.state == waitInterrupted
+	})
+	h.hold.Store(nil)
+	close(hold)
+	res = <-second
+	s.Close()
+	if res.Moved != 1 || len(res.Stays) != 0 || offered.Load() != 1 {
+		t.Fatalf("moved %d, stays %v, offered %d; want the one moved", res.Moved, res.Stays, offered.Load())
+	}
+	if got := <-out; !isStandbyEnd(got.err, StandbyMoved) {
+		t.Errorf("old Serve: %v, want a StandbyEndError %q", got.err, StandbyMoved)
+	}
+	newOut := serveAdopted(<-adopted, &wg)
+	waitStandby(t, nuReg, 1)
+	sent, recv, n := runTunnel(t, c, old.gw.Frame(t, "sbx-again", up.Addr()), send, 3)
+	if got := <-newOut; got.err != nil || got.res.Tunnel.BytesToSandbox != send {
+		t.Errorf("new Serve: %+v, %v", got.res.Tunnel, got.err)
+	}
+	checkTunnel(t, up, send, reply, sent, recv, n)
+	if _, ends := old.reg.Standby(); len(ends) != 1 || ends[StandbyMoved] != 1 {
+		t.Errorf("old registry's standby ends %v, want one moved", ends)
+	}
+}
+
+func isStandbyEnd(err error, end string) bool {
+	se, ok := errors.AsType[*StandbyEndError](err)
+	return ok && se.End == end
+}
+
 type moverFunc func(kind uint16, state []byte, files ...*os.File) (bool, error)
 
 func (f moverFunc) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
@@ -448,7 +537,7 @@ func TestMoveStandbyExpiresInNewProcess(t *testing.T) {
 	time.Sleep(standby + 100*time.Millisecond)
 	adopted := make(chan *AdoptedStandby, 1)
 	var offered atomic.Int64
-	s := standbySession(t, nu, false, adopted, &offered)
+	s := standbySession(t, nu, never, adopted, &offered)
 	res := old.reg.MoveStandby(context.Background(), sessionMover{s})
 	s.Close()
 	if res.Moved != 1 {

@@ -302,9 +302,7 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 			nuEnds <- end{r, err}
 		})
 	}
-	if movable {
-		waitStandby(t, nuReg, n)
-	}
+	waitStandby(t, nuReg, res.Moved)
 	waitStandby(t, oldReg, n-res.Moved)
 
 	clients := make([]*streamingClient, n)

@@ -151,8 +151,11 @@ func (w *standbyWait) handOff(m Mover) (stay string, err error) {
 		return keep(StayConn, nil, err)
 	}
 	defer connFile.Close()
-	// From here the connection here is given up: a wait that stays goes
-	// on on the connection adopted back from connFile.
+	// The session's state holds its traffic secrets (ktls/handoff.go):
+	// wiped here once sent, or adopted back.
+	defer clear(connState)
+	// From here the connection here is given up: a wait that stays
+	// resumes on the connection adopted back from connFile.
 	stayHere := func(why string, cause error) (string, error) {
 		defer conn.Close() // its descriptors; the session goes on in back
 		back, _, err := f.cfg.AdoptConn(connState, connFile)
@@ -171,6 +174,7 @@ func (w *standbyWait) handOff(m Mover) (stay string, err error) {
 	if err != nil {
 		return stayHere(StayNotMovable, err)
 	}
+	defer clear(state)
 	if moved, err := m.Move(MoveKindStandby, state, connFile); !moved {
 		return stayHere(StayRefused, err)
 	}
@@ -198,6 +202,7 @@ func (f *Forwarder) AdoptStandby(state []byte, files []*os.File) (*AdoptedStandb
 	if err := json.Unmarshal(state, &ms); err != nil {
 		return nil, fmt.Errorf("forward: moved standby connection: %w", err)
 	}
+	defer clear(ms.Conn) // the session's secrets; state is the caller's to wipe
 	if ms.Version != MovedStandbyVersion {
 		return nil, fmt.Errorf("forward: moved standby connection version %d, this build adopts %d", ms.Version, MovedStandbyVersion)
 	}

@@ -243,6 +243,13 @@ type Gateway struct {
 	// client_auth mode "require") does not count. Config.RequireClientCertificate
 	// refuses gateways without one.
 	CertificateVerified bool
+	// StandbyBegan is when the connection's standby wait (standby.go)
+	// began, zero when it has not: a caller leaves it zero, Serve sets it
+	// (in its copy) when the wait begins, and a move carries it
+	// (Registry.MoveStandby, Forwarder.AdoptStandby), so that the wait in
+	// the process that adopted the connection ends StandbyTimeout after it
+	// began in the first.
+	StandbyBegan time.Time
 }
 
 // Result describes a tunnel that was carried.
@@ -268,11 +275,13 @@ type Result struct {
 // neither peer takes it for complete.
 func (f *Forwarder) Serve(c Gateway) (Result, error) {
 	f.cfg.Registry.opening.Add(1)
-	upstream, tun, ctx, proxyHdr, err := f.open(c)
+	upstream, tun, ctx, proxyHdr, err := f.open(&c)
 	f.cfg.Registry.opening.Add(-1)
 	if se, ok := errors.AsType[*StandbyEndError](err); ok {
 		// No tunnel was asked for: an expired one learns it is gone by
-		// the refusal's alert, a closed one needs nothing.
+		// the refusal's alert, a closed one needs nothing, and a moved
+		// one's Close releases this process's descriptors only (its
+		// session was handed off).
 		if se.End == StandbyExpired {
 			refuse(c)
 		} else {
@@ -421,8 +430,9 @@ var errNoClientCertificate = errors.New("the connection carries no verified clie
 // open runs everything up to a connected target: client certificate,
 // preamble, verification, key binding, policy, tunnel cap, dial and
 // registration; and the PROXY header to write first when Config.ProxyProtocol
-// asks for one.
-func (f *Forwarder) open(c Gateway) (*net.TCPConn, *Tunnel, context.Context, []byte, error) {
+// asks for one. A standby connection's move that failed may have replaced
+// c.Conn (readFrame).
+func (f *Forwarder) open(c *Gateway) (*net.TCPConn, *Tunnel, context.Context, []byte, error) {
 	up, tun, ctx, claims, err := f.openClaims(c)
 	if err != nil || f.cfg.ProxyProtocol != 2 {
 		return up, tun, ctx, nil, err
@@ -434,7 +444,7 @@ func (f *Forwarder) open(c Gateway) (*net.TCPConn, *Tunnel, context.Context, []b
 	return up, tun, ctx, ProxyV2Header(src, claims.Target, claims.SandboxID, id), nil
 }
 
-func (f *Forwarder) openClaims(c Gateway) (*net.TCPConn, *Tunnel, context.Context, preamble.Claims, error) {
+func (f *Forwarder) openClaims(c *Gateway) (*net.TCPConn, *Tunnel, context.Context, preamble.Claims, error) {
 	var none preamble.Claims
 	// First: an unauthenticated client gets nothing from this forwarder,
 	// not even a read of its bytes.

@@ -21,6 +21,13 @@ import (
 // resumes the relay. A tunnel the other process does not take resumes
 // here, as if nothing had happened. Either way it is in exactly one
 // process: the Mover decides which (internal/handoff).
+//
+// The gateways' standby connections, which wait for their first preamble
+// byte, move the same way (Registry.MoveStandby, movestandby.go): their
+// wait is interrupted, the connection's session and socket go with a
+// MovedStandby, and the other process serves it (AdoptStandby), so that a
+// gateway that writes its preamble on one during an upgrade has it served
+// by whichever process holds the connection then.
 
 // Mover moves one object to another process: kind and state are the
 // object's, files its descriptors (the caller's still). moved reports
@@ -29,7 +36,8 @@ type Mover interface {
 	Move(kind uint16, state []byte, files ...*os.File) (moved bool, err error)
 }
 
-// MoveKindTunnel is the object kind of a tunnel for a Mover.
+// MoveKindTunnel is the object kind of a tunnel for a Mover (a standby
+// connection's is MoveKindStandby).
 const MoveKindTunnel uint16 = 1
 
 // MovedTunnelVersion is the MovedTunnel.Version this build writes and
@@ -64,38 +72,40 @@ type moveVerdict struct {
 	gw    net.Conn      // the gateway connection it runs on, when kept
 }
 
-// MoveResult counts what MoveTunnels did.
+// MoveResult counts what MoveTunnels (or MoveStandby) did.
 type MoveResult struct {
 	Moved int
-	// Stayed counts the tunnels that stay here, by why: they run on as
-	// before (and end here, as tunnels do). Stays says which and the
-	// error.
+	// Stayed counts the tunnels (standby connections) that stay here, by
+	// why: they run (wait) on as before, and end here. Stays says which
+	// and the error.
 	Stayed map[string]int
 	Stays  []Stay
 	// Pauses are how long each moved tunnel's relay stood still, in
-	// order.
+	// order (MoveTunnels only).
 	Pauses []time.Duration
 }
 
-// Stay is a tunnel that stayed, why and the error that said so.
+// Stay is a tunnel or standby connection that stayed, why and the error
+// that said so.
 type Stay struct {
-	Tunnel uint64
+	Tunnel uint64 // the tunnel's ID; 0 for a standby connection
+	Peer   string // a standby connection's gateway (Gateway.Peer); "" for a tunnel
 	Why    string
 	Err    error
 }
 
-func (r *MoveResult) stay(id uint64, why string, err error) {
+func (r *MoveResult) stay(s Stay) {
 	if r.Stayed == nil {
 		r.Stayed = map[string]int{}
 	}
-	r.Stayed[why]++
-	r.Stays = append(r.Stays, Stay{Tunnel: id, Why: why, Err: err})
+	r.Stayed[s.Why]++
+	r.Stays = append(r.Stays, s)
 }
 
-// The reasons a tunnel stays (MoveResult.Stayed).
+// The reasons a tunnel or a standby connection stays (MoveResult.Stayed).
 const (
 	StayNotMovable = "not-movable" // its Forwarder has no HandOffConn, or it is opening or ending
-	StayPause      = "pause"       // the relay would not pause (splice.PauseReason in the log)
+	StayPause      = "pause"       // the relay would not pause (splice.PauseReason in the log), or ctx ended before a standby wait was interrupted
 	StayConn       = "conn"        // the gateway connection could not give up its session (userspace TLS)
 	StayRefused    = "refused"     // the other process refused it, or the session failed
 )
@@ -113,7 +123,7 @@ func (r *Registry) MoveTunnels(ctx context.Context, m Mover) MoveResult {
 			res.Moved++
 			res.Pauses = append(res.Pauses, pause)
 		} else {
-			res.stay(t.ID, why, err)
+			res.stay(Stay{Tunnel: t.ID, Why: why, Err: err})
 		}
 	}
 	return res

@@ -4,9 +4,12 @@ import (
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
+	"crypto/sha256"
 	"crypto/tls"
+	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -164,6 +167,215 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 	}
 	if moved != res.Moved || (movable && spliced != n) {
 		t.Errorf("old Serves ended moved: %d; adopted relays splicing both ways: %d; want %d each", moved, spliced, res.Moved)
+	}
+	if statErr == nil && movable {
+		stat1, err := kerneltest.ReadStat()
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := stat1.Sub(stat0)
+		if d["TlsDecryptError"] != 0 || d["TlsTxSw"] != int64(n) || d["TlsRxSw"] != int64(n) {
+			t.Errorf("tls_stat deltas %v: want no decrypt error and exactly %d sessions installed each way (none again at the adoption)", d, n)
+		}
+	}
+}
+
+// Kernel TLS standby connections move to another forwarder while they
+// wait for their first preamble byte; the gateways then write their
+// preambles on them, and the new forwarder carries the tunnels on the
+// sockets, sessions and record sequences the kernel holds: every byte
+// exact both ways, no record the kernel could not authenticate, and no
+// session installed twice (the adopted sockets keep theirs). Every other
+// one is refused by the new process: it waits on here, on the connection
+// adopted back, and its tunnel runs here the same way.
+func TestKernelMoveStandby(t *testing.T) {
+	kerneltest.Require(t)
+	moveTLSStandby(t, ktls.Options{RequireOffload: true}, 4)
+}
+
+// Standby connections whose session runs in userspace TLS cannot move:
+// their wait, interrupted (a read deadline in the past on a crypto/tls
+// session), resumes, and their tunnels run here, exact.
+func TestMoveUserspaceTLSStandbyStays(t *testing.T) {
+	moveTLSStandby(t, ktls.Options{Disable: true}, 2)
+}
+
+func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
+	ktls.Probe() // cached for the process: its throwaway sessions stay out of the counters
+	ca := testpki.NewCA(t, "move standby CA")
+	serverLeaf, gatewayLeaf := ca.Server(t), ca.Client(t, "gateway")
+	seed := make([]byte, ed25519.SeedSize)
+	rand.Read(seed)
+	key := ed25519.NewKeyFromSeed(seed)
+	newForwarder := func(reg *Registry) *Forwarder {
+		v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": key.Public().(ed25519.PublicKey)}, RequireBinding: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pol, err := NewTargetPolicy([]string{"127.0.0.0/8"}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := New(Config{Verifier: v, Policy: pol, Registry: reg, RequireClientCertificate: true, StandbyTimeout: 5 * time.Minute,
+			HandOffConn: ktls.HandOffConn, AdoptConn: ktls.AdoptConn(opts)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	oldReg, nuReg := NewRegistry(), NewRegistry()
+	old, nu := newForwarder(oldReg), newForwarder(nuReg)
+	serverCfg := &tls.Config{Certificates: []tls.Certificate{serverLeaf.TLS}, ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: ca.Pool, MinVersion: tls.VersionTLS13}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	forwardtest.CheckLeaks(t)
+	var serves sync.WaitGroup
+	type end struct {
+		res Result
+		err error
+	}
+	oldEnds, nuEnds := make(chan end, n), make(chan end, n)
+	serves.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			serves.Go(func() {
+				kc := ktls.Server(c, serverCfg, opts)
+				if err := kc.HandshakeContext(context.Background()); err != nil {
+					kc.Close()
+					t.Errorf("handshake: %v", err)
+					return
+				}
+				cs := kc.ConnectionState()
+				binding, _ := preamble.ChannelBinding(cs)
+				leaf := cs.PeerCertificates[0]
+				res, err := old.Serve(Gateway{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String(),
+					Certificate: leaf.Subject.String(), CertificateNames: []string{leaf.Subject.CommonName}, CertificateVerified: len(cs.VerifiedChains) > 0})
+				oldEnds <- end{res, err}
+			})
+		}
+	})
+	defer func() { ln.Close(); serves.Wait() }()
+
+	signer, err := preamble.NewSigner("gw-1", key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := int64(kerneltest.BulkMiB(t, 1)) << 20
+	up := forwardtest.NewSizedUpstream(t, func(int) int64 { return size + 1 })
+	stat0, statErr := kerneltest.ReadStat()
+	ks0 := ktls.Stats()
+	// The gateway's side in userspace TLS: the kernel's counters then
+	// count the forwarder's sessions only.
+	gwCfg := &tls.Config{Certificates: []tls.Certificate{gatewayLeaf.TLS}, RootCAs: ca.Pool, ServerName: "localhost", MinVersion: tls.VersionTLS13}
+	conns := make([]*tls.Conn, n)
+	for i := range conns {
+		c, err := tls.Dial("tcp", ln.Addr().String(), gwCfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		conns[i] = c
+	}
+	waitStandby(t, oldReg, n)
+
+	var runs sync.WaitGroup
+	adopted := make(chan *AdoptedStandby, n)
+	var offered atomic.Int64
+	s := standbySession(t, nu, func(offer int64) bool { return offer%2 == 0 }, adopted, &offered)
+	res := oldReg.MoveStandby(context.Background(), sessionMover{s})
+	s.Close()
+	movable := !opts.Disable
+	if movable && (res.Moved != n-n/2 || res.Stayed[StayRefused] != n/2 || len(res.Stays) != n/2) {
+		t.Fatalf("moved %d, stays %v; want %d moved, %d refused", res.Moved, res.Stays, n-n/2, n/2)
+	}
+	if !movable && (res.Moved != 0 || res.Stayed[StayConn] != n) {
+		t.Fatalf("moved %d, stays %v; want all %d to stay: userspace TLS", res.Moved, res.Stays, n)
+	}
+	for range res.Moved {
+		a := <-adopted
+		runs.Go(func() {
+			r, err := a.Serve(nil)
+			nuEnds <- end{r, err}
+		})
+	}
+	waitStandby(t, nuReg, res.Moved)
+	waitStandby(t, oldReg, n-res.Moved)
+
+	clients := make([]*streamingClient, n)
+	var wg sync.WaitGroup
+	for i, c := range conns {
+		wg.Go(func() {
+			sc := &streamingClient{}
+			clients[i] = sc
+			now := time.Now()
+			claims := preamble.Claims{SandboxID: "sbx-standby", Target: up.Addr(), IssuedAt: now, ExpiresAt: now.Add(time.Minute)}
+			if sc.err = preamble.Send(context.Background(), c, signer, claims); sc.err != nil {
+				return
+			}
+			errc := make(chan error, 1)
+			go func() {
+				var err error
+				sc.sent, err = forwardtest.SendPattern(c, size, uint64(i+1))
+				sc.sentN = size
+				errc <- err
+			}()
+			h := sha256.New()
+			sc.recvN, sc.err = io.Copy(h, c)
+			copy(sc.recv[:], h.Sum(nil))
+			if err := <-errc; sc.err == nil {
+				sc.err = err
+			}
+		})
+	}
+	wg.Wait()
+	up.Close()
+	runs.Wait()
+	ln.Close()
+	serves.Wait()
+	close(oldEnds)
+	close(nuEnds)
+	exactBothWays(t, clients, up.Results())
+	movedEnds, tunnelsHere, splicedHere := 0, 0, 0
+	for e := range oldEnds {
+		if isStandbyEnd(e.err, StandbyMoved) {
+			movedEnds++
+		} else if e.err != nil || e.res.Tunnel.BytesToSandbox != size || e.res.Tunnel.BytesFromSandbox != size+1 {
+			t.Errorf("old Serve: %+v, %v", e.res.Tunnel, e.err)
+		} else {
+			tunnelsHere++
+			if e.res.Relay.AToB.Spliced && e.res.Relay.BToA.Spliced {
+				splicedHere++
+			}
+		}
+	}
+	spliced := 0
+	for e := range nuEnds {
+		if e.err != nil || e.res.Tunnel.BytesToSandbox != size || e.res.Tunnel.BytesFromSandbox != size+1 {
+			t.Errorf("new Serve: %+v, %v", e.res.Tunnel, e.err)
+		}
+		if e.res.Relay.AToB.Spliced && e.res.Relay.BToA.Spliced {
+			spliced++
+		}
+	}
+	if movedEnds != res.Moved || tunnelsHere != n-res.Moved || spliced != res.Moved || (movable && splicedHere != tunnelsHere) {
+		t.Errorf("old Serves ended moved: %d, carried a tunnel: %d (%d splicing both ways); adopted tunnels splicing both ways: %d; want %d, %d, %d",
+			movedEnds, tunnelsHere, splicedHere, spliced, res.Moved, n-res.Moved, res.Moved)
+	}
+	if _, ends := oldReg.Standby(); ends[StandbyMoved] != uint64(res.Moved) || len(ends) > 1 {
+		t.Errorf("old registry's standby ends %v, want %d moved", ends, res.Moved)
+	}
+	if _, opened := nuReg.Counts(); opened != uint64(res.Moved) {
+		t.Errorf("the new registry opened %d tunnels, want %d", opened, res.Moved)
+	}
+	// Each handed off once, and adopted once: by the new process, or
+	// back here.
+	if ks := ktls.Stats(); movable && (ks.HandedOff-ks0.HandedOff != uint64(n) || ks.Adopted-ks0.Adopted != uint64(n)) {
+		t.Errorf("ktls handed off %d connections and adopted %d, want %d each", ks.HandedOff-ks0.HandedOff, ks.Adopted-ks0.Adopted, n)
 	}
 	if statErr == nil && movable {
 		stat1, err := kerneltest.ReadStat()

@@ -45,8 +45,8 @@ func (m sessionMover) Move(kind uint16, state []byte, files ...*os.File) (bool, 
 }
 
 // newProcess is a second forwarder, as the new process has it: its own
-// registry, trusting the same gateway.
-func newProcess(t *testing.T, gw *forwardtest.Gateway) (*Forwarder, *Registry) {
+// registry, trusting the same gateway; mods change its Config.
+func newProcess(t *testing.T, gw *forwardtest.Gateway, mods ...func(*Config)) (*Forwarder, *Registry) {
 	t.Helper()
 	v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": gw.Pub}})
 	if err != nil {
@@ -57,7 +57,11 @@ func newProcess(t *testing.T, gw *forwardtest.Gateway) (*Forwarder, *Registry) {
 		t.Fatal(err)
 	}
 	reg := NewRegistry()
-	f, err := New(Config{Verifier: v, Policy: pol, Registry: reg, AdoptConn: tcpAdopt})
+	cfg := Config{Verifier: v, Policy: pol, Registry: reg, AdoptConn: tcpAdopt}
+	for _, mod := range mods {
+		mod(&cfg)
+	}
+	f, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

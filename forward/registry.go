@@ -45,13 +45,15 @@ type Registry struct {
 	opened  atomic.Uint64
 	dialing atomic.Int64 // tunnels dialing their target now (startDial)
 	opening atomic.Int64 // Serve calls that have neither opened a tunnel nor been refused
-	// standby counts, by client, the standby connections waiting now;
-	// standbyEnds counts how they ended (StandbyEnds).
-	standby     map[string]int
-	standbyEnds map[string]uint64
-	expired     atomic.Uint64 // tunnels ended at Config.MaxTunnelLifetime
-	revoked     atomic.Uint64 // tunnels ended by Revoke
-	closed      atomic.Uint64 // tunnels ended as failures by Close
+	// standby counts, by client, the standby connections waiting now, and
+	// standbyWaits holds them (MoveStandby); standbyEnds counts how they
+	// ended (StandbyEnds).
+	standby      map[string]int
+	standbyWaits map[*standbyWait]struct{}
+	standbyEnds  map[string]uint64
+	expired      atomic.Uint64 // tunnels ended at Config.MaxTunnelLifetime
+	revoked      atomic.Uint64 // tunnels ended by Revoke
+	closed       atomic.Uint64 // tunnels ended as failures by Close
 	// Bytes of all tunnels ever, by direction (sandbox entries are pruned).
 	toSandbox, fromSandbox atomic.Int64
 	// Data-path totals of closed tunnels' relays (package splice's counters).
@@ -84,14 +86,15 @@ type sandboxCounters struct {
 // NewRegistry returns an empty registry.
 func NewRegistry() *Registry {
 	return &Registry{
-		tunnels:     make(map[uint64]*Tunnel),
-		sandboxes:   make(map[string]*sandboxCounters),
-		rejects:     make(map[string]uint64),
-		idle:        make(chan struct{}),
-		started:     time.Now(),
-		refusing:    make(map[string]time.Time),
-		standby:     make(map[string]int),
-		standbyEnds: make(map[string]uint64),
+		tunnels:      make(map[uint64]*Tunnel),
+		sandboxes:    make(map[string]*sandboxCounters),
+		rejects:      make(map[string]uint64),
+		idle:         make(chan struct{}),
+		started:      time.Now(),
+		refusing:     make(map[string]time.Time),
+		standby:      make(map[string]int),
+		standbyWaits: make(map[*standbyWait]struct{}),
+		standbyEnds:  make(map[string]uint64),
 	}
 }
 
@@ -285,22 +288,24 @@ func (r *Registry) startDial(maxDials int) (done func(), err error) {
 	return func() { r.dialing.Add(-1) }, nil
 }
 
-// enterStandby admits one more standby connection of client unless max
-// are waiting; leave ends it, counting how when it ended without a
+// enterStandby admits w, one more standby connection of client, unless
+// max are waiting; leave ends it, counting how when it ended without a
 // preamble (end not "").
-func (r *Registry) enterStandby(client string, max int) (leave func(end string), ok bool) {
+func (r *Registry) enterStandby(client string, max int, w *standbyWait) (leave func(end string), ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.standby[client] >= max {
 		return nil, false
 	}
 	r.standby[client]++
+	r.standbyWaits[w] = struct{}{}
 	return func(end string) {
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		if r.standby[client]--; r.standby[client] == 0 {
 			delete(r.standby, client)
 		}
+		delete(r.standbyWaits, w)
 		if end != "" {
 			r.standbyEnds[end]++
 		}

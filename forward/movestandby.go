@@ -1,0 +1,242 @@
+package forward
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"time"
+)
+
+// Moving a standby connection (standby.go) to another process: its wait
+// for the first preamble byte is interrupted (a read deadline in the past;
+// the waiter parks once its read returned with nothing), the gateway's
+// connection gives up its session (Config.HandOffConn) and its socket and
+// a MovedStandby go to the other process, whose Forwarder adopts it
+// (AdoptStandby) and serves it as any connection: the wait goes on there
+// until StandbyTimeout after it began here, and the preamble the gateway
+// writes opens its tunnel there. A byte that arrives as the wait is
+// interrupted wins: the connection is then a tunnel's, here, and is not
+// offered. One the other process does not take goes on waiting here, as if
+// nothing had happened.
+
+// MoveKindStandby is the object kind of a standby connection for a Mover.
+// (4, not 2 or 3: the glue's handoff sessions number their listeners 2 and
+// their process state 3.)
+const MoveKindStandby uint16 = 4
+
+// MovedStandbyVersion is the MovedStandby.Version this build writes and
+// adopts.
+const MovedStandbyVersion = 1
+
+// MovedStandby is a standby connection's state as it moves: the Gateway
+// fields the other process serves it with. Its one descriptor, the
+// gateway connection's socket, travels beside it.
+type MovedStandby struct {
+	Version             int      `json:"version"`
+	Peer                string   `json:"peer"`
+	Binding             []byte   `json:"binding,omitempty"`
+	Certificate         string   `json:"certificate,omitempty"`
+	CertificateNames    []string `json:"certificate_names,omitempty"`
+	CertificateVerified bool     `json:"certificate_verified"`
+	// StandbyBegan is when its wait for the first preamble byte began
+	// (Gateway.StandbyBegan).
+	StandbyBegan time.Time `json:"standby_began"`
+	// Conn is the gateway connection's session as Config.HandOffConn
+	// encoded it.
+	Conn []byte `json:"conn"`
+}
+
+// MoveStandby offers every standby connection that waits for its first
+// preamble byte to m, one at a time, and returns what became of them
+// (Stay.Peer names each that stays). A connection whose first byte
+// arrives meanwhile is no standby connection any more: it is neither
+// offered nor counted, and opens its tunnel here. The moved connections'
+// Serve return a StandbyEndError (StandbyMoved); the others wait on,
+// until StandbyTimeout after their wait began, as if nothing had happened.
+// Calls at once each skip the connections another is moving.
+func (r *Registry) MoveStandby(ctx context.Context, m Mover) MoveResult {
+	var res MoveResult
+	for _, w := range r.waitingStandby() {
+		offered, why, err := w.move(ctx, m)
+		switch {
+		case !offered:
+		case why == "":
+			res.Moved++
+		default:
+			res.stay(Stay{Peer: w.c.Peer, Why: why, Err: err})
+		}
+	}
+	return res
+}
+
+func (r *Registry) waitingStandby() []*standbyWait {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	list := make([]*standbyWait, 0, len(r.standbyWaits))
+	for w := range r.standbyWaits {
+		list = append(list, w)
+	}
+	return list
+}
+
+// move interrupts w's wait and offers its connection to m: offered false
+// when it was no standby connection by then (its first byte came, it
+// ended, or another call moves it), else "" when it moved, or why it
+// stays and the error.
+func (w *standbyWait) move(ctx context.Context, m Mover) (offered bool, stay string, err error) {
+	w.mu.Lock()
+	switch w.state {
+	case waitStarting, waitReading, waitAbandoned:
+	default:
+		w.mu.Unlock()
+		return false, "", nil
+	}
+	if w.f.cfg.HandOffConn == nil {
+		w.mu.Unlock()
+		return true, StayNotMovable, errors.New("its forwarder hands off no connection (HandOffConn)")
+	}
+	if err := ctx.Err(); err != nil {
+		w.mu.Unlock()
+		return true, StayPause, context.Cause(ctx)
+	}
+	if err := w.c.Conn.SetReadDeadline(time.Unix(1, 0)); err != nil {
+		w.mu.Unlock()
+		return true, StayConn, fmt.Errorf("interrupting its wait: %w", err)
+	}
+	w.state = waitInterrupted
+	w.mu.Unlock()
+	var parked bool
+	select {
+	case parked = <-w.report:
+	case <-ctx.Done():
+		w.mu.Lock()
+		if w.state == waitInterrupted {
+			// Its read has not returned yet: it resumes when it does.
+			w.state = waitAbandoned
+			w.mu.Unlock()
+			return true, StayPause, context.Cause(ctx)
+		}
+		parked = <-w.report // sent under mu, before the state changed
+		w.mu.Unlock()
+	}
+	if !parked {
+		return false, "", nil
+	}
+	why, err := w.handOff(m)
+	return true, why, err
+}
+
+// handOff moves the connection of w's parked wait to m, and tells the
+// wait what became of it.
+func (w *standbyWait) handOff(m Mover) (stay string, err error) {
+	c, f := w.c, w.f
+	keep := func(why string, conn net.Conn, cause error) (string, error) {
+		w.verdict <- standbyVerdict{conn: conn}
+		return why, cause
+	}
+	conn := c.Conn
+	if c.Unwrap != nil {
+		var buffered []byte
+		if conn, buffered = c.Unwrap(); len(buffered) > 0 {
+			// Unreachable while its wait read nothing: bytes the
+			// wrapper holds are read before the socket's.
+			return keep(StayConn, nil, fmt.Errorf("%d bytes of the gateway's are buffered above its connection", len(buffered)))
+		}
+	}
+	connState, connFile, err := f.cfg.HandOffConn(conn)
+	if err != nil {
+		return keep(StayConn, nil, err)
+	}
+	defer connFile.Close()
+	// The session's state holds its traffic secrets (ktls/handoff.go):
+	// wiped here once sent, or adopted back.
+	defer clear(connState)
+	// From here the connection here is given up: a wait that stays
+	// resumes on the connection adopted back from connFile.
+	stayHere := func(why string, cause error) (string, error) {
+		defer conn.Close() // its descriptors; the session goes on in back
+		back, _, err := f.cfg.AdoptConn(connState, connFile)
+		if err != nil {
+			// Unreachable: the state came from this connection. Its
+			// socket closes with the last descriptor (connFile).
+			err = errors.Join(cause, fmt.Errorf("adopting it back: %w", err))
+			w.verdict <- standbyVerdict{err: err}
+			return why, err
+		}
+		return keep(why, back, cause)
+	}
+	state, err := json.Marshal(MovedStandby{Version: MovedStandbyVersion, Peer: c.Peer, Binding: c.Binding,
+		Certificate: c.Certificate, CertificateNames: c.CertificateNames, CertificateVerified: c.CertificateVerified,
+		StandbyBegan: c.StandbyBegan, Conn: connState})
+	if err != nil {
+		return stayHere(StayNotMovable, err)
+	}
+	defer clear(state)
+	if moved, err := m.Move(MoveKindStandby, state, connFile); !moved {
+		return stayHere(StayRefused, err)
+	}
+	w.verdict <- standbyVerdict{moved: true}
+	return "", nil
+}
+
+// AdoptedStandby is a standby connection another process moved here,
+// built and not served: Serve it once the other process released it, or
+// Discard it.
+type AdoptedStandby struct {
+	f       *Forwarder
+	gw      Gateway
+	release func()
+}
+
+// AdoptStandby builds, without serving it, the standby connection of a
+// MovedStandby state and its descriptor (MoveStandby's). The descriptor
+// stays the caller's. A refusal says why; nothing was used.
+func (f *Forwarder) AdoptStandby(state []byte, files []*os.File) (*AdoptedStandby, error) {
+	if f.cfg.AdoptConn == nil {
+		return nil, errors.New("forward: this forwarder adopts no standby connection (no AdoptConn)")
+	}
+	var ms MovedStandby
+	if err := json.Unmarshal(state, &ms); err != nil {
+		return nil, fmt.Errorf("forward: moved standby connection: %w", err)
+	}
+	defer clear(ms.Conn) // the session's secrets; state is the caller's to wipe
+	if ms.Version != MovedStandbyVersion {
+		return nil, fmt.Errorf("forward: moved standby connection version %d, this build adopts %d", ms.Version, MovedStandbyVersion)
+	}
+	if len(files) != 1 {
+		return nil, fmt.Errorf("forward: moved standby connection of %s: %d descriptors, want 1", ms.Peer, len(files))
+	}
+	conn, release, err := f.cfg.AdoptConn(ms.Conn, files[0])
+	if err != nil {
+		return nil, fmt.Errorf("forward: moved standby connection of %s: %w", ms.Peer, err)
+	}
+	gw := Gateway{Conn: conn, Binding: ms.Binding, Peer: ms.Peer, Certificate: ms.Certificate,
+		CertificateNames: ms.CertificateNames, CertificateVerified: ms.CertificateVerified, StandbyBegan: ms.StandbyBegan}
+	return &AdoptedStandby{f: f, gw: gw, release: release}, nil
+}
+
+// Gateway returns the adopted connection's Gateway, for the caller's logs:
+// Conn is the adopted connection, Unwrap and OnOpen are nil.
+func (a *AdoptedStandby) Gateway() Gateway { return a.gw }
+
+// Serve serves the adopted connection as Forwarder.Serve does, with
+// onOpen as its Gateway.OnOpen: its wait for the first preamble byte, one
+// of this Registry's standby connections (Registry.Standby), goes on until
+// StandbyTimeout after it began in the other process; it may have ended
+// already. (Where this Forwarder has no StandbyTimeout, its client has
+// MaxStandbyPerClient waiting already, or its certificate is not verified,
+// it has PreambleTimeout, as a connection of this process would.)
+func (a *AdoptedStandby) Serve(onOpen func(TunnelInfo)) (Result, error) {
+	defer a.release()
+	gw := a.gw
+	gw.OnOpen = onOpen
+	return a.f.Serve(gw)
+}
+
+// Discard drops an adopted standby connection that the other process
+// kept: this process's descriptors close, the socket and the session stay
+// the other process's.
+func (a *AdoptedStandby) Discard() { a.release() }

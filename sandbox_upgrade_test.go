@@ -1,6 +1,7 @@
 package caddyktls
 
 import (
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
@@ -15,6 +16,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
 // A binary upgrade with the real binary: a second process started with
@@ -83,6 +85,23 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
 		"every tunnel's first bytes at the upstream")
 
+	// Gateways' standby connections: mutual TLS done, no preamble yet.
+	// In kernel TLS they move, and their preamble, written once the old
+	// process is gone, opens a tunnel in the new one.
+	const standbys = 3
+	var waiting []*tls.Conn
+	for range standbys {
+		d := tls.Dialer{Config: e.tlsConfig(e.client)}
+		c, err := d.DialContext(t.Context(), "tcp", e.addr)
+		if err != nil {
+			t.Fatalf("a standby connection: %v", err)
+		}
+		t.Cleanup(func() { c.Close() })
+		waiting = append(waiting, c.(*tls.Conn))
+	}
+	waitUntil(t, time.Minute, func() bool { return e.metric(t, "caddy_ktls_sandbox_standby_connections") == standbys },
+		"the standby connections waiting in the forwarder")
+
 	// A preamble accepted before the upgrade is refused after it, as a
 	// replay: the replay cache moved.
 	frame := e.gw.Frame(t, "sbx-upgrade-replayed", small.Addr())
@@ -124,9 +143,16 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	if took["tunnels"] != moved || (kernel && moved < float64(n)) || (!kernel && moved != 0) {
 		t.Errorf("the new process took %v tunnels, the old one handed %v over; want the same, at least %d in kernel TLS, none in userspace TLS", took["tunnels"], handed["moved"], n)
 	}
+	if got, _ := handed["standby_moved"].(float64); took["standby"] != got || (kernel && got != standbys) || (!kernel && got != 0) {
+		t.Errorf("the new process took %v standby connections, the old one handed %v over; want the same, %d in kernel TLS, none in userspace TLS", took["standby"], handed["standby_moved"], standbys)
+	}
 	if !kernel {
-		// The streams end, so that the old process's drain ends.
+		// The streams end, so that the old process's drain ends, and the
+		// standby connections close.
 		close(stop)
+		for _, c := range waiting {
+			c.Close()
+		}
 	}
 	select {
 	case <-old.exited:
@@ -160,6 +186,20 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	}
 	close(loopDone)
 	loop.Wait()
+	if kernel {
+		// The old process has exited: each standby connection's preamble
+		// opens its tunnel in the new one.
+		for i, c := range waiting {
+			if err := preamble.Send(t.Context(), c, e.gw.Signer, preamble.Claims{SandboxID: fmt.Sprintf("sbx-standby-%d", i), Target: small.Addr()}); err != nil {
+				t.Fatalf("standby connection %d: the preamble: %v", i, err)
+			}
+			c.SetDeadline(time.Now().Add(time.Minute))
+			n, sum, err := transfer(c, 1<<10, 7)
+			if err != nil || n != 4<<10 || sum != forwardtest.PatternSum(2, 4<<10) {
+				t.Errorf("standby connection %d after the upgrade: read %d bytes (want %d), the same hash %v, %v", i, n, 4<<10, sum == forwardtest.PatternSum(2, 4<<10), err)
+			}
+		}
+	}
 	replayed, _ := io.ReadAll(e.rawTunnel(t, frame, true))
 	if len(replayed) != 0 {
 		t.Errorf("a preamble replayed after the upgrade read %d bytes; want none (refused)", len(replayed))

@@ -657,21 +657,36 @@ func (h *Handler) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	return nil
 }
 
-// serve carries client's tunnel to its end, or its refusal, and logs and
-// counts how it ended: a connection accepted here (Handle) or a standby
-// connection another process handed over (upgrade.go).
+// serve carries client's tunnel to its end, or its refusal (served).
 func (h *Handler) serve(client forward.Gateway) {
-	peer := client.Peer
-	client.OnOpen = func(ti forward.TunnelInfo) {
-		h.events.Emit(h.ctx, "sandbox_tunnel_opened", map[string]any{
-			"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
-			"client_certificate": ti.Certificate, "key_id": ti.KeyID,
-		})
-	}
+	client.OnOpen = h.tunnelOpened
 	res, err := h.fwd.Serve(client)
+	h.served(client, res, err)
+}
+
+// serveAdopted is serve for a standby connection another process handed
+// over (upgrade.go).
+func (h *Handler) serveAdopted(a *forward.AdoptedStandby) {
+	res, err := a.Serve(h.tunnelOpened)
+	h.served(a.Gateway(), res, err)
+}
+
+// tunnelOpened announces a tunnel (sandbox_tunnel_opened).
+func (h *Handler) tunnelOpened(ti forward.TunnelInfo) {
+	h.events.Emit(h.ctx, "sandbox_tunnel_opened", map[string]any{
+		"id": ti.ID, "sandbox": ti.Sandbox, "target": ti.Target, "peer": ti.Peer,
+		"client_certificate": ti.Certificate, "key_id": ti.KeyID,
+	})
+}
+
+// served logs and counts how client's Serve ended: a standby connection
+// unused or moved, a refusal, a tunnel moved or carried to its end.
+func (h *Handler) served(client forward.Gateway, res forward.Result, err error) {
+	peer := client.Peer
 	if se, ok := errors.AsType[*forward.StandbyEndError](err); ok {
-		// A gateway's connection kept ready that no tunnel used: no refusal.
-		h.logger.Debug("sandbox standby connection ended unused", zap.String("end", se.End), zap.String("peer", peer),
+		// A gateway's connection kept ready that no tunnel used (here: it
+		// may have moved to the process of an upgrade): no refusal.
+		h.logger.Debug("sandbox standby connection ended unused here", zap.String("end", se.End), zap.String("peer", peer),
 			zap.String("client_certificate", client.Certificate), zap.Error(se.Err))
 		return
 	}

@@ -118,7 +118,7 @@ var (
 	descStandbyWaiting = prometheus.NewDesc("caddy_ktls_sandbox_standby_connections",
 		"Gateways' standby connections waiting for their first preamble byte now (mutual TLS done; standby_timeout).", nil, nil)
 	descStandbyEnds = prometheus.NewDesc("caddy_ktls_sandbox_standby_ends_total",
-		"Gateways' standby connections that ended without a preamble, by end: closed (by the gateway), expired (standby_timeout passed). No refusal: nothing was asked for.", []string{"end"}, nil)
+		"Gateways' standby connections that ended without a preamble, by end: closed (by the gateway), expired (standby_timeout passed), moved (to the process of an upgrade, sandbox_handoff). No refusal: nothing was asked for.", []string{"end"}, nil)
 	descTunnelsOpened  = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_total", "Sandbox tunnels opened since the process started.", nil, nil)
 	descTunnelsExpired = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_expired_total", "Sandbox tunnels ended for reaching max_tunnel_lifetime.", nil, nil)
 	descTunnelsRevoked = prometheus.NewDesc("caddy_ktls_sandbox_tunnels_revoked_total", "Sandbox tunnels ended because a reload left their signing key trusted by no configuration.", nil, nil)

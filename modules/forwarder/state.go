@@ -69,6 +69,19 @@ func (s *keyringSet) handlerTrusting(id string, key ed25519.PublicKey) *Handler 
 	return nil
 }
 
+// only returns the one live handler, or nil when there are none or
+// several, and how many there are.
+func (s *keyringSet) only() (*Handler, int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for h := range s.live {
+		if len(s.live) == 1 {
+			return h, 1
+		}
+	}
+	return nil, len(s.live)
+}
+
 // replayCaches holds the preamble replay caches in use, one per distinct
 // (size, window): the verifier of every configuration is new, but its
 // nonces must not be: a preamble accepted just before a reload would

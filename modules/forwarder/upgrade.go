@@ -131,8 +131,8 @@ type replayState struct {
 
 // stateVersions names the encodings this build moves; two builds hand
 // over only when they agree on all of them.
-var stateVersions = fmt.Sprintf("tunnel %d, report %d, process %d, ktls %d",
-	forward.MovedTunnelVersion, forward.ReportStateVersion, processStateVersion, ktls.HandoffVersion)
+var stateVersions = fmt.Sprintf("tunnel %d, standby %d, report %d, process %d, ktls %d",
+	forward.MovedTunnelVersion, forward.MovedStandbyVersion, forward.ReportStateVersion, processStateVersion, ktls.HandoffVersion)
 
 // Provision checks the configuration; a process's first configuration
 // takes the listening sockets of the process running at Socket, if any.
@@ -443,7 +443,12 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 		done(false)
 		return giveUp("the new process did not take the process state over", err)
 	}
+	// Standby connections first: one whose first preamble byte arrives as
+	// it moves opens its tunnel here, which the passes of moveTunnels then
+	// offer.
+	standby := tunnels.MoveStandby(context.Background(), sessionMover{sess})
 	res := moveTunnels(sess)
+	out.StandbyMoved, out.StandbyStayed = standby.Moved, standby.Stayed
 	if err := sess.Finish(); err != nil && sess.PeerDied() {
 		// The new process died with what it took: the tunnels that moved
 		// ended with it; it reported nothing (a process takes reports of
@@ -474,9 +479,14 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 		out.PauseP99, out.PauseMax = caddy.Duration(p99), caddy.Duration(pmax)
 		fields = append(fields, zap.Duration("pause_p50", p50), zap.Duration("pause_p99", p99), zap.Duration("pause_max", pmax))
 	}
+	fields = append(fields, zap.Int("standby_moved", standby.Moved), zap.Any("standby_stayed", standby.Stayed))
 	s.logger.Info("handed the tunnels over to the new process", fields...)
 	for _, st := range res.Stays {
 		s.logger.Info("sandbox tunnel stays in this process until it ends or the drain ends it", zap.Uint64("id", st.Tunnel),
+			zap.String("why", st.Why), zap.Error(st.Err))
+	}
+	for _, st := range standby.Stays {
+		s.logger.Info("sandbox standby connection stays in this process until its preamble, its standby_timeout or the drain", zap.String("peer", st.Peer),
 			zap.String("why", st.Why), zap.Error(st.Err))
 	}
 	return out
@@ -559,6 +569,11 @@ type UpgradeResponse struct {
 	// "refused".
 	Moved  int            `json:"moved"`
 	Stayed map[string]int `json:"stayed,omitempty"`
+	// StandbyMoved counts the gateways' standby connections (mutual TLS
+	// done, no preamble yet) that moved; StandbyStayed those that stay, by
+	// why, as Stayed.
+	StandbyMoved  int            `json:"standby_moved"`
+	StandbyStayed map[string]int `json:"standby_stayed,omitempty"`
 	// Duration is the handoff's, from the new process's ask for the
 	// tunnels; PauseP99 and PauseMax the moved tunnels' pauses.
 	Duration caddy.Duration `json:"duration,omitempty"`
@@ -678,7 +693,7 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 	defer tunnels.ResumeReports()
 	handoffs.WithLabelValues("new", "done").Inc()
 	listensock.ResumeAccepting()
-	moved, refused := 0, 0
+	moved, refused, standbys := 0, 0, 0
 	for {
 		it, err := r.Next()
 		if errors.Is(err, handoff.ErrDone) {
@@ -691,6 +706,14 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 				h.logger.Error("the handoff ended early: the running process keeps the tunnels it did not send", zap.Int("pid", peer.PID), zap.Error(err))
 			}
 			break
+		}
+		if it.Kind == forward.MoveKindStandby {
+			if adoptStandby(it) {
+				standbys++
+			} else {
+				refused++
+			}
+			continue
 		}
 		if it.Kind != forward.MoveKindTunnel {
 			it.Refuse(fmt.Sprintf("object kind %d offered where tunnels were asked for", it.Kind))
@@ -719,7 +742,33 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 	handoffTunnels.WithLabelValues("adopted").Add(float64(moved))
 	handoffTunnels.WithLabelValues("refused").Add(float64(refused))
 	h.logger.Info("took the running process's tunnels over", zap.Int("pid", peer.PID), zap.String("build", peer.Build),
-		zap.Int("tunnels", moved), zap.Int("refused", refused), zap.Duration("duration", time.Since(start)))
+		zap.Int("tunnels", moved), zap.Int("standby", standbys), zap.Int("refused", refused), zap.Duration("duration", time.Since(start)))
+}
+
+// adoptStandby takes a gateway's standby connection over and serves it, in
+// the configuration's sandbox handler; it reports whether it did. A
+// standby connection names no key that would choose a handler: with
+// several, it stays in the old process, until its preamble, its
+// standby_timeout or that process's drain.
+func adoptStandby(it *handoff.Item) bool {
+	defer it.Close() // the adopted connection holds a duplicate
+	hd, n := keyrings.only()
+	if hd == nil {
+		it.Refuse(fmt.Sprintf("%d sandbox handlers in this configuration: a standby connection, before its preamble, names no key to choose one by", n))
+		return false
+	}
+	a, err := hd.fwd.AdoptStandby(it.State, it.Files)
+	if err != nil {
+		it.Refuse(err.Error())
+		hd.logger.Warn("refused a standby connection of the running process; it stays there", zap.Error(err))
+		return false
+	}
+	if err := it.Adopt(); err != nil {
+		a.Discard()
+		return false
+	}
+	go hd.serveAdopted(a)
+	return true
 }
 
 // adoptProcess takes the old process's state: its replay caches' nonces

@@ -143,8 +143,10 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	if took["tunnels"] != moved || (kernel && moved < float64(n)) || (!kernel && moved != 0) {
 		t.Errorf("the new process took %v tunnels, the old one handed %v over; want the same, at least %d in kernel TLS, none in userspace TLS", took["tunnels"], handed["moved"], n)
 	}
-	if got, _ := handed["standby_moved"].(float64); took["standby"] != got || (kernel && got != standbys) || (!kernel && got != 0) {
-		t.Errorf("the new process took %v standby connections, the old one handed %v over; want the same, %d in kernel TLS, none in userspace TLS", took["standby"], handed["standby_moved"], standbys)
+	// A looping call between its handshake and its preamble is a standby
+	// connection too, for the forwarder.
+	if got, _ := handed["standby_moved"].(float64); took["standby"] != got || (kernel && got < standbys) || (!kernel && got != 0) {
+		t.Errorf("the new process took %v standby connections, the old one handed %v over; want the same, at least %d in kernel TLS, none in userspace TLS", took["standby"], handed["standby_moved"], standbys)
 	}
 	if !kernel {
 		// The streams end, so that the old process's drain ends, and the

@@ -37,72 +37,15 @@ func TestMoveUserspaceTLSTunnelsStay(t *testing.T) {
 }
 
 func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
-	ktls.Probe() // cached for the process: its throwaway sessions stay out of the counters
-	ca := testpki.NewCA(t, "move CA")
-	serverLeaf, gatewayLeaf := ca.Server(t), ca.Client(t, "gateway")
-	seed := make([]byte, ed25519.SeedSize)
-	rand.Read(seed)
-	key := ed25519.NewKeyFromSeed(seed)
-	newForwarder := func(reg *Registry) *Forwarder {
-		v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": key.Public().(ed25519.PublicKey)}, RequireBinding: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		pol, err := NewTargetPolicy([]string{"127.0.0.0/8"}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		f, err := New(Config{Verifier: v, Policy: pol, Registry: reg, RequireClientCertificate: true,
-			HandOffConn: ktls.HandOffConn, AdoptConn: ktls.AdoptConn(opts)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return f
-	}
-	oldReg, nuReg := NewRegistry(), NewRegistry()
-	old, nu := newForwarder(oldReg), newForwarder(nuReg)
-	serverCfg := &tls.Config{Certificates: []tls.Certificate{serverLeaf.TLS}, ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: ca.Pool, MinVersion: tls.VersionTLS13}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	forwardtest.CheckLeaks(t)
-	var serves sync.WaitGroup
 	oldResults := make(chan Result, n)
-	serves.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			serves.Go(func() {
-				kc := ktls.Server(c, serverCfg, opts)
-				if err := kc.HandshakeContext(context.Background()); err != nil {
-					kc.Close()
-					t.Errorf("handshake: %v", err)
-					return
-				}
-				cs := kc.ConnectionState()
-				binding, _ := preamble.ChannelBinding(cs)
-				res, err := old.Serve(Gateway{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String(),
-					Certificate: cs.PeerCertificates[0].Subject.String(), CertificateVerified: len(cs.VerifiedChains) > 0})
-				if err != nil {
-					t.Errorf("old Serve of tunnel %d: %v", res.Tunnel.ID, err)
-				}
-				oldResults <- res
-			})
+	fx := newKTLSMoveFixture(t, opts, 0, func(res Result, err error) {
+		if err != nil {
+			t.Errorf("old Serve of tunnel %d: %v", res.Tunnel.ID, err)
 		}
+		oldResults <- res
 	})
-	defer func() { ln.Close(); serves.Wait() }()
-
-	signer, err := preamble.NewSigner("gw-1", key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The gateway's side in userspace TLS: the kernel's counters then
-	// count the forwarder's sessions only.
-	dialer, err := gateway.New(gateway.Config{TLS: &tls.Config{Certificates: []tls.Certificate{gatewayLeaf.TLS}, RootCAs: ca.Pool, ServerName: "localhost", MinVersion: tls.VersionTLS13},
-		Signer: signer, KTLS: ktls.Options{Disable: true}, DialTimeout: time.Minute})
+	oldReg, nuReg, nu, ln := fx.oldReg, fx.nuReg, fx.nu, fx.ln
+	dialer, err := gateway.New(gateway.Config{TLS: fx.gatewayTLS, Signer: fx.signer, KTLS: ktls.Options{Disable: true}, DialTimeout: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,8 +92,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 	wg.Wait()
 	up.Close()
 	runs.Wait()
-	ln.Close()
-	serves.Wait()
+	fx.close()
 	close(oldResults)
 	close(nuResults)
 	exactBothWays(t, clients, up.Results())
@@ -201,80 +143,20 @@ func TestMoveUserspaceTLSStandbyStays(t *testing.T) {
 }
 
 func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
-	ktls.Probe() // cached for the process: its throwaway sessions stay out of the counters
-	ca := testpki.NewCA(t, "move standby CA")
-	serverLeaf, gatewayLeaf := ca.Server(t), ca.Client(t, "gateway")
-	seed := make([]byte, ed25519.SeedSize)
-	rand.Read(seed)
-	key := ed25519.NewKeyFromSeed(seed)
-	newForwarder := func(reg *Registry) *Forwarder {
-		v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": key.Public().(ed25519.PublicKey)}, RequireBinding: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		pol, err := NewTargetPolicy([]string{"127.0.0.0/8"}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		f, err := New(Config{Verifier: v, Policy: pol, Registry: reg, RequireClientCertificate: true, StandbyTimeout: 5 * time.Minute,
-			HandOffConn: ktls.HandOffConn, AdoptConn: ktls.AdoptConn(opts)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return f
-	}
-	oldReg, nuReg := NewRegistry(), NewRegistry()
-	old, nu := newForwarder(oldReg), newForwarder(nuReg)
-	serverCfg := &tls.Config{Certificates: []tls.Certificate{serverLeaf.TLS}, ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: ca.Pool, MinVersion: tls.VersionTLS13}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	forwardtest.CheckLeaks(t)
-	var serves sync.WaitGroup
 	type end struct {
 		res Result
 		err error
 	}
 	oldEnds, nuEnds := make(chan end, n), make(chan end, n)
-	serves.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			serves.Go(func() {
-				kc := ktls.Server(c, serverCfg, opts)
-				if err := kc.HandshakeContext(context.Background()); err != nil {
-					kc.Close()
-					t.Errorf("handshake: %v", err)
-					return
-				}
-				cs := kc.ConnectionState()
-				binding, _ := preamble.ChannelBinding(cs)
-				leaf := cs.PeerCertificates[0]
-				res, err := old.Serve(Gateway{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String(),
-					Certificate: leaf.Subject.String(), CertificateNames: []string{leaf.Subject.CommonName}, CertificateVerified: len(cs.VerifiedChains) > 0})
-				oldEnds <- end{res, err}
-			})
-		}
-	})
-	defer func() { ln.Close(); serves.Wait() }()
-
-	signer, err := preamble.NewSigner("gw-1", key)
-	if err != nil {
-		t.Fatal(err)
-	}
+	fx := newKTLSMoveFixture(t, opts, 5*time.Minute, func(res Result, err error) { oldEnds <- end{res, err} })
+	oldReg, nuReg, nu, ln, signer := fx.oldReg, fx.nuReg, fx.nu, fx.ln, fx.signer
 	size := int64(kerneltest.BulkMiB(t, 1)) << 20
 	up := forwardtest.NewSizedUpstream(t, func(int) int64 { return size + 1 })
 	stat0, statErr := kerneltest.ReadStat()
 	ks0 := ktls.Stats()
-	// The gateway's side in userspace TLS: the kernel's counters then
-	// count the forwarder's sessions only.
-	gwCfg := &tls.Config{Certificates: []tls.Certificate{gatewayLeaf.TLS}, RootCAs: ca.Pool, ServerName: "localhost", MinVersion: tls.VersionTLS13}
 	conns := make([]*tls.Conn, n)
 	for i := range conns {
-		c, err := tls.Dial("tcp", ln.Addr().String(), gwCfg)
+		c, err := tls.Dial("tcp", ln.Addr().String(), fx.gatewayTLS)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -335,8 +217,7 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 	wg.Wait()
 	up.Close()
 	runs.Wait()
-	ln.Close()
-	serves.Wait()
+	fx.close()
 	close(oldEnds)
 	close(nuEnds)
 	exactBothWays(t, clients, up.Results())
@@ -387,4 +268,87 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 			t.Errorf("tls_stat deltas %v: want no decrypt error and exactly %d sessions installed each way (none again at the adoption)", d, n)
 		}
 	}
+}
+
+// ktlsMoveFixture is what the kernel move tests share: two forwarders of
+// one gateway key that move and adopt with opts, and a listener whose
+// connections old serves once their handshake (mutual TLS 1.3, the
+// gateway's certificate verified, the session in kernel TLS as opts says)
+// is done, telling served how each Serve ended.
+type ktlsMoveFixture struct {
+	oldReg, nuReg *Registry
+	old, nu       *Forwarder
+	ln            net.Listener
+	signer        *preamble.Signer
+	gatewayTLS    *tls.Config // the gateway's side
+	serves        sync.WaitGroup
+}
+
+func newKTLSMoveFixture(t *testing.T, opts ktls.Options, standbyTimeout time.Duration, served func(Result, error)) *ktlsMoveFixture {
+	ktls.Probe() // cached for the process: its throwaway sessions stay out of the counters
+	ca := testpki.NewCA(t, "move CA")
+	serverLeaf, gatewayLeaf := ca.Server(t), ca.Client(t, "gateway")
+	seed := make([]byte, ed25519.SeedSize)
+	rand.Read(seed)
+	key := ed25519.NewKeyFromSeed(seed)
+	newForwarder := func(reg *Registry) *Forwarder {
+		v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": key.Public().(ed25519.PublicKey)}, RequireBinding: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pol, err := NewTargetPolicy([]string{"127.0.0.0/8"}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := New(Config{Verifier: v, Policy: pol, Registry: reg, RequireClientCertificate: true, StandbyTimeout: standbyTimeout,
+			HandOffConn: ktls.HandOffConn, AdoptConn: ktls.AdoptConn(opts)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	fx := &ktlsMoveFixture{oldReg: NewRegistry(), nuReg: NewRegistry()}
+	fx.old, fx.nu = newForwarder(fx.oldReg), newForwarder(fx.nuReg)
+	signer, err := preamble.NewSigner("gw-1", key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fx.signer = signer
+	// The gateway's side in userspace TLS: the kernel's counters then
+	// count the forwarder's sessions only.
+	fx.gatewayTLS = &tls.Config{Certificates: []tls.Certificate{gatewayLeaf.TLS}, RootCAs: ca.Pool, ServerName: "localhost", MinVersion: tls.VersionTLS13}
+	serverCfg := &tls.Config{Certificates: []tls.Certificate{serverLeaf.TLS}, ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: ca.Pool, MinVersion: tls.VersionTLS13}
+	if fx.ln, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	forwardtest.CheckLeaks(t)
+	t.Cleanup(fx.close)
+	fx.serves.Go(func() {
+		for {
+			c, err := fx.ln.Accept()
+			if err != nil {
+				return
+			}
+			fx.serves.Go(func() {
+				kc := ktls.Server(c, serverCfg, opts)
+				if err := kc.HandshakeContext(context.Background()); err != nil {
+					kc.Close()
+					t.Errorf("handshake: %v", err)
+					return
+				}
+				cs := kc.ConnectionState()
+				binding, _ := preamble.ChannelBinding(cs)
+				leaf := cs.PeerCertificates[0]
+				served(fx.old.Serve(Gateway{Conn: kc, Binding: binding, Peer: c.RemoteAddr().String(),
+					Certificate: leaf.Subject.String(), CertificateNames: []string{leaf.Subject.CommonName}, CertificateVerified: len(cs.VerifiedChains) > 0}))
+			})
+		}
+	})
+	return fx
+}
+
+// close closes the listener and waits for old's Serves to return.
+func (fx *ktlsMoveFixture) close() {
+	fx.ln.Close()
+	fx.serves.Wait()
 }

@@ -68,10 +68,9 @@ func newProcess(t *testing.T, gw *forwardtest.Gateway, mods ...func(*Config)) (*
 	return f, reg
 }
 
-// handoffSession connects a sender and a receiver; the receiver adopts
-// every tunnel into f unless refuse says no, runs the adopted ones, and
-// sends their results to results.
-func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Result, runs *sync.WaitGroup) *handoff.Sender {
+// receiverSession connects a sender and a receiver, which passes each
+// object offered to take until the session ends.
+func receiverSession(t *testing.T, take func(it *handoff.Item)) *handoff.Sender {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	ln, err := handoff.Listen(path)
@@ -82,7 +81,10 @@ func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Resu
 	// A kernel test's VM runs every tunnel's stream and both processes on
 	// one emulated CPU: an answer can take longer than the default.
 	cfg := handoff.Config{Timeout: time.Minute}
+	done := make(chan struct{})
+	t.Cleanup(func() { <-done })
 	go func() {
+		defer close(done)
 		r, err := handoff.Dial(path, cfg)
 		if err != nil {
 			t.Error(err)
@@ -94,28 +96,7 @@ func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Resu
 			if err != nil {
 				return
 			}
-			if refuse {
-				it.Refuse("the test refuses every tunnel")
-				continue
-			}
-			a, err := f.Adopt(it.State, it.Files)
-			if err != nil {
-				it.Refuse(err.Error())
-				continue
-			}
-			err = it.Adopt()
-			it.Close()
-			if err != nil {
-				a.Discard()
-				continue
-			}
-			runs.Go(func() {
-				res, err := a.Run()
-				if err != nil {
-					t.Errorf("adopted tunnel %d: %v", res.Tunnel.ID, err)
-				}
-				results <- res
-			})
+			take(it)
 		}
 	}()
 	s, err := handoff.Accept(ln, cfg)
@@ -123,6 +104,37 @@ func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Resu
 		t.Fatal(err)
 	}
 	return s
+}
+
+// handoffSession is a receiverSession that adopts every tunnel into f
+// unless refuse says no, runs the adopted ones, and sends their results to
+// results.
+func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Result, runs *sync.WaitGroup) *handoff.Sender {
+	t.Helper()
+	return receiverSession(t, func(it *handoff.Item) {
+		if refuse {
+			it.Refuse("the test refuses every tunnel")
+			return
+		}
+		a, err := f.Adopt(it.State, it.Files)
+		if err != nil {
+			it.Refuse(err.Error())
+			return
+		}
+		err = it.Adopt()
+		it.Close()
+		if err != nil {
+			a.Discard()
+			return
+		}
+		runs.Go(func() {
+			res, err := a.Run()
+			if err != nil {
+				t.Errorf("adopted tunnel %d: %v", res.Tunnel.ID, err)
+			}
+			results <- res
+		})
+	})
 }
 
 // streamingClient is a gateway's tunnel that writes its preamble frame,

@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -25,57 +24,30 @@ import (
 // objects offered.
 func standbySession(t *testing.T, f *Forwarder, refuse func(offer int64) bool, adopted chan<- *AdoptedStandby, offered *atomic.Int64) *handoff.Sender {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "handoff.sock")
-	ln, err := handoff.Listen(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	cfg := handoff.Config{Timeout: time.Minute}
-	done := make(chan struct{})
-	t.Cleanup(func() { <-done })
-	go func() {
-		defer close(done)
-		r, err := handoff.Dial(path, cfg)
-		if err != nil {
-			t.Error(err)
+	return receiverSession(t, func(it *handoff.Item) {
+		offer := offered.Add(1)
+		if it.Kind != MoveKindStandby {
+			it.Refuse("not a standby connection")
+			t.Errorf("object kind %d offered, want MoveKindStandby", it.Kind)
 			return
 		}
-		defer r.Close()
-		for {
-			it, err := r.Next()
-			if err != nil {
-				return
-			}
-			offer := offered.Add(1)
-			if it.Kind != MoveKindStandby {
-				it.Refuse("not a standby connection")
-				t.Errorf("object kind %d offered, want MoveKindStandby", it.Kind)
-				continue
-			}
-			if refuse(offer) {
-				it.Refuse("the test refuses every standby connection")
-				continue
-			}
-			a, err := f.AdoptStandby(it.State, it.Files)
-			it.Close() // the adopted connection holds a duplicate
-			if err != nil {
-				t.Errorf("AdoptStandby: %v", err)
-				it.Refuse(err.Error())
-				continue
-			}
-			if err := it.Adopt(); err != nil {
-				a.Discard()
-				continue
-			}
-			adopted <- a
+		if refuse(offer) {
+			it.Refuse("the test refuses every standby connection")
+			return
 		}
-	}()
-	s, err := handoff.Accept(ln, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
+		a, err := f.AdoptStandby(it.State, it.Files)
+		it.Close() // the adopted connection holds a duplicate
+		if err != nil {
+			t.Errorf("AdoptStandby: %v", err)
+			it.Refuse(err.Error())
+			return
+		}
+		if err := it.Adopt(); err != nil {
+			a.Discard()
+			return
+		}
+		adopted <- a
+	})
 }
 
 func never(int64) bool  { return false }
@@ -277,23 +249,35 @@ func (h *hookConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// serveOne serves the next connection ln accepts with f as a verified
-// gateway's, through wrap.
-func serveOne(t *testing.T, f *Forwarder, ln net.Listener, wrap func(*net.TCPConn) *hookConn, wg *sync.WaitGroup) <-chan served {
-	out := make(chan served, 1)
+// serveOne dials a connection that f serves as a verified gateway's,
+// through a hookConn whose reads it returns, and returns the client's end
+// and how Serve ended.
+func serveOne(t *testing.T, f *Forwarder, wg *sync.WaitGroup) (c *net.TCPConn, reads chan readEnd, out <-chan served) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	cc, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cc.Close() })
+	reads = make(chan readEnd, 1)
+	ch := make(chan served, 1)
 	wg.Go(func() {
 		c, err := ln.Accept()
 		if err != nil {
 			t.Error(err)
-			out <- served{err: err}
+			ch <- served{err: err}
 			return
 		}
-		h := wrap(c.(*net.TCPConn))
+		h := &hookConn{TCPConn: c.(*net.TCPConn), reads: reads}
 		res, err := f.Serve(Gateway{Conn: h, Peer: c.RemoteAddr().String(), CertificateVerified: true,
 			Unwrap: func() (net.Conn, []byte) { return h.TCPConn, nil }})
-		out <- served{res, err}
+		ch <- served{res, err}
 	})
-	return out
+	return cc.(*net.TCPConn), reads, ch
 }
 
 // The races of a move with the gateway: the first preamble byte arrives
@@ -311,21 +295,10 @@ func TestMoveStandbyRaces(t *testing.T) {
 			old := newFixture(t, standbyConfig) // its forwarder, its listener unused
 			up := forwardtest.NewUpstream(t, reply)
 			nu, nuReg := newProcess(t, old.gw, func(c *Config) { c.StandbyTimeout = 10 * time.Second })
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ln.Close()
 			var wg sync.WaitGroup
 			defer wg.Wait()
-			cc, err := net.Dial("tcp", ln.Addr().String())
-			if err != nil {
-				t.Fatal(err)
-			}
-			c := cc.(*net.TCPConn)
+			c, reads, out := serveOne(t, old.fwd, &wg)
 			frame := old.gw.Frame(t, "sbx-race", up.Addr())
-			reads := make(chan readEnd, 1)
-			out := serveOne(t, old.fwd, ln, func(tc *net.TCPConn) *hookConn { return &hookConn{TCPConn: tc, reads: reads} }, &wg)
 			waitStandby(t, old.reg, 1)
 			// The hook is set under the lock of the registry's one wait.
 			w := old.reg.waitingStandby()[0]
@@ -437,21 +410,9 @@ func TestMoveStandbyAbandoned(t *testing.T) {
 	old := newFixture(t, standbyConfig)
 	up := forwardtest.NewUpstream(t, reply)
 	nu, nuReg := newProcess(t, old.gw, func(c *Config) { c.StandbyTimeout = 10 * time.Second })
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	cc, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := cc.(*net.TCPConn)
-	defer c.Close()
-	reads := make(chan readEnd, 1)
-	out := serveOne(t, old.fwd, ln, func(tc *net.TCPConn) *hookConn { return &hookConn{TCPConn: tc, reads: reads} }, &wg)
+	c, _, out := serveOne(t, old.fwd, &wg)
 	waitStandby(t, old.reg, 1)
 	w := old.reg.waitingStandby()[0]
 	ctx, cancel := context.WithCancel(context.Background())

@@ -78,16 +78,11 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 		}
 		conns = append(conns, c)
 	}
-	var streams []<-chan streamOutcome
-	for i, c := range conns {
-		streams = append(streams, pacedStream(c, uint64(500+i), chunk, pace, stop))
-	}
-	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
-		"every tunnel's first bytes at the upstream")
-
 	// Gateways' standby connections: mutual TLS done, no preamble yet.
 	// In kernel TLS they move, and their preamble, written once the old
-	// process is gone, opens a tunnel in the new one.
+	// process is gone, opens a tunnel in the new one. (Opened before the
+	// streams start: with hundreds streaming, a scrape of /metrics in the
+	// VM outlasts the admin endpoint's timeouts.)
 	const standbys = 3
 	var waiting []*tls.Conn
 	for range standbys {
@@ -101,6 +96,13 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	}
 	waitUntil(t, time.Minute, func() bool { return e.metric(t, "caddy_ktls_sandbox_standby_connections") == standbys },
 		"the standby connections waiting in the forwarder")
+
+	var streams []<-chan streamOutcome
+	for i, c := range conns {
+		streams = append(streams, pacedStream(c, uint64(500+i), chunk, pace, stop))
+	}
+	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
+		"every tunnel's first bytes at the upstream")
 
 	// A preamble accepted before the upgrade is refused after it, as a
 	// replay: the replay cache moved.

@@ -53,7 +53,9 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	pace := max(20*time.Millisecond, time.Duration(n)*2500*time.Microsecond)
 	up := forwardtest.NewPacedUpstream(t, chunk, pace)
 	small := forwardtest.NewUpstream(t, 4<<10)
-	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "2m"})
+	// The standby connections wait from before the streams start until
+	// after the upgrade: with hundreds of tunnels, minutes in the VM.
+	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "2m", "standby_timeout": "10m"})
 	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
 	// Where the kernel rekeys (TLS 1.3, Linux 6.14+), each key protects 64
 	// records: in the new process, the moved tunnels renew their own keys

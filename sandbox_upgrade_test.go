@@ -2,12 +2,15 @@ package caddyktls
 
 import (
 	"crypto/tls"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -424,5 +427,39 @@ func TestUpgradeOldProcessKilled(t *testing.T) {
 	case <-m.nu.exited:
 		t.Errorf("the new process exited (%v)", m.nu.exitErr)
 	default:
+	}
+}
+
+// caddy validate of the running process's configuration provisions it
+// and starts nothing: it takes no listening socket over, and the running
+// process hands nothing out.
+func TestUpgradeValidateTakesNothing(t *testing.T) {
+	if kerneltest.Required() {
+		t.Skip("the same on every kernel: a host test")
+	}
+	e := newSandboxConfig(t, nil)
+	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
+	startCaddy(t, e, "")
+	cfg, err := json.Marshal(e.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfgFile := filepath.Join(t.TempDir(), "caddy.json")
+	if err := os.WriteFile(cfgFile, cfg, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(builtCaddy(t), "validate", "--config", cfgFile).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "Valid configuration") {
+		t.Fatalf("caddy validate: %v\n%s", err, out)
+	}
+	if strings.Contains(string(out), "took the listening sockets") {
+		t.Errorf("caddy validate took the running process's listening sockets:\n%s", out)
+	}
+	small := forwardtest.NewUpstream(t, 4<<10)
+	if err := oneCall(e, "sbx-after-validate", small.Addr()); err != nil { // the log is written by now
+		t.Errorf("a call after caddy validate: %v", err)
+	}
+	if lines := e.logLines(t, "a new process shares the listening sockets; this process goes on accepting until it takes the tunnels over"); len(lines) != 0 {
+		t.Errorf("the running process handed its listening sockets to caddy validate: %v", lines)
 	}
 }

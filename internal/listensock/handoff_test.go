@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -258,5 +259,32 @@ func TestHandoffToChild(t *testing.T) {
 	}
 	if int64(parentServed+rep.Served) != int64(nextID.Load())-int64(len(clientErrs)) || len(clientErrs) != 0 {
 		t.Errorf("%d dials, %d accepted in all", nextID.Load(), parentServed+rep.Served)
+	}
+}
+
+// What BeforeFirstListen sets runs once, before the first listen binds: a
+// failure fails that listen, which binds nothing; later listens run
+// nothing.
+func TestBeforeFirstListen(t *testing.T) {
+	checkLeaks(t)
+	t.Cleanup(func() { BeforeFirstListen(nil) })
+	ran := 0
+	BeforeFirstListen(func() error { ran++; return errors.New("the running process refused") })
+	if _, err := listenAddr("127.0.0.1:0"); err == nil || !strings.Contains(err.Error(), "the running process refused") {
+		t.Fatalf("a listen whose takeover failed: %v, want its error", err)
+	}
+	mu.Lock()
+	n := len(sockets)
+	mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d sockets bound after a failed takeover, want none", n)
+	}
+	BeforeFirstListen(func() error { ran++; return nil })
+	ln := listenT(t, "127.0.0.1:0")
+	defer ln.Close()
+	ln2 := listenT(t, "127.0.0.1:0")
+	defer ln2.Close()
+	if err := TakeOver(); err != nil || ran != 2 {
+		t.Fatalf("the takeover ran %d times, TakeOver %v; want once per BeforeFirstListen", ran, err)
 	}
 }

@@ -151,6 +151,9 @@ func listen(ctx context.Context, _, host, portRange string, portOffset uint, cfg
 		return nil, fmt.Errorf("%s: %w", where, err)
 	}
 	logger := contextLogger(ctx)
+	if err := TakeOver(); err != nil {
+		return nil, fmt.Errorf("%s: %w", where, err)
+	}
 
 	mu.Lock()
 	defer mu.Unlock()
@@ -539,6 +542,38 @@ func checkListening(f *os.File, addr string) error {
 		return fmt.Errorf("%s is bound to %s, not to %s: pass each socket under the address Export gave it", f.Name(), key, addr)
 	}
 	return nil
+}
+
+// A process that takes over from a running one (an upgrade) adopts its
+// sockets before it binds any: BeforeFirstListen names what does that,
+// and it runs at the first listen of a tcp-handoff address, or at
+// TakeOver, whichever comes first. A configuration that is provisioned and
+// never started (caddy validate) listens on nothing and takes nothing.
+var (
+	takeoverMu sync.Mutex
+	takeover   func() error
+)
+
+// BeforeFirstListen sets f to run once, before this process's first
+// tcp-handoff listen (TakeOver). A listen whose f failed fails with its
+// error.
+func BeforeFirstListen(f func() error) {
+	takeoverMu.Lock()
+	defer takeoverMu.Unlock()
+	takeover = f
+}
+
+// TakeOver runs what BeforeFirstListen set, unless it ran already, and
+// returns its error; later calls return nil. Listens wait for it.
+func TakeOver() error {
+	takeoverMu.Lock()
+	defer takeoverMu.Unlock()
+	f := takeover
+	takeover = nil
+	if f == nil {
+		return nil
+	}
+	return f()
 }
 
 // StopAccepting makes every tcp-handoff listener of this process stop

@@ -35,10 +35,12 @@ import (
 // listens on the handoff socket; a new process started with the same
 // configuration connects to it twice:
 //
-//  1. While its first configuration provisions, it asks for the listening
-//     sockets (tcp-handoff listeners, internal/listensock): its servers
-//     then accept from the same sockets as the old process, never beside
-//     them. The old process goes on accepting.
+//  1. As its first configuration starts, before it listens on any
+//     tcp-handoff address, it asks for the listening sockets (tcp-handoff
+//     listeners, internal/listensock): its servers then accept from the
+//     same sockets as the old process, never beside them. The old process
+//     goes on accepting. A configuration that is only validated (caddy
+//     validate) starts nothing and asks for nothing.
 //  2. Once its configuration runs, it asks for the rest. The old process
 //     stops accepting (connections wait in the kernel's queue for the new
 //     one), lets the connections it accepted finish their handshake and
@@ -135,7 +137,8 @@ var stateVersions = fmt.Sprintf("tunnel %d, standby %d, report %d, process %d, k
 	forward.MovedTunnelVersion, forward.MovedStandbyVersion, forward.ReportStateVersion, processStateVersion, ktls.HandoffVersion)
 
 // Provision checks the configuration; a process's first configuration
-// takes the listening sockets of the process running at Socket, if any.
+// takes the listening sockets of the process running at Socket, if any,
+// as it starts (listensock.BeforeFirstListen, Start).
 func (h *Handoff) Provision(ctx caddy.Context) error {
 	h.ctx, h.logger = ctx, ctx.Logger(h)
 	if h.Socket == "" {
@@ -155,7 +158,7 @@ func (h *Handoff) Provision(ctx caddy.Context) error {
 	upgrade.provisioned = true
 	upgrade.mu.Unlock()
 	if first {
-		return h.takeListeners()
+		listensock.BeforeFirstListen(h.takeListeners)
 	}
 	return nil
 }
@@ -252,6 +255,10 @@ func (h *Handoff) takeListeners() error {
 // Start listens on the handoff socket. In a process that took listeners
 // over, it first takes the tunnels once the configuration runs (step 2).
 func (h *Handoff) Start() error {
+	// Step 1 now, unless a server listened first, which took it.
+	if err := listensock.TakeOver(); err != nil {
+		return err
+	}
 	upgrade.mu.Lock()
 	from := upgrade.from
 	upgrade.from = nil

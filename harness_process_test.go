@@ -80,6 +80,12 @@ const drainStartLine = "draining open tunnels at exit: new tunnels are refused, 
 // listener accepts, and kills the process at cleanup if it still runs.
 func startCaddy(t *testing.T, e *sandboxEnv, prelude string) *caddyProcess {
 	t.Helper()
+	return runCaddy(t, prelude, e.addr, e.logFile, "--config", e.configFile(t))
+}
+
+// configFile writes e's configuration to a file and returns its path.
+func (e *sandboxEnv) configFile(t *testing.T) string {
+	t.Helper()
 	cfg, err := json.Marshal(e.cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +94,7 @@ func startCaddy(t *testing.T, e *sandboxEnv, prelude string) *caddyProcess {
 	if err := os.WriteFile(cfgFile, cfg, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return runCaddy(t, prelude, e.addr, e.logFile, "--config", cfgFile)
+	return cfgFile
 }
 
 // runCaddy runs `bin/caddy run` with args (the configuration) after the

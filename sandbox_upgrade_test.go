@@ -2,7 +2,6 @@ package caddyktls
 
 import (
 	"crypto/tls"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -440,15 +439,7 @@ func TestUpgradeValidateTakesNothing(t *testing.T) {
 	e := newSandboxConfig(t, nil)
 	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
 	startCaddy(t, e, "")
-	cfg, err := json.Marshal(e.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfgFile := filepath.Join(t.TempDir(), "caddy.json")
-	if err := os.WriteFile(cfgFile, cfg, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command(builtCaddy(t), "validate", "--config", cfgFile).CombinedOutput()
+	out, err := exec.Command(builtCaddy(t), "validate", "--config", e.configFile(t)).CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "Valid configuration") {
 		t.Fatalf("caddy validate: %v\n%s", err, out)
 	}

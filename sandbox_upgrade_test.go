@@ -55,9 +55,10 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	pace := max(20*time.Millisecond, time.Duration(n)*2500*time.Microsecond)
 	up := forwardtest.NewPacedUpstream(t, chunk, pace)
 	small := forwardtest.NewUpstream(t, 4<<10)
-	// The standby connections wait from before the streams start until
-	// after the upgrade: with hundreds of tunnels, minutes in the VM.
-	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "2m", "standby_timeout": "10m"})
+	// The standby connections wait, and the replayed preamble stays valid,
+	// from before the streams start until after the upgrade: with hundreds
+	// of tunnels, minutes in the VM.
+	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "2m", "standby_timeout": "10m", "max_preamble_ttl": "30m"})
 	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
 	// Where the kernel rekeys (TLS 1.3, Linux 6.14+), each key protects 64
 	// records: in the new process, the moved tunnels renew their own keys
@@ -112,12 +113,19 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 
 	// A preamble accepted before the upgrade is refused after it, as a
 	// replay: the replay cache moved.
-	frame := e.gw.Frame(t, "sbx-upgrade-replayed", small.Addr())
+	now := time.Now()
+	frame := e.gw.Sign(t, preamble.Claims{SandboxID: "sbx-upgrade-replayed", Target: small.Addr(), IssuedAt: now, ExpiresAt: now.Add(20 * time.Minute)})
 	if got, err := io.ReadAll(e.rawTunnel(t, frame, true)); err != nil || len(got) != 4<<10 {
 		t.Fatalf("a tunnel before the upgrade read %d bytes, %v; want the target's 4 KiB", len(got), err)
 	}
 
-	// Clients connecting in a loop through the upgrade.
+	// Clients connecting in a loop through the upgrade. Their own deadline
+	// is a liveness bound: with hundreds of tunnels streaming, a handshake
+	// on the VM's one emulated CPU takes over 30 s.
+	callTimeout := 30 * time.Second
+	if n > 8 {
+		callTimeout = 3 * time.Minute
+	}
 	var calls, failed atomic.Int64
 	var firstErr atomic.Value
 	loopDone := make(chan struct{})
@@ -131,7 +139,7 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 				default:
 				}
 				calls.Add(1)
-				if err := oneCall(e, fmt.Sprintf("sbx-upgrade-loop-%d-%d", c, i), small.Addr()); err != nil {
+				if err := oneCallWithin(e, fmt.Sprintf("sbx-upgrade-loop-%d-%d", c, i), small.Addr(), callTimeout); err != nil {
 					failed.Add(1)
 					firstErr.CompareAndSwap(nil, err.Error())
 				}
@@ -262,11 +270,17 @@ func exactAtUpstream(o streamOutcome, ups []forwardtest.Result) bool {
 // sends 1 KiB, closes its side and reads the reply to the end: the
 // upstream's 4 KiB exactly.
 func oneCall(e *sandboxEnv, sandbox string, target netip.AddrPort) error {
-	c, err := e.openTunnel(sandbox, target, 30*time.Second)
+	return oneCallWithin(e, sandbox, target, 30*time.Second)
+}
+
+// oneCallWithin is oneCall, the client's own deadline for its handshake and
+// for its transfer each timeout.
+func oneCallWithin(e *sandboxEnv, sandbox string, target netip.AddrPort, timeout time.Duration) error {
+	c, err := e.openTunnel(sandbox, target, timeout)
 	if err != nil {
 		return err
 	}
-	c.SetDeadline(time.Now().Add(30 * time.Second))
+	c.SetDeadline(time.Now().Add(timeout))
 	n, sum, err := transfer(c, 1<<10, 7)
 	if err == nil && (n != 4<<10 || sum != forwardtest.PatternSum(2, 4<<10)) {
 		err = fmt.Errorf("reply of %d bytes (want %d) or another hash", n, 4<<10)

@@ -29,8 +29,7 @@ import (
 
 // TestKernelUpgradeMovesTunnels: every tunnel (kernel TLS) moves to the new
 // process mid-stream; the old process exits at once, no tunnel left to
-// drain. Where the kernel rekeys, the moved tunnels renew their keys both
-// ways in the new process.
+// drain.
 func TestKernelUpgradeMovesTunnels(t *testing.T) {
 	kerneltest.Require(t)
 	sandboxUpgrade(t, true)
@@ -60,17 +59,6 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	// of tunnels, minutes in the VM.
 	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "2m", "standby_timeout": "10m", "max_preamble_ttl": "30m"})
 	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
-	// Where the kernel rekeys (TLS 1.3, Linux 6.14+), each key protects 64
-	// records: in the new process, the moved tunnels renew their own keys
-	// (KeyUpdate sent, TX rekeyed) and ask the gateway to renew its own
-	// (its KeyUpdate applied, RX rekeyed), on the kernel state and
-	// secrets that moved. (At the default size only: a limit that low
-	// renews a key at nearly every splice, which hundreds of tunnels
-	// cannot afford on the VM's one emulated CPU.)
-	rekey := kernel && ktls.Probe().Rekey && n <= 8
-	if rekey {
-		e.route()["handle"].([]any)[0].(map[string]any)["key_record_limit"] = 64
-	}
 	old := startCaddy(t, e, "")
 	since := dataPathDelta(t, kernel)
 
@@ -183,24 +171,7 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	if kernel {
 		// The moved tunnels stream on in the new process.
 		at := up.Received()
-		afterHandoff := dataPathDelta(t, kernel)
 		waitUntil(t, time.Minute, func() bool { return up.Received() >= at+int64(n*chunk) }, "bytes through the moved tunnels")
-		if rekey {
-			// Only the new process runs kernel TLS now (the gateway's
-			// sessions here are userspace TLS).
-			want := int64(n)
-			for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
-				stat, _ := afterHandoff()
-				if stat["TlsTxRekeyOk"] >= want && stat["TlsRxRekeyOk"] >= want {
-					t.Logf("in the new process: tls_stat TlsTxRekeyOk %+d, TlsRxRekeyOk %+d", stat["TlsTxRekeyOk"], stat["TlsRxRekeyOk"])
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("in 3m after the handoff, tls_stat TlsTxRekeyOk %+d and TlsRxRekeyOk %+d; want %d each: a key renewed each way per moved tunnel in the new process",
-						stat["TlsTxRekeyOk"], stat["TlsRxRekeyOk"], want)
-				}
-			}
-		}
 		close(stop)
 	}
 	close(loopDone)

@@ -279,7 +279,11 @@ func tlsSend(ctx context.Context, addr string, cfg *tls.Config, signer *preamble
 // resumes a session only from cfg's ClientSessionCache. Every error is a
 // *gateway.DialError.
 func gatewayDial(ctx context.Context, addr string, cfg *tls.Config, signer *preamble.Signer, sandbox string, target netip.AddrPort) (*ktls.Conn, error) {
-	d, err := gateway.New(gateway.Config{TLS: cfg, Signer: signer, KTLS: ktls.Options{Disable: true}})
+	gc := gateway.Config{TLS: cfg, Signer: signer, KTLS: ktls.Options{Disable: true}}
+	if deadline, ok := ctx.Deadline(); ok {
+		gc.DialTimeout = time.Until(deadline) // ctx's bound, not the default 10 s
+	}
+	d, err := gateway.New(gc)
 	if err != nil {
 		return nil, err
 	}

@@ -176,6 +176,9 @@ func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Dur
 		return keep(StayConn, mv.gw, err)
 	}
 	defer connFile.Close()
+	// The session's state holds its traffic secrets (ktls/handoff.go):
+	// wiped here once sent, or adopted back.
+	defer clear(connState)
 	// From here the gateway connection here is given up: a tunnel that
 	// stays runs on the connection adopted back from connFile.
 	stayHere := func(why string, cause error) (string, time.Duration, error) {
@@ -202,6 +205,7 @@ func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Dur
 	if err != nil {
 		return stayHere(StayNotMovable, err)
 	}
+	defer clear(state)
 	files := []*os.File{connFile, up}
 	for _, p := range paused.Pipes {
 		if p != nil {
@@ -245,6 +249,7 @@ func (f *Forwarder) Adopt(state []byte, files []*os.File) (*AdoptedTunnel, error
 	if err := json.Unmarshal(state, &mt); err != nil {
 		return nil, fmt.Errorf("forward: moved tunnel: %w", err)
 	}
+	defer clear(mt.Conn) // the session's secrets; state is the caller's to wipe
 	if mt.Version != MovedTunnelVersion {
 		return nil, fmt.Errorf("forward: moved tunnel version %d, this build adopts %d", mt.Version, MovedTunnelVersion)
 	}

@@ -126,6 +126,9 @@ func (c *Conn) Read(p []byte) (int, error) {
 		if err == nil || n > 0 {
 			return n, err
 		}
+		if err == io.EOF {
+			c.peerEnded()
+		}
 		if !isControlRecordErrno(err) {
 			return 0, err
 		}
@@ -170,6 +173,7 @@ func isTimeout(err error) bool {
 func (c *Conn) fail(err error) {
 	c.readErr = err
 	if errors.Is(err, io.EOF) {
+		c.peerEnded()
 		return
 	}
 	alert := uint8(alertInternalError)

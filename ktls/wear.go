@@ -213,6 +213,18 @@ const (
 	wantAsk                // ask the peer to update (update_requested)
 )
 
+// peerEnded drops a request to update not sent yet once the peer's stream
+// has ended (close_notify, or its FIN): its key will protect no more
+// records, and a peer that has sent close_notify cannot answer. Go's
+// crypto/tls even fails then: it leaves its read key unchanged when its
+// answer cannot be written (handleKeyUpdate returns early), so the records
+// behind our KeyUpdate fail its MAC check. An ask already sent to a peer
+// that closes before reading it meets the same; docs/configuration.md
+// says so under key_record_limit. Caller holds readMu.
+func (c *Conn) peerEnded() {
+	c.txWant.And(^uint32(wantAsk))
+}
+
 // rxCheckAt is the RX bound at which the kernel's count is read next.
 func (c *Conn) rxCheckAt() uint64 {
 	limit := c.opts.recordLimit()

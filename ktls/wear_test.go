@@ -180,3 +180,73 @@ func TestKernelKeyWearRX(t *testing.T) {
 		})
 	}
 }
+
+// TestKernelNoAskAfterPeerClose: a request to update that the server has
+// not sent yet when the peer's close_notify arrives is dropped. A peer that
+// has sent close_notify cannot answer, and Go's crypto/tls then keeps its
+// read key, so it would fail the MAC of every record behind the request.
+// Where the kernel rekeys, the server's write lock is held while it reads
+// (as a splice into the socket holds it), so the request its reads raise
+// stays pending; its reply
+// after the client's close_notify must reach the client whole. Where the
+// kernel cannot rekey, the read ends at the limit and nothing is sent.
+func TestKernelNoAskAfterPeerClose(t *testing.T) {
+	kerneltest.Require(t)
+	p := newTestPKI(t)
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
+	cliRaw, srvRaw := loopbackPair(t)
+	server := Server(srvRaw, scfg, Options{RecordLimit: wearLimit, RequireOffload: true})
+	client := tls.Client(cliRaw, ccfg)
+	t.Cleanup(func() { client.Close(); server.Close() })
+	errc := make(chan error, 1)
+	go func() { errc <- client.Handshake() }()
+	if err := server.Handshake(); err != nil {
+		t.Fatalf("server handshake: %v", err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatalf("client handshake: %v", err)
+	}
+	// 300 records: past the limit (the request), short of twice the limit
+	// (where an unanswered request ends the connection).
+	chunks := wearPayload()[:300]
+	before := Stats()
+	rekey := Probe().Rekey
+	if rekey {
+		server.writeMu.Lock()
+	}
+	go func() {
+		for _, c := range chunks {
+			if _, err := client.Write(c); err != nil {
+				errc <- err
+				return
+			}
+		}
+		errc <- client.CloseWrite()
+	}()
+	var got bytes.Buffer
+	_, readErr := io.Copy(&got, server)
+	if !rekey {
+		// Nothing to ask with: the read ends at the limit, no KeyUpdate sent.
+		<-errc
+		if sent := Stats().KeyUpdatesSent - before.KeyUpdatesSent; !errors.Is(readErr, ErrKeyExhausted) || sent != 0 {
+			t.Fatalf("server read %v, %d KeyUpdates sent: want ErrKeyExhausted and none", readErr, sent)
+		}
+		return
+	}
+	server.writeMu.Unlock()
+	if err := <-errc; err != nil || readErr != nil || !bytes.Equal(got.Bytes(), bytes.Join(chunks, nil)) {
+		t.Fatalf("client write %v, server read %v, %d bytes: want every byte, then close_notify", err, readErr, got.Len())
+	}
+	reply := bytes.Repeat([]byte("reply after close_notify "), 4000)
+	go func() {
+		_, err := server.Write(reply)
+		errc <- errors.Join(err, server.Close())
+	}()
+	back, clientErr := io.ReadAll(client)
+	if err := <-errc; err != nil || clientErr != nil || !bytes.Equal(back, reply) {
+		t.Fatalf("server write %v, client read %v, %d of %d bytes: want the reply whole", err, clientErr, len(back), len(reply))
+	}
+	if sent := Stats().KeyUpdatesSent - before.KeyUpdatesSent; sent != 0 {
+		t.Fatalf("%d KeyUpdates sent after the peer's close_notify: want the request dropped", sent)
+	}
+}

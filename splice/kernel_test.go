@@ -3,8 +3,10 @@ package splice
 import (
 	"bufio"
 	"bytes"
+	"crypto/sha256"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os/exec"
@@ -308,4 +310,173 @@ func TestKernelRelayFullKTLSSink(t *testing.T) {
 	if out := res.BToA; out.Bytes != size || !out.Spliced || out.SpliceBytes != size {
 		t.Errorf("upstream->gateway %+v, want %d bytes spliced into kTLS TX", out, size)
 	}
+}
+
+// TestKernelRelayKeyWear: a kTLS tunnel whose record limit is tiny renews
+// its keys many times while bytes stream through the relay: the TX key
+// before nearly every splice into the socket (BeginSeal), the RX key at the
+// gateway's answer to each request to update. Every byte arrives exact, and
+// neither the kernel nor the gateway (Go's crypto/tls, which opens what the
+// kernel sealed) fails a record. "both-ways" streams both ways at once;
+// "downstream" streams upstream → gateway only. The kTLS socket's send
+// buffer is small, as TestKernelKeyWearRX's: a request to update reaches
+// the gateway behind what that buffer holds, which must stay well inside
+// the limit's margin (as socket buffers are inside the default limit's
+// 2^23 records); and the splices into the socket end short (part of the
+// pipe moved, then EAGAIN), so renewals meet a sink with no room.
+//
+// On a kernel that cannot rekey, the first splice into the socket would take
+// the key past the limit (one splice's margin exceeds 64 records): the
+// direction fails with ErrKeyExhausted before it seals a byte, and the
+// gateway reads internal_error.
+func TestKernelRelayKeyWear(t *testing.T) {
+	kerneltest.Require(t)
+	size := int64(kerneltest.BulkMiB(t, 4)) * MiB
+	if !ktls.Probe().Rekey {
+		checkLeaks(t)
+		pool := newTestPool(t, 2)
+		tp, _ := wearTopology(t, 16<<10)
+		res, err := downstreamThrough(t, tp, New(tp.server, tp.relayB, Options{Pipes: pool}), size)
+		// crypto/tls reports a peer's alert only in text.
+		if !errors.Is(res.BToA.Err, ktls.ErrKeyExhausted) || res.BToA.Bytes != 0 || err == nil || !strings.Contains(err.Error(), "remote error: tls: internal error") {
+			t.Fatalf("upstream->gateway %+v, error %v: want ErrKeyExhausted with nothing sealed, and internal_error at the gateway", res.BToA, err)
+		}
+		return
+	}
+	for _, tc := range []struct {
+		name     string
+		bothWays bool
+	}{{"both-ways", true}, {"downstream", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkLeaks(t)
+			pool := newTestPool(t, 2)
+			var res Stats
+			var err error
+			var trace *wireTrace
+			delta := kerneltest.StatDelta(t, func() {
+				var tp ktlsTopology
+				tp, trace = wearTopology(t, 16<<10)
+				tun := New(tp.server, tp.relayB, Options{Pipes: pool})
+				if tc.bothWays {
+					res, err = exchangeThenClose(t, tp, tun, size)
+					return
+				}
+				res, err = downstreamThrough(t, tp, tun, size)
+			})
+			t.Logf("gateway->upstream %+v; upstream->gateway %+v; tls_stat delta %v", res.AToB, res.BToA, delta)
+			if err != nil {
+				trace.explain(t)
+				t.Fatal(err)
+			}
+			// 4 MiB is 256 full records: a TX key per splice (sealMargin
+			// exceeds the limit) and, where the gateway sends as much,
+			// several of its keys.
+			wantRX := int64(2)
+			if !tc.bothWays {
+				wantRX = 0
+			}
+			if delta["TlsTxRekeyOk"] < 4 || delta["TlsRxRekeyOk"] < wantRX {
+				t.Errorf("tls_stat %v: want at least 4 TX and %d RX renewals", delta, wantRX)
+			}
+			if delta["TlsDecryptError"] != 0 || delta["TlsTxRekeyError"] != 0 || delta["TlsRxRekeyError"] != 0 {
+				t.Errorf("tls_stat %v: want no decrypt or rekey error", delta)
+			}
+		})
+	}
+}
+
+// wearTopology is newKTLSTopology for TLS 1.3 with a record limit of 64, no
+// KeyUpdate rate limit, and the kTLS socket's send buffer set to sndbuf. (A
+// receive buffer that small at the gateway would make loopback TCP, whose
+// segments are 64 KiB, wait for its persist timer: 200 ms a window.)
+func wearTopology(t *testing.T, sndbuf int) (ktlsTopology, *wireTrace) {
+	ca := testpki.NewCA(t, "splice key wear CA")
+	cliRaw, srvRaw := tcpPair(t)
+	trace := &wireTrace{Conn: cliRaw}
+	if err := srvRaw.SetWriteBuffer(sndbuf); err != nil {
+		t.Fatal(err)
+	}
+	server := ktls.Server(srvRaw, &tls.Config{Certificates: []tls.Certificate{ca.Server(t).TLS}},
+		ktls.Options{RequireOffload: true, RecordLimit: 64, KeyUpdateLimit: ktls.Rate{PerSecond: 1e6, Burst: 1e6}})
+	gateway := tls.Client(trace, &tls.Config{RootCAs: ca.Pool, ServerName: "localhost", MinVersion: tls.VersionTLS13, KeyLogWriter: trace.keyLogWriter()})
+	hsErr := make(chan error, 1)
+	go func() { hsErr <- gateway.Handshake() }()
+	if err := server.Handshake(); err != nil {
+		t.Fatalf("kTLS server handshake: %v", err)
+	}
+	if err := <-hsErr; err != nil {
+		t.Fatalf("client handshake: %v", err)
+	}
+	trace.suite = gateway.ConnectionState().CipherSuite
+	t.Cleanup(func() { gateway.Close(); server.Close() })
+	tp := ktlsTopology{gateway: gateway, server: server}
+	tp.relayB, tp.upstream = tcpPair(t)
+	return tp, trace
+}
+
+// exchangeThenClose runs the tunnel and streams size bytes each way at
+// once, the gateway's and the upstream's streams independent; each end
+// closes its side only once it has everything the other sent: the upstream
+// first, then the gateway at its EOF. Go's crypto/tls peer needs both:
+// while its Write is blocked it cannot answer a request to update (the
+// answer waits for the write lock), which an echo would turn into a
+// deadlock, and once it has sent close_notify it cannot answer at all and
+// fails to open the records behind the request (ktls.Conn.peerEnded).
+func exchangeThenClose(t *testing.T, tp ktlsTopology, tun *Relay, size int64) (Stats, error) {
+	wait := runRelay(t.Context(), tun)
+	var wg sync.WaitGroup
+	var gwSent, upSent []byte
+	var gwSendErr, upSendErr, upRecvErr, upCloseErr error
+	upSum := sha256.New()
+	var upRest []byte
+	wg.Go(func() { gwSent, gwSendErr = sendStream(tp.gateway, 7, size) })
+	wg.Go(func() {
+		var wg2 sync.WaitGroup
+		wg2.Go(func() { upSent, upSendErr = sendStream(tp.upstream, 8, size) })
+		_, upRecvErr = io.CopyN(hashWriter{upSum}, tp.upstream, size)
+		wg2.Wait()
+		upCloseErr = tp.upstream.CloseWrite()
+		upRest, _ = io.ReadAll(tp.upstream)
+	})
+	gwGot, gwSum, gwRecvErr := recvStream(tp.gateway)
+	gwCloseErr := tp.gateway.CloseWrite()
+	wg.Wait()
+	res, relayErr := wait()
+	if err := errors.Join(gwSendErr, upSendErr, upRecvErr, upCloseErr, gwRecvErr, gwCloseErr, relayErr); err != nil {
+		return res, err
+	}
+	if gwGot != size || !bytes.Equal(gwSum, upSent) || !bytes.Equal(upSum.Sum(nil), gwSent) || len(upRest) != 0 {
+		return res, fmt.Errorf("through kTLS: the gateway got %d bytes (digest equal %v), the upstream's digest equal %v, %d bytes past the stream",
+			gwGot, bytes.Equal(gwSum, upSent), bytes.Equal(upSum.Sum(nil), gwSent), len(upRest))
+	}
+	return res, nil
+}
+
+// downstreamThrough runs the tunnel, closes the gateway's side at once
+// (close_notify), sends size bytes from the upstream and checks what the
+// gateway gets.
+func downstreamThrough(t *testing.T, tp ktlsTopology, tun *Relay, size int64) (Stats, error) {
+	wait := runRelay(t.Context(), tun)
+	var sent []byte
+	var sendErr error
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		sent, sendErr = sendStream(tp.upstream, 11, size)
+		if sendErr == nil {
+			sendErr = tp.upstream.CloseWrite()
+		}
+	}()
+	closeErr := tp.gateway.CloseWrite()
+	got, gotSum, recvErr := recvStream(tp.gateway)
+	<-done
+	_, upErr := io.Copy(io.Discard, tp.upstream)
+	res, relayErr := wait()
+	if err := errors.Join(closeErr, sendErr, recvErr, upErr, relayErr); err != nil {
+		return res, err
+	}
+	if got != size || !bytes.Equal(gotSum, sent) {
+		return res, errors.New("upstream → gateway through kTLS: digest or size mismatch")
+	}
+	return res, nil
 }

@@ -279,7 +279,13 @@ func tlsSend(ctx context.Context, addr string, cfg *tls.Config, signer *preamble
 // resumes a session only from cfg's ClientSessionCache. Every error is a
 // *gateway.DialError.
 func gatewayDial(ctx context.Context, addr string, cfg *tls.Config, signer *preamble.Signer, sandbox string, target netip.AddrPort) (*ktls.Conn, error) {
-	gc := gateway.Config{TLS: cfg, Signer: signer, KTLS: ktls.Options{Disable: true}}
+	return gatewayDialWith(ctx, addr, cfg, signer, sandbox, target, ktls.Options{Disable: true})
+}
+
+// gatewayDialWith is gatewayDial with the gateway's session on opts (the
+// zero Options: kernel TLS where the kernel has it).
+func gatewayDialWith(ctx context.Context, addr string, cfg *tls.Config, signer *preamble.Signer, sandbox string, target netip.AddrPort, opts ktls.Options) (*ktls.Conn, error) {
+	gc := gateway.Config{TLS: cfg, Signer: signer, KTLS: opts}
 	if deadline, ok := ctx.Deadline(); ok {
 		gc.DialTimeout = time.Until(deadline) // ctx's bound, not the default 10 s
 	}

@@ -1,6 +1,7 @@
 package caddyktls
 
 import (
+	"context"
 	"crypto/tls"
 	"fmt"
 	"io"
@@ -29,7 +30,8 @@ import (
 
 // TestKernelUpgradeMovesTunnels: every tunnel (kernel TLS) moves to the new
 // process mid-stream; the old process exits at once, no tunnel left to
-// drain.
+// drain. Where the kernel rekeys, the moved tunnels renew their keys both
+// ways in the new process.
 func TestKernelUpgradeMovesTunnels(t *testing.T) {
 	kerneltest.Require(t)
 	sandboxUpgrade(t, true)
@@ -59,6 +61,24 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	// of tunnels, minutes in the VM.
 	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "2m", "standby_timeout": "10m", "max_preamble_ttl": "30m"})
 	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
+	// Where the kernel rekeys (TLS 1.3, Linux 6.14+), each key of the
+	// forwarder's protects 64 records: in the new process, the moved
+	// tunnels renew their own keys (KeyUpdate sent, TX rekeyed) and ask
+	// the gateway to renew its own (its KeyUpdate applied, RX rekeyed),
+	// on the kernel state, secrets and limits that moved. The gateways'
+	// sessions are kernel TLS then: a Go crypto/tls gateway that
+	// half-closes with a request on its way fails the records behind it
+	// (README, Limits). (At the default size only: a limit that low renews
+	// a key at nearly every splice, which hundreds of tunnels cannot
+	// afford on the VM's one emulated CPU.)
+	rekey := kernel && ktls.Probe().Rekey && n <= 8
+	gatewayKTLS := ktls.Options{Disable: true}
+	if rekey {
+		e.route()["handle"].([]any)[0].(map[string]any)["key_record_limit"] = 64
+		// A key per splice is far above a gateway's default KeyUpdate
+		// rate limit.
+		gatewayKTLS = ktls.Options{RequireOffload: true, KeyUpdateLimit: ktls.Rate{PerSecond: 1e6, Burst: 1e6}}
+	}
 	old := startCaddy(t, e, "")
 	since := dataPathDelta(t, kernel)
 
@@ -67,7 +87,9 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	// with hundreds of streams for the VM's one emulated CPU.
 	var conns []*ktls.Conn
 	for i := range n {
-		c, err := e.openTunnel(fmt.Sprintf("sbx-upgrade-%d", i), up.Addr(), 2*time.Minute)
+		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+		c, err := gatewayDialWith(ctx, e.addr, e.tlsConfig(e.client), e.gw.Signer, fmt.Sprintf("sbx-upgrade-%d", i), up.Addr(), gatewayKTLS)
+		cancel()
 		if err != nil {
 			t.Fatalf("tunnel %d: %v", i, err)
 		}
@@ -171,7 +193,28 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	if kernel {
 		// The moved tunnels stream on in the new process.
 		at := up.Received()
+		afterHandoff, gw0 := dataPathDelta(t, kernel), ktls.Stats()
 		waitUntil(t, time.Minute, func() bool { return up.Received() >= at+int64(n*chunk) }, "bytes through the moved tunnels")
+		if rekey {
+			// Only the new process and the gateways (this process, whose
+			// ktls.Stats count its own) run kernel TLS now: the rest of
+			// tls_stat's renewals are the new process's.
+			want := int64(n)
+			for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+				stat, _ := afterHandoff()
+				gw := ktls.Stats()
+				tx := stat["TlsTxRekeyOk"] - int64(gw.KeyUpdatesSent-gw0.KeyUpdatesSent)
+				rx := stat["TlsRxRekeyOk"] - int64(gw.KeyUpdates-gw0.KeyUpdates)
+				if tx >= want && rx >= want {
+					t.Logf("in the new process: TX keys renewed %d, RX keys renewed %d (tls_stat %+d/%+d less the gateways' %d/%d)",
+						tx, rx, stat["TlsTxRekeyOk"], stat["TlsRxRekeyOk"], gw.KeyUpdatesSent-gw0.KeyUpdatesSent, gw.KeyUpdates-gw0.KeyUpdates)
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("in 3m after the handoff, the new process renewed %d TX and %d RX keys; want %d each: a key renewed each way per moved tunnel", tx, rx, want)
+				}
+			}
+		}
 		close(stop)
 	}
 	close(loopDone)

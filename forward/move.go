@@ -156,71 +156,103 @@ func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Dur
 		return StayPause, 0, err
 	}
 	defer paused.Close()
-	// keep resumes the relay here on gw, and says why it stayed.
-	keep := func(why string, gw net.Conn, cause error) (string, time.Duration, error) {
-		relay, err := splice.Resume(gw, mv.upstream, paused, mv.opts)
-		if err != nil {
-			// Unreachable: the state came from this relay; end the
-			// tunnel as a failure rather than leave it stopped.
-			splice.Abort(gw)
-			splice.Abort(mv.upstream)
-			mv.verdict <- moveVerdict{}
-			return why, 0, errors.Join(cause, err)
+	var up *os.File // the target connection's descriptor, once encode took it
+	defer func() {
+		if up != nil {
+			up.Close()
 		}
-		mv.relay, mv.gw = relay, gw
-		mv.verdict <- moveVerdict{relay: relay, gw: gw}
-		return why, 0, cause
+	}()
+	encode := func(connState []byte) ([]byte, []*os.File, error) {
+		fc, ok := mv.upstream.(interface{ File() (*os.File, error) })
+		if !ok {
+			return nil, nil, fmt.Errorf("the target's connection (%T) has no descriptor to pass", mv.upstream)
+		}
+		var err error
+		if up, err = fc.File(); err != nil {
+			return nil, nil, err
+		}
+		state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Tunnel: t.State(), Conn: connState, Relay: paused.State})
+		if err != nil {
+			return nil, nil, err
+		}
+		files := []*os.File{up}
+		for _, p := range paused.Pipes {
+			if p != nil {
+				files = append(files, p)
+			}
+		}
+		return state, files, nil
 	}
-	connState, connFile, err := mv.f.cfg.HandOffConn(mv.gw)
+	stay, gw, err := mv.f.moveConn(m, MoveKindTunnel, mv.gw, encode)
+	if stay == "" {
+		pause = time.Since(start)
+		// Its registration goes with it: this registry closes it now, so
+		// that a report stream handed off (HandOff) never counts it open
+		// here.
+		t.Close()
+		mv.verdict <- moveVerdict{moved: true}
+		return "", pause, nil
+	}
+	if gw == nil {
+		// Its session is lost: the tunnel ends as a failure.
+		splice.Abort(mv.upstream)
+		mv.verdict <- moveVerdict{}
+		return stay, 0, err
+	}
+	relay, rerr := splice.Resume(gw, mv.upstream, paused, mv.opts)
+	if rerr != nil {
+		// Unreachable: the state came from this relay; end the tunnel as
+		// a failure rather than leave it stopped.
+		splice.Abort(gw)
+		splice.Abort(mv.upstream)
+		mv.verdict <- moveVerdict{}
+		return stay, 0, errors.Join(err, rerr)
+	}
+	mv.relay, mv.gw = relay, gw
+	mv.verdict <- moveVerdict{relay: relay, gw: gw}
+	return stay, 0, err
+}
+
+// moveConn gives up the session of conn, a gateway's connection
+// (Config.HandOffConn), and offers it to m as kind: encode builds the
+// object's state around the session's (connState) and the descriptors
+// that travel after the connection's, which stay the caller's. It returns
+// "" when the object moved, else why it stays, the error, and the
+// connection it stays on: conn when its session was not given up
+// (StayConn), else the one adopted back (conn's descriptors closed), nil
+// when that failed (the socket closes with its last descriptor). The
+// session's state and the object's are wiped, and the session's
+// descriptor closed, before it returns.
+func (f *Forwarder) moveConn(m Mover, kind uint16, conn net.Conn,
+	encode func(connState []byte) (state []byte, files []*os.File, err error)) (stay string, kept net.Conn, err error) {
+	connState, connFile, err := f.cfg.HandOffConn(conn)
 	if err != nil {
-		return keep(StayConn, mv.gw, err)
+		return StayConn, conn, err
 	}
 	defer connFile.Close()
 	// The session's state holds its traffic secrets (ktls/handoff.go):
 	// wiped here once sent, or adopted back.
 	defer clear(connState)
-	// From here the gateway connection here is given up: a tunnel that
-	// stays runs on the connection adopted back from connFile.
-	stayHere := func(why string, cause error) (string, time.Duration, error) {
-		given := mv.gw
-		defer given.Close() // its descriptors; the session goes on in gw
-		gw, _, err := mv.f.cfg.AdoptConn(connState, connFile)
+	// From here conn's session is given up: a connection that stays is
+	// the one adopted back from connFile.
+	stayHere := func(why string, cause error) (string, net.Conn, error) {
+		defer conn.Close() // its descriptors; the session goes on in back
+		back, _, err := f.cfg.AdoptConn(connState, connFile)
 		if err != nil {
-			splice.Abort(mv.upstream)
-			mv.verdict <- moveVerdict{}
-			return why, 0, errors.Join(cause, err)
+			// Unreachable: the state came from this connection.
+			return why, nil, errors.Join(cause, fmt.Errorf("adopting it back: %w", err))
 		}
-		return keep(why, gw, cause)
+		return why, back, cause
 	}
-	fc, ok := mv.upstream.(interface{ File() (*os.File, error) })
-	if !ok {
-		return stayHere(StayNotMovable, fmt.Errorf("the target's connection (%T) has no descriptor to pass", mv.upstream))
-	}
-	up, err := fc.File()
-	if err != nil {
-		return stayHere(StayNotMovable, err)
-	}
-	defer up.Close()
-	state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Tunnel: t.State(), Conn: connState, Relay: paused.State})
+	state, files, err := encode(connState)
 	if err != nil {
 		return stayHere(StayNotMovable, err)
 	}
 	defer clear(state)
-	files := []*os.File{connFile, up}
-	for _, p := range paused.Pipes {
-		if p != nil {
-			files = append(files, p)
-		}
-	}
-	if moved, err := m.Move(MoveKindTunnel, state, files...); !moved {
+	if moved, err := m.Move(kind, state, append([]*os.File{connFile}, files...)...); !moved {
 		return stayHere(StayRefused, err)
 	}
-	pause = time.Since(start)
-	// Its registration goes with it: this registry closes it now, so that
-	// a report stream handed off (HandOff) never counts it open here.
-	t.Close()
-	mv.verdict <- moveVerdict{moved: true}
-	return "", pause, nil
+	return "", nil, nil
 }
 
 // AdoptedTunnel is a tunnel another process moved here, built and not

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"time"
 )
@@ -133,53 +132,34 @@ func (w *standbyWait) move(ctx context.Context, m Mover) (offered bool, stay str
 // wait what became of it.
 func (w *standbyWait) handOff(m Mover) (stay string, err error) {
 	c, f := w.c, w.f
-	keep := func(why string, conn net.Conn, cause error) (string, error) {
-		w.verdict <- standbyVerdict{conn: conn}
-		return why, cause
-	}
 	conn := c.Conn
 	if c.Unwrap != nil {
 		var buffered []byte
 		if conn, buffered = c.Unwrap(); len(buffered) > 0 {
 			// Unreachable while its wait read nothing: bytes the
 			// wrapper holds are read before the socket's.
-			return keep(StayConn, nil, fmt.Errorf("%d bytes of the gateway's are buffered above its connection", len(buffered)))
+			w.verdict <- standbyVerdict{}
+			return StayConn, fmt.Errorf("%d bytes of the gateway's are buffered above its connection", len(buffered))
 		}
 	}
-	connState, connFile, err := f.cfg.HandOffConn(conn)
-	if err != nil {
-		return keep(StayConn, nil, err)
+	encode := func(connState []byte) ([]byte, []*os.File, error) {
+		state, err := json.Marshal(MovedStandby{Version: MovedStandbyVersion, Peer: c.Peer, Binding: c.Binding,
+			Certificate: c.Certificate, CertificateNames: c.CertificateNames, CertificateVerified: c.CertificateVerified,
+			StandbyBegan: c.StandbyBegan, Conn: connState})
+		return state, nil, err
 	}
-	defer connFile.Close()
-	// The session's state holds its traffic secrets (ktls/handoff.go):
-	// wiped here once sent, or adopted back.
-	defer clear(connState)
-	// From here the connection here is given up: a wait that stays
-	// resumes on the connection adopted back from connFile.
-	stayHere := func(why string, cause error) (string, error) {
-		defer conn.Close() // its descriptors; the session goes on in back
-		back, _, err := f.cfg.AdoptConn(connState, connFile)
-		if err != nil {
-			// Unreachable: the state came from this connection. Its
-			// socket closes with the last descriptor (connFile).
-			err = errors.Join(cause, fmt.Errorf("adopting it back: %w", err))
-			w.verdict <- standbyVerdict{err: err}
-			return why, err
-		}
-		return keep(why, back, cause)
+	stay, kept, err := f.moveConn(m, MoveKindStandby, conn, encode)
+	switch {
+	case stay == "":
+		w.verdict <- standbyVerdict{moved: true}
+	case kept == nil:
+		w.verdict <- standbyVerdict{err: err}
+	case kept == conn:
+		w.verdict <- standbyVerdict{} // the wait goes on as it was
+	default:
+		w.verdict <- standbyVerdict{conn: kept}
 	}
-	state, err := json.Marshal(MovedStandby{Version: MovedStandbyVersion, Peer: c.Peer, Binding: c.Binding,
-		Certificate: c.Certificate, CertificateNames: c.CertificateNames, CertificateVerified: c.CertificateVerified,
-		StandbyBegan: c.StandbyBegan, Conn: connState})
-	if err != nil {
-		return stayHere(StayNotMovable, err)
-	}
-	defer clear(state)
-	if moved, err := m.Move(MoveKindStandby, state, connFile); !moved {
-		return stayHere(StayRefused, err)
-	}
-	w.verdict <- standbyVerdict{moved: true}
-	return "", nil
+	return stay, err
 }
 
 // AdoptedStandby is a standby connection another process moved here,

@@ -383,8 +383,10 @@ func (f *Forwarder) carry(ctx context.Context, tun *Tunnel, relay *splice.Relay,
 				gw.Close()
 				upstream.Close()
 				return Result{Relay: res, Moved: true}, nil
-			case v.relay != nil:
-				relay, gw = v.relay, v.gw
+			case v.resumed:
+				mv.mu.Lock()
+				relay, gw = mv.relay, mv.gw
+				mv.mu.Unlock()
 				continue
 			}
 			err = errors.New("forward: the tunnel did not resume after a move that failed")

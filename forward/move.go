@@ -66,10 +66,11 @@ type movable struct {
 	mu           sync.Mutex       // guards relay and gw across a kept move
 }
 
+// moveVerdict is what became of a paused tunnel: moved, resumed here (on
+// movable's relay and gw, read under its mu), or neither: it ends as a
+// failure.
 type moveVerdict struct {
-	moved bool
-	relay *splice.Relay // the resumed relay, when kept
-	gw    net.Conn      // the gateway connection it runs on, when kept
+	moved, resumed bool
 }
 
 // MoveResult counts what MoveTunnels (or MoveStandby) did.
@@ -209,7 +210,7 @@ func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Dur
 		return stay, 0, errors.Join(err, rerr)
 	}
 	mv.relay, mv.gw = relay, gw
-	mv.verdict <- moveVerdict{relay: relay, gw: gw}
+	mv.verdict <- moveVerdict{resumed: true}
 	return stay, 0, err
 }
 

@@ -3,6 +3,7 @@ package caddyktls
 import (
 	"context"
 	"crypto/tls"
+	"encoding/base64"
 	"fmt"
 	"io"
 	"net"
@@ -480,5 +481,72 @@ func TestUpgradeValidateTakesNothing(t *testing.T) {
 	}
 	if lines := e.logLines(t, "a new process shares the listening sockets; this process goes on accepting until it takes the tunnels over"); len(lines) != 0 {
 		t.Errorf("the running process handed its listening sockets to caddy validate: %v", lines)
+	}
+}
+
+// TestKernelUpgradeStandbyToItsHandler: two sandbox handlers, on two
+// listeners, each trusting only its own gateway's key. A gateway's standby
+// connection waiting in each moves to the new process's handler configured
+// as the one it waited in: a preamble signed with that handler's key opens
+// its tunnel there (the other handler would refuse it).
+func TestKernelUpgradeStandbyToItsHandler(t *testing.T) {
+	kerneltest.Require(t)
+	small := forwardtest.NewUpstream(t, 4<<10)
+	e := newSandboxConfig(t, map[string]any{"standby_timeout": "10m"})
+	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
+	gw2 := forwardtest.NewGateway(t, "gw-2")
+	addr2 := loopbackAddr(t)
+	servers := e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)
+	second := cloneJSON(t, servers["tunnels"].(map[string]any))
+	second["listen"] = []string{"tcp-handoff/" + addr2}
+	second["routes"].([]any)[0].(map[string]any)["handle"].([]any)[1].(map[string]any)["keys"] = []any{
+		map[string]any{"id": "gw-2", "public_key": base64.StdEncoding.EncodeToString(gw2.Pub)}}
+	servers["tunnels-2"] = second
+	old := startCaddy(t, e, "")
+
+	type waiting struct {
+		c       *tls.Conn
+		signer  *preamble.Signer
+		sandbox string
+	}
+	var standby []waiting
+	for i, w := range []struct {
+		addr   string
+		signer *preamble.Signer
+	}{{e.addr, e.gw.Signer}, {addr2, gw2.Signer}} {
+		d := tls.Dialer{Config: e.tlsConfig(e.client)}
+		c, err := d.DialContext(t.Context(), "tcp", w.addr)
+		if err != nil {
+			t.Fatalf("a standby connection to %s: %v", w.addr, err)
+		}
+		t.Cleanup(func() { c.Close() })
+		standby = append(standby, waiting{c.(*tls.Conn), w.signer, fmt.Sprintf("sbx-standby-handler-%d", i+1)})
+	}
+	waitUntil(t, time.Minute, func() bool { return e.metric(t, "caddy_ktls_sandbox_standby_connections") == 2 },
+		"the standby connections waiting in the forwarder")
+
+	nu := secondProcessConfig(t, e)
+	startCaddy(t, nu, "")
+	const tookMsg, handedMsg = "took the running process's tunnels over", "handed the tunnels over to the new process"
+	waitUntil(t, 2*time.Minute, func() bool { _, err := os.Stat(nu.logFile); return err == nil }, "the new process's log")
+	waitUntil(t, 2*time.Minute, func() bool { return len(nu.logLines(t, tookMsg)) > 0 && len(e.logLines(t, handedMsg)) > 0 }, "the handoff's log lines")
+	took, handed := nu.waitLogLine(t, tookMsg, 0), e.waitLogLine(t, handedMsg, 0)
+	if took["standby"] != 2.0 || handed["standby_moved"] != 2.0 {
+		t.Fatalf("the new process took %v standby connections, the old one handed %v over (stayed: %v); want both", took["standby"], handed["standby_moved"], handed["standby_stayed"])
+	}
+	select {
+	case <-old.exited:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the old process did not exit after the handoff")
+	}
+	for _, w := range standby {
+		if err := preamble.Send(t.Context(), w.c, w.signer, preamble.Claims{SandboxID: w.sandbox, Target: small.Addr()}); err != nil {
+			t.Fatalf("%s: the preamble: %v", w.sandbox, err)
+		}
+		w.c.SetDeadline(time.Now().Add(time.Minute))
+		n, sum, err := transfer(w.c, 1<<10, 7)
+		if err != nil || n != 4<<10 || sum != forwardtest.PatternSum(2, 4<<10) {
+			t.Errorf("%s after the upgrade: read %d bytes (want %d), the same hash %v, %v: want its tunnel opened by the handler that trusts its key", w.sandbox, n, 4<<10, sum == forwardtest.PatternSum(2, 4<<10), err)
+		}
 	}
 }

@@ -134,6 +134,11 @@ type Config struct {
 	// HandOffConn returned, and the function that drops it without ending
 	// its session (the other process keeps it).
 	AdoptConn func(state []byte, socket *os.File) (conn net.Conn, release func(), err error)
+	// MoveName names this Forwarder among its process's for a move: a
+	// moved standby connection, which has no preamble yet to choose a
+	// forwarder by, carries it (MovedStandby.Forwarder), so that the
+	// adopting process can pick its own forwarder of that name.
+	MoveName string
 	// OnStep, when set, is called as each timed Step of a tunnel's opening
 	// ends, with how long it took, whatever its outcome (a refusal is also
 	// counted by its reason in the Registry). It runs on the tunnel's

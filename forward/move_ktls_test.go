@@ -301,7 +301,7 @@ func newKTLSMoveFixture(t *testing.T, opts ktls.Options, standbyTimeout time.Dur
 			t.Fatal(err)
 		}
 		f, err := New(Config{Verifier: v, Policy: pol, Registry: reg, RequireClientCertificate: true, StandbyTimeout: standbyTimeout,
-			HandOffConn: ktls.HandOffConn, AdoptConn: ktls.AdoptConn(opts)})
+			HandOffConn: ktls.HandOffConn, AdoptConn: ktls.AdoptConn(opts), MoveName: testMoveName})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -34,7 +34,9 @@ const MovedStandbyVersion = 1
 // fields the other process serves it with. Its one descriptor, the
 // gateway connection's socket, travels beside it.
 type MovedStandby struct {
-	Version             int      `json:"version"`
+	Version int `json:"version"`
+	// Forwarder is the moving Forwarder's Config.MoveName.
+	Forwarder           string   `json:"forwarder,omitempty"`
 	Peer                string   `json:"peer"`
 	Binding             []byte   `json:"binding,omitempty"`
 	Certificate         string   `json:"certificate,omitempty"`
@@ -143,7 +145,7 @@ func (w *standbyWait) handOff(m Mover) (stay string, err error) {
 		}
 	}
 	encode := func(connState []byte) ([]byte, []*os.File, error) {
-		state, err := json.Marshal(MovedStandby{Version: MovedStandbyVersion, Peer: c.Peer, Binding: c.Binding,
+		state, err := json.Marshal(MovedStandby{Version: MovedStandbyVersion, Forwarder: f.cfg.MoveName, Peer: c.Peer, Binding: c.Binding,
 			Certificate: c.Certificate, CertificateNames: c.CertificateNames, CertificateVerified: c.CertificateVerified,
 			StandbyBegan: c.StandbyBegan, Conn: connState})
 		return state, nil, err

@@ -3,6 +3,7 @@ package forward
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"io"
 	"net"
@@ -30,6 +31,10 @@ func standbySession(t *testing.T, f *Forwarder, refuse func(offer int64) bool, a
 			it.Refuse("not a standby connection")
 			t.Errorf("object kind %d offered, want MoveKindStandby", it.Kind)
 			return
+		}
+		var ms MovedStandby
+		if err := json.Unmarshal(it.State, &ms); err != nil || ms.Forwarder != testMoveName {
+			t.Errorf("moved standby state: forwarder %q, %v; want its forwarder's MoveName %q", ms.Forwarder, err, testMoveName)
 		}
 		if refuse(offer) {
 			it.Refuse("the test refuses every standby connection")
@@ -68,8 +73,12 @@ func serveAdopted(a *AdoptedStandby, wg *sync.WaitGroup) <-chan served {
 	return out
 }
 
+// testMoveName is the MoveName of the forwarders whose standby
+// connections the tests move; the moved state carries it.
+const testMoveName = "forwarder-of-the-test"
+
 func standbyConfig(c *Config) {
-	c.StandbyTimeout, c.HandOffConn, c.AdoptConn = 10*time.Second, tcpHandOff, tcpAdopt
+	c.StandbyTimeout, c.HandOffConn, c.AdoptConn, c.MoveName = 10*time.Second, tcpHandOff, tcpAdopt, testMoveName
 }
 
 func waitStandby(t *testing.T, reg *Registry, want int) {

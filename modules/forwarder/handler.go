@@ -3,6 +3,8 @@ package forwarder
 import (
 	"context"
 	"crypto/ed25519"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -227,6 +229,23 @@ type Handler struct {
 	// refusals summarizes the tunnels refused for a reason in
 	// summarizedRefusals, by reason (Handle).
 	refusals map[forward.Reason]*logsummary.FailureSummary
+	// moveName is the handler's configuration's digest (moveNameOf): its
+	// forwarder's MoveName.
+	moveName string
+}
+
+// moveNameOf names a sandbox handler for an upgrade: the SHA-256 of its
+// JSON configuration as loaded. A gateway's standby connection has sent no
+// preamble whose key would choose a handler; it moves to the new process's
+// handler configured the same (upgrade.go, adoptStandby). Handlers
+// configured alike serve alike, so one name for several is no ambiguity.
+func moveNameOf(h *Handler) (string, error) {
+	b, err := json.Marshal(h)
+	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:]), nil
 }
 
 // Key is one inline gateway key.
@@ -301,6 +320,12 @@ func (*Handler) CaddyModule() caddy.ModuleInfo {
 
 // Provision sets up the handler.
 func (h *Handler) Provision(ctx caddy.Context) error {
+	// Before anything Provision sets: the configuration as loaded.
+	name, err := moveNameOf(h)
+	if err != nil {
+		return fmt.Errorf("sandbox handler: %w", err)
+	}
+	h.moveName = name
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
 	if err := caddymetrics.Register(ctx, moduleid.SandboxHandler); err != nil {
@@ -377,6 +402,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		// kernel TLS (sandbox_handoff, upgrade.go).
 		HandOffConn: ktls.HandOffConn,
 		AdoptConn:   ktls.AdoptConn(ktls.Options{Observer: h.observeAdopted}),
+		MoveName:    h.moveName,
 	})
 	if err != nil {
 		return fmt.Errorf("sandbox handler: %w", err)

@@ -69,6 +69,18 @@ func (s *keyringSet) handlerTrusting(id string, key ed25519.PublicKey) *Handler 
 	return nil
 }
 
+// named returns a live handler whose moveName is name, or nil.
+func (s *keyringSet) named(name string) *Handler {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for h := range s.live {
+		if name != "" && h.moveName == name {
+			return h
+		}
+	}
+	return nil
+}
+
 // only returns the one live handler, or nil when there are none or
 // several, and how many there are.
 func (s *keyringSet) only() (*Handler, int) {

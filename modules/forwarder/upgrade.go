@@ -753,16 +753,26 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 }
 
 // adoptStandby takes a gateway's standby connection over and serves it, in
-// the configuration's sandbox handler; it reports whether it did. A
-// standby connection names no key that would choose a handler: with
-// several, it stays in the old process, until its preamble, its
+// the sandbox handler configured as the one it waited in (moveNameOf), else
+// in the configuration's only one; it reports whether it did. A standby
+// connection names no key that would choose a handler: where neither
+// exists, it stays in the old process, until its preamble, its
 // standby_timeout or that process's drain.
 func adoptStandby(it *handoff.Item) bool {
 	defer it.Close() // the adopted connection holds a duplicate
-	hd, n := keyrings.only()
-	if hd == nil {
-		it.Refuse(fmt.Sprintf("%d sandbox handlers in this configuration: a standby connection, before its preamble, names no key to choose one by", n))
+	var ms forward.MovedStandby
+	if err := json.Unmarshal(it.State, &ms); err != nil {
+		it.Refuse(fmt.Sprintf("moved standby connection: %v", err))
 		return false
+	}
+	clear(ms.Conn) // the session's secrets: AdoptStandby decodes its own copy
+	hd := keyrings.named(ms.Forwarder)
+	if hd == nil {
+		var n int
+		if hd, n = keyrings.only(); hd == nil {
+			it.Refuse(fmt.Sprintf("%d sandbox handlers in this configuration, none configured as the one the standby connection waited in: before its preamble, it names no key to choose one by", n))
+			return false
+		}
 	}
 	a, err := hd.fwd.AdoptStandby(it.State, it.Files)
 	if err != nil {

@@ -461,9 +461,25 @@ func kernelPeers(t testing.TB, scfg, ccfg *tls.Config, sopts Options) (server, c
 		t.Fatal(err)
 	}
 	server, client = Server(srvRaw, scfg, sopts), Client(raw, ccfg, Options{})
-	t.Cleanup(func() { client.Close(); server.Close() })
 	server.SetDeadline(time.Now().Add(time.Minute))
 	client.SetDeadline(time.Now().Add(time.Minute))
+	handshakeBoth(t, server, client)
+	for _, c := range []*Conn{server, client} {
+		if off := c.Offload(); off.Reason != ReasonNone {
+			t.Fatalf("Offload() = %+v, want both directions in the kernel", off)
+		}
+	}
+	return server, client
+}
+
+// handshakeBoth completes the handshakes of server and client, one
+// connection's two ends, and closes both at the test's end.
+func handshakeBoth(t testing.TB, server *Conn, client interface {
+	Handshake() error
+	Close() error
+}) {
+	t.Helper()
+	t.Cleanup(func() { client.Close(); server.Close() })
 	errc := make(chan error, 1)
 	go func() { errc <- client.Handshake() }()
 	if err := server.Handshake(); err != nil {
@@ -472,12 +488,6 @@ func kernelPeers(t testing.TB, scfg, ccfg *tls.Config, sopts Options) (server, c
 	if err := <-errc; err != nil {
 		t.Fatalf("client handshake: %v", err)
 	}
-	for _, c := range []*Conn{server, client} {
-		if off := c.Offload(); off.Reason != ReasonNone {
-			t.Fatalf("Offload() = %+v, want both directions in the kernel", off)
-		}
-	}
-	return server, client
 }
 
 // TestKernelKeyUpdateFlood: a peer that sends KeyUpdates back to back (a

@@ -197,15 +197,8 @@ func TestKernelNoAskAfterPeerClose(t *testing.T) {
 	cliRaw, srvRaw := loopbackPair(t)
 	server := Server(srvRaw, scfg, Options{RecordLimit: wearLimit, RequireOffload: true})
 	client := tls.Client(cliRaw, ccfg)
-	t.Cleanup(func() { client.Close(); server.Close() })
+	handshakeBoth(t, server, client)
 	errc := make(chan error, 1)
-	go func() { errc <- client.Handshake() }()
-	if err := server.Handshake(); err != nil {
-		t.Fatalf("server handshake: %v", err)
-	}
-	if err := <-errc; err != nil {
-		t.Fatalf("client handshake: %v", err)
-	}
 	// 300 records: past the limit (the request), short of twice the limit
 	// (where an unanswered request ends the connection).
 	chunks := wearPayload()[:300]

@@ -35,8 +35,13 @@ func newKTLSTopology(t *testing.T, version uint16, opts ktls.Options) ktlsTopolo
 	srvCfg := &tls.Config{Certificates: []tls.Certificate{ca.Server(t).TLS}}
 	cliCfg := &tls.Config{RootCAs: ca.Pool, ServerName: "localhost", MinVersion: version, MaxVersion: version}
 	cliRaw, srvRaw := tcpPair(t)
-	server := ktls.Server(srvRaw, srvCfg, opts)
-	gateway := tls.Client(cliRaw, cliCfg)
+	return handshakeTopology(t, ktls.Server(srvRaw, srvCfg, opts), tls.Client(cliRaw, cliCfg))
+}
+
+// handshakeTopology completes the handshakes of server and gateway, one
+// connection's two ends, and adds the tunnel's far side (relayB, upstream).
+func handshakeTopology(t *testing.T, server *ktls.Conn, gateway *tls.Conn) ktlsTopology {
+	t.Helper()
 	hsErr := make(chan error, 1)
 	go func() { hsErr <- gateway.Handshake() }()
 	if err := server.Handshake(); err != nil {
@@ -45,10 +50,9 @@ func newKTLSTopology(t *testing.T, version uint16, opts ktls.Options) ktlsTopolo
 	if err := <-hsErr; err != nil {
 		t.Fatalf("client handshake: %v", err)
 	}
-	var tp ktlsTopology
-	tp.gateway, tp.server = gateway, server
-	tp.relayB, tp.upstream = tcpPair(t)
 	t.Cleanup(func() { gateway.Close(); server.Close() })
+	tp := ktlsTopology{gateway: gateway, server: server}
+	tp.relayB, tp.upstream = tcpPair(t)
 	return tp
 }
 
@@ -399,18 +403,8 @@ func wearTopology(t *testing.T, sndbuf int) (ktlsTopology, *wireTrace) {
 	server := ktls.Server(srvRaw, &tls.Config{Certificates: []tls.Certificate{ca.Server(t).TLS}},
 		ktls.Options{RequireOffload: true, RecordLimit: 64, KeyUpdateLimit: ktls.Rate{PerSecond: 1e6, Burst: 1e6}})
 	gateway := tls.Client(trace, &tls.Config{RootCAs: ca.Pool, ServerName: "localhost", MinVersion: tls.VersionTLS13, KeyLogWriter: trace.keyLogWriter()})
-	hsErr := make(chan error, 1)
-	go func() { hsErr <- gateway.Handshake() }()
-	if err := server.Handshake(); err != nil {
-		t.Fatalf("kTLS server handshake: %v", err)
-	}
-	if err := <-hsErr; err != nil {
-		t.Fatalf("client handshake: %v", err)
-	}
+	tp := handshakeTopology(t, server, gateway)
 	trace.suite = gateway.ConnectionState().CipherSuite
-	t.Cleanup(func() { gateway.Close(); server.Close() })
-	tp := ktlsTopology{gateway: gateway, server: server}
-	tp.relayB, tp.upstream = tcpPair(t)
 	return tp, trace
 }
 

@@ -20,6 +20,7 @@ import (
 //		}
 //		resumption on|off   # default on: session tickets scoped to the policy that verified the client
 //		max_handshakes <n>|off  # default 128 per CPU: handshakes in progress; beyond, new connections are shed
+//		max_scheduling_delay <duration>  # default none: the goroutines' wait for a CPU above which new connections are shed
 //		<offload option> ...
 //	}
 func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -53,6 +54,12 @@ func (h *KTLSHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.MaxHandshakes = n
+		case "max_scheduling_delay":
+			v, err := caddyfileargs.Duration(d)
+			if err != nil {
+				return err
+			}
+			h.MaxSchedulingDelay = v
 		default:
 			return d.Errf("unknown ktls handler option %q", opt)
 		}

@@ -77,11 +77,26 @@ type KTLSHandler struct {
 	// means no bound.
 	MaxHandshakes int `json:"max_handshakes,omitempty"`
 
+	// MaxSchedulingDelay sheds, as max_handshakes does, a connection that
+	// arrives while the process's goroutines wait longer than this for a
+	// CPU and more handshakes than CPUs (GOMAXPROCS) are in progress. The
+	// wait is the Go scheduler's run-queue delay, its 90th percentile over
+	// the last 100 ms or more (caddy_ktls_scheduling_delay_seconds): what
+	// every step of an admitted handshake waits for, however far its peer
+	// is, since a handshake waiting on a round trip is not runnable. Time
+	// the kernel gives other processes while goroutines are queued counts
+	// too. With one handshake per CPU or fewer in progress nothing is shed
+	// for it, so new connections always make progress. Zero (the default)
+	// means no such bound: see docs/configuration.md before setting one.
+	MaxSchedulingDelay caddy.Duration `json:"max_scheduling_delay,omitempty"`
+
 	// The offload options (OffloadOptions), at the top level of the JSON.
 	offload.Options
 
 	// maxHandshakes is MaxHandshakes with its default, 0 for no bound.
 	maxHandshakes int64
+	// cpus are the handshakes in progress MaxSchedulingDelay sheds above.
+	cpus int64
 
 	ctx    caddy.Context
 	logger *zap.Logger
@@ -125,6 +140,7 @@ func (h *KTLSHandler) Provision(ctx caddy.Context) error {
 	case h.MaxHandshakes > 0:
 		h.maxHandshakes = int64(h.MaxHandshakes)
 	}
+	h.cpus = int64(runtime.GOMAXPROCS(0))
 	h.failures = offload.NewHandshakeFailureLog(moduleid.L4Handler, h.logger)
 	h.opts = h.KTLSOptions(h.observe)
 	// What this kernel does for the handler's connections, and what to do
@@ -154,6 +170,9 @@ type l4KernelLogKey struct {
 func (h *KTLSHandler) Validate() error {
 	if h.MaxHandshakes < -1 {
 		return fmt.Errorf("ktls handler: max_handshakes %d: want a positive number, 0 for the default or -1 for no bound", h.MaxHandshakes)
+	}
+	if h.MaxSchedulingDelay < 0 {
+		return fmt.Errorf("ktls handler: `max_scheduling_delay` %v must not be negative: give a positive duration, or leave it out (no bound)", time.Duration(h.MaxSchedulingDelay))
 	}
 	if err := h.Options.ValidateOptions(); err != nil {
 		return fmt.Errorf("ktls handler: %w", err)
@@ -189,12 +208,13 @@ const DefaultMaxHandshakesPerCPU = 128
 
 // Handle terminates TLS on cx and calls next with the decrypted connection.
 // It sheds cx, before any handshake work, while MaxHandshakes are in
-// progress in the process.
+// progress in the process, or more than one per CPU while its scheduling
+// delay is above MaxSchedulingDelay, where set.
 func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 	n := offload.HandshakesInProgress.Add(1)
-	if h.maxHandshakes > 0 && n > h.maxHandshakes {
+	if why := h.overloaded(n); why != nil {
 		offload.HandshakesInProgress.Add(-1)
-		h.failures.Shed(cx.RemoteAddr(), int(h.maxHandshakes))
+		h.failures.Shed(cx.RemoteAddr(), why...)
 		ktls.Shed(cx)
 		return nil
 	}
@@ -208,6 +228,21 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 		return nil
 	}
 	return next.Handle(cx.Wrap(kconn))
+}
+
+// overloaded says which bound sheds a connection that arrives as the nth
+// handshake in progress, as log fields; nil admits it.
+func (h *KTLSHandler) overloaded(n int64) []zap.Field {
+	if h.maxHandshakes > 0 && n > h.maxHandshakes {
+		return []zap.Field{zap.Int64("max_handshakes", h.maxHandshakes)}
+	}
+	if bound := time.Duration(h.MaxSchedulingDelay); bound > 0 && n > h.cpus {
+		if d := offload.SchedulingDelay.At(time.Now()); d > bound {
+			return []zap.Field{zap.Duration("scheduling_delay", d), zap.Duration("max_scheduling_delay", bound),
+				zap.Int64("handshakes", n)}
+		}
+	}
+	return nil
 }
 
 // handshake runs cx's TLS handshake and sets the connection variables of

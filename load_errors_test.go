@@ -61,6 +61,8 @@ func TestLoadErrorsNameOptionsAndFix(t *testing.T) {
 			want: []string{invalid, "`key_record_limit` 33554432 is above 16777216", "give at most 16777216, or leave it out"}},
 		"negative keyupdate_rate": {ktls: map[string]any{"keyupdate_rate": -1},
 			want: []string{invalid, "`keyupdate_rate` (JSON keyupdate_rate, keyupdate_burst) must not be negative"}},
+		"negative max_scheduling_delay": {ktls: map[string]any{"max_scheduling_delay": "-5ms"},
+			want: []string{invalid, "`max_scheduling_delay` -5ms must not be negative", "give a positive duration, or leave it out (no bound)"}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			e := newSandboxConfig(t, tc.sandbox)

@@ -48,6 +48,8 @@ func TestSandboxCaddyfileErrors(t *testing.T) {
 		{"ktls {\n\tfrobnicate\n}", `unknown ktls handler option "frobnicate"`},
 		{"ktls {\n\tmax_handshakes 0\n}", `max_handshakes: "0" is not a positive integer`},
 		{"ktls {\n\tmax_handshakes off 2\n}", "wrong argument count"},
+		{"ktls {\n\tmax_scheduling_delay 0s\n}", `max_scheduling_delay: "0s" is not a positive duration`},
+		{"ktls {\n\tmax_scheduling_delay\n}", "wrong argument count"},
 		{"sandbox {\n\tmax_dials none\n}", `max_dials: "none" is not a positive integer`},
 		{"sandbox {\n\tmax_dials\n}", "wrong argument count"},
 		{"sandbox {\n\tstandby maybe\n}", `standby takes one of on, off, got "maybe"`},

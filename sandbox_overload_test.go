@@ -9,6 +9,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +18,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/offload"
+	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
 )
 
@@ -255,4 +258,120 @@ func sandboxMaxDials(t *testing.T, kernel bool) {
 	if n := m1["caddy_ktls_sandbox_dials_in_progress"]; n != 0 {
 		t.Errorf("%d dials in progress after every tunnel ended, want 0", n)
 	}
+}
+
+// While the process's goroutines wait longer than max_scheduling_delay for
+// a CPU (here: busy goroutines, sixteen a P) and more handshakes than CPUs are
+// in progress, the ktls handler sheds a new connection as it does past
+// max_handshakes: the alert, a retry-safe overloaded dial, the count. With
+// one handshake per CPU or fewer in progress a tunnel is admitted under the
+// same delay and carries every byte; once the delay falls, tunnels are
+// admitted past that floor again.
+func TestSandboxShedsOnSchedulingDelay(t *testing.T) {
+	const size = 64 << 10
+	up := forwardtest.NewUpstream(t, 0) // no connection reaches it
+	e := newSandboxConfig(t, nil)
+	e.route()["handle"].([]any)[0].(map[string]any)["max_scheduling_delay"] = "5ms"
+	e.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["level"] = "DEBUG"
+	e.start(t)
+	cpus := runtime.GOMAXPROCS(0)
+	inProgress := `caddy_ktls_handshakes_in_progress`
+	shedSeries := `caddy_ktls_handshake_failures_total{module="layer4.handlers.ktls",reason="overloaded"}`
+	delay := func() time.Duration {
+		return time.Duration(parseMetrics(t, e.adminBody(t, "/metrics"))["caddy_ktls_scheduling_delay_seconds"] * float64(time.Second))
+	}
+	d, err := gateway.New(gateway.Config{TLS: e.tlsConfig(e.client), Signer: e.gw.Signer})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dial := func(sandbox string, up *forwardtest.Upstream) (*ktls.Conn, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		return d.Dial(ctx, gateway.Route{Forwarder: e.addr, Sandbox: sandbox, Target: up.Addr()})
+	}
+	carry := func(sandbox string, seed uint64) {
+		t.Helper()
+		up := forwardtest.NewUpstream(t, size+3) // a reply unlike the request's size
+		c, err := dial(sandbox, up)
+		if err != nil {
+			t.Fatalf("%s: dial: %v", sandbox, err)
+		}
+		n, sum, err := transfer(c, size, seed)
+		if err != nil {
+			t.Fatalf("%s: transfer: %v", sandbox, err)
+		}
+		checkTunnelTransfer(t, up, size, seed, n, sum)
+	}
+
+	// One handshake per CPU held: a new connection is past the floor.
+	held := holdHandshakes(t, e.addr, cpus)
+	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == int64(cpus) }, "the held handshakes")
+	stopBusy := busyGoroutines(16 * cpus)
+	defer stopBusy()
+	waitUntil(t, 60*time.Second, func() bool { return delay() > 5*time.Millisecond }, "a scheduling delay above 5ms")
+
+	shed0 := e.metric(t, shedSeries)
+	_, err = dial("sbx-delay-shed", up)
+	var de *gateway.DialError
+	if !errors.Is(err, gateway.ErrOverloaded) || !errors.As(err, &de) || de.Step != gateway.StepHandshake || !gateway.RetrySafe(err) {
+		t.Fatalf("gateway dial with %d handshakes in progress and a scheduling delay of %v: %v, want a retry-safe DialError at the handshake with ErrOverloaded", cpus, delay(), err)
+	}
+	checkShedAlert(t, e.addr, "a connection shed for the scheduling delay")
+	logged := e.waitLogLine(t, "TLS handshake refused: overloaded", 0)
+	if d, _ := logged["scheduling_delay"].(float64); d <= 0.005 || logged["max_scheduling_delay"] != 0.005 ||
+		logged["handshakes"] != float64(cpus+1) || logged["reason"] != offload.ReasonOverloaded {
+		t.Errorf("the shed's log line %v, want its scheduling_delay above max_scheduling_delay 0.005 and %d handshakes", logged, cpus+1)
+	}
+	if n := e.metric(t, shedSeries) - shed0; n != 2 {
+		t.Errorf("%s moved by %d, want 2 (the gateway's and the raw connection)", shedSeries, n)
+	}
+	if up.Accepted() != 0 {
+		t.Errorf("the upstream was dialed %d times while every connection was shed", up.Accepted())
+	}
+
+	// One held handshake ends: the next is at the floor, admitted under the
+	// delay.
+	held[0].Close()
+	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == int64(cpus-1) }, "a held handshake to end")
+	shed0 = e.metric(t, shedSeries)
+	carry("sbx-delay-floor", 5)
+	if n := e.metric(t, shedSeries) - shed0; n != 0 {
+		t.Errorf("%d connections shed with %d handshakes in progress, want none", n, cpus-1)
+	}
+	if m := delay(); m <= 5*time.Millisecond {
+		t.Errorf("the scheduling delay fell to %v during the tunnel at the floor: it proved nothing", m)
+	}
+
+	// The delay falls: past the floor is admitted again.
+	stopBusy()
+	held = append(held, holdHandshakes(t, e.addr, 1)...)
+	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == int64(cpus) }, "the held handshakes")
+	waitUntil(t, 30*time.Second, func() bool { return delay() <= 5*time.Millisecond }, "the scheduling delay to fall")
+	shed0 = e.metric(t, shedSeries)
+	carry("sbx-delay-after", 6)
+	if n := e.metric(t, shedSeries) - shed0; n != 0 {
+		t.Errorf("%d connections shed once the delay fell, want none", n)
+	}
+}
+
+// busyGoroutines starts n goroutines that compute and yield, as handshakes
+// do between their reads, until stop, which waits for them to end.
+func busyGoroutines(n int) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				for i := 0; i < 1<<20; i++ {
+				}
+				runtime.Gosched()
+			}
+		})
+	}
+	return sync.OnceFunc(func() { close(done); wg.Wait() })
 }

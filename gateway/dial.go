@@ -359,7 +359,8 @@ const (
 
 // ErrOverloaded is the cause of a DialError (StepHandshake) whose
 // forwarder shed the connection in place of its handshake (ktls.Shed): it
-// had as many handshakes in progress as it takes (max_handshakes). Nothing
+// had as many handshakes in progress as it takes (max_handshakes), or its
+// CPU was too busy to take another (max_scheduling_delay). Nothing
 // reached it beyond a ClientHello: another forwarder, or this one a moment
 // later, may take the tunnel.
 var ErrOverloaded = errors.New("the forwarder is overloaded: it shed the connection before the TLS handshake")

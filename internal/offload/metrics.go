@@ -2,6 +2,7 @@ package offload
 
 import (
 	"sync/atomic"
+	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
@@ -75,7 +76,7 @@ var (
 		"Connections the kTLS engine ended after their handshake, by module and event: rate-limited, KeyUpdates above keyupdate_rate; alert, the peer's fatal alert; closed-after-tx, a step after installing TLS_TX failed; rekey-unsupported, a KeyUpdate on a kernel without rekey; key-exhausted, a traffic key reached key_record_limit and could not be renewed; refused, fallback refuse and the session could not be offloaded (never offloaded); bad-record (layer4 handler only), a record that failed authentication.",
 		[]string{"module", "event"}, nil)
 	descHandshakeFails = prometheus.NewDesc("caddy_ktls_handshake_failures_total",
-		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, unknown-server-name, timeout, overloaded: shed before the handshake because max_handshakes were in progress, closed, other).",
+		"TLS handshakes that failed, by module and reason (not-tls, no-client-certificate, untrusted-certificate, certificate-not-allowed, unknown-server-name, timeout, overloaded: shed before the handshake because max_handshakes were in progress or the scheduling delay was above max_scheduling_delay, closed, other).",
 		[]string{"module", "reason"}, nil)
 )
 
@@ -86,7 +87,11 @@ var (
 var HandshakesInProgress atomic.Int64
 
 var descHandshakesInProgress = prometheus.NewDesc("caddy_ktls_handshakes_in_progress",
-	"TLS handshakes the layer4 ktls handlers run now, from a connection's arrival at its handler to the end of its handshake; a handler sheds a connection that arrives while its max_handshakes are in progress in the process (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}).",
+	"TLS handshakes the layer4 ktls handlers run now, from a connection's arrival at its handler to the end of its handshake; a handler sheds a connection that arrives while its max_handshakes are in progress in the process, or more than one per CPU while the scheduling delay is above its max_scheduling_delay (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}).",
+	nil, nil)
+
+var descSchedulingDelay = prometheus.NewDesc("caddy_ktls_scheduling_delay_seconds",
+	"How long the process's goroutines waited, runnable, for a CPU: the 90th percentile of the Go scheduler's run-queue delay over the last window of 100 ms or more with enough samples (0: an idle process), rounded down to the runtime's histogram bucket. A ktls handler sheds a connection that arrives while it is above max_scheduling_delay and more handshakes than CPUs are in progress (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}).",
 	nil, nil)
 
 var descKernelSupport = prometheus.NewDesc("caddy_ktls_kernel_support",
@@ -120,9 +125,10 @@ func init() {
 		},
 	})
 	caddymetrics.Add(moduleid.Shedder, &caddymetrics.Gathered{
-		Descs: []*prometheus.Desc{descHandshakesInProgress},
+		Descs: []*prometheus.Desc{descHandshakesInProgress, descSchedulingDelay},
 		Gather: func(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descHandshakesInProgress, prometheus.GaugeValue, float64(HandshakesInProgress.Load()))
+			ch <- prometheus.MustNewConstMetric(descSchedulingDelay, prometheus.GaugeValue, SchedulingDelay.At(time.Now()).Seconds())
 		},
 	})
 	// The kernel's answer to the probe, only where a module that uses the

@@ -238,7 +238,7 @@ var HandshakeFailureReasons = []string{
 	"certificate-not-allowed", // a verifier refused the certificate (not on the leaf allowlist)
 	reasonUnknownServerName,   // the client asked for a server name no certificate carries
 	"timeout",                 // no complete handshake within handshake_timeout
-	ReasonOverloaded,          // shed before the handshake: max_handshakes were in progress (Shed)
+	ReasonOverloaded,          // shed before the handshake: max_handshakes, or max_scheduling_delay (Shed)
 	"closed",                  // the peer closed or reset the connection during the handshake
 	"other",                   // any other handshake error (no common version or cipher, a bad message)
 }
@@ -287,17 +287,17 @@ const HandshakeFailureSummary = "TLS handshakes failed"
 func NewHandshakeFailureLog(module string, logger *zap.Logger) *HandshakeFailureLog {
 	return &HandshakeFailureLog{module: module, logger: logger, summary: logsummary.NewFailureSummary(logger, HandshakeFailureSummary,
 		HandshakeFailureReasons, "each at DEBUG; caddy_ktls_handshake_failures_total counts them by reason; "+
-			"overloaded: shed before the handshake, max_handshakes were in progress")}
+			"overloaded: shed before the handshake, max_handshakes were in progress or the scheduling delay was above max_scheduling_delay")}
 }
 
-// Shed counts and logs a connection shed before its handshake (ktls.Shed)
-// because limit handshakes were in progress: a failed handshake of reason
-// overloaded, as the peer sees it.
-func (f *HandshakeFailureLog) Shed(remote net.Addr, limit int) {
+// Shed counts and logs a connection shed before its handshake (ktls.Shed):
+// a failed handshake of reason overloaded, as the peer sees it. why is the
+// bound that shed it, as log fields.
+func (f *HandshakeFailureLog) Shed(remote net.Addr, why ...zap.Field) {
 	handshakeFails.Add(FailKey{f.module, ReasonOverloaded})
 	handshakeOutcomes.Add(OutcomeKey{f.module, ktls.ReasonHandshakeFailed})
-	f.logger.Debug("TLS handshake refused: overloaded", zap.String("reason", ReasonOverloaded), zap.Stringer("remote", remote),
-		zap.Int("max_handshakes", limit))
+	f.logger.Debug("TLS handshake refused: overloaded", append([]zap.Field{zap.String("reason", ReasonOverloaded),
+		zap.Stringer("remote", remote)}, why...)...)
 	f.summary.Add(ReasonOverloaded)
 }
 

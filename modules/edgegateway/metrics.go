@@ -13,7 +13,7 @@ import (
 var (
 	GatewayDials = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_dials_total",
-		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), overloaded (the forwarder shed the connection before its TLS handshake: its max_handshakes were in progress), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
+		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), overloaded (the forwarder shed the connection before its TLS handshake: its max_handshakes were in progress, or its scheduling delay was above max_scheduling_delay), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
 	}, []string{"module", "result"}, moduleid.Gateway, GatewayDialResults)
 	GatewayResumed = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_dials_resumed_total",

@@ -117,6 +117,9 @@ type runEnv struct {
 	// maxHandshakes: the ktls contenders' max_handshakes (0: the
 	// handler's default).
 	maxHandshakes int
+	// maxSchedulingDelay: the ktls contenders' max_scheduling_delay, a Go
+	// duration ("": none).
+	maxSchedulingDelay string
 	// gatewayStandby: the standby option of an l4-l4 gateway (0: none).
 	gatewayStandby int
 }
@@ -233,6 +236,9 @@ func sandboxForwarder(env *runEnv, listen string, offload map[string]any) map[st
 	}
 	if env.maxHandshakes != 0 {
 		ktlsHandler["max_handshakes"] = env.maxHandshakes
+	}
+	if env.maxSchedulingDelay != "" {
+		ktlsHandler["max_scheduling_delay"] = env.maxSchedulingDelay
 	}
 	sandbox := map[string]any{
 		"handler":                 "sandbox",

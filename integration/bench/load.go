@@ -52,6 +52,7 @@ func runLoad(args []string) error {
 	fs.Int64Var(&p.BulkBytes, "bulk-bytes", 16<<20, "bytes per bulk transfer")
 	fs.Float64Var(&p.FairnessPct, "fairness-pct", 50, "the fairness step's rate in % of capacity")
 	fs.IntVar(&p.MaxHandshakes, "max-handshakes", 0, "the forwarder's max_handshakes (0: its default, 128 per CPU it may use; -1: no bound)")
+	fs.StringVar(&p.MaxSchedulingDelay, "max-scheduling-delay", "", "the forwarder's max_scheduling_delay, a Go duration (empty: none)")
 	fs.StringVar(&p.PinContender, "pin-contender", "", "CPU list the contender runs on (taskset -c); run the generator itself on the others")
 	strict := fs.Bool("strict", false, "fail on any failed call, generator-saturated arrival or bulk error (the smoke run, at rates far below capacity); without it only a wrong byte fails the run")
 	mode := fs.String("mode", "vm", "where this runs, recorded: vm (real time, no icount) or native")
@@ -114,7 +115,8 @@ func runLoad(args []string) error {
 			continue
 		}
 		env := &runEnv{dir: h.dir, caddy: h.caddy, self: h.self, listen: freeAddr(), up: h.up, pki: h.pki, peersMTLS: p.PeersMTLS,
-			allowCIDRs: []string{"127.0.0.0/8"}, maxConns: 2*p.Tunnels + 64, maxHandshakes: p.MaxHandshakes}
+			allowCIDRs: []string{"127.0.0.0/8"}, maxConns: 2*p.Tunnels + 64, maxHandshakes: p.MaxHandshakes,
+			maxSchedulingDelay: p.MaxSchedulingDelay}
 		results, err := loadContender(c, env, p, targets, *timeout, *strict)
 		rep.Results = append(rep.Results, results...)
 		if err != nil {

@@ -80,6 +80,9 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 	if p.MaxHandshakes != 0 {
 		fmt.Fprintf(&b, " The forwarder's `max_handshakes` was %d (-1: no bound).", p.MaxHandshakes)
 	}
+	if p.MaxSchedulingDelay != "" {
+		fmt.Fprintf(&b, " The forwarder's `max_scheduling_delay` was %s.", p.MaxSchedulingDelay)
+	}
 	b.WriteString("\n\n")
 	if l.Mode == "vm" {
 		b.WriteString(loadSetup)

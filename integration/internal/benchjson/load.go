@@ -48,6 +48,9 @@ type LoadParams struct {
 	// MaxHandshakes: the forwarder's max_handshakes (0: its default,
 	// 128 per CPU it may use; -1: no bound).
 	MaxHandshakes int `json:"max_handshakes,omitempty"`
+	// MaxSchedulingDelay: the forwarder's max_scheduling_delay, a Go
+	// duration ("": none).
+	MaxSchedulingDelay string `json:"max_scheduling_delay,omitempty"`
 }
 
 // LoadResult is one contender and shape.

@@ -143,7 +143,11 @@ exec "$0" run "$@"`, caddyBin}, args...)...)
 
 // connectable reports whether a TCP listener accepts at addr.
 func connectable(addr string) bool {
-	c, err := net.DialTimeout("tcp", addr, time.Second)
+	// The dial's own bound is long: on a VM's one CPU busy with 1,000
+	// tunnels, the dialing goroutine may run seconds after the kernel
+	// completed the connection. A listener that is not there refuses at
+	// once.
+	c, err := net.DialTimeout("tcp", addr, 10*time.Second)
 	if err == nil {
 		c.Close()
 	}

@@ -10,12 +10,12 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"runtime"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/internal/cputest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -306,7 +306,7 @@ func TestSandboxShedsOnSchedulingDelay(t *testing.T) {
 	// One handshake per CPU held: a new connection is past the floor.
 	held := holdHandshakes(t, e.addr, cpus)
 	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == int64(cpus) }, "the held handshakes")
-	stopBusy := busyGoroutines(16 * cpus)
+	stopBusy := cputest.Busy(16 * cpus)
 	defer stopBusy()
 	waitUntil(t, 60*time.Second, func() bool { return delay() > 5*time.Millisecond }, "a scheduling delay above 5ms")
 
@@ -352,26 +352,4 @@ func TestSandboxShedsOnSchedulingDelay(t *testing.T) {
 	if n := e.metric(t, shedSeries) - shed0; n != 0 {
 		t.Errorf("%d connections shed once the delay fell, want none", n)
 	}
-}
-
-// busyGoroutines starts n goroutines that compute and yield, as handshakes
-// do between their reads, until stop, which waits for them to end.
-func busyGoroutines(n int) (stop func()) {
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	for range n {
-		wg.Go(func() {
-			for {
-				select {
-				case <-done:
-					return
-				default:
-				}
-				for i := 0; i < 1<<20; i++ {
-				}
-				runtime.Gosched()
-			}
-		})
-	}
-	return sync.OnceFunc(func() { close(done); wg.Wait() })
 }

@@ -3,9 +3,10 @@ package offload
 import (
 	"math"
 	"runtime"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/cputest"
 )
 
 // windowP90 takes the 90th percentile of what the counts gained since
@@ -77,7 +78,7 @@ func TestSchedDelayWindows(t *testing.T) {
 // above a millisecond; once they stop, an idle process's windows say
 // nothing again.
 func TestSchedulingDelayMeasuresRunQueue(t *testing.T) {
-	stop := busyGoroutines(8 * runtime.GOMAXPROCS(0))
+	stop := cputest.Busy(8 * runtime.GOMAXPROCS(0))
 	defer stop()
 	d := newSchedDelay(readSchedLatencies)
 	wait := func(cond func(time.Duration) bool, what string) time.Duration {
@@ -98,26 +99,4 @@ func TestSchedulingDelayMeasuresRunQueue(t *testing.T) {
 	t.Logf("%d busy goroutines a P: scheduling delay %v", 8, m)
 	stop()
 	wait(func(m time.Duration) bool { return m < time.Millisecond }, "below 1 ms once they stopped")
-}
-
-// busyGoroutines starts n goroutines that compute and yield, as handshakes
-// do between their reads, until stop, which waits for them to end.
-func busyGoroutines(n int) (stop func()) {
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	for range n {
-		wg.Go(func() {
-			for {
-				select {
-				case <-done:
-					return
-				default:
-				}
-				for i := 0; i < 1<<20; i++ {
-				}
-				runtime.Gosched()
-			}
-		})
-	}
-	return sync.OnceFunc(func() { close(done); wg.Wait() })
 }

@@ -46,7 +46,7 @@ func (m sessionMover) Move(kind uint16, state []byte, files ...*os.File) (bool, 
 
 // newProcess is a second forwarder, as the new process has it: its own
 // registry, trusting the same gateway; mods change its Config.
-func newProcess(t *testing.T, gw *forwardtest.Gateway, mods ...func(*Config)) (*Forwarder, *Registry) {
+func newProcess(t testing.TB, gw *forwardtest.Gateway, mods ...func(*Config)) (*Forwarder, *Registry) {
 	t.Helper()
 	v, err := preamble.NewVerifier(preamble.VerifierConfig{Keys: map[string]ed25519.PublicKey{"gw-1": gw.Pub}})
 	if err != nil {
@@ -70,7 +70,7 @@ func newProcess(t *testing.T, gw *forwardtest.Gateway, mods ...func(*Config)) (*
 
 // receiverSession connects a sender and a receiver, which passes each
 // object offered to take until the session ends.
-func receiverSession(t *testing.T, take func(it *handoff.Item)) *handoff.Sender {
+func receiverSession(t testing.TB, take func(it *handoff.Item)) *handoff.Sender {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	ln, err := handoff.Listen(path)
@@ -109,7 +109,7 @@ func receiverSession(t *testing.T, take func(it *handoff.Item)) *handoff.Sender 
 // handoffSession is a receiverSession that adopts every tunnel into f
 // unless refuse says no, runs the adopted ones, and sends their results to
 // results.
-func handoffSession(t *testing.T, f *Forwarder, refuse bool, results chan<- Result, runs *sync.WaitGroup) *handoff.Sender {
+func handoffSession(t testing.TB, f *Forwarder, refuse bool, results chan<- Result, runs *sync.WaitGroup) *handoff.Sender {
 	t.Helper()
 	return receiverSession(t, func(it *handoff.Item) {
 		if refuse {
@@ -340,7 +340,7 @@ func waitStreaming(t *testing.T, reg *Registry, up *forwardtest.Upstream, n int,
 	waitUntil(t, "bytes moving", func() bool { return up.Received() > int64(n)*64<<10 })
 }
 
-func waitUntil(t *testing.T, what string, cond func() bool) {
+func waitUntil(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	for deadline := time.Now().Add(20 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {

@@ -17,8 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/ktlsingress/caddy-ktls/internal/cputest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
@@ -525,15 +524,6 @@ func TestCryptoInfoLayout(t *testing.T) {
 	}
 }
 
-// processCPU is the user and system CPU time this process has used.
-func processCPU(b *testing.B) time.Duration {
-	var ru unix.Rusage
-	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
-		b.Fatal(err)
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
-
 // benchClientEnv makes the test binary, started by BenchmarkHandshake, the
 // benchmark's TLS client (TestMain): it handshakes with the address in the
 // variable, one connection after the other, until it is killed. In its own
@@ -618,7 +608,7 @@ func BenchmarkHandshake(b *testing.B) {
 			client.Process.Kill()
 			client.Wait()
 		}()
-		cpuBefore := processCPU(b)
+		cpuBefore := cputest.Used(b)
 		for b.Loop() {
 			raw, err := ln.Accept()
 			if err != nil {
@@ -633,7 +623,7 @@ func BenchmarkHandshake(b *testing.B) {
 		}
 		// CPU time, unlike ns/op, barely moves with the load of other
 		// processes on a shared machine.
-		b.ReportMetric(float64(processCPU(b)-cpuBefore)/float64(b.N), "cpu-ns/op")
+		b.ReportMetric(float64(cputest.Used(b)-cpuBefore)/float64(b.N), "cpu-ns/op")
 	}
 	b.Run("crypto-tls", func(b *testing.B) {
 		run(b, func(c net.Conn) error { return tls.Server(c, scfg).Handshake() })

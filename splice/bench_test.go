@@ -3,9 +3,10 @@ package splice
 import (
 	"io"
 	"net"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/cputest"
 )
 
 // BenchmarkRelay moves 1 MiB per iteration client → relay → upstream over
@@ -70,7 +71,7 @@ func benchRelay(b *testing.B, relay func(a, c *net.TCPConn)) {
 	buf := make([]byte, chunk)
 	b.SetBytes(chunk)
 	b.ResetTimer()
-	cpu0 := processCPU(b)
+	cpu0 := cputest.Used(b)
 	start := time.Now()
 	for range b.N {
 		if _, err := tp.client.Write(buf); err != nil {
@@ -80,7 +81,7 @@ func benchRelay(b *testing.B, relay func(a, c *net.TCPConn)) {
 	tp.client.CloseWrite()
 	got := <-sinkDone
 	elapsed := time.Since(start)
-	cpu := processCPU(b) - cpu0
+	cpu := cputest.Used(b) - cpu0
 	b.StopTimer()
 	<-relayDone
 	if want := int64(b.N) * chunk; got != want {
@@ -89,15 +90,6 @@ func benchRelay(b *testing.B, relay func(a, c *net.TCPConn)) {
 	gib := float64(b.N) * chunk / (1 << 30)
 	b.ReportMetric(cpu.Seconds()/gib, "cpu-s/GiB")
 	b.ReportMetric(float64(b.N)*chunk/1e6/elapsed.Seconds(), "MB/s")
-}
-
-// processCPU is this process's user+system CPU time so far.
-func processCPU(b *testing.B) time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		b.Fatal(err)
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // BenchmarkRelaySmallCalls is the small-call shape through the spliced

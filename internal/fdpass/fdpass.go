@@ -24,6 +24,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"sync"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -229,7 +230,9 @@ func Receive(c *net.UnixConn, lim Limits) (*Message, error) {
 	if err := checkSeqpacket(c); err != nil {
 		return nil, err
 	}
-	buf := make([]byte, headerLen+lim.payload())
+	bp := receiveBuffer(headerLen + lim.payload())
+	defer receiveBuffers.Put(bp)
+	buf := *bp
 	oob := make([]byte, unix.CmsgSpace(lim.files()*4))
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
 	// Descriptors first: whatever else went wrong, the kernel installed
@@ -272,8 +275,24 @@ func Receive(c *net.UnixConn, lim Limits) (*Message, error) {
 	if want := int(binary.BigEndian.Uint32(buf[12:])); want != n-headerLen {
 		return fail(fmt.Errorf("%w: the header announces %d payload bytes, %d arrived", ErrMalformed, want, n-headerLen))
 	}
-	m.Payload = buf[headerLen:n:n]
+	m.Payload = append([]byte(nil), buf[headerLen:n]...)
 	return m, nil
+}
+
+// receiveBuffers hold Receive's buffers, as large as the payload limit:
+// a fresh one per message was a large allocation, cleared and often
+// faulted in, for a payload that is mostly a few hundred bytes.
+var receiveBuffers sync.Pool
+
+// receiveBuffer returns a buffer of n bytes from receiveBuffers, to Put
+// back there.
+func receiveBuffer(n int) *[]byte {
+	if bp, ok := receiveBuffers.Get().(*[]byte); ok && cap(*bp) >= n {
+		*bp = (*bp)[:n]
+		return bp
+	}
+	b := make([]byte, n)
+	return &b
 }
 
 // parseRights returns every descriptor of the SCM_RIGHTS control messages

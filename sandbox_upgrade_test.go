@@ -55,6 +55,12 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	const chunk = 4 << 10
 	n := kerneltest.PositiveEnv(t, "KTLS_LOAD_TUNNELS", 8)
 	pace := max(20*time.Millisecond, time.Duration(n)*2500*time.Microsecond)
+	// Liveness bounds: with hundreds of tunnels on the VM's one emulated
+	// CPU every step takes minutes, more on a loaded machine.
+	stepBound, handoffBound := time.Minute, 2*time.Minute
+	if n > 8 {
+		stepBound, handoffBound = 10*time.Minute, 15*time.Minute
+	}
 	up := forwardtest.NewPacedUpstream(t, chunk, pace)
 	small := forwardtest.NewUpstream(t, 4<<10)
 	// The standby connections wait, and the replayed preamble stays valid,
@@ -112,14 +118,14 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 		t.Cleanup(func() { c.Close() })
 		waiting = append(waiting, c.(*tls.Conn))
 	}
-	waitUntil(t, time.Minute, func() bool { return e.metric(t, "caddy_ktls_sandbox_standby_connections") == standbys },
+	waitUntil(t, stepBound, func() bool { return e.metric(t, "caddy_ktls_sandbox_standby_connections") == standbys },
 		"the standby connections waiting in the forwarder")
 
 	var streams []<-chan streamOutcome
 	for i, c := range conns {
 		streams = append(streams, pacedStream(c, uint64(500+i), chunk, pace, stop))
 	}
-	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
+	waitUntil(t, stepBound, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
 		"every tunnel's first bytes at the upstream")
 
 	// A preamble accepted before the upgrade is refused after it, as a
@@ -162,12 +168,6 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	startCaddy(t, nu, "") // returns at once: the old process listens
 	waitUntil(t, 2*time.Minute, func() bool { _, err := os.Stat(nu.logFile); return err == nil }, "the new process's log")
 	const tookMsg, handedMsg = "took the running process's tunnels over", "handed the tunnels over to the new process"
-	// A liveness bound: 1,000 tunnels take minutes to move on the VM's one
-	// emulated CPU, more on a loaded machine.
-	handoffBound := 2 * time.Minute
-	if n > 8 {
-		handoffBound = 15 * time.Minute
-	}
 	waitUntil(t, handoffBound, func() bool { return len(nu.logLines(t, tookMsg)) > 0 && len(e.logLines(t, handedMsg)) > 0 }, "the handoff's log lines")
 	took, handed := nu.waitLogLine(t, tookMsg, 0), e.waitLogLine(t, handedMsg, 0)
 	// Every streaming tunnel moves in kernel TLS (and so may a looping
@@ -201,7 +201,7 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 		// The moved tunnels stream on in the new process.
 		at := up.Received()
 		afterHandoff, gw0 := dataPathDelta(t, kernel), ktls.Stats()
-		waitUntil(t, time.Minute, func() bool { return up.Received() >= at+int64(n*chunk) }, "bytes through the moved tunnels")
+		waitUntil(t, stepBound, func() bool { return up.Received() >= at+int64(n*chunk) }, "bytes through the moved tunnels")
 		if rekey {
 			// Only the new process and the gateways (this process, whose
 			// ktls.Stats count its own) run kernel TLS now: the rest of

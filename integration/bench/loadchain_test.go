@@ -33,10 +33,10 @@ caddy_ktls_gateway_dials_total{module="layer4.handlers.sandbox_proxy",result="ok
 `
 	got := parseCounters([]byte(text), []string{"caddy_ktls_sandbox_rejects_total", "caddy_ktls_handshake_failures_total", "caddy_ktls_gateway_dials_total"})
 	want := map[string]float64{
-		`caddy_ktls_sandbox_rejects_total{reason="overloaded"}`:                                 3,
-		`caddy_ktls_sandbox_rejects_total{reason="bad signature"}`:                              0,
+		`caddy_ktls_sandbox_rejects_total{reason="overloaded"}`:                                  3,
+		`caddy_ktls_sandbox_rejects_total{reason="bad signature"}`:                               0,
 		`caddy_ktls_handshake_failures_total{module="layer4.handlers.ktls",reason="overloaded"}`: 12,
-		`caddy_ktls_gateway_dials_total{module="layer4.handlers.sandbox_proxy",result="ok"}`:    1.5e6,
+		`caddy_ktls_gateway_dials_total{module="layer4.handlers.sandbox_proxy",result="ok"}`:     1.5e6,
 	}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("parsed %v, want %v", got, want)

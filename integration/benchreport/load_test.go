@@ -217,3 +217,29 @@ func TestLoadReportWithoutChains(t *testing.T) {
 		}
 	}
 }
+
+// A process's counter series is listed as a failure unless it counts
+// what went right: an ok dial, a resumption, a tunnel closed in order, a
+// standby connection used, a handshake or a direction offloaded.
+func TestFailureSeries(t *testing.T) {
+	for series, want := range map[string]bool{
+		`caddy_ktls_gateway_dials_total{module="m",result="ok"}`:               false,
+		`caddy_ktls_gateway_dials_total{module="m",result="overloaded"}`:       true,
+		`caddy_ktls_gateway_dials_resumed_total{module="m"}`:                   false,
+		`caddy_ktls_gateway_tunnel_ends_total{end="closed",module="m"}`:        false,
+		`caddy_ktls_gateway_tunnel_ends_total{end="refused",module="m"}`:       true,
+		`caddy_ktls_gateway_standby_total{module="m",outcome="used"}`:          false,
+		`caddy_ktls_gateway_standby_total{module="m",outcome="lost"}`:          true,
+		`caddy_ktls_handshakes_total{module="m",reason="none"}`:                false,
+		`caddy_ktls_handshakes_total{module="m",reason="handshake-failed"}`:    true,
+		`caddy_ktls_offload_directions_total{direction="tx",mode="sw"}`:        false,
+		`caddy_ktls_offload_directions_total{direction="rx",mode="userspace"}`: true,
+		`caddy_ktls_connections_closed_total{event="alert",module="m"}`:        true,
+		`caddy_ktls_handshake_failures_total{module="m",reason="overloaded"}`:  true,
+		`caddy_ktls_sandbox_rejects_total{reason="overloaded"}`:                true,
+	} {
+		if got := isFailureSeries(series); got != want {
+			t.Errorf("%s: failure %v, want %v", series, got, want)
+		}
+	}
+}

@@ -55,13 +55,21 @@ func userTLSCell(r *benchjson.LoadResult) string {
 	return fmt.Sprintf("%d handshakes, %d resumed", r.Handshakes, r.Resumed)
 }
 
-// isFailureSeries says whether a counter series counts a failure: not a
-// gateway's ok dial or its resumption, a tunnel closed in order, or a
-// standby connection used.
+// isFailureSeries says whether a counter series counts a failure or a
+// connection left in userspace: not a gateway's ok dial or its
+// resumption, a tunnel closed in order, a standby connection used, a
+// handshake offloaded both ways, or a direction offloaded.
 func isFailureSeries(series string) bool {
 	name, _, _ := strings.Cut(series, "{")
-	return name != "caddy_ktls_gateway_dials_resumed_total" && !strings.Contains(series, `result="ok"`) &&
-		!strings.Contains(series, `end="closed"`) && !strings.Contains(series, `outcome="used"`)
+	switch name {
+	case "caddy_ktls_gateway_dials_resumed_total":
+		return false
+	case "caddy_ktls_handshakes_total":
+		return !strings.Contains(series, `reason="none"`)
+	case "caddy_ktls_offload_directions_total":
+		return strings.Contains(series, `mode="userspace"`)
+	}
+	return !strings.Contains(series, `result="ok"`) && !strings.Contains(series, `end="closed"`) && !strings.Contains(series, `outcome="used"`)
 }
 
 // hopCounters sums each process's counter changes over r's steps, by

@@ -212,10 +212,15 @@ var Classes = []string{ClassRefused, ClassGateway, ClassTarget, ClassTimeout, Cl
 // LoadCounterFamilies are the Prometheus counter families a load run reads
 // from each hop of a chain before and after every step (Hop.Counters):
 // the gateway modules' dials by result and those that resumed a session
-// with the forwarder, their tunnels' ends, their
-// standby connections, and the ktls handlers' and the sandbox handler's
-// refusals by reason.
+// with the forwarder, their tunnels' ends, their standby connections, the
+// ktls handlers' and the sandbox handler's refusals by reason, and the kTLS
+// engine's handshakes by offload outcome, its directions by where their
+// records are processed, and the connections it ended after a handshake
+// (where a socket's keys did not go to the kernel, and why).
 var LoadCounterFamilies = []string{
+	"caddy_ktls_handshakes_total",
+	"caddy_ktls_offload_directions_total",
+	"caddy_ktls_connections_closed_total",
 	"caddy_ktls_gateway_dials_total",
 	"caddy_ktls_gateway_dials_resumed_total",
 	"caddy_ktls_gateway_tunnel_ends_total",

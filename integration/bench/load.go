@@ -223,7 +223,7 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 		r := &benchjson.LoadResult{Contender: name, Shape: shape}
 		results = append(results, r)
 		stat0, statErr := kerneltest.ReadStat()
-		conns0 := env.up.conns.Load()
+		conns0, counters0 := env.up.conns.Load(), scrapeHops(hops)
 		g := c.gateway(env, shape == "per-call")
 		var dials []func(context.Context) (net.Conn, error)
 		var tr *http.Transport
@@ -262,6 +262,9 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 		if c.chain != nil {
 			r.UpstreamConns = env.up.conns.Load() - conns0
 			res.UpstreamConns = r.UpstreamConns
+			if n, ok := gatewayOKDials(counters0, scrapeHops(hops)); ok {
+				r.GatewayTunnels, res.UpstreamConns = n, n
+			}
 		}
 		if statErr == nil {
 			stat1, _ := kerneltest.ReadStat()
@@ -269,8 +272,7 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 			// Under overload the gateway gives up on tunnels the
 			// contender never took on (no key install): the tunnels
 			// required to have installed keys are those with a
-			// completed call (a chain's: those its forwarder dialed
-			// the upstream for).
+			// completed call (a chain's: those its gateway opened).
 			res.TLSStat = r.TLSStat
 			r.Offload = offloadOf(res, c)
 			r.Errors = append(r.Errors, res.Errors...)
@@ -464,4 +466,4 @@ func loadNotes(p benchjson.LoadParams) []string {
 }
 
 // loadChainNote is the load report's note on the gateway chains.
-const loadChainNote = "chains (l7-l7, l7-l4, l4-l4, l4-l4-standby): the generator is the user, as in the closed-loop gateway bench (gateway.md): TLS 1.3 to the gateway with the pinned suite, no client certificate, no preamble; HTTP/1.1 to the L7 gateways, the raw header protocol to l4-l4's. The contender is two Caddy processes, both pinned to the contender's CPUs: the gateway and the hop behind it (this project's forwarder for l7-l4 and l4-l4, a dataplane reverse_proxy for l7-l7), which reach the one upstream (params.targets does not apply). reuse keeps params.tunnels user connections open; per-call opens a user connection per call with a session cache, so its handshake with the gateway resumes where the gateway issues tickets (user_handshakes and user_resumed count them); behind it, an L7 gateway pools its connections to the hop behind, l4-l4 opens a tunnel per user connection (its mutual TLS with the forwarder resumed by default), and l4-l4-standby takes a standby connection when it has one. Each step records every hop's CPU, resident memory and fds (hops; contender_cpu, contender_rss_bytes and contender_fds are their sums) and the change of each hop's failure counters (hops[].counters, read from its admin endpoint's /metrics): the forwarder's shedding (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}, caddy_ktls_sandbox_rejects_total) and the gateway's dials that failed (caddy_ktls_gateway_dials_total by result: overloaded is the forwarder's shedding as the gateway saw it). Every answer the user gets comes from the gateway: a chain's failed call is classed as the gateway's (cause \"gateway: ...\"; its HTTP 502, an answer for a failure behind it, has the class gateway), and the counters say whose failure it was. The key-install check counts a chain's tunnels at the upstream (upstream_conns) and wants keySockets installs per tunnel in each kernel direction: l4-l4 3, l7-l4 2, l7-l7 none."
+const loadChainNote = "chains (l7-l7, l7-l4, l4-l4, l4-l4-standby): the generator is the user, as in the closed-loop gateway bench (gateway.md): TLS 1.3 to the gateway with the pinned suite, no client certificate, no preamble; HTTP/1.1 to the L7 gateways, the raw header protocol to l4-l4's. The contender is two Caddy processes, both pinned to the contender's CPUs: the gateway and the hop behind it (this project's forwarder for l7-l4 and l4-l4, a dataplane reverse_proxy for l7-l7), which reach the one upstream (params.targets does not apply). reuse keeps params.tunnels user connections open; per-call opens a user connection per call with a session cache, so its handshake with the gateway resumes where the gateway issues tickets (user_handshakes and user_resumed count them); behind it, an L7 gateway pools its connections to the hop behind, l4-l4 opens a tunnel per user connection (its mutual TLS with the forwarder resumed by default), and l4-l4-standby takes a standby connection when it has one. Each step records every hop's CPU, resident memory and fds (hops; contender_cpu, contender_rss_bytes and contender_fds are their sums) and the change of each hop's failure counters (hops[].counters, read from its admin endpoint's /metrics): the forwarder's shedding (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}, caddy_ktls_sandbox_rejects_total) and the gateway's dials that failed (caddy_ktls_gateway_dials_total by result: overloaded is the forwarder's shedding as the gateway saw it). Every answer the user gets comes from the gateway: a chain's failed call is classed as the gateway's (cause \"gateway: ...\"; its HTTP 502, an answer for a failure behind it, has the class gateway), and the counters say whose failure it was. The key-install check counts a chain's tunnels as its gateway's ok dials (gateway_tunnels; at the upstream, upstream_conns, where the gateway counts none: l7-l7) and wants keySockets installs per tunnel in each kernel direction: l4-l4 3, l7-l4 2, l7-l7 none. Under overload the upstream accepted more connections than the gateway opened tunnels, so upstream_conns is no tunnel count there."

@@ -188,3 +188,21 @@ func classifyChain(err error) (class, cause string) {
 	}
 	return class, "gateway: " + cause
 }
+
+// gatewayOKDials is how many tunnels a chain's gateway (hops[0]) opened
+// between two scrapes: the change of its caddy_ktls_gateway_dials_total
+// series with result ok; counted is false where the gateway has no such
+// series (l7-l7's reverse_proxy) or a scrape is missing.
+func gatewayOKDials(before, after []map[string]float64) (n int64, counted bool) {
+	if len(before) == 0 || len(after) == 0 || before[0] == nil || after[0] == nil {
+		return 0, false
+	}
+	for k, v := range after[0] {
+		name, _, _ := strings.Cut(k, "{")
+		if name == "caddy_ktls_gateway_dials_total" && strings.Contains(k, `result="ok"`) {
+			n += int64(v - before[0][k])
+			counted = true
+		}
+	}
+	return n, counted
+}

@@ -152,3 +152,23 @@ func TestLoadStepRecordsHops(t *testing.T) {
 		t.Errorf("counters %s and %v, want the gateway's overloaded dials +5 (one scrape to the next), none at the hop without an admin endpoint", got, s.Hops[1].Counters)
 	}
 }
+
+// A chain's tunnels are its gateway's ok dials between two scrapes, over
+// every module that dials; a gateway without the series (l7-l7's) or a
+// missing scrape counts none.
+func TestGatewayOKDials(t *testing.T) {
+	ok := `caddy_ktls_gateway_dials_total{module="layer4.handlers.sandbox_proxy",result="ok"}`
+	other := `caddy_ktls_gateway_dials_total{module="http.reverse_proxy.transport.sandbox",result="ok"}`
+	shed := `caddy_ktls_gateway_dials_total{module="layer4.handlers.sandbox_proxy",result="overloaded"}`
+	before := []map[string]float64{{ok: 10, shed: 1}, {}}
+	after := []map[string]float64{{ok: 40, other: 2, shed: 9}, {}}
+	if n, counted := gatewayOKDials(before, after); n != 32 || !counted {
+		t.Errorf("%d tunnels (counted %v), want 30 + 2", n, counted)
+	}
+	if _, counted := gatewayOKDials([]map[string]float64{{}}, []map[string]float64{{"caddy_ktls_handshakes_total{}": 3}}); counted {
+		t.Error("a gateway without dial counters counted tunnels")
+	}
+	if _, counted := gatewayOKDials([]map[string]float64{nil}, after); counted {
+		t.Error("a missing scrape counted tunnels")
+	}
+}

@@ -91,6 +91,11 @@ type LoadResult struct {
 	// connections the upstream accepted (one per forwarder tunnel), the
 	// unit of its key-install check.
 	UpstreamConns int64 `json:"upstream_conns,omitempty"`
+	// GatewayTunnels: the tunnels a chain's gateway opened over the shape
+	// (its caddy_ktls_gateway_dials_total{result="ok"}), the unit of the
+	// key-install check where the gateway counts them: under overload
+	// the upstream accepts connections that are no tunnel's.
+	GatewayTunnels int64 `json:"gateway_tunnels,omitempty"`
 	// HopsBefore: a chain's processes, the gateway first, each with its
 	// resident memory and open fds just before the shape (their sums
 	// are RSSBefore and FDsBefore).

@@ -245,7 +245,11 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 		}
 		ctx := context.Background()
 		r.RSSBefore, r.FDsBefore, r.HopsBefore = hopsBefore(hops)
-		if err := gen.open(ctx, 64); err != nil {
+		parallel := 64
+		if c.chain != nil {
+			parallel = chainOpenParallel
+		}
+		if err := gen.open(ctx, parallel); err != nil {
 			// What the contender said of it: the refusals' reasons.
 			r.Errors = append(r.Errors, "opening: "+err.Error(), logs())
 			gen.close()
@@ -262,9 +266,12 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 		if c.chain != nil {
 			r.UpstreamConns = env.up.conns.Load() - conns0
 			res.UpstreamConns = r.UpstreamConns
-			if n, ok := gatewayOKDials(counters0, scrapeHops(hops)); ok {
+			counters1 := scrapeHops(hops)
+			if n, ok := gatewayOKDials(counters0, counters1); ok {
 				r.GatewayTunnels, res.UpstreamConns = n, n
 			}
+			r.ULPFallbacks = ulpFallbacks(counters0, counters1)
+			res.keyless = r.ULPFallbacks
 		}
 		if statErr == nil {
 			stat1, _ := kerneltest.ReadStat()
@@ -466,4 +473,4 @@ func loadNotes(p benchjson.LoadParams) []string {
 }
 
 // loadChainNote is the load report's note on the gateway chains.
-const loadChainNote = "chains (l7-l7, l7-l4, l4-l4, l4-l4-standby): the generator is the user, as in the closed-loop gateway bench (gateway.md): TLS 1.3 to the gateway with the pinned suite, no client certificate, no preamble; HTTP/1.1 to the L7 gateways, the raw header protocol to l4-l4's. The contender is two Caddy processes, both pinned to the contender's CPUs: the gateway and the hop behind it (this project's forwarder for l7-l4 and l4-l4, a dataplane reverse_proxy for l7-l7), which reach the one upstream (params.targets does not apply). reuse keeps params.tunnels user connections open; per-call opens a user connection per call with a session cache, so its handshake with the gateway resumes where the gateway issues tickets (user_handshakes and user_resumed count them); behind it, an L7 gateway pools its connections to the hop behind, l4-l4 opens a tunnel per user connection (its mutual TLS with the forwarder resumed by default), and l4-l4-standby takes a standby connection when it has one. Each step records every hop's CPU, resident memory and fds (hops; contender_cpu, contender_rss_bytes and contender_fds are their sums) and the change of each hop's failure counters (hops[].counters, read from its admin endpoint's /metrics): the forwarder's shedding (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}, caddy_ktls_sandbox_rejects_total) and the gateway's dials that failed (caddy_ktls_gateway_dials_total by result: overloaded is the forwarder's shedding as the gateway saw it). Every answer the user gets comes from the gateway: a chain's failed call is classed as the gateway's (cause \"gateway: ...\"; its HTTP 502, an answer for a failure behind it, has the class gateway), and the counters say whose failure it was. The key-install check counts a chain's tunnels as its gateway's ok dials (gateway_tunnels; at the upstream, upstream_conns, where the gateway counts none: l7-l7) and wants keySockets installs per tunnel in each kernel direction: l4-l4 3, l7-l4 2, l7-l7 none. Under overload the upstream accepted more connections than the gateway opened tunnels, so upstream_conns is no tunnel count there."
+const loadChainNote = "chains (l7-l7, l7-l4, l4-l4, l4-l4-standby): the generator is the user, as in the closed-loop gateway bench (gateway.md): TLS 1.3 to the gateway with the pinned suite, no client certificate, no preamble; HTTP/1.1 to the L7 gateways, the raw header protocol to l4-l4's. The contender is two Caddy processes, both pinned to the contender's CPUs: the gateway and the hop behind it (this project's forwarder for l7-l4 and l4-l4, a dataplane reverse_proxy for l7-l7), which reach the one upstream (params.targets does not apply). reuse keeps params.tunnels user connections open; per-call opens a user connection per call with a session cache, so its handshake with the gateway resumes where the gateway issues tickets (user_handshakes and user_resumed count them); behind it, an L7 gateway pools its connections to the hop behind, l4-l4 opens a tunnel per user connection (its mutual TLS with the forwarder resumed by default), and l4-l4-standby takes a standby connection when it has one. Each step records every hop's CPU, resident memory and fds (hops; contender_cpu, contender_rss_bytes and contender_fds are their sums) and the change of each hop's failure counters (hops[].counters, read from its admin endpoint's /metrics): the forwarder's shedding (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}, caddy_ktls_sandbox_rejects_total) and the gateway's dials that failed (caddy_ktls_gateway_dials_total by result: overloaded is the forwarder's shedding as the gateway saw it). Every answer the user gets comes from the gateway: a chain's failed call is classed as the gateway's (cause \"gateway: ...\"; its HTTP 502, an answer for a failure behind it, has the class gateway), and the counters say whose failure it was. The key-install check counts a chain's tunnels as its gateway's ok dials (gateway_tunnels; at the upstream, upstream_conns, where the gateway counts none: l7-l7) and wants keySockets installs per tunnel in each kernel direction: l4-l4 3, l7-l4 2, l7-l7 none. A socket served in userspace because TCP_ULP failed on it (its peer had left after the handshake, under overload: ulp_fallback_sockets, from the hops' caddy_ktls_handshakes_total{reason=\"setsockopt-ulp\"}) installs no key and counts as installed. A chain's reuse tunnels open 16 at a time (a one-process contender's 64)."

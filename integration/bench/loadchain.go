@@ -197,12 +197,45 @@ func gatewayOKDials(before, after []map[string]float64) (n int64, counted bool) 
 	if len(before) == 0 || len(after) == 0 || before[0] == nil || after[0] == nil {
 		return 0, false
 	}
-	for k, v := range after[0] {
+	return seriesDelta(before[0], after[0], func(name, series string) bool {
+		return name == "caddy_ktls_gateway_dials_total" && strings.Contains(series, `result="ok"`)
+	})
+}
+
+// ulpFallbacks is how many sockets the chain's processes served in
+// userspace because TCP_ULP failed on them between two scrapes (their
+// caddy_ktls_handshakes_total{reason="setsockopt-ulp"}): on a kernel with
+// kTLS that is a socket no longer established, whose peer left after the
+// handshake (a user at its deadline, a gateway giving up on a tunnel), and
+// which installs no key.
+func ulpFallbacks(before, after []map[string]float64) int64 {
+	var n int64
+	for i := range min(len(before), len(after)) {
+		if before[i] == nil || after[i] == nil {
+			continue
+		}
+		d, _ := seriesDelta(before[i], after[i], func(name, series string) bool {
+			return name == "caddy_ktls_handshakes_total" && strings.Contains(series, `reason="setsockopt-ulp"`)
+		})
+		n += d
+	}
+	return n
+}
+
+// seriesDelta sums the change of the series that match from before to
+// after; found says whether after has any.
+func seriesDelta(before, after map[string]float64, match func(name, series string) bool) (n int64, found bool) {
+	for k, v := range after {
 		name, _, _ := strings.Cut(k, "{")
-		if name == "caddy_ktls_gateway_dials_total" && strings.Contains(k, `result="ok"`) {
-			n += int64(v - before[0][k])
-			counted = true
+		if match(name, k) {
+			n += int64(v - before[k])
+			found = true
 		}
 	}
-	return n, counted
+	return n, found
 }
+
+// chainOpenParallel is how many of a chain's tunnels open at a time: each
+// is two TLS handshakes (l7-l7 and l7-l4: one, and their gateway's
+// dials) on the contender's CPU, where a one-process contender does one.
+const chainOpenParallel = 16

@@ -172,3 +172,33 @@ func TestGatewayOKDials(t *testing.T) {
 		t.Error("a missing scrape counted tunnels")
 	}
 }
+
+// The sockets served in userspace because TCP_ULP failed are summed over
+// every process of the chain; other offload outcomes are not, and a
+// process missing a scrape counts none.
+func TestULPFallbacks(t *testing.T) {
+	ulp := `caddy_ktls_handshakes_total{module="layer4.handlers.ktls",reason="setsockopt-ulp"}`
+	none := `caddy_ktls_handshakes_total{module="layer4.handlers.ktls",reason="none"}`
+	before := []map[string]float64{{ulp: 1, none: 10}, {ulp: 0}, nil}
+	after := []map[string]float64{{ulp: 2, none: 50}, {ulp: 10}, {ulp: 7}}
+	if n := ulpFallbacks(before, after); n != 11 {
+		t.Errorf("%d fallbacks, want 1 + 10 (the third process has no scrape before)", n)
+	}
+}
+
+// A chain's userspace fallbacks make up for the key installs they lack,
+// and no more: l4-l4 per-call in the VM, 217 tunnels, 647 installs each
+// way and 4 sockets whose TCP_ULP failed, passes; with 3 it does not.
+func TestKeyInstallCountsULPFallbacks(t *testing.T) {
+	c, _ := findContender("l4-l4")
+	r := &result{TLSStat: map[string]int64{"TlsTxSw": 647, "TlsRxSw": 647}, UpstreamConns: 217, keyless: 4}
+	offloadOf(r, c)
+	if len(r.Errors) != 0 {
+		t.Errorf("errors %v, want none", r.Errors)
+	}
+	r = &result{TLSStat: map[string]int64{"TlsTxSw": 647, "TlsRxSw": 647}, UpstreamConns: 217, keyless: 3}
+	offloadOf(r, c)
+	if len(r.Errors) != 2 {
+		t.Errorf("errors %v, want TX and RX short of 651", r.Errors)
+	}
+}

@@ -96,6 +96,11 @@ type LoadResult struct {
 	// key-install check where the gateway counts them: under overload
 	// the upstream accepts connections that are no tunnel's.
 	GatewayTunnels int64 `json:"gateway_tunnels,omitempty"`
+	// ULPFallbacks: sockets a chain's processes served in userspace over
+	// the shape because TCP_ULP failed on them (their peer had left after
+	// the handshake): they install no key, and the key-install check
+	// counts them as installed.
+	ULPFallbacks int64 `json:"ulp_fallback_sockets,omitempty"`
 	// HopsBefore: a chain's processes, the gateway first, each with its
 	// resident memory and open fds just before the shape (their sums
 	// are RSSBefore and FDsBefore).

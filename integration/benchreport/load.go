@@ -67,7 +67,12 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 		commit = commit[:12] + commit[40:] // keeps a "-dirty"
 	}
 	fmt.Fprintf(&b, "Measured %s on commit `%s`, mode `%s`, kernel %s, the generator on %d CPU(s) (%s, %s).\n\n", l.Date, commit, l.Mode, l.Kernel, l.CPUs, l.Host, l.Go)
-	fmt.Fprintf(&b, "Calls of %d B up and %d B down; %d tunnels (reuse) or connections in flight at most (per-call); %d sandbox targets behind the forwarder; ", p.Req, p.Resp, p.Tunnels, p.Targets)
+	fmt.Fprintf(&b, "Calls of %d B up and %d B down; %d tunnels (reuse) or connections in flight at most (per-call); ", p.Req, p.Resp, p.Tunnels)
+	if chainsOnly := !slices.ContainsFunc(l.Results, func(r *benchjson.LoadResult) bool { return !isChain(r) }); chainsOnly {
+		b.WriteString("the gateway chains reach one upstream; ")
+	} else {
+		fmt.Fprintf(&b, "%d sandbox targets behind the forwarder; ", p.Targets)
+	}
 	if len(p.Rates) > 0 {
 		fmt.Fprintf(&b, "fixed rates %s calls/s, %g s each", joinFloats(p.Rates), p.StepSeconds)
 	} else {
@@ -75,7 +80,11 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 	}
 	fmt.Fprintf(&b, "; generator deadline %d ms per call; schedule seed %d.", p.CallTimeoutMs, p.Seed)
 	if p.PinContender != "" {
-		fmt.Fprintf(&b, " The contender runs on CPU %s, the generator (and the upstream, in its process) on the others.", p.PinContender)
+		who := "The contender runs"
+		if slices.ContainsFunc(l.Results, isChain) {
+			who = "The contender (every process of a chain) runs"
+		}
+		fmt.Fprintf(&b, " %s on CPU %s, the generator (and the upstream, in its process) on the others.", who, p.PinContender)
 	}
 	if p.MaxHandshakes != 0 {
 		fmt.Fprintf(&b, " The forwarder's `max_handshakes` was %d (-1: no bound).", p.MaxHandshakes)
@@ -99,7 +108,7 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 	// recorded them.
 	userTLS := slices.ContainsFunc(l.Results, func(r *benchjson.LoadResult) bool { return r.Handshakes > 0 })
 	if userTLS {
-		b.WriteString("*User TLS* is what the generator's connections paid at the contender (a chain's gateway) over the shape: their TLS handshakes and how many resumed a session (per-call: one per call; reuse: one per tunnel held).\n\n")
+		b.WriteString("*User TLS* is what the generator's connections paid at the contender (a chain's gateway) over the shape: their TLS handshakes and how many resumed a session (per-call: one per call; reuse: one per tunnel opened, a failed one opened again).\n\n")
 		b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | user TLS | data path |\n|---|---|---:|---:|---|---:|---|---|---|\n")
 	} else {
 		b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---|---:|---|---|\n")

@@ -55,6 +55,7 @@ var benchReports = []struct {
 	{[]string{"load-native-percall.md"}, []string{"load-native-percall.json"}, measuredForwarder, "the native load run's commands in docs/bench/overload.md, on a machine with cores to spare"},
 	{[]string{"load-native-reuse.md"}, []string{"load-native-reuse.json"}, measuredForwarder, "the native load run's commands in docs/bench/overload.md, on a machine with cores to spare"},
 	{[]string{"ttfb.md"}, []string{"ttfb.json"}, measuredGateway, "make bench-ttfb"},
+	{[]string{"load-gateway.md"}, []string{"load-gateway.json"}, measuredGateway, "the reduced chain run's command in docs/bench/README.md"},
 }
 
 // knownStale are reports measured before a change to the code they

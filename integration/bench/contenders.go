@@ -54,10 +54,12 @@ type contender struct {
 }
 
 // hop is one process of a contender: its name in the results ("gateway",
-// "forwarder"), the address it listens on and its command.
+// "forwarder"), the address it listens on and its command; admin is the
+// unix socket of its admin endpoint where it has one (runEnv.hopAdmin).
 type hop struct {
 	name, listen string
 	cmd          *exec.Cmd
+	admin        string
 }
 
 // gatewayFrameLen is the length of the preamble frame an edge gateway of
@@ -122,6 +124,10 @@ type runEnv struct {
 	maxSchedulingDelay string
 	// gatewayStandby: the standby option of an l4-l4 gateway (0: none).
 	gatewayStandby int
+	// hopAdmin: every hop of a chain has its admin endpoint on a unix
+	// socket of its own in dir (hop.admin), whose /metrics a load run
+	// reads; otherwise a chain's hops have none.
+	hopAdmin bool
 }
 
 var contenders = []contender{
@@ -337,15 +343,28 @@ const poolConns = 32
 
 // chainHops starts the second hop's config, then the gateway's.
 func chainHops(env *runEnv, name string, gatewayApps, hopApps map[string]any, hopName string) ([]hop, error) {
-	back, err := caddyCommand(env, "caddy-"+name+"-"+hopName, caddyBase(env, hopApps))
+	back, err := chainHop(env, name, hopName, env.hopListen, hopApps)
 	if err != nil {
 		return nil, err
 	}
-	front, err := caddyCommand(env, "caddy-"+name+"-gateway", caddyBase(env, gatewayApps))
+	front, err := chainHop(env, name, "gateway", env.listen, gatewayApps)
 	if err != nil {
 		return nil, err
 	}
-	return []hop{{name: "gateway", listen: env.listen, cmd: front}, {name: hopName, listen: env.hopListen, cmd: back}}, nil
+	return []hop{front, back}, nil
+}
+
+// chainHop is the hop of chain name called hopName, listening on listen;
+// with env.hopAdmin its admin endpoint is a unix socket of its own.
+func chainHop(env *runEnv, chain, hopName, listen string, apps map[string]any) (hop, error) {
+	file := "caddy-" + chain + "-" + hopName
+	he := *env
+	he.adminSock = ""
+	if env.hopAdmin {
+		he.adminSock = filepath.Join(env.dir, file+".admin.sock")
+	}
+	cmd, err := caddyCommand(&he, file, caddyBase(&he, apps))
+	return hop{name: hopName, listen: listen, cmd: cmd, admin: he.adminSock}, err
 }
 
 // l7l7 is the old path: the gateway's reverse_proxy over mutual TLS to a

@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -27,12 +26,19 @@ import (
 // forwarder's own, on a kernel without kTLS too.
 var loadContenders = []string{"ktls", "ktls-off", "l4-proxy", "reverse-proxy", "haproxy", "nginx"}
 
+// loadChains are the edge-gateway chains a load run can drive besides
+// (named in -contenders; not run by default): the user's connection goes to
+// a gateway Caddy, which reaches the app through the hop behind it, and
+// l4-l4-standby is l4-l4 whose gateway keeps -standby standby connections.
+var loadChains = []string{"l7-l7", "l7-l4", "l4-l4", ttfbStandby}
+
 var loadShapes = []string{"reuse", "per-call"}
 
 func runLoad(args []string) error {
 	fs := flag.NewFlagSet("load", flag.ExitOnError)
 	p := benchjson.LoadParams{PeersMTLS: true}
-	only := fs.String("contenders", strings.Join(loadContenders, ","), "contenders to drive")
+	only := fs.String("contenders", strings.Join(loadContenders, ","), "contenders to drive: "+strings.Join(loadContenders, ", ")+", and the gateway chains "+strings.Join(loadChains, ", "))
+	fs.IntVar(&p.Standby, "standby", 4, "the gateway's standby option in "+ttfbStandby)
 	shapeList := fs.String("shapes", strings.Join(loadShapes, ","), "shapes: reuse (calls on a fixed set of long-lived tunnels) and per-call (a resumed connection per call)")
 	fs.IntVar(&p.Tunnels, "tunnels", 10000, "reuse: tunnels; per-call: connections in flight at most (either: the generator's slots)")
 	fs.IntVar(&p.Targets, "targets", 1000, "sandbox targets behind the forwarder (127.1.x.y on one upstream)")
@@ -100,13 +106,20 @@ func runLoad(args []string) error {
 	go serveLoad(lu)
 	targets := loadTargets(p.Targets, uint16(lu.Addr().(*net.TCPAddr).Port))
 
+	names := strings.Split(*only, ",")
+	if !slices.Contains(names, ttfbStandby) {
+		p.Standby = 0 // no gateway keeps standby connections
+	}
 	rep := &benchjson.LoadReport{Header: newHeader(benchjson.LoadKind, benchjson.LoadSchema, *mode, *label, *commit),
 		Params: p, Notes: loadNotes(p), OK: true}
+	if slices.ContainsFunc(names, func(n string) bool { return slices.Contains(loadChains, n) }) {
+		rep.Notes = append(rep.Notes, loadChainNote)
+	}
 	kernelTLS := kerneltest.Available()
-	for _, name := range strings.Split(*only, ",") {
-		c, ok := findContender(name)
-		if !ok || !slices.Contains(loadContenders, name) {
-			return fmt.Errorf("unknown load contender %q (have %s)", name, strings.Join(loadContenders, ", "))
+	for _, name := range names {
+		c, ok := findContender(strings.TrimSuffix(name, "-standby"))
+		if !ok || !slices.Contains(loadContenders, name) && !slices.Contains(loadChains, name) {
+			return fmt.Errorf("unknown load contender %q (have %s, %s)", name, strings.Join(loadContenders, ", "), strings.Join(loadChains, ", "))
 		}
 		if (c.kernelTX || c.kernelRX) && kernelTLS != nil {
 			reason := fmt.Sprintf("this kernel has no kTLS (%v)", kernelTLS)
@@ -117,7 +130,13 @@ func runLoad(args []string) error {
 		env := &runEnv{dir: h.dir, caddy: h.caddy, self: h.self, listen: freeAddr(), up: h.up, pki: h.pki, peersMTLS: p.PeersMTLS,
 			allowCIDRs: []string{"127.0.0.0/8"}, maxConns: 2*p.Tunnels + 64, maxHandshakes: p.MaxHandshakes,
 			maxSchedulingDelay: p.MaxSchedulingDelay}
-		results, err := loadContender(c, env, p, targets, *timeout, *strict)
+		if c.chain != nil {
+			env.hopListen, env.hopAdmin = freeAddr(), true
+			if name == ttfbStandby {
+				env.gatewayStandby = p.Standby
+			}
+		}
+		results, err := loadContender(name, c, env, p, targets, *timeout, *strict)
 		rep.Results = append(rep.Results, results...)
 		if err != nil {
 			log.Printf("FAIL %s: %v", name, err)
@@ -174,51 +193,67 @@ func pinned(cmd *exec.Cmd, cpus string) *exec.Cmd {
 	return p
 }
 
-// loadContender starts c and drives every shape through it.
-func loadContender(c contender, env *runEnv, p benchjson.LoadParams, targets []netip.AddrPort, timeout time.Duration, strict bool) ([]*benchjson.LoadResult, error) {
-	hops, err := c.hops(env)
+// loadContender starts c (named name: a chain with standby connections
+// is l4-l4's contender under another name), every process pinned to the
+// contender's CPUs, and drives every shape through it.
+func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams, targets []netip.AddrPort, timeout time.Duration, strict bool) ([]*benchjson.LoadResult, error) {
+	hopList, err := c.hops(env)
 	if err != nil {
 		return nil, err
 	}
-	if len(hops) != 1 {
-		return nil, fmt.Errorf("%s: load runs drive one-process contenders", c.name)
-	}
-	hops[0].cmd = pinned(hops[0].cmd, p.PinContender)
-	proc, err := startProcess(hops[0], filepath.Join(env.dir, c.name+".load.log"))
+	procs, stop, err := startChain(name, hopList, env.dir, p.PinContender, "load")
 	if err != nil {
 		return nil, err
 	}
-	defer proc.stop()
-	if err := waitListening(hops[0].listen, proc.exited); err != nil {
-		return nil, fmt.Errorf("%w; log:\n%s", err, tail(proc.log))
+	defer stop()
+	// startChain started them back to front: the gateway first here.
+	slices.Reverse(procs)
+	hops := make([]loadHop, len(procs))
+	for i, proc := range procs {
+		hops[i] = loadHop{name: proc.name, pid: proc.cmd.Process.Pid, admin: hopList[i].admin}
 	}
-	log.Printf("== load %s (pid %d)", c.name, proc.cmd.Process.Pid)
+	logs := func() string {
+		var b strings.Builder
+		for _, proc := range procs {
+			fmt.Fprintf(&b, "the %s's log ends:\n%s", proc.name, tail(proc.log))
+		}
+		return b.String()
+	}
+	log.Printf("== load %s (%s)", name, hopPids(hops))
 	var results []*benchjson.LoadResult
 	for _, shape := range p.Shapes {
-		r := &benchjson.LoadResult{Contender: c.name, Shape: shape}
+		r := &benchjson.LoadResult{Contender: name, Shape: shape}
 		results = append(results, r)
 		stat0, statErr := kerneltest.ReadStat()
+		conns0, counters0 := env.up.conns.Load(), scrapeHops(hops)
 		g := c.gateway(env, shape == "per-call")
 		var dials []func(context.Context) (net.Conn, error)
 		var tr *http.Transport
-		switch c.dialKind {
-		case "preamble":
+		switch {
+		case c.dialKind == "preamble":
 			for _, t := range targets {
 				dials = append(dials, g.counted(g.preambleDialer(env.listen, env.pki.signer, t)))
 			}
-		case "https":
+		case c.dialKind == "https":
 			tr = &http.Transport{TLSClientConfig: g.tls, MaxIdleConnsPerHost: p.Tunnels, MaxConnsPerHost: p.Tunnels,
 				DisableKeepAlives: shape == "per-call", DisableCompression: true}
 		default:
 			dials = []func(context.Context) (net.Conn, error){g.dial}
 		}
 		gen := newLoadGen(shape == "reuse", p.Tunnels, dials, g.base, tr, g.tls.ServerName, p.Req, p.Resp, timeout)
-		gen.pid = proc.cmd.Process.Pid
+		gen.hops = hops
+		if c.chain != nil {
+			gen.classify = classifyChain
+		}
 		ctx := context.Background()
-		r.RSSBefore, r.FDsBefore = procMemory(gen.pid)
-		if err := gen.open(ctx, 64); err != nil {
+		r.RSSBefore, r.FDsBefore, r.HopsBefore = hopsBefore(hops)
+		parallel := 64
+		if c.chain != nil {
+			parallel = chainOpenParallel
+		}
+		if err := gen.open(ctx, parallel); err != nil {
 			// What the contender said of it: the refusals' reasons.
-			r.Errors = append(r.Errors, "opening: "+err.Error(), "the contender's log ends:\n"+tail(proc.log))
+			r.Errors = append(r.Errors, "opening: "+err.Error(), logs())
 			gen.close()
 			continue
 		}
@@ -228,27 +263,50 @@ func loadContender(c contender, env *runEnv, p benchjson.LoadParams, targets []n
 			r.Errors = append(r.Errors, "closing the tunnels: "+err.Error())
 		}
 		r.Tunnels, r.Established = g.tunnels.Load(), gen.established.Load()
+		r.Handshakes, r.Resumed = g.tunnels.Load()+gen.handshakes.Load(), g.resumed.Load()+gen.resumed.Load()
+		res := &result{Tunnels: gen.established.Load()}
+		if c.chain != nil {
+			r.UpstreamConns = env.up.conns.Load() - conns0
+			res.UpstreamConns = r.UpstreamConns
+			counters1 := scrapeHops(hops)
+			if n, ok := gatewayOKDials(counters0, counters1); ok {
+				r.GatewayTunnels, res.UpstreamConns = n, n
+			}
+			r.ULPFallbacks = ulpFallbacks(counters0, counters1)
+			res.keyless = r.ULPFallbacks
+		}
 		if statErr == nil {
 			stat1, _ := kerneltest.ReadStat()
 			r.TLSStat = stat1.Sub(stat0)
 			// Under overload the gateway gives up on tunnels the
 			// contender never took on (no key install): the tunnels
 			// required to have installed keys are those with a
-			// completed call.
-			res := &result{TLSStat: r.TLSStat, Tunnels: gen.established.Load()}
+			// completed call (a chain's: those its gateway opened).
+			res.TLSStat = r.TLSStat
 			r.Offload = offloadOf(res, c)
 			r.Errors = append(r.Errors, res.Errors...)
 		} else {
 			r.Offload = "userspace (this kernel has no /proc/net/tls_stat)"
 		}
-		if g.certAsked.Load() == 0 {
+		// A chain's user is not authenticated: only the gateway's hop
+		// behind it asks for a certificate.
+		if c.chain == nil && g.certAsked.Load() == 0 {
 			r.Errors = append(r.Errors, "mtls: the server never asked the gateway for its certificate")
 		}
 		for _, e := range r.Errors {
-			log.Printf("FAIL %s %s: %s", c.name, shape, e)
+			log.Printf("FAIL %s %s: %s", name, shape, e)
 		}
 	}
 	return results, nil
+}
+
+// hopPids names each process of a contender with its pid, for the log.
+func hopPids(hops []loadHop) string {
+	parts := make([]string, len(hops))
+	for i, h := range hops {
+		parts[i] = fmt.Sprintf("%s pid %d", h.name, h.pid)
+	}
+	return strings.Join(parts, ", ")
 }
 
 // runLoadShape runs the unloaded step, then the fixed rates or the capacity
@@ -415,3 +473,6 @@ func loadNotes(p benchjson.LoadParams) []string {
 		"every contender verifies the gateway's client certificate (mutual TLS); ktls also verifies a signed preamble per tunnel and reaches params.targets sandbox targets (127.1.x.y, one upstream on the wildcard address); the peers forward to their one configured upstream.",
 	}
 }
+
+// loadChainNote is the load report's note on the gateway chains.
+const loadChainNote = "chains (l7-l7, l7-l4, l4-l4, l4-l4-standby): the generator is the user, as in the closed-loop gateway bench (gateway.md): TLS 1.3 to the gateway with the pinned suite, no client certificate, no preamble; HTTP/1.1 to the L7 gateways, the raw header protocol to l4-l4's. The contender is two Caddy processes, both pinned to the contender's CPUs: the gateway and the hop behind it (this project's forwarder for l7-l4 and l4-l4, a dataplane reverse_proxy for l7-l7), which reach the one upstream (params.targets does not apply). reuse keeps params.tunnels user connections open; per-call opens a user connection per call with a session cache, so its handshake with the gateway resumes where the gateway issues tickets (user_handshakes and user_resumed count them); behind it, an L7 gateway pools its connections to the hop behind, l4-l4 opens a tunnel per user connection (its mutual TLS with the forwarder resumed by default), and l4-l4-standby takes a standby connection when it has one. Each step records every hop's CPU, resident memory and fds (hops; contender_cpu, contender_rss_bytes and contender_fds are their sums) and the change of each hop's failure counters (hops[].counters, read from its admin endpoint's /metrics): the forwarder's shedding (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}, caddy_ktls_sandbox_rejects_total) and the gateway's dials that failed (caddy_ktls_gateway_dials_total by result: overloaded is the forwarder's shedding as the gateway saw it). Every answer the user gets comes from the gateway: a chain's failed call is classed as the gateway's (cause \"gateway: ...\"; its HTTP 502, an answer for a failure behind it, has the class gateway), and the counters say whose failure it was. The key-install check counts a chain's tunnels as its gateway's ok dials (gateway_tunnels; at the upstream, upstream_conns, where the gateway counts none: l7-l7) and wants keySockets installs per tunnel in each kernel direction: l4-l4 3, l7-l4 2, l7-l7 none. A socket served in userspace because TCP_ULP failed on it (its peer had left after the handshake, under overload: ulp_fallback_sockets, from the hops' caddy_ktls_handshakes_total{reason=\"setsockopt-ulp\"}) installs no key and counts as installed. A chain's reuse tunnels open 16 at a time (a one-process contender's 64)."

@@ -3,11 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"net/netip"
 	"os"
 	"runtime"
@@ -46,8 +48,15 @@ type loadGen struct {
 	slots      chan struct{}    // per-call and HTTP: free room for a call
 	nextTarget atomic.Uint64
 	tunnels    []*loadTunnel
-	// pid: the contender's process, whose CPU a step reports (0: none).
-	pid int
+	// hops: the contender's processes, whose CPU, memory and counters a
+	// step reports (none: not recorded).
+	hops []loadHop
+	// classify names a failed call's class and cause (classify, or
+	// classifyChain for a chain).
+	classify func(error) (class, cause string)
+	// handshakes and resumed count the HTTP contender's new connections'
+	// TLS handshakes and those that resumed a session.
+	handshakes, resumed atomic.Int64
 	// established counts the tunnels and connections whose first call
 	// completed: each of them the contender has surely taken on (a
 	// kernel-TLS contender installed its keys).
@@ -72,7 +81,7 @@ type loadTunnel struct {
 // connections (per-call); raw contenders give dials, the HTTP one base and
 // tr.
 func newLoadGen(reuse bool, slots int, dials []func(context.Context) (net.Conn, error), base string, tr *http.Transport, serverName string, req, resp int, timeout time.Duration) *loadGen {
-	g := &loadGen{reuse: reuse, dials: dials, base: base, tr: tr, serverName: serverName, req: req, resp: resp, timeout: timeout}
+	g := &loadGen{reuse: reuse, dials: dials, base: base, tr: tr, serverName: serverName, req: req, resp: resp, timeout: timeout, classify: classify}
 	if reuse && dials != nil {
 		g.idle = make(chan *loadTunnel, slots)
 		for i := range slots {
@@ -270,7 +279,15 @@ func (g *loadGen) httpCall(ctx context.Context) (err error) {
 	body, want := make([]byte, g.req), make([]byte, g.resp)
 	callBytes(body, want, seed, 0)
 	url := fmt.Sprintf("%s/call?seed=%d&i=0&req=%d&resp=%d", g.base, seed, g.req, g.resp)
-	r, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	trace := &httptrace.ClientTrace{TLSHandshakeDone: func(cs tls.ConnectionState, err error) {
+		if err == nil {
+			g.handshakes.Add(1)
+			if cs.DidResume {
+				g.resumed.Add(1)
+			}
+		}
+	}}
+	r, err := http.NewRequestWithContext(httptrace.WithClientTrace(ctx, trace), http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
 		return err
 	}
@@ -306,8 +323,9 @@ func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, see
 		wg       sync.WaitGroup
 		inWindow int
 	)
+	counters0 := scrapeHops(g.hops)
 	cpu0 := selfCPU()
-	cont0, contErr := sampleCPU(g.pid)
+	cont0, contErr := sampleHops(g.hops)
 	start := time.Now()
 	end := start.Add(dur)
 	for _, at := range sched {
@@ -350,7 +368,7 @@ func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, see
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
-				class, cause := classify(err)
+				class, cause := g.classify(err)
 				s.Errors[class]++
 				s.Causes[class+": "+cause]++
 				if s.FirstError == "" {
@@ -368,13 +386,11 @@ func (g *loadGen) step(ctx context.Context, rate float64, dur time.Duration, see
 	wg.Wait()
 	wall := time.Since(start).Seconds()
 	s.GenCPU = round((selfCPU()-cpu0).Seconds()/wall, 2)
-	if cont1, err := sampleCPU(g.pid); g.pid != 0 && contErr == nil && err == nil {
-		cpu, _, _, _ := cpuUsed(cont0, cont1)
-		s.ContenderCPU = round(cpu/wall, 2)
+	var cpus []float64
+	if cont1, err := sampleHops(g.hops); len(g.hops) > 0 && contErr == nil && err == nil {
+		cpus = hopCPUs(cont0, cont1, wall)
 	}
-	if g.pid != 0 {
-		s.ContenderRSS, s.ContenderFDs = procMemory(g.pid)
-	}
+	hopStep(&s, g.hops, cpus, counters0, scrapeHops(g.hops))
 	s.Goodput = round(float64(inWindow)/dur.Seconds(), 1)
 	us := func(d time.Duration) float64 { return round(float64(d)/1e3, 1) }
 	s.P50us, s.P99us, s.P999us, s.MaxUs = us(lat.percentile(50)), us(lat.percentile(99)), us(lat.percentile(99.9)), us(lat.max)
@@ -423,8 +439,8 @@ func waitUntil(ctx context.Context, t time.Time) {
 	}
 }
 
-// settle waits until the contender is idle: its CPU below idleCores
-// over a half-second window, up to limit. A step that overloaded it can
+// settle waits until the contender is idle: its CPU (every process's
+// together) below idleCores over a half-second window, up to limit. A step that overloaded it can
 // leave work behind (connections its clients abandoned, still queued),
 // which would otherwise burden the next step. It returns how long it
 // waited.
@@ -432,16 +448,20 @@ func (g *loadGen) settle(ctx context.Context, limit time.Duration) time.Duration
 	const window, idleCores = 500 * time.Millisecond, 0.05
 	start := time.Now()
 	for time.Since(start) < limit && ctx.Err() == nil {
-		a, err := sampleCPU(g.pid)
-		if err != nil {
+		a, err := sampleHops(g.hops)
+		if err != nil || len(a) == 0 {
 			break
 		}
 		time.Sleep(window)
-		b, err := sampleCPU(g.pid)
+		b, err := sampleHops(g.hops)
 		if err != nil {
 			break
 		}
-		if cpu, _, _, _ := cpuUsed(a, b); cpu/window.Seconds() < idleCores {
+		var cores float64
+		for _, c := range hopCPUs(a, b, window.Seconds()) {
+			cores += c
+		}
+		if cores < idleCores {
 			break
 		}
 	}

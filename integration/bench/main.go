@@ -161,8 +161,12 @@ type result struct {
 	// UpstreamConns: the connections the upstream accepted over the cell;
 	// for a chain, its forwarder's tunnels, the unit of its key-install
 	// check.
-	UpstreamConns int64    `json:"upstream_conns,omitempty"`
-	Errors        []string `json:"errors,omitempty"`
+	UpstreamConns int64 `json:"upstream_conns,omitempty"`
+	// keyless: sockets the contender served in userspace because their
+	// peer had left before the key install (a load run's chains): the
+	// key-install check counts them as installed.
+	keyless int64
+	Errors  []string `json:"errors,omitempty"`
 }
 
 var shapes = []string{"upload", "download", "small-reuse", "small-per-call", "small-per-call-resumed"}
@@ -740,7 +744,7 @@ func offloadOf(r *result, c contender) string {
 	if c.chain != nil {
 		tunnels = r.UpstreamConns
 	}
-	r.Errors = append(r.Errors, keyInstallErrors(c, tx, rx, tunnels)...)
+	r.Errors = append(r.Errors, keyInstallErrors(c, tx+r.keyless, rx+r.keyless, tunnels)...)
 	where := map[bool]string{true: "kernel", false: "userspace"}
 	if c.chain != nil && tunnels == 0 && (c.kernelTX || c.kernelRX) {
 		return fmt.Sprintf("TX %s, RX %s on tunnels pooled before the cell (none opened in it; their key installs were checked where they opened)",

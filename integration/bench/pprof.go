@@ -23,12 +23,7 @@ import (
 // (perf record -p samples nothing in a Go forwarder on the TCG guest,
 // while it samples a shell loop there; Go's profiler works.)
 func pprofProfile(adminSock, file string, reps int, span time.Duration, do func(context.Context, bool, func()) (transfer, error), timeout time.Duration) error {
-	client := &http.Client{Transport: &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", adminSock)
-		},
-	}}
+	client := adminClient(adminSock)
 	secs := max(int(span.Round(time.Second)/time.Second), 1)
 	type answer struct {
 		body []byte
@@ -71,4 +66,15 @@ func pprofProfile(adminSock, file string, reps int, span time.Duration, do func(
 		return fmt.Errorf("pprof: the runs took %v, longer than the %d s profiled", ran, secs)
 	}
 	return os.WriteFile(file, a.body, 0o644)
+}
+
+// adminClient is an HTTP client of a Caddy admin endpoint on the unix
+// socket sock (any URL's host reaches it).
+func adminClient(sock string) *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", sock)
+		},
+	}}
 }

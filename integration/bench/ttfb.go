@@ -456,7 +456,7 @@ func startTTFBChain(name string, c contender, env *runEnv, p benchjson.TTFBParam
 	if err != nil {
 		return nil, err
 	}
-	procs, stop, err := startChain(name, hops, env.dir, p.PinContender)
+	procs, stop, err := startChain(name, hops, env.dir, p.PinContender, "ttfb")
 	if err != nil {
 		return nil, err
 	}
@@ -481,9 +481,10 @@ func (c *ttfbChain) exited() error {
 	return nil
 }
 
-// startChain starts a chain's hops back to front, each pinned to pin,
-// and waits for each to listen; stop ends them.
-func startChain(name string, hops []hop, dir, pin string) ([]*process, func(), error) {
+// startChain starts a chain's hops back to front, each pinned to pin and
+// logging to dir/name.hop.run.log, and waits for each to listen; stop
+// ends them.
+func startChain(name string, hops []hop, dir, pin, run string) ([]*process, func(), error) {
 	var procs []*process
 	stop := func() {
 		for _, p := range procs {
@@ -492,7 +493,7 @@ func startChain(name string, hops []hop, dir, pin string) ([]*process, func(), e
 	}
 	for i := len(hops) - 1; i >= 0; i-- {
 		hops[i].cmd = pinned(hops[i].cmd, pin)
-		p, err := startProcess(hops[i], filepath.Join(dir, name+"."+hops[i].name+".ttfb.log"))
+		p, err := startProcess(hops[i], filepath.Join(dir, name+"."+hops[i].name+"."+run+".log"))
 		if err != nil {
 			stop()
 			return nil, nil, err

@@ -67,7 +67,12 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 		commit = commit[:12] + commit[40:] // keeps a "-dirty"
 	}
 	fmt.Fprintf(&b, "Measured %s on commit `%s`, mode `%s`, kernel %s, the generator on %d CPU(s) (%s, %s).\n\n", l.Date, commit, l.Mode, l.Kernel, l.CPUs, l.Host, l.Go)
-	fmt.Fprintf(&b, "Calls of %d B up and %d B down; %d tunnels (reuse) or connections in flight at most (per-call); %d sandbox targets behind the forwarder; ", p.Req, p.Resp, p.Tunnels, p.Targets)
+	fmt.Fprintf(&b, "Calls of %d B up and %d B down; %d tunnels (reuse) or connections in flight at most (per-call); ", p.Req, p.Resp, p.Tunnels)
+	if chainsOnly := !slices.ContainsFunc(l.Results, func(r *benchjson.LoadResult) bool { return !isChain(r) }); chainsOnly {
+		b.WriteString("the gateway chains reach one upstream; ")
+	} else {
+		fmt.Fprintf(&b, "%d sandbox targets behind the forwarder; ", p.Targets)
+	}
 	if len(p.Rates) > 0 {
 		fmt.Fprintf(&b, "fixed rates %s calls/s, %g s each", joinFloats(p.Rates), p.StepSeconds)
 	} else {
@@ -75,7 +80,11 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 	}
 	fmt.Fprintf(&b, "; generator deadline %d ms per call; schedule seed %d.", p.CallTimeoutMs, p.Seed)
 	if p.PinContender != "" {
-		fmt.Fprintf(&b, " The contender runs on CPU %s, the generator (and the upstream, in its process) on the others.", p.PinContender)
+		who := "The contender runs"
+		if slices.ContainsFunc(l.Results, isChain) {
+			who = "The contender (every process of a chain) runs"
+		}
+		fmt.Fprintf(&b, " %s on CPU %s, the generator (and the upstream, in its process) on the others.", who, p.PinContender)
 	}
 	if p.MaxHandshakes != 0 {
 		fmt.Fprintf(&b, " The forwarder's `max_handshakes` was %d (-1: no bound).", p.MaxHandshakes)
@@ -98,7 +107,15 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 	if genCPUs > 1 || contCPUs > 1 {
 		fmt.Fprintf(&b, "Here a side is busy at 0.85 of its CPUs: the generator had %d, the contender %d.\n\n", genCPUs, contCPUs)
 	}
-	b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---|---:|---|---|\n")
+	// The user connections' handshakes have a column only in runs that
+	// recorded them.
+	userTLS := slices.ContainsFunc(l.Results, func(r *benchjson.LoadResult) bool { return r.Handshakes > 0 })
+	if userTLS {
+		b.WriteString("*User TLS* is what the generator's connections paid at the contender (a chain's gateway) over the shape: their TLS handshakes and how many resumed a session (per-call: one per call; reuse: one per tunnel opened, a failed one opened again).\n\n")
+		b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | user TLS | data path |\n|---|---|---:|---:|---|---:|---|---|---|\n")
+	} else {
+		b.WriteString("| contender | shape | unloaded p99 (ms) | capacity (calls/s) | busy at 100 % | goodput 200 % / 100 % | errors at the highest rate | data path |\n|---|---|---:|---:|---|---:|---|---|\n")
+	}
 	for _, r := range l.Results {
 		unloaded, capacity, ratio, top, busy := "–", "–", "–", "–", "–"
 		if i := slices.IndexFunc(r.Steps, func(s benchjson.Step) bool { return s.Pct == 100 }); i >= 0 {
@@ -129,7 +146,11 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 				top += fmt.Sprintf(" (+%d generator-saturated)", last.Saturated)
 			}
 		}
-		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s | %s | %s | %s |\n", r.Contender, r.Shape, unloaded, capacity, busy, ratio, top, r.Offload)
+		fmt.Fprintf(&b, "| `%s` | %s | %s | %s | %s | %s | %s |", r.Contender, r.Shape, unloaded, capacity, busy, ratio, top)
+		if userTLS {
+			fmt.Fprintf(&b, " %s |", userTLSCell(r))
+		}
+		fmt.Fprintf(&b, " %s |\n", r.Offload)
 	}
 	for _, s := range l.Skipped {
 		fmt.Fprintf(&b, "\n- `%s` not run: %s", s.Contender, s.Reason)
@@ -141,14 +162,21 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 	if memory {
 		b.WriteString(" The last column, *cont. RSS MiB / fds*, is the contender's resident memory and open file descriptors at the step's end, its tunnels and the calls still in flight included (– where a step did not record them).")
 	}
+	if slices.ContainsFunc(l.Results, isChain) {
+		b.WriteString(" A gateway chain's table has one more column, *per hop*: each process's CPU in cores, resident memory in MiB and open fds at the step's end, the gateway first (*cont.* and the memory column are their sums).")
+	}
 	b.WriteString("\n")
 	for _, r := range l.Results {
 		fmt.Fprintf(&b, "\n### `%s`, %s\n\n", r.Contender, r.Shape)
+		chain := isChain(r)
+		header, align := "| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"
 		if memory {
-			b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) | cont. RSS MiB / fds |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n")
-		} else {
-			b.WriteString("| step | offered/s | % cap. | offered | completed | goodput/s | p50 | p99 | p99.9 | max | errors | sat. | lag p99 | gen | cont. | settle (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n")
+			header, align = header+" cont. RSS MiB / fds |", align+"---:|"
 		}
+		if chain {
+			header, align = header+" per hop: cores, RSS MiB / fds |", align+"---|"
+		}
+		b.WriteString(header + "\n" + align + "\n")
 		row := func(kind string, s *benchjson.Step) {
 			pct := "–"
 			if s.Pct > 0 {
@@ -158,6 +186,9 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 				ms(s.P50us), ms(s.P99us), ms(s.P999us), ms(s.MaxUs), errorCell(s), s.Saturated, ms(s.LagP99us), s.GenCPU, s.ContenderCPU, s.SettleSeconds)
 			if memory {
 				fmt.Fprintf(&b, " %s |", memoryCell(s))
+			}
+			if chain {
+				fmt.Fprintf(&b, " %s |", hopsCell(s))
 			}
 			b.WriteString("\n")
 		}
@@ -181,6 +212,8 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 			fmt.Fprintf(&b, "\nFAILED: %s\n", e)
 		}
 	}
+
+	writeChains(&b, l)
 
 	fair := slices.IndexFunc(l.Results, func(r *benchjson.LoadResult) bool { return r.Fairness != nil && r.Baseline != nil })
 	if fair >= 0 {
@@ -232,6 +265,10 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 			for k, v := range s.Causes {
 				causes[k] += v
 			}
+		}
+		if counted := hopFailures(r); counted != "" {
+			any = true
+			fmt.Fprintf(&b, "- `%s` %s, counted by its processes: %s\n", r.Contender, r.Shape, counted)
 		}
 		if len(causes) == 0 {
 			continue
@@ -292,10 +329,11 @@ func memoryCell(s *benchjson.Step) string {
 }
 
 // busyCell says which side was busy in a step: the generator, the
-// contender, both (0.85 of its CPUs or more), or neither.
+// contender, both (0.85 of its CPUs or more), or neither. A chain's
+// contender CPU is its processes' sum, each one's share named.
 func busyCell(s *benchjson.Step, genCPUs, contCPUs int) string {
 	gen, cont := s.GenCPU >= 0.85*float64(max(genCPUs, 1)), s.ContenderCPU >= 0.85*float64(max(contCPUs, 1))
-	cores := fmt.Sprintf(" (gen %.2f, cont. %.2f)", s.GenCPU, s.ContenderCPU)
+	cores := fmt.Sprintf(" (gen %.2f, cont. %.2f%s)", s.GenCPU, s.ContenderCPU, hopShares(s))
 	switch {
 	case gen && cont:
 		return "both" + cores

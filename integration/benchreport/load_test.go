@@ -159,3 +159,87 @@ func readSyntheticLoad(t *testing.T, name string) *benchjson.LoadReport {
 	}
 	return l
 }
+
+// A chain run's report is byte-identical to its golden file (go test
+// -update rewrites it; review the diff).
+func TestLoadGatewayReportGolden(t *testing.T) {
+	const in, golden = "testdata/synthetic-load-gateway.json", "testdata/synthetic-load-gateway.golden.md"
+	got := renderLoadMarkdown(readSyntheticLoad(t, in), in)
+	if *updateGolden {
+		if err := os.WriteFile(golden, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(golden)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("the chain load report differs from %s (go test -run TestLoadGatewayReportGolden -update rewrites it):\n%s", golden, got)
+	}
+}
+
+// A chain's rows say whose CPU was busy summed over its processes with
+// each one's share, each step's figures per process, the failures each
+// process counted (not its ok dials, resumptions or orderly ends), the
+// user connections' handshakes, and the comparison with l7-l7 in the
+// same shape.
+func TestLoadGatewayReportRows(t *testing.T) {
+	md := string(renderLoadMarkdown(readSyntheticLoad(t, "testdata/synthetic-load-gateway.json"), "x"))
+	for _, want := range []string{
+		// At 100 %: 0.45 + 0.45 = 0.90 of the contender's one CPU.
+		"| `l4-l4` | per-call | 10.0 | ≥ 150 (no search step failed) | contender (gen 0.50, cont. 0.90 = gateway 0.45 + forwarder 0.45) | 0.93 | reset 20 | 2001 handshakes, 2000 resumed | TX kernel",
+		"| `l7-l7` | per-call | 20.0 | ≥ 100 (no search step failed) | contender (gen 0.50, cont. 0.90 = gateway 0.50 + forwarder 0.40) | 0.40 | gateway 12, timeout 3 | 1001 handshakes, 1000 resumed |",
+		"| sweep | 300 | 200 | 1500 | 1480 | 140.0 | 233.3 | 700.0 | 800.0 | 800.0 | reset 20 | 0 | 0.10 | 0.90 | 0.95 | 0.5 | 75.0 / 60 | gateway 0.50, 43.0 / 40; forwarder 0.45, 32.0 / 20 |",
+		"- `l4-l4` per-call, counted by its processes: gateway caddy_ktls_gateway_dials_total{module=\"layer4.handlers.sandbox_proxy\",result=\"overloaded\"} × 20; forwarder caddy_ktls_handshake_failures_total{module=\"layer4.handlers.ktls\",reason=\"overloaded\"} × 20\n",
+		"- `l4-l4` per-call: reset: gateway: reset in first-read × 20\n",
+		// l4-l4 against l7-l7: capacity 150 ÷ 100, p99 20 ÷ 40 ms at 50 %,
+		// 45 ÷ 60 ms at 80 %; CPU per call at 100 %: 0.90 cores ÷ 150/s.
+		"| `l4-l4` | per-call | 150 | ×1.50 | 20.0 | ×0.50 | 25.0 | 45.0 | ×0.75 | 50.0 | 0.93 | reset 20 | 6.0 (gateway 3.0 + forwarder 3.0) | 2001 handshakes, 2000 resumed | 2575 (2574) |",
+		"| `l7-l7` | per-call | 100 | ×1.00 | 40.0 | ×1.00 | 50.0 | 60.0 | ×1.00 | 70.0 | 0.40 | gateway 12, timeout 3 | 9.0 (gateway 5.0 + forwarder 4.0) | 1001 handshakes, 1000 resumed | – |",
+	} {
+		if !strings.Contains(md, want) {
+			t.Errorf("the report lacks %q:\n%s", want, md)
+		}
+	}
+	if strings.Contains(md, `result=\"ok\"} ×`) || strings.Contains(md, "dials_resumed_total{module=\"layer4.handlers.sandbox_proxy\"} ×") {
+		t.Error("ok dials or resumptions listed as failures")
+	}
+}
+
+// A run of one-process contenders shows no chain figures: no section, no
+// per-process column, no CPU shares.
+func TestLoadReportWithoutChains(t *testing.T) {
+	md := string(renderLoadMarkdown(readSyntheticLoad(t, "testdata/synthetic-load.json"), "x"))
+	for _, absent := range []string{"## The gateway chains", "per hop", " = gateway", "user TLS"} {
+		if strings.Contains(md, absent) {
+			t.Errorf("a run without chains shows %q", absent)
+		}
+	}
+}
+
+// A process's counter series is listed as a failure unless it counts
+// what went right: an ok dial, a resumption, a tunnel closed in order, a
+// standby connection used, a handshake or a direction offloaded.
+func TestFailureSeries(t *testing.T) {
+	for series, want := range map[string]bool{
+		`caddy_ktls_gateway_dials_total{module="m",result="ok"}`:               false,
+		`caddy_ktls_gateway_dials_total{module="m",result="overloaded"}`:       true,
+		`caddy_ktls_gateway_dials_resumed_total{module="m"}`:                   false,
+		`caddy_ktls_gateway_tunnel_ends_total{end="closed",module="m"}`:        false,
+		`caddy_ktls_gateway_tunnel_ends_total{end="refused",module="m"}`:       true,
+		`caddy_ktls_gateway_standby_total{module="m",outcome="used"}`:          false,
+		`caddy_ktls_gateway_standby_total{module="m",outcome="lost"}`:          true,
+		`caddy_ktls_handshakes_total{module="m",reason="none"}`:                false,
+		`caddy_ktls_handshakes_total{module="m",reason="handshake-failed"}`:    true,
+		`caddy_ktls_offload_directions_total{direction="tx",mode="sw"}`:        false,
+		`caddy_ktls_offload_directions_total{direction="rx",mode="userspace"}`: true,
+		`caddy_ktls_connections_closed_total{event="alert",module="m"}`:        true,
+		`caddy_ktls_handshake_failures_total{module="m",reason="overloaded"}`:  true,
+		`caddy_ktls_sandbox_rejects_total{reason="overloaded"}`:                true,
+	} {
+		if got := isFailureSeries(series); got != want {
+			t.Errorf("%s: failure %v, want %v", series, got, want)
+		}
+	}
+}

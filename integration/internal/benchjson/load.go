@@ -51,6 +51,8 @@ type LoadParams struct {
 	// MaxSchedulingDelay: the forwarder's max_scheduling_delay, a Go
 	// duration ("": none).
 	MaxSchedulingDelay string `json:"max_scheduling_delay,omitempty"`
+	// Standby: the standby option of l4-l4-standby's gateway.
+	Standby int `json:"standby,omitempty"`
 }
 
 // LoadResult is one contender and shape.
@@ -80,8 +82,51 @@ type LoadResult struct {
 	Tunnels   int64 `json:"tunnels_opened"`
 	// Established: of those, the ones with a completed call, which the
 	// key-install check counts.
-	Established int64    `json:"tunnels_established"`
-	Errors      []string `json:"errors,omitempty"`
+	Established int64 `json:"tunnels_established"`
+	// Handshakes: the TLS handshakes the generator's user connections
+	// made with the contender (a chain's gateway) over the shape, and
+	// Resumed those of them that resumed a session (what a per-call
+	// connection pays: a full or a resumed handshake); 0 where not
+	// recorded.
+	Handshakes int64 `json:"user_handshakes,omitempty"`
+	Resumed    int64 `json:"user_resumed,omitempty"`
+	// UpstreamConns: a chain's tunnels over the shape, counted as the
+	// connections the upstream accepted (one per forwarder tunnel), the
+	// unit of its key-install check.
+	UpstreamConns int64 `json:"upstream_conns,omitempty"`
+	// GatewayTunnels: the tunnels a chain's gateway opened over the shape
+	// (its caddy_ktls_gateway_dials_total{result="ok"}), the unit of the
+	// key-install check where the gateway counts them: under overload
+	// the upstream accepts connections that are no tunnel's.
+	GatewayTunnels int64 `json:"gateway_tunnels,omitempty"`
+	// ULPFallbacks: sockets a chain's processes served in userspace over
+	// the shape because TCP_ULP failed on them (their peer had left after
+	// the handshake): they install no key, and the key-install check
+	// counts them as installed.
+	ULPFallbacks int64 `json:"ulp_fallback_sockets,omitempty"`
+	// HopsBefore: a chain's processes, the gateway first, each with its
+	// resident memory and open fds just before the shape (their sums
+	// are RSSBefore and FDsBefore).
+	HopsBefore []Hop    `json:"hops_before,omitempty"`
+	Errors     []string `json:"errors,omitempty"`
+}
+
+// Hop is one process of a chain over a step: its CPU, memory and the
+// changes of its own failure counters.
+type Hop struct {
+	// Name: gateway or forwarder (l7-l7's dataplane Caddy is its
+	// forwarder hop).
+	Name string `json:"name"`
+	// CPU: its CPU in cores over the step (0 in HopsBefore).
+	CPU float64 `json:"cpu,omitempty"`
+	// RSS and FDs: its resident memory (bytes) and open file descriptors
+	// at the step's end (before the shape, in HopsBefore).
+	RSS int64 `json:"rss_bytes,omitempty"`
+	FDs int   `json:"fds,omitempty"`
+	// Counters: the change over the step of each of its Prometheus
+	// series (LoadCounterFamilies) that changed, keyed by the series as
+	// /metrics names it (name{labels}).
+	Counters map[string]float64 `json:"counters,omitempty"`
 }
 
 // Step is one step of a run at a fixed offered rate.
@@ -122,6 +167,9 @@ type Step struct {
 	// holds and the calls still in flight included (0: not recorded).
 	ContenderRSS int64 `json:"contender_rss_bytes,omitempty"`
 	ContenderFDs int   `json:"contender_fds,omitempty"`
+	// Hops: a chain's processes over the step, the gateway first; the
+	// contender's CPU, RSS and fds above are their sums.
+	Hops []Hop `json:"hops,omitempty"`
 	// SettleSeconds: how long the step waited, before it began, for the
 	// contender to be idle (the work a previous step left it).
 	SettleSeconds float64 `json:"settle_s"`
@@ -153,8 +201,12 @@ const (
 	// HTTP 503 (reverse_proxy's own refusal).
 	ClassRefused = "refused"
 	// ClassTarget: the upstream's own failure, as the proxy reports it
-	// (HTTP 502).
+	// (HTTP 502 from a one-process contender).
 	ClassTarget = "target"
+	// ClassGateway: a chain's gateway answered for a failure behind it
+	// (its HTTP 502): the forwarder's refusal, its shedding, or the
+	// target's failure; the hops' counters (Hop.Counters) say which.
+	ClassGateway = "gateway"
 	// ClassTimeout: the generator's own per-call deadline passed (a
 	// proxy-side timeout shows as a close or an alert instead).
 	ClassTimeout = "timeout"
@@ -168,4 +220,24 @@ const (
 )
 
 // Classes are the classes in the order the reports list them.
-var Classes = []string{ClassRefused, ClassTarget, ClassTimeout, ClassReset, ClassCorrupt, ClassOther}
+var Classes = []string{ClassRefused, ClassGateway, ClassTarget, ClassTimeout, ClassReset, ClassCorrupt, ClassOther}
+
+// LoadCounterFamilies are the Prometheus counter families a load run reads
+// from each hop of a chain before and after every step (Hop.Counters):
+// the gateway modules' dials by result and those that resumed a session
+// with the forwarder, their tunnels' ends, their standby connections, the
+// ktls handlers' and the sandbox handler's refusals by reason, and the kTLS
+// engine's handshakes by offload outcome, its directions by where their
+// records are processed, and the connections it ended after a handshake
+// (where a socket's keys did not go to the kernel, and why).
+var LoadCounterFamilies = []string{
+	"caddy_ktls_handshakes_total",
+	"caddy_ktls_offload_directions_total",
+	"caddy_ktls_connections_closed_total",
+	"caddy_ktls_gateway_dials_total",
+	"caddy_ktls_gateway_dials_resumed_total",
+	"caddy_ktls_gateway_tunnel_ends_total",
+	"caddy_ktls_gateway_standby_total",
+	"caddy_ktls_handshake_failures_total",
+	"caddy_ktls_sandbox_rejects_total",
+}

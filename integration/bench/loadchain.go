@@ -1,0 +1,241 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
+)
+
+// loadHop is one process of a load contender: the forwarder alone, or a
+// chain's gateway and the hop behind it; a step records each one's CPU,
+// memory and (with an admin endpoint) its counters.
+type loadHop struct {
+	name string
+	pid  int
+	// admin: the unix socket of its admin endpoint ("": none).
+	admin string
+}
+
+// sampleHops samples every hop's CPU.
+func sampleHops(hops []loadHop) ([]cpuSample, error) {
+	out := make([]cpuSample, len(hops))
+	for i, h := range hops {
+		s, err := sampleCPU(h.pid)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", h.name, err)
+		}
+		out[i] = s
+	}
+	return out, nil
+}
+
+// hopCPUs is each hop's CPU in cores between two samples wall seconds
+// apart.
+func hopCPUs(a, b []cpuSample, wall float64) []float64 {
+	out := make([]float64, len(a))
+	for i := range a {
+		cpu, _, _, _ := cpuUsed(a[i], b[i])
+		out[i] = cpu / wall
+	}
+	return out
+}
+
+// scrapeHops reads every hop's counters of benchjson.LoadCounterFamilies
+// (nil for a hop without an admin endpoint, or whose endpoint failed:
+// its counters are then left out of the step).
+func scrapeHops(hops []loadHop) []map[string]float64 {
+	out := make([]map[string]float64, len(hops))
+	for i, h := range hops {
+		if h.admin == "" {
+			continue
+		}
+		c, err := scrapeCounters(h.admin)
+		if err != nil {
+			continue
+		}
+		out[i] = c
+	}
+	return out
+}
+
+// scrapeCounters reads the counters of benchjson.LoadCounterFamilies from
+// the /metrics of the admin endpoint on sock.
+func scrapeCounters(sock string) (map[string]float64, error) {
+	client := adminClient(sock)
+	client.Timeout = 10 * time.Second
+	resp, err := client.Get("http://localhost/metrics")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("/metrics: %s", resp.Status)
+	}
+	return parseCounters(body, benchjson.LoadCounterFamilies), nil
+}
+
+// parseCounters reads the series of families from Prometheus's text
+// format: each sample line "name{labels} value", keyed by "name{labels}".
+func parseCounters(text []byte, families []string) map[string]float64 {
+	out := map[string]float64{}
+	for line := range strings.SplitSeq(string(text), "\n") {
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			continue
+		}
+		series := line[:i]
+		name, _, _ := strings.Cut(series, "{")
+		if !slices.Contains(families, name) {
+			continue
+		}
+		if v, err := strconv.ParseFloat(line[i+1:], 64); err == nil {
+			out[series] = v
+		}
+	}
+	return out
+}
+
+// counterDelta is the change of every series from before to after that
+// changed (a series new in after counts from 0); nil when none did, or
+// when either scrape is missing.
+func counterDelta(before, after map[string]float64) map[string]float64 {
+	if before == nil || after == nil {
+		return nil
+	}
+	var out map[string]float64
+	for k, v := range after {
+		if d := v - before[k]; d != 0 {
+			if out == nil {
+				out = map[string]float64{}
+			}
+			out[k] = d
+		}
+	}
+	return out
+}
+
+// hopStep is what a step records of its contender's processes: their CPU
+// (cores), resident memory and fds summed into the step's contender
+// figures, and for a chain each hop's figures and counter changes
+// (Step.Hops; one process has none, as before chains were driven).
+func hopStep(s *benchjson.Step, hops []loadHop, cpus []float64, before, after []map[string]float64) {
+	chain := len(hops) > 1
+	var sum float64
+	for i, h := range hops {
+		rss, fds := procMemory(h.pid)
+		s.ContenderRSS += rss
+		s.ContenderFDs += fds
+		if cpus != nil {
+			sum += cpus[i]
+		}
+		if !chain {
+			continue
+		}
+		hs := benchjson.Hop{Name: h.name, RSS: rss, FDs: fds}
+		if cpus != nil {
+			hs.CPU = round(cpus[i], 2)
+		}
+		if before != nil && after != nil {
+			hs.Counters = counterDelta(before[i], after[i])
+		}
+		s.Hops = append(s.Hops, hs)
+	}
+	if cpus != nil {
+		s.ContenderCPU = round(sum, 2)
+	}
+}
+
+// hopsBefore is the contender's processes' resident memory and fds before
+// a shape: their sums, and for a chain each one's.
+func hopsBefore(hops []loadHop) (rss int64, fds int, each []benchjson.Hop) {
+	for _, h := range hops {
+		r, f := procMemory(h.pid)
+		rss += r
+		fds += f
+		if len(hops) > 1 {
+			each = append(each, benchjson.Hop{Name: h.name, RSS: r, FDs: f})
+		}
+	}
+	return rss, fds, each
+}
+
+// classifyChain names a failed call through a chain: as classify does, but
+// every answer the user connection got came from the gateway, whose
+// peer-side failures (a refusal, a reset, a close, an alert, an HTTP
+// status) the cause names as the gateway's, and whose HTTP 502 is its own
+// answer for a failure behind it (ClassGateway), not the target's; the
+// generator's own deadline and wrong bytes stay as they are.
+func classifyChain(err error) (class, cause string) {
+	class, cause = classify(err)
+	switch class {
+	case benchjson.ClassTimeout, benchjson.ClassCorrupt:
+		return class, cause
+	case benchjson.ClassTarget:
+		class = benchjson.ClassGateway
+	}
+	return class, "gateway: " + cause
+}
+
+// gatewayOKDials is how many tunnels a chain's gateway (hops[0]) opened
+// between two scrapes: the change of its caddy_ktls_gateway_dials_total
+// series with result ok; counted is false where the gateway has no such
+// series (l7-l7's reverse_proxy) or a scrape is missing.
+func gatewayOKDials(before, after []map[string]float64) (n int64, counted bool) {
+	if len(before) == 0 || len(after) == 0 || before[0] == nil || after[0] == nil {
+		return 0, false
+	}
+	return seriesDelta(before[0], after[0], func(name, series string) bool {
+		return name == "caddy_ktls_gateway_dials_total" && strings.Contains(series, `result="ok"`)
+	})
+}
+
+// ulpFallbacks is how many sockets the chain's processes served in
+// userspace because TCP_ULP failed on them between two scrapes (their
+// caddy_ktls_handshakes_total{reason="setsockopt-ulp"}): on a kernel with
+// kTLS that is a socket no longer established, whose peer left after the
+// handshake (a user at its deadline, a gateway giving up on a tunnel), and
+// which installs no key.
+func ulpFallbacks(before, after []map[string]float64) int64 {
+	var n int64
+	for i := range min(len(before), len(after)) {
+		if before[i] == nil || after[i] == nil {
+			continue
+		}
+		d, _ := seriesDelta(before[i], after[i], func(name, series string) bool {
+			return name == "caddy_ktls_handshakes_total" && strings.Contains(series, `reason="setsockopt-ulp"`)
+		})
+		n += d
+	}
+	return n
+}
+
+// seriesDelta sums the change of the series that match from before to
+// after; found says whether after has any.
+func seriesDelta(before, after map[string]float64, match func(name, series string) bool) (n int64, found bool) {
+	for k, v := range after {
+		name, _, _ := strings.Cut(k, "{")
+		if match(name, k) {
+			n += int64(v - before[k])
+			found = true
+		}
+	}
+	return n, found
+}
+
+// chainOpenParallel is how many of a chain's tunnels open at a time: each
+// is two TLS handshakes (l7-l7 and l7-l4: one, and their gateway's
+// dials) on the contender's CPU, where a one-process contender does one.
+const chainOpenParallel = 16

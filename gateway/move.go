@@ -254,13 +254,7 @@ func (d *Dialer) moveSessions(c *carried, m Mover, paused *splice.Paused) (stay 
 		return stayHere(StayNotMovable, err, tunnelState, tunnelFile)
 	}
 	defer clear(state)
-	files := []*os.File{userFile, tunnelFile}
-	for _, p := range paused.Pipes {
-		if p != nil {
-			files = append(files, p)
-		}
-	}
-	if moved, err := m.Move(MoveKindTunnel, state, files...); !moved {
+	if moved, err := m.Move(MoveKindTunnel, state, append([]*os.File{userFile, tunnelFile}, paused.Files()...)...); !moved {
 		return stayHere(StayRefused, err, tunnelState, tunnelFile)
 	}
 	return "", nil
@@ -308,22 +302,12 @@ func (d *Dialer) AdoptTunnel(state []byte, files []*os.File) (*AdoptedTunnel, er
 		return nil, fmt.Errorf("gateway: moved tunnel version %d, this build adopts %d", mt.Version, MovedTunnelVersion)
 	}
 	r := Route{Forwarder: mt.Forwarder, Sandbox: mt.Sandbox, Target: mt.Target, Client: mt.Client}
-	pending := 0
-	for _, pd := range mt.Relay.Dirs {
-		if pd.Pending > 0 {
-			pending++
-		}
+	if len(files) < 2 {
+		return nil, fmt.Errorf("gateway: moved tunnel %s: %d descriptors, want the two sessions' and the pipes'", r, len(files))
 	}
-	if len(files) != 2+pending {
-		return nil, fmt.Errorf("gateway: moved tunnel %s: %d descriptors, want %d", r, len(files), 2+pending)
-	}
-	paused := &splice.Paused{State: mt.Relay}
-	next := 2
-	for dir, pd := range mt.Relay.Dirs {
-		if pd.Pending > 0 {
-			paused.Pipes[dir] = files[next]
-			next++
-		}
+	paused, err := splice.NewPaused(mt.Relay, files[2:])
+	if err != nil {
+		return nil, fmt.Errorf("gateway: moved tunnel %s: %w", r, err)
 	}
 	user, releaseUser, err := ktls.AdoptConn(d.cfg.UserKTLS)(mt.User, files[0])
 	if err != nil {

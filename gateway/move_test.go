@@ -251,8 +251,9 @@ func TestMovedTunnelState(t *testing.T) {
 	}{
 		{"another version", otherState, []*os.File{r, w, r}, "version"},
 		{"not JSON", []byte("{"), []*os.File{r, w, r}, "moved tunnel"},
-		// Two sockets and BToA's pipe: one missing.
-		{"descriptors missing", b, []*os.File{r, w}, "2 descriptors, want 3"},
+		// Two sockets and BToA's pipe.
+		{"a pipe missing", b, []*os.File{r, w}, "pipes: 0, want 1"},
+		{"a socket missing", b, []*os.File{r}, "1 descriptors"},
 		{"sessions that do not decode", b, []*os.File{r, w, r}, "the user's session"},
 	} {
 		a, err := d.AdoptTunnel(c.state, c.files)

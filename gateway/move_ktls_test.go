@@ -64,11 +64,13 @@ func TestKernelGatewayMoveTunnels(t *testing.T) {
 	f := startForwarder(t, p, gw, "127.0.0.0/8")
 	userOpts, tunnelOpts := ktls.Options{RequireOffload: true}, ktls.Options{RequireOffload: true}
 	if rekey {
-		// Keys renewed every 32 records (512 KiB) on the user's hop and
-		// every 128 on the forwarder's, whose KeyUpdate rate limit is the
-		// default one.
-		userOpts.RecordLimit, userOpts.KeyUpdateLimit = 32, ktls.Rate{PerSecond: 1e6, Burst: 1e6}
-		tunnelOpts.RecordLimit = 128
+		// Keys renewed every 256 records (4 MiB) on both hops: a peer
+		// asked to update its key must do so within as many records again,
+		// which a client's reader that lags behind its writer may not
+		// within fewer. The count goes on across the move, so the first
+		// renewal in the new process comes within 256 records.
+		userOpts.RecordLimit, userOpts.KeyUpdateLimit = 256, ktls.Rate{PerSecond: 1e6, Burst: 1e6}
+		tunnelOpts.RecordLimit = 256
 	}
 	old, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: tunnelOpts, UserKTLS: userOpts})
 	if err != nil {
@@ -103,7 +105,7 @@ func TestKernelGatewayMoveTunnels(t *testing.T) {
 		}
 	}
 	if res.Moved != moved || res.Stayed[StayRefused] != n-moved || len(res.Stays) != n-moved || len(res.Pauses) != moved {
-		t.Fatalf("moved %d, stays %v; want %d moved, %d refused", res.Moved, res.Stays, moved, n-moved)
+		t.Errorf("moved %d, stays %v; want %d moved, %d refused", res.Moved, res.Stays, moved, n-moved)
 	}
 	if nu.Tunnels() != 0 || old.Tunnels() != n-moved {
 		t.Errorf("carried %d tunnels here and %d in the other process after the move, want %d and none", old.Tunnels(), nu.Tunnels(), n-moved)
@@ -111,7 +113,7 @@ func TestKernelGatewayMoveTunnels(t *testing.T) {
 	results := make(chan carryResult, n)
 	var runs sync.WaitGroup
 	m.run(&runs, results)
-	if rekey {
+	if rekey && res.Moved == moved {
 		waitUntil(t, "a KeyUpdate applied by each moved user session and the moved forwarder sessions", func() bool {
 			users, _ := userUpdates.counts()
 			_, tunnels := tunnelUpdates.counts()

@@ -74,28 +74,31 @@ func runUserStream(addr string, roots *tls.Config, seed uint64, start, release <
 type streams struct {
 	users   []*userStream
 	wg      sync.WaitGroup
-	release chan struct{}
+	release func()
 }
 
 // startStreams opens n user streams through fr, once d carries each, and
-// waits for bytes of each to have reached up; close release to let them
-// finish, then wait.
+// waits for bytes of each to have reached up; finish lets them end, as
+// the test's cleanup does.
 func startStreams(t *testing.T, fr *front, roots *tls.Config, d *Dialer, up *forwardtest.Upstream, n int) *streams {
 	t.Helper()
-	s := &streams{users: make([]*userStream, n), release: make(chan struct{})}
+	release := make(chan struct{})
+	s := &streams{users: make([]*userStream, n), release: sync.OnceFunc(func() { close(release) })}
 	start := make(chan struct{})
+	startOnce := sync.OnceFunc(func() { close(start) })
+	t.Cleanup(func() { startOnce(); s.finish() })
 	for i := range n {
-		s.wg.Go(func() { s.users[i] = runUserStream(fr.ln.Addr().String(), roots, uint64(i+1), start, s.release) })
+		s.wg.Go(func() { s.users[i] = runUserStream(fr.ln.Addr().String(), roots, uint64(i+1), start, release) })
 	}
 	waitUntil(t, "every tunnel carried", func() bool { return d.Tunnels() == n })
-	close(start)
+	startOnce()
 	waitUntil(t, "bytes moving", func() bool { return up.Received() > int64(n)*64<<10 })
 	return s
 }
 
 // finish lets the streams end and waits for them.
 func (s *streams) finish() {
-	close(s.release)
+	s.release()
 	s.wg.Wait()
 }
 

@@ -187,6 +187,9 @@ func (d *Dialer) move(ctx context.Context, c *carried, m Mover) (stay string, pa
 	defer paused.Close()
 	stay, err = d.moveSessions(c, m, paused)
 	if stay == "" {
+		// Its registration goes with it: MoveTunnels returns with the
+		// moved tunnels carried by the other process alone.
+		d.tunnels.remove(c)
 		c.verdict <- moveVerdict{moved: true}
 		return "", time.Since(start), nil
 	}

@@ -2,16 +2,15 @@ package gateway
 
 import (
 	"context"
-	"crypto/sha256"
 	"crypto/tls"
 	"encoding/json"
 	"errors"
-	"io"
 	"net/netip"
 	"os"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -22,78 +21,35 @@ import (
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
-// userStream is a user's session through a front: once start is closed
-// it writes its pattern in paced chunks until release is closed and 32
-// chunks more, then half-closes, and reads to the end.
-type userStream struct {
-	sent, recv   [32]byte
-	sentN, recvN int64
-	err          error
-}
-
-func runUserStream(addr string, roots *tls.Config, seed uint64, start, release <-chan struct{}) *userStream {
-	us := &userStream{}
-	c, err := tls.Dial("tcp", addr, &tls.Config{RootCAs: roots.RootCAs, ServerName: "localhost"})
-	if err != nil {
-		us.err = err
-		return us
-	}
-	defer c.Close()
-	errc := make(chan error, 1)
-	go func() {
-		<-start
-		h, p := sha256.New(), forwardtest.NewPattern(seed)
-		buf := make([]byte, 16<<10)
-		for more := 32; more > 0; time.Sleep(2 * time.Millisecond) {
-			select {
-			case <-release:
-				more--
-			default:
-			}
-			p.Read(buf)
-			h.Write(buf)
-			if _, err := c.Write(buf); err != nil {
-				errc <- err
-				return
-			}
-			us.sentN += int64(len(buf))
-		}
-		copy(us.sent[:], h.Sum(nil))
-		errc <- c.CloseWrite()
-	}()
-	h := sha256.New()
-	us.recvN, us.err = io.Copy(h, c)
-	copy(us.recv[:], h.Sum(nil))
-	if werr := <-errc; us.err == nil {
-		us.err = werr
-	}
-	return us
-}
-
-// streams is n userStreams through a front, moving bytes both ways.
-type streams struct {
-	users   []*userStream
-	wg      sync.WaitGroup
-	release func()
-}
-
-// startStreams opens n user streams through fr, once d carries each, and
-// waits for bytes of each to have reached up; finish lets them end, as
-// the test's cleanup does.
+// startStreams opens n user streams (forwardtest.RunStream) through fr,
+// once d carries each, and waits for bytes of each to have reached up;
+// finish lets them end, as the test's cleanup does.
 func startStreams(t *testing.T, fr *front, roots *tls.Config, d *Dialer, up *forwardtest.Upstream, n int) *streams {
 	t.Helper()
 	release := make(chan struct{})
-	s := &streams{users: make([]*userStream, n), release: sync.OnceFunc(func() { close(release) })}
+	s := &streams{users: make([]*forwardtest.Stream, n), release: sync.OnceFunc(func() { close(release) })}
 	start := make(chan struct{})
 	startOnce := sync.OnceFunc(func() { close(start) })
 	t.Cleanup(func() { startOnce(); s.finish() })
+	cfg := &tls.Config{RootCAs: roots.RootCAs, ServerName: "localhost"}
 	for i := range n {
-		s.wg.Go(func() { s.users[i] = runUserStream(fr.ln.Addr().String(), roots, uint64(i+1), start, release) })
+		c, err := tls.Dial("tcp", fr.ln.Addr().String(), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.wg.Go(func() { s.users[i] = forwardtest.RunStream(c, nil, uint64(i+1), start, release) })
 	}
 	waitUntil(t, "every tunnel carried", func() bool { return d.Tunnels() == n })
 	startOnce()
 	waitUntil(t, "bytes moving", func() bool { return up.Received() > int64(n)*64<<10 })
 	return s
+}
+
+// streams is n user streams through a front, moving bytes both ways.
+type streams struct {
+	users   []*forwardtest.Stream
+	wg      sync.WaitGroup
+	release func()
 }
 
 // finish lets the streams end and waits for them.
@@ -102,24 +58,9 @@ func (s *streams) finish() {
 	s.wg.Wait()
 }
 
-// exact checks that each user's bytes reached an upstream connection
-// exact, and that it read exactly what that connection sent.
-func (s *streams) exact(t *testing.T, ups []forwardtest.Result) {
-	t.Helper()
-	for i, us := range s.users {
-		ok := false
-		for _, r := range ups {
-			ok = ok || (r.RecvSum == us.sent && r.Received == us.sentN && r.SentSum == us.recv && r.Sent == us.recvN)
-		}
-		if !ok || us.err != nil || us.recvN == 0 {
-			t.Errorf("user %d (sent %d, read %d, %v): no upstream connection received its bytes exact and sent it what it read", i, us.sentN, us.recvN, us.err)
-		}
-	}
-}
-
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(2 * time.Minute); !cond(); time.Sleep(5 * time.Millisecond) {
+	for deadline := time.Now().Add(5 * time.Minute); !cond(); time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
@@ -184,12 +125,14 @@ type carryResult struct {
 	dials []error
 }
 
-// run runs the adopted tunnels and sends each outcome to results.
-func (m *adoptingMover) run(runs *sync.WaitGroup, results chan<- carryResult) {
+// run runs the adopted tunnels and sends each outcome to results; ended
+// counts those that ended.
+func (m *adoptingMover) run(runs *sync.WaitGroup, results chan<- carryResult, ended *atomic.Int32) {
 	for _, a := range m.adopted {
 		runs.Go(func() {
 			var r carryResult
 			r.stats, r.end, r.err = a.Run(func(_ *ktls.Conn, err error) { r.dials = append(r.dials, err) })
+			ended.Add(1)
 			results <- r
 		})
 	}
@@ -304,7 +247,7 @@ func TestMoveUserspaceTLSTunnelsStay(t *testing.T) {
 	}
 	s.finish()
 	up.Close()
-	s.exact(t, up.Results())
+	forwardtest.ExactBothWays(t, s.users, up.Results())
 	for range n {
 		if r := fr.result(t); r.err != nil || r.end != EndClosed || len(r.dials) != 1 || r.dials[0] != nil {
 			t.Errorf("Carry: end %s, %v, dials %v; want %s, opened once", r.end, r.err, r.dials, EndClosed)

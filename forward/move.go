@@ -176,13 +176,7 @@ func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Dur
 		if err != nil {
 			return nil, nil, err
 		}
-		files := []*os.File{up}
-		for _, p := range paused.Pipes {
-			if p != nil {
-				files = append(files, p)
-			}
-		}
-		return state, files, nil
+		return state, append([]*os.File{up}, paused.Files()...), nil
 	}
 	stay, gw, err := mv.f.moveConn(m, MoveKindTunnel, mv.gw, encode)
 	if stay == "" {
@@ -286,22 +280,12 @@ func (f *Forwarder) Adopt(state []byte, files []*os.File) (*AdoptedTunnel, error
 	if mt.Version != MovedTunnelVersion {
 		return nil, fmt.Errorf("forward: moved tunnel version %d, this build adopts %d", mt.Version, MovedTunnelVersion)
 	}
-	pending := 0
-	for _, d := range mt.Relay.Dirs {
-		if d.Pending > 0 {
-			pending++
-		}
+	if len(files) < 2 {
+		return nil, fmt.Errorf("forward: moved tunnel %d: %d descriptors, want the two connections' and the pipes'", mt.Tunnel.ID, len(files))
 	}
-	if len(files) != 2+pending {
-		return nil, fmt.Errorf("forward: moved tunnel %d: %d descriptors, want %d", mt.Tunnel.ID, len(files), 2+pending)
-	}
-	paused := &splice.Paused{State: mt.Relay}
-	next := 2
-	for d, pd := range mt.Relay.Dirs {
-		if pd.Pending > 0 {
-			paused.Pipes[d] = files[next]
-			next++
-		}
+	paused, err := splice.NewPaused(mt.Relay, files[2:])
+	if err != nil {
+		return nil, fmt.Errorf("forward: moved tunnel %d: %w", mt.Tunnel.ID, err)
 	}
 	gw, release, err := f.cfg.AdoptConn(mt.Conn, files[0])
 	if err != nil {

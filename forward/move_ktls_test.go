@@ -53,7 +53,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 	up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
 	stat0, statErr := kerneltest.ReadStat()
 
-	clients := make([]*streamingClient, n)
+	clients := make([]*forwardtest.Stream, n)
 	var wg sync.WaitGroup
 	start, release := make(chan struct{}), make(chan struct{})
 	for i := range n {
@@ -61,7 +61,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		wg.Go(func() { clients[i] = runStreaming(c, nil, uint64(i+1), start, release) })
+		wg.Go(func() { clients[i] = forwardtest.RunStream(c, nil, uint64(i+1), start, release) })
 	}
 	waitStreaming(t, oldReg, up, n, start)
 	st, done, err := oldReg.HandOff()
@@ -95,7 +95,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 	fx.close()
 	close(oldResults)
 	close(nuResults)
-	exactBothWays(t, clients, up.Results())
+	forwardtest.ExactBothWays(t, clients, up.Results())
 	moved, spliced := 0, 0
 	for r := range oldResults {
 		if r.Moved {
@@ -188,29 +188,29 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 	waitStandby(t, nuReg, res.Moved)
 	waitStandby(t, oldReg, n-res.Moved)
 
-	clients := make([]*streamingClient, n)
+	clients := make([]*forwardtest.Stream, n)
 	var wg sync.WaitGroup
 	for i, c := range conns {
 		wg.Go(func() {
-			sc := &streamingClient{}
+			sc := &forwardtest.Stream{}
 			clients[i] = sc
 			now := time.Now()
 			claims := preamble.Claims{SandboxID: "sbx-standby", Target: up.Addr(), IssuedAt: now, ExpiresAt: now.Add(time.Minute)}
-			if sc.err = preamble.Send(context.Background(), c, signer, claims); sc.err != nil {
+			if sc.Err = preamble.Send(context.Background(), c, signer, claims); sc.Err != nil {
 				return
 			}
 			errc := make(chan error, 1)
 			go func() {
 				var err error
-				sc.sent, err = forwardtest.SendPattern(c, size, uint64(i+1))
-				sc.sentN = size
+				sc.Sent, err = forwardtest.SendPattern(c, size, uint64(i+1))
+				sc.SentN = size
 				errc <- err
 			}()
 			h := sha256.New()
-			sc.recvN, sc.err = io.Copy(h, c)
-			copy(sc.recv[:], h.Sum(nil))
-			if err := <-errc; sc.err == nil {
-				sc.err = err
+			sc.RecvN, sc.Err = io.Copy(h, c)
+			copy(sc.Recv[:], h.Sum(nil))
+			if err := <-errc; sc.Err == nil {
+				sc.Err = err
 			}
 		})
 	}
@@ -220,7 +220,7 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 	fx.close()
 	close(oldEnds)
 	close(nuEnds)
-	exactBothWays(t, clients, up.Results())
+	forwardtest.ExactBothWays(t, clients, up.Results())
 	movedEnds, tunnelsHere, splicedHere := 0, 0, 0
 	for e := range oldEnds {
 		if isStandbyEnd(e.err, StandbyMoved) {

@@ -3,9 +3,7 @@ package forward
 import (
 	"context"
 	"crypto/ed25519"
-	"crypto/sha256"
 	"errors"
-	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -137,71 +135,6 @@ func handoffSession(t testing.TB, f *Forwarder, refuse bool, results chan<- Resu
 	})
 }
 
-// streamingClient is a gateway's tunnel that writes its preamble frame,
-// then, once start is closed, its pattern in paced chunks until release is
-// closed and 32 chunks more, then half-closes, and reads to the end.
-type streamingClient struct {
-	sent, recv   [32]byte
-	sentN, recvN int64
-	err          error
-}
-
-func runStreaming(c interface {
-	net.Conn
-	CloseWrite() error
-}, frame []byte, seed uint64, start, release <-chan struct{}) *streamingClient {
-	sc := &streamingClient{}
-	defer c.Close()
-	errc := make(chan error, 1)
-	go func() {
-		if _, err := c.Write(frame); len(frame) > 0 && err != nil {
-			errc <- err
-			return
-		}
-		<-start
-		h, p := sha256.New(), forwardtest.NewPattern(seed)
-		buf := make([]byte, 16<<10)
-		for more := 32; more > 0; time.Sleep(2 * time.Millisecond) {
-			select {
-			case <-release:
-				more--
-			default:
-			}
-			p.Read(buf)
-			h.Write(buf)
-			if _, err := c.Write(buf); err != nil {
-				errc <- err
-				return
-			}
-			sc.sentN += int64(len(buf))
-		}
-		copy(sc.sent[:], h.Sum(nil))
-		errc <- c.CloseWrite()
-	}()
-	h := sha256.New()
-	sc.recvN, sc.err = io.Copy(h, c)
-	copy(sc.recv[:], h.Sum(nil))
-	if werr := <-errc; sc.err == nil {
-		sc.err = werr
-	}
-	return sc
-}
-
-// exactBothWays checks that each client's bytes reached an upstream
-// connection exact, and that it read exactly what that connection sent.
-func exactBothWays(t *testing.T, clients []*streamingClient, ups []forwardtest.Result) {
-	t.Helper()
-	for i, sc := range clients {
-		ok := false
-		for _, r := range ups {
-			ok = ok || (r.RecvSum == sc.sent && r.Received == sc.sentN && r.SentSum == sc.recv && r.Sent == sc.recvN)
-		}
-		if !ok || sc.err != nil || sc.recvN == 0 {
-			t.Errorf("client %d (sent %d, read %d, %v): no upstream connection received its bytes exact and sent it what it read", i, sc.sentN, sc.recvN, sc.err)
-		}
-	}
-}
-
 // Tunnels streaming both ways move to another forwarder mid-stream: every
 // byte arrives exact both ways, the old Serve ends Moved, the adopted relay
 // counts on from the old one's counters, and the report streams of the
@@ -243,7 +176,7 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 	runs.Wait()
 	close(results)
 	ups := up.Results()
-	exactBothWays(t, clients, ups)
+	forwardtest.ExactBothWays(t, clients, ups)
 	var movedTo, movedFrom int64
 	for _, r := range old.wait(t, n) {
 		if r != nil {
@@ -312,20 +245,20 @@ func TestMoveTunnelsRefusedStay(t *testing.T) {
 			t.Errorf("tunnel %d: %v, moved %v", old.res[i].Tunnel.ID, r, old.res[i].Moved)
 		}
 	}
-	exactBothWays(t, clients, up.Results())
+	forwardtest.ExactBothWays(t, clients, up.Results())
 }
 
 // openStreams opens n streaming tunnels to sandbox through old's
 // forwarder and waits until each moves bytes; closing release lets them
 // finish, and wg waits for them.
-func openStreams(t *testing.T, old *fixture, up *forwardtest.Upstream, sandbox string, n int) ([]*streamingClient, *sync.WaitGroup, chan struct{}) {
+func openStreams(t *testing.T, old *fixture, up *forwardtest.Upstream, sandbox string, n int) ([]*forwardtest.Stream, *sync.WaitGroup, chan struct{}) {
 	t.Helper()
-	clients := make([]*streamingClient, n)
+	clients := make([]*forwardtest.Stream, n)
 	wg := new(sync.WaitGroup)
 	start, release := make(chan struct{}), make(chan struct{})
 	for i := range n {
 		c, frame := old.dial(t), old.gw.Frame(t, sandbox, up.Addr())
-		wg.Go(func() { clients[i] = runStreaming(c, frame, uint64(i+1), start, release) })
+		wg.Go(func() { clients[i] = forwardtest.RunStream(c, frame, uint64(i+1), start, release) })
 	}
 	waitStreaming(t, old.reg, up, n, start)
 	return clients, wg, release

@@ -117,6 +117,11 @@ type Config struct {
 	// back to crypto/tls where it cannot. KTLS.Disable keeps every session
 	// in userspace.
 	KTLS ktls.Options
+	// UserKTLS is what a user's session that the Dialer adopts takes from
+	// ktls.Options (ktls.Adopt: the Observer; the offload and the limits
+	// stay the session's): the session of a tunnel moved here
+	// (AdoptTunnel), or adopted back when a move failed (MoveTunnels).
+	UserKTLS ktls.Options
 	// DialTimeout bounds the connect, the TLS handshake and the preamble's
 	// write together. Zero means DefaultDialTimeout.
 	DialTimeout time.Duration
@@ -158,6 +163,8 @@ type Dialer struct {
 	cert *x509.Certificate
 	// standby holds the standby connections (Config.Standby).
 	standby *standbys
+	// tunnels are the tunnels the Dialer's relays carry (MoveTunnels).
+	tunnels registry
 }
 
 // New returns a Dialer for cfg.

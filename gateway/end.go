@@ -20,6 +20,10 @@ const (
 	// EndFailed: anything else after the tunnel opened (internal_error, a
 	// reset, a timeout): bytes may have reached the sandbox.
 	EndFailed End = "failed"
+	// EndMoved: not an end; the tunnel moved to another process
+	// (Dialer.MoveTunnels), whose AdoptedTunnel carries it on and reports
+	// how it ends.
+	EndMoved End = "moved"
 )
 
 // EndOf classifies err, returned by a read or write on a tunnel (or by

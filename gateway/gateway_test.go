@@ -156,6 +156,13 @@ type relayResult struct {
 
 func startFront(t *testing.T, p pki, d *Dialer, route Route) *front {
 	t.Helper()
+	return startFrontWith(t, p, d, route, ktls.Options{})
+}
+
+// startFrontWith is startFront with the user's sessions offloaded as opts
+// say.
+func startFrontWith(t *testing.T, p pki, d *Dialer, route Route, opts ktls.Options) *front {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -170,7 +177,7 @@ func startFront(t *testing.T, p pki, d *Dialer, route Route) *front {
 				return
 			}
 			fr.wg.Go(func() {
-				user := ktls.Server(c, userCfg, ktls.Options{})
+				user := ktls.Server(c, userCfg, opts)
 				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 				defer cancel()
 				if err := user.HandshakeContext(ctx); err != nil {

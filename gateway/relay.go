@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -31,30 +32,49 @@ import (
 // failure too, never an orderly end for the user. opts.Refused and
 // opts.RequireCloseNotify[BToA] are set here.
 func Relay(ctx context.Context, user net.Conn, buffered []byte, tunnel net.Conn, opts splice.Options) (splice.Stats, error) {
-	if len(buffered) > 0 {
-		n, err := tunnel.Write(buffered)
-		if opts.OnBytes != nil && n > 0 {
-			opts.OnBytes(splice.AToB, n)
-		}
-		if err != nil {
-			splice.Abort(user)
-			splice.Abort(tunnel)
-			st := splice.Stats{}
-			st.AToB.Bytes, st.AToB.CopyBytes = int64(n), int64(n)
-			return st, fmt.Errorf("gateway: bytes buffered before the tunnel: %w", err)
-		}
+	opts = relayOptions(opts)
+	if st, err := sendAhead(user, buffered, tunnel, opts); err != nil {
+		return st, err
 	}
+	st, err := splice.Run(ctx, user, tunnel, opts)
+	return withAhead(st, int64(len(buffered))), err
+}
+
+// relayOptions returns opts with what Relay sets: the forwarder's
+// refusals, and close_notify required of the forwarder's side.
+func relayOptions(opts splice.Options) splice.Options {
 	opts.Refused = func(err error) bool {
 		_, cert := CertificateAlert(err)
 		return cert || Refused(err)
 	}
 	opts.RequireCloseNotify[splice.BToA] = true
-	st, err := splice.Run(ctx, user, tunnel, opts)
-	if len(buffered) > 0 {
-		st.AToB.Bytes += int64(len(buffered))
-		st.AToB.CopyBytes += int64(len(buffered))
+	return opts
+}
+
+// sendAhead writes buffered, bytes read from user before its relay, to
+// tunnel. When the write fails it ends both connections as failures and
+// returns what Relay returns: the bytes written, and the error.
+func sendAhead(user net.Conn, buffered []byte, tunnel net.Conn, opts splice.Options) (splice.Stats, error) {
+	if len(buffered) == 0 {
+		return splice.Stats{}, nil
 	}
-	return st, err
+	n, err := tunnel.Write(buffered)
+	if opts.OnBytes != nil && n > 0 {
+		opts.OnBytes(splice.AToB, n)
+	}
+	if err == nil {
+		return splice.Stats{}, nil
+	}
+	splice.Abort(user)
+	splice.Abort(tunnel)
+	return withAhead(splice.Stats{}, int64(n)), fmt.Errorf("gateway: bytes buffered before the tunnel: %w", err)
+}
+
+// withAhead returns st with the n bytes sendAhead wrote counted in AToB.
+func withAhead(st splice.Stats, n int64) splice.Stats {
+	st.AToB.Bytes += n
+	st.AToB.CopyBytes += n
+	return st
 }
 
 // RelayEnd is the End of a relay that returned st and err: how the
@@ -72,20 +92,26 @@ func RelayEnd(st splice.Stats, err error) End {
 // Carry carries a user's connection to r: it dials the tunnel and relays
 // user through it (Relay) until both directions end. dialCtx bounds the
 // dial only; the relay runs until its ends, outliving whatever asked for
-// it (a configuration reload ends no tunnel).
+// it (a configuration reload ends no tunnel). While it relays, the tunnel
+// may move to another process (MoveTunnels): Carry then returns its
+// counts at the move and EndMoved, and the other process's AdoptedTunnel
+// carries it on and reports its end.
 //
 // onDial, when set, is told once whether the tunnel opened: with the
 // tunnel and a nil error at the forwarder's first byte, or once the tunnel
 // ended any way but by refusing the gateway's certificate; with a
 // *DialError when Dial failed or the forwarder refused the certificate
 // before its first byte (with TLS 1.3 that refusal comes after Dial
-// returned). A tunnel that did not open returns that *DialError, has ended
-// user as refused, and nothing of user's reached the sandbox; one that
-// opened returns the relay's counts, its End and the relay's error.
+// returned). A tunnel that moved before it opened is not reported here:
+// the adopting process's AdoptedTunnel.Run reports it. A tunnel that did
+// not open returns that *DialError, has ended user as refused, and nothing
+// of user's reached the sandbox; one that opened returns the relay's
+// counts, its End and the relay's error.
 func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered []byte, onDial func(tunnel *ktls.Conn, err error)) (splice.Stats, End, error) {
 	if onDial == nil {
 		onDial = func(*ktls.Conn, error) {}
 	}
+	start := time.Now()
 	// The standby refill waits for the forwarder's first byte (the
 	// tunnel's end, or standbyRefillWait at most): its handshakes then
 	// never compete with this tunnel's opening for the CPU.
@@ -100,26 +126,104 @@ func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered
 		onDial(nil, err)
 		return splice.Stats{}, "", err
 	}
-	var opened atomic.Bool
-	open := func() {
-		if opened.CompareAndSwap(false, true) {
-			refill()
-			onDial(tunnel, nil)
-		}
+	c := newCarried(r, start, user, tunnel, int64(len(buffered)), refill)
+	c.onDial = onDial
+	if st, err := sendAhead(user, buffered, tunnel, c.opts); err != nil {
+		c.open()
+		return st, RelayEnd(st, err), err
 	}
-	opts := splice.Options{OnBytes: func(dir splice.Direction, _ int) {
-		if dir == splice.BToA && !opened.Load() {
-			open()
+	c.relay = splice.New(user, tunnel, c.opts)
+	return d.carry(c)
+}
+
+// carried is a tunnel that Carry, or an AdoptedTunnel's Run, relays: what
+// its end and a move (MoveTunnels) need.
+type carried struct {
+	id       uint64 // in its Dialer's registry
+	route    Route
+	opened   time.Time // when Carry began, in whichever process
+	buffered int64     // bytes sendAhead wrote, counted in AToB at the end
+	// onOpen is called once as the tunnel opens, before onDial.
+	onOpen func()
+	onDial func(tunnel *ktls.Conn, err error)
+	isOpen atomic.Bool
+	// session is the forwarder connection as onDial is told it: the one
+	// the relay carries.
+	session atomic.Pointer[ktls.Conn]
+	opts    splice.Options
+	verdict chan moveVerdict // MoveTunnels tells the paused relay's carry
+	mu      sync.Mutex       // guards relay, user and tunnel across a kept move
+	relay   *splice.Relay
+	// user and tunnel are the connections the relay carries: the user's
+	// session and the forwarder's.
+	user, tunnel net.Conn
+}
+
+// newCarried returns the carried tunnel of r between user and tunnel, its
+// relay not yet built.
+func newCarried(r Route, opened time.Time, user, tunnel net.Conn, buffered int64, onOpen func()) *carried {
+	c := &carried{route: r, opened: opened, buffered: buffered, onOpen: onOpen, user: user, tunnel: tunnel, verdict: make(chan moveVerdict, 1)}
+	if kc, ok := tunnel.(*ktls.Conn); ok {
+		c.session.Store(kc)
+	}
+	c.opts = relayOptions(splice.Options{OnBytes: func(dir splice.Direction, _ int) {
+		if dir == splice.BToA && !c.isOpen.Load() {
+			c.open()
 		}
-	}}
-	st, err := Relay(context.Background(), user, buffered, tunnel, opts)
+	}})
+	return c
+}
+
+// open reports the tunnel open, once.
+func (c *carried) open() {
+	if c.isOpen.CompareAndSwap(false, true) {
+		if c.onOpen != nil {
+			c.onOpen()
+		}
+		c.onDial(c.session.Load(), nil)
+	}
+}
+
+// carry runs c's relay, registered in d's registry for MoveTunnels, to
+// the tunnel's end or its move, and returns what Carry returns.
+func (d *Dialer) carry(c *carried) (splice.Stats, End, error) {
+	d.tunnels.add(c)
+	defer d.tunnels.remove(c)
+	relay := c.relay
+	for {
+		st, err := relay.Run(context.Background())
+		if errors.Is(err, splice.ErrPaused) {
+			v := <-c.verdict
+			c.mu.Lock()
+			var user, tunnel net.Conn
+			relay, user, tunnel = c.relay, c.user, c.tunnel
+			c.mu.Unlock()
+			switch {
+			case v.moved:
+				// Their sessions went with the tunnel: Close releases this
+				// process's descriptors only.
+				user.Close()
+				tunnel.Close()
+				return withAhead(st, c.buffered), EndMoved, nil
+			case v.resumed:
+				continue
+			}
+			err = errors.New("gateway: the tunnel did not resume after a move that failed")
+		}
+		return d.ended(c, st, err)
+	}
+}
+
+// ended is what Carry returns for c's relay that ended with st and err.
+func (d *Dialer) ended(c *carried, st splice.Stats, err error) (splice.Stats, End, error) {
+	st = withAhead(st, c.buffered)
 	if st.BToA.Bytes == 0 {
-		if de := d.CertificateRefusal(r, st.BToA.Err); de != nil {
-			// Relay has ended user as refused.
-			onDial(nil, de)
+		if de := d.CertificateRefusal(c.route, st.BToA.Err); de != nil {
+			// The relay has ended user as refused.
+			c.onDial(nil, de)
 			return st, "", de
 		}
 	}
-	open()
+	c.open()
 	return st, RelayEnd(st, err), err
 }

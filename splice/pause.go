@@ -106,6 +106,41 @@ func (p *Paused) Close() error {
 	return errors.Join(errs...)
 }
 
+// Files returns the pipes that hold bytes, in Direction order (AToB
+// first): the descriptors that travel beside the encoded State, as
+// NewPaused takes them back.
+func (p *Paused) Files() []*os.File {
+	var files []*os.File
+	for _, f := range p.Pipes {
+		if f != nil {
+			files = append(files, f)
+		}
+	}
+	return files
+}
+
+// NewPaused returns the paused relay of s whose pipes are files, in Files'
+// order: one for each direction with pending bytes. It refuses another
+// number of files. The files stay the caller's.
+func NewPaused(s PauseState, files []*os.File) (*Paused, error) {
+	want := 0
+	for _, pd := range s.Dirs {
+		if pd.Pending > 0 {
+			want++
+		}
+	}
+	if len(files) != want {
+		return nil, fmt.Errorf("splice: a paused relay's pipes: %d, want %d (one for each direction holding bytes)", len(files), want)
+	}
+	p := &Paused{State: s}
+	for d, pd := range s.Dirs {
+		if pd.Pending > 0 {
+			p.Pipes[d], files = files[0], files[1:]
+		}
+	}
+	return p, nil
+}
+
 // PauseState is what a new relay needs, beside the connections and the
 // pipes, to continue a paused one. Dirs is indexed by Direction.
 type PauseState struct {

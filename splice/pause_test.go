@@ -90,19 +90,56 @@ func moveConn(t *testing.T, c net.Conn) net.Conn {
 }
 
 // movePipes replaces p's pipes by duplicates, as SCM_RIGHTS would, and
-// closes the originals.
+// closes the originals: the pipes travel as Files and come back through
+// NewPaused.
 func movePipes(t *testing.T, p *Paused) {
 	t.Helper()
-	for d, f := range p.Pipes {
-		if f == nil {
-			continue
-		}
+	var moved []*os.File
+	for _, f := range p.Files() {
 		fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		f.Close()
-		p.Pipes[d] = os.NewFile(uintptr(fd), "moved-pipe")
+		moved = append(moved, os.NewFile(uintptr(fd), "moved-pipe"))
+	}
+	p.Close()
+	np, err := NewPaused(p.State, moved)
+	if err != nil {
+		t.Fatal(err)
+	}
+	*p = *np
+}
+
+// NewPaused takes a paused relay's pipes back in Files' order, one for
+// each direction holding bytes, and refuses another number.
+func TestNewPaused(t *testing.T) {
+	r1, w1, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r1.Close()
+	defer w1.Close()
+	var st PauseState
+	st.Dirs[BToA].Pending = 3
+	p, err := NewPaused(st, []*os.File{r1})
+	if err != nil || p.Pipes[AToB] != nil || p.Pipes[BToA] != r1 || p.State != st {
+		t.Fatalf("NewPaused: %+v, %v; want BToA's pipe alone", p, err)
+	}
+	if files := p.Files(); len(files) != 1 || files[0] != r1 {
+		t.Errorf("Files: %v, want BToA's pipe", files)
+	}
+	st.Dirs[AToB].Pending = 2
+	p, err = NewPaused(st, []*os.File{w1, r1})
+	if err != nil || p.Pipes[AToB] != w1 || p.Pipes[BToA] != r1 {
+		t.Fatalf("NewPaused: %+v, %v; want AToB's pipe, then BToA's", p, err)
+	}
+	if files := p.Files(); len(files) != 2 || files[0] != w1 || files[1] != r1 {
+		t.Errorf("Files: %v, want AToB's pipe, then BToA's", files)
+	}
+	for _, files := range [][]*os.File{nil, {r1}, {r1, w1, r1}} {
+		if p, err := NewPaused(st, files); p != nil || err == nil {
+			t.Errorf("NewPaused of %d pipes for two directions holding bytes: %+v, %v; want a refusal", len(files), p, err)
+		}
 	}
 }
 

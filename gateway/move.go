@@ -1,0 +1,355 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/splice"
+)
+
+// Moving a live tunnel to another process (a binary upgrade): the relay
+// Carry runs pauses at a safe point (splice.Relay.Pause), both sessions
+// are given up (ktls.HandOffConn: the user's, a server session, and the
+// forwarder's, a client session), and the two sockets, the pipes holding
+// bytes in flight and a MovedTunnel go to the other process (a Mover),
+// whose Dialer adopts them (AdoptTunnel) and resumes the relay. A tunnel
+// the other process does not take resumes here on its sessions adopted
+// back, as if nothing had happened. Either way it is in exactly one
+// process: the Mover decides which.
+
+// Mover moves one object to another process: kind and state are the
+// object's, files its descriptors (the caller's still). moved reports
+// whether the other process took it; when it did not, err says why. It is
+// forward.Mover's shape, so that one handoff session serves both.
+type Mover interface {
+	Move(kind uint16, state []byte, files ...*os.File) (moved bool, err error)
+}
+
+// MoveKindTunnel is the object kind of a gateway's tunnel for a Mover. It
+// differs from every other kind a handoff session carries (forward's
+// tunnels are 1, its standby connections 4; the forwarder's handoff uses 2
+// and 3), so that one session may carry them all.
+const MoveKindTunnel uint16 = 5
+
+// MovedTunnelVersion is the MovedTunnel.Version this build writes and
+// adopts.
+const MovedTunnelVersion = 1
+
+// MovedTunnel is a gateway tunnel's state as it moves. Its descriptors
+// travel beside it, in this order: the user's connection, the forwarder's,
+// then the pipes of the directions with bytes pending (AToB, user →
+// sandbox, first).
+type MovedTunnel struct {
+	Version int `json:"version"`
+	// Forwarder, Sandbox, Target and Client are the tunnel's Route.
+	Forwarder string                  `json:"forwarder"`
+	Sandbox   string                  `json:"sandbox"`
+	Target    netip.AddrPort          `json:"target"`
+	Client    preamble.ClientIdentity `json:"client"`
+	// Opened is when Carry began the tunnel.
+	Opened time.Time `json:"opened"`
+	// Open says whether the tunnel was reported open (Carry's onDial):
+	// when not, the adopting process reports it.
+	Open bool `json:"open"`
+	// Buffered is how many bytes were written to the forwarder before the
+	// relay ran (Carry's buffered), which the tunnel's AToB counts.
+	Buffered int64 `json:"buffered"`
+	// User and Tunnel are the user's and the forwarder connection's
+	// sessions as ktls.HandOffConn encoded them. They hold the sessions'
+	// traffic secrets.
+	User   []byte `json:"user"`
+	Tunnel []byte `json:"tunnel"`
+	// Relay is the paused relay's state: its counters and pending bytes.
+	Relay splice.PauseState `json:"relay"`
+}
+
+// moveVerdict is what became of a paused tunnel: moved, resumed here (on
+// carried's relay, read under its mu), or neither: it ends as a failure.
+type moveVerdict struct {
+	moved, resumed bool
+}
+
+// MoveResult counts what MoveTunnels did.
+type MoveResult struct {
+	Moved int
+	// Stayed counts the tunnels that stay here, by why: they run on as
+	// before, and end here. Stays says which and the error.
+	Stayed map[string]int
+	Stays  []Stay
+	// Pauses are how long each moved tunnel's relay stood still, in order.
+	Pauses []time.Duration
+}
+
+// Stay is a tunnel that stayed, why and the error that said so.
+type Stay struct {
+	Route Route
+	Why   string
+	Err   error
+}
+
+func (r *MoveResult) stay(s Stay) {
+	if r.Stayed == nil {
+		r.Stayed = map[string]int{}
+	}
+	r.Stayed[s.Why]++
+	r.Stays = append(r.Stays, s)
+}
+
+// The reasons a tunnel stays (MoveResult.Stayed).
+const (
+	StayNotMovable = "not-movable" // its state could not be encoded
+	StayPause      = "pause"       // the relay would not pause (splice.PauseReason in the error): on the copy path, opening or ending
+	StayConn       = "conn"        // a session could not be given up (ktls.HandoffReason in the error: userspace TLS, say)
+	StayRefused    = "refused"     // the other process refused it, or the session failed
+)
+
+// registry is a Dialer's tunnels that a relay carries, each from its
+// relay's start to its end or move.
+type registry struct {
+	mu      sync.Mutex
+	next    uint64
+	tunnels map[uint64]*carried
+}
+
+func (r *registry) add(c *carried) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.tunnels == nil {
+		r.tunnels = map[uint64]*carried{}
+	}
+	r.next++
+	c.id = r.next
+	r.tunnels[c.id] = c
+}
+
+func (r *registry) remove(c *carried) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.tunnels, c.id)
+}
+
+func (r *registry) list() []*carried {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	list := make([]*carried, 0, len(r.tunnels))
+	for _, c := range r.tunnels {
+		list = append(list, c)
+	}
+	return list
+}
+
+// Tunnels returns how many tunnels d's relays carry now: Carry's and
+// AdoptedTunnel Run's.
+func (d *Dialer) Tunnels() int {
+	d.tunnels.mu.Lock()
+	defer d.tunnels.mu.Unlock()
+	return len(d.tunnels.tunnels)
+}
+
+// MoveTunnels offers every tunnel d carries to m, one at a time, and
+// returns what became of them. The moved tunnels' Carry return EndMoved.
+// A failure of m's session fails every later offer the same way: each is
+// counted as refused.
+func (d *Dialer) MoveTunnels(ctx context.Context, m Mover) MoveResult {
+	var res MoveResult
+	for _, c := range d.tunnels.list() {
+		why, pause, err := d.move(ctx, c, m)
+		if why == "" {
+			res.Moved++
+			res.Pauses = append(res.Pauses, pause)
+		} else {
+			res.stay(Stay{Route: c.route, Why: why, Err: err})
+		}
+	}
+	return res
+}
+
+// move offers c to m: "" when it moved, else why it stays and the error.
+// Once the relay paused, c's carry is told the verdict, and runs on (on
+// the sessions adopted back) unless the tunnel moved.
+func (d *Dialer) move(ctx context.Context, c *carried, m Mover) (stay string, pause time.Duration, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	start := time.Now()
+	paused, err := c.relay.Pause(ctx)
+	if err != nil {
+		return StayPause, 0, err
+	}
+	defer paused.Close()
+	stay, err = d.moveSessions(c, m, paused)
+	if stay == "" {
+		// Its registration goes with it: MoveTunnels returns with the
+		// moved tunnels carried by the other process alone.
+		d.tunnels.remove(c)
+		c.verdict <- moveVerdict{moved: true}
+		return "", time.Since(start), nil
+	}
+	if c.user == nil || c.tunnel == nil {
+		// A session is lost: the tunnel ends as a failure.
+		for _, conn := range []net.Conn{c.user, c.tunnel} {
+			if conn != nil {
+				splice.Abort(conn)
+			}
+		}
+		c.verdict <- moveVerdict{}
+		return stay, 0, err
+	}
+	relay, rerr := splice.Resume(c.user, c.tunnel, paused, c.opts)
+	if rerr != nil {
+		// Unreachable: the state came from this relay; end the tunnel as
+		// a failure rather than leave it stopped.
+		splice.Abort(c.user)
+		splice.Abort(c.tunnel)
+		c.verdict <- moveVerdict{}
+		return stay, 0, errors.Join(err, rerr)
+	}
+	c.relay = relay
+	c.verdict <- moveVerdict{resumed: true}
+	return stay, 0, err
+}
+
+// moveSessions gives up both sessions of c's paused relay and offers them
+// to m with c's state. It returns "" when the tunnel moved, else why it
+// stays and the error, with c.user and c.tunnel the connections it stays
+// on: those it had where a session was not given up, else the ones
+// adopted back (the old ones' descriptors closed), nil where that failed
+// (the socket closes with its last descriptor). The sessions' states and
+// the tunnel's are wiped, and the sessions' descriptors closed, before it
+// returns.
+func (d *Dialer) moveSessions(c *carried, m Mover, paused *splice.Paused) (stay string, err error) {
+	userState, userFile, err := ktls.HandOffConn(c.user)
+	if err != nil {
+		return StayConn, err
+	}
+	defer userFile.Close()
+	defer clear(userState)
+	// From here a session given up stays here as the one adopted back.
+	stayHere := func(why string, cause error, tunnelState []byte, tunnelFile *os.File) (string, error) {
+		var uerr, terr error
+		c.user, uerr = adoptBack("user's", c.user, userState, userFile, d.cfg.UserKTLS)
+		if tunnelFile != nil {
+			c.tunnel, terr = adoptBack("forwarder's", c.tunnel, tunnelState, tunnelFile, d.cfg.KTLS)
+			if kc, ok := c.tunnel.(*ktls.Conn); ok {
+				c.session.Store(kc)
+			}
+		}
+		return why, errors.Join(cause, uerr, terr)
+	}
+	tunnelState, tunnelFile, err := ktls.HandOffConn(c.tunnel)
+	if err != nil {
+		return stayHere(StayConn, err, nil, nil)
+	}
+	defer tunnelFile.Close()
+	defer clear(tunnelState)
+	r := c.route
+	state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Forwarder: r.Forwarder, Sandbox: r.Sandbox, Target: r.Target, Client: r.Client,
+		Opened: c.opened, Open: c.isOpen.Load(), Buffered: c.buffered, User: userState, Tunnel: tunnelState, Relay: paused.State})
+	if err != nil {
+		return stayHere(StayNotMovable, err, tunnelState, tunnelFile)
+	}
+	defer clear(state)
+	if moved, err := m.Move(MoveKindTunnel, state, append([]*os.File{userFile, tunnelFile}, paused.Files()...)...); !moved {
+		return stayHere(StayRefused, err, tunnelState, tunnelFile)
+	}
+	return "", nil
+}
+
+// adoptBack returns the connection that continues conn's session, given
+// up as state and f: adopted with opts, conn's own descriptors closed; nil
+// and the error when that fails (unreachable: the state came from conn).
+func adoptBack(side string, conn net.Conn, state []byte, f *os.File, opts ktls.Options) (net.Conn, error) {
+	defer conn.Close() // its descriptors; the session goes on in back
+	back, _, err := ktls.AdoptConn(opts)(state, f)
+	if err != nil {
+		return nil, fmt.Errorf("adopting the %s session back: %w", side, err)
+	}
+	return back, nil
+}
+
+// AdoptedTunnel is a tunnel another process moved here, built and not
+// started: Run it once the other process released it, or Discard it.
+type AdoptedTunnel struct {
+	// Route is the tunnel's, and Opened when Carry began it in the process
+	// it came from.
+	Route  Route
+	Opened time.Time
+	d      *Dialer
+	c      *carried
+	// release drops both adopted sessions, left to the other process.
+	release func()
+}
+
+// AdoptTunnel builds, without starting it, the tunnel of a MovedTunnel
+// state and its descriptors (MoveTunnels' order): both sessions adopted
+// (ktls.AdoptConn: the user's with Config.UserKTLS, the forwarder's with
+// Config.KTLS) and the relay resumed where it paused. The descriptors
+// stay the caller's. A refusal says why; nothing was used.
+func (d *Dialer) AdoptTunnel(state []byte, files []*os.File) (*AdoptedTunnel, error) {
+	var mt MovedTunnel
+	if err := json.Unmarshal(state, &mt); err != nil {
+		return nil, fmt.Errorf("gateway: moved tunnel: %w", err)
+	}
+	// The sessions' secrets; state is the caller's to wipe.
+	defer clear(mt.User)
+	defer clear(mt.Tunnel)
+	if mt.Version != MovedTunnelVersion {
+		return nil, fmt.Errorf("gateway: moved tunnel version %d, this build adopts %d", mt.Version, MovedTunnelVersion)
+	}
+	r := Route{Forwarder: mt.Forwarder, Sandbox: mt.Sandbox, Target: mt.Target, Client: mt.Client}
+	if len(files) < 2 {
+		return nil, fmt.Errorf("gateway: moved tunnel %s: %d descriptors, want the two sessions' and the pipes'", r, len(files))
+	}
+	paused, err := splice.NewPaused(mt.Relay, files[2:])
+	if err != nil {
+		return nil, fmt.Errorf("gateway: moved tunnel %s: %w", r, err)
+	}
+	user, releaseUser, err := ktls.AdoptConn(d.cfg.UserKTLS)(mt.User, files[0])
+	if err != nil {
+		return nil, fmt.Errorf("gateway: moved tunnel %s: the user's session: %w", r, err)
+	}
+	tunnel, releaseTunnel, err := ktls.AdoptConn(d.cfg.KTLS)(mt.Tunnel, files[1])
+	if err != nil {
+		releaseUser()
+		return nil, fmt.Errorf("gateway: moved tunnel %s: the forwarder's session: %w", r, err)
+	}
+	c := newCarried(r, mt.Opened, user, tunnel, mt.Buffered, nil)
+	c.isOpen.Store(mt.Open)
+	relay, err := splice.Resume(user, tunnel, paused, c.opts)
+	if err != nil {
+		releaseUser()
+		releaseTunnel()
+		return nil, fmt.Errorf("gateway: moved tunnel %s: %w", r, err)
+	}
+	c.relay = relay
+	return &AdoptedTunnel{Route: r, Opened: mt.Opened, d: d, c: c, release: func() { releaseUser(); releaseTunnel() }}, nil
+}
+
+// Discard drops an adopted tunnel that the other process kept: this
+// process's descriptors close, the sockets and the sessions stay the other
+// process's.
+func (a *AdoptedTunnel) Discard() {
+	a.c.relay.Discard()
+	a.release()
+}
+
+// Run carries the adopted tunnel to its end (or its next move) as Carry
+// does, and returns what Carry returns: its counts from the tunnel's
+// start, in whichever process, its End and the relay's error. onDial is
+// told whether the tunnel opened unless the process it came from already
+// said it did (as Carry's onDial).
+func (a *AdoptedTunnel) Run(onDial func(tunnel *ktls.Conn, err error)) (splice.Stats, End, error) {
+	if onDial == nil {
+		onDial = func(*ktls.Conn, error) {}
+	}
+	a.c.onDial = onDial
+	return a.d.carry(a.c)
+}

@@ -26,8 +26,8 @@ var layers = []layer{
 	{"ktls", false, []string{"internal/loopback"}},
 	{"splice", false, []string{"internal/sockerr"}},
 	{"preamble", false, nil},
-	{"forward", false, []string{"preamble", "splice", "internal/cphttp"}},
-	{"gateway", false, []string{"ktls", "preamble", "splice", "internal/cphttp"}},
+	{"forward", false, []string{"preamble", "splice", "internal/cphttp", "internal/handoff"}},
+	{"gateway", false, []string{"ktls", "preamble", "splice", "internal/cphttp", "internal/handoff"}},
 
 	// Test support: imported by tests only, never by a product package.
 	{"internal/testpki", false, nil},

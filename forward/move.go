@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
@@ -17,10 +18,10 @@ import (
 // pauses at a safe point (splice.Relay.Pause), the gateway's connection
 // gives up its session (Config.HandOffConn: the kernel TLS state), and the
 // two sockets, the pipes holding bytes in flight and a MovedTunnel go to
-// the other process (a Mover), whose Forwarder adopts them (Adopt) and
-// resumes the relay. A tunnel the other process does not take resumes
+// the other process (a handoff.Mover), whose Forwarder adopts them (Adopt)
+// and resumes the relay. A tunnel the other process does not take resumes
 // here, as if nothing had happened. Either way it is in exactly one
-// process: the Mover decides which (internal/handoff).
+// process: the Mover decides which.
 //
 // The gateways' standby connections, which wait for their first preamble
 // byte, move the same way (Registry.MoveStandby, movestandby.go): their
@@ -28,17 +29,6 @@ import (
 // MovedStandby, and the other process serves it (AdoptStandby), so that a
 // gateway that writes its preamble on one during an upgrade has it served
 // by whichever process holds the connection then.
-
-// Mover moves one object to another process: kind and state are the
-// object's, files its descriptors (the caller's still). moved reports
-// whether the other process took it; when it did not, err says why.
-type Mover interface {
-	Move(kind uint16, state []byte, files ...*os.File) (moved bool, err error)
-}
-
-// MoveKindTunnel is the object kind of a tunnel for a Mover (a standby
-// connection's is MoveKindStandby).
-const MoveKindTunnel uint16 = 1
 
 // MovedTunnelVersion is the MovedTunnel.Version this build writes and
 // adopts.
@@ -103,20 +93,12 @@ func (r *MoveResult) stay(s Stay) {
 	r.Stays = append(r.Stays, s)
 }
 
-// The reasons a tunnel or a standby connection stays (MoveResult.Stayed).
-const (
-	StayNotMovable = "not-movable" // its Forwarder has no HandOffConn, or it is opening or ending
-	StayPause      = "pause"       // the relay would not pause (splice.PauseReason in the log), or ctx ended before a standby wait was interrupted
-	StayConn       = "conn"        // the gateway connection could not give up its session (userspace TLS)
-	StayRefused    = "refused"     // the other process refused it, or the session failed
-)
-
 // MoveTunnels offers every open tunnel to m, one at a time, and returns
 // what became of them. It stops offering after the first failure of m's
 // session (a Mover error that is not a refusal of one tunnel is
 // indistinguishable here: every later offer fails the same way and is
 // counted as such). The moved tunnels' Serve return with Result.Moved.
-func (r *Registry) MoveTunnels(ctx context.Context, m Mover) MoveResult {
+func (r *Registry) MoveTunnels(ctx context.Context, m handoff.Mover) MoveResult {
 	var res MoveResult
 	for _, t := range r.openTunnels() {
 		why, pause, err := t.move(ctx, m)
@@ -141,20 +123,20 @@ func (r *Registry) openTunnels() []*Tunnel {
 }
 
 // move offers t to m: "" when it moved, else why it stays and the error.
-func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Duration, err error) {
+func (t *Tunnel) move(ctx context.Context, m handoff.Mover) (stay string, pause time.Duration, err error) {
 	mv := t.movable.Load()
 	if mv == nil {
-		return StayNotMovable, 0, errors.New("its relay is not running")
+		return handoff.StayNotMovable, 0, errors.New("its relay is not running")
 	}
 	if mv.f.cfg.HandOffConn == nil {
-		return StayNotMovable, 0, errors.New("its forwarder hands off no connection (HandOffConn)")
+		return handoff.StayNotMovable, 0, errors.New("its forwarder hands off no connection (HandOffConn)")
 	}
 	mv.mu.Lock()
 	defer mv.mu.Unlock()
 	start := time.Now()
 	paused, err := mv.relay.Pause(ctx)
 	if err != nil {
-		return StayPause, 0, err
+		return handoff.StayPause, 0, err
 	}
 	defer paused.Close()
 	var up *os.File // the target connection's descriptor, once encode took it
@@ -178,7 +160,7 @@ func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Dur
 		}
 		return state, append([]*os.File{up}, paused.Files()...), nil
 	}
-	stay, gw, err := mv.f.moveConn(m, MoveKindTunnel, mv.gw, encode)
+	stay, gw, err := mv.f.moveConn(m, handoff.KindTunnel, mv.gw, encode)
 	if stay == "" {
 		pause = time.Since(start)
 		// Its registration goes with it: this registry closes it now, so
@@ -214,15 +196,15 @@ func (t *Tunnel) move(ctx context.Context, m Mover) (stay string, pause time.Dur
 // that travel after the connection's, which stay the caller's. It returns
 // "" when the object moved, else why it stays, the error, and the
 // connection it stays on: conn when its session was not given up
-// (StayConn), else the one adopted back (conn's descriptors closed), nil
+// (handoff.StayConn), else the one adopted back (conn's descriptors closed), nil
 // when that failed (the socket closes with its last descriptor). The
 // session's state and the object's are wiped, and the session's
 // descriptor closed, before it returns.
-func (f *Forwarder) moveConn(m Mover, kind uint16, conn net.Conn,
+func (f *Forwarder) moveConn(m handoff.Mover, kind uint16, conn net.Conn,
 	encode func(connState []byte) (state []byte, files []*os.File, err error)) (stay string, kept net.Conn, err error) {
 	connState, connFile, err := f.cfg.HandOffConn(conn)
 	if err != nil {
-		return StayConn, conn, err
+		return handoff.StayConn, conn, err
 	}
 	defer connFile.Close()
 	// The session's state holds its traffic secrets (ktls/handoff.go):
@@ -241,11 +223,11 @@ func (f *Forwarder) moveConn(m Mover, kind uint16, conn net.Conn,
 	}
 	state, files, err := encode(connState)
 	if err != nil {
-		return stayHere(StayNotMovable, err)
+		return stayHere(handoff.StayNotMovable, err)
 	}
 	defer clear(state)
 	if moved, err := m.Move(kind, state, append([]*os.File{connFile}, files...)...); !moved {
-		return stayHere(StayRefused, err)
+		return stayHere(handoff.StayRefused, err)
 	}
 	return "", nil, nil
 }

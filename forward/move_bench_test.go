@@ -12,6 +12,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/cputest"
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 )
 
 var moveTunnels = flag.Int("move-tunnels", 1000, "BenchmarkMoveIdleTunnels: the idle tunnels moved in each iteration")
@@ -86,7 +87,7 @@ func moveIdle(b *testing.B, n int) (took, cpu time.Duration, pauses []time.Durat
 	var runs sync.WaitGroup
 	s := handoffSession(b, nu, false, results, &runs)
 	start, cpu0 := time.Now(), cputest.Used(b)
-	res := old.reg.MoveTunnels(context.Background(), sessionMover{s})
+	res := old.reg.MoveTunnels(context.Background(), handoff.SenderMover(s))
 	took, cpu = time.Since(start), cputest.Used(b)-cpu0
 	s.Close()
 	done(true)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -74,7 +75,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 	nuResults := make(chan Result, n)
 	var runs sync.WaitGroup
 	s := handoffSession(t, nu, false, nuResults, &runs)
-	res := oldReg.MoveTunnels(context.Background(), sessionMover{s})
+	res := oldReg.MoveTunnels(context.Background(), handoff.SenderMover(s))
 	s.Close()
 	done(res.Moved > 0)
 	nuReg.ResumeReports()
@@ -85,7 +86,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 	// A userspace session stays: its relay holds decrypted bytes (the
 	// pause is refused), or it holds none and the session cannot be
 	// handed off.
-	if !movable && (res.Moved != 0 || res.Stayed[StayConn]+res.Stayed[StayPause] != n) {
+	if !movable && (res.Moved != 0 || res.Stayed[handoff.StayConn]+res.Stayed[handoff.StayPause] != n) {
 		t.Errorf("moved %d, stayed %v (%v); want all %d to stay: userspace TLS", res.Moved, res.Stayed, res.Stays, n)
 	}
 	close(release)
@@ -169,13 +170,13 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 	adopted := make(chan *AdoptedStandby, n)
 	var offered atomic.Int64
 	s := standbySession(t, nu, func(offer int64) bool { return offer%2 == 0 }, adopted, &offered)
-	res := oldReg.MoveStandby(context.Background(), sessionMover{s})
+	res := oldReg.MoveStandby(context.Background(), handoff.SenderMover(s))
 	s.Close()
 	movable := !opts.Disable
-	if movable && (res.Moved != n-n/2 || res.Stayed[StayRefused] != n/2 || len(res.Stays) != n/2) {
+	if movable && (res.Moved != n-n/2 || res.Stayed[handoff.StayRefused] != n/2 || len(res.Stays) != n/2) {
 		t.Fatalf("moved %d, stays %v; want %d moved, %d refused", res.Moved, res.Stays, n-n/2, n/2)
 	}
-	if !movable && (res.Moved != 0 || res.Stayed[StayConn] != n) {
+	if !movable && (res.Moved != 0 || res.Stayed[handoff.StayConn] != n) {
 		t.Fatalf("moved %d, stays %v; want all %d to stay: userspace TLS", res.Moved, res.Stays, n)
 	}
 	for range res.Moved {

@@ -34,14 +34,6 @@ func tcpAdopt(state []byte, f *os.File) (net.Conn, func(), error) {
 	return c, func() { c.Close() }, nil
 }
 
-// sessionMover moves through a handoff session.
-type sessionMover struct{ s *handoff.Sender }
-
-func (m sessionMover) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
-	fate, err := m.s.Move(kind, state, files...)
-	return fate == handoff.Moved, err
-}
-
 // newProcess is a second forwarder, as the new process has it: its own
 // registry, trusting the same gateway; mods change its Config.
 func newProcess(t testing.TB, gw *forwardtest.Gateway, mods ...func(*Config)) (*Forwarder, *Registry) {
@@ -159,7 +151,7 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 	results := make(chan Result, n)
 	var runs sync.WaitGroup
 	s := handoffSession(t, nu, false, results, &runs)
-	res := old.reg.MoveTunnels(context.Background(), sessionMover{s})
+	res := old.reg.MoveTunnels(context.Background(), handoff.SenderMover(s))
 	s.Close()
 	done(true)
 	nuReg.ResumeReports()
@@ -231,9 +223,9 @@ func TestMoveTunnelsRefusedStay(t *testing.T) {
 	results := make(chan Result, n)
 	var runs sync.WaitGroup
 	s := handoffSession(t, nu, true, results, &runs)
-	res := old.reg.MoveTunnels(context.Background(), sessionMover{s})
+	res := old.reg.MoveTunnels(context.Background(), handoff.SenderMover(s))
 	s.Close()
-	if res.Moved != 0 || res.Stayed[StayRefused] != n {
+	if res.Moved != 0 || res.Stayed[handoff.StayRefused] != n {
 		t.Fatalf("moved %d, stayed %v (%v); want all %d refused", res.Moved, res.Stayed, res.Stays, n)
 	}
 	close(release)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"os"
 	"time"
 )
@@ -20,11 +21,6 @@ import (
 // interrupted wins: the connection is then a tunnel's, here, and is not
 // offered. One the other process does not take goes on waiting here, as if
 // nothing had happened.
-
-// MoveKindStandby is the object kind of a standby connection for a Mover.
-// (4, not 2 or 3: the glue's handoff sessions number their listeners 2 and
-// their process state 3.)
-const MoveKindStandby uint16 = 4
 
 // MovedStandbyVersion is the MovedStandby.Version this build writes and
 // adopts.
@@ -58,7 +54,7 @@ type MovedStandby struct {
 // Serve return a StandbyEndError (StandbyMoved); the others wait on,
 // until StandbyTimeout after their wait began, as if nothing had happened.
 // Calls at once each skip the connections another is moving.
-func (r *Registry) MoveStandby(ctx context.Context, m Mover) MoveResult {
+func (r *Registry) MoveStandby(ctx context.Context, m handoff.Mover) MoveResult {
 	var res MoveResult
 	for _, w := range r.waitingStandby() {
 		offered, why, err := w.move(ctx, m)
@@ -87,7 +83,7 @@ func (r *Registry) waitingStandby() []*standbyWait {
 // when it was no standby connection by then (its first byte came, it
 // ended, or another call moves it), else "" when it moved, or why it
 // stays and the error.
-func (w *standbyWait) move(ctx context.Context, m Mover) (offered bool, stay string, err error) {
+func (w *standbyWait) move(ctx context.Context, m handoff.Mover) (offered bool, stay string, err error) {
 	w.mu.Lock()
 	switch w.state {
 	case waitStarting, waitReading, waitAbandoned:
@@ -97,15 +93,15 @@ func (w *standbyWait) move(ctx context.Context, m Mover) (offered bool, stay str
 	}
 	if w.f.cfg.HandOffConn == nil {
 		w.mu.Unlock()
-		return true, StayNotMovable, errors.New("its forwarder hands off no connection (HandOffConn)")
+		return true, handoff.StayNotMovable, errors.New("its forwarder hands off no connection (HandOffConn)")
 	}
 	if err := ctx.Err(); err != nil {
 		w.mu.Unlock()
-		return true, StayPause, context.Cause(ctx)
+		return true, handoff.StayPause, context.Cause(ctx)
 	}
 	if err := w.c.Conn.SetReadDeadline(time.Unix(1, 0)); err != nil {
 		w.mu.Unlock()
-		return true, StayConn, fmt.Errorf("interrupting its wait: %w", err)
+		return true, handoff.StayConn, fmt.Errorf("interrupting its wait: %w", err)
 	}
 	w.state = waitInterrupted
 	w.mu.Unlock()
@@ -118,7 +114,7 @@ func (w *standbyWait) move(ctx context.Context, m Mover) (offered bool, stay str
 			// Its read has not returned yet: it resumes when it does.
 			w.state = waitAbandoned
 			w.mu.Unlock()
-			return true, StayPause, context.Cause(ctx)
+			return true, handoff.StayPause, context.Cause(ctx)
 		}
 		parked = <-w.report // sent under mu, before the state changed
 		w.mu.Unlock()
@@ -132,7 +128,7 @@ func (w *standbyWait) move(ctx context.Context, m Mover) (offered bool, stay str
 
 // handOff moves the connection of w's parked wait to m, and tells the
 // wait what became of it.
-func (w *standbyWait) handOff(m Mover) (stay string, err error) {
+func (w *standbyWait) handOff(m handoff.Mover) (stay string, err error) {
 	c, f := w.c, w.f
 	conn := c.Conn
 	if c.Unwrap != nil {
@@ -141,7 +137,7 @@ func (w *standbyWait) handOff(m Mover) (stay string, err error) {
 			// Unreachable while its wait read nothing: bytes the
 			// wrapper holds are read before the socket's.
 			w.verdict <- standbyVerdict{}
-			return StayConn, fmt.Errorf("%d bytes of the gateway's are buffered above its connection", len(buffered))
+			return handoff.StayConn, fmt.Errorf("%d bytes of the gateway's are buffered above its connection", len(buffered))
 		}
 	}
 	encode := func(connState []byte) ([]byte, []*os.File, error) {
@@ -150,7 +146,7 @@ func (w *standbyWait) handOff(m Mover) (stay string, err error) {
 			StandbyBegan: c.StandbyBegan, Conn: connState})
 		return state, nil, err
 	}
-	stay, kept, err := f.moveConn(m, MoveKindStandby, conn, encode)
+	stay, kept, err := f.moveConn(m, handoff.KindStandby, conn, encode)
 	switch {
 	case stay == "":
 		w.verdict <- standbyVerdict{moved: true}

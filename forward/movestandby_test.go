@@ -27,9 +27,9 @@ func standbySession(t *testing.T, f *Forwarder, refuse func(offer int64) bool, a
 	t.Helper()
 	return receiverSession(t, func(it *handoff.Item) {
 		offer := offered.Add(1)
-		if it.Kind != MoveKindStandby {
+		if it.Kind != handoff.KindStandby {
 			it.Refuse("not a standby connection")
-			t.Errorf("object kind %d offered, want MoveKindStandby", it.Kind)
+			t.Errorf("object kind %d offered, want handoff.KindStandby", it.Kind)
 			return
 		}
 		var ms MovedStandby
@@ -123,7 +123,7 @@ func TestMoveStandby(t *testing.T) {
 	adopted := make(chan *AdoptedStandby, 1)
 	var offered atomic.Int64
 	s := standbySession(t, nu, never, adopted, &offered)
-	res := old.reg.MoveStandby(context.Background(), sessionMover{s})
+	res := old.reg.MoveStandby(context.Background(), handoff.SenderMover(s))
 	s.Close()
 	if res.Moved != 1 || len(res.Stays) != 0 || offered.Load() != 1 {
 		t.Fatalf("moved %d, stays %v, offered %d; want the one moved", res.Moved, res.Stays, offered.Load())
@@ -177,9 +177,9 @@ func TestMoveStandbyStays(t *testing.T) {
 		ctx  context.Context
 		why  string
 	}{
-		{"refused", standbyConfig, context.Background(), StayRefused},
-		{"not-movable", func(c *Config) { c.StandbyTimeout = 10 * time.Second }, context.Background(), StayNotMovable},
-		{"ctx-ended", standbyConfig, canceled, StayPause},
+		{"refused", standbyConfig, context.Background(), handoff.StayRefused},
+		{"not-movable", func(c *Config) { c.StandbyTimeout = 10 * time.Second }, context.Background(), handoff.StayNotMovable},
+		{"ctx-ended", standbyConfig, canceled, handoff.StayPause},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			forwardtest.CheckLeaks(t)
@@ -193,12 +193,12 @@ func TestMoveStandbyStays(t *testing.T) {
 			adopted := make(chan *AdoptedStandby, 1)
 			var offered atomic.Int64
 			s := standbySession(t, nu, always, adopted, &offered)
-			res := old.reg.MoveStandby(tc.ctx, sessionMover{s})
+			res := old.reg.MoveStandby(tc.ctx, handoff.SenderMover(s))
 			s.Close()
 			if res.Moved != 0 || len(res.Stays) != 1 || res.Stayed[tc.why] != 1 || res.Stays[0].Peer != c.LocalAddr().String() {
 				t.Fatalf("moved %d, stays %v; want the one to stay: %s", res.Moved, res.Stays, tc.why)
 			}
-			if want := int64(map[bool]int{true: 1}[tc.why == StayRefused]); offered.Load() != want {
+			if want := int64(map[bool]int{true: 1}[tc.why == handoff.StayRefused]); offered.Load() != want {
 				t.Errorf("offered %d, want %d", offered.Load(), want)
 			}
 			// Still one of the old registry's standby connections.
@@ -313,11 +313,11 @@ func TestMoveStandbyRaces(t *testing.T) {
 			w := old.reg.waitingStandby()[0]
 			w.mu.Lock()
 			h := w.c.Conn.(*hookConn)
-			var mover Mover
+			var mover handoff.Mover
 			adopted := make(chan *AdoptedStandby, 1)
 			var offered atomic.Int64
 			s := standbySession(t, nu, never, adopted, &offered)
-			mover = sessionMover{s}
+			mover = handoff.SenderMover(s)
 			switch tc {
 			case "byte-first":
 				// The preamble reaches the wait's Read before the
@@ -344,7 +344,7 @@ func TestMoveStandbyRaces(t *testing.T) {
 					if _, err := c.Write(frame); err != nil {
 						t.Error(err)
 					}
-					return sessionMover{s}.Move(kind, state, files...)
+					return handoff.SenderMover(s).Move(kind, state, files...)
 				})
 			}
 			w.mu.Unlock()
@@ -410,7 +410,7 @@ func TestMoveStandbyRaces(t *testing.T) {
 }
 
 // A MoveStandby whose ctx ends before the wait's Read returned gives up
-// (StayPause) and the wait resumes when it does; a later MoveStandby
+// (handoff.StayPause) and the wait resumes when it does; a later MoveStandby
 // interrupts it again and moves it, and its tunnel runs in the new
 // process, exact.
 func TestMoveStandbyAbandoned(t *testing.T) {
@@ -434,12 +434,12 @@ func TestMoveStandbyAbandoned(t *testing.T) {
 	adopted := make(chan *AdoptedStandby, 1)
 	var offered atomic.Int64
 	s := standbySession(t, nu, never, adopted, &offered)
-	res := old.reg.MoveStandby(ctx, sessionMover{s})
-	if res.Moved != 0 || len(res.Stays) != 1 || res.Stayed[StayPause] != 1 || !errors.Is(res.Stays[0].Err, context.Canceled) {
-		t.Fatalf("moved %d, stays %v; want the one to stay: %s", res.Moved, res.Stays, StayPause)
+	res := old.reg.MoveStandby(ctx, handoff.SenderMover(s))
+	if res.Moved != 0 || len(res.Stays) != 1 || res.Stayed[handoff.StayPause] != 1 || !errors.Is(res.Stays[0].Err, context.Canceled) {
+		t.Fatalf("moved %d, stays %v; want the one to stay: %s", res.Moved, res.Stays, handoff.StayPause)
 	}
 	second := make(chan MoveResult, 1)
-	go func() { second <- old.reg.MoveStandby(context.Background(), sessionMover{s}) }()
+	go func() { second <- old.reg.MoveStandby(context.Background(), handoff.SenderMover(s)) }()
 	waitUntil(t, "the second interruption", func() bool {
 		w.mu.Lock()
 		defer w.mu.Unlock()
@@ -508,7 +508,7 @@ func TestMoveStandbyExpiresInNewProcess(t *testing.T) {
 	adopted := make(chan *AdoptedStandby, 1)
 	var offered atomic.Int64
 	s := standbySession(t, nu, never, adopted, &offered)
-	res := old.reg.MoveStandby(context.Background(), sessionMover{s})
+	res := old.reg.MoveStandby(context.Background(), handoff.SenderMover(s))
 	s.Close()
 	if res.Moved != 1 {
 		t.Fatalf("moved %d, stays %v; want the one moved", res.Moved, res.Stays)

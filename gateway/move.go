@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 	"github.com/ktlsingress/caddy-ktls/splice"
@@ -20,25 +21,12 @@ import (
 // Carry runs pauses at a safe point (splice.Relay.Pause), both sessions
 // are given up (ktls.HandOffConn: the user's, a server session, and the
 // forwarder's, a client session), and the two sockets, the pipes holding
-// bytes in flight and a MovedTunnel go to the other process (a Mover),
-// whose Dialer adopts them (AdoptTunnel) and resumes the relay. A tunnel
-// the other process does not take resumes here on its sessions adopted
-// back, as if nothing had happened. Either way it is in exactly one
-// process: the Mover decides which.
-
-// Mover moves one object to another process: kind and state are the
-// object's, files its descriptors (the caller's still). moved reports
-// whether the other process took it; when it did not, err says why. It is
-// forward.Mover's shape, so that one handoff session serves both.
-type Mover interface {
-	Move(kind uint16, state []byte, files ...*os.File) (moved bool, err error)
-}
-
-// MoveKindTunnel is the object kind of a gateway's tunnel for a Mover. It
-// differs from every other kind a handoff session carries (forward's
-// tunnels are 1, its standby connections 4; the forwarder's handoff uses 2
-// and 3), so that one session may carry them all.
-const MoveKindTunnel uint16 = 5
+// bytes in flight and a MovedTunnel go to the other process (a
+// handoff.Mover, of kind handoff.KindGatewayTunnel), whose Dialer adopts
+// them (AdoptTunnel) and resumes the relay. A tunnel the other process
+// does not take resumes here on its sessions adopted back, as if nothing
+// had happened. Either way it is in exactly one process: the Mover
+// decides which.
 
 // MovedTunnelVersion is the MovedTunnel.Version this build writes and
 // adopts.
@@ -104,14 +92,6 @@ func (r *MoveResult) stay(s Stay) {
 	r.Stays = append(r.Stays, s)
 }
 
-// The reasons a tunnel stays (MoveResult.Stayed).
-const (
-	StayNotMovable = "not-movable" // its state could not be encoded
-	StayPause      = "pause"       // the relay would not pause (splice.PauseReason in the error): on the copy path, opening or ending
-	StayConn       = "conn"        // a session could not be given up (ktls.HandoffReason in the error: userspace TLS, say)
-	StayRefused    = "refused"     // the other process refused it, or the session failed
-)
-
 // registry is a Dialer's tunnels that a relay carries, each from its
 // relay's start to its end or move.
 type registry struct {
@@ -159,7 +139,7 @@ func (d *Dialer) Tunnels() int {
 // returns what became of them. The moved tunnels' Carry return EndMoved.
 // A failure of m's session fails every later offer the same way: each is
 // counted as refused.
-func (d *Dialer) MoveTunnels(ctx context.Context, m Mover) MoveResult {
+func (d *Dialer) MoveTunnels(ctx context.Context, m handoff.Mover) MoveResult {
 	var res MoveResult
 	for _, c := range d.tunnels.list() {
 		why, pause, err := d.move(ctx, c, m)
@@ -176,13 +156,13 @@ func (d *Dialer) MoveTunnels(ctx context.Context, m Mover) MoveResult {
 // move offers c to m: "" when it moved, else why it stays and the error.
 // Once the relay paused, c's carry is told the verdict, and runs on (on
 // the sessions adopted back) unless the tunnel moved.
-func (d *Dialer) move(ctx context.Context, c *carried, m Mover) (stay string, pause time.Duration, err error) {
+func (d *Dialer) move(ctx context.Context, c *carried, m handoff.Mover) (stay string, pause time.Duration, err error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	start := time.Now()
 	paused, err := c.relay.Pause(ctx)
 	if err != nil {
-		return StayPause, 0, err
+		return handoff.StayPause, 0, err
 	}
 	defer paused.Close()
 	stay, err = d.moveSessions(c, m, paused)
@@ -225,10 +205,10 @@ func (d *Dialer) move(ctx context.Context, c *carried, m Mover) (stay string, pa
 // (the socket closes with its last descriptor). The sessions' states and
 // the tunnel's are wiped, and the sessions' descriptors closed, before it
 // returns.
-func (d *Dialer) moveSessions(c *carried, m Mover, paused *splice.Paused) (stay string, err error) {
+func (d *Dialer) moveSessions(c *carried, m handoff.Mover, paused *splice.Paused) (stay string, err error) {
 	userState, userFile, err := ktls.HandOffConn(c.user)
 	if err != nil {
-		return StayConn, err
+		return handoff.StayConn, err
 	}
 	defer userFile.Close()
 	defer clear(userState)
@@ -246,7 +226,7 @@ func (d *Dialer) moveSessions(c *carried, m Mover, paused *splice.Paused) (stay 
 	}
 	tunnelState, tunnelFile, err := ktls.HandOffConn(c.tunnel)
 	if err != nil {
-		return stayHere(StayConn, err, nil, nil)
+		return stayHere(handoff.StayConn, err, nil, nil)
 	}
 	defer tunnelFile.Close()
 	defer clear(tunnelState)
@@ -254,11 +234,11 @@ func (d *Dialer) moveSessions(c *carried, m Mover, paused *splice.Paused) (stay 
 	state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Forwarder: r.Forwarder, Sandbox: r.Sandbox, Target: r.Target, Client: r.Client,
 		Opened: c.opened, Open: c.isOpen.Load(), Buffered: c.buffered, User: userState, Tunnel: tunnelState, Relay: paused.State})
 	if err != nil {
-		return stayHere(StayNotMovable, err, tunnelState, tunnelFile)
+		return stayHere(handoff.StayNotMovable, err, tunnelState, tunnelFile)
 	}
 	defer clear(state)
-	if moved, err := m.Move(MoveKindTunnel, state, append([]*os.File{userFile, tunnelFile}, paused.Files()...)...); !moved {
-		return stayHere(StayRefused, err, tunnelState, tunnelFile)
+	if moved, err := m.Move(handoff.KindGatewayTunnel, state, append([]*os.File{userFile, tunnelFile}, paused.Files()...)...); !moved {
+		return stayHere(handoff.StayRefused, err, tunnelState, tunnelFile)
 	}
 	return "", nil
 }

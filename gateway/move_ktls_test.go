@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
@@ -108,7 +109,7 @@ func TestKernelGatewayMoveTunnels(t *testing.T) {
 			kept++
 		}
 	}
-	if res.Moved != moved || res.Stayed[StayRefused] != n-moved || len(res.Stays) != n-moved || len(res.Pauses) != moved {
+	if res.Moved != moved || res.Stayed[handoff.StayRefused] != n-moved || len(res.Stays) != n-moved || len(res.Pauses) != moved {
 		t.Errorf("moved %d, stays %v; want %d moved, %d refused", res.Moved, res.Stays, moved, n-moved)
 	}
 	if nu.Tunnels() != 0 || old.Tunnels() != n-moved {

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 	"github.com/ktlsingress/caddy-ktls/splice"
@@ -85,8 +86,8 @@ type adoptingMover struct {
 func (m *adoptingMover) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
 	offer := m.offers
 	m.offers++
-	if kind != MoveKindTunnel {
-		m.t.Errorf("offer %d: kind %d, want MoveKindTunnel", offer, kind)
+	if kind != handoff.KindGatewayTunnel {
+		m.t.Errorf("offer %d: kind %d, want handoff.KindGatewayTunnel", offer, kind)
 	}
 	if m.refuse != nil && m.refuse(offer) {
 		return false, errors.New("the test refuses this tunnel")
@@ -218,7 +219,7 @@ func TestMovedTunnelState(t *testing.T) {
 }
 
 // Tunnels whose sessions run in userspace TLS cannot move: they stay,
-// counted by why, the Mover is never asked, and they run on exact to an
+// counted by why, the handoff.Mover is never asked, and they run on exact to an
 // orderly end.
 func TestMoveUserspaceTLSTunnelsStay(t *testing.T) {
 	const n = 4
@@ -236,7 +237,7 @@ func TestMoveUserspaceTLSTunnelsStay(t *testing.T) {
 	s := startStreams(t, fr, p.client, d, up, n)
 	m := &adoptingMover{t: t, to: d}
 	res := d.MoveTunnels(context.Background(), m)
-	if res.Moved != 0 || m.offers != 0 || res.Stayed[StayPause] != n || len(res.Stays) != n {
+	if res.Moved != 0 || m.offers != 0 || res.Stayed[handoff.StayPause] != n || len(res.Stays) != n {
 		t.Errorf("moved %d, offered %d, stayed %v; want all %d to stay unoffered: their relays copy (userspace TLS)", res.Moved, m.offers, res.Stayed, n)
 	}
 	for _, st := range res.Stays {

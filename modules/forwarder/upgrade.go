@@ -103,12 +103,6 @@ const (
 	wantTunnels   = "tunnels"
 )
 
-// Object kinds on the handoff socket (forward.MoveKindTunnel is 1).
-const (
-	kindListener uint16 = 2
-	kindProcess  uint16 = 3
-)
-
 // movePassesFor bounds how long the old process offers again the tunnels
 // that were still opening (handshake, preamble, dial) when it offered them.
 const movePassesFor = 2 * time.Second
@@ -221,7 +215,7 @@ func (h *Handoff) takeListeners() error {
 		addr := string(it.State)
 		var aerr error
 		switch {
-		case it.Kind != kindListener:
+		case it.Kind != handoff.KindListener:
 			aerr = fmt.Errorf("object kind %d offered where listening sockets were asked for", it.Kind)
 		case len(it.Files) != 1:
 			aerr = fmt.Errorf("listening socket %s came with %d descriptors, want 1", addr, len(it.Files))
@@ -392,7 +386,7 @@ func (s *sender) sendListeners(sess *handoff.Sender) {
 	}
 	var moved []string
 	for i, e := range exported {
-		fate, err := sess.Move(kindListener, []byte(e.Address), e.File)
+		fate, err := sess.Move(handoff.KindListener, []byte(e.Address), e.File)
 		e.File.Close()
 		if fate != handoff.Moved {
 			s.logger.Warn("the new process did not take a listening socket", zap.Int("pid", peer.PID), zap.String("address", e.Address), zap.Error(err))
@@ -446,14 +440,14 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 		done(false)
 		return giveUp("cannot encode the process state", err)
 	}
-	if fate, err := sess.Move(kindProcess, state); fate != handoff.Moved {
+	if fate, err := sess.Move(handoff.KindProcess, state); fate != handoff.Moved {
 		done(false)
 		return giveUp("the new process did not take the process state over", err)
 	}
 	// Standby connections first: one whose first preamble byte arrives as
 	// it moves opens its tunnel here, which the passes of moveTunnels then
 	// offer.
-	standby := tunnels.MoveStandby(context.Background(), sessionMover{sess})
+	standby := tunnels.MoveStandby(context.Background(), handoff.SenderMover(sess))
 	res := moveTunnels(sess)
 	out.StandbyMoved, out.StandbyStayed = standby.Moved, standby.Stayed
 	if err := sess.Finish(); err != nil && sess.PeerDied() {
@@ -528,23 +522,15 @@ func moveTunnels(sess *handoff.Sender) forward.MoveResult {
 	var total forward.MoveResult
 	deadline := time.Now().Add(movePassesFor)
 	for {
-		res := tunnels.MoveTunnels(context.Background(), sessionMover{sess})
+		res := tunnels.MoveTunnels(context.Background(), handoff.SenderMover(sess))
 		total.Moved += res.Moved
 		total.Pauses = append(total.Pauses, res.Pauses...)
 		total.Stayed, total.Stays = res.Stayed, res.Stays
-		if res.Stayed[forward.StayNotMovable] == 0 || res.Stayed[forward.StayRefused] > 0 || time.Now().After(deadline) {
+		if res.Stayed[handoff.StayNotMovable] == 0 || res.Stayed[handoff.StayRefused] > 0 || time.Now().After(deadline) {
 			return total
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-}
-
-// sessionMover is a handoff session as forward.MoveTunnels' Mover.
-type sessionMover struct{ s *handoff.Sender }
-
-func (m sessionMover) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
-	fate, err := m.s.Move(kind, state, files...)
-	return fate == handoff.Moved, err
 }
 
 // replayStates exports every replay cache in use; a cache left out would
@@ -714,7 +700,7 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 			}
 			break
 		}
-		if it.Kind == forward.MoveKindStandby {
+		if it.Kind == handoff.KindStandby {
 			if adoptStandby(it) {
 				standbys++
 			} else {
@@ -722,7 +708,7 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 			}
 			continue
 		}
-		if it.Kind != forward.MoveKindTunnel {
+		if it.Kind != handoff.KindTunnel {
 			it.Refuse(fmt.Sprintf("object kind %d offered where tunnels were asked for", it.Kind))
 			refused++
 			continue
@@ -791,7 +777,7 @@ func adoptStandby(it *handoff.Item) bool {
 // adoptProcess takes the old process's state: its replay caches' nonces
 // into every cache this configuration uses, then its report stream.
 func adoptProcess(it *handoff.Item) error {
-	if it.Kind != kindProcess {
+	if it.Kind != handoff.KindProcess {
 		return fmt.Errorf("object kind %d offered where the process state was expected", it.Kind)
 	}
 	var ps processState

@@ -50,7 +50,7 @@ func handoffPeer(mode, path string) int {
 			return 2
 		}
 		it, err := r.Next()
-		if err != nil || it.Kind != kindProcess || it.Adopt() != nil {
+		if err != nil || it.Kind != handoff.KindProcess || it.Adopt() != nil {
 			return 2
 		}
 		os.Exit(3)
@@ -82,7 +82,7 @@ func handoffPeer(mode, path string) int {
 	if os.WriteFile(path+".state", state, 0o600) != nil {
 		return 2
 	}
-	if fate, _ := sess.Move(kindProcess, state); fate != handoff.Moved {
+	if fate, _ := sess.Move(handoff.KindProcess, state); fate != handoff.Moved {
 		return 2
 	}
 	os.Exit(3)
@@ -146,7 +146,7 @@ func TestHandoffNewProcessDiesAfterState(t *testing.T) {
 	s := &sender{logger: zap.NewNop()}
 	out := s.sendTunnels(sess)
 	exitedWith(t, peer)
-	if !strings.Contains(out.Error, "the new process died during the handoff") || out.Moved != 0 || out.Stayed[forward.StayNotMovable] != 1 {
+	if !strings.Contains(out.Error, "the new process died during the handoff") || out.Moved != 0 || out.Stayed[handoff.StayNotMovable] != 1 {
 		t.Errorf("the old process's answer: %+v; want the new process's death, 0 moved, the tunnel (not movable here) stayed", out)
 	}
 	if got := counterValue(handoffs.WithLabelValues("old", "peer_died")) - before; got != 1 {

@@ -1,7 +1,6 @@
 package forward
 
 import (
-	"context"
 	"flag"
 	"io"
 	"net"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/cputest"
-	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 )
 
 var moveTunnels = flag.Int("move-tunnels", 1000, "BenchmarkMoveIdleTunnels: the idle tunnels moved in each iteration")
@@ -25,7 +23,8 @@ var moveTunnels = flag.Int("move-tunnels", 1000, "BenchmarkMoveIdleTunnels: the 
 // tunnel adds what ktls.Handoff reads of the kernel's state and what
 // ktls.Adopt checks (a few getsockopt calls). Reported: the time per tunnel
 // moved (ns/tunnel), the whole set's (ms/move), the CPU both forwarders
-// used per tunnel while it ran (cpu-ns/tunnel: one process here, two in an
+// used per tunnel while it ran, the report stream's handoff and the
+// session's setup included (cpu-ns/tunnel: one process here, two in an
 // upgrade), and how long the relays stood still (pause-p50-µs,
 // pause-p99-µs, pause-max-µs; MoveResult.Pauses).
 // Each tunnel holds four descriptors in this process (both ends of both
@@ -76,22 +75,11 @@ func moveIdle(b *testing.B, n int) (took, cpu time.Duration, pauses []time.Durat
 		}
 	}
 
-	st, done, err := old.reg.HandOff()
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := nuReg.AdoptReports(st); err != nil {
-		b.Fatal(err)
-	}
 	results := make(chan Result, n)
 	var runs sync.WaitGroup
-	s := handoffSession(b, nu, false, results, &runs)
-	start, cpu0 := time.Now(), cputest.Used(b)
-	res := old.reg.MoveTunnels(context.Background(), handoff.SenderMover(s))
-	took, cpu = time.Since(start), cputest.Used(b)-cpu0
-	s.Close()
-	done(true)
-	nuReg.ResumeReports()
+	cpu0 := cputest.Used(b)
+	res, took := upgrade(b, old.reg, nu, nuReg, results, &runs)
+	cpu = cputest.Used(b) - cpu0
 	if res.Moved != n || len(res.Stayed) != 0 {
 		b.Fatalf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)
 	}

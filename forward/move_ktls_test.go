@@ -65,20 +65,9 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 		wg.Go(func() { clients[i] = forwardtest.RunStream(c, nil, uint64(i+1), start, release) })
 	}
 	waitStreaming(t, oldReg, up, n, start)
-	st, done, err := oldReg.HandOff()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := nuReg.AdoptReports(st); err != nil {
-		t.Fatal(err)
-	}
 	nuResults := make(chan Result, n)
 	var runs sync.WaitGroup
-	s := handoffSession(t, nu, false, nuResults, &runs)
-	res := oldReg.MoveTunnels(context.Background(), handoff.SenderMover(s))
-	s.Close()
-	done(res.Moved > 0)
-	nuReg.ResumeReports()
+	res, _ := upgrade(t, oldReg, nu, nuReg, nuResults, &runs)
 	movable := !opts.Disable
 	if movable && (res.Moved != n || len(res.Stayed) != 0) {
 		t.Errorf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)

@@ -127,6 +127,30 @@ func handoffSession(t testing.TB, f *Forwarder, refuse bool, results chan<- Resu
 	})
 }
 
+// upgrade moves old's tunnels to nu as an upgrade does: the report stream
+// first (HandOff, AdoptReports), then every tunnel through a handoff
+// session (handoffSession: the adopted ones run and send their results to
+// results), and the stream resumes in nu. It returns what MoveTunnels did
+// and how long it took.
+func upgrade(t testing.TB, old *Registry, nu *Forwarder, nuReg *Registry, results chan<- Result, runs *sync.WaitGroup) (MoveResult, time.Duration) {
+	t.Helper()
+	st, done, err := old.HandOff()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nuReg.AdoptReports(st); err != nil {
+		t.Fatal(err)
+	}
+	s := handoffSession(t, nu, false, results, runs)
+	start := time.Now()
+	res := old.MoveTunnels(context.Background(), handoff.SenderMover(s))
+	took := time.Since(start)
+	s.Close()
+	done(res.Moved > 0)
+	nuReg.ResumeReports()
+	return res, took
+}
+
 // Tunnels streaming both ways move to another forwarder mid-stream: every
 // byte arrives exact both ways, the old Serve ends Moved, the adopted relay
 // counts on from the old one's counters, and the report streams of the
@@ -141,20 +165,9 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 	clients, wg, release := openStreams(t, old, up, "sbx-move", n)
 	first, _ := old.reg.TakeReport("fwd")
 
-	st, done, err := old.reg.HandOff()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := nuReg.AdoptReports(st); err != nil {
-		t.Fatal(err)
-	}
 	results := make(chan Result, n)
 	var runs sync.WaitGroup
-	s := handoffSession(t, nu, false, results, &runs)
-	res := old.reg.MoveTunnels(context.Background(), handoff.SenderMover(s))
-	s.Close()
-	done(true)
-	nuReg.ResumeReports()
+	res, _ := upgrade(t, old.reg, nu, nuReg, results, &runs)
 	if res.Moved != n || len(res.Stayed) != 0 {
 		t.Fatalf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)
 	}

@@ -30,6 +30,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/logsummary"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/internal/offload"
+	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
@@ -417,7 +418,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	} else if err != nil {
 		return err
 	}
-	if err := checkHandoffListeners(ctx, h.logger); err != nil {
+	if err := upgrade.CheckListeners(ctx, h.logger, upgrade.HandlerSandbox); err != nil {
 		return err
 	}
 	warnProxyProtocolBefore(ctx, h.logger)

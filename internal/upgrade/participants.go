@@ -2,6 +2,9 @@ package upgrade
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"os"
 	"slices"
 	"sync"
@@ -83,4 +86,19 @@ func ForKind(kind uint16) (Participant, bool) {
 		return Participant{}, false
 	}
 	return participants.list[i], true
+}
+
+// MoveName names a handler for an upgrade: the SHA-256 of its JSON
+// configuration as loaded (call it before Provision sets anything). An
+// object that names no key to choose a handler by (a gateway's standby
+// connection at a forwarder, a gateway's tunnel) moves to the new
+// process's handler configured the same. Handlers configured alike serve
+// alike, so one name for several is no ambiguity.
+func MoveName(handler any) (string, error) {
+	b, err := json.Marshal(handler)
+	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:]), nil
 }

@@ -2,8 +2,6 @@ package edgegateway
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -30,16 +28,9 @@ func init() {
 	})
 }
 
-// moveNameOf names a sandbox_proxy handler for an upgrade: the SHA-256 of
-// its JSON configuration, as modules/forwarder names its sandbox handlers.
-func moveNameOf(h *Proxy) (string, error) {
-	b, err := json.Marshal(h)
-	if err != nil {
-		return "", err
-	}
-	sum := sha256.Sum256(b)
-	return hex.EncodeToString(sum[:]), nil
-}
+// moveNameOf names a sandbox_proxy handler for an upgrade
+// (upgrade.MoveName), as modules/forwarder names its sandbox handlers.
+func moveNameOf(h *Proxy) (string, error) { return upgrade.MoveName(h) }
 
 // proxies are the provisioned sandbox_proxy handlers of the process, from
 // Provision to Cleanup: across a reload, the old configuration's (whose

@@ -3,7 +3,6 @@ package caddyktls
 import (
 	"crypto/tls"
 	"fmt"
-	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -86,12 +85,7 @@ func gatewayUpgrade(t *testing.T, kernel bool) {
 	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
 		"every tunnel's first bytes at the upstream")
 
-	nu := secondProcessConfig(t, gw)
-	startCaddy(t, nu, "") // returns at once: the old process listens
-	waitUntil(t, 2*time.Minute, func() bool { _, err := os.Stat(nu.logFile); return err == nil }, "the new process's log")
-	const tookMsg, handedMsg = "took the running process's tunnels over", "handed the tunnels over to the new process"
-	waitUntil(t, 2*time.Minute, func() bool { return len(nu.logLines(t, tookMsg)) > 0 && len(gw.logLines(t, handedMsg)) > 0 }, "the handoff's log lines")
-	took, handed := nu.waitLogLine(t, tookMsg, 0), gw.waitLogLine(t, handedMsg, 0)
+	nu, took, handed := upgradeProcess(t, gw, 2*time.Minute)
 	moved, _ := handed["gateway_moved"].(float64)
 	stayed, _ := handed["gateway_stayed"].(map[string]any)
 	if took["gateway_tunnels"] != moved || handed["moved"] != 0.0 || took["tunnels"] != 0.0 ||

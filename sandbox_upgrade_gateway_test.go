@@ -17,7 +17,8 @@ import (
 // same configuration takes them over, and the old one exits.
 
 // TestKernelUpgradeMovesGatewayTunnels: every tunnel (kernel TLS on both
-// of the gateway's sessions) moves to the new gateway process mid-stream,
+// of the gateway's sessions), opened before a reload, moves to the new
+// gateway process mid-stream,
 // arrives exact both ways, and ends there, counted there; no record fails
 // to decrypt anywhere.
 func TestKernelUpgradeMovesGatewayTunnels(t *testing.T) {
@@ -84,6 +85,11 @@ func gatewayUpgrade(t *testing.T, kernel bool) {
 	}
 	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
 		"every tunnel's first bytes at the upstream")
+	// A reload to another sandbox_proxy configuration: the tunnels run on in
+	// the handler it replaced, and move all the same, into the new
+	// configuration's only handler (whose move name is another).
+	layer4Server(gw.cfg, "tunnels")["routes"].([]any)[0].(map[string]any)["handle"].([]any)[1].(map[string]any)["dial_timeout"] = "11s"
+	gw.postLoad(t)
 
 	nu, took, handed := upgradeProcess(t, gw, 2*time.Minute)
 	moved, _ := handed["gateway_moved"].(float64)

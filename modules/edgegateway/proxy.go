@@ -128,7 +128,7 @@ func (h *Proxy) Provision(ctx caddy.Context) error {
 // Cleanup closes the standby connections.
 func (h *Proxy) Cleanup() error {
 	if h.dialer != nil {
-		proxies.remove(h)
+		proxies.retire(h)
 		h.dialer.Close()
 	}
 	return nil

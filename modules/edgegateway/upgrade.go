@@ -33,13 +33,14 @@ func init() {
 func moveNameOf(h *Proxy) (string, error) { return upgrade.MoveName(h) }
 
 // proxies are the provisioned sandbox_proxy handlers of the process, from
-// Provision to Cleanup: across a reload, the old configuration's (whose
-// tunnels run on) and the new one's.
+// Provision until Cleanup, and after it for as long as their Dialer
+// carries a tunnel: tunnels outlive a reload, and must move all the same.
 var proxies proxyRegistry
 
 type proxyRegistry struct {
-	mu   sync.Mutex
-	list []*Proxy
+	mu      sync.Mutex
+	list    []*Proxy
+	retired map[*Proxy]bool // cleaned up: their tunnels move, nothing is adopted in them
 }
 
 func (r *proxyRegistry) add(h *Proxy) {
@@ -48,22 +49,44 @@ func (r *proxyRegistry) add(h *Proxy) {
 	r.list = append(r.list, h)
 }
 
-func (r *proxyRegistry) remove(h *Proxy) {
+// retire marks h cleaned up: it stays while its Dialer carries tunnels.
+func (r *proxyRegistry) retire(h *Proxy) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.list = slices.DeleteFunc(r.list, func(p *Proxy) bool { return p == h })
+	if r.retired == nil {
+		r.retired = map[*Proxy]bool{}
+	}
+	r.retired[h] = true
+	r.pruneLocked()
 }
 
-func (r *proxyRegistry) snapshot() []*Proxy {
+// pruneLocked drops the retired handlers whose Dialer carries no tunnel.
+func (r *proxyRegistry) pruneLocked() {
+	r.list = slices.DeleteFunc(r.list, func(p *Proxy) bool {
+		if r.retired[p] && p.dialer.Tunnels() == 0 {
+			delete(r.retired, p)
+			return true
+		}
+		return false
+	})
+}
+
+// snapshot returns the registered handlers; live leaves the retired ones
+// out.
+func (r *proxyRegistry) snapshot(live bool) []*Proxy {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return slices.Clone(r.list)
+	r.pruneLocked()
+	if !live {
+		return slices.Clone(r.list)
+	}
+	return slices.DeleteFunc(slices.Clone(r.list), func(p *Proxy) bool { return r.retired[p] })
 }
 
 // move offers every tunnel of every handler's Dialer to m.
 func (r *proxyRegistry) move(ctx context.Context, m handoff.Mover) upgrade.Moved {
 	var out upgrade.Moved
-	for _, h := range r.snapshot() {
+	for _, h := range r.snapshot(false) {
 		res := h.dialer.MoveTunnels(ctx, m)
 		out.Moved += res.Moved
 		out.Pauses = append(out.Pauses, res.Pauses...)
@@ -78,11 +101,11 @@ func (r *proxyRegistry) move(ctx context.Context, m handoff.Mover) upgrade.Moved
 	return out
 }
 
-// handlerFor returns the handler that adopts a tunnel moved by the
-// handler named name: the one of that name, else the only one; nil and
-// how many there are for none.
+// handlerFor returns the handler of the running configuration that adopts
+// a tunnel moved by the handler named name: the one of that name, else the
+// only one; nil and how many there are for none.
 func (r *proxyRegistry) handlerFor(name string) (*Proxy, int) {
-	list := r.snapshot()
+	list := r.snapshot(true)
 	if i := slices.IndexFunc(list, func(h *Proxy) bool { return name != "" && h.moveName == name }); i >= 0 {
 		return list[i], len(list)
 	}

@@ -29,13 +29,13 @@ import (
 // for the test.
 func withProxies(t *testing.T, list ...*Proxy) {
 	t.Helper()
-	saved := proxies.snapshot()
 	proxies.mu.Lock()
-	proxies.list = list
+	saved, savedRetired := proxies.list, proxies.retired
+	proxies.list, proxies.retired = list, nil
 	proxies.mu.Unlock()
 	t.Cleanup(func() {
 		proxies.mu.Lock()
-		proxies.list = saved
+		proxies.list, proxies.retired = saved, savedRetired
 		proxies.mu.Unlock()
 	})
 }
@@ -154,6 +154,22 @@ func mustJSON(t *testing.T, v any) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// A handler cleaned up (a reload) adopts nothing, and leaves the registry
+// once its Dialer carries no tunnel (until then its tunnels move).
+func TestProxyRetired(t *testing.T) {
+	one, _ := testProxy(t, "one")
+	two, _ := testProxy(t, "two")
+	withProxies(t, one)
+	proxies.add(two)
+	proxies.retire(one)
+	if got, n := proxies.handlerFor("one"); got != two || n != 1 {
+		t.Errorf("handlerFor(the retired handler's name) = %p, %d; want the only live one %p, 1", got, n, two)
+	}
+	if all := proxies.snapshot(false); len(all) != 1 || all[0] != two {
+		t.Errorf("registered after retiring a handler that carries no tunnel: %v; want only the live one", all)
+	}
 }
 
 // Moving finds every registered handler's tunnels: with none carried, none

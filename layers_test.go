@@ -43,13 +43,14 @@ var layers = []layer{
 	{"internal/l4conn", true, []string{"splice"}},
 	{"internal/caddymetrics", true, []string{"internal/moduleid"}},
 	{"internal/listensock", true, []string{"internal/moduleid", "internal/caddymetrics"}},
+	{"internal/upgrade", true, []string{"internal/handoff", "internal/listensock", "internal/moduleid"}},
 	{"internal/offload", true, []string{"ktls", "gateway", "internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs"}},
 
 	// The features.
 	{"modules/forwarder", true, []string{"ktls", "preamble", "forward",
-		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/listensock"}},
+		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/listensock", "internal/upgrade"}},
 	{"modules/edgegateway", true, []string{"ktls", "splice", "preamble", "gateway",
-		"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload"}},
+		"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/upgrade"}},
 	{"internal/cli", true, []string{"ktls", "preamble", "gateway", "internal/offload"}},
 
 	// The root: the map, and the TLS offload modules.

@@ -65,6 +65,9 @@ func TestLoadHandoffNeedsTCPHandoffListeners(t *testing.T) {
 	on := func(server, addr string) string {
 		return `layer4 server "` + server + `" serves the sandbox handler on "` + addr + `"`
 	}
+	// An edge gateway's sandbox_proxy server, checked the same way.
+	proxy := addGatewaySide(t, e).dialJSON()
+	proxy["handler"], proxy["forwarder"], proxy["sandbox"], proxy["target"] = "sandbox_proxy", e.addr, "{l4.tls.server_name.labels.2}", "127.0.0.1:9"
 	for _, tc := range []struct {
 		name   string
 		shapes []shape
@@ -85,7 +88,11 @@ func TestLoadHandoffNeedsTCPHandoffListeners(t *testing.T) {
 		{"http server's layer4 wrapper", []shape{httpWrapper(e.addr)},
 			`http server "fwd" (a layer4 listener wrapper) serves the sandbox handler on "` + e.addr + `"`, "tcp-handoff/" + e.addr},
 
+		{"a sandbox_proxy server", []shape{addServer("edge", []string{other}, ktlsHandler, proxy)},
+			`layer4 server "edge" serves the sandbox_proxy handler on "` + other + `"`, "tcp-handoff/" + other},
+
 		{"tcp-handoff/", nil, "", ""},
+		{"a sandbox_proxy server on tcp-handoff/", []shape{addServer("edge", []string{"tcp-handoff/" + other}, ktlsHandler, proxy)}, "", ""},
 		{"a server without sandbox", []shape{addServer("plain", []string{other}, ktlsHandler)}, "", ""},
 		{"http server on tcp-handoff/", []shape{httpWrapper("tcp-handoff/" + e.addr)}, "", ""},
 		{"no sandbox_handoff", []shape{listen(e.addr), noHandoff}, "", ""},

@@ -164,12 +164,7 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 		})
 	}
 
-	nu := secondProcessConfig(t, e)
-	startCaddy(t, nu, "") // returns at once: the old process listens
-	waitUntil(t, 2*time.Minute, func() bool { _, err := os.Stat(nu.logFile); return err == nil }, "the new process's log")
-	const tookMsg, handedMsg = "took the running process's tunnels over", "handed the tunnels over to the new process"
-	waitUntil(t, handoffBound, func() bool { return len(nu.logLines(t, tookMsg)) > 0 && len(e.logLines(t, handedMsg)) > 0 }, "the handoff's log lines")
-	took, handed := nu.waitLogLine(t, tookMsg, 0), e.waitLogLine(t, handedMsg, 0)
+	_, took, handed := upgradeProcess(t, e, handoffBound)
 	// Every streaming tunnel moves in kernel TLS (and so may a looping
 	// call open at the time); none in userspace TLS.
 	moved, _ := handed["moved"].(float64)
@@ -367,6 +362,20 @@ func secondProcessConfig(t *testing.T, e *sandboxEnv) *sandboxEnv {
 	return &nu
 }
 
+// upgradeProcess starts a second process of e's configuration
+// (secondProcessConfig), which takes over from the one running, and waits
+// up to bound for the handoff's log lines: the new process's (took) and
+// the old one's (handed).
+func upgradeProcess(t *testing.T, e *sandboxEnv, bound time.Duration) (nu *sandboxEnv, took, handed map[string]any) {
+	t.Helper()
+	nu = secondProcessConfig(t, e)
+	startCaddy(t, nu, "") // returns at once: the old process listens
+	waitUntil(t, 2*time.Minute, func() bool { _, err := os.Stat(nu.logFile); return err == nil }, "the new process's log")
+	const tookMsg, handedMsg = "took the running process's tunnels over", "handed the tunnels over to the new process"
+	waitUntil(t, bound, func() bool { return len(nu.logLines(t, tookMsg)) > 0 && len(e.logLines(t, handedMsg)) > 0 }, "the handoff's log lines")
+	return nu, nu.waitLogLine(t, tookMsg, 0), e.waitLogLine(t, handedMsg, 0)
+}
+
 // Either process of an upgrade is killed during the handoff: the other
 // serves on, and its log says what happened. A connection that stays in
 // its TLS handshake holds the old process in its settle step (it waits
@@ -531,12 +540,7 @@ func TestKernelUpgradeStandbyToItsHandler(t *testing.T) {
 	waitUntil(t, time.Minute, func() bool { return e.metric(t, "caddy_ktls_sandbox_standby_connections") == 2 },
 		"the standby connections waiting in the forwarder")
 
-	nu := secondProcessConfig(t, e)
-	startCaddy(t, nu, "")
-	const tookMsg, handedMsg = "took the running process's tunnels over", "handed the tunnels over to the new process"
-	waitUntil(t, 2*time.Minute, func() bool { _, err := os.Stat(nu.logFile); return err == nil }, "the new process's log")
-	waitUntil(t, 2*time.Minute, func() bool { return len(nu.logLines(t, tookMsg)) > 0 && len(e.logLines(t, handedMsg)) > 0 }, "the handoff's log lines")
-	took, handed := nu.waitLogLine(t, tookMsg, 0), e.waitLogLine(t, handedMsg, 0)
+	_, took, handed := upgradeProcess(t, e, 2*time.Minute)
 	if took["standby"] != 2.0 || handed["standby_moved"] != 2.0 {
 		t.Fatalf("the new process took %v standby connections, the old one handed %v over (stayed: %v); want both", took["standby"], handed["standby_moved"], handed["standby_stayed"])
 	}

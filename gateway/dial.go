@@ -147,6 +147,10 @@ type Config struct {
 	// OnStandby, when set, is told how each standby connection ended
 	// (StandbyOutcomes), on whatever goroutine ended it.
 	OnStandby func(outcome string)
+	// MoveName names this Dialer in the tunnels it moves to another
+	// process (MovedTunnel.Dialer), so that the other process adopts each
+	// in the Dialer of the same name. Empty: unnamed.
+	MoveName string
 }
 
 // DefaultSessionCacheSize is how many forwarder sessions a Dialer keeps for

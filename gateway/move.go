@@ -38,6 +38,9 @@ const MovedTunnelVersion = 1
 // sandbox, first).
 type MovedTunnel struct {
 	Version int `json:"version"`
+	// Dialer is the moving Dialer's Config.MoveName: the other process
+	// adopts the tunnel in its Dialer of that name.
+	Dialer string `json:"dialer,omitempty"`
 	// Forwarder, Sandbox, Target and Client are the tunnel's Route.
 	Forwarder string                  `json:"forwarder"`
 	Sandbox   string                  `json:"sandbox"`
@@ -231,7 +234,7 @@ func (d *Dialer) moveSessions(c *carried, m handoff.Mover, paused *splice.Paused
 	defer tunnelFile.Close()
 	defer clear(tunnelState)
 	r := c.route
-	state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Forwarder: r.Forwarder, Sandbox: r.Sandbox, Target: r.Target, Client: r.Client,
+	state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Dialer: d.cfg.MoveName, Forwarder: r.Forwarder, Sandbox: r.Sandbox, Target: r.Target, Client: r.Client,
 		Opened: c.opened, Open: c.isOpen.Load(), Buffered: c.buffered, User: userState, Tunnel: tunnelState, Relay: paused.State})
 	if err != nil {
 		return stayHere(handoff.StayNotMovable, err, tunnelState, tunnelFile)

@@ -150,7 +150,7 @@ func TestMovedTunnelState(t *testing.T) {
 	var ps splice.PauseState
 	ps.Dirs[splice.AToB].Bytes, ps.Dirs[splice.AToB].SpliceBytes = 10, 10
 	ps.Dirs[splice.BToA].Bytes, ps.Dirs[splice.BToA].SpliceBytes, ps.Dirs[splice.BToA].Pending = 20, 20, 5
-	mt := MovedTunnel{Version: MovedTunnelVersion, Forwarder: route.Forwarder, Sandbox: route.Sandbox, Target: route.Target, Client: route.Client,
+	mt := MovedTunnel{Version: MovedTunnelVersion, Dialer: "proxy-digest", Forwarder: route.Forwarder, Sandbox: route.Sandbox, Target: route.Target, Client: route.Client,
 		Opened: opened, Open: true, Buffered: 3, User: []byte("user-session"), Tunnel: []byte("tunnel-session"), Relay: ps}
 	b, err := json.Marshal(mt)
 	if err != nil {
@@ -165,7 +165,7 @@ func TestMovedTunnelState(t *testing.T) {
 		names = append(names, k)
 	}
 	slices.Sort(names)
-	want := []string{"buffered", "client", "forwarder", "open", "opened", "relay", "sandbox", "target", "tunnel", "user", "version"}
+	want := []string{"buffered", "client", "dialer", "forwarder", "open", "opened", "relay", "sandbox", "target", "tunnel", "user", "version"}
 	if !slices.Equal(names, want) {
 		t.Errorf("MovedTunnel fields %v, want %v", names, want)
 	}
@@ -173,7 +173,7 @@ func TestMovedTunnelState(t *testing.T) {
 	if err := json.Unmarshal(b, &back); err != nil {
 		t.Fatal(err)
 	}
-	if back.Forwarder != route.Forwarder || back.Sandbox != route.Sandbox || back.Target != route.Target || back.Client != route.Client ||
+	if back.Dialer != "proxy-digest" || back.Forwarder != route.Forwarder || back.Sandbox != route.Sandbox || back.Target != route.Target || back.Client != route.Client ||
 		!back.Opened.Equal(opened) || !back.Open || back.Buffered != 3 || string(back.User) != "user-session" ||
 		string(back.Tunnel) != "tunnel-session" || back.Relay != ps {
 		t.Errorf("MovedTunnel round trip: %+v, want %+v", back, mt)

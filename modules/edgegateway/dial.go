@@ -159,8 +159,9 @@ type gatewayStartKey struct {
 }
 
 // dialer builds the gateway.Dialer, loading the certificate, trust pool
-// and signing key. module labels its handshake metrics and logs.
-func (g *DialOptions) dialer(ctx caddy.Context, module string, logger *zap.Logger) (*gateway.Dialer, error) {
+// and signing key. module labels its handshake metrics and logs; moveName
+// names it in the tunnels it moves in an upgrade (gateway.Config.MoveName).
+func (g *DialOptions) dialer(ctx caddy.Context, module string, logger *zap.Logger, moveName string) (*gateway.Dialer, error) {
 	if err := g.validate(); err != nil {
 		return nil, err
 	}
@@ -219,5 +220,6 @@ func (g *DialOptions) dialer(ctx caddy.Context, module string, logger *zap.Logge
 		Standby:        g.Standby,
 		StandbyMaxIdle: time.Duration(g.StandbyMaxIdle),
 		OnStandby:      func(outcome string) { GatewayStandby.WithLabelValues(module, outcome).Inc() },
+		MoveName:       moveName,
 	})
 }

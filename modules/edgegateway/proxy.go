@@ -12,6 +12,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/l4conn"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
+	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
@@ -69,6 +70,9 @@ type Proxy struct {
 	ctx    caddy.Context
 	logger *zap.Logger
 	dialer *gateway.Dialer
+	// moveName names the handler for an upgrade (moveNameOf): the new
+	// process adopts its tunnels in the handler configured the same.
+	moveName string
 }
 
 // CaddyModule returns the Caddy module information.
@@ -103,11 +107,19 @@ func (h *Proxy) Provision(ctx caddy.Context) error {
 	if err := caddymetrics.Register(ctx, moduleid.SandboxProxy); err != nil {
 		return err
 	}
-	d, err := h.DialOptions.dialer(ctx, moduleid.SandboxProxy, h.logger)
+	if err := upgrade.CheckListeners(ctx, h.logger, upgrade.HandlerSandboxProxy); err != nil {
+		return err
+	}
+	name, err := moveNameOf(h)
 	if err != nil {
 		return fmt.Errorf("sandbox_proxy: %w", err)
 	}
-	h.dialer = d
+	d, err := h.DialOptions.dialer(ctx, moduleid.SandboxProxy, h.logger, name)
+	if err != nil {
+		return fmt.Errorf("sandbox_proxy: %w", err)
+	}
+	h.dialer, h.moveName = d, name
+	proxies.add(h)
 	h.DialOptions.logStart(ctx, moduleid.SandboxProxy, h.logger)
 	warnUntrustedClientID(h.logger, h.ClientID, ClientIDFixL4)
 	return nil
@@ -116,6 +128,7 @@ func (h *Proxy) Provision(ctx caddy.Context) error {
 // Cleanup closes the standby connections.
 func (h *Proxy) Cleanup() error {
 	if h.dialer != nil {
+		proxies.retire(h)
 		h.dialer.Close()
 	}
 	return nil
@@ -135,18 +148,44 @@ func (h *Proxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	}
 	// The user, as this gateway saw them, signed into the preamble.
 	route.Client = gateway.ClientFrom(peer, repl.ReplaceAll(h.ClientID, ""))
-	where := []zap.Field{zap.String("peer", peer), zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target),
+	where := tunnelFields(peer, route)
+	st, end, err := h.dialer.Carry(cx.Context, route, user, buffered, h.onDial(where))
+	h.tunnelEnded(where, st, end, err)
+	return nil
+}
+
+// tunnelFields are the log fields that name a tunnel: the user's address
+// as peer, and its route.
+func tunnelFields(peer string, route gateway.Route) []zap.Field {
+	return []zap.Field{zap.String("peer", peer), zap.String("sandbox", route.Sandbox), zap.Stringer("target", route.Target),
 		zap.String("forwarder", route.Forwarder)}
-	st, end, err := h.dialer.Carry(cx.Context, route, user, buffered, func(tunnel *ktls.Conn, err error) {
+}
+
+// onDial counts and logs whether a tunnel opened (Carry's and
+// AdoptedTunnel.Run's onDial).
+func (h *Proxy) onDial(where []zap.Field) func(tunnel *ktls.Conn, err error) {
+	return func(tunnel *ktls.Conn, err error) {
 		if err != nil {
 			GatewayDials.WithLabelValues(moduleid.SandboxProxy, dialResult(err)).Inc()
 			h.logger.Warn("sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", append(where, zap.Error(err))...)
 			return
 		}
 		countDialOK(moduleid.SandboxProxy, tunnel)
-	})
+	}
+}
+
+// tunnelEnded counts and logs how a tunnel (Carry's, or AdoptedTunnel.Run's
+// in a process that took it over) ended: st, end and err are what they
+// returned. A tunnel that moved to another process did not end: that
+// process counts it from its start, the handoff counts the move.
+func (h *Proxy) tunnelEnded(where []zap.Field, st splice.Stats, end gateway.End, err error) {
 	if end == "" {
-		return nil // it did not open: counted and logged by onDial
+		return // it did not open: counted and logged by onDial
+	}
+	if end == gateway.EndMoved {
+		h.logger.Debug("sandbox_proxy: tunnel moved to the new process", append(where,
+			zap.Int64("bytes_to_sandbox", st.AToB.Bytes), zap.Int64("bytes_from_sandbox", st.BToA.Bytes))...)
+		return
 	}
 	GatewayEnds.WithLabelValues(moduleid.SandboxProxy, string(end)).Inc()
 	for _, d := range []splice.DirectionStats{st.AToB, st.BToA} {
@@ -164,7 +203,6 @@ func (h *Proxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
 	default:
 		h.logger.Info("sandbox_proxy: tunnel failed", append(fields, zap.Error(err))...)
 	}
-	return nil
 }
 
 // dialResult is the caddy_ktls_gateway_dials_total result of a failed

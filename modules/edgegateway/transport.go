@@ -150,7 +150,7 @@ func (t *Transport) Provision(ctx caddy.Context) error {
 	if err := t.Validate(); err != nil {
 		return err
 	}
-	d, err := t.DialOptions.dialer(ctx, moduleid.SandboxTransport, t.logger)
+	d, err := t.DialOptions.dialer(ctx, moduleid.SandboxTransport, t.logger, "")
 	if err != nil {
 		return fmt.Errorf("sandbox transport: %w", err)
 	}

@@ -3,8 +3,6 @@ package forwarder
 import (
 	"context"
 	"crypto/ed25519"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -30,6 +28,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/logsummary"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/internal/offload"
+	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
@@ -234,19 +233,11 @@ type Handler struct {
 	moveName string
 }
 
-// moveNameOf names a sandbox handler for an upgrade: the SHA-256 of its
-// JSON configuration as loaded. A gateway's standby connection has sent no
-// preamble whose key would choose a handler; it moves to the new process's
-// handler configured the same (upgrade.go, adoptStandby). Handlers
-// configured alike serve alike, so one name for several is no ambiguity.
-func moveNameOf(h *Handler) (string, error) {
-	b, err := json.Marshal(h)
-	if err != nil {
-		return "", err
-	}
-	sum := sha256.Sum256(b)
-	return hex.EncodeToString(sum[:]), nil
-}
+// moveNameOf names a sandbox handler for an upgrade (upgrade.MoveName). A
+// gateway's standby connection has sent no preamble whose key would choose
+// a handler; it moves to the new process's handler configured the same
+// (upgrade.go, adoptStandby).
+func moveNameOf(h *Handler) (string, error) { return upgrade.MoveName(h) }
 
 // Key is one inline gateway key.
 type Key struct {
@@ -417,7 +408,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	} else if err != nil {
 		return err
 	}
-	if err := checkHandoffListeners(ctx, h.logger); err != nil {
+	if err := upgrade.CheckListeners(ctx, h.logger, upgrade.HandlerSandbox); err != nil {
 		return err
 	}
 	warnProxyProtocolBefore(ctx, h.logger)

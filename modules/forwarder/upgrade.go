@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -27,6 +28,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/listensock"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/internal/offload"
+	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
@@ -147,18 +149,18 @@ func (h *Handoff) Provision(ctx caddy.Context) error {
 	if h.Timeout == 0 {
 		h.Timeout = caddy.Duration(DefaultHandoffTimeout)
 	}
-	upgrade.mu.Lock()
-	first := !upgrade.provisioned
-	upgrade.provisioned = true
-	upgrade.mu.Unlock()
+	upgrading.mu.Lock()
+	first := !upgrading.provisioned
+	upgrading.provisioned = true
+	upgrading.mu.Unlock()
 	if first {
 		listensock.BeforeFirstListen(h.takeListeners)
 	}
 	return nil
 }
 
-// upgrade is the process's part in an upgrade.
-var upgrade struct {
+// upgrading is the process's part in an upgrade.
+var upgrading struct {
 	mu          sync.Mutex
 	provisioned bool           // a sandbox_handoff app was provisioned in this process
 	from        *handoff.Hello // the process whose listeners this one took, until it takes its tunnels
@@ -238,9 +240,9 @@ func (h *Handoff) takeListeners() error {
 	// would stand outside the report stream it takes over.
 	listensock.PauseAccepting()
 	peer := r.Peer()
-	upgrade.mu.Lock()
-	upgrade.from = &peer
-	upgrade.mu.Unlock()
+	upgrading.mu.Lock()
+	upgrading.from = &peer
+	upgrading.mu.Unlock()
 	h.logger.Info("took the listening sockets of the running process; its tunnels follow once this configuration runs",
 		zap.Int("pid", peer.PID), zap.String("build", peer.Build), zap.Strings("listeners", addrs))
 	return nil
@@ -253,10 +255,10 @@ func (h *Handoff) Start() error {
 	if err := listensock.TakeOver(); err != nil {
 		return err
 	}
-	upgrade.mu.Lock()
-	from := upgrade.from
-	upgrade.from = nil
-	upgrade.mu.Unlock()
+	upgrading.mu.Lock()
+	from := upgrading.from
+	upgrading.from = nil
+	upgrading.mu.Unlock()
 	if from == nil {
 		return h.serve()
 	}
@@ -449,6 +451,13 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	// offer.
 	standby := tunnels.MoveStandby(context.Background(), handoff.SenderMover(sess))
 	res := moveTunnels(sess)
+	// Then the other features' objects (upgrade.Register): an edge
+	// gateway's sandbox_proxy tunnels.
+	others := moveParticipants(sess)
+	othersMoved := 0
+	for _, o := range others {
+		othersMoved += o.res.Moved
+	}
 	out.StandbyMoved, out.StandbyStayed = standby.Moved, standby.Stayed
 	if err := sess.Finish(); err != nil && sess.PeerDied() {
 		// The new process died with what it took: the tunnels that moved
@@ -457,7 +466,8 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 		// takes the stream back, and serves on.
 		done(false)
 		out.Moved, out.Stayed, result = res.Moved, res.Stayed, "peer_died"
-		return giveUp(fmt.Sprintf("the new process died during the handoff; the %d tunnels it had taken ended with it", res.Moved), err)
+		out.Others = othersResponse(others)
+		return giveUp(fmt.Sprintf("the new process died during the handoff; the %d tunnels it had taken ended with it", res.Moved+othersMoved), err)
 	}
 	// The new process is the service's from now on: under systemd, the
 	// main process says so (NotifyAccess=main takes it from no other),
@@ -465,13 +475,19 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	notifyMainPID(s.logger, peer.PID)
 	done(true)
 	handoffs.WithLabelValues("old", "done").Inc()
-	handoffTunnels.WithLabelValues("moved").Add(float64(res.Moved))
-	handoffTunnels.WithLabelValues("stayed").Add(float64(len(res.Stays)))
-	for _, p := range res.Pauses {
+	pauses := slices.Clone(res.Pauses)
+	stayed := len(res.Stays)
+	for _, o := range others {
+		pauses = append(pauses, o.res.Pauses...)
+		stayed += len(o.res.Stays)
+	}
+	handoffTunnels.WithLabelValues("moved").Add(float64(res.Moved + othersMoved))
+	handoffTunnels.WithLabelValues("stayed").Add(float64(stayed))
+	for _, p := range pauses {
 		handoffPause.Observe(p.Seconds())
 	}
 	out.Moved, out.Stayed, out.Duration = res.Moved, res.Stayed, caddy.Duration(time.Since(start))
-	pauses := slices.Clone(res.Pauses)
+	out.Others = othersResponse(others)
 	slices.Sort(pauses)
 	fields := []zap.Field{zap.Int("pid", peer.PID), zap.String("build", peer.Build), zap.Int("moved", res.Moved),
 		zap.Any("stayed", res.Stayed), zap.Duration("duration", time.Since(start))}
@@ -481,6 +497,9 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 		fields = append(fields, zap.Duration("pause_p50", p50), zap.Duration("pause_p99", p99), zap.Duration("pause_max", pmax))
 	}
 	fields = append(fields, zap.Int("standby_moved", standby.Moved), zap.Any("standby_stayed", standby.Stayed))
+	for _, o := range others {
+		fields = append(fields, zap.Int(o.name+"_moved", o.res.Moved), zap.Any(o.name+"_stayed", o.res.Stayed))
+	}
 	s.logger.Info("handed the tunnels over to the new process", fields...)
 	for _, st := range res.Stays {
 		s.logger.Info("sandbox tunnel stays in this process until it ends or the drain ends it", zap.Uint64("id", st.Tunnel),
@@ -490,7 +509,39 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 		s.logger.Info("sandbox standby connection stays in this process until its preamble, its standby_timeout or the drain", zap.String("peer", st.Peer),
 			zap.String("why", st.Why), zap.Error(st.Err))
 	}
+	for _, o := range others {
+		for _, st := range o.res.Stays {
+			s.logger.Info(o.name+" tunnel stays in this process until it ends or the drain ends it", zap.String("tunnel", st.What),
+				zap.String("why", st.Why), zap.Error(st.Err))
+		}
+	}
 	return out
+}
+
+// participantMoved is what a registered participant's Move did.
+type participantMoved struct {
+	name string
+	res  upgrade.Moved
+}
+
+// moveParticipants offers every registered participant's objects.
+func moveParticipants(sess *handoff.Sender) []participantMoved {
+	var out []participantMoved
+	for _, p := range upgrade.Participants() {
+		out = append(out, participantMoved{p.Name, p.Move(context.Background(), handoff.SenderMover(sess))})
+	}
+	return out
+}
+
+func othersResponse(others []participantMoved) map[string]MovedCounts {
+	if len(others) == 0 {
+		return nil
+	}
+	m := make(map[string]MovedCounts, len(others))
+	for _, o := range others {
+		m[o.name] = MovedCounts{Moved: o.res.Moved, Stayed: o.res.Stayed}
+	}
+	return m
 }
 
 // settleFor bounds the old process's wait for the connections it accepted
@@ -567,6 +618,10 @@ type UpgradeResponse struct {
 	// why, as Stayed.
 	StandbyMoved  int            `json:"standby_moved"`
 	StandbyStayed map[string]int `json:"standby_stayed,omitempty"`
+	// Others counts the other features' objects (internal/upgrade's
+	// participants) that moved and stayed, by feature: "gateway", an edge
+	// gateway's sandbox_proxy tunnels.
+	Others map[string]MovedCounts `json:"others,omitempty"`
 	// Duration is the handoff's, from the new process's ask for the
 	// tunnels; PauseP99 and PauseMax the moved tunnels' pauses.
 	Duration caddy.Duration `json:"duration,omitempty"`
@@ -576,6 +631,13 @@ type UpgradeResponse struct {
 	// then counts the tunnels that had moved to a new process that died
 	// during the handoff (they ended with it).
 	Error string `json:"error,omitempty"`
+}
+
+// MovedCounts is what moved of one feature's objects, and what stayed by
+// why (as UpgradeResponse's Moved and Stayed).
+type MovedCounts struct {
+	Moved  int            `json:"moved"`
+	Stayed map[string]int `json:"stayed,omitempty"`
 }
 
 // upgrades passes the outcome of a handoff to a POST /sandbox/upgrade
@@ -687,6 +749,10 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 	handoffs.WithLabelValues("new", "done").Inc()
 	listensock.ResumeAccepting()
 	moved, refused, standbys := 0, 0, 0
+	others := map[string]int{}
+	for _, p := range upgrade.Participants() {
+		others[p.Name] = 0
+	}
 	for {
 		it, err := r.Next()
 		if errors.Is(err, handoff.ErrDone) {
@@ -703,6 +769,14 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 		if it.Kind == handoff.KindStandby {
 			if adoptStandby(it) {
 				standbys++
+			} else {
+				refused++
+			}
+			continue
+		}
+		if p, ok := upgrade.ForKind(it.Kind); ok {
+			if adoptOther(h.logger, p, it) {
+				others[p.Name]++
 			} else {
 				refused++
 			}
@@ -732,10 +806,34 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 			hd.tunnelEnded(res, err)
 		}()
 	}
-	handoffTunnels.WithLabelValues("adopted").Add(float64(moved))
+	fields := []zap.Field{zap.Int("pid", peer.PID), zap.String("build", peer.Build),
+		zap.Int("tunnels", moved), zap.Int("standby", standbys), zap.Int("refused", refused), zap.Duration("duration", time.Since(start))}
+	adopted := moved
+	for _, name := range slices.Sorted(maps.Keys(others)) {
+		adopted += others[name]
+		fields = append(fields, zap.Int(name+"_tunnels", others[name]))
+	}
+	handoffTunnels.WithLabelValues("adopted").Add(float64(adopted))
 	handoffTunnels.WithLabelValues("refused").Add(float64(refused))
-	h.logger.Info("took the running process's tunnels over", zap.Int("pid", peer.PID), zap.String("build", peer.Build),
-		zap.Int("tunnels", moved), zap.Int("standby", standbys), zap.Int("refused", refused), zap.Duration("duration", time.Since(start)))
+	h.logger.Info("took the running process's tunnels over", fields...)
+}
+
+// adoptOther takes an object of a registered participant over and runs
+// it; it reports whether it did.
+func adoptOther(logger *zap.Logger, p upgrade.Participant, it *handoff.Item) bool {
+	defer it.Close() // the adopted object holds duplicates
+	run, discard, err := p.Adopt(it.State, it.Files)
+	if err != nil {
+		it.Refuse(err.Error())
+		logger.Warn("refused a "+p.Name+" tunnel of the running process; it stays there", zap.Error(err))
+		return false
+	}
+	if err := it.Adopt(); err != nil {
+		discard()
+		return false
+	}
+	go run()
+	return true
 }
 
 // adoptStandby takes a gateway's standby connection over and serves it, in

@@ -55,9 +55,9 @@ func TestHandoffCaddyfile(t *testing.T) {
 // Provision refuses a missing or relative socket and a negative timeout,
 // and defaults the timeout.
 func TestHandoffProvisionChecks(t *testing.T) {
-	upgrade.mu.Lock()
-	upgrade.provisioned = true // no dial: this checks the configuration only
-	upgrade.mu.Unlock()
+	upgrading.mu.Lock()
+	upgrading.provisioned = true // no dial: this checks the configuration only
+	upgrading.mu.Unlock()
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: t.Context()})
 	defer cancel()
 	for _, tc := range []struct {

@@ -1,4 +1,8 @@
-package forwarder
+// Package upgrade is the Caddy glue that the features share for a binary
+// upgrade without dropping a tunnel (the sandbox_handoff app): the load
+// check of the listeners that serve a moving handler, and the registry of
+// the features that move objects besides the forwarder's own.
+package upgrade
 
 import (
 	"encoding/json"
@@ -17,9 +21,10 @@ import (
 )
 
 // A process that takes over serves tunnels only once it holds the running
-// process's state (takeTunnels): its tcp-handoff listeners, taken from the
-// running process, wait until then. Any other listener that serves a
-// sandbox handler is bound afresh by the new process (a tcp or tcp-retry
+// process's state (the sandbox_handoff app's takeTunnels): its tcp-handoff
+// listeners, taken from the running process, wait until then. Any other
+// listener that serves a sandbox handler (or, in a gateway, a
+// sandbox_proxy handler: the same goes for it) is bound afresh by the new process (a tcp or tcp-retry
 // address: a second SO_REUSEPORT socket), or not handed over at all (a
 // unix socket, fd/), and accepts as soon as the new configuration runs: a
 // tunnel it opens there stands outside the report stream the process
@@ -44,10 +49,16 @@ import (
 //
 // Anywhere else the listeners are not known at load: it warns.
 
-// checkHandoffListeners fails when sandbox_handoff is configured and a
-// listener that serves the sandbox handler provisioning with ctx is no
-// tcp-handoff/ address.
-func checkHandoffListeners(ctx caddy.Context, logger *zap.Logger) error {
+// The handlers whose listeners CheckListeners checks: layer4 handler names.
+const (
+	HandlerSandbox      = "sandbox"       // the forwarder's
+	HandlerSandboxProxy = "sandbox_proxy" // the edge gateway's
+)
+
+// CheckListeners fails when sandbox_handoff is configured and a listener
+// that serves handler (HandlerSandbox, HandlerSandboxProxy), provisioning
+// with ctx, is no tcp-handoff/ address.
+func CheckListeners(ctx caddy.Context, logger *zap.Logger, handler string) error {
 	// This loads the sandbox_handoff app if it is configured and not
 	// loaded yet, before any server listens, as its Provision needs; an
 	// error loading it fails this configuration all the same.
@@ -58,42 +69,42 @@ func checkHandoffListeners(ctx caddy.Context, logger *zap.Logger) error {
 	for i := len(mods) - 2; i >= 0; i-- {
 		switch m := mods[i].(type) {
 		case *layer4.App:
-			return checkLayer4HandoffListeners(m)
+			return checkLayer4Listeners(m, handler)
 		case *layer4.ListenerWrapper:
 			srv, _ := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
 			if srv == nil {
 				break
 			}
 			for _, addr := range srv.Listen {
-				if err := handoffListenerError(fmt.Sprintf("http server %q (a layer4 listener wrapper)", httpServerName(mods[:i], srv)), addr); err != nil {
+				if err := listenerError(fmt.Sprintf("http server %q (a layer4 listener wrapper)", httpServerName(mods[:i], srv)), handler, addr); err != nil {
 					return err
 				}
 			}
 			return nil
 		}
 	}
-	logger.Warn(HandoffListenersNotVisibleWarning)
+	logger.Warn(ListenersNotVisibleWarning)
 	return nil
 }
 
-// HandoffListenersNotVisibleWarning is logged at load by a sandbox handler
-// whose listeners checkHandoffListeners cannot find.
-const HandoffListenersNotVisibleWarning = "sandbox_handoff: cannot check at load that the listeners serving this sandbox handler are tcp-handoff/ addresses; " +
+// ListenersNotVisibleWarning is logged at load by a handler whose
+// listeners CheckListeners cannot find.
+const ListenersNotVisibleWarning = "sandbox_handoff: cannot check at load that the listeners serving this sandbox handler are tcp-handoff/ addresses; " +
 	"an upgrade fails if one of them is not"
 
-// checkLayer4HandoffListeners checks the listen addresses of a's servers
-// whose raw routes hold a sandbox handler, in server-name order.
-func checkLayer4HandoffListeners(a *layer4.App) error {
+// checkLayer4Listeners checks the listen addresses of a's servers whose
+// raw routes hold handler, in server-name order.
+func checkLayer4Listeners(a *layer4.App, handler string) error {
 	for _, name := range slices.Sorted(maps.Keys(a.Servers)) {
 		srv := a.Servers[name]
 		if srv == nil || !slices.ContainsFunc(srv.Routes, func(r *layer4.Route) bool {
-			return r != nil && slices.ContainsFunc(r.HandlersRaw, holdsSandbox)
+			return r != nil && slices.ContainsFunc(r.HandlersRaw, func(raw json.RawMessage) bool { return holds(raw, handler) })
 		}) {
 			continue
 		}
 		repl := caddy.NewReplacer() // as caddy-l4 reads a listen address
 		for _, addr := range srv.Listen {
-			if err := handoffListenerError(fmt.Sprintf("layer4 server %q", name), repl.ReplaceAll(addr, "")); err != nil {
+			if err := listenerError(fmt.Sprintf("layer4 server %q", name), handler, repl.ReplaceAll(addr, "")); err != nil {
 				return err
 			}
 		}
@@ -101,9 +112,9 @@ func checkLayer4HandoffListeners(a *layer4.App) error {
 	return nil
 }
 
-// holdsSandbox reports whether raw, a handler's JSON, is a sandbox handler
-// or holds one at any depth.
-func holdsSandbox(raw json.RawMessage) bool {
+// holds reports whether raw, a handler's JSON, is handler or holds one at
+// any depth.
+func holds(raw json.RawMessage, handler string) bool {
 	var v any
 	if json.Unmarshal(raw, &v) != nil {
 		return false // not this handler's: Caddy reports it
@@ -112,7 +123,7 @@ func holdsSandbox(raw json.RawMessage) bool {
 	walk = func(v any) bool {
 		switch v := v.(type) {
 		case map[string]any:
-			if v["handler"] == "sandbox" {
+			if v["handler"] == handler {
 				return true
 			}
 			for _, e := range v {
@@ -143,11 +154,11 @@ func httpServerName(mods []caddy.Module, srv *caddyhttp.Server) string {
 	return "?"
 }
 
-// handoffListenerError returns the load error for addr, a listen address
-// of server (as the error names it) that serves a sandbox handler, unless
-// it is a tcp-handoff/ address. An address that does not parse is left to
-// the server, which refuses it.
-func handoffListenerError(server, addr string) error {
+// listenerError returns the load error for addr, a listen address of
+// server (as the error names it) that serves handler, unless it is a
+// tcp-handoff/ address. An address that does not parse is left to the
+// server, which refuses it.
+func listenerError(server, handler, addr string) error {
 	network, host, port, err := caddy.SplitNetworkAddress(addr)
 	if err != nil || network == listensock.Network {
 		return nil
@@ -157,7 +168,7 @@ func handoffListenerError(server, addr string) error {
 	case "", "tcp", "tcp4", "tcp6", listensock.RetryNetwork:
 		fix = listensock.Network + "/" + caddy.JoinNetworkAddress("", host, port)
 	}
-	return fmt.Errorf("sandbox_handoff: %s serves the sandbox handler on %q, which is no %s/ address: "+
+	return fmt.Errorf("sandbox_handoff: %s serves the %s handler on %q, which is no %s/ address: "+
 		"the new process of an upgrade would accept there and open tunnels before it holds the running process's state, "+
-		"and the upgrade would fail; listen on %s", server, addr, listensock.Network, fix)
+		"and the upgrade would fail; listen on %s", server, handler, addr, listensock.Network, fix)
 }

@@ -1,0 +1,141 @@
+package edgegateway
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
+	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
+)
+
+// The sandbox_proxy handlers' part in a binary upgrade (the
+// sandbox_handoff app): the old process offers the tunnels of every
+// provisioned handler's Dialer, the new one adopts each in the handler
+// configured as the one it ran in (its move name), else in the
+// configuration's only one, else refuses it: it then runs on in the old
+// process until it ends or that process's drain ends it.
+
+func init() {
+	upgrade.Register(upgrade.Participant{
+		Name:  "gateway",
+		Kind:  handoff.KindGatewayTunnel,
+		Move:  proxies.move,
+		Adopt: proxies.adopt,
+	})
+}
+
+// moveNameOf names a sandbox_proxy handler for an upgrade
+// (upgrade.MoveName), as modules/forwarder names its sandbox handlers.
+func moveNameOf(h *Proxy) (string, error) { return upgrade.MoveName(h) }
+
+// proxies are the provisioned sandbox_proxy handlers of the process, from
+// Provision until Cleanup, and after it for as long as their Dialer
+// carries a tunnel: tunnels outlive a reload, and must move all the same.
+var proxies proxyRegistry
+
+type proxyRegistry struct {
+	mu      sync.Mutex
+	list    []*Proxy
+	retired map[*Proxy]bool // cleaned up: their tunnels move, nothing is adopted in them
+}
+
+func (r *proxyRegistry) add(h *Proxy) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.list = append(r.list, h)
+}
+
+// retire marks h cleaned up: it stays while its Dialer carries tunnels.
+func (r *proxyRegistry) retire(h *Proxy) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.retired == nil {
+		r.retired = map[*Proxy]bool{}
+	}
+	r.retired[h] = true
+	r.pruneLocked()
+}
+
+// pruneLocked drops the retired handlers whose Dialer carries no tunnel.
+func (r *proxyRegistry) pruneLocked() {
+	r.list = slices.DeleteFunc(r.list, func(p *Proxy) bool {
+		if r.retired[p] && p.dialer.Tunnels() == 0 {
+			delete(r.retired, p)
+			return true
+		}
+		return false
+	})
+}
+
+// snapshot returns the registered handlers; live leaves the retired ones
+// out.
+func (r *proxyRegistry) snapshot(live bool) []*Proxy {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.pruneLocked()
+	if !live {
+		return slices.Clone(r.list)
+	}
+	return slices.DeleteFunc(slices.Clone(r.list), func(p *Proxy) bool { return r.retired[p] })
+}
+
+// move offers every tunnel of every handler's Dialer to m.
+func (r *proxyRegistry) move(ctx context.Context, m handoff.Mover) upgrade.Moved {
+	var out upgrade.Moved
+	for _, h := range r.snapshot(false) {
+		res := h.dialer.MoveTunnels(ctx, m)
+		out.Moved += res.Moved
+		out.Pauses = append(out.Pauses, res.Pauses...)
+		for _, st := range res.Stays {
+			if out.Stayed == nil {
+				out.Stayed = map[string]int{}
+			}
+			out.Stayed[st.Why]++
+			out.Stays = append(out.Stays, upgrade.Stay{What: st.Route.String(), Why: st.Why, Err: st.Err})
+		}
+	}
+	return out
+}
+
+// handlerFor returns the handler of the running configuration that adopts
+// a tunnel moved by the handler named name: the one of that name, else the
+// only one; nil and how many there are for none.
+func (r *proxyRegistry) handlerFor(name string) (*Proxy, int) {
+	list := r.snapshot(true)
+	if i := slices.IndexFunc(list, func(h *Proxy) bool { return name != "" && h.moveName == name }); i >= 0 {
+		return list[i], len(list)
+	}
+	if len(list) == 1 {
+		return list[0], 1
+	}
+	return nil, len(list)
+}
+
+// adopt builds a moved tunnel in the handler handlerFor names; run carries
+// it to its end with that handler's logs and metrics.
+func (r *proxyRegistry) adopt(state []byte, files []*os.File) (run, discard func(), err error) {
+	var named struct {
+		Dialer string `json:"dialer"`
+	}
+	if err := json.Unmarshal(state, &named); err != nil {
+		return nil, nil, fmt.Errorf("moved gateway tunnel: %w", err)
+	}
+	h, n := r.handlerFor(named.Dialer)
+	if h == nil {
+		return nil, nil, fmt.Errorf("moved gateway tunnel: %d sandbox_proxy handlers in this configuration, none configured as the one the tunnel ran in", n)
+	}
+	a, err := h.dialer.AdoptTunnel(state, files)
+	if err != nil {
+		return nil, nil, err
+	}
+	run = func() {
+		where := tunnelFields(a.Route.Client.Addr.String(), a.Route)
+		st, end, err := a.Run(h.onDial(where))
+		h.tunnelEnded(where, st, end, err)
+	}
+	return run, a.Discard, nil
+}

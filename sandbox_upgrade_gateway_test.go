@@ -1,0 +1,168 @@
+package caddyktls
+
+import (
+	"crypto/tls"
+	"fmt"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
+
+// A binary upgrade of an edge gateway with the real binary: a gateway
+// Caddy (layer4: ktls, then sandbox_proxy to a forwarder Caddy) carries
+// tunnels streaming both ways; a second gateway process started with the
+// same configuration takes them over, and the old one exits.
+
+// TestKernelUpgradeMovesGatewayTunnels: every tunnel (kernel TLS on both
+// of the gateway's sessions), opened before a reload, moves to the new
+// gateway process mid-stream,
+// arrives exact both ways, and ends there, counted there; no record fails
+// to decrypt anywhere.
+func TestKernelUpgradeMovesGatewayTunnels(t *testing.T) {
+	kerneltest.Require(t)
+	gatewayUpgrade(t, true)
+}
+
+// TestUpgradeGatewayUserspaceTunnelsStay: tunnels whose user session runs
+// in userspace TLS (offload off at the gateway) cannot move: the handoff
+// counts them as staying, and the new process serves the next tunnels.
+// (They end as the old process exits: sandbox_proxy has no drain at
+// exit, an upgrade ends them as a restart does.)
+func TestUpgradeGatewayUserspaceTunnelsStay(t *testing.T) {
+	if kerneltest.Required() {
+		t.Skip("the kernel variant is TestKernelUpgradeMovesGatewayTunnels")
+	}
+	gatewayUpgrade(t, false)
+}
+
+func gatewayUpgrade(t *testing.T, kernel bool) {
+	const n, chunk, pace = 4, 4 << 10, 20 * time.Millisecond
+	up := forwardtest.NewPacedUpstream(t, chunk, pace)
+	fwd := newSandboxConfig(t, nil)
+	files := addGatewaySide(t, fwd)
+	startCaddy(t, fwd, "")
+
+	gw := &sandboxEnv{ca: fwd.ca, addr: loopbackAddr(t), adminAddr: loopbackAddr(t), logFile: filepath.Join(t.TempDir(), "gateway.log")}
+	proxy := files.dialJSON()
+	proxy["handler"], proxy["forwarder"], proxy["sandbox"], proxy["target"] = "sandbox_proxy", fwd.addr, "{l4.tls.server_name.labels.2}", up.Addr().String()
+	userSide := map[string]any{"handler": "ktls"}
+	if !kernel {
+		userSide["disable_offload"] = true
+	}
+	gw.cfg = cloneJSON(t, map[string]any{
+		"admin":   map[string]any{"listen": gw.adminAddr, "config": map[string]any{"persist": false}},
+		"logging": fwd.cfg["logging"],
+		"apps": map[string]any{
+			"tls": fwd.cfg["apps"].(map[string]any)["tls"],
+			"layer4": map[string]any{"servers": map[string]any{"tunnels": map[string]any{
+				"listen": []string{gw.addr},
+				"routes": []any{map[string]any{"handle": []any{userSide, proxy}}},
+			}}},
+		},
+	})
+	gw.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["writer"].(map[string]any)["filename"] = gw.logFile
+	handoffConfig(gw, filepath.Join(t.TempDir(), "handoff.sock"))
+	old := startCaddy(t, gw, "")
+
+	var before kerneltest.Stat
+	if kernel {
+		var err error
+		if before, err = kerneltest.ReadStat(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stop := make(chan struct{})
+	var streams []<-chan streamOutcome
+	for i := range n {
+		c, err := tls.Dial("tcp", gw.addr, &tls.Config{RootCAs: fwd.ca.Pool, ServerName: fmt.Sprintf("sbx-gwup-%d.sandbox.test", i)})
+		if err != nil {
+			t.Fatalf("user %d: %v", i, err)
+		}
+		streams = append(streams, pacedStream(c, uint64(700+i), chunk, pace, stop))
+	}
+	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
+		"every tunnel's first bytes at the upstream")
+	// A reload to another sandbox_proxy configuration: the tunnels run on in
+	// the handler it replaced, and move all the same, into the new
+	// configuration's only handler (whose move name is another).
+	layer4Server(gw.cfg, "tunnels")["routes"].([]any)[0].(map[string]any)["handle"].([]any)[1].(map[string]any)["dial_timeout"] = "11s"
+	gw.postLoad(t)
+
+	nu, took, handed := upgradeProcess(t, gw, 2*time.Minute)
+	moved, _ := handed["gateway_moved"].(float64)
+	stayed, _ := handed["gateway_stayed"].(map[string]any)
+	if took["gateway_tunnels"] != moved || handed["moved"] != 0.0 || took["tunnels"] != 0.0 ||
+		(kernel && (moved != n || len(stayed) != 0)) || (!kernel && (moved != 0 || stayedCount(stayed) != n)) {
+		t.Errorf("the new process took %v gateway tunnels (and %v forwarder tunnels), the old one handed %v over (%v stayed, %v forwarder tunnels); "+
+			"want the same, all %d in kernel TLS, none in userspace TLS (%d stay)", took["gateway_tunnels"], took["tunnels"], handed["gateway_moved"], stayed, handed["moved"], n, n)
+	}
+	if kernel {
+		// The moved tunnels stream on in the new process.
+		at := up.Received()
+		waitUntil(t, time.Minute, func() bool { return up.Received() >= at+int64(n*chunk) }, "bytes through the moved tunnels")
+		if lines := gw.logLines(t, "sandbox_proxy: tunnel moved to the new process"); len(lines) != 0 && len(lines) != n {
+			t.Errorf("the old process logged %d tunnels moved, want %d (or none: DEBUG)", len(lines), n)
+		}
+	}
+	close(stop)
+	select {
+	case <-old.exited:
+		if old.exitErr != nil {
+			t.Errorf("the old process exited with %v", old.exitErr)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the old process did not exit after the handoff")
+	}
+	var outcomes []streamOutcome
+	for _, s := range streams {
+		outcomes = append(outcomes, <-s)
+	}
+	// The new process serves a tunnel opened after the old one exited.
+	last := make(chan struct{})
+	c, err := tls.Dial("tcp", gw.addr, &tls.Config{RootCAs: fwd.ca.Pool, ServerName: "sbx-gwup-after.sandbox.test"})
+	if err != nil {
+		t.Fatalf("a user after the upgrade: %v", err)
+	}
+	after := pacedStream(c, 799, chunk, pace, last)
+	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n+1 }, "the tunnel after the upgrade at the upstream")
+	close(last)
+	outcomes = append(outcomes, <-after)
+	up.Close()
+	for i, o := range outcomes {
+		if !kernel && i < n {
+			continue // ended with the old process
+		}
+		if o.err != nil || !exactAtUpstream(o, up.Results()) || o.recv == 0 {
+			t.Errorf("tunnel %d (sent %d, received %d, %v): not carried exact both ways through the upgrade", i, o.sent, o.recv, o.err)
+		}
+	}
+	if kernel {
+		// The moved tunnels ended in the new process, counted there once
+		// each (with the one opened after): not as an end in the old one.
+		waitUntil(t, 30*time.Second, func() bool { return nu.metric(t, gatewayEndsSeries("closed")) == n+1 }, "the new process to count the tunnels closed")
+		if m := nu.metrics(t); m[gatewayEndsSeries("failed")] != 0 || m[`caddy_ktls_sandbox_handoff_tunnels_total{result="adopted"}`] != n {
+			t.Errorf("the new process: %d tunnels failed, %d adopted; want 0 and %d", m[gatewayEndsSeries("failed")], m[`caddy_ktls_sandbox_handoff_tunnels_total{result="adopted"}`], n)
+		}
+		after, err := kerneltest.ReadStat()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := after["TlsDecryptError"] - before["TlsDecryptError"]; d != 0 {
+			t.Errorf("tls_stat TlsDecryptError %+d through the upgrade", d)
+		}
+	}
+	t.Logf("old process: %v; new process: %v", handed, took)
+}
+
+// stayedCount sums a handoff log line's stayed counts by why.
+func stayedCount(stayed map[string]any) int {
+	sum := 0
+	for _, v := range stayed {
+		f, _ := v.(float64)
+		sum += int(f)
+	}
+	return sum
+}

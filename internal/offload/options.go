@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/internal/logsummary"
+	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -309,6 +310,19 @@ func (f *HandshakeFailureLog) Record(ev ktls.Event) {
 	f.logger.Debug("TLS handshake failed", append([]zap.Field{zap.String("reason", reason), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err)},
 		handshakeFailureDetail(reason, ev.Err)...)...)
 	f.summary.Add(reason)
+}
+
+// AdoptedObserver is the Observer of a session adopted from another
+// process (ktls.Adopt, in an upgrade): a session that the layer4 ktls
+// handler there made, so its closes count under that module; an event
+// with an error is logged at WARN.
+func AdoptedObserver(logger *zap.Logger) func(ktls.Event) {
+	return func(ev ktls.Event) {
+		CountClose(moduleid.L4Handler, ev.Kind)
+		if ev.Err != nil {
+			logger.Warn("kTLS connection event", zap.String("event", string(ev.Kind)), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
+		}
+	}
 }
 
 // LogHandshake logs the outcome of one connection's handshake and offload

@@ -221,5 +221,6 @@ func (g *DialOptions) dialer(ctx caddy.Context, module string, logger *zap.Logge
 		StandbyMaxIdle: time.Duration(g.StandbyMaxIdle),
 		OnStandby:      func(outcome string) { GatewayStandby.WithLabelValues(module, outcome).Inc() },
 		MoveName:       moveName,
+		UserKTLS:       ktls.Options{Observer: offload.AdoptedObserver(logger)},
 	})
 }

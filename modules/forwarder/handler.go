@@ -392,7 +392,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		// A binary upgrade moves tunnels whose gateway session runs in
 		// kernel TLS (sandbox_handoff, upgrade.go).
 		HandOffConn: ktls.HandOffConn,
-		AdoptConn:   ktls.AdoptConn(ktls.Options{Observer: h.observeAdopted}),
+		AdoptConn:   ktls.AdoptConn(ktls.Options{Observer: offload.AdoptedObserver(h.logger)}),
 		MoveName:    h.moveName,
 	})
 	if err != nil {
@@ -757,16 +757,6 @@ func (h *Handler) tunnelEnded(res forward.Result, err error) {
 		return
 	}
 	h.logger.Debug("sandbox tunnel closed", fields...)
-}
-
-// observeAdopted counts and logs what the kTLS engine reports of the
-// gateway connection of a tunnel an upgrade moved here (its key wear, its
-// KeyUpdates), as the ktls handler that made it did in the old process.
-func (h *Handler) observeAdopted(ev ktls.Event) {
-	offload.CountClose(moduleid.L4Handler, ev.Kind)
-	if ev.Err != nil {
-		h.logger.Warn("kTLS connection event", zap.String("event", string(ev.Kind)), zap.Stringer("remote", ev.Remote), zap.Error(ev.Err))
-	}
 }
 
 // tunnelRefusedMsg is the log message of a refused tunnel.

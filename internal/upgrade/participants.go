@@ -54,6 +54,15 @@ type Stay struct {
 	Err  error
 }
 
+// Stay counts s in m: one more object that stays, by its why.
+func (m *Moved) Stay(s Stay) {
+	if m.Stayed == nil {
+		m.Stayed = map[string]int{}
+	}
+	m.Stayed[s.Why]++
+	m.Stays = append(m.Stays, s)
+}
+
 var participants struct {
 	mu   sync.Mutex
 	list []Participant

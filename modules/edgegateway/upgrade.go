@@ -91,11 +91,7 @@ func (r *proxyRegistry) move(ctx context.Context, m handoff.Mover) upgrade.Moved
 		out.Moved += res.Moved
 		out.Pauses = append(out.Pauses, res.Pauses...)
 		for _, st := range res.Stays {
-			if out.Stayed == nil {
-				out.Stayed = map[string]int{}
-			}
-			out.Stayed[st.Why]++
-			out.Stays = append(out.Stays, upgrade.Stay{What: st.Route.String(), Why: st.Why, Err: st.Err})
+			out.Stay(upgrade.Stay{What: st.Route.String(), Why: st.Why, Err: st.Err})
 		}
 	}
 	return out

@@ -71,8 +71,8 @@ type MoveResult struct {
 	// and the error.
 	Stayed map[string]int
 	Stays  []Stay
-	// Pauses are how long each moved tunnel's relay stood still, in
-	// order (MoveTunnels only).
+	// Pauses are how long each moved tunnel's relay stood still, in the
+	// order they moved (MoveTunnels only).
 	Pauses []time.Duration
 }
 
@@ -93,22 +93,24 @@ func (r *MoveResult) stay(s Stay) {
 	r.Stays = append(r.Stays, s)
 }
 
-// MoveTunnels offers every open tunnel to m, one at a time, and returns
-// what became of them. It stops offering after the first failure of m's
-// session (a Mover error that is not a refusal of one tunnel is
-// indistinguishable here: every later offer fails the same way and is
-// counted as such). The moved tunnels' Serve return with Result.Moved.
+// MoveTunnels offers every open tunnel to m, up to m.Window() at once, and
+// returns what became of them. A failure of m's session fails every later
+// offer the same way: each is counted as such. The moved tunnels' Serve
+// return with Result.Moved.
 func (r *Registry) MoveTunnels(ctx context.Context, m handoff.Mover) MoveResult {
 	var res MoveResult
-	for _, t := range r.openTunnels() {
+	var mu sync.Mutex
+	handoff.Offer(m, r.openTunnels(), func(t *Tunnel) {
 		why, pause, err := t.move(ctx, m)
+		mu.Lock()
+		defer mu.Unlock()
 		if why == "" {
 			res.Moved++
 			res.Pauses = append(res.Pauses, pause)
 		} else {
 			res.stay(Stay{Tunnel: t.ID, Why: why, Err: err})
 		}
-	}
+	})
 	return res
 }
 

@@ -6,6 +6,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -13,7 +14,10 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/cputest"
 )
 
-var moveTunnels = flag.Int("move-tunnels", 1000, "BenchmarkMoveIdleTunnels: the idle tunnels moved in each iteration")
+var (
+	moveTunnels = flag.Int("move-tunnels", 1000, "BenchmarkMoveIdleTunnels: the idle tunnels moved in each iteration")
+	moveWindow  = flag.Int("move-window", 0, "the handoff sessions' window (handoff.Config.Window; 0: its default)")
+)
 
 // BenchmarkMoveIdleTunnels moves -move-tunnels idle tunnels as an upgrade
 // does: each relay pauses, its gateway connection and its target's travel
@@ -28,9 +32,18 @@ var moveTunnels = flag.Int("move-tunnels", 1000, "BenchmarkMoveIdleTunnels: the 
 // upgrade), and how long the relays stood still (pause-p50-µs,
 // pause-p99-µs, pause-max-µs; MoveResult.Pauses).
 // Each tunnel holds four descriptors in this process (both ends of both
-// connections): the default 1,000 needs a limit of some 5,000.
+// connections): the benchmark fails at once when the limit is below five
+// per tunnel. -move-window sets the session's window (Config.Window).
 func BenchmarkMoveIdleTunnels(b *testing.B) {
 	n := *moveTunnels
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		b.Fatal(err)
+	}
+	// Five per tunnel: its four, and a moment's duplicates as it moves.
+	if need := 5*n + 100; lim.Cur < uint64(need) {
+		b.Fatalf("-move-tunnels %d needs some %d descriptors; this process may open %d (ulimit -n)", n, need, lim.Cur)
+	}
 	var total, cpu time.Duration
 	var pauses []time.Duration
 	for range b.N {

@@ -70,7 +70,7 @@ func receiverSession(t testing.TB, take func(it *handoff.Item)) *handoff.Sender 
 	defer ln.Close()
 	// A kernel test's VM runs every tunnel's stream and both processes on
 	// one emulated CPU: an answer can take longer than the default.
-	cfg := handoff.Config{Timeout: time.Minute}
+	cfg := handoff.Config{Timeout: time.Minute, Window: *moveWindow}
 	done := make(chan struct{})
 	t.Cleanup(func() { <-done })
 	go func() {
@@ -111,26 +111,27 @@ func handoffSession(t testing.TB, f *Forwarder, refuse bool, results chan<- Resu
 			it.Refuse(err.Error())
 			return
 		}
-		err = it.Adopt()
-		it.Close()
-		if err != nil {
-			a.Discard()
-			return
+		it.Close() // the adopted tunnel holds duplicates
+		run := func() {
+			runs.Go(func() {
+				res, err := a.Run()
+				if err != nil {
+					t.Errorf("adopted tunnel %d: %v", res.Tunnel.ID, err)
+				}
+				results <- res
+			})
 		}
-		runs.Go(func() {
-			res, err := a.Run()
-			if err != nil {
-				t.Errorf("adopted tunnel %d: %v", res.Tunnel.ID, err)
-			}
-			results <- res
-		})
+		if err := it.AdoptThen(run, a.Discard); err != nil {
+			a.Discard()
+		}
 	})
 }
 
 // upgrade moves old's tunnels to nu as an upgrade does: the report stream
 // first (HandOff, AdoptReports), then every tunnel through a handoff
 // session (handoffSession: the adopted ones run and send their results to
-// results), and the stream resumes in nu. It returns what MoveTunnels did
+// results; each one that moved has been started when it returns), and the
+// stream resumes in nu. It returns what MoveTunnels did
 // and how long it took.
 func upgrade(t testing.TB, old *Registry, nu *Forwarder, nuReg *Registry, results chan<- Result, runs *sync.WaitGroup) (MoveResult, time.Duration) {
 	t.Helper()
@@ -145,6 +146,11 @@ func upgrade(t testing.TB, old *Registry, nu *Forwarder, nuReg *Registry, result
 	start := time.Now()
 	res := old.MoveTunnels(context.Background(), handoff.SenderMover(s))
 	took := time.Since(start)
+	// The receiver's answer comes once it acted on every verdict: each
+	// tunnel that moved runs.
+	if err := s.Finish(); err != nil {
+		t.Errorf("the handoff session's end: %v", err)
+	}
 	s.Close()
 	done(res.Moved > 0)
 	nuReg.ResumeReports()

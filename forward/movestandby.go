@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"os"
+	"sync"
 	"time"
 )
 
@@ -47,7 +48,7 @@ type MovedStandby struct {
 }
 
 // MoveStandby offers every standby connection that waits for its first
-// preamble byte to m, one at a time, and returns what became of them
+// preamble byte to m, up to m.Window() at once, and returns what became of them
 // (Stay.Peer names each that stays). A connection whose first byte
 // arrives meanwhile is no standby connection any more: it is neither
 // offered nor counted, and opens its tunnel here. The moved connections'
@@ -56,8 +57,11 @@ type MovedStandby struct {
 // Calls at once each skip the connections another is moving.
 func (r *Registry) MoveStandby(ctx context.Context, m handoff.Mover) MoveResult {
 	var res MoveResult
-	for _, w := range r.waitingStandby() {
+	var mu sync.Mutex
+	handoff.Offer(m, r.waitingStandby(), func(w *standbyWait) {
 		offered, why, err := w.move(ctx, m)
+		mu.Lock()
+		defer mu.Unlock()
 		switch {
 		case !offered:
 		case why == "":
@@ -65,7 +69,7 @@ func (r *Registry) MoveStandby(ctx context.Context, m handoff.Mover) MoveResult 
 		default:
 			res.stay(Stay{Peer: w.c.Peer, Why: why, Err: err})
 		}
-	}
+	})
 	return res
 }
 

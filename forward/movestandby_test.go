@@ -478,6 +478,8 @@ func (f moverFunc) Move(kind uint16, state []byte, files ...*os.File) (bool, err
 	return f(kind, state, files...)
 }
 
+func (moverFunc) Window() int { return 1 }
+
 func readAll(t *testing.T, c net.Conn) ([32]byte, int64) {
 	t.Helper()
 	h := sha256.New()

@@ -76,7 +76,7 @@ type MoveResult struct {
 	// before, and end here. Stays says which and the error.
 	Stayed map[string]int
 	Stays  []Stay
-	// Pauses are how long each moved tunnel's relay stood still, in order.
+	// Pauses are how long each moved tunnel's relay stood still, in the order they moved.
 	Pauses []time.Duration
 }
 
@@ -138,21 +138,24 @@ func (d *Dialer) Tunnels() int {
 	return len(d.tunnels.tunnels)
 }
 
-// MoveTunnels offers every tunnel d carries to m, one at a time, and
-// returns what became of them. The moved tunnels' Carry return EndMoved.
-// A failure of m's session fails every later offer the same way: each is
-// counted as refused.
+// MoveTunnels offers every tunnel d carries to m, up to m.Window() at once,
+// and returns what became of them. The moved tunnels' Carry return
+// EndMoved. A failure of m's session fails every later offer the same way:
+// each is counted as refused.
 func (d *Dialer) MoveTunnels(ctx context.Context, m handoff.Mover) MoveResult {
 	var res MoveResult
-	for _, c := range d.tunnels.list() {
+	var mu sync.Mutex
+	handoff.Offer(m, d.tunnels.list(), func(c *carried) {
 		why, pause, err := d.move(ctx, c, m)
+		mu.Lock()
+		defer mu.Unlock()
 		if why == "" {
 			res.Moved++
 			res.Pauses = append(res.Pauses, pause)
 		} else {
 			res.stay(Stay{Route: c.route, Why: why, Err: err})
 		}
-	}
+	})
 	return res
 }
 

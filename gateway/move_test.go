@@ -83,6 +83,9 @@ type adoptingMover struct {
 	adopted []*AdoptedTunnel
 }
 
+// Window is 1: the offers' indices are the order MoveTunnels makes them.
+func (m *adoptingMover) Window() int { return 1 }
+
 func (m *adoptingMover) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
 	offer := m.offers
 	m.offers++

@@ -1,8 +1,8 @@
 // Package handoff moves live objects (a tunnel's sockets and state, a
 // listening socket, a process's tables) from a running process to the one
-// that replaces it, one at a time, so that each is in exactly one process
-// whatever fails: either process dying, the socket breaking, or the new
-// process refusing an object.
+// that replaces it, so that each is in exactly one process whatever fails:
+// either process dying, the socket breaking, or the new process refusing
+// an object.
 //
 // The old process accepts one connection on a Unix socket (Listen,
 // Accept: a Sender); the new one dials it (Dial: a Receiver). Both say
@@ -28,6 +28,14 @@
 // (fail closed: never two copies in use). The receiver dying after ADOPTED
 // is a process with objects that dies: the object ends with it, as any
 // object of a process that dies.
+//
+// Several objects are in flight at once, up to the session's window (the
+// smaller of both hellos' Window; a receiver that says none takes one at a
+// time): the sender offers the next before the last is answered, the
+// receiver adopts without waiting for the verdict (Item.AdoptThen) and
+// acts on each as it reads it, so that both processes work at once. The
+// rules above hold per object; a KEEP or the session's end decides every
+// object in flight that has not been released.
 //
 // The session ends with DONE both ways (Sender.Finish): a receiver that
 // read DONE has every object; a sender whose DONE is not answered learns
@@ -85,6 +93,10 @@ type Hello struct {
 	// Want is what a receiver asks for (the caller's vocabulary); a
 	// sender's is empty.
 	Want string `json:"want,omitempty"`
+	// Window is how many objects a receiver takes in flight at once (a
+	// sender's is its own Config.Window, for the logs). A receiver that
+	// says none takes one at a time.
+	Window int `json:"window,omitempty"`
 }
 
 // Config configures either side.
@@ -101,16 +113,32 @@ type Config struct {
 	// Want is what a receiver asks the sender for (Hello.Want); a
 	// Sender ignores it.
 	Want string
+	// Window bounds the objects in flight at once: offered and not yet
+	// released. A session's is the smaller of both sides'. Zero means
+	// DefaultWindow; 1 moves one object at a time.
+	Window int
 }
 
 // DefaultTimeout is Config.Timeout's default.
 const DefaultTimeout = 5 * time.Second
+
+// DefaultWindow is Config.Window's default: enough objects in flight that
+// both processes work at once, few enough that an object waits for a
+// handful of others at most.
+const DefaultWindow = 16
 
 func (c Config) timeout() time.Duration {
 	if c.Timeout > 0 {
 		return c.Timeout
 	}
 	return DefaultTimeout
+}
+
+func (c Config) window() int {
+	if c.Window > 0 {
+		return c.Window
+	}
+	return DefaultWindow
 }
 
 // Errors.
@@ -130,7 +158,7 @@ func (e *RefusedError) Error() string { return "handoff: refused by the peer: " 
 // hello sends ours and reads the peer's, then each side's verdict on the
 // other: both know the session is on before either uses it.
 func hello(c *net.UnixConn, cfg Config) (Hello, error) {
-	mine, _ := json.Marshal(Hello{Protocol: Protocol, Build: cfg.Build, PID: os.Getpid(), Want: cfg.Want})
+	mine, _ := json.Marshal(Hello{Protocol: Protocol, Build: cfg.Build, PID: os.Getpid(), Want: cfg.Want, Window: cfg.window()})
 	if err := fdpass.Send(c, kindHello, mine); err != nil {
 		return Hello{}, err
 	}

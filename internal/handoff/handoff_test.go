@@ -3,14 +3,19 @@ package handoff
 import (
 	"bytes"
 	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ktlsingress/caddy-ktls/internal/fdpass"
 )
@@ -253,7 +258,7 @@ func child(mode, path string) int {
 		return 2
 	}
 	os.WriteFile(path+".ready", nil, 0o600)
-	s, err := Accept(ln, Config{})
+	s, err := accept(ln, Config{}) // this side reads the answers itself
 	if err != nil {
 		return 2
 	}
@@ -388,12 +393,14 @@ func finishWithChild(t *testing.T, mode string, cfg Config) (*Sender, *exec.Cmd)
 			t.Fatalf("the receiver exited %v: it did not die where the test says", cmd.ProcessState)
 		}
 	} else {
-		var b [1]byte
-		s.c.SetReadDeadline(time.Now().Add(10 * time.Second))
-		if _, _, _, _, err := s.c.ReadMsgUnix(b[:], nil); !errors.Is(err, io.EOF) && err == nil {
-			t.Fatalf("the receiver sent something before ending the session")
+		select {
+		case <-s.readEnd:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the receiver did not end the session")
 		}
-		s.c.SetReadDeadline(time.Time{})
+		if !errors.Is(s.readErr, io.EOF) {
+			t.Fatalf("the receiver's end of the session read as %v, want EOF alone", s.readErr)
+		}
 	}
 	return s, cmd
 }
@@ -422,5 +429,263 @@ func TestFinishReceiverAlive(t *testing.T) {
 	}
 	if cmd.ProcessState != nil {
 		t.Fatal("the receiver had exited: the test proves nothing")
+	}
+}
+
+// Objects offered from several goroutines are in flight together, up to
+// the session's window: the receiver reads a window's worth of offers
+// before it adopts any, adopts them without waiting (AdoptThen), and every
+// object arrives whole, its descriptor usable, its verdict acted on by
+// the time Next says the session is done.
+func TestMoveInFlight(t *testing.T) {
+	checkFDs(t)
+	const window, objects = 4, 64
+	s, r := session(t, Config{Window: 8}, Config{Window: window})
+	if s.Window() != window || r.Peer().Window != 8 || s.Peer().Window != window {
+		t.Fatalf("window %d (hellos %d, %d), want the smaller side's %d", s.Window(), r.Peer().Window, s.Peer().Window, window)
+	}
+	started := map[uint16]int{}
+	done := make(chan error, 1)
+	go func() {
+		var offers []*Item
+		for len(offers) < window { // every one offered before any answer
+			it, err := r.Next()
+			if err != nil {
+				done <- err
+				return
+			}
+			offers = append(offers, it)
+		}
+		adopt := func(it *Item) error {
+			return it.AdoptThen(func() {
+				started[it.Kind]++
+				fmt.Fprintf(it.Files[0], "object %d", it.Kind)
+				it.Close()
+			}, func() {
+				t.Errorf("object %d kept", it.Kind)
+				it.Close()
+			})
+		}
+		for _, it := range offers {
+			if err := adopt(it); err != nil {
+				done <- err
+				return
+			}
+		}
+		for {
+			it, err := r.Next()
+			if err != nil {
+				done <- err
+				return
+			}
+			if err := adopt(it); err != nil {
+				done <- err
+				return
+			}
+		}
+	}()
+	fates := make(chan error, objects)
+	for i := range objects {
+		go func() {
+			rd, wr := pipeObject(t)
+			fate, err := s.Move(uint16(i), []byte(fmt.Sprint(i)), wr)
+			if fate != Moved {
+				fates <- fmt.Errorf("object %d: %v, %v", i, fate, err)
+				return
+			}
+			wr.Close()
+			got, _ := io.ReadAll(rd)
+			if want := fmt.Sprintf("object %d", i); string(got) != want {
+				fates <- fmt.Errorf("object %d: read %q through the moved descriptor, want %q", i, got, want)
+				return
+			}
+			fates <- nil
+		}()
+	}
+	for range objects {
+		if err := <-fates; err != nil {
+			t.Error(err)
+		}
+	}
+	if err := s.Finish(); err != nil {
+		t.Fatalf("finish: %v", err)
+	}
+	if err := <-done; !errors.Is(err, ErrDone) {
+		t.Fatalf("receiver: %v, want ErrDone", err)
+	}
+	if len(started) != objects {
+		t.Fatalf("%d objects started, want %d", len(started), objects)
+	}
+	for k, n := range started {
+		if n != 1 {
+			t.Fatalf("object %d started %d times", k, n)
+		}
+	}
+}
+
+// A sender whose session fails with objects in flight keeps every one it
+// did not release, and the receiver starts exactly the ones it did.
+func TestInFlightFailureAgrees(t *testing.T) {
+	checkFDs(t)
+	s, r := session(t, Config{Timeout: 200 * time.Millisecond}, Config{})
+	const objects = 3
+	type verdict struct {
+		kind    uint16
+		started *bool // nil: none given
+	}
+	verdicts := make(chan verdict, 1)
+	go func() {
+		var got verdict
+		var offers []*Item
+		for range objects {
+			it, err := r.Next()
+			if err != nil {
+				t.Error(err)
+				verdicts <- got
+				return
+			}
+			offers = append(offers, it)
+		}
+		// The first is adopted; the others never answered: the
+		// sender's wait for them runs out.
+		it := offers[0]
+		got.kind = it.Kind
+		it.AdoptThen(func() { got.started = new(true) }, func() { got.started = new(false) })
+		for _, o := range offers {
+			o.Close()
+		}
+		_, err := r.Next()
+		if err == nil || errors.Is(err, ErrDone) {
+			t.Errorf("the session after the sender failed: %v, want its failure", err)
+		}
+		verdicts <- got
+	}()
+	fates := make(chan Fate, objects)
+	for i := range objects {
+		go func() {
+			_, wr := pipeObject(t)
+			fate, _ := s.Move(uint16(i), nil, wr)
+			fates <- fate
+		}()
+	}
+	moved := 0
+	for range objects {
+		if <-fates == Moved {
+			moved++
+		}
+	}
+	got := <-verdicts
+	if got.started == nil {
+		t.Fatal("the adopted object had no verdict when the session ended")
+	}
+	if *got.started != (moved == 1) || moved > 1 {
+		t.Fatalf("object %d: started here %v, %d moved for the sender: one copy must be in use", got.kind, *got.started, moved)
+	}
+	if fate, err := s.Move(9, nil); fate != Kept || !errors.Is(err, ErrBroken) {
+		t.Fatalf("a Move after the session failed: %v, %v", fate, err)
+	}
+}
+
+// A sender that closes with answers of its receiver unread resets the
+// receiver's end: the kernel reports ECONNRESET before the messages the
+// sender queued, a RELEASED among them. The receiver still reads it and
+// starts that object; the one without a verdict, from a sender that lives,
+// is closed.
+func TestReleasedBeforeResetIsRead(t *testing.T) {
+	checkFDs(t)
+	path := filepath.Join(t.TempDir(), "handoff.sock")
+	ln, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	sc := make(chan *Sender, 1)
+	go func() {
+		s, err := accept(ln, Config{}) // this side reads the answers itself
+		if err != nil {
+			t.Error(err)
+		}
+		sc <- s
+	}()
+	r, err := Dial(path, Config{Timeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	s := <-sc
+	defer unix.Close(s.pidfd)
+	for id := uint64(1); id <= 2; id++ {
+		_, wr := pipeObject(t)
+		item := binary.BigEndian.AppendUint64([]byte{0, byte(id)}, id)
+		if err := fdpass.Send(s.c, kindItem, item, wr); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := map[uint16]bool{}
+	for range 2 {
+		it, err := r.Next()
+		if err != nil {
+			t.Fatal(err)
+		}
+		it.AdoptThen(func() { got[it.Kind] = true }, func() { got[it.Kind] = false })
+		it.Close()
+	}
+	if m, err := fdpass.Receive(s.c, fdpass.Limits{}); err != nil || m.Kind != kindAdopted {
+		t.Fatalf("the first answer: %v, %v", m, err)
+	}
+	if err := fdpass.Send(s.c, kindReleased, idPayload(1, "")); err != nil {
+		t.Fatal(err)
+	}
+	s.c.Close() // the second ADOPTED unread: the receiver's end is reset
+	if _, err := r.Next(); err == nil {
+		t.Fatal("Next after the sender closed: nil error")
+	}
+	if want := map[uint16]bool{1: true, 2: false}; !maps.Equal(got, want) {
+		t.Fatalf("verdicts %v, want %v (the released one started, the other closed)", got, want)
+	}
+}
+
+type windowMover int
+
+func (windowMover) Move(uint16, []byte, ...*os.File) (bool, error) { return true, nil }
+func (w windowMover) Window() int                                  { return int(w) }
+
+// Offer offers every object once, with as many calls at once as the
+// mover's window, and no more.
+func TestOfferWindow(t *testing.T) {
+	for _, window := range []int{0, 1, 3} {
+		objects := make([]int, 50)
+		for i := range objects {
+			objects[i] = i
+		}
+		var mu sync.Mutex
+		seen := map[int]int{}
+		now, most := 0, 0
+		gate := make(chan struct{})
+		go func() {
+			for range 10 { // until every call that can be in flight is
+				time.Sleep(5 * time.Millisecond)
+			}
+			close(gate)
+		}()
+		Offer(windowMover(window), objects, func(o int) {
+			mu.Lock()
+			seen[o]++
+			now++
+			most = max(most, now)
+			mu.Unlock()
+			<-gate
+			mu.Lock()
+			now--
+			mu.Unlock()
+		})
+		if want := max(window, 1); most != want {
+			t.Errorf("window %d: %d calls at once, want %d", window, most, want)
+		}
+		for _, o := range objects {
+			if seen[o] != 1 {
+				t.Errorf("window %d: object %d offered %d times", window, o, seen[o])
+			}
+		}
 	}
 }

@@ -1,6 +1,9 @@
 package handoff
 
-import "os"
+import (
+	"os"
+	"sync"
+)
 
 // The kinds of object a session carries: one table for every side that
 // offers or adopts them, so that one session carries them all and the
@@ -20,10 +23,12 @@ const (
 // is one through SenderMover.
 type Mover interface {
 	Move(kind uint16, state []byte, files ...*os.File) (moved bool, err error)
+	// Window is how many Move calls may run at once, at least 1.
+	Window() int
 }
 
 // SenderMover is s as a Mover: moved once the receiver adopted the object
-// and was told so (Sender.Move's Moved).
+// and was told so (Sender.Move's Moved); its window is the session's.
 func SenderMover(s *Sender) Mover { return senderMover{s} }
 
 type senderMover struct{ s *Sender }
@@ -31,6 +36,35 @@ type senderMover struct{ s *Sender }
 func (m senderMover) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
 	fate, err := m.s.Move(kind, state, files...)
 	return fate == Moved, err
+}
+
+func (m senderMover) Window() int { return m.s.Window() }
+
+// Offer calls offer for each object, up to m.Window() calls at once, and
+// returns once every call has: the movers of many objects (forward,
+// gateway) offer them so, to have both processes at work at once.
+func Offer[T any](m Mover, objects []T, offer func(T)) {
+	n := min(max(m.Window(), 1), len(objects))
+	if n <= 1 {
+		for _, o := range objects {
+			offer(o)
+		}
+		return
+	}
+	next := make(chan T)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			for o := range next {
+				offer(o)
+			}
+		})
+	}
+	for _, o := range objects {
+		next <- o
+	}
+	close(next)
+	wg.Wait()
 }
 
 // Why an object stays in the process that offered it, as the movers count

@@ -17,15 +17,19 @@ import (
 var ErrDone = errors.New("handoff: the sender has no more objects")
 
 // Receiver is the new process's end of a handoff session. Its methods are
-// not safe for concurrent use.
+// not safe for concurrent use: one goroutine reads the session, and the
+// verdicts of objects adopted with AdoptThen are acted on as it reads them.
 type Receiver struct {
 	c    *net.UnixConn
 	cfg  Config
 	peer Hello
 	// pidfd refers to the sender's process from the connection on, so a
 	// recycled PID is never mistaken for it.
-	pidfd  int
-	broken error
+	pidfd   int
+	broken  error
+	more    []byte           // the parts of the next ITEM's state
+	queued  []*Item          // offered while Adopt waited for its verdict, for Next
+	adopted map[uint64]*Item // ADOPTED sent, the sender's verdict not yet read
 }
 
 // Dial connects to the sender listening at path and says hello.
@@ -45,62 +49,177 @@ func Dial(path string, cfg Config) (*Receiver, error) {
 		unix.Close(pidfd)
 		return nil, err
 	}
-	return &Receiver{c: c, cfg: cfg, peer: peer, pidfd: pidfd}, nil
+	return &Receiver{c: c, cfg: cfg, peer: peer, pidfd: pidfd, adopted: map[uint64]*Item{}}, nil
 }
 
 // Peer is the sender's hello.
 func (r *Receiver) Peer() Hello { return r.peer }
 
 // Item is an object offered: the caller builds its object from Kind,
-// State and Files (which it owns), without starting it, then calls Adopt,
-// or Refuse.
+// State and Files (which it owns), without starting it, then calls Adopt
+// or AdoptThen, or Refuse.
 type Item struct {
 	Kind  uint16
 	State []byte
 	Files []*os.File
 	id    uint64
 	r     *Receiver
+	// verdict acts on the sender's verdict: nil, start it; else close it.
+	verdict func(error)
 }
 
 // Next returns the next object offered, ErrDone when the sender has no
-// more, or another error (the session has ended).
+// more, or another error (the session has ended). Reading on, it acts on
+// the verdicts of the objects adopted with AdoptThen; when it returns
+// ErrDone or an error, every one of them has had its verdict.
 func (r *Receiver) Next() (*Item, error) {
-	if r.broken != nil {
-		return nil, fmt.Errorf("%w: %w", ErrBroken, r.broken)
+	if len(r.queued) > 0 {
+		it := r.queued[0]
+		r.queued = r.queued[1:]
+		return it, nil
 	}
-	var state []byte
+	for {
+		if r.broken != nil {
+			return nil, fmt.Errorf("%w: %w", ErrBroken, r.broken)
+		}
+		it, err := r.step()
+		if err != nil {
+			return nil, err
+		}
+		if it != nil {
+			return it, nil
+		}
+	}
+}
+
+// step reads one message and acts on it: an ITEM is returned; a verdict is
+// given to its object; DONE is answered and ends the session with ErrDone;
+// a failure ends it with the error, after every object adopted has had its
+// verdict (end).
+func (r *Receiver) step() (*Item, error) {
+	m, err := fdpass.Receive(r.c, fdpass.Limits{Payload: chunk + 10})
+	if err != nil {
+		return nil, r.end(err)
+	}
+	switch m.Kind {
+	case kindMore:
+		m.Close()
+		if len(r.more)+len(m.Payload) > MaxState {
+			return nil, r.end(fmt.Errorf("an object's state above %d bytes", MaxState))
+		}
+		r.more = append(r.more, m.Payload...)
+		return nil, nil
+	case kindItem:
+		if len(m.Payload) < 10 {
+			m.Close()
+			return nil, r.end(errors.New("an object without its header"))
+		}
+		state := append(r.more, m.Payload[10:]...)
+		r.more = nil
+		return &Item{
+			Kind: binary.BigEndian.Uint16(m.Payload), id: binary.BigEndian.Uint64(m.Payload[2:]),
+			State: state, Files: m.Files, r: r,
+		}, nil
+	case kindReleased:
+		m.Close()
+		id, _, _ := payloadID(m.Payload)
+		it := r.adopted[id]
+		if it == nil {
+			return nil, r.end(fmt.Errorf("RELEASED for object %d, which was not adopted", id))
+		}
+		delete(r.adopted, id)
+		it.verdict(nil)
+		return nil, nil
+	case kindKeep:
+		m.Close()
+		id, reason, _ := payloadID(m.Payload)
+		// The sender ends the session: it keeps every object it has
+		// not released, this one's first.
+		return nil, r.end(fmt.Errorf("%w (object %d: %s)", ErrKept, id, reason))
+	case kindDone:
+		m.Close()
+		if len(r.adopted) > 0 {
+			// The sender finishes before its verdicts: it lives, and may
+			// use them; they are closed here.
+			return nil, r.end(fmt.Errorf("%w: the sender ended the session with %d objects adopted and neither released nor kept", ErrKept, len(r.adopted)))
+		}
+		r.broken = ErrDone
+		// The answer tells the sender this process has every object;
+		// whether or not it arrives, this one owns them.
+		fdpass.Send(r.c, kindDone, nil)
+		return nil, ErrDone
+	}
+	m.Close()
+	return nil, r.end(fmt.Errorf("unexpected message kind %d", m.Kind))
+}
+
+// end ends the session for cause and gives every object adopted and not
+// yet released its verdict: what the sender released before it ended is
+// started; the rest, when the sender died (its copies closed with it), is
+// started too, else closed (KEEP, or the sender lives and may use them:
+// never two copies in use).
+func (r *Receiver) end(cause error) error {
+	if r.broken != nil {
+		return fmt.Errorf("handoff: %w", cause)
+	}
+	r.broken = cause
+	if errors.Is(cause, unix.ECONNRESET) {
+		// A socket closed with messages unread in its queue (our
+		// answers, as the sender failed with objects in flight) resets
+		// its peer: the kernel reports ECONNRESET before the messages
+		// the sender queued ahead of its close, which are still read
+		// after it. A RELEASED among them decides an object.
+		r.drain()
+	}
+	// Only a session the sender ended can mean it died; on any other
+	// failure this side ends it, and the sender, alive, keeps them.
+	ended := errors.Is(cause, io.EOF) || errors.Is(cause, unix.ECONNRESET)
+	died := ended && len(r.adopted) > 0 && r.PeerDied()
+	for id, it := range r.adopted {
+		delete(r.adopted, id)
+		switch {
+		case died:
+			it.verdict(nil)
+		case errors.Is(cause, ErrKept):
+			it.verdict(cause)
+		default:
+			it.verdict(fmt.Errorf("%w: the session ended before its verdict: %w", ErrKept, cause))
+		}
+	}
+	for _, it := range r.queued {
+		it.Close()
+	}
+	r.queued = nil
+	r.c.Close()
+	return fmt.Errorf("handoff: %w", cause)
+}
+
+// drain reads what the sender queued before the session ended: the
+// verdicts decide their objects; a KEEP ends the draining with the rest
+// kept; an object offered and never adopted stays the sender's.
+func (r *Receiver) drain() {
 	for {
 		m, err := fdpass.Receive(r.c, fdpass.Limits{Payload: chunk + 10})
-		if err != nil {
-			return nil, r.fail(err)
-		}
-		switch m.Kind {
-		case kindMore:
-			m.Close()
-			if len(state)+len(m.Payload) > MaxState {
-				return nil, r.fail(fmt.Errorf("an object's state above %d bytes", MaxState))
-			}
-			state = append(state, m.Payload...)
+		if errors.Is(err, unix.ECONNRESET) {
 			continue
-		case kindDone:
-			m.Close()
-			r.broken = ErrDone
-			// The answer tells the sender this process has every
-			// object; whether or not it arrives, this one owns them.
-			fdpass.Send(r.c, kindDone, nil)
-			return nil, ErrDone
-		case kindItem:
-			if len(m.Payload) < 10 {
-				m.Close()
-				return nil, r.fail(errors.New("an object without its header"))
+		}
+		if err != nil {
+			return
+		}
+		m.Close()
+		id, _, _ := payloadID(m.Payload)
+		switch m.Kind {
+		case kindReleased:
+			if it := r.adopted[id]; it != nil {
+				delete(r.adopted, id)
+				it.verdict(nil)
 			}
-			return &Item{
-				Kind: binary.BigEndian.Uint16(m.Payload), id: binary.BigEndian.Uint64(m.Payload[2:]),
-				State: append(state, m.Payload[10:]...), Files: m.Files, r: r,
-			}, nil
-		default:
-			m.Close()
-			return nil, r.fail(fmt.Errorf("unexpected message kind %d", m.Kind))
+		case kindKeep:
+			for id, it := range r.adopted {
+				delete(r.adopted, id)
+				it.verdict(fmt.Errorf("%w: the sender failed the session", ErrKept))
+			}
+			return
 		}
 	}
 }
@@ -110,33 +229,63 @@ func (r *Receiver) Next() (*Item, error) {
 // nil: the sender released it: start it. ErrKept: the sender keeps it:
 // close the files, never start it. Another error: the session failed and
 // the sender lives, so it may still use the object: close it too. The
-// Item's files stay the caller's either way.
+// Item's files stay the caller's either way. Objects offered meanwhile
+// wait for Next.
 func (it *Item) Adopt() error {
 	r := it.r
+	var verdict error
+	settled := false
+	if err := it.adopted(func(err error) { verdict, settled = err, true }); err != nil {
+		return err
+	}
+	for !settled {
+		next, err := r.step()
+		if next != nil {
+			r.queued = append(r.queued, next)
+		}
+		if err != nil && !settled {
+			// DONE before the verdict, or a failure: end gave every
+			// adopted object its verdict, this one's too.
+			return fmt.Errorf("handoff: no verdict: %w", err)
+		}
+	}
+	if verdict != nil {
+		return fmt.Errorf("handoff: %w", verdict)
+	}
+	return nil
+}
+
+// AdoptThen tells the sender the object was built and returns: the
+// sender's verdict is acted on as a later Next (or Adopt) reads it, or as
+// the session ends, by calling start (released, or the sender died) or
+// drop (the sender keeps it: close it, never start it), on that
+// goroutine. An error: the sender never heard of the adoption and keeps
+// the object; neither is called, and the caller drops it.
+func (it *Item) AdoptThen(start, drop func()) error {
+	return it.adopted(func(err error) {
+		if err == nil {
+			start()
+		} else {
+			drop()
+		}
+	})
+}
+
+// adopted sends ADOPTED and registers verdict for the sender's answer.
+func (it *Item) adopted(verdict func(error)) error {
+	r := it.r
+	if r.broken != nil {
+		return fmt.Errorf("handoff: %w: %w", ErrKept, r.broken)
+	}
 	if err := fdpass.Send(r.c, kindAdopted, idPayload(it.id, "")); err != nil {
 		// The sender never hears of the adoption: it keeps the object.
-		return r.fail(fmt.Errorf("%w: %w", ErrKept, err))
+		err = fmt.Errorf("%w: %w", ErrKept, err)
+		r.end(err)
+		return fmt.Errorf("handoff: %w", err)
 	}
-	m, err := fdpass.Receive(r.c, fdpass.Limits{})
-	if err != nil {
-		// A process that exits with messages unread resets its peer.
-		if (errors.Is(err, io.EOF) || errors.Is(err, unix.ECONNRESET)) && r.PeerDied() {
-			// The sender died between ADOPTED and RELEASED: its copy
-			// is closed with it, this one is the only one left.
-			r.fail(fmt.Errorf("the sender (pid %d) died", r.peer.PID))
-			return nil
-		}
-		return r.fail(fmt.Errorf("%w: the session ended before its verdict: %w", ErrKept, err))
-	}
-	m.Close()
-	got, reason, ok := payloadID(m.Payload)
-	switch {
-	case ok && got == it.id && m.Kind == kindReleased:
-		return nil
-	case ok && got == it.id && m.Kind == kindKeep:
-		return r.fail(fmt.Errorf("%w: %s", ErrKept, reason))
-	}
-	return r.fail(fmt.Errorf("%w: unexpected message kind %d for object %d", ErrKept, m.Kind, got))
+	it.verdict = verdict
+	r.adopted[it.id] = it
+	return nil
 }
 
 // Close closes the item's files: once the object built from them holds
@@ -152,8 +301,11 @@ func (it *Item) Close() {
 // sender keeps it) and closes the item's files.
 func (it *Item) Refuse(reason string) error {
 	it.Close()
+	if it.r.broken != nil {
+		return fmt.Errorf("handoff: %w", it.r.broken)
+	}
 	if err := fdpass.Send(it.r.c, kindRefused, idPayload(it.id, reason)); err != nil {
-		return it.r.fail(err)
+		return it.r.end(err)
 	}
 	return nil
 }
@@ -164,19 +316,11 @@ func (it *Item) Refuse(reason string) error {
 // the sender lives on.
 func (r *Receiver) PeerDied() bool { return peerDied(r.pidfd, r.cfg.timeout()) }
 
-// fail ends the session.
-func (r *Receiver) fail(err error) error {
-	if r.broken == nil {
-		r.broken = err
-		r.c.Close()
-	}
-	return fmt.Errorf("handoff: %w", err)
-}
-
-// Close ends the session.
+// Close ends the session; the objects adopted and without a verdict have
+// theirs as the session's end gives it.
 func (r *Receiver) Close() error {
 	if r.broken == nil {
-		r.broken = ErrBroken
+		r.end(ErrBroken)
 	}
 	unix.Close(r.pidfd)
 	r.pidfd = -1

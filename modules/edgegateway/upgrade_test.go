@@ -191,6 +191,8 @@ func (m *countingMover) Move(uint16, []byte, ...*os.File) (bool, error) {
 	return false, nil
 }
 
+func (m *countingMover) Window() int { return 1 }
+
 // A tunnel that moved did not end: it is logged at DEBUG as moved, and
 // neither its end nor its bytes are counted (the new process counts them
 // from the tunnel's start); a tunnel that ended is counted.

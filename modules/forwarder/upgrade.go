@@ -766,45 +766,37 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 			}
 			break
 		}
-		if it.Kind == handoff.KindStandby {
-			if adoptStandby(it) {
-				standbys++
-			} else {
-				refused++
-			}
-			continue
-		}
-		if p, ok := upgrade.ForKind(it.Kind); ok {
-			if adoptOther(h.logger, p, it) {
-				others[p.Name]++
-			} else {
-				refused++
-			}
-			continue
-		}
-		if it.Kind != handoff.KindTunnel {
+		// Each object is adopted without waiting for its verdict, which
+		// a later Next acts on (AdoptThen): the running process has
+		// several in flight at once. By the end of the loop every one has
+		// had its verdict.
+		kept := func() { refused++ }
+		switch p, ok := upgrade.ForKind(it.Kind); {
+		case it.Kind == handoff.KindStandby:
+			adoptStandby(it, func() { standbys++ }, kept)
+		case ok:
+			adoptOther(h.logger, p, it, func() { others[p.Name]++ }, kept)
+		case it.Kind != handoff.KindTunnel:
 			it.Refuse(fmt.Sprintf("object kind %d offered where tunnels were asked for", it.Kind))
 			refused++
-			continue
+		default:
+			hd, a, err := adoptTunnel(it)
+			it.Close() // the adopted tunnel holds duplicates
+			if err != nil {
+				it.Refuse(err.Error())
+				refused++
+				h.logger.Warn("refused a tunnel of the running process; it stays there", zap.Error(err))
+				continue
+			}
+			run := func() {
+				moved++
+				go func() {
+					res, err := a.Run()
+					hd.tunnelEnded(res, err)
+				}()
+			}
+			adoptThen(it, run, a.Discard, kept)
 		}
-		hd, a, err := adoptTunnel(it)
-		it.Close() // the adopted tunnel holds duplicates
-		if err != nil {
-			it.Refuse(err.Error())
-			refused++
-			h.logger.Warn("refused a tunnel of the running process; it stays there", zap.Error(err))
-			continue
-		}
-		if err := it.Adopt(); err != nil {
-			a.Discard()
-			refused++
-			continue
-		}
-		moved++
-		go func() {
-			res, err := a.Run()
-			hd.tunnelEnded(res, err)
-		}()
 	}
 	fields := []zap.Field{zap.Int("pid", peer.PID), zap.String("build", peer.Build),
 		zap.Int("tunnels", moved), zap.Int("standby", standbys), zap.Int("refused", refused), zap.Duration("duration", time.Since(start))}
@@ -818,58 +810,65 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 	h.logger.Info("took the running process's tunnels over", fields...)
 }
 
-// adoptOther takes an object of a registered participant over and runs
-// it; it reports whether it did.
-func adoptOther(logger *zap.Logger, p upgrade.Participant, it *handoff.Item) bool {
+// adoptThen adopts it, built as an object that start runs and discard
+// drops: start once the running process released it; discard, then kept,
+// once it kept it or never heard of the adoption.
+func adoptThen(it *handoff.Item, start, discard func(), kept func()) {
+	drop := func() { discard(); kept() }
+	if err := it.AdoptThen(start, drop); err != nil {
+		drop()
+	}
+}
+
+// adoptOther takes an object of a registered participant over and runs it
+// once released (moved counts it); a refusal, or the object kept, calls
+// kept.
+func adoptOther(logger *zap.Logger, p upgrade.Participant, it *handoff.Item, moved, kept func()) {
 	defer it.Close() // the adopted object holds duplicates
 	run, discard, err := p.Adopt(it.State, it.Files)
 	if err != nil {
 		it.Refuse(err.Error())
 		logger.Warn("refused a "+p.Name+" tunnel of the running process; it stays there", zap.Error(err))
-		return false
+		kept()
+		return
 	}
-	if err := it.Adopt(); err != nil {
-		discard()
-		return false
-	}
-	go run()
-	return true
+	adoptThen(it, func() { moved(); go run() }, discard, kept)
 }
 
-// adoptStandby takes a gateway's standby connection over and serves it, in
-// the sandbox handler configured as the one it waited in (moveNameOf), else
-// in the configuration's only one; it reports whether it did. A standby
-// connection names no key that would choose a handler: where neither
-// exists, it stays in the old process, until its preamble, its
-// standby_timeout or that process's drain.
-func adoptStandby(it *handoff.Item) bool {
+// adoptStandby takes a gateway's standby connection over and serves it
+// once released (moved counts it), in the sandbox handler configured as
+// the one it waited in (moveNameOf), else in the configuration's only one.
+// A standby connection names no key that would choose a handler: where
+// neither exists, it stays in the old process, until its preamble, its
+// standby_timeout or that process's drain. A refusal, or the connection
+// kept, calls kept.
+func adoptStandby(it *handoff.Item, moved, kept func()) {
 	defer it.Close() // the adopted connection holds a duplicate
+	refuse := func(reason string) {
+		it.Refuse(reason)
+		kept()
+	}
 	var ms forward.MovedStandby
 	if err := json.Unmarshal(it.State, &ms); err != nil {
-		it.Refuse(fmt.Sprintf("moved standby connection: %v", err))
-		return false
+		refuse(fmt.Sprintf("moved standby connection: %v", err))
+		return
 	}
 	clear(ms.Conn) // the session's secrets: AdoptStandby decodes its own copy
 	hd := keyrings.named(ms.Forwarder)
 	if hd == nil {
 		var n int
 		if hd, n = keyrings.only(); hd == nil {
-			it.Refuse(fmt.Sprintf("%d sandbox handlers in this configuration, none configured as the one the standby connection waited in: before its preamble, it names no key to choose one by", n))
-			return false
+			refuse(fmt.Sprintf("%d sandbox handlers in this configuration, none configured as the one the standby connection waited in: before its preamble, it names no key to choose one by", n))
+			return
 		}
 	}
 	a, err := hd.fwd.AdoptStandby(it.State, it.Files)
 	if err != nil {
-		it.Refuse(err.Error())
 		hd.logger.Warn("refused a standby connection of the running process; it stays there", zap.Error(err))
-		return false
+		refuse(err.Error())
+		return
 	}
-	if err := it.Adopt(); err != nil {
-		a.Discard()
-		return false
-	}
-	go hd.serveAdopted(a)
-	return true
+	adoptThen(it, func() { moved(); go hd.serveAdopted(a) }, a.Discard, kept)
 }
 
 // adoptProcess takes the old process's state: its replay caches' nonces

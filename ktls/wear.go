@@ -17,8 +17,9 @@ import (
 //     fails with ErrKeyExhausted before the key seals another record.
 //   - the peer's (RX) key: on TLS 1.3 with a kernel that rekeys it asks the
 //     peer to update (KeyUpdate with update_requested); a peer that has not
-//     updated by twice the limit (at most MaxRecordLimit), and any peer
-//     that cannot be asked, fails the read with ErrKeyExhausted.
+//     updated by twice the limit, and at least rxAnswerRecords past it (at
+//     most MaxRecordLimit), and any peer that cannot be asked, fails the
+//     read with ErrKeyExhausted.
 //
 // The count is read from the kernel only when an upper bound of it says the
 // limit may be near: a write or splice of n bytes seals at most
@@ -38,6 +39,20 @@ const DefaultRecordLimit = 1 << 23
 // MaxRecordLimit is the largest Options.RecordLimit, and the most records a
 // peer's key may protect when the peer ignores a request to update.
 const MaxRecordLimit = 1 << 24
+
+// rxAnswerRecords is the fewest records a peer asked to update may still
+// send under its key: what it had in flight when the request went out is
+// sealed under the old key whatever it does, and socket buffers of a few
+// MiB hold hundreds of full records, thousands of small ones: a small limit
+// must not end a tunnel whose peer answers.
+const rxAnswerRecords = 1 << 16
+
+// rxEndAt is the count of the peer's records at which a request to update
+// that the peer has not answered ends the connection.
+func (o Options) rxEndAt() uint64 {
+	limit := o.recordLimit()
+	return min(limit+max(limit, rxAnswerRecords), MaxRecordLimit)
+}
 
 // ErrKeyExhausted fails a connection whose traffic key reached
 // Options.RecordLimit and could not be renewed.
@@ -163,7 +178,7 @@ func (c *Conn) openedLocked(n int64) error {
 	c.rxBound = seq
 	limit := c.opts.recordLimit()
 	switch {
-	case seq >= min(2*limit, MaxRecordLimit):
+	case seq >= c.opts.rxEndAt():
 		return c.exhausted("rx", seq)
 	case seq < limit || c.rxAsked:
 		return nil
@@ -227,11 +242,10 @@ func (c *Conn) peerEnded() {
 
 // rxCheckAt is the RX bound at which the kernel's count is read next.
 func (c *Conn) rxCheckAt() uint64 {
-	limit := c.opts.recordLimit()
 	if c.rxAsked {
-		return min(2*limit, MaxRecordLimit)
+		return c.opts.rxEndAt()
 	}
-	return limit
+	return c.opts.recordLimit()
 }
 
 // Opened is splice.Opener: the relay spliced n plaintext bytes from c.

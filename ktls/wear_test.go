@@ -181,6 +181,84 @@ func TestKernelKeyWearRX(t *testing.T) {
 	}
 }
 
+// TestKernelKeyWearRXInFlight: when the server asks the client to update,
+// the client has far more than the limit's worth of records in flight
+// (written, not yet read): they are sealed under the old key whatever the
+// client does. On TLS 1.3 with kernel rekey every byte arrives, the client
+// answers once it reads the request, and its records after the answer are
+// opened under its new key; a margin of the limit alone would end the
+// connection at twice the limit. Where the kernel cannot rekey, the read
+// ends at the limit.
+func TestKernelKeyWearRXInFlight(t *testing.T) {
+	kerneltest.Require(t)
+	p := newTestPKI(t)
+	scfg, ccfg := p.configs(connCase{version: tls.VersionTLS13})
+	server, client := kernelPeers(t, scfg, ccfg, Options{RecordLimit: wearLimit})
+	if err := server.sock.SetReadBuffer(4 << 20); err != nil {
+		t.Fatal(err)
+	}
+	if err := client.sock.SetWriteBuffer(4 << 20); err != nil {
+		t.Fatal(err)
+	}
+	// Ten times the limit, in small records, all written before the
+	// server reads one.
+	const records = 10 * wearLimit
+	chunks := make([][]byte, records)
+	for i := range chunks {
+		chunks[i] = make([]byte, 100)
+		rand.Read(chunks[i])
+	}
+	want := bytes.Join(chunks, nil)
+	for _, c := range chunks {
+		if _, err := client.Write(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := Stats()
+	got := make([]byte, len(want))
+	_, readErr := io.ReadFull(server, got)
+	if !Probe().Rekey {
+		if !errors.Is(readErr, ErrKeyExhausted) {
+			t.Fatalf("server read %v: want ErrKeyExhausted where the kernel cannot rekey", readErr)
+		}
+		return
+	}
+	if readErr != nil || !bytes.Equal(got, want) {
+		t.Fatalf("server read %v, equal %v: want every in-flight record opened under the old key", readErr, bytes.Equal(got, want))
+	}
+	if sent := Stats().KeyUpdatesSent - before.KeyUpdatesSent; sent != 1 {
+		t.Fatalf("%d KeyUpdates sent by both while the server read, want the server's one request", sent)
+	}
+	// The client reads the request behind the server's "go" and answers;
+	// what it writes then is sealed under its new key.
+	errc := make(chan error, 1)
+	go func() {
+		buf := make([]byte, 2)
+		if _, err := io.ReadFull(client, buf); err != nil || string(buf) != "go" {
+			errc <- fmt.Errorf("client read %q, %v", buf, err)
+			return
+		}
+		_, err := client.Write([]byte("after the answer"))
+		errc <- errors.Join(err, client.CloseWrite())
+	}()
+	if _, err := server.Write([]byte("go")); err != nil {
+		t.Fatal(err)
+	}
+	after := make([]byte, len("after the answer"))
+	_, err := io.ReadFull(server, after)
+	seq, serr := server.kernelSeq(optTLSRX)
+	rest, rerr := io.ReadAll(server)
+	if cerr := <-errc; cerr != nil || err != nil || string(after) != "after the answer" || rerr != nil || len(rest) != 0 {
+		t.Fatalf("client %v; server read %q, %v, then %d bytes, %v: want the client's record under its new key, then its end", cerr, after, err, len(rest), rerr)
+	}
+	if applied := Stats().KeyUpdates - before.KeyUpdates; applied < 2 {
+		t.Fatalf("%d KeyUpdates applied by both, want the client's (the request) and the server's (the answer)", applied)
+	}
+	if serr != nil || seq != 1 {
+		t.Fatalf("the client's new key had protected %d records (%v) when its first was read, want 1", seq, serr)
+	}
+}
+
 // TestKernelNoAskAfterPeerClose: a request to update that the server has
 // not sent yet when the peer's close_notify arrives is dropped. A peer that
 // has sent close_notify cannot answer, and Go's crypto/tls then keeps its

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -45,15 +46,23 @@ func checkFDs(t *testing.T) {
 	})
 }
 
-// session returns a connected sender and receiver with cfgs.
-func session(t *testing.T, send, recv Config) (*Sender, *Receiver) {
+// listen returns a socket a Sender accepts on, closed when t ends, and its
+// path.
+func listen(t *testing.T) (string, *net.UnixListener) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	ln, err := Listen(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
+	t.Cleanup(func() { ln.Close() })
+	return path, ln
+}
+
+// session returns a connected sender and receiver with cfgs.
+func session(t *testing.T, send, recv Config) (*Sender, *Receiver) {
+	t.Helper()
+	path, ln := listen(t)
 	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("socket mode %v (%v), want 0600", fi.Mode().Perm(), err)
 	}
@@ -216,12 +225,7 @@ func TestReceiverGoneBeforeAnswer(t *testing.T) {
 // Either side refuses a peer its Compatible rejects, and says why.
 func TestIncompatiblePeer(t *testing.T) {
 	checkFDs(t)
-	path := filepath.Join(t.TempDir(), "handoff.sock")
-	ln, err := Listen(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
+	path, ln := listen(t)
 	errc := make(chan error, 1)
 	go func() {
 		_, err := Accept(ln, Config{Build: "v1.2.0", Compatible: func(p Hello) error {
@@ -229,7 +233,7 @@ func TestIncompatiblePeer(t *testing.T) {
 		}})
 		errc <- err
 	}()
-	_, err = Dial(path, Config{Build: "v2.0.0"})
+	_, err := Dial(path, Config{Build: "v2.0.0"})
 	var re *RefusedError
 	if !errors.As(err, &re) || re.Reason != "build v2.0.0 cannot take tunnels from v1.2.0" {
 		t.Fatalf("dial to a sender that refuses this build: %v", err)
@@ -364,12 +368,7 @@ func receiverChild(mode, path string) int {
 // returns the session, once the child did what its mode says.
 func finishWithChild(t *testing.T, mode string, cfg Config) (*Sender, *exec.Cmd) {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "handoff.sock")
-	ln, err := Listen(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
+	path, ln := listen(t)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), "HANDOFF_CHILD="+mode, "HANDOFF_PATH="+path)
 	if err := cmd.Start(); err != nil {
@@ -593,12 +592,7 @@ func TestInFlightFailureAgrees(t *testing.T) {
 // is closed.
 func TestReleasedBeforeResetIsRead(t *testing.T) {
 	checkFDs(t)
-	path := filepath.Join(t.TempDir(), "handoff.sock")
-	ln, err := Listen(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
+	path, ln := listen(t)
 	sc := make(chan *Sender, 1)
 	go func() {
 		s, err := accept(ln, Config{}) // this side reads the answers itself

@@ -63,55 +63,15 @@ type moveVerdict struct {
 	moved, resumed bool
 }
 
-// MoveResult counts what MoveTunnels (or MoveStandby) did.
-type MoveResult struct {
-	Moved int
-	// Stayed counts the tunnels (standby connections) that stay here, by
-	// why: they run (wait) on as before, and end here. Stays says which
-	// and the error.
-	Stayed map[string]int
-	Stays  []Stay
-	// Pauses are how long each moved tunnel's relay stood still, in the
-	// order they moved (MoveTunnels only).
-	Pauses []time.Duration
-}
-
-// Stay is a tunnel or standby connection that stayed, why and the error
-// that said so.
-type Stay struct {
-	Tunnel uint64 // the tunnel's ID; 0 for a standby connection
-	Peer   string // a standby connection's gateway (Gateway.Peer); "" for a tunnel
-	Why    string
-	Err    error
-}
-
-func (r *MoveResult) stay(s Stay) {
-	if r.Stayed == nil {
-		r.Stayed = map[string]int{}
-	}
-	r.Stayed[s.Why]++
-	r.Stays = append(r.Stays, s)
-}
-
 // MoveTunnels offers every open tunnel to m, up to m.Window() at once, and
-// returns what became of them. A failure of m's session fails every later
-// offer the same way: each is counted as such. The moved tunnels' Serve
-// return with Result.Moved.
-func (r *Registry) MoveTunnels(ctx context.Context, m handoff.Mover) MoveResult {
-	var res MoveResult
-	var mu sync.Mutex
-	handoff.Offer(m, r.openTunnels(), func(t *Tunnel) {
+// returns what became of them, a tunnel that stays named by its ID. A
+// failure of m's session fails every later offer the same way: each is
+// counted as such. The moved tunnels' Serve return with Result.Moved.
+func (r *Registry) MoveTunnels(ctx context.Context, m handoff.Mover) handoff.MoveResult[uint64] {
+	return handoff.MoveAll(m, r.openTunnels(), func(t *Tunnel) uint64 { return t.ID }, func(t *Tunnel) handoff.Offered {
 		why, pause, err := t.move(ctx, m)
-		mu.Lock()
-		defer mu.Unlock()
-		if why == "" {
-			res.Moved++
-			res.Pauses = append(res.Pauses, pause)
-		} else {
-			res.stay(Stay{Tunnel: t.ID, Why: why, Err: err})
-		}
+		return handoff.Offered{Why: why, Err: err, Pause: pause}
 	})
-	return res
 }
 
 func (r *Registry) openTunnels() []*Tunnel {

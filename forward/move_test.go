@@ -133,7 +133,7 @@ func handoffSession(t testing.TB, f *Forwarder, refuse bool, results chan<- Resu
 // results; each one that moved has been started when it returns), and the
 // stream resumes in nu. It returns what MoveTunnels did
 // and how long it took.
-func upgrade(t testing.TB, old *Registry, nu *Forwarder, nuReg *Registry, results chan<- Result, runs *sync.WaitGroup) (MoveResult, time.Duration) {
+func upgrade(t testing.TB, old *Registry, nu *Forwarder, nuReg *Registry, results chan<- Result, runs *sync.WaitGroup) (handoff.MoveResult[uint64], time.Duration) {
 	t.Helper()
 	st, done, err := old.HandOff()
 	if err != nil {

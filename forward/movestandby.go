@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"os"
-	"sync"
 	"time"
 )
 
@@ -48,29 +47,18 @@ type MovedStandby struct {
 }
 
 // MoveStandby offers every standby connection that waits for its first
-// preamble byte to m, up to m.Window() at once, and returns what became of them
-// (Stay.Peer names each that stays). A connection whose first byte
-// arrives meanwhile is no standby connection any more: it is neither
-// offered nor counted, and opens its tunnel here. The moved connections'
-// Serve return a StandbyEndError (StandbyMoved); the others wait on,
-// until StandbyTimeout after their wait began, as if nothing had happened.
-// Calls at once each skip the connections another is moving.
-func (r *Registry) MoveStandby(ctx context.Context, m handoff.Mover) MoveResult {
-	var res MoveResult
-	var mu sync.Mutex
-	handoff.Offer(m, r.waitingStandby(), func(w *standbyWait) {
+// preamble byte to m, up to m.Window() at once, and returns what became of
+// them, one that stays named by its gateway (Gateway.Peer). A connection
+// whose first byte arrives meanwhile is no standby connection any more: it
+// is neither offered nor counted, and opens its tunnel here. The moved
+// connections' Serve return a StandbyEndError (StandbyMoved); the others
+// wait on, until StandbyTimeout after their wait began, as if nothing had
+// happened. Calls at once each skip the connections another is moving.
+func (r *Registry) MoveStandby(ctx context.Context, m handoff.Mover) handoff.MoveResult[string] {
+	return handoff.MoveAll(m, r.waitingStandby(), func(w *standbyWait) string { return w.c.Peer }, func(w *standbyWait) handoff.Offered {
 		offered, why, err := w.move(ctx, m)
-		mu.Lock()
-		defer mu.Unlock()
-		switch {
-		case !offered:
-		case why == "":
-			res.Moved++
-		default:
-			res.stay(Stay{Peer: w.c.Peer, Why: why, Err: err})
-		}
+		return handoff.Offered{Skipped: !offered, Why: why, Err: err}
 	})
-	return res
 }
 
 func (r *Registry) waitingStandby() []*standbyWait {

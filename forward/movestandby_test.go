@@ -195,7 +195,7 @@ func TestMoveStandbyStays(t *testing.T) {
 			s := standbySession(t, nu, always, adopted, &offered)
 			res := old.reg.MoveStandby(tc.ctx, handoff.SenderMover(s))
 			s.Close()
-			if res.Moved != 0 || len(res.Stays) != 1 || res.Stayed[tc.why] != 1 || res.Stays[0].Peer != c.LocalAddr().String() {
+			if res.Moved != 0 || len(res.Stays) != 1 || res.Stayed[tc.why] != 1 || res.Stays[0].Object != c.LocalAddr().String() {
 				t.Fatalf("moved %d, stays %v; want the one to stay: %s", res.Moved, res.Stays, tc.why)
 			}
 			if want := int64(map[bool]int{true: 1}[tc.why == handoff.StayRefused]); offered.Load() != want {
@@ -438,7 +438,7 @@ func TestMoveStandbyAbandoned(t *testing.T) {
 	if res.Moved != 0 || len(res.Stays) != 1 || res.Stayed[handoff.StayPause] != 1 || !errors.Is(res.Stays[0].Err, context.Canceled) {
 		t.Fatalf("moved %d, stays %v; want the one to stay: %s", res.Moved, res.Stays, handoff.StayPause)
 	}
-	second := make(chan MoveResult, 1)
+	second := make(chan handoff.MoveResult[string], 1)
 	go func() { second <- old.reg.MoveStandby(context.Background(), handoff.SenderMover(s)) }()
 	waitUntil(t, "the second interruption", func() bool {
 		w.mu.Lock()

@@ -69,32 +69,6 @@ type moveVerdict struct {
 	moved, resumed bool
 }
 
-// MoveResult counts what MoveTunnels did.
-type MoveResult struct {
-	Moved int
-	// Stayed counts the tunnels that stay here, by why: they run on as
-	// before, and end here. Stays says which and the error.
-	Stayed map[string]int
-	Stays  []Stay
-	// Pauses are how long each moved tunnel's relay stood still, in the order they moved.
-	Pauses []time.Duration
-}
-
-// Stay is a tunnel that stayed, why and the error that said so.
-type Stay struct {
-	Route Route
-	Why   string
-	Err   error
-}
-
-func (r *MoveResult) stay(s Stay) {
-	if r.Stayed == nil {
-		r.Stayed = map[string]int{}
-	}
-	r.Stayed[s.Why]++
-	r.Stays = append(r.Stays, s)
-}
-
 // registry is a Dialer's tunnels that a relay carries, each from its
 // relay's start to its end or move.
 type registry struct {
@@ -139,24 +113,14 @@ func (d *Dialer) Tunnels() int {
 }
 
 // MoveTunnels offers every tunnel d carries to m, up to m.Window() at once,
-// and returns what became of them. The moved tunnels' Carry return
-// EndMoved. A failure of m's session fails every later offer the same way:
-// each is counted as refused.
-func (d *Dialer) MoveTunnels(ctx context.Context, m handoff.Mover) MoveResult {
-	var res MoveResult
-	var mu sync.Mutex
-	handoff.Offer(m, d.tunnels.list(), func(c *carried) {
+// and returns what became of them, a tunnel that stays named by its route.
+// The moved tunnels' Carry return EndMoved. A failure of m's session fails
+// every later offer the same way: each is counted as refused.
+func (d *Dialer) MoveTunnels(ctx context.Context, m handoff.Mover) handoff.MoveResult[Route] {
+	return handoff.MoveAll(m, d.tunnels.list(), func(c *carried) Route { return c.route }, func(c *carried) handoff.Offered {
 		why, pause, err := d.move(ctx, c, m)
-		mu.Lock()
-		defer mu.Unlock()
-		if why == "" {
-			res.Moved++
-			res.Pauses = append(res.Pauses, pause)
-		} else {
-			res.stay(Stay{Route: c.route, Why: why, Err: err})
-		}
+		return handoff.Offered{Why: why, Err: err, Pause: pause}
 	})
-	return res
 }
 
 // move offers c to m: "" when it moved, else why it stays and the error.

@@ -245,7 +245,7 @@ func TestMoveUserspaceTLSTunnelsStay(t *testing.T) {
 	}
 	for _, st := range res.Stays {
 		var pe *splice.PauseError
-		if st.Route.Sandbox != "sbx-stay" || !errors.As(st.Err, &pe) || pe.Reason != splice.PauseCopyPath {
+		if st.Object.Sandbox != "sbx-stay" || !errors.As(st.Err, &pe) || pe.Reason != splice.PauseCopyPath {
 			t.Errorf("stay %+v: want the tunnel's route and a %s refusal", st, splice.PauseCopyPath)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -644,9 +645,9 @@ type windowMover int
 func (windowMover) Move(uint16, []byte, ...*os.File) (bool, error) { return true, nil }
 func (w windowMover) Window() int                                  { return int(w) }
 
-// Offer offers every object once, with as many calls at once as the
+// each offers every object once, with as many calls at once as the
 // mover's window, and no more.
-func TestOfferWindow(t *testing.T) {
+func TestEachWindow(t *testing.T) {
 	for _, window := range []int{0, 1, 3} {
 		objects := make([]int, 50)
 		for i := range objects {
@@ -662,7 +663,7 @@ func TestOfferWindow(t *testing.T) {
 			}
 			close(gate)
 		}()
-		Offer(windowMover(window), objects, func(o int) {
+		each(windowMover(window), objects, func(o int) {
 			mu.Lock()
 			seen[o]++
 			now++
@@ -680,6 +681,33 @@ func TestOfferWindow(t *testing.T) {
 			if seen[o] != 1 {
 				t.Errorf("window %d: object %d offered %d times", window, o, seen[o])
 			}
+		}
+	}
+}
+
+// MoveAll counts each object once: moved with its pause (none for an
+// object that stood still for nothing), stayed by why under its name, or
+// skipped and not counted.
+func TestMoveAll(t *testing.T) {
+	outcomes := map[int]Offered{
+		1: {Pause: time.Millisecond},
+		2: {},
+		3: {Why: StayRefused, Err: errors.New("refused")},
+		4: {Why: StayPause, Err: errors.New("busy")},
+		5: {Skipped: true},
+		6: {Why: StayRefused, Err: errors.New("refused")},
+	}
+	res := MoveAll(windowMover(3), []int{1, 2, 3, 4, 5, 6}, func(o int) string { return fmt.Sprint("object ", o) },
+		func(o int) Offered { return outcomes[o] })
+	if res.Moved != 2 || !slices.Equal(res.Pauses, []time.Duration{time.Millisecond}) {
+		t.Errorf("moved %d, pauses %v; want 2, and the one pause", res.Moved, res.Pauses)
+	}
+	if !maps.Equal(res.Stayed, map[string]int{StayRefused: 2, StayPause: 1}) || len(res.Stays) != 3 {
+		t.Errorf("stayed %v (%d stays); want 2 refused and 1 pause", res.Stayed, len(res.Stays))
+	}
+	for _, st := range res.Stays {
+		if st.Object == "object 4" && (st.Why != StayPause || st.Err.Error() != "busy") {
+			t.Errorf("object 4 stays as %+v", st)
 		}
 	}
 }

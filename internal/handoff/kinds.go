@@ -1,9 +1,6 @@
 package handoff
 
-import (
-	"os"
-	"sync"
-)
+import "os"
 
 // The kinds of object a session carries: one table for every side that
 // offers or adopts them, so that one session carries them all and the
@@ -40,35 +37,7 @@ func (m senderMover) Move(kind uint16, state []byte, files ...*os.File) (bool, e
 
 func (m senderMover) Window() int { return m.s.Window() }
 
-// Offer calls offer for each object, up to m.Window() calls at once, and
-// returns once every call has: the movers of many objects (forward,
-// gateway) offer them so, to have both processes at work at once.
-func Offer[T any](m Mover, objects []T, offer func(T)) {
-	n := min(max(m.Window(), 1), len(objects))
-	if n <= 1 {
-		for _, o := range objects {
-			offer(o)
-		}
-		return
-	}
-	next := make(chan T)
-	var wg sync.WaitGroup
-	for range n {
-		wg.Go(func() {
-			for o := range next {
-				offer(o)
-			}
-		})
-	}
-	for _, o := range objects {
-		next <- o
-	}
-	close(next)
-	wg.Wait()
-}
-
-// Why an object stays in the process that offered it, as the movers count
-// it (forward.MoveResult.Stayed, gateway.MoveResult.Stayed).
+// Why an object stays in the process that offered it (Stay.Why).
 const (
 	StayNotMovable = "not-movable" // nothing here can hand it off: its state, or its holder's configuration
 	StayPause      = "pause"       // its relay would not pause (splice.PauseReason in the error: the copy path, opening or ending), or its wait was not interrupted in time

@@ -8,7 +8,6 @@ import (
 	"os"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 )
@@ -28,39 +27,14 @@ type Participant struct {
 	// Kind is the handoff object kind it moves and adopts (internal/handoff).
 	Kind uint16
 	// Move offers every object of this process's feature to m, in the old
-	// process, and returns what became of them.
-	Move func(ctx context.Context, m handoff.Mover) Moved
+	// process, and returns what became of them, one that stays named for
+	// the logs (a tunnel's route, say).
+	Move func(ctx context.Context, m handoff.Mover) handoff.MoveResult[string]
 	// Adopt builds, in the new process, the object of state and files
 	// (the caller's, as handoff.Item's): run starts it once the old
 	// process released it, discard drops it when the old process kept it.
 	// An error refuses it: it stays in the old process.
 	Adopt func(state []byte, files []*os.File) (run, discard func(), err error)
-}
-
-// Moved is what a Participant's Move did: the objects that moved, those
-// that stay by why (handoff's Stay reasons), each one that stayed
-// (what it was, why, the error) and the pauses of those that moved.
-type Moved struct {
-	Moved  int
-	Stayed map[string]int
-	Stays  []Stay
-	Pauses []time.Duration
-}
-
-// Stay is an object that stays in the old process.
-type Stay struct {
-	What string // e.g. the tunnel's route
-	Why  string
-	Err  error
-}
-
-// Stay counts s in m: one more object that stays, by its why.
-func (m *Moved) Stay(s Stay) {
-	if m.Stayed == nil {
-		m.Stayed = map[string]int{}
-	}
-	m.Stayed[s.Why]++
-	m.Stays = append(m.Stays, s)
 }
 
 var participants struct {

@@ -84,14 +84,14 @@ func (r *proxyRegistry) snapshot(live bool) []*Proxy {
 }
 
 // move offers every tunnel of every handler's Dialer to m.
-func (r *proxyRegistry) move(ctx context.Context, m handoff.Mover) upgrade.Moved {
-	var out upgrade.Moved
+func (r *proxyRegistry) move(ctx context.Context, m handoff.Mover) handoff.MoveResult[string] {
+	var out handoff.MoveResult[string]
 	for _, h := range r.snapshot(false) {
 		res := h.dialer.MoveTunnels(ctx, m)
 		out.Moved += res.Moved
 		out.Pauses = append(out.Pauses, res.Pauses...)
 		for _, st := range res.Stays {
-			out.Stay(upgrade.Stay{What: st.Route.String(), Why: st.Why, Err: st.Err})
+			out.Stay(handoff.Stay[string]{Object: st.Object.String(), Why: st.Why, Err: st.Err})
 		}
 	}
 	return out

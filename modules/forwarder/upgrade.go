@@ -502,16 +502,16 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	}
 	s.logger.Info("handed the tunnels over to the new process", fields...)
 	for _, st := range res.Stays {
-		s.logger.Info("sandbox tunnel stays in this process until it ends or the drain ends it", zap.Uint64("id", st.Tunnel),
+		s.logger.Info("sandbox tunnel stays in this process until it ends or the drain ends it", zap.Uint64("id", st.Object),
 			zap.String("why", st.Why), zap.Error(st.Err))
 	}
 	for _, st := range standby.Stays {
-		s.logger.Info("sandbox standby connection stays in this process until its preamble, its standby_timeout or the drain", zap.String("peer", st.Peer),
+		s.logger.Info("sandbox standby connection stays in this process until its preamble, its standby_timeout or the drain", zap.String("peer", st.Object),
 			zap.String("why", st.Why), zap.Error(st.Err))
 	}
 	for _, o := range others {
 		for _, st := range o.res.Stays {
-			s.logger.Info(o.name+" tunnel stays in this process until it ends or the drain ends it", zap.String("tunnel", st.What),
+			s.logger.Info(o.name+" tunnel stays in this process until it ends or the drain ends it", zap.String("tunnel", st.Object),
 				zap.String("why", st.Why), zap.Error(st.Err))
 		}
 	}
@@ -521,7 +521,7 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 // participantMoved is what a registered participant's Move did.
 type participantMoved struct {
 	name string
-	res  upgrade.Moved
+	res  handoff.MoveResult[string]
 }
 
 // moveParticipants offers every registered participant's objects.
@@ -569,8 +569,8 @@ func settle(deadline time.Time) bool {
 
 // moveTunnels offers every open tunnel, then again those still opening,
 // until none is left or movePassesFor has passed.
-func moveTunnels(sess *handoff.Sender) forward.MoveResult {
-	var total forward.MoveResult
+func moveTunnels(sess *handoff.Sender) handoff.MoveResult[uint64] {
+	var total handoff.MoveResult[uint64]
 	deadline := time.Now().Add(movePassesFor)
 	for {
 		res := tunnels.MoveTunnels(context.Background(), handoff.SenderMover(sess))

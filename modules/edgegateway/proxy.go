@@ -3,6 +3,7 @@ package edgegateway
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/mholt/caddy-l4/layer4"
@@ -63,6 +64,17 @@ type Proxy struct {
 	// value breaks that is refused, and nothing reaches the sandbox.
 	ClientID string `json:"client_id,omitempty"`
 
+	// DrainGracePeriod is how long open tunnels may keep running when the
+	// process exits before they are closed: from the exit on, new
+	// connections are refused (nothing is dialed), and a tunnel still open
+	// at the end of the period is ended as a failure, counted in
+	// caddy_ktls_gateway_tunnel_ends_total{end="drained"}. Every
+	// sandbox_proxy handler of the process drains within one period, the
+	// one of the first handler cleaned up at exit, handlers that a reload
+	// replaced while they carried tunnels included. Reloads do not drain.
+	// Default: 30s.
+	DrainGracePeriod caddy.Duration `json:"drain_grace_period,omitempty"`
+
 	// How forwarders are reached (DialOptions), at the top level of the
 	// JSON.
 	DialOptions
@@ -94,6 +106,9 @@ func (h *Proxy) Validate() error {
 	if err := checkForwarderOption("sandbox_proxy", h.Forwarder); err != nil {
 		return err
 	}
+	if h.DrainGracePeriod < 0 {
+		return fmt.Errorf("sandbox_proxy: drain_grace_period must not be negative (got %s): give a duration such as 30s, or leave it out (30s)", time.Duration(h.DrainGracePeriod))
+	}
 	if err := h.DialOptions.validate(); err != nil {
 		return fmt.Errorf("sandbox_proxy: %w", err)
 	}
@@ -104,6 +119,9 @@ func (h *Proxy) Validate() error {
 func (h *Proxy) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
+	if h.DrainGracePeriod == 0 {
+		h.DrainGracePeriod = caddy.Duration(DefaultDrainGracePeriod)
+	}
 	if err := caddymetrics.Register(ctx, moduleid.SandboxProxy); err != nil {
 		return err
 	}
@@ -125,9 +143,17 @@ func (h *Proxy) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// Cleanup closes the standby connections.
+// DefaultDrainGracePeriod is Proxy.DrainGracePeriod's default.
+const DefaultDrainGracePeriod = 30 * time.Second
+
+// Cleanup closes the standby connections. At exit it drains the tunnels
+// of every sandbox_proxy handler of the process (proxyRegistry.drainAtExit);
+// a reload leaves them running.
 func (h *Proxy) Cleanup() error {
 	if h.dialer != nil {
+		if caddy.Exiting() {
+			proxies.drainAtExit(h)
+		}
 		proxies.retire(h)
 		h.dialer.Close()
 	}
@@ -200,16 +226,20 @@ func (h *Proxy) tunnelEnded(where []zap.Field, st splice.Stats, end gateway.End,
 		h.logger.Debug("sandbox_proxy: tunnel closed", fields...)
 	case gateway.EndRefused:
 		h.logger.Warn("sandbox_proxy: the forwarder refused the tunnel (its log names the reason); nothing reached the sandbox", fields...)
+	case gateway.EndDrained:
+		h.logger.Info("sandbox_proxy: tunnel closed at exit: it was still open when the drain grace period ended", append(fields, zap.Error(err))...)
 	default:
 		h.logger.Info("sandbox_proxy: tunnel failed", append(fields, zap.Error(err))...)
 	}
 }
 
 // dialResult is the caddy_ktls_gateway_dials_total result of a failed
-// Dial: overloaded, or the step that failed.
+// Dial: draining, overloaded, or the step that failed.
 func dialResult(err error) string {
 	var de *gateway.DialError
 	switch {
+	case errors.Is(err, gateway.ErrDraining):
+		return gatewayDialDraining
 	case errors.Is(err, gateway.ErrOverloaded):
 		return gatewayDialOverloaded
 	case errors.As(err, &de):

@@ -3,6 +3,7 @@ package edgegateway
 import (
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -85,6 +86,57 @@ type Proxy struct {
 	// moveName names the handler for an upgrade (moveNameOf): the new
 	// process adopts its tunnels in the handler configured the same.
 	moveName string
+	// handling counts the Handle calls and adopted tunnels' runs in
+	// progress: the drain at exit waits for them to have counted and
+	// logged how their tunnels ended. Provision makes it.
+	handling *inFlight
+}
+
+// inFlight counts calls in progress; wait returns once none is. A nil
+// one counts nothing.
+type inFlight struct {
+	mu   sync.Mutex
+	n    int
+	idle chan struct{} // closed when n falls to zero; nil while none waits
+}
+
+func (f *inFlight) enter() {
+	if f == nil {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.n++
+}
+
+func (f *inFlight) leave() {
+	if f == nil {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.n--
+	if f.n == 0 && f.idle != nil {
+		close(f.idle)
+		f.idle = nil
+	}
+}
+
+func (f *inFlight) wait() {
+	if f == nil {
+		return
+	}
+	f.mu.Lock()
+	if f.n == 0 {
+		f.mu.Unlock()
+		return
+	}
+	if f.idle == nil {
+		f.idle = make(chan struct{})
+	}
+	idle := f.idle
+	f.mu.Unlock()
+	<-idle
 }
 
 // CaddyModule returns the Caddy module information.
@@ -119,6 +171,7 @@ func (h *Proxy) Validate() error {
 func (h *Proxy) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
+	h.handling = new(inFlight)
 	if h.DrainGracePeriod == 0 {
 		h.DrainGracePeriod = caddy.Duration(DefaultDrainGracePeriod)
 	}
@@ -162,6 +215,8 @@ func (h *Proxy) Cleanup() error {
 
 // Handle carries one user connection through a tunnel; it is terminal.
 func (h *Proxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
+	h.handling.enter()
+	defer h.handling.leave()
 	user, buffered := l4conn.Unwrap(cx)
 	peer := cx.RemoteAddr().String()
 	repl := cx.Replacer()

@@ -142,6 +142,8 @@ func (r *proxyRegistry) adopt(state []byte, files []*os.File) (run, discard func
 		return nil, nil, err
 	}
 	run = func() {
+		h.handling.enter()
+		defer h.handling.leave()
 		where := tunnelFields(a.Route.Client.Addr.String(), a.Route)
 		st, end, err := a.Run(h.onDial(where))
 		h.tunnelEnded(where, st, end, err)
@@ -183,7 +185,12 @@ func (r *proxyRegistry) drainAtExit(h *Proxy) {
 	var forced atomic.Int64
 	var wg sync.WaitGroup
 	for _, p := range list {
-		wg.Go(func() { forced.Add(int64(p.dialer.Drain(ctx))) })
+		wg.Go(func() {
+			forced.Add(int64(p.dialer.Drain(ctx)))
+			// Every tunnel's Carry has returned: what remains of its
+			// Handle counts and logs its end.
+			p.handling.wait()
+		})
 	}
 	wg.Wait()
 	if n := forced.Load(); n > 0 {

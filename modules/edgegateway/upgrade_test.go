@@ -277,6 +277,8 @@ func TestDrainAtExitCoversEveryHandler(t *testing.T) {
 		if _, end, err := h.dialer.Carry(context.Background(), gateway.Route{Forwarder: "127.0.0.1:1", Sandbox: "sbx", Target: netip.MustParseAddrPort("10.0.0.1:80")},
 			user, nil, nil); !errors.Is(err, gateway.ErrDraining) || end != "" {
 			t.Errorf("handler %s: Carry after the drain at exit: %q, %v; want ErrDraining", h.moveName, end, err)
+		} else if r := dialResult(err); r != gatewayDialDraining {
+			t.Errorf("a refusal while draining counts as dial result %q, want %q", r, gatewayDialDraining)
 		}
 	}
 	if n := liveLogs.FilterMessageSnippet("draining open tunnels").Len(); n != 0 {

@@ -5,11 +5,13 @@ import (
 	"crypto/tls"
 	"errors"
 	"io"
+	"net"
 	"testing"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
+	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
 // drainFixture is a Dialer carrying tunnels on userspace TLS through a
@@ -131,5 +133,151 @@ func TestDrainForcesAtDeadline(t *testing.T) {
 	// A second Drain finds nothing left, and says the same.
 	if f := fx.d.Drain(context.Background()); f != 1 {
 		t.Errorf("second Drain: %d, want the 1 the drain forced", f)
+	}
+}
+
+// tcpPair returns the two ends of a loopback TCP connection.
+func tcpPair(t *testing.T) (*net.TCPConn, *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	a, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a.(*net.TCPConn), b.(*net.TCPConn)
+}
+
+// dupConn returns a connection on a duplicate of c's descriptor, as the
+// process a tunnel moves to holds one.
+func dupConn(t *testing.T, c *net.TCPConn) net.Conn {
+	t.Helper()
+	f, err := c.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	d, err := net.FileConn(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// roundTrip sends msg from a to b and fails t unless b reads it whole.
+func roundTrip(t *testing.T, what string, a, b net.Conn, msg string) {
+	t.Helper()
+	b.SetReadDeadline(time.Now().Add(10 * time.Second))
+	defer b.SetReadDeadline(time.Time{})
+	if _, err := a.Write([]byte(msg)); err != nil {
+		t.Fatalf("%s: write: %v", what, err)
+	}
+	buf := make([]byte, len(msg))
+	if _, err := io.ReadFull(b, buf); err != nil || string(buf) != msg {
+		t.Fatalf("%s: read %q, %v; want %q", what, buf, err, msg)
+	}
+}
+
+// A tunnel paused for a move (as MoveTunnels pauses it, here on plain TCP,
+// which splices and pauses as kernel TLS does) when the drain's deadline
+// passes is not cut while paused: Drain waits for the move's verdict. One
+// that moved goes on whole in the process that took it (its sockets
+// unharmed, Carry's end EndMoved, none forced); one that resumed here ends
+// as drained.
+func TestDrainSparesPausedTunnel(t *testing.T) {
+	for _, moved := range []bool{false, true} {
+		name := "resumed"
+		if moved {
+			name = "moved"
+		}
+		t.Run(name, func(t *testing.T) {
+			forwardtest.CheckLeaks(t)
+			d := newDialer(t, newPKI(t), forwardtest.NewGateway(t, "gw-1"))
+			defer d.Close()
+			userPeer, user := tcpPair(t)
+			defer userPeer.Close()
+			tunnel, sandbox := tcpPair(t)
+			defer sandbox.Close()
+			c := newCarried(Route{Sandbox: "sbx-paused"}, time.Now(), user, tunnel, 0, nil)
+			c.onDial = func(*ktls.Conn, error) {}
+			c.relay = splice.New(user, tunnel, c.opts)
+			force, err := d.tunnels.enter(false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			type result struct {
+				end End
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				defer d.tunnels.leave()
+				_, end, err := d.carry(c, force)
+				done <- result{end, err}
+			}()
+			waitUntil(t, "the tunnel carried", func() bool { return d.Tunnels() == 1 })
+			roundTrip(t, "before the pause", userPeer, sandbox, "to the sandbox")
+
+			c.mu.Lock()
+			paused, err := c.relay.Pause(context.Background())
+			if err != nil {
+				c.mu.Unlock()
+				t.Fatalf("Pause: %v", err)
+			}
+			defer paused.Close()
+			past, cancel := context.WithCancel(context.Background())
+			cancel()
+			forced := drain(past, d)
+			time.Sleep(100 * time.Millisecond)
+			select {
+			case f := <-forced:
+				c.mu.Unlock()
+				t.Fatalf("Drain returned %d while the tunnel waited for its move's verdict", f)
+			default:
+			}
+			if moved {
+				// The other process's descriptors.
+				userThere, tunnelThere := dupConn(t, user), dupConn(t, tunnel)
+				defer userThere.Close()
+				defer tunnelThere.Close()
+				d.tunnels.remove(c)
+				c.verdict <- moveVerdict{moved: true}
+				c.mu.Unlock()
+				if r := <-done; r.end != EndMoved || r.err != nil {
+					t.Errorf("Carry: end %s, %v; want %s", r.end, r.err, EndMoved)
+				}
+				if f := <-forced; f != 0 {
+					t.Errorf("Drain forced %d, want 0: the tunnel moved", f)
+				}
+				roundTrip(t, "after the move, to the sandbox", userPeer, userThere, "moved on")
+				roundTrip(t, "after the move, from the sandbox", sandbox, tunnelThere, "still whole")
+				return
+			}
+			relay, err := splice.Resume(c.user, c.tunnel, paused, c.opts)
+			if err != nil {
+				c.mu.Unlock()
+				t.Fatal(err)
+			}
+			c.relay = relay
+			c.verdict <- moveVerdict{resumed: true}
+			c.mu.Unlock()
+			if r := <-done; r.end != EndDrained || !errors.Is(r.err, ErrDrained) {
+				t.Errorf("Carry: end %s, %v; want %s and ErrDrained", r.end, r.err, EndDrained)
+			}
+			if f := <-forced; f != 1 {
+				t.Errorf("Drain forced %d, want 1", f)
+			}
+			userPeer.SetReadDeadline(time.Now().Add(10 * time.Second))
+			if _, err := io.ReadAll(userPeer); err == nil {
+				t.Error("the user's side ended in order: a tunnel cut by the drain must not look complete")
+			}
+		})
 	}
 }

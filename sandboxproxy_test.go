@@ -366,7 +366,7 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 		{"sandbox_proxy on", "wrong argument count"},
 		{"sandbox_proxy {\n\tresumption maybe\n}", "resumption"},
 		{"sandbox_proxy {\n\texpect_no_pad sometimes\n}", "expect_no_pad takes one of on, off"},
-		{"sandbox_proxy {\n\tdrain_grace_period later\n}", "drain_grace_period"},
+		{"sandbox_proxy {\n\tdrain_grace_period later\n}", `drain_grace_period: "later" is not a positive duration`},
 		{"sandbox_proxy {\n\tdrain_grace_period 1s 2s\n}", "wrong argument count"},
 	} {
 		_, err := adaptCaddyfile(t, "{\n\tlayer4 {\n\t\t:9443 {\n\t\t\troute {\n"+tc.body+"\n\t\t\t}\n\t\t}\n\t}\n}\n")

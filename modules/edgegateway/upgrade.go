@@ -154,10 +154,12 @@ func (r *proxyRegistry) adopt(state []byte, files []*os.File) (run, discard func
 // drainAtExit drains, at process exit, the Dialers of every handler
 // registered (the retired ones that still carry tunnels as well) within
 // one grace period: h's, the first handler cleaned up at exit (still
-// registered: its Cleanup retires it after), which runs the drain. The others' Cleanup wait for it to end, so that the grace
-// periods of several handlers never add up. From the drain on, new
-// tunnels are refused; those still open when the period ends are closed
-// and counted. A reload must never call it.
+// registered: its Cleanup retires it after), which runs the drain. The
+// others' Cleanup wait for it to end, so that the grace periods of
+// several handlers never add up. From the drain on, new tunnels are
+// refused; those still open when the period ends are closed and counted
+// (caddy_ktls_gateway_tunnel_ends_total{end="drained"}). A reload must
+// never call it.
 func (r *proxyRegistry) drainAtExit(h *Proxy) {
 	r.mu.Lock()
 	if d := r.exitDrain; d != nil {

@@ -31,19 +31,20 @@ func startDrainingGateway(t *testing.T, grace string) *drainingGateway {
 	return &drainingGateway{fwd: fwd, gw: gw, p: startCaddy(t, gw, ""), up: up}
 }
 
-// streams opens n users' tunnels streaming until stop is closed, and waits
-// for bytes of each at the sandbox.
-func (g *drainingGateway) streams(t *testing.T, n int, stop <-chan struct{}) []<-chan streamOutcome {
+// streams opens n users' tunnels, to sandboxes sbx-gwdrain-<from> on,
+// streaming until stop is closed, and waits for bytes of each at the
+// sandbox; from is how many the test opened before.
+func (g *drainingGateway) streams(t *testing.T, from, n int, stop <-chan struct{}) []<-chan streamOutcome {
 	t.Helper()
 	var out []<-chan streamOutcome
-	for i := range n {
+	for i := from; i < from+n; i++ {
 		c, err := tls.Dial("tcp", g.gw.addr, &tls.Config{RootCAs: g.fwd.ca.Pool, ServerName: fmt.Sprintf("sbx-gwdrain-%d.sandbox.test", i)})
 		if err != nil {
 			t.Fatalf("user %d: %v", i, err)
 		}
 		out = append(out, pacedStream(c, uint64(900+i), drainChunk, drainPace, stop))
 	}
-	waitUntil(t, time.Minute, func() bool { return g.up.Accepted() == n && g.up.Received() >= int64(n*drainChunk) },
+	waitUntil(t, time.Minute, func() bool { return g.up.Accepted() == from+n && g.up.Received() >= int64((from+n)*drainChunk) },
 		"every tunnel's first bytes at the upstream")
 	return out
 }
@@ -62,7 +63,7 @@ func TestSandboxProxyDrainAtExitFinishes(t *testing.T) {
 	const n = 2
 	g := startDrainingGateway(t, "2m")
 	stop := make(chan struct{})
-	streams := g.streams(t, n, stop)
+	streams := g.streams(t, 0, n, stop)
 	g.sigterm(t)
 	started := g.gw.waitLogLine(t, drainStartLine, 0)
 	if started["level"] != "info" || started["tunnels"] != float64(n) || started["grace_period"] == nil {
@@ -106,7 +107,7 @@ func TestSandboxProxyDrainAtExitClosesAtDeadline(t *testing.T) {
 	g := startDrainingGateway(t, "500ms")
 	stop := make(chan struct{})
 	defer close(stop)
-	streams := g.streams(t, 1, stop)
+	streams := g.streams(t, 0, 1, stop)
 	g.sigterm(t)
 	g.p.exitedAfterDrain(t, g.gw, 1)
 	select {
@@ -120,5 +121,37 @@ func TestSandboxProxyDrainAtExitClosesAtDeadline(t *testing.T) {
 	ended := g.gw.logLines(t, "sandbox_proxy: tunnel closed at exit: it was still open when the drain grace period ended")
 	if len(ended) != 1 || ended[0]["end"] != "drained" || ended[0]["sandbox"] != "sbx-gwdrain-0" {
 		t.Errorf("tunnel end log lines %v, want one, end drained, for sbx-gwdrain-0", ended)
+	}
+}
+
+// A reload leaves the tunnels of the handler it replaced running, and the
+// drain at exit covers that retired handler too: its tunnel and the new
+// handler's are closed at the end of one grace period, counted in one log
+// line.
+func TestSandboxProxyDrainAtExitCoversReloadedHandlers(t *testing.T) {
+	g := startDrainingGateway(t, "1s")
+	stop := make(chan struct{})
+	defer close(stop)
+	streams := g.streams(t, 0, 1, stop)
+	layer4Server(g.gw.cfg, "tunnels")["routes"].([]any)[0].(map[string]any)["handle"].([]any)[1].(map[string]any)["dial_timeout"] = "11s"
+	g.gw.postLoad(t)
+	if lines := g.gw.logLines(t, drainStartLine); len(lines) != 0 {
+		t.Fatalf("the reload drained: %v", lines)
+	}
+	streams = append(streams, g.streams(t, 1, 1, stop)...)
+	g.sigterm(t)
+	g.p.exitedAfterDrain(t, g.gw, 2)
+	if started := g.gw.logLines(t, drainStartLine); len(started) != 1 || started[0]["handlers"] != 2.0 || started[0]["tunnels"] != 2.0 {
+		t.Errorf("drain start log lines %v, want one for 2 tunnels in 2 handlers (the retired one's and the new one's)", started)
+	}
+	for i, s := range streams {
+		select {
+		case o := <-s:
+			if o.err == nil {
+				t.Errorf("tunnel %d ended in order after %d bytes received: want it cut at the drain's deadline", i, o.recv)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("tunnel %d did not end after the gateway exited", i)
+		}
 	}
 }

@@ -28,9 +28,9 @@ func TestKernelUpgradeMovesGatewayTunnels(t *testing.T) {
 
 // TestUpgradeGatewayUserspaceTunnelsStay: tunnels whose user session runs
 // in userspace TLS (offload off at the gateway) cannot move: the handoff
-// counts them as staying, and the new process serves the next tunnels.
-// (They end as the old process exits: sandbox_proxy has no drain at
-// exit, an upgrade ends them as a restart does.)
+// counts them as staying, the new process serves the next tunnels, and
+// the old one drains the ones that stayed (drain_grace_period): they run
+// on exact both ways to their orderly end before it exits.
 func TestUpgradeGatewayUserspaceTunnelsStay(t *testing.T) {
 	if kerneltest.Required() {
 		t.Skip("the kernel variant is TestKernelUpgradeMovesGatewayTunnels")
@@ -41,29 +41,9 @@ func TestUpgradeGatewayUserspaceTunnelsStay(t *testing.T) {
 func gatewayUpgrade(t *testing.T, kernel bool) {
 	const n, chunk, pace = 4, 4 << 10, 20 * time.Millisecond
 	up := forwardtest.NewPacedUpstream(t, chunk, pace)
-	fwd := newSandboxConfig(t, nil)
-	files := addGatewaySide(t, fwd)
-	startCaddy(t, fwd, "")
-
-	gw := &sandboxEnv{ca: fwd.ca, addr: loopbackAddr(t), adminAddr: loopbackAddr(t), logFile: filepath.Join(t.TempDir(), "gateway.log")}
-	proxy := files.dialJSON()
-	proxy["handler"], proxy["forwarder"], proxy["sandbox"], proxy["target"] = "sandbox_proxy", fwd.addr, "{l4.tls.server_name.labels.2}", up.Addr().String()
-	userSide := map[string]any{"handler": "ktls"}
-	if !kernel {
-		userSide["disable_offload"] = true
-	}
-	gw.cfg = cloneJSON(t, map[string]any{
-		"admin":   map[string]any{"listen": gw.adminAddr, "config": map[string]any{"persist": false}},
-		"logging": fwd.cfg["logging"],
-		"apps": map[string]any{
-			"tls": fwd.cfg["apps"].(map[string]any)["tls"],
-			"layer4": map[string]any{"servers": map[string]any{"tunnels": map[string]any{
-				"listen": []string{gw.addr},
-				"routes": []any{map[string]any{"handle": []any{userSide, proxy}}},
-			}}},
-		},
-	})
-	gw.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["writer"].(map[string]any)["filename"] = gw.logFile
+	// The tunnels that stay in userspace TLS drain in the old process: the
+	// grace period outlasts the test's streams.
+	fwd, gw := gatewayProcessConfig(t, up, kernel, map[string]any{"drain_grace_period": "2m"})
 	handoffConfig(gw, filepath.Join(t.TempDir(), "handoff.sock"))
 	old := startCaddy(t, gw, "")
 
@@ -131,13 +111,15 @@ func gatewayUpgrade(t *testing.T, kernel bool) {
 	close(last)
 	outcomes = append(outcomes, <-after)
 	up.Close()
+	// Moved or stayed (then drained in the old process), every tunnel ran
+	// to its orderly end.
 	for i, o := range outcomes {
-		if !kernel && i < n {
-			continue // ended with the old process
-		}
 		if o.err != nil || !exactAtUpstream(o, up.Results()) || o.recv == 0 {
 			t.Errorf("tunnel %d (sent %d, received %d, %v): not carried exact both ways through the upgrade", i, o.sent, o.recv, o.err)
 		}
+	}
+	if lines := gw.logLines(t, "closed tunnels still open after the drain grace period"); len(lines) != 0 {
+		t.Errorf("the old process closed tunnels at its drain's deadline: %v", lines)
 	}
 	if kernel {
 		// The moved tunnels ended in the new process, counted there once
@@ -155,6 +137,42 @@ func gatewayUpgrade(t *testing.T, kernel bool) {
 		}
 	}
 	t.Logf("old process: %v; new process: %v", handed, took)
+}
+
+// gatewayProcessConfig starts a forwarder Caddy and returns it with the
+// configuration, not started, of a gateway Caddy (layer4: ktls, with its
+// offload on only for kernel, then sandbox_proxy to the forwarder, for the
+// sandbox named by the server name's third label from the right, to up);
+// proxyOpts are merged into the sandbox_proxy handler's JSON.
+func gatewayProcessConfig(t *testing.T, up *forwardtest.Upstream, kernel bool, proxyOpts map[string]any) (fwd, gw *sandboxEnv) {
+	t.Helper()
+	fwd = newSandboxConfig(t, nil)
+	files := addGatewaySide(t, fwd)
+	startCaddy(t, fwd, "")
+
+	gw = &sandboxEnv{ca: fwd.ca, addr: loopbackAddr(t), adminAddr: loopbackAddr(t), logFile: filepath.Join(t.TempDir(), "gateway.log")}
+	proxy := files.dialJSON()
+	proxy["handler"], proxy["forwarder"], proxy["sandbox"], proxy["target"] = "sandbox_proxy", fwd.addr, "{l4.tls.server_name.labels.2}", up.Addr().String()
+	for k, v := range proxyOpts {
+		proxy[k] = v
+	}
+	userSide := map[string]any{"handler": "ktls"}
+	if !kernel {
+		userSide["disable_offload"] = true
+	}
+	gw.cfg = cloneJSON(t, map[string]any{
+		"admin":   map[string]any{"listen": gw.adminAddr, "config": map[string]any{"persist": false}},
+		"logging": fwd.cfg["logging"],
+		"apps": map[string]any{
+			"tls": fwd.cfg["apps"].(map[string]any)["tls"],
+			"layer4": map[string]any{"servers": map[string]any{"tunnels": map[string]any{
+				"listen": []string{gw.addr},
+				"routes": []any{map[string]any{"handle": []any{userSide, proxy}}},
+			}}},
+		},
+	})
+	gw.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["writer"].(map[string]any)["filename"] = gw.logFile
+	return fwd, gw
 }
 
 // stayedCount sums a handoff log line's stayed counts by why.

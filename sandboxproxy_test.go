@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
@@ -365,6 +366,8 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 		{"sandbox_proxy on", "wrong argument count"},
 		{"sandbox_proxy {\n\tresumption maybe\n}", "resumption"},
 		{"sandbox_proxy {\n\texpect_no_pad sometimes\n}", "expect_no_pad takes one of on, off"},
+		{"sandbox_proxy {\n\tdrain_grace_period later\n}", `drain_grace_period: "later" is not a positive duration`},
+		{"sandbox_proxy {\n\tdrain_grace_period 1s 2s\n}", "wrong argument count"},
 	} {
 		_, err := adaptCaddyfile(t, "{\n\tlayer4 {\n\t\t:9443 {\n\t\t\troute {\n"+tc.body+"\n\t\t\t}\n\t\t}\n\t}\n}\n")
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -378,6 +381,8 @@ func TestSandboxProxyCaddyfileErrors(t *testing.T) {
 	}{
 		{"no route", edgegateway.Proxy{}, "forwarder, sandbox and target are required"},
 		{"no certificate", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1"}, "no client certificate (tls_client_auth"},
+		{"negative drain_grace_period", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", DrainGracePeriod: caddy.Duration(-time.Second)},
+			"sandbox_proxy: drain_grace_period must not be negative (got -1s)"},
 		{"insecure", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", DialOptions: edgegateway.DialOptions{
 			TLS: &reverseproxy.TLSConfig{ClientCertificateFile: "c", InsecureSkipVerify: true}}}, "tls_insecure_skip_verify"},
 		{"no signing key", edgegateway.Proxy{Forwarder: "f:1", Sandbox: "s", Target: "10.0.0.1:1", DialOptions: edgegateway.DialOptions{

@@ -11,7 +11,9 @@
 // format. What follows on the connection is the tenant's: a Pool writes
 // HTTP requests on it, Relay splices a user's connection into it, and
 // Dialer.Carry does both steps for one user connection, telling its owner
-// whether the tunnel opened, as a Pool does.
+// whether the tunnel opened, as a Pool does. At process exit,
+// Dialer.Drain refuses new tunnels, lets the carried ones finish until its
+// deadline and ends the rest (EndDrained).
 //
 // A Pool is an HTTP transport whose connections are tunnels, pooled per
 // Route (never shared between routes) with the least recently used route

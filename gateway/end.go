@@ -24,6 +24,10 @@ const (
 	// (Dialer.MoveTunnels), whose AdoptedTunnel carries it on and reports
 	// how it ends.
 	EndMoved End = "moved"
+	// EndDrained: the process was exiting and the drain's grace period
+	// ended while the tunnel ran (Dialer.Drain): it was ended as a
+	// failure, and bytes may have reached the sandbox.
+	EndDrained End = "drained"
 )
 
 // EndOf classifies err, returned by a read or write on a tunnel (or by

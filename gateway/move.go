@@ -70,11 +70,60 @@ type moveVerdict struct {
 }
 
 // registry is a Dialer's tunnels that a relay carries, each from its
-// relay's start to its end or move.
+// relay's start to its end or move, and the drain's state (Drain): the
+// Carry and AdoptedTunnel Run calls in progress, from Carry's admission
+// (before its dial) to their return, and the context every relay runs
+// under, canceled with ErrDrained when the drain's grace period ends.
 type registry struct {
 	mu      sync.Mutex
 	next    uint64
 	tunnels map[uint64]*carried
+	// running counts the Carry and Run calls admitted (enter) that have
+	// not returned (leave).
+	running  int
+	draining bool
+	// idle is closed and replaced whenever running falls to zero.
+	idle chan struct{}
+	// force is canceled, with ErrDrained, when a drain's grace period
+	// ends: the relays run under it, and the dials of Carry too.
+	force       context.Context
+	forceCancel context.CancelCauseFunc
+	// drained counts the relays that ended because force was canceled.
+	drained int
+}
+
+// enter admits a Carry (adopted false) or an AdoptedTunnel Run (adopted
+// true) and returns the context its dial and relay run under; leave ends
+// it. From Drain on a Carry is refused with ErrDraining: a new tunnel
+// would only be cut short. An adopted tunnel is not new (it ran in the
+// process that moved it) and is admitted, to end with the others.
+func (r *registry) enter(adopted bool) (context.Context, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.draining && !adopted {
+		return nil, ErrDraining
+	}
+	r.running++
+	return r.forceLocked(), nil
+}
+
+// leave ends what enter admitted.
+func (r *registry) leave() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.running--
+	if r.running == 0 && r.idle != nil {
+		close(r.idle)
+		r.idle = nil
+	}
+}
+
+// forceLocked returns r.force, made on first use.
+func (r *registry) forceLocked() context.Context {
+	if r.force == nil {
+		r.force, r.forceCancel = context.WithCancelCause(context.Background())
+	}
+	return r.force
 }
 
 func (r *registry) add(c *carried) {
@@ -301,5 +350,7 @@ func (a *AdoptedTunnel) Run(onDial func(tunnel *ktls.Conn, err error)) (splice.S
 		onDial = func(*ktls.Conn, error) {}
 	}
 	a.c.onDial = onDial
-	return a.d.carry(a.c)
+	force, _ := a.d.tunnels.enter(true)
+	defer a.d.tunnels.leave()
+	return a.d.carry(a.c, force)
 }

@@ -107,17 +107,31 @@ func RelayEnd(st splice.Stats, err error) End {
 // not open returns that *DialError, has ended user as refused, and nothing
 // of user's reached the sandbox; one that opened returns the relay's
 // counts, its End and the relay's error.
+//
+// While d drains (Drain) Carry dials nothing: it ends user as refused,
+// tells onDial ErrDraining and returns it. A tunnel that Drain's deadline
+// ended returns EndDrained and an error wrapping ErrDrained.
 func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered []byte, onDial func(tunnel *ktls.Conn, err error)) (splice.Stats, End, error) {
 	if onDial == nil {
 		onDial = func(*ktls.Conn, error) {}
 	}
+	force, err := d.tunnels.enter(false)
+	if err != nil {
+		// Draining: nothing is dialed.
+		splice.Refuse(user)
+		onDial(nil, err)
+		return splice.Stats{}, "", err
+	}
+	defer d.tunnels.leave()
 	start := time.Now()
 	// The standby refill waits for the forwarder's first byte (the
 	// tunnel's end, or standbyRefillWait at most): its handshakes then
 	// never compete with this tunnel's opening for the CPU.
 	refill := sync.OnceFunc(func() { d.standby.refill(r.Forwarder) })
 	var refillTimer *time.Timer
+	dialCtx, stop := withForce(dialCtx, force)
 	tunnel, err := d.dial(dialCtx, r, func() { refillTimer = time.AfterFunc(standbyRefillWait, refill) })
+	stop()
 	if refillTimer != nil {
 		defer func() { refillTimer.Stop(); refill() }()
 	}
@@ -133,7 +147,15 @@ func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered
 		return st, RelayEnd(st, err), err
 	}
 	c.relay = splice.New(user, tunnel, c.opts)
-	return d.carry(c)
+	return d.carry(c, force)
+}
+
+// withForce returns ctx, canceled with force's cause as well once force
+// is done, and the function that releases it.
+func withForce(ctx, force context.Context) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(force, func() { cancel(context.Cause(force)) })
+	return ctx, func() { stop(); cancel(nil) }
 }
 
 // carried is a tunnel that Carry, or an AdoptedTunnel's Run, relays: what
@@ -185,13 +207,17 @@ func (c *carried) open() {
 }
 
 // carry runs c's relay, registered in d's registry for MoveTunnels, to
-// the tunnel's end or its move, and returns what Carry returns.
-func (d *Dialer) carry(c *carried) (splice.Stats, End, error) {
+// the tunnel's end or its move, and returns what Carry returns. The relay
+// runs under force (registry.enter): Drain cancels it at its deadline,
+// and a relay resumed after a move that failed runs under it again, so a
+// tunnel paused for a move is never cut mid-move: it moves whole, or ends
+// here once it resumed.
+func (d *Dialer) carry(c *carried, force context.Context) (splice.Stats, End, error) {
 	d.tunnels.add(c)
 	defer d.tunnels.remove(c)
 	relay := c.relay
 	for {
-		st, err := relay.Run(context.Background())
+		st, err := relay.Run(force)
 		if errors.Is(err, splice.ErrPaused) {
 			v := <-c.verdict
 			c.mu.Lock()
@@ -210,7 +236,12 @@ func (d *Dialer) carry(c *carried) (splice.Stats, End, error) {
 			}
 			err = errors.New("gateway: the tunnel did not resume after a move that failed")
 		}
-		return d.ended(c, st, err)
+		st, end, err := d.ended(c, st, err)
+		if end == EndFailed && errors.Is(err, ErrDrained) {
+			end = EndDrained
+			d.tunnels.countDrained()
+		}
+		return st, end, err
 	}
 }
 

@@ -113,6 +113,7 @@ func (g *DialOptions) unmarshalCaddyfileOption(d *caddyfile.Dispenser) (handled 
 //		sandbox   <id>             # e.g. {l4.tls.server_name.labels.2}
 //		target    <ip:port>        # placeholders allowed
 //		client_id <identity>       # signed with the user's address; e.g. {l4.tls.client.subject}
+//		drain_grace_period <duration>  # default 30s: how long open tunnels may run on at exit
 //		<gateway dial option> ...  # tls_client_auth, tls_trust_pool, signing_key_file, ... (DialOptions)
 //	}
 func (h *Proxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -120,7 +121,10 @@ func (h *Proxy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
-	args := caddyfileargs.Table{Strings: map[string]*string{"forwarder": &h.Forwarder, "sandbox": &h.Sandbox, "target": &h.Target, "client_id": &h.ClientID}}
+	args := caddyfileargs.Table{
+		Strings:   map[string]*string{"forwarder": &h.Forwarder, "sandbox": &h.Sandbox, "target": &h.Target, "client_id": &h.ClientID},
+		Durations: map[string]*caddy.Duration{"drain_grace_period": &h.DrainGracePeriod},
+	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		if handled, err := h.DialOptions.unmarshalCaddyfileOption(d); handled {
 			if err != nil {

@@ -13,7 +13,7 @@ import (
 var (
 	GatewayDials = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_dials_total",
-		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), overloaded (the forwarder shed the connection before its TLS handshake: its max_handshakes were in progress, or its scheduling delay was above max_scheduling_delay), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
+		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), draining (the process was exiting: nothing was dialed), overloaded (the forwarder shed the connection before its TLS handshake: its max_handshakes were in progress, or its scheduling delay was above max_scheduling_delay), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
 	}, []string{"module", "result"}, moduleid.Gateway, GatewayDialResults)
 	GatewayResumed = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_dials_resumed_total",
@@ -25,8 +25,8 @@ var (
 	}, []string{"module", "outcome"}, moduleid.Gateway, gateway.StandbyOutcomes())
 	GatewayEnds = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_tunnel_ends_total",
-		Help: "Opened gateway tunnels by module and how they ended: closed (in order), refused (the forwarder's access_denied: nothing reached the sandbox), failed (internal_error, a reset, a timeout).",
-	}, []string{"module", "end"}, moduleid.Gateway, []string{string(gateway.EndClosed), string(gateway.EndRefused), string(gateway.EndFailed)})
+		Help: "Opened gateway tunnels by module and how they ended: closed (in order), refused (the forwarder's access_denied: nothing reached the sandbox), failed (internal_error, a reset, a timeout), drained (still open at exit when the drain grace period ended: closed as a failure).",
+	}, []string{"module", "end"}, moduleid.Gateway, []string{string(gateway.EndClosed), string(gateway.EndRefused), string(gateway.EndFailed), string(gateway.EndDrained)})
 	gatewayRelayBytes = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_relay_bytes_total",
 		Help: "Bytes the layer4 sandbox_proxy relayed, both directions, by data path: splice (never in userspace) or copy.",
@@ -38,11 +38,13 @@ const (
 	gatewayDialOK         = "ok"
 	gatewayDialNoRoute    = "no-route"
 	gatewayDialOverloaded = "overloaded"
+	gatewayDialDraining   = "draining"
 )
 
 // GatewayDialResults are the results a gateway module counts a dial as:
-// ok, no-route, overloaded, or the step that failed (dialResult).
-var GatewayDialResults = []string{gatewayDialOK, gatewayDialNoRoute, gatewayDialOverloaded, gateway.StepConnect, gateway.StepHandshake, gateway.StepPreamble}
+// ok, no-route, draining, overloaded, or the step that failed
+// (dialResult).
+var GatewayDialResults = []string{gatewayDialOK, gatewayDialNoRoute, gatewayDialDraining, gatewayDialOverloaded, gateway.StepConnect, gateway.StepHandshake, gateway.StepPreamble}
 
 // The relay byte paths.
 const (

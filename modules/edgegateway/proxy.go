@@ -3,6 +3,8 @@ package edgegateway
 import (
 	"errors"
 	"fmt"
+	"sync"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/mholt/caddy-l4/layer4"
@@ -63,6 +65,17 @@ type Proxy struct {
 	// value breaks that is refused, and nothing reaches the sandbox.
 	ClientID string `json:"client_id,omitempty"`
 
+	// DrainGracePeriod is how long open tunnels may keep running when the
+	// process exits before they are closed: from the exit on, new
+	// connections are refused (nothing is dialed), and a tunnel still open
+	// at the end of the period is ended as a failure, counted in
+	// caddy_ktls_gateway_tunnel_ends_total{end="drained"}. Every
+	// sandbox_proxy handler of the process drains within one period, the
+	// one of the first handler cleaned up at exit, handlers that a reload
+	// replaced while they carried tunnels included. Reloads do not drain.
+	// Default: 30s.
+	DrainGracePeriod caddy.Duration `json:"drain_grace_period,omitempty"`
+
 	// How forwarders are reached (DialOptions), at the top level of the
 	// JSON.
 	DialOptions
@@ -73,6 +86,57 @@ type Proxy struct {
 	// moveName names the handler for an upgrade (moveNameOf): the new
 	// process adopts its tunnels in the handler configured the same.
 	moveName string
+	// handling counts the Handle calls and adopted tunnels' runs in
+	// progress: the drain at exit waits for them to have counted and
+	// logged how their tunnels ended. Provision makes it.
+	handling *inFlight
+}
+
+// inFlight counts calls in progress; wait returns once none is. A nil
+// one counts nothing.
+type inFlight struct {
+	mu   sync.Mutex
+	n    int
+	idle chan struct{} // closed when n falls to zero; nil while none waits
+}
+
+func (f *inFlight) enter() {
+	if f == nil {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.n++
+}
+
+func (f *inFlight) leave() {
+	if f == nil {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.n--
+	if f.n == 0 && f.idle != nil {
+		close(f.idle)
+		f.idle = nil
+	}
+}
+
+func (f *inFlight) wait() {
+	if f == nil {
+		return
+	}
+	f.mu.Lock()
+	if f.n == 0 {
+		f.mu.Unlock()
+		return
+	}
+	if f.idle == nil {
+		f.idle = make(chan struct{})
+	}
+	idle := f.idle
+	f.mu.Unlock()
+	<-idle
 }
 
 // CaddyModule returns the Caddy module information.
@@ -94,6 +158,9 @@ func (h *Proxy) Validate() error {
 	if err := checkForwarderOption("sandbox_proxy", h.Forwarder); err != nil {
 		return err
 	}
+	if h.DrainGracePeriod < 0 {
+		return fmt.Errorf("sandbox_proxy: drain_grace_period must not be negative (got %s): give a duration such as 30s, or leave it out (30s)", time.Duration(h.DrainGracePeriod))
+	}
 	if err := h.DialOptions.validate(); err != nil {
 		return fmt.Errorf("sandbox_proxy: %w", err)
 	}
@@ -104,6 +171,10 @@ func (h *Proxy) Validate() error {
 func (h *Proxy) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger(h)
+	h.handling = new(inFlight)
+	if h.DrainGracePeriod == 0 {
+		h.DrainGracePeriod = caddy.Duration(DefaultDrainGracePeriod)
+	}
 	if err := caddymetrics.Register(ctx, moduleid.SandboxProxy); err != nil {
 		return err
 	}
@@ -125,9 +196,17 @@ func (h *Proxy) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// Cleanup closes the standby connections.
+// DefaultDrainGracePeriod is Proxy.DrainGracePeriod's default.
+const DefaultDrainGracePeriod = 30 * time.Second
+
+// Cleanup closes the standby connections. At exit it drains the tunnels
+// of every sandbox_proxy handler of the process (proxyRegistry.drainAtExit);
+// a reload leaves them running.
 func (h *Proxy) Cleanup() error {
 	if h.dialer != nil {
+		if caddy.Exiting() {
+			proxies.drainAtExit(h)
+		}
 		proxies.retire(h)
 		h.dialer.Close()
 	}
@@ -136,6 +215,8 @@ func (h *Proxy) Cleanup() error {
 
 // Handle carries one user connection through a tunnel; it is terminal.
 func (h *Proxy) Handle(cx *layer4.Connection, _ layer4.Handler) error {
+	h.handling.enter()
+	defer h.handling.leave()
 	user, buffered := l4conn.Unwrap(cx)
 	peer := cx.RemoteAddr().String()
 	repl := cx.Replacer()
@@ -200,16 +281,20 @@ func (h *Proxy) tunnelEnded(where []zap.Field, st splice.Stats, end gateway.End,
 		h.logger.Debug("sandbox_proxy: tunnel closed", fields...)
 	case gateway.EndRefused:
 		h.logger.Warn("sandbox_proxy: the forwarder refused the tunnel (its log names the reason); nothing reached the sandbox", fields...)
+	case gateway.EndDrained:
+		h.logger.Info("sandbox_proxy: tunnel closed at exit: it was still open when the drain grace period ended", append(fields, zap.Error(err))...)
 	default:
 		h.logger.Info("sandbox_proxy: tunnel failed", append(fields, zap.Error(err))...)
 	}
 }
 
 // dialResult is the caddy_ktls_gateway_dials_total result of a failed
-// Dial: overloaded, or the step that failed.
+// Dial: draining, overloaded, or the step that failed.
 func dialResult(err error) string {
 	var de *gateway.DialError
 	switch {
+	case errors.Is(err, gateway.ErrDraining):
+		return gatewayDialDraining
 	case errors.Is(err, gateway.ErrOverloaded):
 		return gatewayDialOverloaded
 	case errors.As(err, &de):

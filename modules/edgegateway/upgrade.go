@@ -7,6 +7,10 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
@@ -41,6 +45,15 @@ type proxyRegistry struct {
 	mu      sync.Mutex
 	list    []*Proxy
 	retired map[*Proxy]bool // cleaned up: their tunnels move, nothing is adopted in them
+	// exitDrain is the drain at exit, begun by the first handler's
+	// Cleanup at exit (drainAtExit); nil before.
+	exitDrain *exitDrain
+}
+
+// exitDrain is the one drain at exit of every handler's Dialer: done is
+// closed once it ended.
+type exitDrain struct {
+	done chan struct{}
 }
 
 func (r *proxyRegistry) add(h *Proxy) {
@@ -129,9 +142,60 @@ func (r *proxyRegistry) adopt(state []byte, files []*os.File) (run, discard func
 		return nil, nil, err
 	}
 	run = func() {
+		h.handling.enter()
+		defer h.handling.leave()
 		where := tunnelFields(a.Route.Client.Addr.String(), a.Route)
 		st, end, err := a.Run(h.onDial(where))
 		h.tunnelEnded(where, st, end, err)
 	}
 	return run, a.Discard, nil
+}
+
+// drainAtExit drains, at process exit, the Dialers of every handler
+// registered (the retired ones that still carry tunnels as well) within
+// one grace period: h's, the first handler cleaned up at exit (still
+// registered: its Cleanup retires it after), which runs the drain. The
+// others' Cleanup wait for it to end, so that the grace periods of
+// several handlers never add up. From the drain on, new tunnels are
+// refused; those still open when the period ends are closed and counted
+// (caddy_ktls_gateway_tunnel_ends_total{end="drained"}). A reload must
+// never call it.
+func (r *proxyRegistry) drainAtExit(h *Proxy) {
+	r.mu.Lock()
+	if d := r.exitDrain; d != nil {
+		r.mu.Unlock()
+		<-d.done
+		return
+	}
+	d := &exitDrain{done: make(chan struct{})}
+	r.exitDrain = d
+	list := slices.Clone(r.list)
+	r.mu.Unlock()
+	defer close(d.done)
+
+	grace := time.Duration(h.DrainGracePeriod)
+	open := 0
+	for _, p := range list {
+		open += p.dialer.Tunnels()
+	}
+	if open > 0 {
+		h.logger.Info("draining open tunnels at exit: new tunnels are refused, open ones may finish until the grace period ends",
+			zap.Int("tunnels", open), zap.Duration("grace_period", grace), zap.Int("handlers", len(list)))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	var forced atomic.Int64
+	var wg sync.WaitGroup
+	for _, p := range list {
+		wg.Go(func() {
+			forced.Add(int64(p.dialer.Drain(ctx)))
+			// Every tunnel's Carry has returned: what remains of its
+			// Handle counts and logs its end.
+			p.handling.wait()
+		})
+	}
+	wg.Wait()
+	if n := forced.Load(); n > 0 {
+		h.logger.Warn("closed tunnels still open after the drain grace period", zap.Int64("tunnels", n), zap.Duration("grace_period", grace))
+	}
 }

@@ -1,14 +1,20 @@
 package edgegateway
 
 import (
+	"context"
 	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/json"
+	"errors"
+	"net"
 	"net/netip"
 	"os"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -30,12 +36,12 @@ import (
 func withProxies(t *testing.T, list ...*Proxy) {
 	t.Helper()
 	proxies.mu.Lock()
-	saved, savedRetired := proxies.list, proxies.retired
-	proxies.list, proxies.retired = list, nil
+	saved, savedRetired, savedDrain := proxies.list, proxies.retired, proxies.exitDrain
+	proxies.list, proxies.retired, proxies.exitDrain = list, nil, nil
 	proxies.mu.Unlock()
 	t.Cleanup(func() {
 		proxies.mu.Lock()
-		proxies.list, proxies.retired = saved, savedRetired
+		proxies.list, proxies.retired, proxies.exitDrain = saved, savedRetired, savedDrain
 		proxies.mu.Unlock()
 	})
 }
@@ -235,4 +241,47 @@ func counterValue(c prometheus.Counter) float64 {
 	var m dto.Metric
 	c.Write(&m)
 	return m.GetCounter().GetValue()
+}
+
+// The drain at exit covers every registered handler, the retired ones
+// included, once: from it on each handler's Dialer refuses new tunnels,
+// and a later handler's Cleanup at exit waits for it rather than drain
+// again with its own grace period.
+func TestDrainAtExitCoversEveryHandler(t *testing.T) {
+	live, liveLogs := testProxy(t, "live")
+	retired, _ := testProxy(t, "retired")
+	live.DrainGracePeriod = caddy.Duration(time.Hour)
+	retired.DrainGracePeriod = caddy.Duration(time.Hour)
+	withProxies(t, live, retired)
+	proxies.mu.Lock()
+	proxies.retired = map[*Proxy]bool{retired: true}
+	proxies.mu.Unlock()
+
+	done := make(chan struct{})
+	go func() { proxies.drainAtExit(live); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the drain of handlers without tunnels did not return at once")
+	}
+	second := make(chan struct{})
+	go func() { proxies.drainAtExit(retired); close(second) }()
+	select {
+	case <-second:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a second handler's drain at exit did not return once the first ended")
+	}
+	for _, h := range []*Proxy{live, retired} {
+		user, peer := net.Pipe()
+		peer.Close()
+		if _, end, err := h.dialer.Carry(context.Background(), gateway.Route{Forwarder: "127.0.0.1:1", Sandbox: "sbx", Target: netip.MustParseAddrPort("10.0.0.1:80")},
+			user, nil, nil); !errors.Is(err, gateway.ErrDraining) || end != "" {
+			t.Errorf("handler %s: Carry after the drain at exit: %q, %v; want ErrDraining", h.moveName, end, err)
+		} else if r := dialResult(err); r != gatewayDialDraining {
+			t.Errorf("a refusal while draining counts as dial result %q, want %q", r, gatewayDialDraining)
+		}
+	}
+	if n := liveLogs.FilterMessageSnippet("draining open tunnels").Len(); n != 0 {
+		t.Errorf("%d drain logs with no tunnel open, want none", n)
+	}
 }

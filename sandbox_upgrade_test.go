@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -249,9 +250,27 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 	if len(activity.Rejections) != 1 || activity.Rejections["replayed-nonce"] != 1 {
 		t.Errorf("rejections %v, want one replayed-nonce", activity.Rejections)
 	}
-	var outcomes []streamOutcome
-	for _, s := range streams {
-		outcomes = append(outcomes, <-s)
+	// Each stream half-closed when stop closed and ends once its tunnel
+	// carried the end both ways: a tunnel that never does fails the test
+	// with what the forwarder says of it, its log among the output.
+	outcomes := make([]streamOutcome, len(streams))
+	bound := time.After(stepBound)
+	for i, s := range streams {
+		select {
+		case outcomes[i] = <-s:
+		case <-bound:
+			var open []int
+			for j := i; j < len(streams); j++ {
+				select {
+				case outcomes[j] = <-streams[j]:
+				default:
+					open = append(open, j)
+				}
+			}
+			var listed []forward.TunnelInfo
+			e.adminGet(t, "/sandbox/tunnels", &listed)
+			t.Fatalf("%v after the streams half-closed, tunnels %v (sbx-upgrade-<i>) have not ended; the forwarder's open tunnels: %+v", stepBound, open, listed)
+		}
 	}
 	up.Close()
 	for i, o := range outcomes {

@@ -125,7 +125,7 @@ const DefaultTimeout = 5 * time.Second
 // DefaultWindow is Config.Window's default: enough objects in flight that
 // both processes work at once, few enough that an object waits for a
 // handful of others at most.
-const DefaultWindow = 16
+const DefaultWindow = 8
 
 func (c Config) timeout() time.Duration {
 	if c.Timeout > 0 {

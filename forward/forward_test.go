@@ -210,7 +210,7 @@ func TestServeForwardsBufferedBytesFirst(t *testing.T) {
 	forwardtest.CheckLeaks(t)
 	up := forwardtest.NewUpstream(t, 0)
 	f := newFixture(t, nil)
-	a, b := tcpPair(t)
+	b, a := forwardtest.TCPPair(t)
 	frame := f.gw.Frame(t, "sbx-3", up.Addr())
 	done := make(chan error, 1)
 	go func() {
@@ -249,7 +249,7 @@ func (c *refuserConn) Refuse() error {
 func TestServeRefusesThroughRefuser(t *testing.T) {
 	forwardtest.CheckLeaks(t)
 	f := newFixture(t, nil)
-	a, b := tcpPair(t)
+	b, a := forwardtest.TCPPair(t)
 	defer b.Close()
 	under := &refuserConn{TCPConn: a}
 	b.Write([]byte("not a preamble"))
@@ -260,24 +260,6 @@ func TestServeRefusesThroughRefuser(t *testing.T) {
 	if ReasonOf(err) != string(preamble.ReasonBadMagic) || !under.refused.Load() {
 		t.Errorf("Serve: %v, Refuse called: %v; want bad-magic, refused through Refuse", err, under.refused.Load())
 	}
-}
-
-func tcpPair(t *testing.T) (*net.TCPConn, *net.TCPConn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	b, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a.(*net.TCPConn), b.(*net.TCPConn)
 }
 
 type bufferedConn struct {
@@ -581,7 +563,7 @@ func TestRequireClientCertificate(t *testing.T) {
 
 	// Directly: nothing is read from the refused client, and its peer
 	// reads a reset.
-	a, b := tcpPair(t)
+	b, a := forwardtest.TCPPair(t)
 	defer b.Close()
 	b.Write(f.gw.Frame(t, "sbx", up.Addr()))
 	rc := &readCounter{Conn: a}
@@ -619,7 +601,7 @@ func TestRequireClientCertificate(t *testing.T) {
 		t.Fatalf("Drain forced %d tunnels, want 0", forced)
 	}
 	for _, verified := range []bool{false, true} {
-		a, b := tcpPair(t)
+		b, a := forwardtest.TCPPair(t)
 		_, err := f.fwd.Serve(Gateway{Conn: a, CertificateVerified: verified})
 		b.Close()
 		want := ReasonNoClientCertificate

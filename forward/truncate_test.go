@@ -35,7 +35,7 @@ func TestServeTruncatedTunnelResetsTarget(t *testing.T) {
 			forwardtest.CheckLeaks(t)
 			up := forwardtest.NewUpstream(t, 0)
 			f := newFixture(t, nil)
-			a, b := tcpPair(t)
+			b, a := forwardtest.TCPPair(t)
 			defer b.Close()
 			request := []byte("POST /upload: the first half of it")
 			if _, err := b.Write(append(f.gw.Frame(t, "sbx-1", up.Addr()), request...)); err != nil {

@@ -14,16 +14,16 @@ import (
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
-// drainFixture is a Dialer carrying tunnels on userspace TLS through a
-// front to a forwarder and a paced sandbox.
-type drainFixture struct {
+// userspaceFixture is a Dialer carrying tunnels on userspace TLS through a
+// front to a forwarder and a paced sandbox (sandbox names the route's).
+type userspaceFixture struct {
 	p  pki
 	d  *Dialer
 	fr *front
 	up *forwardtest.Upstream
 }
 
-func newDrainFixture(t *testing.T, sandbox string) *drainFixture {
+func newUserspaceFixture(t *testing.T, sandbox string) *userspaceFixture {
 	t.Helper()
 	p := newPKI(t)
 	gw := forwardtest.NewGateway(t, "gw-1")
@@ -35,7 +35,7 @@ func newDrainFixture(t *testing.T, sandbox string) *drainFixture {
 	}
 	t.Cleanup(func() { d.Close() })
 	fr := startFrontWith(t, p, d, Route{Forwarder: f.addr(), Sandbox: sandbox, Target: up.Addr()}, ktls.Options{Disable: true})
-	return &drainFixture{p: p, d: d, fr: fr, up: up}
+	return &userspaceFixture{p: p, d: d, fr: fr, up: up}
 }
 
 // drain runs d.Drain(ctx) and returns the channel its count arrives on.
@@ -52,7 +52,7 @@ func drain(ctx context.Context, d *Dialer) <-chan int {
 func TestDrainWaitsForTunnels(t *testing.T) {
 	const n = 2
 	forwardtest.CheckLeaks(t)
-	fx := newDrainFixture(t, "sbx-drain")
+	fx := newUserspaceFixture(t, "sbx-drain")
 	s := startStreams(t, fx.fr, fx.p.client, fx.d, fx.up, n)
 	forced := drain(context.Background(), fx.d)
 	// Until the streams end, Drain waits.
@@ -106,7 +106,7 @@ func TestDrainWaitsForTunnels(t *testing.T) {
 // returns; its user sees an error, never an orderly end.
 func TestDrainForcesAtDeadline(t *testing.T) {
 	forwardtest.CheckLeaks(t)
-	fx := newDrainFixture(t, "sbx-forced")
+	fx := newUserspaceFixture(t, "sbx-forced")
 	s := startStreams(t, fx.fr, fx.p.client, fx.d, fx.up, 1)
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
@@ -134,25 +134,6 @@ func TestDrainForcesAtDeadline(t *testing.T) {
 	if f := fx.d.Drain(context.Background()); f != 1 {
 		t.Errorf("second Drain: %d, want the 1 the drain forced", f)
 	}
-}
-
-// tcpPair returns the two ends of a loopback TCP connection.
-func tcpPair(t *testing.T) (*net.TCPConn, *net.TCPConn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	a, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a.(*net.TCPConn), b.(*net.TCPConn)
 }
 
 // dupConn returns a connection on a duplicate of c's descriptor, as the
@@ -201,9 +182,9 @@ func TestDrainSparesPausedTunnel(t *testing.T) {
 			forwardtest.CheckLeaks(t)
 			d := newDialer(t, newPKI(t), forwardtest.NewGateway(t, "gw-1"))
 			defer d.Close()
-			userPeer, user := tcpPair(t)
+			userPeer, user := forwardtest.TCPPair(t)
 			defer userPeer.Close()
-			tunnel, sandbox := tcpPair(t)
+			tunnel, sandbox := forwardtest.TCPPair(t)
 			defer sandbox.Close()
 			c := newCarried(Route{Sandbox: "sbx-paused"}, time.Now(), user, tunnel, 0, nil)
 			c.onDial = func(*ktls.Conn, error) {}

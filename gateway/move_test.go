@@ -227,16 +227,8 @@ func TestMovedTunnelState(t *testing.T) {
 func TestMoveUserspaceTLSTunnelsStay(t *testing.T) {
 	const n = 4
 	forwardtest.CheckLeaks(t)
-	p := newPKI(t)
-	gw := forwardtest.NewGateway(t, "gw-1")
-	up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
-	f := startForwarder(t, p, gw, "127.0.0.0/8")
-	d, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: ktls.Options{Disable: true}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	fr := startFrontWith(t, p, d, Route{Forwarder: f.addr(), Sandbox: "sbx-stay", Target: up.Addr()}, ktls.Options{Disable: true})
+	fx := newUserspaceFixture(t, "sbx-stay")
+	p, d, fr, up := fx.p, fx.d, fx.fr, fx.up
 	s := startStreams(t, fr, p.client, d, up, n)
 	m := &adoptingMover{t: t, to: d}
 	res := d.MoveTunnels(context.Background(), m)

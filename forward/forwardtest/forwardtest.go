@@ -464,3 +464,25 @@ func ServeTCPOn(t testing.TB, addr string, serve func(c net.Conn)) string {
 	}()
 	return ln.Addr().String()
 }
+
+// TCPPair returns the two ends of a loopback TCP connection, closed when t
+// ends.
+func TCPPair(t testing.TB) (dialed, accepted *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	d, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := ln.Accept()
+	if err != nil {
+		d.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close(); a.Close() })
+	return d.(*net.TCPConn), a.(*net.TCPConn)
+}

@@ -126,6 +126,9 @@ func TestHandoffToChild(t *testing.T) {
 		clientErrs []error
 		clients    sync.WaitGroup
 	)
+	// No dial is late before StopAccepting: set before any client runs,
+	// so that an answer that comes first is not counted as one.
+	stopID.Store(math.MaxUint64)
 	for range 4 {
 		clients.Go(func() {
 			for !stop.Load() {
@@ -147,7 +150,6 @@ func TestHandoffToChild(t *testing.T) {
 			}
 		})
 	}
-	stopID.Store(math.MaxUint64)
 	defer func() { stop.Store(true); clients.Wait() }()
 	waitFor := func(what string, ok func() bool) {
 		t.Helper()

@@ -527,7 +527,7 @@ func TestMoveInFlight(t *testing.T) {
 // did not release, and the receiver starts exactly the ones it did.
 func TestInFlightFailureAgrees(t *testing.T) {
 	checkFDs(t)
-	s, r := session(t, Config{Timeout: 200 * time.Millisecond}, Config{})
+	s, r := session(t, Config{Timeout: 200 * time.Millisecond, Window: 4}, Config{Window: 4})
 	const objects = 3
 	type verdict struct {
 		kind    uint16

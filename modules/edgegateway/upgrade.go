@@ -45,15 +45,9 @@ type proxyRegistry struct {
 	mu      sync.Mutex
 	list    []*Proxy
 	retired map[*Proxy]bool // cleaned up: their tunnels move, nothing is adopted in them
-	// exitDrain is the drain at exit, begun by the first handler's
-	// Cleanup at exit (drainAtExit); nil before.
-	exitDrain *exitDrain
-}
-
-// exitDrain is the one drain at exit of every handler's Dialer: done is
-// closed once it ended.
-type exitDrain struct {
-	done chan struct{}
+	// exitDrain is closed once the drain at exit ended, which the first
+	// handler's Cleanup at exit begins (drainAtExit); nil before.
+	exitDrain chan struct{}
 }
 
 func (r *proxyRegistry) add(h *Proxy) {
@@ -162,16 +156,16 @@ func (r *proxyRegistry) adopt(state []byte, files []*os.File) (run, discard func
 // never call it.
 func (r *proxyRegistry) drainAtExit(h *Proxy) {
 	r.mu.Lock()
-	if d := r.exitDrain; d != nil {
+	if done := r.exitDrain; done != nil {
 		r.mu.Unlock()
-		<-d.done
+		<-done
 		return
 	}
-	d := &exitDrain{done: make(chan struct{})}
-	r.exitDrain = d
+	done := make(chan struct{})
+	r.exitDrain = done
 	list := slices.Clone(r.list)
 	r.mu.Unlock()
-	defer close(d.done)
+	defer close(done)
 
 	grace := time.Duration(h.DrainGracePeriod)
 	open := 0

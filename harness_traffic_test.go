@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -92,6 +93,30 @@ type streamOutcome struct {
 // is closed, then half-closes; meanwhile it reads to EOF. It closes c and
 // reports both directions' counts and hashes.
 func pacedStream(c halfCloser, seed uint64, chunk int, pace time.Duration, stop <-chan struct{}) <-chan streamOutcome {
+	return pacedStreamWatched(c, seed, chunk, pace, stop, nil)
+}
+
+// streamProgress is a pacedStream's upload as it goes: what a stream that
+// does not end had sent, and whether its writer waits in Write.
+type streamProgress struct {
+	sent    atomic.Int64
+	writing atomic.Int64 // when its Write began (UnixNano); 0 outside Write
+}
+
+func (p *streamProgress) String() string {
+	s := fmt.Sprintf("sent %d", p.sent.Load())
+	if w := p.writing.Load(); w != 0 {
+		s += fmt.Sprintf(", in Write for %v", time.Since(time.Unix(0, w)).Round(time.Second))
+	}
+	return s
+}
+
+// pacedStreamWatched is pacedStream, its upload's progress kept in p
+// (nil: not kept).
+func pacedStreamWatched(c halfCloser, seed uint64, chunk int, pace time.Duration, stop <-chan struct{}, p *streamProgress) <-chan streamOutcome {
+	if p == nil {
+		p = new(streamProgress)
+	}
 	out := make(chan streamOutcome, 1)
 	go func() {
 		defer c.Close()
@@ -103,12 +128,16 @@ func pacedStream(c halfCloser, seed uint64, chunk int, pace time.Duration, stop 
 			buf := make([]byte, chunk)
 			for {
 				src.Read(buf)
-				if _, err := c.Write(buf); err != nil {
+				p.writing.Store(time.Now().UnixNano())
+				_, err := c.Write(buf)
+				p.writing.Store(0)
+				if err != nil {
 					werr <- err
 					return
 				}
 				h.Write(buf)
 				o.sent += int64(chunk)
+				p.sent.Store(o.sent)
 				select {
 				case <-stop:
 					copy(o.sentSum[:], h.Sum(nil))

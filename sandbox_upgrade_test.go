@@ -1,9 +1,11 @@
 package caddyktls
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/base64"
+	"encoding/hex"
 	"fmt"
 	"io"
 	"net"
@@ -11,6 +13,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/pprof"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -123,8 +127,9 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 		"the standby connections waiting in the forwarder")
 
 	var streams []<-chan streamOutcome
+	progress := make([]streamProgress, n)
 	for i, c := range conns {
-		streams = append(streams, pacedStream(c, uint64(500+i), chunk, pace, stop))
+		streams = append(streams, pacedStreamWatched(c, uint64(500+i), chunk, pace, stop, &progress[i]))
 	}
 	waitUntil(t, stepBound, func() bool { return up.Accepted() == n && up.Received() >= int64(n*chunk) },
 		"every tunnel's first bytes at the upstream")
@@ -267,6 +272,10 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 					open = append(open, j)
 				}
 			}
+			for _, j := range open {
+				t.Logf("tunnel %d (gateway end %v): %v", j, conns[j].LocalAddr(), &progress[j])
+			}
+			logStalled(t, e)
 			var listed []forward.TunnelInfo
 			e.adminGet(t, "/sandbox/tunnels", &listed)
 			t.Fatalf("%v after the streams half-closed, tunnels %v (sbx-upgrade-<i>) have not ended; the forwarder's open tunnels: %+v", stepBound, open, listed)
@@ -578,4 +587,52 @@ func TestKernelUpgradeStandbyToItsHandler(t *testing.T) {
 			t.Errorf("%s after the upgrade: read %d bytes (want %d), the same hash %v, %v: want its tunnel opened by the handler that trusts its key", w.sandbox, n, 4<<10, sum == forwardtest.PatternSum(2, 4<<10), err)
 		}
 	}
+}
+
+// logStalled logs what says where tunnels that do not end wait: the TCP
+// sockets holding unread or unacknowledged bytes (/proc/net/tcp), and the
+// goroutines of this process's streams and of the Caddy at e that relay.
+func logStalled(t *testing.T, e *sandboxEnv) {
+	t.Helper()
+	if data, err := os.ReadFile("/proc/net/tcp"); err != nil {
+		t.Logf("/proc/net/tcp: %v", err)
+	} else {
+		var b strings.Builder
+		for _, line := range strings.Split(string(data), "\n")[1:] {
+			if f := strings.Fields(line); len(f) > 4 && f[4] != "00000000:00000000" {
+				fmt.Fprintf(&b, "\n  %s %s st %s tx:rx %s", hexAddr(f[1]), hexAddr(f[2]), f[3], f[4])
+			}
+		}
+		t.Logf("sockets with bytes queued (local remote state tx_queue:rx_queue, hex):%s", b.String())
+	}
+	var own bytes.Buffer
+	pprof.Lookup("goroutine").WriteTo(&own, 1)
+	t.Logf("this process's stream goroutines:\n%s", goroutineBlocks(own.String(), "pacedStream"))
+	t.Logf("the Caddy's relay goroutines:\n%s", goroutineBlocks(string(e.adminBody(t, "/debug/pprof/goroutine?debug=1")), "splice.", "forward."))
+}
+
+// goroutineBlocks returns the stacks of a goroutine profile (debug=1) that
+// mention one of subs.
+func goroutineBlocks(profile string, subs ...string) string {
+	var keep []string
+	for _, block := range strings.Split(profile, "\n\n") {
+		for _, sub := range subs {
+			if strings.Contains(block, sub) {
+				keep = append(keep, block)
+				break
+			}
+		}
+	}
+	return strings.Join(keep, "\n\n")
+}
+
+// hexAddr decodes /proc/net/tcp's IPv4 address:port.
+func hexAddr(s string) string {
+	ip, port, _ := strings.Cut(s, ":")
+	b, _ := hex.DecodeString(ip)
+	n, _ := strconv.ParseUint(port, 16, 16)
+	if len(b) != 4 {
+		return s
+	}
+	return fmt.Sprintf("%d.%d.%d.%d:%d", b[3], b[2], b[1], b[0], n)
 }

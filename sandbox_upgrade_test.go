@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"io"
@@ -20,12 +21,14 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
+	"golang.org/x/sys/unix"
 )
 
 // A binary upgrade with the real binary: a second process started with
@@ -272,10 +275,12 @@ func sandboxUpgrade(t *testing.T, kernel bool) {
 					open = append(open, j)
 				}
 			}
+			var ends []netip.AddrPort
 			for _, j := range open {
 				t.Logf("tunnel %d (gateway end %v): %v", j, conns[j].LocalAddr(), &progress[j])
+				ends = append(ends, conns[j].LocalAddr().(*net.TCPAddr).AddrPort())
 			}
-			logStalled(t, e)
+			logStalled(t, e, ends)
 			var listed []forward.TunnelInfo
 			e.adminGet(t, "/sandbox/tunnels", &listed)
 			t.Fatalf("%v after the streams half-closed, tunnels %v (sbx-upgrade-<i>) have not ended; the forwarder's open tunnels: %+v", stepBound, open, listed)
@@ -590,10 +595,15 @@ func TestKernelUpgradeStandbyToItsHandler(t *testing.T) {
 }
 
 // logStalled logs what says where tunnels that do not end wait: the TCP
-// sockets holding unread or unacknowledged bytes (/proc/net/tcp), and the
-// goroutines of this process's streams and of the Caddy at e that relay.
-func logStalled(t *testing.T, e *sandboxEnv) {
+// sockets holding unread or unacknowledged bytes (/proc/net/tcp), the
+// kernel's view of the forwarder's socket of each gateway end in ends
+// (kernelSocket), and the goroutines of this process's streams and of the
+// Caddy at e that relay.
+func logStalled(t *testing.T, e *sandboxEnv, ends []netip.AddrPort) {
 	t.Helper()
+	for _, end := range ends {
+		t.Logf("the forwarder's socket of gateway end %v: %s", end, kernelSocket(end))
+	}
 	if data, err := os.ReadFile("/proc/net/tcp"); err != nil {
 		t.Logf("/proc/net/tcp: %v", err)
 	} else {
@@ -635,4 +645,105 @@ func hexAddr(s string) string {
 		return s
 	}
 	return fmt.Sprintf("%d.%d.%d.%d:%d", b[3], b[2], b[1], b[0], n)
+}
+
+// kernelSocket describes, as the kernel has it, the socket whose peer is
+// remote: its /proc/net/tcp line, and for each process holding it the
+// descriptor's flags, whether an epoll instance of that process watches
+// it, and, on a copy taken with pidfd_getfd, what poll(2) reports, the
+// bytes TCP holds unread (SIOCINQ) and the kernel TLS record sequence
+// numbers (the next record each direction opens or seals).
+func kernelSocket(remote netip.AddrPort) string {
+	data, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		return err.Error()
+	}
+	var b strings.Builder
+	inode := ""
+	for _, line := range strings.Split(string(data), "\n")[1:] {
+		f := strings.Fields(line)
+		if len(f) > 9 && hexAddr(f[2]) == remote.String() {
+			fmt.Fprintf(&b, "%s %s st %s tx:rx %s timer %s retr %s inode %s", hexAddr(f[1]), hexAddr(f[2]), f[3], f[4], f[5], f[6], f[9])
+			inode = f[9]
+		}
+	}
+	if inode == "" {
+		return "not in /proc/net/tcp"
+	}
+	pids, _ := filepath.Glob("/proc/[0-9]*")
+	for _, dir := range pids {
+		fds, _ := filepath.Glob(dir + "/fd/*")
+		for _, fdPath := range fds {
+			if link, _ := os.Readlink(fdPath); link != "socket:["+inode+"]" {
+				continue
+			}
+			pid, _ := strconv.Atoi(filepath.Base(dir))
+			fd, _ := strconv.Atoi(filepath.Base(fdPath))
+			info, _ := os.ReadFile(fmt.Sprintf("%s/fdinfo/%d", dir, fd))
+			flags := ""
+			for _, l := range strings.Split(string(info), "\n") {
+				if strings.HasPrefix(l, "flags:") {
+					flags = strings.TrimSpace(strings.TrimPrefix(l, "flags:"))
+				}
+			}
+			fmt.Fprintf(&b, "\n  pid %d fd %d flags %s, watched by epoll: %v; %s", pid, fd, flags, epollWatches(dir, fd), probeSocket(pid, fd))
+		}
+	}
+	return b.String()
+}
+
+// epollWatches returns the epoll instances of the process at dir whose
+// interest list has fd, with the events asked for.
+func epollWatches(dir string, fd int) []string {
+	var out []string
+	fds, _ := filepath.Glob(dir + "/fd/*")
+	for _, fdPath := range fds {
+		if link, _ := os.Readlink(fdPath); link != "anon_inode:[eventpoll]" {
+			continue
+		}
+		info, _ := os.ReadFile(dir + "/fdinfo/" + filepath.Base(fdPath))
+		for _, l := range strings.Split(string(info), "\n") {
+			if f := strings.Fields(l); len(f) >= 4 && f[0] == "tfd:" && f[1] == strconv.Itoa(fd) {
+				out = append(out, fmt.Sprintf("epfd %s events %s", filepath.Base(fdPath), f[3]))
+			}
+		}
+	}
+	return out
+}
+
+// probeSocket takes a copy of descriptor fd of process pid and reports
+// what the kernel says of its socket, consuming nothing.
+func probeSocket(pid, fd int) string {
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return fmt.Sprintf("pidfd_open: %v", err)
+	}
+	defer unix.Close(pidfd)
+	s, err := unix.PidfdGetfd(pidfd, fd, 0)
+	if err != nil {
+		return fmt.Sprintf("pidfd_getfd: %v", err)
+	}
+	defer unix.Close(s)
+	pfd := []unix.PollFd{{Fd: int32(s), Events: unix.POLLIN | unix.POLLRDHUP | unix.POLLOUT}}
+	n, err := unix.Poll(pfd, 0)
+	out := fmt.Sprintf("poll %d revents %#x (%v)", n, pfd[0].Revents, err)
+	inq, err := unix.IoctlGetInt(s, unix.SIOCINQ)
+	out += fmt.Sprintf(", SIOCINQ %d (%v)", inq, err)
+	for _, dir := range []struct {
+		name string
+		opt  uintptr
+	}{{"TX", 1}, {"RX", 2}} {
+		// The crypto_info of each cipher ends with its 8-byte record
+		// sequence number.
+		var buf [64]byte
+		l := uint32(len(buf))
+		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(s), unix.SOL_TLS, dir.opt, uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&l)), 0)
+		if errno != 0 || l < 12 {
+			out += fmt.Sprintf(", TLS_%s: %v", dir.name, errno)
+			continue
+		}
+		out += fmt.Sprintf(", TLS_%s cipher %#x rec_seq %d", dir.name, binary.LittleEndian.Uint16(buf[2:4]), binary.BigEndian.Uint64(buf[l-8:l]))
+		clear(buf[:])
+	}
+	return out
 }

@@ -101,12 +101,16 @@ func pacedStream(c halfCloser, seed uint64, chunk int, pace time.Duration, stop 
 type streamProgress struct {
 	sent    atomic.Int64
 	writing atomic.Int64 // when its Write began (UnixNano); 0 outside Write
+	ended   atomic.Value // how its writer ended: "half-closed" or the error
 }
 
 func (p *streamProgress) String() string {
 	s := fmt.Sprintf("sent %d", p.sent.Load())
 	if w := p.writing.Load(); w != 0 {
 		s += fmt.Sprintf(", in Write for %v", time.Since(time.Unix(0, w)).Round(time.Second))
+	}
+	if e := p.ended.Load(); e != nil {
+		s += fmt.Sprintf(", writer ended: %v", e)
 	}
 	return s
 }
@@ -132,6 +136,7 @@ func pacedStreamWatched(c halfCloser, seed uint64, chunk int, pace time.Duration
 				_, err := c.Write(buf)
 				p.writing.Store(0)
 				if err != nil {
+					p.ended.Store(err.Error())
 					werr <- err
 					return
 				}
@@ -141,7 +146,9 @@ func pacedStreamWatched(c halfCloser, seed uint64, chunk int, pace time.Duration
 				select {
 				case <-stop:
 					copy(o.sentSum[:], h.Sum(nil))
-					werr <- c.CloseWrite()
+					err := c.CloseWrite()
+					p.ended.Store(fmt.Sprint("half-closed: ", err))
+					werr <- err
 					return
 				case <-time.After(pace):
 				}

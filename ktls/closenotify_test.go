@@ -2,8 +2,10 @@ package ktls
 
 import (
 	"crypto/tls"
+	"errors"
 	"io"
 	"net"
+	"os"
 	"testing"
 	"time"
 
@@ -66,4 +68,77 @@ func TestKernelCloseNotified(t *testing.T) {
 	kerneltest.Require(t)
 	t.Run("kernel RX", func(t *testing.T) { closeNotified(t, Options{}, true) })
 	t.Run("DisableRX", func(t *testing.T) { closeNotified(t, Options{DisableRX: true}, false) })
+}
+
+// userspacePipe is a client and a server Conn in userspace TLS 1.3 over a
+// net.Pipe, handshakes done: a write waits until the peer reads it.
+func userspacePipe(t *testing.T) (client, server *Conn) {
+	t.Helper()
+	scfg, ccfg := newTestPKI(t).configs(connCase{version: tls.VersionTLS13})
+	a, b := net.Pipe()
+	client = Client(a, ccfg, Options{Disable: true})
+	server = Server(b, scfg, Options{Disable: true})
+	// The pipe first: it ends whatever a failed test left waiting.
+	t.Cleanup(func() { a.Close(); b.Close(); client.Close(); server.Close() })
+	errc := make(chan error, 1)
+	go func() { errc <- server.Handshake() }()
+	if err := client.Handshake(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	return client, server
+}
+
+// On the userspace path a half-close waits for a peer that reads slowly
+// as long as a Write would (the caller's deadline): crypto/tls's own fixed
+// 5 s deadline on its close_notify would fail it and lose the end of the
+// stream for good.
+func TestCloseWriteUserspaceWaitsForTheReader(t *testing.T) {
+	t.Parallel()
+	client, server := userspacePipe(t)
+	done := make(chan error, 1)
+	go func() { done <- client.CloseWrite() }()
+	time.Sleep(6 * time.Second) // past crypto/tls's 5 s
+	server.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := server.Read(make([]byte, 1)); n != 0 || err != io.EOF || !server.CloseNotified() {
+		t.Fatalf("the server read %d bytes, %v, close_notify %v; want the end by close_notify", n, err, server.CloseNotified())
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("CloseWrite: %v", err)
+	}
+}
+
+// The caller's write deadline bounds the wait, and a Close meanwhile ends
+// it at once: no Close waits behind a peer that does not read.
+func TestCloseWriteUserspaceBounded(t *testing.T) {
+	t.Run("deadline", func(t *testing.T) {
+		client, _ := userspacePipe(t)
+		client.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+		if err := client.CloseWrite(); !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("CloseWrite past the deadline: %v, want %v", err, os.ErrDeadlineExceeded)
+		}
+	})
+	t.Run("close", func(t *testing.T) {
+		client, _ := userspacePipe(t)
+		done := make(chan error, 1)
+		go func() { done <- client.CloseWrite() }()
+		for !client.record.closeWriting.Load() {
+			time.Sleep(time.Millisecond)
+		}
+		closed := make(chan error, 1)
+		go func() { closed <- client.Close() }()
+		bound := time.After(time.Minute)
+		for _, c := range []chan error{done, closed} {
+			select {
+			case err := <-c:
+				if c == done && err == nil {
+					t.Fatal("CloseWrite succeeded with nobody reading")
+				}
+			case <-bound:
+				t.Fatal("CloseWrite or Close still waits a minute after Close")
+			}
+		}
+	})
 }

@@ -682,6 +682,11 @@ func (c *Conn) writableLocked() error {
 // authenticate (tlsWriteFailed): the peer reads an end without it.
 func (c *Conn) Close() error {
 	c.closing.Store(true)
+	if c.record != nil && c.record.closeWriting.Load() {
+		// A CloseWrite waits for the peer to take close_notify: Close
+		// does not wait behind it.
+		c.raw.SetWriteDeadline(time.Unix(1, 0))
+	}
 	c.closeOnce.Do(func() {
 		if c.hsDone.Load() && !c.kernelTX() && c.tlsWriteFailed.Load() {
 			c.closeErr = ignoreClosed(c.raw.Close())
@@ -927,7 +932,8 @@ func ignoreClosed(err error) error {
 var closeNotify = []byte{1, 0} // alert level warning, description close_notify
 
 // CloseWrite sends close_notify and shuts down the write side; reading
-// goes on.
+// goes on. It waits for the peer to take close_notify as long as a Write
+// would: up to the write deadline (SetWriteDeadline), or until Close.
 func (c *Conn) CloseWrite() error {
 	if err := c.Handshake(); err != nil {
 		return err
@@ -937,6 +943,14 @@ func (c *Conn) CloseWrite() error {
 	if !c.kernelTX() {
 		if c.tlsWriteFailed.Load() {
 			return errCloseNotifyAfterFailedWrite
+		}
+		// Bounded by the caller's write deadline, as on the kernel
+		// path (recordConn.SetWriteDeadline); a Close meanwhile ends
+		// the wait. Paired with Close: one of the two sees the other.
+		c.record.closeWriting.Store(true)
+		defer c.record.closeWriting.Store(false)
+		if c.closing.Load() {
+			c.record.closeWriting.Store(false)
 		}
 		err := c.tlsConn.CloseWrite()
 		c.wroteEOF = err == nil

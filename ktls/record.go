@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"sync/atomic"
+	"time"
 )
 
 const (
@@ -37,6 +38,11 @@ type recordConn struct {
 	eof atomic.Bool
 	// writes counts Write calls (ktls.Conn.refuseInUserspace).
 	writes atomic.Int64
+
+	// closeWriting: CloseWrite is sending close_notify on the userspace
+	// path, whose write is bounded by the caller's write deadline alone
+	// (SetWriteDeadline).
+	closeWriting atomic.Bool
 
 	// fed, while feeding: one record for crypto/tls to read instead of the
 	// socket (ticket.go), then errTicketFed. Nothing is written meanwhile.
@@ -108,6 +114,18 @@ func (c *recordConn) Write(p []byte) (int, error) {
 		c.firstOut = appendUpTo(c.firstOut, p, helloPrefixLen)
 	}
 	return c.Conn.Write(p)
+}
+
+// SetWriteDeadline passes through, except while closeWriting: crypto/tls
+// bounds its close_notify with a fixed 5-second write deadline of its own
+// (tls.Conn.closeNotify), which fails a half-close behind a peer that
+// reads slowly, or a process slow to run, and loses the end of the stream
+// for good. The caller's deadline, set on the raw conn, stays in force.
+func (c *recordConn) SetWriteDeadline(t time.Time) error {
+	if c.closeWriting.Load() {
+		return nil
+	}
+	return c.Conn.SetWriteDeadline(t)
 }
 
 // atRecordBoundary reports whether no partial record has been consumed, so

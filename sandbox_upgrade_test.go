@@ -19,6 +19,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -734,10 +735,17 @@ func probeSocket(pid, fd int) string {
 		opt  uintptr
 	}{{"TX", 1}, {"RX", 2}} {
 		// The crypto_info of each cipher ends with its 8-byte record
-		// sequence number.
-		var buf [64]byte
-		l := uint32(len(buf))
-		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(s), unix.SOL_TLS, dir.opt, uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&l)), 0)
+		// sequence number; the kernel wants its exact size: 40 bytes
+		// (AES-128-GCM), 56 (AES-256-GCM, ChaCha20-Poly1305).
+		var buf [56]byte
+		var l uint32
+		var errno syscall.Errno
+		for _, size := range []uint32{40, 56} {
+			l = size
+			if _, _, errno = unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(s), unix.SOL_TLS, dir.opt, uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&l)), 0); errno != unix.EINVAL {
+				break
+			}
+		}
 		if errno != 0 || l < 12 {
 			out += fmt.Sprintf(", TLS_%s: %v", dir.name, errno)
 			continue

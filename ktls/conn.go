@@ -933,7 +933,8 @@ var closeNotify = []byte{1, 0} // alert level warning, description close_notify
 
 // CloseWrite sends close_notify and shuts down the write side; reading
 // goes on. It waits for the peer to take close_notify as long as a Write
-// would: up to the write deadline (SetWriteDeadline), or until Close.
+// would: up to the write deadline (SetWriteDeadline); on the userspace
+// path a Close meanwhile ends the wait.
 func (c *Conn) CloseWrite() error {
 	if err := c.Handshake(); err != nil {
 		return err

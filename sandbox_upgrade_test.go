@@ -6,7 +6,6 @@ import (
 	"crypto/tls"
 	"encoding/base64"
 	"encoding/binary"
-	"encoding/hex"
 	"fmt"
 	"io"
 	"net"
@@ -602,24 +601,36 @@ func TestKernelUpgradeStandbyToItsHandler(t *testing.T) {
 // Caddy at e that relay.
 func logStalled(t *testing.T, e *sandboxEnv, ends []netip.AddrPort) {
 	t.Helper()
-	for _, end := range ends {
-		t.Logf("the forwarder's socket of gateway end %v: %s", end, kernelSocket(end))
-	}
-	if data, err := os.ReadFile("/proc/net/tcp"); err != nil {
+	data, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
 		t.Logf("/proc/net/tcp: %v", err)
-	} else {
-		var b strings.Builder
-		for _, line := range strings.Split(string(data), "\n")[1:] {
-			if f := strings.Fields(line); len(f) > 4 && f[4] != "00000000:00000000" {
-				fmt.Fprintf(&b, "\n  %s %s st %s tx:rx %s", hexAddr(f[1]), hexAddr(f[2]), f[3], f[4])
-			}
-		}
-		t.Logf("sockets with bytes queued (local remote state tx_queue:rx_queue, hex):%s", b.String())
 	}
+	for _, end := range ends {
+		t.Logf("the forwarder's socket of gateway end %v: %s", end, kernelSocket(t, data, end))
+	}
+	var b strings.Builder
+	for _, f := range procNetTCPLines(data) {
+		if f[4] != "00000000:00000000" {
+			fmt.Fprintf(&b, "\n  %s %s st %s tx:rx %s", procNetAddr(t, f[1]), procNetAddr(t, f[2]), f[3], f[4])
+		}
+	}
+	t.Logf("sockets with bytes queued (local remote state tx_queue:rx_queue, hex):%s", b.String())
 	var own bytes.Buffer
 	pprof.Lookup("goroutine").WriteTo(&own, 1)
 	t.Logf("this process's stream goroutines:\n%s", goroutineBlocks(own.String(), "pacedStream"))
 	t.Logf("the Caddy's relay goroutines:\n%s", goroutineBlocks(string(e.adminBody(t, "/debug/pprof/goroutine?debug=1")), "splice.", "forward."))
+}
+
+// procNetTCPLines returns the fields of each socket's line of
+// /proc/net/tcp (data), the header left out.
+func procNetTCPLines(data []byte) [][]string {
+	var out [][]string
+	for _, line := range strings.Split(string(data), "\n")[1:] {
+		if f := strings.Fields(line); len(f) > 9 {
+			out = append(out, f)
+		}
+	}
+	return out
 }
 
 // goroutineBlocks returns the stacks of a goroutine profile (debug=1) that
@@ -637,34 +648,18 @@ func goroutineBlocks(profile string, subs ...string) string {
 	return strings.Join(keep, "\n\n")
 }
 
-// hexAddr decodes /proc/net/tcp's IPv4 address:port.
-func hexAddr(s string) string {
-	ip, port, _ := strings.Cut(s, ":")
-	b, _ := hex.DecodeString(ip)
-	n, _ := strconv.ParseUint(port, 16, 16)
-	if len(b) != 4 {
-		return s
-	}
-	return fmt.Sprintf("%d.%d.%d.%d:%d", b[3], b[2], b[1], b[0], n)
-}
-
 // kernelSocket describes, as the kernel has it, the socket whose peer is
-// remote: its /proc/net/tcp line, and for each process holding it the
+// remote: its line of /proc/net/tcp (data), and for each process holding it the
 // descriptor's flags, whether an epoll instance of that process watches
 // it, and, on a copy taken with pidfd_getfd, what poll(2) reports, the
 // bytes TCP holds unread (SIOCINQ) and the kernel TLS record sequence
 // numbers (the next record each direction opens or seals).
-func kernelSocket(remote netip.AddrPort) string {
-	data, err := os.ReadFile("/proc/net/tcp")
-	if err != nil {
-		return err.Error()
-	}
+func kernelSocket(t *testing.T, data []byte, remote netip.AddrPort) string {
 	var b strings.Builder
 	inode := ""
-	for _, line := range strings.Split(string(data), "\n")[1:] {
-		f := strings.Fields(line)
-		if len(f) > 9 && hexAddr(f[2]) == remote.String() {
-			fmt.Fprintf(&b, "%s %s st %s tx:rx %s timer %s retr %s inode %s", hexAddr(f[1]), hexAddr(f[2]), f[3], f[4], f[5], f[6], f[9])
+	for _, f := range procNetTCPLines(data) {
+		if procNetAddr(t, f[2]) == remote.String() {
+			fmt.Fprintf(&b, "%s %s st %s tx:rx %s timer %s retr %s inode %s", procNetAddr(t, f[1]), remote, f[3], f[4], f[5], f[6], f[9])
 			inode = f[9]
 		}
 	}

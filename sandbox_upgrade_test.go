@@ -337,6 +337,82 @@ func oneCallWithin(e *sandboxEnv, sandbox string, target netip.AddrPort, timeout
 	return err
 }
 
+// TestUpgradeServesConnectionsAcceptedBefore: the connections the old
+// process accepted before the switch are served there to their end,
+// whatever step they were in when the handoff ended: one still in its TLS
+// handshake (it outlasts the settle step), and one whose handshake is done
+// and whose preamble comes after the handoff (a standby connection in
+// userspace TLS, which cannot move). Each opens its tunnel in the old
+// process, carried exact both ways, where the drain used to refuse it
+// (draining) or the exit cut it; the old process exits once they ended.
+func TestUpgradeServesConnectionsAcceptedBefore(t *testing.T) {
+	if kerneltest.Required() {
+		t.Skip("the same on every kernel: a host test")
+	}
+	small := forwardtest.NewUpstream(t, 4<<10)
+	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "1m"})
+	// The handshake held outlasts the old process's settle step (10 s).
+	e.route()["handle"].([]any)[0].(map[string]any)["handshake_timeout"] = "1m"
+	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
+	old := startCaddy(t, e, "")
+
+	// No byte: the old process's handshake waits for the ClientHello.
+	hold, err := net.Dial("tcp", e.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { hold.Close() })
+	waitUntil(t, time.Minute, func() bool { return e.metric(t, "caddy_ktls_handshakes_in_progress") == 1 }, "the held connection in its handshake")
+	d := tls.Dialer{Config: e.tlsConfig(e.client)}
+	standby, err := d.DialContext(t.Context(), "tcp", e.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { standby.Close() })
+	waitUntil(t, time.Minute, func() bool { return e.metric(t, "caddy_ktls_sandbox_standby_connections") == 1 }, "the standby connection")
+
+	_, took, handed := upgradeProcess(t, e, 2*time.Minute)
+	if took["tunnels"] != 0.0 || took["standby"] != 0.0 {
+		t.Errorf("the new process took %v tunnels and %v standby connections; want none (userspace TLS, a handshake)", took["tunnels"], took["standby"])
+	}
+
+	call := func(name string, c *tls.Conn) {
+		t.Helper()
+		c.SetDeadline(time.Now().Add(time.Minute))
+		if err := c.Handshake(); err != nil {
+			t.Fatalf("%s: the handshake with the old process after the handoff: %v", name, err)
+		}
+		if err := preamble.Send(t.Context(), c, e.gw.Signer, preamble.Claims{SandboxID: "sbx-" + name, Target: small.Addr()}); err != nil {
+			t.Fatalf("%s: the preamble: %v", name, err)
+		}
+		n, sum, err := transfer(c, 1<<10, 7)
+		if err != nil || n != 4<<10 || sum != forwardtest.PatternSum(2, 4<<10) {
+			t.Errorf("%s after the handoff: read %d bytes (want %d), the same hash %v, %v", name, n, 4<<10, sum == forwardtest.PatternSum(2, 4<<10), err)
+		}
+	}
+	call("held-handshake", tls.Client(hold, e.tlsConfig(e.client)))
+	call("standby", standby.(*tls.Conn))
+
+	serving := e.waitLogLine(t, "serving the connections accepted before the handoff to their end: their tunnels open here; this process exits once it holds none, or when the grace period ends", 0)
+	if serving["connections"] != 2.0 {
+		t.Errorf("the old process serves %v connections accepted before the handoff; want 2", serving["connections"])
+	}
+
+	select {
+	case <-old.exited:
+		if old.exitErr != nil {
+			t.Errorf("the old process exited with %v", old.exitErr)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the old process did not exit once the connections it accepted before the handoff ended")
+	}
+	e.waitLogLine(t, "served every connection accepted before the handoff", 0)
+	if lines := e.logLines(t, rejectedMsg); len(lines) != 0 {
+		t.Errorf("the old process refused %d tunnels: %v", len(lines), lines)
+	}
+	t.Logf("old process: %v; new process: %v", handed, took)
+}
+
 // A process started with another handoff socket cannot reach the running
 // one: it does not start, as the tcp-handoff port is the running one's
 // (bound without SO_REUSEPORT), and the running one serves on, its tunnel

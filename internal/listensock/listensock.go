@@ -587,6 +587,12 @@ func StopAccepting() {
 	mu.Lock()
 	defer mu.Unlock()
 	stopped = true
+	if handedOver == nil {
+		for _, s := range sockets {
+			a := s.ln.Addr().(*net.TCPAddr).AddrPort()
+			handedOver = append(handedOver, netip.AddrPortFrom(a.Addr().Unmap(), a.Port()))
+		}
+	}
 	pause()
 }
 
@@ -628,7 +634,69 @@ func ResumeAccepting() {
 	mu.Lock()
 	defer mu.Unlock()
 	stopped, paused = false, false
+	handedOver = nil
 	for _, s := range sockets {
 		s.wake.Broadcast()
 	}
+}
+
+// handedOver are the local addresses of the sockets StopAccepting stopped,
+// until ResumeAccepting: Held counts the connections accepted from them.
+var handedOver []netip.AddrPort
+
+// Held returns how many connections this process holds that it accepted
+// from the sockets StopAccepting stopped: in caddy-l4's matching, in a
+// TLS handshake, before or in their tunnel. It reads the kernel's view,
+// every TCP socket of the process (/proc/self/fd) whose local address is
+// one of theirs and that does not listen, so a connection counts from its
+// accept until its last descriptor in this process closes, whichever
+// handler holds it. It returns 0 when no socket was stopped.
+func Held() (int, error) {
+	mu.Lock()
+	addrs := slices.Clone(handedOver)
+	mu.Unlock()
+	if len(addrs) == 0 {
+		return 0, nil
+	}
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return 0, fmt.Errorf("listensock: the connections held: %w", err)
+	}
+	n := 0
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		// A descriptor closed (or reused) since the directory was read
+		// answers for what it is now: a count is exact for the sockets
+		// that stay open while it is taken.
+		sa, err := unix.Getsockname(fd)
+		if err != nil || !slices.ContainsFunc(addrs, func(a netip.AddrPort) bool { return bound(a, sa) }) {
+			continue
+		}
+		if p, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil || p != unix.IPPROTO_TCP {
+			continue
+		}
+		if l, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || l != 0 {
+			continue
+		}
+		n++
+	}
+	return n, nil
+}
+
+// bound reports whether a socket with local address sa was accepted from
+// a listening socket bound to ln (a wildcard host takes every address).
+func bound(ln netip.AddrPort, sa unix.Sockaddr) bool {
+	var local netip.AddrPort
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		local = netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
+	case *unix.SockaddrInet6:
+		local = netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
+	default:
+		return false
+	}
+	return local.Port() == ln.Port() && (ln.Addr().IsUnspecified() || local.Addr() == ln.Addr())
 }

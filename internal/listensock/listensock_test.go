@@ -31,7 +31,7 @@ func checkLeaks(t *testing.T) {
 	t.Cleanup(func() {
 		mu.Lock()
 		left := len(sockets)
-		stopped, paused = false, false
+		stopped, paused, handedOver = false, false, nil
 		mu.Unlock()
 		if left > 0 {
 			t.Errorf("%d sockets left registered", left)
@@ -544,6 +544,70 @@ func TestStopAccepting(t *testing.T) {
 	if _, open := <-got; open {
 		t.Error("the Accept loop got a connection after Close")
 	}
+}
+
+// Held counts, once the process stopped accepting, the connections it
+// accepted from its stopped sockets and still holds, and nothing else: not
+// the listening socket or a duplicate of it, the client's end dialed from
+// this process, a connection accepted by another listener, or a UDP socket
+// on the same port. A wildcard socket's connections count whatever
+// address they came to.
+func TestHeld(t *testing.T) {
+	checkLeaks(t)
+	ln := listenT(t, "127.0.0.1:0")
+	wild := listenT(t, ":0")
+	other, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	udp, err := net.ListenPacket("udp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer udp.Close()
+	accept := func(l net.Listener, dial string) (client, server net.Conn) {
+		t.Helper()
+		c, err := net.Dial("tcp", dial)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c, s
+	}
+	held := func(want int) {
+		t.Helper()
+		if n, err := Held(); n != want || err != nil {
+			t.Errorf("Held() = %d, %v; want %d", n, err, want)
+		}
+	}
+	c1, s1 := accept(ln, ln.Addr().String())
+	defer c1.Close()
+	held(0) // accepting: nothing is handed over
+	_, port, _ := net.SplitHostPort(wild.Addr().String())
+	c2, s2 := accept(wild, "127.0.0.1:"+port)
+	defer c2.Close()
+	c3, s3 := accept(other, other.Addr().String())
+	defer c3.Close()
+	defer s3.Close()
+	dup := fileOf(t, ln.s.ln)
+	defer dup.Close()
+	StopAccepting()
+	held(2)
+	s1.Close()
+	held(1)
+	s2.Close()
+	held(0)
+	ResumeAccepting()
+	c4, s4 := accept(ln, ln.Addr().String())
+	defer c4.Close()
+	defer s4.Close()
+	held(0)
+	ln.Close()
+	wild.Close()
 }
 
 // serve accepts from ln as caddy-l4 does until Accept fails, and answers

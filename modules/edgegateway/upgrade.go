@@ -168,6 +168,11 @@ func (r *proxyRegistry) drainAtExit(h *Proxy) {
 	defer close(done)
 
 	grace := time.Duration(h.DrainGracePeriod)
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	// After a handoff, the user connections accepted before it are
+	// served first, their tunnels dialed, within the same grace period.
+	upgrade.ServeAccepted(ctx, h.logger)
 	open := 0
 	for _, p := range list {
 		open += p.dialer.Tunnels()
@@ -176,8 +181,6 @@ func (r *proxyRegistry) drainAtExit(h *Proxy) {
 		h.logger.Info("draining open tunnels at exit: new tunnels are refused, open ones may finish until the grace period ends",
 			zap.Int("tunnels", open), zap.Duration("grace_period", grace), zap.Int("handlers", len(list)))
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), grace)
-	defer cancel()
 	var forced atomic.Int64
 	var wg sync.WaitGroup
 	for _, p := range list {

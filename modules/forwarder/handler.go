@@ -633,12 +633,15 @@ func (h *Handler) Cleanup() error {
 	}
 	if caddy.Exiting() && h.fwd != nil {
 		// Every sandbox handler drains the one registry at exit; the
-		// first finds the tunnels, the others none.
+		// first finds the tunnels, the others none. After a handoff, the
+		// connections accepted before it are served first, their tunnels
+		// admitted, within the same grace period.
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(h.DrainGracePeriod))
+		upgrade.ServeAccepted(ctx, h.logger)
 		if open, _ := tunnels.Counts(); open > 0 {
 			h.logger.Info("draining open tunnels at exit: new tunnels are refused, open ones may finish until the grace period ends",
 				zap.Int("tunnels", open), zap.Duration("grace_period", time.Duration(h.DrainGracePeriod)))
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(h.DrainGracePeriod))
 		forced := tunnels.Drain(ctx)
 		cancel()
 		if forced > 0 {

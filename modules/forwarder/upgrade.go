@@ -474,6 +474,7 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	// and its own exit, and STOPPING=1, concern the service no more.
 	notifyMainPID(s.logger, peer.PID)
 	done(true)
+	upgrade.HandedOver()
 	handoffs.WithLabelValues("old", "done").Inc()
 	pauses := slices.Clone(res.Pauses)
 	stayed := len(res.Stays)

@@ -28,8 +28,11 @@ type ReportState struct {
 	Started  time.Time `json:"started"`
 	Sequence uint64    `json:"sequence"`
 	Last     ReportID  `json:"last"`
-	// NextTunnelID is the last tunnel ID given: the new process numbers on
-	// from it, so a moved tunnel keeps its ID and no two share one.
+	// NextTunnelID ends the tunnel IDs the old process gives: the new
+	// process numbers on from it, so a moved tunnel keeps its ID and no
+	// two share one. It is the last ID given at the export plus
+	// LateTunnelIDs, which the old process numbers the tunnels it opens
+	// afterwards with (the connections it accepted before the switch).
 	NextTunnelID uint64         `json:"next_tunnel_id"`
 	Sandboxes    []SandboxState `json:"sandboxes"`
 	// Refusing are the sandboxes Close refuses new tunnels to, until when.
@@ -58,6 +61,11 @@ type SandboxState struct {
 	LastActivity time.Time `json:"last_activity"`
 }
 
+// LateTunnelIDs is how many tunnel IDs a handoff leaves to the old
+// process (ReportState.NextTunnelID): more than the connections one process
+// can hold.
+const LateTunnelIDs = 1 << 24
+
 // ErrHandingOff is what a second HandOff returns while one is in progress.
 var ErrHandingOff = errors.New("forward: a handoff of the report stream is in progress")
 
@@ -82,7 +90,7 @@ func (r *Registry) HandOff() (ReportState, func(moved bool), error) {
 	}
 	r.handingOff = true
 	now := time.Now()
-	st := ReportState{Version: ReportStateVersion, Started: r.started, Sequence: r.seq, Last: r.last, NextTunnelID: r.nextID}
+	st := ReportState{Version: ReportStateVersion, Started: r.started, Sequence: r.seq, Last: r.last, NextTunnelID: r.nextID + LateTunnelIDs}
 	exported := make(map[*sandboxCounters]SandboxState, len(r.sandboxes))
 	for id, sb := range r.sandboxes {
 		s := SandboxState{

@@ -159,6 +159,46 @@ func TestHandOffAborted(t *testing.T) {
 	}
 }
 
+// The tunnels the old process opens after a handoff (the connections it
+// accepted before the switch) and the new process's never share an ID;
+// one opened between the export and the move keeps its ID as it moves.
+func TestHandOffLeavesIDsToTheOldProcess(t *testing.T) {
+	old := NewRegistry()
+	first, _, _ := old.Open("sbx", "10.1.0.1:80", Origin{}, 0)
+	st, done, err := old.HandOff()
+	if err != nil {
+		t.Fatal(err)
+	}
+	between, _, err := old.Open("sbx", "10.1.0.1:80", Origin{}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nu := NewRegistry()
+	if err := nu.AdoptReports(viaJSON(t, st)); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := nu.AdoptTunnel(first.State()); err != nil {
+		t.Fatalf("the tunnel open at the export: %v", err)
+	}
+	if _, _, err := nu.AdoptTunnel(between.State()); err != nil {
+		t.Fatalf("the tunnel opened between the export and its move (ID %d): %v", between.ID, err)
+	}
+	done(true)
+	nu.ResumeReports()
+	late, _, err := old.Open("sbx", "10.1.0.1:80", Origin{}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next, _, err := nu.Open("sbx", "10.1.0.1:80", Origin{}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if late.ID <= between.ID || late.ID >= next.ID || next.ID != st.NextTunnelID+1 {
+		t.Errorf("IDs: %d and %d moved, %d opened late in the old process, %d first in the new one (stream ends the old IDs at %d); want them all distinct, the new process's after NextTunnelID",
+			first.ID, between.ID, late.ID, next.ID, st.NextTunnelID)
+	}
+}
+
 // Close's refusals move; a registry that opened a tunnel adopts nothing,
 // nor a state of another version; a tunnel outside the adopted stream is
 // refused.

@@ -3,6 +3,7 @@ package caddyktls
 import (
 	"crypto/tls"
 	"fmt"
+	"net"
 	"path/filepath"
 	"testing"
 	"time"
@@ -36,6 +37,64 @@ func TestUpgradeGatewayUserspaceTunnelsStay(t *testing.T) {
 		t.Skip("the kernel variant is TestKernelUpgradeMovesGatewayTunnels")
 	}
 	gatewayUpgrade(t, false)
+}
+
+// TestUpgradeGatewayServesConnectionsAcceptedBefore: a user connection the
+// old gateway process accepted before the switch, still in its TLS
+// handshake when the handoff ended (it outlasts the settle step), is
+// served there to its end: its tunnel is dialed in the old process, where
+// the drain used to refuse it or the exit cut it, and carried exact both
+// ways; the old process exits once it ended.
+func TestUpgradeGatewayServesConnectionsAcceptedBefore(t *testing.T) {
+	if kerneltest.Required() {
+		t.Skip("the same on every kernel: a host test")
+	}
+	const chunk, pace = 4 << 10, 20 * time.Millisecond
+	up := forwardtest.NewPacedUpstream(t, chunk, pace)
+	fwd, gw := gatewayProcessConfig(t, up, false, map[string]any{"drain_grace_period": "1m"})
+	// The handshake held outlasts the old process's settle step (10 s).
+	layer4Server(gw.cfg, "tunnels")["routes"].([]any)[0].(map[string]any)["handle"].([]any)[0].(map[string]any)["handshake_timeout"] = "1m"
+	handoffConfig(gw, filepath.Join(t.TempDir(), "handoff.sock"))
+	old := startCaddy(t, gw, "")
+
+	// No byte: the old process's handshake waits for the ClientHello.
+	hold, err := net.Dial("tcp", gw.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { hold.Close() })
+	waitUntil(t, time.Minute, func() bool { return gw.metric(t, "caddy_ktls_handshakes_in_progress") == 1 }, "the held connection in its handshake")
+
+	_, took, handed := upgradeProcess(t, gw, 2*time.Minute)
+	stop := make(chan struct{})
+	c := tls.Client(hold, &tls.Config{RootCAs: fwd.ca.Pool, ServerName: "sbx-gwheld.sandbox.test"})
+	c.SetDeadline(time.Now().Add(time.Minute))
+	if err := c.Handshake(); err != nil {
+		t.Fatalf("the handshake with the old process after the handoff: %v", err)
+	}
+	c.SetDeadline(time.Time{})
+	stream := pacedStream(c, 811, chunk, pace, stop)
+	waitUntil(t, time.Minute, func() bool { return up.Accepted() == 1 && up.Received() >= 4*chunk }, "the held connection's bytes at the upstream")
+	close(stop)
+	o := <-stream
+	select {
+	case <-old.exited:
+		if old.exitErr != nil {
+			t.Errorf("the old process exited with %v", old.exitErr)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the old process did not exit once the connection it accepted before the handoff ended")
+	}
+	up.Close()
+	if o.err != nil || !exactAtUpstream(o, up.Results()) || o.recv == 0 {
+		t.Errorf("the held connection (sent %d, received %d, %v): not carried exact both ways", o.sent, o.recv, o.err)
+	}
+	serving := gw.waitLogLine(t, "serving the connections accepted before the handoff to their end: their tunnels open here; this process exits once it holds none, or when the grace period ends", 0)
+	if serving["connections"] != 1.0 {
+		t.Errorf("the old process serves %v connections accepted before the handoff; want 1", serving["connections"])
+	}
+	gw.waitLogLine(t, "served every connection accepted before the handoff", 0)
+	t.Logf("old process: %v; new process: %v", handed, took)
 }
 
 func gatewayUpgrade(t *testing.T, kernel bool) {

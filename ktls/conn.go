@@ -55,6 +55,9 @@ type Conn struct {
 	pending  []byte      // decrypted bytes not yet returned by Read
 	readErr  error       // sticky: io.EOF after close_notify, or a fatal error
 	notified atomic.Bool // the peer's close_notify was read
+	// readSince: a Read ran since the handshake; with RX in userspace,
+	// crypto/tls may then hold a record it read (Gone).
+	readSince atomic.Bool
 
 	// Client session tickets (ticket.go), under readMu.
 	resume      bool   // the client config has a session cache and tickets on

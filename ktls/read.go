@@ -87,6 +87,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 		return 0, err
 	}
 	if !c.kernelRX() && c.opener == nil {
+		c.readSince.Store(true)
 		n, err := c.tlsConn.Read(p)
 		if err == io.EOF && !c.record.eof.Load() {
 			c.notified.Store(true)

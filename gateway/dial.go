@@ -242,13 +242,13 @@ func New(cfg Config) (*Dialer, error) {
 // Once the forwarder answered, Dial refills its standby connections
 // (Config.Standby), after the preamble is written.
 func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
-	return d.dial(ctx, r, func() { d.standby.refill(r.Forwarder) })
+	return d.dial(ctx, r, nil, func() { d.standby.refill(r.Forwarder) })
 }
 
 // dial is Dial; connected is called, after the preamble was written or
 // failed, when the forwarder answered the connection (mutual TLS done, or
 // a standby connection taken).
-func (d *Dialer) dial(ctx context.Context, r Route, connected func()) (*ktls.Conn, error) {
+func (d *Dialer) dial(ctx context.Context, r Route, userGone func() bool, connected func()) (*ktls.Conn, error) {
 	// Checked before anything is dialed, as the client below: a preamble
 	// that cannot be signed costs the forwarder nothing.
 	if err := preamble.CheckSandboxID(r.Sandbox); err != nil {
@@ -274,6 +274,10 @@ func (d *Dialer) dial(ctx context.Context, r Route, connected func()) (*ktls.Con
 			}
 			return nil, &DialError{Route: r, Step: step, Err: err}
 		}
+	}
+	if userGone != nil && userGone() {
+		d.standby.keep(r.Forwarder, conn)
+		return nil, ErrUserGone
 	}
 	defer connected()
 	now := time.Now()

@@ -108,6 +108,14 @@ func RelayEnd(st splice.Stats, err error) End {
 // of user's reached the sandbox; one that opened returns the relay's
 // counts, its End and the relay's error.
 //
+// A user that left before the tunnel opened (ErrUserGone: it reset its
+// connection, or ended it without close_notify, with nothing sent to
+// carry) is not served: Carry checks before it dials, and again once the
+// forwarder's connection is ready, before the preamble, so the forwarder
+// does no work for it either; that connection is kept as a standby one
+// where the Dialer keeps them (Config.Standby), else closed in order. Its
+// user is closed, onDial told ErrUserGone, which Carry returns.
+//
 // While d drains (Drain) Carry dials nothing: it ends user as refused,
 // tells onDial ErrDraining and returns it. A tunnel that Drain's deadline
 // ended returns EndDrained and an error wrapping ErrDrained.
@@ -129,11 +137,22 @@ func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered
 	// never compete with this tunnel's opening for the CPU.
 	refill := sync.OnceFunc(func() { d.standby.refill(r.Forwarder) })
 	var refillTimer *time.Timer
+	gone := userGone(user, buffered)
+	if gone() {
+		user.Close()
+		onDial(nil, ErrUserGone)
+		return splice.Stats{}, "", ErrUserGone
+	}
 	dialCtx, stop := withForce(dialCtx, force)
-	tunnel, err := d.dial(dialCtx, r, func() { refillTimer = time.AfterFunc(standbyRefillWait, refill) })
+	tunnel, err := d.dial(dialCtx, r, gone, func() { refillTimer = time.AfterFunc(standbyRefillWait, refill) })
 	stop()
 	if refillTimer != nil {
 		defer func() { refillTimer.Stop(); refill() }()
+	}
+	if errors.Is(err, ErrUserGone) {
+		user.Close()
+		onDial(nil, err)
+		return splice.Stats{}, "", err
 	}
 	if err != nil {
 		splice.Refuse(user)
@@ -148,6 +167,20 @@ func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered
 	}
 	c.relay = splice.New(user, tunnel, c.opts)
 	return d.carry(c, force)
+}
+
+// ErrUserGone is what Carry returns, and tells onDial, when its user left
+// before the tunnel opened: nothing was sent to the forwarder.
+var ErrUserGone = errors.New("gateway: the user left before the tunnel opened (a reset, or an end without close_notify): nothing was sent to the forwarder")
+
+// userGone returns whether user has left with nothing to carry: only a
+// connection that can tell (ktls.Conn.Gone), and nothing buffered.
+func userGone(user net.Conn, buffered []byte) func() bool {
+	g, ok := user.(interface{ Gone() bool })
+	if !ok || len(buffered) > 0 {
+		return func() bool { return false }
+	}
+	return g.Gone
 }
 
 // withForce returns ctx, canceled with force's cause as well once force

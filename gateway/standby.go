@@ -169,6 +169,24 @@ func (s *standbys) add(forwarder string) bool {
 	return true
 }
 
+// keep offers conn, a connection to forwarder whose mutual TLS is done and
+// whose preamble was not written (its user left: Carry), to the ready
+// ones: it is kept while fewer than Config.Standby are, its idle time
+// counted from now (a forwarder that ended it first is seen at take), else
+// closed in order.
+func (s *standbys) keep(forwarder string, conn *ktls.Conn) {
+	s.mu.Lock()
+	if s.d.cfg.Standby == 0 || len(s.ready[forwarder]) >= s.d.cfg.Standby || s.ctx.Err() != nil {
+		s.mu.Unlock()
+		conn.Close()
+		return
+	}
+	c := &standbyConn{conn: conn}
+	c.expire = time.AfterFunc(s.d.cfg.StandbyMaxIdle, func() { s.expire(forwarder, c) })
+	s.ready[forwarder] = append(s.ready[forwarder], c)
+	s.mu.Unlock()
+}
+
 // setReady sets forwarder's ready connections to q, dropping its entry
 // when q is empty. s.mu is held.
 func (s *standbys) setReady(forwarder string, q []*standbyConn) {

@@ -13,7 +13,7 @@ import (
 var (
 	GatewayDials = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_dials_total",
-		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), draining (the process was exiting: nothing was dialed), overloaded (the forwarder shed the connection before its TLS handshake: its max_handshakes were in progress, or its scheduling delay was above max_scheduling_delay), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
+		Help: "Tunnels the gateway modules tried to open, by module and result: ok, no-route (the placeholders gave no valid forwarder, sandbox or target), draining (the process was exiting: nothing was dialed), user-gone (the user reset, or ended without close_notify, before the tunnel opened: no preamble was sent), overloaded (the forwarder shed the connection before its TLS handshake: its max_handshakes were in progress, or its scheduling delay was above max_scheduling_delay), or the step that failed (connect, handshake, preamble). Nothing reached a sandbox unless ok.",
 	}, []string{"module", "result"}, moduleid.Gateway, GatewayDialResults)
 	GatewayResumed = caddymetrics.NewCounterFamily(prometheus.CounterOpts{
 		Name: "caddy_ktls_gateway_dials_resumed_total",
@@ -39,12 +39,13 @@ const (
 	gatewayDialNoRoute    = "no-route"
 	gatewayDialOverloaded = "overloaded"
 	gatewayDialDraining   = "draining"
+	gatewayDialUserGone   = "user-gone"
 )
 
 // GatewayDialResults are the results a gateway module counts a dial as:
-// ok, no-route, draining, overloaded, or the step that failed
+// ok, no-route, draining, user-gone, overloaded, or the step that failed
 // (dialResult).
-var GatewayDialResults = []string{gatewayDialOK, gatewayDialNoRoute, gatewayDialDraining, gatewayDialOverloaded, gateway.StepConnect, gateway.StepHandshake, gateway.StepPreamble}
+var GatewayDialResults = []string{gatewayDialOK, gatewayDialNoRoute, gatewayDialDraining, gatewayDialUserGone, gatewayDialOverloaded, gateway.StepConnect, gateway.StepHandshake, gateway.StepPreamble}
 
 // The relay byte paths.
 const (

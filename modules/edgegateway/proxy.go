@@ -248,6 +248,10 @@ func (h *Proxy) onDial(where []zap.Field) func(tunnel *ktls.Conn, err error) {
 	return func(tunnel *ktls.Conn, err error) {
 		if err != nil {
 			GatewayDials.WithLabelValues(moduleid.SandboxProxy, dialResult(err)).Inc()
+			if errors.Is(err, gateway.ErrUserGone) {
+				h.logger.Info("sandbox_proxy: the user left before the tunnel opened; no preamble was sent, nothing reached the sandbox", where...)
+				return
+			}
 			h.logger.Warn("sandbox_proxy: cannot open the tunnel; refused, nothing reached the sandbox", append(where, zap.Error(err))...)
 			return
 		}
@@ -289,12 +293,14 @@ func (h *Proxy) tunnelEnded(where []zap.Field, st splice.Stats, end gateway.End,
 }
 
 // dialResult is the caddy_ktls_gateway_dials_total result of a failed
-// Dial: draining, overloaded, or the step that failed.
+// Dial: draining, user-gone, overloaded, or the step that failed.
 func dialResult(err error) string {
 	var de *gateway.DialError
 	switch {
 	case errors.Is(err, gateway.ErrDraining):
 		return gatewayDialDraining
+	case errors.Is(err, gateway.ErrUserGone):
+		return gatewayDialUserGone
 	case errors.Is(err, gateway.ErrOverloaded):
 		return gatewayDialOverloaded
 	case errors.As(err, &de):

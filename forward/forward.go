@@ -486,7 +486,10 @@ func (f *Forwarder) openClaims(c *Gateway) (*net.TCPConn, *Tunnel, context.Conte
 	if err := f.cfg.Registry.checkAdmit(claims.SandboxID, f.cfg.MaxTunnelsPerSandbox); err != nil {
 		return nil, nil, nil, none, err
 	}
-	up, err := f.dialTarget(claims)
+	if c.gone() {
+		return nil, nil, nil, none, &RefusalError{Reason: ReasonGatewayGone, Err: fmt.Errorf("sandbox %s: %w", claims.SandboxID, errGatewayGone)}
+	}
+	up, err := f.dialTarget(claims, c.gone)
 	if err != nil {
 		return nil, nil, nil, none, err
 	}
@@ -503,10 +506,24 @@ func (f *Forwarder) openClaims(c *Gateway) (*net.TCPConn, *Tunnel, context.Conte
 	return up, tun, ctx, claims, nil
 }
 
+// errGatewayGone is the cause of a ReasonGatewayGone refusal.
+var errGatewayGone = errors.New("the gateway left after its preamble (a reset, or an end without close_notify): nothing was dialed")
+
+// gone reports whether the gateway left with nothing sent past its
+// preamble still to carry (ktls.Conn.Gone).
+func (c *Gateway) gone() bool {
+	conn, buffered := c.Conn, []byte(nil)
+	if c.Unwrap != nil {
+		conn, buffered = c.Unwrap()
+	}
+	g, ok := conn.(interface{ Gone() bool })
+	return ok && len(buffered) == 0 && g.Gone()
+}
+
 // dialTarget connects to the claims' target, waking its sandbox when
-// Config.Wake asks, as one of the Registry's dials in progress
-// (Config.MaxDials).
-func (f *Forwarder) dialTarget(claims preamble.Claims) (*net.TCPConn, error) {
+// Config.Wake asks unless the gateway is gone by then, as one of the
+// Registry's dials in progress (Config.MaxDials).
+func (f *Forwarder) dialTarget(claims preamble.Claims, gone func() bool) (*net.TCPConn, error) {
 	done, err := f.cfg.Registry.startDial(f.cfg.MaxDials)
 	if err != nil {
 		return nil, err
@@ -516,6 +533,9 @@ func (f *Forwarder) dialTarget(claims preamble.Claims) (*net.TCPConn, error) {
 	up, err := f.sock.dial(context.Background(), claims.Target.String(), f.cfg.DialTimeout)
 	f.step(StepDial, dialStart)
 	if err != nil && f.cfg.Wake != nil {
+		if gone() {
+			return nil, &RefusalError{Reason: ReasonGatewayGone, Err: fmt.Errorf("sandbox %s: target %s: %v; not woken: %w", claims.SandboxID, claims.Target, err, errGatewayGone)}
+		}
 		return f.wakeAndDial(claims.SandboxID, claims.Target, err)
 	}
 	if err != nil {

@@ -37,10 +37,15 @@ const (
 	// (or waking them) already. Refused before the dial; the gateway may try
 	// again at once.
 	ReasonOverloaded Reason = "overloaded"
+	// ReasonGatewayGone: the gateway left (its connection reset, or ended
+	// without close_notify, with nothing past the preamble) after the
+	// preamble verified, before the target was dialed or its sandbox
+	// woken: nothing was dialed or woken, for nobody waits.
+	ReasonGatewayGone Reason = "gateway-gone"
 )
 
 // The forwarder's own reasons, in the order Reasons returns them.
-var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonWakeFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate, ReasonSandboxClosed, ReasonOverloaded}
+var allReasons = []Reason{ReasonTargetDenied, ReasonDialFailed, ReasonWakeFailed, ReasonDraining, ReasonTunnelLimit, ReasonKeyNotForClient, ReasonNoClientCertificate, ReasonSandboxClosed, ReasonOverloaded, ReasonGatewayGone}
 
 // Reasons returns every rejection reason this package raises itself (a
 // refused preamble's reasons are preamble.Reasons), so that metrics can

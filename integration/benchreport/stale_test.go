@@ -64,9 +64,8 @@ var benchReports = []struct {
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
 	"load-gateway.md":        "measured 2026-12-05 on ba3555f, a branch beside the ktls handler's max_scheduling_delay (off by default: one more comparison per connection) and the bench's -max-scheduling-delay flag, merged together; the 2-core host was shared with other VMs during the run, so a rerun on a quiet host is worth more than one for this change; since: the gateway's Carry runs a relay registered for moves (a map insert and delete per tunnel)",
-	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03, the bulk shapes were not rerun",
+	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun",
 	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since",
-	"small-calls.md":         "measured 2026-12-03 08:32 (inferred: 81c077a); the relay's end handling and sandbox-ID checks changed since",
 	"small-mtls.md":          "measured 2026-12-02 (inferred: 8824782); the forwarder changed since, as for results.md",
 	"gateway.md":             "measured 2026-12-03 21:32 on b5f2df8 (inferred; expect_no_pad), then the gateway's refusal classification and sandbox-ID checks changed (2026-12-04): a per-dial check, not measured again; since: the gateway's Carry runs a relay registered for moves (a map insert and delete per tunnel)",
 	"gateway-resumption.md":  "measured 2026-12-03 07:02 (inferred: fb1513f); expect_no_pad and the gateway changes since were not measured with resumption alone (gateway.md's run resumes too); since: the gateway's Carry runs a relay registered for moves (a map insert and delete per tunnel)",

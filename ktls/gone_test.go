@@ -81,6 +81,67 @@ func testGone(t *testing.T, opts Options, kernel bool) {
 	}
 }
 
+// TestKernelPeekThenSplice: where Gone peeks at a kTLS socket, the kernel
+// decrypts the record it peeks at and keeps it for the next read; splice
+// (the relay's read) must then return that record's bytes first, in order,
+// not the records behind it.
+func TestKernelPeekThenSplice(t *testing.T) {
+	kerneltest.Require(t)
+	server, client, _, _ := gonePair(t, Options{RequireOffload: true})
+	for _, r := range []string{"first record", "second record"} {
+		_, err := client.Write([]byte(r))
+		must(t, err)
+	}
+	rc, ok := server.SpliceSource()
+	if !ok {
+		t.Fatal("RX is not in the kernel")
+	}
+	var peeked [4]byte
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		var n int
+		controlFD(rc, func(fd int) error {
+			n, _, _, _, _ = unix.Recvmsg(fd, peeked[:], make([]byte, unix.CmsgSpace(1)), unix.MSG_PEEK|unix.MSG_DONTWAIT)
+			return nil
+		})
+		if n == len(peeked) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("nothing to peek at")
+		}
+	}
+	if string(peeked[:]) != "firs" {
+		t.Fatalf("peeked %q, want the first record's start", peeked[:])
+	}
+	var p [2]int
+	must(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	defer unix.Close(p[0])
+	defer unix.Close(p[1])
+	var got []byte
+	for len(got) < len("first recordsecond record") {
+		var n int64
+		var serr error
+		err := rc.Read(func(fd uintptr) bool {
+			n, serr = unix.Splice(int(fd), nil, p[1], nil, 1<<16, unix.SPLICE_F_NONBLOCK)
+			return serr != unix.EAGAIN
+		})
+		if err == nil {
+			err = serr
+		}
+		if err != nil || n == 0 {
+			t.Fatalf("splice after %q: %d, %v", got, n, err)
+		}
+		buf := make([]byte, n)
+		if _, err := unix.Read(p[0], buf); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, buf...)
+	}
+	if string(got) != "first recordsecond record" {
+		t.Errorf("spliced %q after the peek, want the records in order", got)
+	}
+}
+
 // gonePair is a server Conn (opts) and a crypto/tls client, both
 // handshakes done and nothing read or written since.
 func gonePair(t *testing.T, opts Options) (server *Conn, client *tls.Conn, raw, srvRaw *net.TCPConn) {

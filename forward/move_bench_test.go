@@ -12,11 +12,13 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/cputest"
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 )
 
 var (
 	moveTunnels = flag.Int("move-tunnels", 1000, "BenchmarkMoveIdleTunnels: the idle tunnels moved in each iteration")
 	moveWindow  = flag.Int("move-window", 0, "the handoff sessions' window (handoff.Config.Window; 0: its default)")
+	moveCollect = flag.Bool("move-collect", false, "let the Go collector run during the move (the sandbox_handoff app holds it off: handoff.HoldCollection)")
 )
 
 // BenchmarkMoveIdleTunnels moves -move-tunnels idle tunnels as an upgrade
@@ -34,6 +36,8 @@ var (
 // Each tunnel holds four descriptors in this process (both ends of both
 // connections): the benchmark fails at once when the limit is below that
 // and a margin. -move-window sets the session's window (Config.Window).
+// The collector is held off during the move, as the sandbox_handoff app
+// holds it (handoff.HoldCollection), unless -move-collect.
 func BenchmarkMoveIdleTunnels(b *testing.B) {
 	n := *moveTunnels
 	var lim syscall.Rlimit
@@ -91,7 +95,12 @@ func moveIdle(b *testing.B, n int) (took, cpu time.Duration, pauses []time.Durat
 	results := make(chan Result, n)
 	var runs sync.WaitGroup
 	cpu0 := cputest.Used(b)
+	release := func() {}
+	if !*moveCollect {
+		release = handoff.HoldCollection(handoff.CollectionHeadroom)
+	}
 	res, took := upgrade(b, old.reg, nu, nuReg, results, &runs)
+	release()
 	cpu = cputest.Used(b) - cpu0
 	if res.Moved != n || len(res.Stayed) != 0 {
 		b.Fatalf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)

@@ -420,6 +420,9 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 		s.logger.Warn("connections accepted before this process stopped accepting are still in their handshake or preamble; they stay here",
 			zap.Duration("waited", settleFor), zap.Int64("handshakes", offload.HandshakesInProgress.Load()), zap.Int64("opening", tunnels.Opening()))
 	}
+	// No collection while the state and the tunnels move (a collection
+	// stops every relay behind it), up to a memory limit.
+	defer handoff.HoldCollection(handoff.CollectionHeadroom)()
 	result := "failed"
 	giveUp := func(msg string, err error) UpgradeResponse {
 		listensock.ResumeAccepting()
@@ -749,6 +752,9 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 	defer tunnels.ResumeReports()
 	handoffs.WithLabelValues("new", "done").Inc()
 	listensock.ResumeAccepting()
+	// As in the running process (sendTunnels), no collection while the
+	// tunnels arrive.
+	defer handoff.HoldCollection(handoff.CollectionHeadroom)()
 	moved, refused, standbys := 0, 0, 0
 	others := map[string]int{}
 	for _, p := range upgrade.Participants() {

@@ -156,23 +156,10 @@ func (fx *userGoneFixture) carry(user *ktls.Conn) relayResult {
 // TCP sockets of the user and of the gateway.
 func userSession(t *testing.T, p pki) (user *ktls.Conn, client *tls.Conn, raw, srvRaw *net.TCPConn) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, srvRaw = c.(*net.TCPConn), s.(*net.TCPConn)
+	raw, srvRaw = forwardtest.TCPPair(t)
 	user = ktls.Server(srvRaw, &tls.Config{Certificates: p.server.Certificates}, ktls.Options{Disable: true})
 	client = tls.Client(raw, &tls.Config{RootCAs: p.client.RootCAs, ServerName: "localhost"})
-	t.Cleanup(func() { raw.Close(); user.Close() })
+	t.Cleanup(func() { user.Close() })
 	errc := make(chan error, 1)
 	go func() { errc <- user.Handshake() }()
 	if err := client.Handshake(); err != nil {

@@ -16,8 +16,6 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -311,9 +309,9 @@ func TestSandboxProxyForwarderDown(t *testing.T) {
 // none and dials no target, and it counts and logs the dial as user-gone,
 // not as a failure.
 func TestSandboxProxyUserGone(t *testing.T) {
-	hold := newHeldRelay(t)
-	e := newGatewayEnv(t, map[string]any{"forwarder": hold.addr(), "target": "127.0.0.1:9"})
-	hold.target = e.addr
+	hold := forwardtest.NewHeldRelay(t)
+	e := newGatewayEnv(t, map[string]any{"forwarder": hold.Addr(), "target": "127.0.0.1:9"})
+	hold.Target = e.addr
 	m0 := e.metrics(t)
 	raw, err := net.Dial("tcp", e.gwAddr)
 	if err != nil {
@@ -323,7 +321,7 @@ func TestSandboxProxyUserGone(t *testing.T) {
 	if err := c.Handshake(); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, 10*time.Second, func() bool { return hold.accepted.Load() == 1 }, "the gateway's dial, held")
+	waitUntil(t, 10*time.Second, func() bool { return hold.Accepted.Load() == 1 }, "the gateway's dial, held")
 	raw.(*net.TCPConn).SetLinger(0)
 	raw.Close()
 	// The gateway's socket of the user's connection leaves ESTABLISHED.
@@ -340,7 +338,7 @@ func TestSandboxProxyUserGone(t *testing.T) {
 		}
 		return true
 	}, "the user's reset at the gateway's socket")
-	close(hold.release)
+	close(hold.Release)
 	line := e.waitLogLine(t, "sandbox_proxy: the user left before the tunnel opened; no preamble was sent, nothing reached the sandbox", 0)
 	if line["sandbox"] != "sbx-gone" {
 		t.Errorf("the log line names sandbox %v, want sbx-gone", line["sandbox"])
@@ -358,54 +356,6 @@ func TestSandboxProxyUserGone(t *testing.T) {
 		t.Errorf("the forwarder opened %d tunnels", got)
 	}
 }
-
-// heldRelay accepts connections and relays each to target once release
-// is closed.
-type heldRelay struct {
-	ln       net.Listener
-	target   string // set before the first connection
-	release  chan struct{}
-	accepted atomic.Int32
-}
-
-func newHeldRelay(t *testing.T) *heldRelay {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := &heldRelay{ln: ln, release: make(chan struct{})}
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			h.accepted.Add(1)
-			wg.Go(func() {
-				defer c.Close()
-				select {
-				case <-h.release:
-				case <-stop:
-					return
-				}
-				up, err := net.Dial("tcp", h.target)
-				if err != nil {
-					return
-				}
-				defer up.Close()
-				go func() { io.Copy(up, c); up.(*net.TCPConn).CloseWrite() }()
-				io.Copy(c, up)
-			})
-		}
-	})
-	t.Cleanup(func() { ln.Close(); close(stop); wg.Wait() })
-	return h
-}
-
-func (h *heldRelay) addr() string { return h.ln.Addr().String() }
 
 // userEnded sends send bytes on c (a write may fail: the gateway may
 // have ended c already), then reads until c ends, within 10 s, and checks

@@ -50,7 +50,7 @@ func TestCarryUserGone(t *testing.T) {
 			if !errors.Is(r.err, ErrUserGone) || r.end != "" || len(r.dials) != 1 || !errors.Is(r.dials[0], ErrUserGone) {
 				t.Errorf("Carry: end %q, %v, dials %v; want ErrUserGone, no end, onDial told so once", r.end, r.err, r.dials)
 			}
-			if n := fx.gate.accepted.Load(); n != 0 {
+			if n := fx.gate.Accepted.Load(); n != 0 {
 				t.Errorf("the forwarder's address got %d connections, want none", n)
 			}
 			if n := fx.up.Accepted(); n != 0 {
@@ -64,10 +64,10 @@ func TestCarryUserGone(t *testing.T) {
 				user, _, raw, srvRaw := userSession(t, fx.p)
 				done := make(chan relayResult, 1)
 				go func() { done <- fx.carry(user) }()
-				waitUntil(t, "the dial at the forwarder's address", func() bool { return fx.gate.accepted.Load() == 1 })
+				waitUntil(t, "the dial at the forwarder's address", func() bool { return fx.gate.Accepted.Load() == 1 })
 				leave(t, raw)
 				waitLeft(t, srvRaw)
-				close(fx.gate.release)
+				close(fx.gate.Release)
 				r := <-done
 				if !errors.Is(r.err, ErrUserGone) || r.end != "" || len(r.dials) != 1 || !errors.Is(r.dials[0], ErrUserGone) {
 					t.Errorf("Carry: end %q, %v, dials %v; want ErrUserGone, no end, onDial told so once", r.end, r.err, r.dials)
@@ -104,12 +104,12 @@ func TestCarryUserGone(t *testing.T) {
 }
 
 // userGoneFixture is a Dialer (userspace TLS) to a forwarder behind a
-// gate, which holds each connection until release is closed.
+// relay that holds each connection until its Release is closed.
 type userGoneFixture struct {
 	p     pki
 	d     *Dialer
 	f     *forwarder
-	gate  *gate
+	gate  *forwardtest.HeldRelay
 	up    *forwardtest.Upstream
 	route Route
 	// standbyUsed counts the standby connections Carry took.
@@ -121,7 +121,8 @@ func newUserGoneFixture(t *testing.T, standby int) *userGoneFixture {
 	fx := &userGoneFixture{p: newPKI(t), up: forwardtest.NewUpstream(t, 4<<10)}
 	gw := forwardtest.NewGateway(t, "gw-1")
 	fx.f = startForwarder(t, fx.p, gw, "127.0.0.0/8")
-	fx.gate = startGate(t, fx.f.addr())
+	fx.gate = forwardtest.NewHeldRelay(t)
+	fx.gate.Target = fx.f.addr()
 	var err error
 	fx.d, err = New(Config{TLS: fx.p.client, Signer: gw.Signer, KTLS: ktls.Options{Disable: true}, Standby: standby,
 		OnStandby: func(o string) {
@@ -133,7 +134,7 @@ func newUserGoneFixture(t *testing.T, standby int) *userGoneFixture {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { fx.d.Close() })
-	fx.route = Route{Forwarder: fx.gate.ln.Addr().String(), Sandbox: "sbx-gone", Target: fx.up.Addr()}
+	fx.route = Route{Forwarder: fx.gate.Addr(), Sandbox: "sbx-gone", Target: fx.up.Addr()}
 	return fx
 }
 
@@ -184,53 +185,6 @@ func transfer(c *tls.Conn) (int64, [32]byte, error) {
 	h := sha256.New()
 	n, err := io.Copy(h, c)
 	return n, [32]byte(h.Sum(nil)), err
-}
-
-// gate accepts connections and relays each to its target once release is
-// closed.
-type gate struct {
-	ln       net.Listener
-	release  chan struct{}
-	accepted atomic.Int32
-}
-
-func startGate(t *testing.T, target string) *gate {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := &gate{ln: ln, release: make(chan struct{})}
-	var wg sync.WaitGroup
-	stop := make(chan struct{})
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			g.accepted.Add(1)
-			wg.Go(func() {
-				defer c.Close()
-				select {
-				case <-g.release:
-				case <-stop:
-					return
-				}
-				up, err := net.Dial("tcp", target)
-				if err != nil {
-					return
-				}
-				defer up.Close()
-				// Copied through userspace: Go's splice would keep pipes
-				// in its pool past the test's leak check.
-				go func() { io.Copy(struct{ io.Writer }{up}, struct{ io.Reader }{c}); up.(*net.TCPConn).CloseWrite() }()
-				io.Copy(struct{ io.Writer }{c}, struct{ io.Reader }{up})
-			})
-		}
-	})
-	t.Cleanup(func() { ln.Close(); close(stop); wg.Wait() })
-	return g
 }
 
 // waitLeft waits until the gateway's socket of a user session saw the

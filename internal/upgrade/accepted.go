@@ -26,8 +26,13 @@ var handedOver atomic.Bool
 // app calls it once the new process took over).
 func HandedOver() { handedOver.Store(true) }
 
-// acceptedPoll is how often ServeAccepted counts the connections held.
-const acceptedPoll = 50 * time.Millisecond
+// ServeAccepted first counts the connections held after acceptedPoll,
+// then waits twice as long between counts up to acceptedPollMax: a count
+// reads every descriptor of the process, thousands where tunnels stayed.
+const (
+	acceptedPoll    = 50 * time.Millisecond
+	acceptedPollMax = time.Second
+)
 
 // ServeAccepted, in a process that handed over, waits until it holds no
 // connection accepted from the handed-over listeners (listensock.Held),
@@ -50,7 +55,8 @@ func ServeAccepted(ctx context.Context, logger *zap.Logger) (left int) {
 	start := time.Now()
 	logger.Info("serving the connections accepted before the handoff to their end: their tunnels open here; this process exits once it holds none, or when the grace period ends",
 		zap.Int("connections", n))
-	t := time.NewTicker(acceptedPoll)
+	wait := acceptedPoll
+	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
 		select {
@@ -67,5 +73,7 @@ func ServeAccepted(ctx context.Context, logger *zap.Logger) (left int) {
 			logger.Info("served every connection accepted before the handoff", zap.Duration("waited", time.Since(start)))
 			return 0
 		}
+		wait = min(2*wait, acceptedPollMax)
+		t.Reset(wait)
 	}
 }

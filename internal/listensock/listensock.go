@@ -508,10 +508,7 @@ func checkListening(f *os.File, addr string) error {
 		return fmt.Errorf("%s: %w", f.Name(), serr)
 	case domain != unix.AF_INET && domain != unix.AF_INET6:
 		return fmt.Errorf("%s is not an IP socket (address family %d)", f.Name(), domain)
-	// Go listens with MPTCP where the kernel has it (net.ListenConfig's
-	// default since Go 1.24), and SO_PROTOCOL then says IPPROTO_MPTCP: a
-	// TCP listener all the same, whose clients may speak plain TCP.
-	case typ != unix.SOCK_STREAM || proto != unix.IPPROTO_TCP && proto != unix.IPPROTO_MPTCP:
+	case typ != unix.SOCK_STREAM || !tcpProtocol(proto):
 		what := fmt.Sprintf("socket type %d, protocol %d", typ, proto)
 		if typ == unix.SOCK_DGRAM {
 			what = "a UDP socket"
@@ -520,10 +517,31 @@ func checkListening(f *os.File, addr string) error {
 	case listening == 0:
 		return fmt.Errorf("%s is a TCP socket that does not listen (a connection, or never passed to listen(2))", f.Name())
 	}
-	var got netip.AddrPort
-	switch sa := local.(type) {
+	got, ok := sockaddrAddrPort(local)
+	if !ok {
+		return fmt.Errorf("%s has local address %T, not an IP one", f.Name(), local)
+	}
+	key, _, _ := canonical(got.String())
+	if key != addr {
+		return fmt.Errorf("%s is bound to %s, not to %s: pass each socket under the address Export gave it", f.Name(), key, addr)
+	}
+	return nil
+}
+
+// tcpProtocol reports whether proto, a socket's SO_PROTOCOL, is TCP's. Go
+// listens with MPTCP where the kernel has it (net.ListenConfig's default
+// since Go 1.24): SO_PROTOCOL then says IPPROTO_MPTCP, of the listener and
+// of a connection whose client spoke MPTCP. A TCP socket all the same.
+func tcpProtocol(proto int) bool {
+	return proto == unix.IPPROTO_TCP || proto == unix.IPPROTO_MPTCP
+}
+
+// sockaddrAddrPort returns an IP socket address as a netip.AddrPort, an
+// IPv6 one with its zone; false for another family.
+func sockaddrAddrPort(sa unix.Sockaddr) (netip.AddrPort, bool) {
+	switch sa := sa.(type) {
 	case *unix.SockaddrInet4:
-		got = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port)), true
 	case *unix.SockaddrInet6:
 		ip := netip.AddrFrom16(sa.Addr)
 		if sa.ZoneId != 0 {
@@ -533,15 +551,9 @@ func checkListening(f *os.File, addr string) error {
 				ip = ip.WithZone(strconv.Itoa(int(sa.ZoneId)))
 			}
 		}
-		got = netip.AddrPortFrom(ip, uint16(sa.Port))
-	default:
-		return fmt.Errorf("%s has local address %T, not an IP one", f.Name(), local)
+		return netip.AddrPortFrom(ip, uint16(sa.Port)), true
 	}
-	key, _, _ := canonical(got.String())
-	if key != addr {
-		return fmt.Errorf("%s is bound to %s, not to %s: pass each socket under the address Export gave it", f.Name(), key, addr)
-	}
-	return nil
+	return netip.AddrPort{}, false
 }
 
 // A process that takes over from a running one (an upgrade) adopts its
@@ -587,10 +599,10 @@ func StopAccepting() {
 	mu.Lock()
 	defer mu.Unlock()
 	stopped = true
-	if handedOver == nil {
+	if stoppedAddrs == nil {
 		for _, s := range sockets {
 			a := s.ln.Addr().(*net.TCPAddr).AddrPort()
-			handedOver = append(handedOver, netip.AddrPortFrom(a.Addr().Unmap(), a.Port()))
+			stoppedAddrs = append(stoppedAddrs, netip.AddrPortFrom(a.Addr().Unmap(), a.Port()))
 		}
 	}
 	pause()
@@ -634,15 +646,15 @@ func ResumeAccepting() {
 	mu.Lock()
 	defer mu.Unlock()
 	stopped, paused = false, false
-	handedOver = nil
+	stoppedAddrs = nil
 	for _, s := range sockets {
 		s.wake.Broadcast()
 	}
 }
 
-// handedOver are the local addresses of the sockets StopAccepting stopped,
+// stoppedAddrs are the local addresses of the sockets StopAccepting stopped,
 // until ResumeAccepting: Held counts the connections accepted from them.
-var handedOver []netip.AddrPort
+var stoppedAddrs []netip.AddrPort
 
 // Held returns how many connections this process holds that it accepted
 // from the sockets StopAccepting stopped: in caddy-l4's matching, in a
@@ -653,7 +665,7 @@ var handedOver []netip.AddrPort
 // handler holds it. It returns 0 when no socket was stopped.
 func Held() (int, error) {
 	mu.Lock()
-	addrs := slices.Clone(handedOver)
+	addrs := slices.Clone(stoppedAddrs)
 	mu.Unlock()
 	if len(addrs) == 0 {
 		return 0, nil
@@ -675,7 +687,7 @@ func Held() (int, error) {
 		if err != nil || !slices.ContainsFunc(addrs, func(a netip.AddrPort) bool { return bound(a, sa) }) {
 			continue
 		}
-		if p, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil || p != unix.IPPROTO_TCP {
+		if p, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil || !tcpProtocol(p) {
 			continue
 		}
 		if l, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || l != 0 {
@@ -689,14 +701,6 @@ func Held() (int, error) {
 // bound reports whether a socket with local address sa was accepted from
 // a listening socket bound to ln (a wildcard host takes every address).
 func bound(ln netip.AddrPort, sa unix.Sockaddr) bool {
-	var local netip.AddrPort
-	switch a := sa.(type) {
-	case *unix.SockaddrInet4:
-		local = netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
-	case *unix.SockaddrInet6:
-		local = netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
-	default:
-		return false
-	}
-	return local.Port() == ln.Port() && (ln.Addr().IsUnspecified() || local.Addr() == ln.Addr())
+	local, ok := sockaddrAddrPort(sa)
+	return ok && local.Port() == ln.Port() && (ln.Addr().IsUnspecified() || local.Addr().Unmap() == ln.Addr())
 }

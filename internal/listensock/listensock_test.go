@@ -31,7 +31,7 @@ func checkLeaks(t *testing.T) {
 	t.Cleanup(func() {
 		mu.Lock()
 		left := len(sockets)
-		stopped, paused, handedOver = false, false, nil
+		stopped, paused, stoppedAddrs = false, false, nil
 		mu.Unlock()
 		if left > 0 {
 			t.Errorf("%d sockets left registered", left)
@@ -551,7 +551,7 @@ func TestStopAccepting(t *testing.T) {
 // the listening socket or a duplicate of it, the client's end dialed from
 // this process, a connection accepted by another listener, or a UDP socket
 // on the same port. A wildcard socket's connections count whatever
-// address they came to.
+// address they came to, and an MPTCP connection counts as a TCP one.
 func TestHeld(t *testing.T) {
 	checkLeaks(t)
 	ln := listenT(t, "127.0.0.1:0")
@@ -593,13 +593,28 @@ func TestHeld(t *testing.T) {
 	c3, s3 := accept(other, other.Addr().String())
 	defer c3.Close()
 	defer s3.Close()
+	// A client that speaks MPTCP: where the kernel has it, the socket
+	// accepted from Go's listener (MPTCP by default) is an MPTCP one.
+	var d net.Dialer
+	d.SetMultipathTCP(true)
+	c5, err := d.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c5.Close()
+	s5, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
 	dup := fileOf(t, ln.s.ln)
 	defer dup.Close()
 	StopAccepting()
-	held(2)
+	held(3)
 	s1.Close()
-	held(1)
+	held(2)
 	s2.Close()
+	held(1)
+	s5.Close()
 	held(0)
 	ResumeAccepting()
 	c4, s4 := accept(ln, ln.Addr().String())

@@ -247,8 +247,13 @@ func (d *Dialer) Dial(ctx context.Context, r Route) (*ktls.Conn, error) {
 
 // dial is Dial; connected is called, after the preamble was written or
 // failed, when the forwarder answered the connection (mutual TLS done, or
-// a standby connection taken).
+// a standby connection taken). userGone, where set, is asked before
+// anything is dialed and again before the preamble: ErrUserGone then, the
+// forwarder's connection kept as a standby one (standbys.keep).
 func (d *Dialer) dial(ctx context.Context, r Route, userGone func() bool, connected func()) (*ktls.Conn, error) {
+	if userGone != nil && userGone() {
+		return nil, ErrUserGone
+	}
 	// Checked before anything is dialed, as the client below: a preamble
 	// that cannot be signed costs the forwarder nothing.
 	if err := preamble.CheckSandboxID(r.Sandbox); err != nil {

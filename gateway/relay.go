@@ -137,14 +137,8 @@ func (d *Dialer) Carry(dialCtx context.Context, r Route, user net.Conn, buffered
 	// never compete with this tunnel's opening for the CPU.
 	refill := sync.OnceFunc(func() { d.standby.refill(r.Forwarder) })
 	var refillTimer *time.Timer
-	gone := userGone(user, buffered)
-	if gone() {
-		user.Close()
-		onDial(nil, ErrUserGone)
-		return splice.Stats{}, "", ErrUserGone
-	}
 	dialCtx, stop := withForce(dialCtx, force)
-	tunnel, err := d.dial(dialCtx, r, gone, func() { refillTimer = time.AfterFunc(standbyRefillWait, refill) })
+	tunnel, err := d.dial(dialCtx, r, userGone(user, buffered), func() { refillTimer = time.AfterFunc(standbyRefillWait, refill) })
 	stop()
 	if refillTimer != nil {
 		defer func() { refillTimer.Stop(); refill() }()

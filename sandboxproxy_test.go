@@ -326,18 +326,7 @@ func TestSandboxProxyUserGone(t *testing.T) {
 	raw.Close()
 	// The gateway's socket of the user's connection leaves ESTABLISHED.
 	local, remote := e.gwAddr, raw.LocalAddr().String()
-	waitUntil(t, 10*time.Second, func() bool {
-		data, err := os.ReadFile("/proc/net/tcp")
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, f := range procNetTCPLines(data) {
-			if procNetAddr(t, f[1]) == local && procNetAddr(t, f[2]) == remote && f[3] == "01" {
-				return false
-			}
-		}
-		return true
-	}, "the user's reset at the gateway's socket")
+	waitUntil(t, 10*time.Second, func() bool { return !forwardtest.Established(t, local, remote) }, "the user's reset at the gateway's socket")
 	close(hold.Release)
 	line := e.waitLogLine(t, "sandbox_proxy: the user left before the tunnel opened; no preamble was sent, nothing reached the sandbox", 0)
 	if line["sandbox"] != "sbx-gone" {

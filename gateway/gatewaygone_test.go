@@ -2,13 +2,9 @@ package gateway
 
 import (
 	"crypto/tls"
-	"fmt"
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"strconv"
-	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -75,7 +71,7 @@ func TestForwarderRefusesGoneGateway(t *testing.T) {
 			local := raw.LocalAddr().String()
 			raw.SetLinger(0)
 			raw.Close()
-			waitUntil(t, "the gateway's reset at the forwarder's socket", func() bool { return !establishedSocket(t, f.addr(), local) })
+			waitUntil(t, "the gateway's reset at the forwarder's socket", func() bool { return !forwardtest.Established(t, f.addr(), local) })
 			close(hold)
 			_, errs := f.served(t, 1)
 			if got := forward.ReasonOf(errs[0]); got != string(forward.ReasonGatewayGone) {
@@ -92,26 +88,4 @@ func TestForwarderRefusesGoneGateway(t *testing.T) {
 			}
 		})
 	}
-}
-
-// establishedSocket reports whether /proc/net/tcp holds an ESTABLISHED IPv4
-// socket from local to remote (both 127.0.0.1:port).
-func establishedSocket(t *testing.T, local, remote string) bool {
-	t.Helper()
-	data, err := os.ReadFile("/proc/net/tcp")
-	if err != nil {
-		t.Fatal(err)
-	}
-	hexAddr := func(hostport string) string {
-		_, port, _ := net.SplitHostPort(hostport)
-		n, _ := strconv.Atoi(port)
-		return fmt.Sprintf("0100007F:%04X", n)
-	}
-	l, r := hexAddr(local), hexAddr(remote)
-	for _, line := range strings.Split(string(data), "\n")[1:] {
-		if f := strings.Fields(line); len(f) > 3 && f[1] == l && f[2] == r && f[3] == "01" {
-			return true
-		}
-	}
-	return false
 }

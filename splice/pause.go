@@ -23,7 +23,10 @@ package splice
 // leaves corrupt for good. A spliced direction holding bytes in this
 // process's memory (a control record's data, between its Read and the
 // sink's Write) reports them and the Pause is refused: it clears the deadlines and the
-// direction goes on where it was. A refusal leaves the relay as it was;
+// direction goes on where it was. So does a direction whose source ended
+// while the deadline refused its sink's half-close (a kTLS sink's
+// close_notify is a record write): it finishes the half-close after the
+// refusal. A refusal leaves the relay as it was;
 // only Throttled counts the time the wait was cut short.
 //
 // After a committed Pause the directions return ErrPaused without another
@@ -56,8 +59,8 @@ const (
 	// (the copy path between its Read and its Write): they exist nowhere
 	// a new owner could take them from.
 	PauseBuffered PauseReason = "buffered"
-	// The relay is ending: a direction failed or was aborted, or both
-	// directions have ended.
+	// The relay is ending: a direction failed or was aborted, is
+	// half-closing its sink, or both directions have ended.
 	PauseEnded PauseReason = "ended"
 	// A running direction is on the copy path: its source or its sink is
 	// in userspace (a crypto/tls session, say), whose Write a deadline
@@ -184,10 +187,11 @@ type pauseRequest struct {
 
 // stopReport is a direction stopped at a safe point, or returned.
 type stopReport struct {
-	d      Direction
-	exited bool  // the direction had returned (finish recorded how)
-	held   int   // bytes it holds in this process: the Pause is refused
-	p      *pipe // its pipe, when it holds bytes
+	d       Direction
+	exited  bool  // the direction had returned (finish recorded how)
+	closing bool  // its source ended and its sink's half-close is not done: the Pause is refused
+	held    int   // bytes it holds in this process: the Pause is refused
+	p       *pipe // its pipe, when it holds bytes
 }
 
 // Pause stops both directions at a safe point and returns the stopped
@@ -318,6 +322,9 @@ func (t *Relay) pauseRefusal(reps [2]*stopReport) error {
 		if r := reps[d]; r != nil && r.held > 0 {
 			return &PauseError{Reason: PauseBuffered, Err: fmt.Errorf("%s holds %d bytes its sink has not taken", Direction(d), r.held)}
 		}
+		if r := reps[d]; r != nil && r.closing {
+			return &PauseError{Reason: PauseEnded, Err: fmt.Errorf("%s is half-closing its sink", Direction(d))}
+		}
 		if r := reps[d]; r == nil || r.exited {
 			ds := t.dirs[d].snapshot()
 			if ds.End != EndEOF {
@@ -382,6 +389,34 @@ func (t *Relay) stop(d Direction, pp **pipe, held int) bool {
 		*pp = nil
 	}
 	return true
+}
+
+// closeWrite half-closes direction d's sink, whose source ended. A
+// Pause's deadline refuses a kTLS sink's close_notify before the record
+// is written (CloseWrite can be tried again): the direction refuses that
+// Pause, since the half-close is this relay's to finish, and tries again
+// once the Pause has cleared the deadlines. A Pause that finds d here
+// counts on its report: d had not returned when it began.
+func (t *Relay) closeWrite(d Direction, cw closeWriter) error {
+	for {
+		err := cw.CloseWrite()
+		if !t.pausing(err) {
+			return err
+		}
+		t.pauseMu.Lock()
+		req := t.pauseReq
+		if req != nil {
+			req.reports <- stopReport{d: d, closing: true}
+		}
+		t.pauseMu.Unlock()
+		if req != nil {
+			// Refused: the deadlines are cleared before the verdict.
+			<-req.verdict
+		}
+		// With no Pause asking, the one whose deadline this was has
+		// cleared it (it ended when its context did), or a new one has
+		// yet to set its own.
+	}
 }
 
 // exit records that direction d returned, for a Pause that counts on it.

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -418,6 +419,91 @@ func TestPauseAfterHalfClose(t *testing.T) {
 	}
 	if res.AToB.Bytes != size || res.AToB.End != EndEOF || res.BToA.Bytes != size || res.BToA.End != EndEOF {
 		t.Errorf("result %+v, want %d bytes each way, both eof", res, int64(size))
+	}
+}
+
+// recordSink is a spliced sink whose half-close, like a kTLS sink's, first
+// writes a record through the socket's write wait (close_notify), which
+// a deadline in the past refuses before anything is written. Its first
+// CloseWrite waits until such a deadline comes.
+type recordSink struct {
+	*net.TCPConn
+	entered chan struct{} // closed when the first CloseWrite begins
+	calls   atomic.Int32
+}
+
+func (c *recordSink) SpliceSink() (syscall.RawConn, bool) {
+	rc, err := c.TCPConn.SyscallConn()
+	return rc, err == nil
+}
+
+// record is the close_notify's write wait, which writes nothing here.
+func (c *recordSink) record() error {
+	rc, err := c.TCPConn.SyscallConn()
+	if err != nil {
+		return err
+	}
+	return rc.Write(func(uintptr) bool { return true })
+}
+
+func (c *recordSink) CloseWrite() error {
+	if c.calls.Add(1) == 1 {
+		close(c.entered)
+		for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(time.Millisecond) {
+			if err := c.record(); err != nil {
+				return err
+			}
+		}
+		return errors.New("recordSink: no deadline came")
+	}
+	if err := c.record(); err != nil {
+		return err
+	}
+	return c.TCPConn.CloseWrite()
+}
+
+// TestPauseDuringHalfClose: a Pause whose deadline interrupts a
+// direction's half-close of its sink (a kTLS sink's close_notify refused
+// before it is written) is refused as the relay ending, and the direction
+// then half-closes the sink: the tunnel ends in order, every byte there.
+func TestPauseDuringHalfClose(t *testing.T) {
+	checkLeaks(t)
+	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
+	sink := &recordSink{TCPConn: tp.relayB, entered: make(chan struct{})}
+	tun := New(tp.relayA, sink, Options{Pipes: newTestPool(t, 2)})
+	wait := runStarted(t, tun)
+	// b->a ends first (through the copy path: the sink is no Source), so
+	// that a->b is the one running direction.
+	tp.upstream.CloseWrite()
+	if n, err := tp.client.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("client after the upstream's half-close: %d, %v; want EOF", n, err)
+	}
+	const size = 1 * MiB
+	sent := goSend(tp.client, size, 41)
+	got := readExact(t, tp.upstream, size)
+	if string(got) != string(sent(t)) {
+		t.Fatal("a->b corrupted")
+	}
+	tp.client.CloseWrite()
+	<-sink.entered
+	_, err := tun.Pause(t.Context())
+	var pe *PauseError
+	if !errors.As(err, &pe) || pe.Reason != PauseEnded || !strings.Contains(err.Error(), "half-closing") {
+		t.Fatalf("Pause during the half-close: %v; want refused (%s): half-closing", err, PauseEnded)
+	}
+	if n, err := tp.upstream.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("upstream after the client's half-close: %d, %v; want EOF", n, err)
+	}
+	res, err := wait()
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if res.AToB.Bytes != size || res.AToB.End != EndEOF || res.BToA.Bytes != 0 || res.BToA.End != EndEOF {
+		t.Errorf("result %+v, want %d bytes a->b and none b->a, both eof", res, int64(size))
+	}
+	if n := sink.calls.Load(); n != 2 {
+		t.Errorf("CloseWrite called %d times, want 2 (interrupted, then done)", n)
 	}
 }
 

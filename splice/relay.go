@@ -647,7 +647,7 @@ func (t *Relay) finish(d Direction, dst net.Conn, err error) {
 		cw, ok := dst.(closeWriter)
 		if ok && !t.opts.CloseOnEOF {
 			s.sinkClosing.Store(true)
-			err = cw.CloseWrite()
+			err = t.closeWrite(d, cw)
 			if err == nil {
 				s.end.Store(uint32(EndEOF))
 				return

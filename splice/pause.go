@@ -25,8 +25,8 @@ package splice
 // sink's Write) reports them and the Pause is refused: it clears the deadlines and the
 // direction goes on where it was. So does a direction whose source ended
 // while the deadline refused its sink's half-close (a kTLS sink's
-// close_notify is a record write): it finishes the half-close after the
-// refusal. A refusal leaves the relay as it was;
+// close_notify is a record write): it finishes the half-close, and Pause
+// tries again once it has (Pause). A refusal leaves the relay as it was;
 // only Throttled counts the time the wait was cut short.
 //
 // After a committed Pause the directions return ErrPaused without another
@@ -202,7 +202,38 @@ type stopReport struct {
 // been called, when a direction holds bytes in this process
 // (PauseBuffered), when the relay is ending (PauseEnded), when it is not
 // running (PauseNotRunning), or when ctx ends first (PauseCanceled).
+//
+// A direction whose source ended while its sink's half-close was under way
+// refuses one try: Pause waits for it to finish the half-close, up to
+// halfCloseWait, and tries again, which finds it ended in order.
 func (t *Relay) Pause(ctx context.Context) (*Paused, error) {
+	for {
+		closing := -1
+		p, err := t.pauseOnce(ctx, &closing)
+		if closing < 0 {
+			return p, err
+		}
+		wait := time.NewTimer(halfCloseWait)
+		select {
+		case <-t.exitedCh[closing]:
+			wait.Stop()
+		case <-wait.C:
+			return nil, err
+		case <-ctx.Done():
+			wait.Stop()
+			return nil, err
+		}
+	}
+}
+
+// halfCloseWait bounds Pause's wait for a direction to finish the
+// half-close of its sink: one record (close_notify) and a shutdown, which
+// wait only for a sink whose peer does not read. A variable for tests.
+var halfCloseWait = time.Second
+
+// pauseOnce is one try of Pause. When a direction's half-close refused
+// it, it sets *closing to that direction.
+func (t *Relay) pauseOnce(ctx context.Context, closing *int) (*Paused, error) {
 	refuse := func(reason PauseReason, format string, args ...any) (*Paused, error) {
 		return nil, &PauseError{Reason: reason, Err: fmt.Errorf(format, args...)}
 	}
@@ -266,6 +297,11 @@ func (t *Relay) Pause(ctx context.Context) (*Paused, error) {
 	}
 	if err == nil {
 		err = t.pauseRefusal(reps)
+		for d, r := range reps {
+			if err != nil && r != nil && r.closing {
+				*closing = d
+			}
+		}
 	}
 	// Decided under deadlineMu: an abort either came first (refused) or
 	// finds the relay paused and leaves the deadlines cleared.

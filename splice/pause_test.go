@@ -422,23 +422,31 @@ func TestPauseAfterHalfClose(t *testing.T) {
 	}
 }
 
-// recordSink is a spliced sink whose half-close, like a kTLS sink's, first
-// writes a record through the socket's write wait (close_notify), which
-// a deadline in the past refuses before anything is written. Its first
-// CloseWrite waits until such a deadline comes.
-type recordSink struct {
+// recordConn is a spliced connection whose half-close, like a kTLS
+// sink's, first writes a record through the socket's write wait
+// (close_notify), which a deadline in the past refuses before anything is
+// written. Its first CloseWrite waits until such a deadline comes; a later
+// one waits for hold, when set, to be closed.
+type recordConn struct {
 	*net.TCPConn
 	entered chan struct{} // closed when the first CloseWrite begins
+	hold    chan struct{}
 	calls   atomic.Int32
 }
 
-func (c *recordSink) SpliceSink() (syscall.RawConn, bool) {
+func newRecordConn(c *net.TCPConn) *recordConn {
+	return &recordConn{TCPConn: c, entered: make(chan struct{})}
+}
+
+func (c *recordConn) SpliceSink() (syscall.RawConn, bool) {
 	rc, err := c.TCPConn.SyscallConn()
 	return rc, err == nil
 }
 
+func (c *recordConn) SpliceSource() (syscall.RawConn, bool) { return c.SpliceSink() }
+
 // record is the close_notify's write wait, which writes nothing here.
-func (c *recordSink) record() error {
+func (c *recordConn) record() error {
 	rc, err := c.TCPConn.SyscallConn()
 	if err != nil {
 		return err
@@ -446,7 +454,7 @@ func (c *recordSink) record() error {
 	return rc.Write(func(uintptr) bool { return true })
 }
 
-func (c *recordSink) CloseWrite() error {
+func (c *recordConn) CloseWrite() error {
 	if c.calls.Add(1) == 1 {
 		close(c.entered)
 		for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(time.Millisecond) {
@@ -454,7 +462,10 @@ func (c *recordSink) CloseWrite() error {
 				return err
 			}
 		}
-		return errors.New("recordSink: no deadline came")
+		return errors.New("recordConn: no deadline came")
+	}
+	if c.hold != nil {
+		<-c.hold
 	}
 	if err := c.record(); err != nil {
 		return err
@@ -462,48 +473,105 @@ func (c *recordSink) CloseWrite() error {
 	return c.TCPConn.CloseWrite()
 }
 
-// TestPauseDuringHalfClose: a Pause whose deadline interrupts a
-// direction's half-close of its sink (a kTLS sink's close_notify refused
-// before it is written) is refused as the relay ending, and the direction
-// then half-closes the sink: the tunnel ends in order, every byte there.
-func TestPauseDuringHalfClose(t *testing.T) {
-	checkLeaks(t)
-	tp := newTopology(t)
-	bounded(t, tp.client, tp.upstream)
-	sink := &recordSink{TCPConn: tp.relayB, entered: make(chan struct{})}
-	tun := New(tp.relayA, sink, Options{Pipes: newTestPool(t, 2)})
+// halfClosing starts a relay between tp.relayA and tp.relayB as a
+// recordConn, moves size bytes a->b and half-closes the client, and
+// returns once a->b's CloseWrite waits for a Pause's deadline.
+func halfClosing(t *testing.T, tp topology, opts Options, size int64) (*Relay, *recordConn, func() (Stats, error)) {
+	sink := newRecordConn(tp.relayB)
+	tun := New(tp.relayA, sink, opts)
 	wait := runStarted(t, tun)
-	// b->a ends first (through the copy path: the sink is no Source), so
-	// that a->b is the one running direction.
-	tp.upstream.CloseWrite()
-	if n, err := tp.client.Read(make([]byte, 1)); n != 0 || err != io.EOF {
-		t.Fatalf("client after the upstream's half-close: %d, %v; want EOF", n, err)
-	}
-	const size = 1 * MiB
 	sent := goSend(tp.client, size, 41)
-	got := readExact(t, tp.upstream, size)
-	if string(got) != string(sent(t)) {
+	if got := readExact(t, tp.upstream, size); string(got) != string(sent(t)) {
 		t.Fatal("a->b corrupted")
 	}
 	tp.client.CloseWrite()
 	<-sink.entered
-	_, err := tun.Pause(t.Context())
-	var pe *PauseError
-	if !errors.As(err, &pe) || pe.Reason != PauseEnded || !strings.Contains(err.Error(), "half-closing") {
-		t.Fatalf("Pause during the half-close: %v; want refused (%s): half-closing", err, PauseEnded)
+	return tun, sink, wait
+}
+
+// TestPauseDuringHalfClose: a Pause whose deadline interrupts a
+// direction's half-close of its sink (a kTLS sink's close_notify refused
+// before it is written) lets the direction finish the half-close, then
+// pauses the relay with that direction ended in order; the resumed relay
+// carries the other direction to its end.
+func TestPauseDuringHalfClose(t *testing.T) {
+	checkLeaks(t)
+	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
+	opts := Options{Pipes: newTestPool(t, 2)}
+	const size = 1 * MiB
+	tun, sink, wait := halfClosing(t, tp, opts, size)
+	p, err := tun.Pause(t.Context())
+	if err != nil {
+		t.Fatalf("Pause during the half-close: %v", err)
+	}
+	defer p.Close()
+	if _, err := wait(); !errors.Is(err, ErrPaused) {
+		t.Fatalf("Run after Pause: %v, want ErrPaused", err)
+	}
+	if ab := p.State.Dirs[AToB]; ab.End != EndEOF || ab.Bytes != size {
+		t.Fatalf("a->b in the paused state %+v, want ended (eof) after %d bytes", ab, int64(size))
+	}
+	if ba := p.State.Dirs[BToA]; ba.End != EndRunning || ba.Bytes != 0 {
+		t.Fatalf("b->a in the paused state %+v, want running, nothing moved", ba)
 	}
 	if n, err := tp.upstream.Read(make([]byte, 1)); n != 0 || err != io.EOF {
 		t.Fatalf("upstream after the client's half-close: %d, %v; want EOF", n, err)
 	}
+	if n := sink.calls.Load(); n != 2 {
+		t.Errorf("CloseWrite called %d times, want 2 (interrupted, then done)", n)
+	}
+	next, err := Resume(tp.relayA, sink, p, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wait = runStarted(t, next)
+	sent := goSend(tp.upstream, size, 42)
+	if got := readExact(t, tp.client, size); string(got) != string(sent(t)) {
+		t.Fatal("b->a corrupted after the resume")
+	}
+	tp.upstream.CloseWrite()
+	res, err := wait()
+	if err != nil {
+		t.Fatalf("the resumed relay: %v", err)
+	}
+	if res.AToB.Bytes != size || res.AToB.End != EndEOF || res.BToA.Bytes != size || res.BToA.End != EndEOF {
+		t.Errorf("result %+v, want %d bytes each way, both eof", res, int64(size))
+	}
+	if n := sink.calls.Load(); n != 2 {
+		t.Errorf("CloseWrite called %d times in all, want 2", n)
+	}
+}
+
+// TestPauseRefusedByAStalledHalfClose: a half-close that the Pause
+// interrupted and that does not finish within halfCloseWait (its sink
+// does not take the record) refuses the Pause as the relay ending; the
+// relay goes on and ends in order once the half-close is done.
+func TestPauseRefusedByAStalledHalfClose(t *testing.T) {
+	checkLeaks(t)
+	defer func(w time.Duration) { halfCloseWait = w }(halfCloseWait)
+	halfCloseWait = 50 * time.Millisecond
+	tp := newTopology(t)
+	bounded(t, tp.client, tp.upstream)
+	const size = 64 << 10
+	tun, sink, wait := halfClosing(t, tp, Options{Pipes: newTestPool(t, 2)}, size)
+	sink.hold = make(chan struct{})
+	_, err := tun.Pause(t.Context())
+	var pe *PauseError
+	if !errors.As(err, &pe) || pe.Reason != PauseEnded || !strings.Contains(err.Error(), "half-closing") {
+		t.Fatalf("Pause during a stalled half-close: %v; want refused (%s): half-closing", err, PauseEnded)
+	}
+	close(sink.hold)
+	if n, err := tp.upstream.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("upstream after the client's half-close: %d, %v; want EOF", n, err)
+	}
+	tp.upstream.CloseWrite()
 	res, err := wait()
 	if err != nil {
 		t.Fatalf("Run: %v", err)
 	}
-	if res.AToB.Bytes != size || res.AToB.End != EndEOF || res.BToA.Bytes != 0 || res.BToA.End != EndEOF {
-		t.Errorf("result %+v, want %d bytes a->b and none b->a, both eof", res, int64(size))
-	}
-	if n := sink.calls.Load(); n != 2 {
-		t.Errorf("CloseWrite called %d times, want 2 (interrupted, then done)", n)
+	if res.AToB.Bytes != size || res.AToB.End != EndEOF || res.BToA.End != EndEOF {
+		t.Errorf("result %+v, want %d bytes a->b, both eof", res, int64(size))
 	}
 }
 

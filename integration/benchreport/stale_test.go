@@ -60,7 +60,7 @@ var benchReports = []struct {
 
 // The changes of 2026-12-05 that every report measured before them misses.
 const (
-	sinceGoneForwarder = "ktls.Conn.Gone and the forwarder's gateway-gone check before each target dial (one getsockopt(TCP_INFO) per tunnel), and, on no tunnel's path, an upgrade's old process serving the connections it accepted before the switch, a handoff's block of tunnel IDs and its holding the Go collector off while tunnels move"
+	sinceGoneForwarder = "ktls.Conn.Gone and the forwarder's gateway-gone check before each target dial (one getsockopt(TCP_INFO) per tunnel), and, on no tunnel's path, an upgrade's old process serving the connections it accepted before the switch, a handoff's block of tunnel IDs and its holding the Go collector off while tunnels move, and a Pause that lands on a half-close waiting for it (the half-close through one more call)"
 	sinceGoneGateway   = sinceGoneForwarder + ", and the gateway's user-gone checks (one getsockopt(TCP_INFO) before the dial and one before the preamble per tunnel)"
 )
 

@@ -2,8 +2,11 @@ package splice
 
 import (
 	"crypto/tls"
+	"errors"
 	"net"
+	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -129,5 +132,129 @@ func TestKernelPauseHandoff(t *testing.T) {
 				t.Errorf("TlsDecryptError moved by %d", delta["TlsDecryptError"])
 			}
 		})
+	}
+}
+
+// closeWaitingConn is a kTLS conn whose first CloseWrite waits until a
+// Pause's deadline is on the socket and then half-closes for real, so that
+// the kernel TX path's close_notify meets that deadline.
+type closeWaitingConn struct {
+	*ktls.Conn
+	entered  chan struct{}
+	firstErr error // the first, real CloseWrite's
+	calls    atomic.Int32
+}
+
+func (c *closeWaitingConn) CloseWrite() error {
+	if c.calls.Add(1) == 1 {
+		close(c.entered)
+		rc, ok := c.Conn.SpliceSink()
+		if !ok {
+			c.firstErr = errors.New("TX is not in the kernel")
+			return c.firstErr
+		}
+		for end := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			if rc.Write(func(uintptr) bool { return true }) != nil {
+				break
+			}
+			if time.Now().After(end) {
+				c.firstErr = errors.New("no deadline came")
+				return c.firstErr
+			}
+		}
+		c.firstErr = c.Conn.CloseWrite()
+		return c.firstErr
+	}
+	return c.Conn.CloseWrite()
+}
+
+// TestKernelPauseDuringHalfClose: the upstream ends its stream, and the
+// relay's half-close of the kTLS conn (its close_notify, through kernel TX)
+// meets a Pause's deadline. The close_notify is sent once, after the
+// refusal of that try; the Pause then commits with that direction ended,
+// the kTLS conn is handed off and adopted, and the resumed relay carries
+// the gateway's stream to its close_notify. Both streams arrive exact, the
+// gateway reads the upstream's end as a close_notify, and the kernel
+// decrypted every record.
+func TestKernelPauseDuringHalfClose(t *testing.T) {
+	kerneltest.Require(t)
+	ktls.Probe()
+	checkLeaks(t)
+	const size = 256 << 10
+	var res Stats
+	var err error
+	var conn *closeWaitingConn
+	delta := kerneltest.StatDelta(t, func() {
+		tp := newKTLSTopology(t, tls.VersionTLS13, ktls.Options{RequireOffload: true})
+		bounded(t, tp.gateway, tp.upstream)
+		conn = &closeWaitingConn{Conn: tp.server, entered: make(chan struct{})}
+		opts := Options{Pipes: newTestPool(t, 2)}
+		tun := New(conn, tp.relayB, opts)
+		wait := runStarted(t, tun)
+		sentBA := goSend(tp.upstream, size, 52)
+		type received struct {
+			n   int64
+			sum []byte
+		}
+		gotBA := make(chan received, 1)
+		go func() {
+			// crypto/tls ends a Read with io.EOF only at a close_notify.
+			n, sum, err := recvStream(tp.gateway)
+			if err != nil {
+				t.Errorf("gateway's read of the upstream's stream: %v, want its end as close_notify", err)
+			}
+			gotBA <- received{n, sum}
+		}()
+		sentAB := goSend(tp.gateway, size, 51)
+		if got := readExact(t, tp.upstream, size); string(got) != string(sentAB(t)) {
+			t.Fatal("gateway->upstream corrupted before the pause")
+		}
+		sentBA(t)
+		tp.upstream.CloseWrite()
+		<-conn.entered
+		p, perr := tun.Pause(t.Context())
+		if perr != nil {
+			t.Fatalf("Pause during the half-close: %v", perr)
+		}
+		defer p.Close()
+		if _, err := wait(); !errors.Is(err, ErrPaused) {
+			t.Fatalf("Run after Pause: %v, want ErrPaused", err)
+		}
+		if ba := p.State.Dirs[BToA]; ba.End != EndEOF || ba.Bytes != size {
+			t.Fatalf("upstream->gateway in the paused state %+v, want ended (eof) after %d bytes", ba, size)
+		}
+		a := handoffConn(t, tp.server)
+		next, rerr := Resume(a, tp.relayB, p, opts)
+		if rerr != nil {
+			t.Fatal(rerr)
+		}
+		wait = runStarted(t, next)
+		if got := <-gotBA; got.n != size || string(got.sum) != string(sentBA(t)) {
+			t.Fatalf("upstream->gateway: %d bytes arrived, not the %d sent", got.n, size)
+		}
+		more := goSend(tp.gateway, size, 53)
+		if got := readExact(t, tp.upstream, size); string(got) != string(more(t)) {
+			t.Fatal("gateway->upstream corrupted after the resume")
+		}
+		tp.gateway.CloseWrite()
+		res, err = wait()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !errors.Is(conn.firstErr, os.ErrDeadlineExceeded) {
+		t.Errorf("the first CloseWrite: %v, want the Pause's deadline", conn.firstErr)
+	}
+	if n := conn.calls.Load(); n != 2 {
+		t.Errorf("CloseWrite called %d times, want 2", n)
+	}
+	if res.AToB.Bytes != 2*size || res.AToB.End != EndEOF || res.BToA.Bytes != size || res.BToA.End != EndEOF {
+		t.Errorf("result %+v, want %d bytes gateway->upstream and %d back, both eof", res, 2*size, size)
+	}
+	if delta["TlsDecryptError"] != 0 {
+		t.Errorf("TlsDecryptError moved by %d", delta["TlsDecryptError"])
+	}
+	if delta["TlsCurrTxSw"] != 0 || delta["TlsCurrRxSw"] != 0 {
+		t.Errorf("kTLS sockets left open: TlsCurrTxSw %+d, TlsCurrRxSw %+d", delta["TlsCurrTxSw"], delta["TlsCurrRxSw"])
 	}
 }

@@ -38,6 +38,9 @@ type fixture struct {
 	// verified is what the fixture tells Serve about each client it
 	// accepts from now on (Gateway.CertificateVerified).
 	verified atomic.Bool
+	// wrap, when set, is what Serve gets of each client it accepts from
+	// now on, instead of the connection.
+	wrap atomic.Pointer[func(net.Conn) net.Conn]
 }
 
 func newFixture(t testing.TB, mod func(*Config)) *fixture {
@@ -73,7 +76,11 @@ func newFixture(t testing.TB, mod func(*Config)) *fixture {
 			f.wg.Add(1)
 			go func() {
 				defer f.wg.Done()
-				res, err := f.fwd.Serve(Gateway{Conn: c, Peer: c.RemoteAddr().String(), CertificateVerified: f.verified.Load()})
+				conn := c
+				if w := f.wrap.Load(); w != nil {
+					conn = (*w)(c)
+				}
+				res, err := f.fwd.Serve(Gateway{Conn: conn, Peer: c.RemoteAddr().String(), CertificateVerified: f.verified.Load()})
 				f.mu.Lock()
 				f.errs, f.res = append(f.errs, err), append(f.res, res)
 				f.mu.Unlock()

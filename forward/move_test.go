@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -290,5 +291,124 @@ func waitUntil(t testing.TB, what string, cond func() bool) {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
+	}
+}
+
+// closeNotifyConn is a gateway connection that the relay splices and
+// whose half-close, as a kTLS conn's, first writes a record through the
+// socket's write wait (close_notify), which a deadline in the past refuses
+// before anything is written.
+type closeNotifyConn struct{ *net.TCPConn }
+
+func (c closeNotifyConn) SpliceSink() (syscall.RawConn, bool) {
+	rc, err := c.TCPConn.SyscallConn()
+	return rc, err == nil
+}
+
+func (c closeNotifyConn) SpliceSource() (syscall.RawConn, bool) { return c.SpliceSink() }
+
+func (c closeNotifyConn) CloseWrite() error {
+	rc, err := c.TCPConn.SyscallConn()
+	if err != nil {
+		return err
+	}
+	if err := rc.Write(func(uintptr) bool { return true }); err != nil {
+		return err
+	}
+	return c.TCPConn.CloseWrite()
+}
+
+// Tunnels whose streams end while they move (each sends its last chunks
+// and half-closes; the upstream then ends too): whichever step each
+// tunnel's end meets (a direction ended before its pause, the relay
+// ending under it, the tunnel gone before its turn), every byte arrives
+// exact both ways, every tunnel ends in order in exactly one process
+// (moved, then ended there, or ended in the old one), and the reports of
+// the two registries carry every byte exactly once.
+func TestMoveTunnelsWhileTheyEnd(t *testing.T) {
+	for _, ms := range []time.Duration{50, 65, 80} {
+		delay := ms * time.Millisecond
+		t.Run(delay.String(), func(t *testing.T) {
+			const n = 12
+			forwardtest.CheckLeaks(t)
+			old := newFixture(t, func(c *Config) {
+				c.HandOffConn = func(c net.Conn) ([]byte, *os.File, error) { return tcpHandOff(c.(closeNotifyConn).TCPConn) }
+				c.AdoptConn = tcpAdopt
+			})
+			wrap := func(c net.Conn) net.Conn { return closeNotifyConn{c.(*net.TCPConn)} }
+			old.wrap.Store(&wrap)
+			up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
+			nu, nuReg := newProcess(t, old.gw)
+			clients, wg, release := openStreams(t, old, up, "sbx-ending", n)
+			first, _ := old.reg.TakeReport("fwd")
+
+			// Each stream sends 32 chunks more, 2 ms apart, and ends:
+			// the move begins around their ends.
+			close(release)
+			time.Sleep(delay)
+			results := make(chan Result, n)
+			var runs sync.WaitGroup
+			res, _ := upgrade(t, old.reg, nu, nuReg, results, &runs)
+			wg.Wait()
+			up.Close()
+			runs.Wait()
+			close(results)
+			ups := up.Results()
+			forwardtest.ExactBothWays(t, clients, ups)
+
+			// Each tunnel's last relay counts all its bytes: the
+			// adopted one from the paused one's counters on.
+			var countedTo, countedFrom int64
+			moved := 0
+			for i, r := range old.wait(t, n) {
+				if r != nil {
+					t.Errorf("old Serve of tunnel %d: %v", old.res[i].Tunnel.ID, r)
+				}
+				if old.res[i].Moved {
+					moved++
+				} else {
+					countedTo += old.res[i].Relay.AToB.Bytes
+					countedFrom += old.res[i].Relay.BToA.Bytes
+				}
+			}
+			adopted := 0
+			for r := range results {
+				adopted++
+				countedTo += r.Relay.AToB.Bytes
+				countedFrom += r.Relay.BToA.Bytes
+				for _, ds := range []struct {
+					name string
+					end  string
+				}{{"to", r.Relay.AToB.End.String()}, {"from", r.Relay.BToA.End.String()}} {
+					if ds.end != "eof" {
+						t.Errorf("adopted tunnel %d: %s the sandbox ended %s, want eof", r.Tunnel.ID, ds.name, ds.end)
+					}
+				}
+			}
+			if moved != res.Moved || adopted != res.Moved {
+				t.Errorf("MoveTunnels says %d moved (stayed %v); the old process's Serve says %d, the new one adopted %d", res.Moved, res.Stayed, moved, adopted)
+			}
+			var upTo, upFrom int64
+			for _, r := range ups {
+				upTo += r.Received
+				upFrom += r.Sent
+			}
+			if countedTo != upTo || countedFrom != upFrom {
+				t.Errorf("the tunnels' last relays count %d bytes to and %d from the sandbox, want %d and %d", countedTo, countedFrom, upTo, upFrom)
+			}
+			next, _ := nuReg.TakeReport("fwd")
+			own, _ := old.reg.TakeReport("fwd")
+			var to, from int64
+			for _, rep := range []ActivityReport{first, next, own} {
+				for _, d := range rep.Sandboxes {
+					to += d.BytesToSandbox
+					from += d.BytesFromSandbox
+				}
+			}
+			if to != upTo || from != upFrom {
+				t.Errorf("reports carry %d bytes to and %d from the sandbox, want %d and %d", to, from, upTo, upFrom)
+			}
+			t.Logf("moved %d of %d, stayed %v", res.Moved, n, res.Stayed)
+		})
 	}
 }

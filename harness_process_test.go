@@ -97,6 +97,29 @@ func (e *sandboxEnv) configFile(t *testing.T) string {
 	return cfgFile
 }
 
+// failedLogDir is where a failed test keeps its Caddy processes' whole
+// logs: the VM's results directory, which comes back to the host
+// (integration/vm.sh's VM_OUT). Elsewhere the logs stay in the test's
+// temporary directory, which the test removes.
+const failedLogDir = "/run/vm-out"
+
+// keepLog copies a failed test's Caddy log to failedLogDir, where that
+// exists, and says where; a log's tail alone can miss its start.
+func keepLog(t *testing.T, logFile string, log []byte) string {
+	if len(log) == 0 {
+		return ""
+	}
+	if fi, err := os.Stat(failedLogDir); err != nil || !fi.IsDir() {
+		return ""
+	}
+	name := strings.NewReplacer("/", "_", " ", "_").Replace(t.Name()) + "-" + filepath.Base(filepath.Dir(logFile)) + "-" + filepath.Base(logFile)
+	kept := filepath.Join(failedLogDir, name)
+	if err := os.WriteFile(kept, log, 0o644); err != nil {
+		return fmt.Sprintf("\n(the whole log could not be kept: %v)", err)
+	}
+	return fmt.Sprintf("\n(the whole log, %d bytes: %s; integration/vmtest.sh brings it back as integration/.build/vm-KERNEL/%s)", len(log), kept, name)
+}
+
 // runCaddy runs `bin/caddy run` with args (the configuration) after the
 // shell commands in prelude, waits until addr accepts TCP connections, and
 // kills the process at cleanup if it still runs. When t fails, the
@@ -125,7 +148,7 @@ exec "$0" run "$@"`, caddyBin}, args...)...)
 		}
 		if t.Failed() {
 			log, _ := os.ReadFile(logFile)
-			t.Logf("caddy output:\n%s\ncaddy log (tail):\n%s", output.String(), tail(log, 64<<10))
+			t.Logf("caddy output:\n%s\ncaddy log (tail):\n%s%s", output.String(), tail(log, 64<<10), keepLog(t, logFile, log))
 		}
 	})
 	// A liveness bound: the real binary's start (module init, the first

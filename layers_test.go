@@ -32,6 +32,7 @@ var layers = []layer{
 	// Test support: imported by tests only, never by a product package.
 	{"internal/testpki", false, nil},
 	{"internal/cputest", false, nil},
+	{"internal/splicetest", false, nil},
 	{"internal/kerneltest", false, []string{"internal/loopback"}},
 	{"forward/forwardtest", false, []string{"preamble", "splice", "internal/sockerr", "internal/kerneltest"}},
 

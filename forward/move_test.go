@@ -8,12 +8,12 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
+	"github.com/ktlsingress/caddy-ktls/internal/splicetest"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -219,13 +219,7 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 	// its next (new), and the old process's stream of its own.
 	next, _ := nuReg.TakeReport("fwd")
 	own, _ := old.reg.TakeReport("fwd")
-	var to, from int64
-	for _, rep := range []ActivityReport{first, next, own} {
-		for _, d := range rep.Sandboxes {
-			to += d.BytesToSandbox
-			from += d.BytesFromSandbox
-		}
-	}
+	to, from := reportedBytes(first, next, own)
 	if to != upTo || from != upFrom || next.Sequence != first.Sequence+1 || next.ProcessStart != first.ProcessStart {
 		t.Errorf("reports carry %d bytes to and %d from the sandbox, want %d and %d; the new process's report is %+v after %+v",
 			to, from, upTo, upFrom, next.ReportID, first.ReportID)
@@ -258,6 +252,17 @@ func TestMoveTunnelsRefusedStay(t *testing.T) {
 		}
 	}
 	forwardtest.ExactBothWays(t, clients, up.Results())
+}
+
+// reportedBytes sums the bytes to and from the sandboxes over reports.
+func reportedBytes(reports ...ActivityReport) (to, from int64) {
+	for _, rep := range reports {
+		for _, d := range rep.Sandboxes {
+			to += d.BytesToSandbox
+			from += d.BytesFromSandbox
+		}
+	}
+	return to, from
 }
 
 // openStreams opens n streaming tunnels to sandbox through old's
@@ -294,30 +299,6 @@ func waitUntil(t testing.TB, what string, cond func() bool) {
 	}
 }
 
-// closeNotifyConn is a gateway connection that the relay splices and
-// whose half-close, as a kTLS conn's, first writes a record through the
-// socket's write wait (close_notify), which a deadline in the past refuses
-// before anything is written.
-type closeNotifyConn struct{ *net.TCPConn }
-
-func (c closeNotifyConn) SpliceSink() (syscall.RawConn, bool) {
-	rc, err := c.TCPConn.SyscallConn()
-	return rc, err == nil
-}
-
-func (c closeNotifyConn) SpliceSource() (syscall.RawConn, bool) { return c.SpliceSink() }
-
-func (c closeNotifyConn) CloseWrite() error {
-	rc, err := c.TCPConn.SyscallConn()
-	if err != nil {
-		return err
-	}
-	if err := rc.Write(func(uintptr) bool { return true }); err != nil {
-		return err
-	}
-	return c.TCPConn.CloseWrite()
-}
-
 // Tunnels whose streams end while they move (each sends its last chunks
 // and half-closes; the upstream then ends too): whichever step each
 // tunnel's end meets (a direction ended before its pause, the relay
@@ -332,10 +313,10 @@ func TestMoveTunnelsWhileTheyEnd(t *testing.T) {
 			const n = 12
 			forwardtest.CheckLeaks(t)
 			old := newFixture(t, func(c *Config) {
-				c.HandOffConn = func(c net.Conn) ([]byte, *os.File, error) { return tcpHandOff(c.(closeNotifyConn).TCPConn) }
+				c.HandOffConn = func(c net.Conn) ([]byte, *os.File, error) { return tcpHandOff(c.(splicetest.RecordCloser).TCPConn) }
 				c.AdoptConn = tcpAdopt
 			})
-			wrap := func(c net.Conn) net.Conn { return closeNotifyConn{c.(*net.TCPConn)} }
+			wrap := func(c net.Conn) net.Conn { return splicetest.RecordCloser{TCPConn: c.(*net.TCPConn)} }
 			old.wrap.Store(&wrap)
 			up := forwardtest.NewPacedUpstream(t, 16<<10, 2*time.Millisecond)
 			nu, nuReg := newProcess(t, old.gw)
@@ -398,13 +379,7 @@ func TestMoveTunnelsWhileTheyEnd(t *testing.T) {
 			}
 			next, _ := nuReg.TakeReport("fwd")
 			own, _ := old.reg.TakeReport("fwd")
-			var to, from int64
-			for _, rep := range []ActivityReport{first, next, own} {
-				for _, d := range rep.Sandboxes {
-					to += d.BytesToSandbox
-					from += d.BytesFromSandbox
-				}
-			}
+			to, from := reportedBytes(first, next, own)
 			if to != upTo || from != upFrom {
 				t.Errorf("reports carry %d bytes to and %d from the sandbox, want %d and %d", to, from, upTo, upFrom)
 			}

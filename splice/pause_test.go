@@ -10,11 +10,12 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/splicetest"
 )
 
 // pacedRead reads exactly n bytes from r in chunks of at most 32 KiB,
@@ -422,43 +423,25 @@ func TestPauseAfterHalfClose(t *testing.T) {
 	}
 }
 
-// recordConn is a spliced connection whose half-close, like a kTLS
-// sink's, first writes a record through the socket's write wait
-// (close_notify), which a deadline in the past refuses before anything is
-// written. Its first CloseWrite waits until such a deadline comes; a later
-// one waits for hold, when set, to be closed.
+// recordConn is a RecordCloser whose first CloseWrite waits until a
+// deadline in the past is on the socket (a Pause's); a later one waits for
+// hold, when set, to be closed.
 type recordConn struct {
-	*net.TCPConn
+	splicetest.RecordCloser
 	entered chan struct{} // closed when the first CloseWrite begins
 	hold    chan struct{}
 	calls   atomic.Int32
 }
 
 func newRecordConn(c *net.TCPConn) *recordConn {
-	return &recordConn{TCPConn: c, entered: make(chan struct{})}
-}
-
-func (c *recordConn) SpliceSink() (syscall.RawConn, bool) {
-	rc, err := c.TCPConn.SyscallConn()
-	return rc, err == nil
-}
-
-func (c *recordConn) SpliceSource() (syscall.RawConn, bool) { return c.SpliceSink() }
-
-// record is the close_notify's write wait, which writes nothing here.
-func (c *recordConn) record() error {
-	rc, err := c.TCPConn.SyscallConn()
-	if err != nil {
-		return err
-	}
-	return rc.Write(func(uintptr) bool { return true })
+	return &recordConn{RecordCloser: splicetest.RecordCloser{TCPConn: c}, entered: make(chan struct{})}
 }
 
 func (c *recordConn) CloseWrite() error {
 	if c.calls.Add(1) == 1 {
 		close(c.entered)
 		for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(time.Millisecond) {
-			if err := c.record(); err != nil {
+			if err := c.WriteWait(); err != nil {
 				return err
 			}
 		}
@@ -467,10 +450,7 @@ func (c *recordConn) CloseWrite() error {
 	if c.hold != nil {
 		<-c.hold
 	}
-	if err := c.record(); err != nil {
-		return err
-	}
-	return c.TCPConn.CloseWrite()
+	return c.RecordCloser.CloseWrite()
 }
 
 // halfClosing starts a relay between tp.relayA and tp.relayB as a

@@ -5,33 +5,11 @@ import (
 	"math/rand/v2"
 	"net"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/splicetest"
 )
-
-// deadlineCloser is a spliced connection whose half-close, as a kTLS
-// conn's, goes through the socket's write wait first (close_notify), which
-// a deadline in the past refuses.
-type deadlineCloser struct{ *net.TCPConn }
-
-func (c deadlineCloser) SpliceSink() (syscall.RawConn, bool) {
-	rc, err := c.TCPConn.SyscallConn()
-	return rc, err == nil
-}
-
-func (c deadlineCloser) SpliceSource() (syscall.RawConn, bool) { return c.SpliceSink() }
-
-func (c deadlineCloser) CloseWrite() error {
-	rc, err := c.TCPConn.SyscallConn()
-	if err != nil {
-		return err
-	}
-	if err := rc.Write(func(uintptr) bool { return true }); err != nil {
-		return err
-	}
-	return c.TCPConn.CloseWrite()
-}
 
 // TestPauseStress: tunnels whose two streams end at random times (each
 // side sends a random amount, then half-closes) are paused and resumed
@@ -74,7 +52,7 @@ func TestPauseStress(t *testing.T) {
 				sent[BToA](t)
 				tp.upstream.CloseWrite()
 			}()
-			a, b := deadlineCloser{tp.relayA}, deadlineCloser{tp.relayB}
+			a, b := splicetest.RecordCloser{TCPConn: tp.relayA}, splicetest.RecordCloser{TCPConn: tp.relayB}
 			opts := Options{Pipes: pool}
 			tun := New(a, b, opts)
 			wait := runStarted(t, tun)

@@ -182,7 +182,7 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 		t.Errorf("%d tunnels open in the old registry after the move", open)
 	}
 
-	close(release)
+	release()
 	wg.Wait()
 	up.Close()
 	runs.Wait()
@@ -242,7 +242,7 @@ func TestMoveTunnelsRefusedStay(t *testing.T) {
 	if res.Moved != 0 || res.Stayed[handoff.StayRefused] != n {
 		t.Fatalf("moved %d, stayed %v (%v); want all %d refused", res.Moved, res.Stayed, res.Stays, n)
 	}
-	close(release)
+	release()
 	wg.Wait()
 	up.Close()
 	runs.Wait()
@@ -266,18 +266,32 @@ func reportedBytes(reports ...ActivityReport) (to, from int64) {
 }
 
 // openStreams opens n streaming tunnels to sandbox through old's
-// forwarder and waits until each moves bytes; closing release lets them
-// finish, and wg waits for them.
-func openStreams(t *testing.T, old *fixture, up *forwardtest.Upstream, sandbox string, n int) ([]*forwardtest.Stream, *sync.WaitGroup, chan struct{}) {
+// forwarder and waits until each moves bytes; release lets them finish
+// (at most once: the test's cleanup releases them too, so that a test
+// that fails first does not wait for streams that never end), and wg
+// waits for them. A failed test logs old's Serve errors.
+func openStreams(t *testing.T, old *fixture, up *forwardtest.Upstream, sandbox string, n int) ([]*forwardtest.Stream, *sync.WaitGroup, func()) {
 	t.Helper()
 	clients := make([]*forwardtest.Stream, n)
 	wg := new(sync.WaitGroup)
-	start, release := make(chan struct{}), make(chan struct{})
+	startCh, releaseCh := make(chan struct{}), make(chan struct{})
+	start, release := sync.OnceFunc(func() { close(startCh) }), sync.OnceFunc(func() { close(releaseCh) })
+	t.Cleanup(func() {
+		start()
+		release()
+		if t.Failed() {
+			old.mu.Lock()
+			t.Logf("the old forwarder's Serve errors so far: %v", old.errs)
+			old.mu.Unlock()
+		}
+	})
 	for i := range n {
 		c, frame := old.dial(t), old.gw.Frame(t, sandbox, up.Addr())
-		wg.Go(func() { clients[i] = forwardtest.RunStream(c, frame, uint64(i+1), start, release) })
+		wg.Go(func() { clients[i] = forwardtest.RunStream(c, frame, uint64(i+1), startCh, releaseCh) })
 	}
-	waitStreaming(t, old.reg, up, n, start)
+	waitUntil(t, "every tunnel open", func() bool { open, _ := old.reg.Counts(); return open == n })
+	start()
+	waitUntil(t, "bytes moving", func() bool { return up.Received() > int64(n)*64<<10 })
 	return clients, wg, release
 }
 
@@ -325,7 +339,7 @@ func TestMoveTunnelsWhileTheyEnd(t *testing.T) {
 
 			// Each stream sends 32 chunks more, 2 ms apart, and ends:
 			// the move begins around their ends.
-			close(release)
+			release()
 			time.Sleep(delay)
 			results := make(chan Result, n)
 			var runs sync.WaitGroup

@@ -64,7 +64,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 		}
 		wg.Go(func() { clients[i] = forwardtest.RunStream(c, nil, uint64(i+1), start, release) })
 	}
-	waitStreaming(t, oldReg, up, n, start)
+	waitStreaming(t, oldReg, up, n, func() { close(start) })
 	nuResults := make(chan Result, n)
 	var runs sync.WaitGroup
 	res, _ := upgrade(t, oldReg, nu, nuReg, nuResults, &runs)

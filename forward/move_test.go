@@ -289,18 +289,16 @@ func openStreams(t *testing.T, old *fixture, up *forwardtest.Upstream, sandbox s
 		c, frame := old.dial(t), old.gw.Frame(t, sandbox, up.Addr())
 		wg.Go(func() { clients[i] = forwardtest.RunStream(c, frame, uint64(i+1), startCh, releaseCh) })
 	}
-	waitUntil(t, "every tunnel open", func() bool { open, _ := old.reg.Counts(); return open == n })
-	start()
-	waitUntil(t, "bytes moving", func() bool { return up.Received() > int64(n)*64<<10 })
+	waitStreaming(t, old.reg, up, n, start)
 	return clients, wg, release
 }
 
 // waitStreaming waits for n tunnels open in reg, starts their streams and
 // waits for bytes of each to have reached up.
-func waitStreaming(t *testing.T, reg *Registry, up *forwardtest.Upstream, n int, start chan struct{}) {
+func waitStreaming(t *testing.T, reg *Registry, up *forwardtest.Upstream, n int, start func()) {
 	t.Helper()
 	waitUntil(t, "every tunnel open", func() bool { open, _ := reg.Counts(); return open == n })
-	close(start)
+	start()
 	waitUntil(t, "bytes moving", func() bool { return up.Received() > int64(n)*64<<10 })
 }
 

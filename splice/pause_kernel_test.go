@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/splicetest"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 )
 
@@ -153,14 +154,9 @@ func (c *closeWaitingConn) CloseWrite() error {
 			c.firstErr = errors.New("TX is not in the kernel")
 			return c.firstErr
 		}
-		for end := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-			if rc.Write(func(uintptr) bool { return true }) != nil {
-				break
-			}
-			if time.Now().After(end) {
-				c.firstErr = errors.New("no deadline came")
-				return c.firstErr
-			}
+		if !splicetest.AwaitPastDeadline(rc, 10*time.Second) {
+			c.firstErr = errors.New("no deadline came")
+			return c.firstErr
 		}
 		c.firstErr = c.Conn.CloseWrite()
 		return c.firstErr

@@ -454,12 +454,10 @@ func newRecordConn(c *net.TCPConn) *recordConn {
 func (c *recordConn) CloseWrite() error {
 	if c.calls.Add(1) == 1 {
 		close(c.entered)
-		for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(time.Millisecond) {
-			if err := c.WriteWait(); err != nil {
-				return err
-			}
+		if rc, _ := c.SpliceSink(); !splicetest.AwaitPastDeadline(rc, 10*time.Second) {
+			return errors.New("recordConn: no deadline came")
 		}
-		return errors.New("recordConn: no deadline came")
+		return c.WriteWait()
 	}
 	if c.hold != nil {
 		<-c.hold

@@ -6,6 +6,7 @@ package splicetest
 import (
 	"net"
 	"syscall"
+	"time"
 )
 
 // RecordCloser is a TCP connection that a relay splices both ways (it is a
@@ -31,7 +32,23 @@ func (c RecordCloser) WriteWait() error {
 	if err != nil {
 		return err
 	}
+	return writeWait(rc)
+}
+
+func writeWait(rc syscall.RawConn) error {
 	return rc.Write(func(uintptr) bool { return true })
+}
+
+// AwaitPastDeadline waits, up to within, until rc's write wait fails: a
+// write deadline in the past is on the socket (a relay's Pause puts one
+// there). It writes nothing, and reports whether the deadline came.
+func AwaitPastDeadline(rc syscall.RawConn, within time.Duration) bool {
+	for end := time.Now().Add(within); time.Now().Before(end); time.Sleep(time.Millisecond) {
+		if writeWait(rc) != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // CloseWrite waits as the record's write would, then half-closes.

@@ -188,15 +188,15 @@ func TestLoadGatewayReportRows(t *testing.T) {
 	md := string(renderLoadMarkdown(readSyntheticLoad(t, "testdata/synthetic-load-gateway.json"), "x"))
 	for _, want := range []string{
 		// At 100 %: 0.45 + 0.45 = 0.90 of the contender's one CPU.
-		"| `l4-l4` | per-call | 10.0 | ≥ 150 (no search step failed) | contender (gen 0.50, cont. 0.90 = gateway 0.45 + forwarder 0.45) | 0.93 | reset 20 | 2001 handshakes, 2000 resumed | TX kernel",
-		"| `l7-l7` | per-call | 20.0 | ≥ 100 (no search step failed) | contender (gen 0.50, cont. 0.90 = gateway 0.50 + forwarder 0.40) | 0.40 | gateway 12, timeout 3 | 1001 handshakes, 1000 resumed |",
+		"| `l4-l4` | per-call | 10.0 | ≥ 150 (no search step failed) | contender (gen 0.50, cont. 0.90 = gateway 0.45 + forwarder 0.45) | 0.93 (generator busy at 200 %: gen 0.90) | reset 20 | 2001 handshakes, 2000 resumed | TX kernel",
+		"| `l7-l7` | per-call | 20.0 | ≥ 100 (no search step failed) | contender (gen 0.50, cont. 0.90 = gateway 0.50 + forwarder 0.40) | 0.40 (generator busy at 200 %: gen 0.90) | gateway 12, timeout 3 | 1001 handshakes, 1000 resumed |",
 		"| sweep | 300 | 200 | 1500 | 1480 | 140.0 | 233.3 | 700.0 | 800.0 | 800.0 | reset 20 | 0 | 0.10 | 0.90 | 0.95 | 0.5 | 75.0 / 60 | gateway 0.50, 43.0 / 40; forwarder 0.45, 32.0 / 20 |",
 		"- `l4-l4` per-call, counted by its processes: gateway caddy_ktls_gateway_dials_total{module=\"layer4.handlers.sandbox_proxy\",result=\"overloaded\"} × 20; forwarder caddy_ktls_handshake_failures_total{module=\"layer4.handlers.ktls\",reason=\"overloaded\"} × 20\n",
 		"- `l4-l4` per-call: reset: gateway: reset in first-read × 20\n",
 		// l4-l4 against l7-l7: capacity 150 ÷ 100, p99 20 ÷ 40 ms at 50 %,
 		// 45 ÷ 60 ms at 80 %; CPU per call at 100 %: 0.90 cores ÷ 150/s.
-		"| `l4-l4` | per-call | 150 | ×1.50 | 20.0 | ×0.50 | 25.0 | 45.0 | ×0.75 | 50.0 | 0.93 | reset 20 | 6.0 (gateway 3.0 + forwarder 3.0) | 2001 handshakes, 2000 resumed | 2575 (2574) |",
-		"| `l7-l7` | per-call | 100 | ×1.00 | 40.0 | ×1.00 | 50.0 | 60.0 | ×1.00 | 70.0 | 0.40 | gateway 12, timeout 3 | 9.0 (gateway 5.0 + forwarder 4.0) | 1001 handshakes, 1000 resumed | – |",
+		"| `l4-l4` | per-call | 150 | ×1.50 | 20.0 | ×0.50 | 25.0 | 45.0 | ×0.75 | 50.0 | 0.93 (generator busy at 200 %: gen 0.90) | reset 20 | 6.0 (gateway 3.0 + forwarder 3.0) | 2001 handshakes, 2000 resumed | 2575 (2574) |",
+		"| `l7-l7` | per-call | 100 | ×1.00 | 40.0 | ×1.00 | 50.0 | 60.0 | ×1.00 | 70.0 | 0.40 (generator busy at 200 %: gen 0.90) | gateway 12, timeout 3 | 9.0 (gateway 5.0 + forwarder 4.0) | 1001 handshakes, 1000 resumed | – |",
 	} {
 		if !strings.Contains(md, want) {
 			t.Errorf("the report lacks %q:\n%s", want, md)
@@ -240,6 +240,57 @@ func TestFailureSeries(t *testing.T) {
 	} {
 		if got := isFailureSeries(series); got != want {
 			t.Errorf("%s: failure %v, want %v", series, got, want)
+		}
+	}
+}
+
+// The goodput ratio is marked where the generator was busy at 200 % (its
+// lateness is then in every call's latency, and the ratio is not the
+// contender's), in the forwarder rows and the chain rows, and only there.
+func TestGoodputMarkedWhereTheGeneratorWasBusy(t *testing.T) {
+	at100 := &benchjson.Step{Pct: 100, Goodput: 100, GenCPU: 0.5}
+	for _, tc := range []struct {
+		gen  float64
+		cpus int
+		want string
+	}{
+		{0.84, 1, "0.36"},
+		{0.85, 1, "0.36 (generator busy at 200 %: gen 0.85)"},
+		{0.95, 0, "0.36 (generator busy at 200 %: gen 0.95)"},
+		{1.60, 2, "0.36"},
+		{1.70, 2, "0.36 (generator busy at 200 %: gen 1.70)"},
+	} {
+		at200 := &benchjson.Step{Pct: 200, Goodput: 36, GenCPU: tc.gen}
+		if got := goodputCell(at100, at200, tc.cpus); got != tc.want {
+			t.Errorf("gen %.2f of %d CPUs: %q, want %q", tc.gen, tc.cpus, got, tc.want)
+		}
+	}
+	if got := goodputCell(&benchjson.Step{Pct: 100}, &benchjson.Step{Pct: 200, Goodput: 5}, 1); got != "" {
+		t.Errorf("no goodput at 100 %%: %q, want no ratio", got)
+	}
+	if got := goodputCell(nil, &benchjson.Step{Pct: 200, Goodput: 5}, 1); got != "" {
+		t.Errorf("no step at 100 %%: %q, want no ratio", got)
+	}
+
+	for _, in := range []string{"testdata/synthetic-load.json", "testdata/synthetic-load-gateway.json"} {
+		l := readSyntheticLoad(t, in)
+		for _, r := range l.Results {
+			if s := sweepStep(r, 200); s != nil {
+				s.GenCPU = 0.97 * float64(max(l.CPUs, 1))
+			}
+		}
+		md := string(renderLoadMarkdown(l, in))
+		marked := fmt.Sprintf("(generator busy at 200 %%: gen %.2f)", 0.97*float64(max(l.CPUs, 1)))
+		if !strings.Contains(md, marked) {
+			t.Errorf("%s, the generator busy at 200 %%: no ratio marked:\n%s", in, md)
+		}
+		for _, r := range l.Results {
+			if s := sweepStep(r, 200); s != nil {
+				s.GenCPU = 0.84 * float64(max(l.CPUs, 1))
+			}
+		}
+		if md := string(renderLoadMarkdown(l, in)); strings.Contains(md, "generator busy at 200 %") {
+			t.Errorf("%s: a ratio marked though the generator was not busy:\n%s", in, md)
 		}
 	}
 }

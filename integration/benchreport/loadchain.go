@@ -205,8 +205,8 @@ func writeChains(b *bytes.Buffer, l *benchjson.LoadReport) {
 			return s.P99us
 		}
 		ratio := "–"
-		if at100, at200 := sweepStep(r, 100), sweepStep(r, 200); at100 != nil && at200 != nil && at100.Goodput > 0 {
-			ratio = fmt.Sprintf("%.2f", at200.Goodput/at100.Goodput)
+		if c := goodputCell(sweepStep(r, 100), sweepStep(r, 200), l.CPUs); c != "" {
+			ratio = c
 		}
 		tunnels := "–"
 		if ok, resumed := gatewayDials(r); ok > 0 {

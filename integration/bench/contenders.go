@@ -84,11 +84,17 @@ func (c contender) hops(env *runEnv) ([]hop, error) {
 	if c.chain != nil {
 		return c.chain(env)
 	}
-	cmd, err := c.command(env)
+	he := *env
+	if env.hopAdmin && he.adminSock == "" {
+		// A Caddy contender's admin endpoint (caddyBase); the others have
+		// none, and their socket never appears.
+		he.adminSock = filepath.Join(env.dir, "caddy-"+c.name+".admin.sock")
+	}
+	cmd, err := c.command(&he)
 	if err != nil {
 		return nil, err
 	}
-	return []hop{{name: "forwarder", listen: env.listen, cmd: cmd}}, nil
+	return []hop{{name: "forwarder", listen: env.listen, cmd: cmd, admin: he.adminSock}}, nil
 }
 
 // runEnv is what a contender's configuration refers to.

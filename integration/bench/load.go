@@ -129,9 +129,9 @@ func runLoad(args []string) error {
 		}
 		env := &runEnv{dir: h.dir, caddy: h.caddy, self: h.self, listen: freeAddr(), up: h.up, pki: h.pki, peersMTLS: p.PeersMTLS,
 			allowCIDRs: []string{"127.0.0.0/8"}, maxConns: 2*p.Tunnels + 64, maxHandshakes: p.MaxHandshakes,
-			maxSchedulingDelay: p.MaxSchedulingDelay}
+			maxSchedulingDelay: p.MaxSchedulingDelay, hopAdmin: true}
 		if c.chain != nil {
-			env.hopListen, env.hopAdmin = freeAddr(), true
+			env.hopListen = freeAddr()
 			if name == ttfbStandby {
 				env.gatewayStandby = p.Standby
 			}
@@ -247,6 +247,7 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 		}
 		ctx := context.Background()
 		r.RSSBefore, r.FDsBefore, r.HopsBefore = hopsBefore(hops)
+		goBefore := scrapeGoMemory(hops)
 		parallel := 64
 		if c.chain != nil {
 			parallel = chainOpenParallel
@@ -257,6 +258,7 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 			gen.close()
 			continue
 		}
+		logGoMemory(hops, goBefore, scrapeGoMemory(hops), p.Tunnels, shape)
 		runLoadShape(ctx, gen, c, env, p, r)
 		r.Errors = append(r.Errors, stepErrors(r, strict)...)
 		if err := gen.close(); err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"log"
 	"net/http"
 	"slices"
 	"strconv"
@@ -239,3 +240,49 @@ func seriesDelta(before, after map[string]float64, match func(name, series strin
 // is two TLS handshakes (l7-l7 and l7-l4: one, and their gateway's
 // dials) on the contender's CPU, where a one-process contender does one.
 const chainOpenParallel = 16
+
+// goMemoryFamilies are the Go runtime's memory gauges a Caddy hop's
+// /metrics carries.
+var goMemoryFamilies = []string{"go_memstats_heap_alloc_bytes", "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_goroutines"}
+
+// scrapeGoMemory reads each hop's goMemoryFamilies (nil for a hop without
+// an admin endpoint, or whose endpoint failed).
+func scrapeGoMemory(hops []loadHop) []map[string]float64 {
+	out := make([]map[string]float64, len(hops))
+	for i, h := range hops {
+		if h.admin == "" {
+			continue
+		}
+		client := adminClient(h.admin)
+		client.Timeout = 10 * time.Second
+		resp, err := client.Get("http://localhost/metrics")
+		if err != nil {
+			continue
+		}
+		body, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err == nil && resp.StatusCode == http.StatusOK {
+			out[i] = parseCounters(body, goMemoryFamilies)
+		}
+	}
+	return out
+}
+
+// logGoMemory logs, per hop with an admin endpoint, what the Go runtime
+// holds per tunnel once the shape's tunnels are open (after − before, over
+// tunnels): the live heap, the heap's spans in use and the goroutine
+// stacks, which with the runtime's own overhead and the heap's growth
+// room make up the resident memory the report gives.
+func logGoMemory(hops []loadHop, before, after []map[string]float64, tunnels int, shape string) {
+	if shape != "reuse" || tunnels <= 0 {
+		return
+	}
+	for i, h := range hops {
+		if before[i] == nil || after[i] == nil {
+			continue
+		}
+		per := func(name string) float64 { return (after[i][name] - before[i][name]) / float64(tunnels) }
+		log.Printf("   %s, Go runtime per tunnel after opening %d: live heap %.1f KiB, heap in use %.1f KiB, stacks %.1f KiB, goroutines %.2f",
+			h.name, tunnels, per("go_memstats_heap_alloc_bytes")/1024, per("go_memstats_heap_inuse_bytes")/1024, per("go_memstats_stack_inuse_bytes")/1024, per("go_goroutines"))
+	}
+}

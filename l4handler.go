@@ -218,7 +218,7 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 		ktls.Shed(cx)
 		return nil
 	}
-	kconn, err := h.handshake(cx)
+	kconn, err := h.handshakeOwnStack(cx)
 	offload.HandshakesInProgress.Add(-1)
 	if err != nil {
 		kconn.Close()
@@ -247,6 +247,25 @@ func (h *KTLSHandler) overloaded(n int64) []zap.Field {
 
 // handshake runs cx's TLS handshake and sets the connection variables of
 // its session; on error the caller closes the returned conn.
+// handshakeOwnStack runs the handshake on a goroutine of its own and
+// waits for it: the goroutine that calls Handle carries the connection to
+// its end, and a goroutine keeps the stack it grew while it lives (it
+// shrinks only while it uses under a quarter of it). A handshake that
+// verifies a certificate chain can grow one to 32 KiB.
+func (h *KTLSHandler) handshakeOwnStack(cx *layer4.Connection) (*ktls.Conn, error) {
+	type result struct {
+		conn *ktls.Conn
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		conn, err := h.handshake(cx)
+		done <- result{conn, err}
+	}()
+	r := <-done
+	return r.conn, r.err
+}
+
 func (h *KTLSHandler) handshake(cx *layer4.Connection) (*ktls.Conn, error) {
 	cfg := h.ConnectionPolicies.TLSConfig(h.ctx)
 	var hello l4tls.ClientHelloInfo

@@ -279,8 +279,53 @@ type Result struct {
 // the relay or in it, ends both connections as failures (splice.Abort), so
 // neither peer takes it for complete.
 func (f *Forwarder) Serve(c Gateway) (Result, error) {
+	// Everything before the relay runs on a goroutine of its own, which
+	// ends with it. A goroutine keeps the stack it grew while it lives
+	// (it shrinks only while it uses under a quarter of it), and Serve's
+	// caller carries a direction to the tunnel's end: an opening that grew
+	// its stack (the preamble's check, the target's dial, a logging
+	// OnOpen) would hold 32 KiB per tunnel for the tunnel's lifetime.
+	var op opened
+	done := make(chan struct{})
+	go func() {
+		op = f.openRelay(&c)
+		close(done)
+	}()
+	<-done
+	if op.tun == nil {
+		return op.res, op.err
+	}
+	defer op.tun.Close()
+	defer op.release()
+	if op.err != nil {
+		return op.ended(op.res, op.err)
+	}
+	return op.ended(f.carry(op.ctx, op.tun, splice.New(op.relay, op.upstream, op.opts), op.relay, op.upstream, op.opts, splice.Stats{}))
+}
+
+// opened is a tunnel openRelay made ready to carry: its relay's ends and
+// options, or why it ended first (err, with tun nil where no tunnel was
+// opened).
+type opened struct {
+	tun             *Tunnel
+	ctx             context.Context
+	relay, upstream net.Conn
+	opts            splice.Options
+	release         func()
+	res             Result
+	err             error
+}
+
+// ended fills in what every return of an open tunnel reports.
+func (op *opened) ended(res Result, err error) (Result, error) {
+	res.Tunnel, res.Duration = op.tun.Info(), time.Since(op.tun.Opened)
+	return res, err
+}
+
+// openRelay opens c's tunnel (Serve) up to the relay.
+func (f *Forwarder) openRelay(c *Gateway) opened {
 	f.cfg.Registry.opening.Add(1)
-	upstream, tun, ctx, proxyHdr, err := f.open(&c)
+	upstream, tun, ctx, proxyHdr, err := f.open(c)
 	f.cfg.Registry.opening.Add(-1)
 	if se, ok := errors.AsType[*StandbyEndError](err); ok {
 		// No tunnel was asked for: an expired one learns it is gone by
@@ -288,23 +333,18 @@ func (f *Forwarder) Serve(c Gateway) (Result, error) {
 		// one's Close releases this process's descriptors only (its
 		// session was handed off).
 		if se.End == StandbyExpired {
-			refuse(c)
+			refuse(*c)
 		} else {
 			c.Conn.Close()
 		}
-		return Result{}, err
+		return opened{err: err}
 	}
 	if err != nil {
-		refuse(c)
+		refuse(*c)
 		f.cfg.Registry.Reject(ReasonOf(err))
-		return Result{}, err
+		return opened{err: err}
 	}
-	defer tun.Close()
-	// ended fills in what every return of an open tunnel reports.
-	ended := func(res Result, err error) (Result, error) {
-		res.Tunnel, res.Duration = tun.Info(), time.Since(tun.Opened)
-		return res, err
-	}
+	op := opened{tun: tun, ctx: ctx, upstream: upstream, release: func() {}}
 	if c.OnOpen != nil {
 		c.OnOpen(tun.Info())
 	}
@@ -312,18 +352,21 @@ func (f *Forwarder) Serve(c Gateway) (Result, error) {
 	if c.Unwrap != nil {
 		relay, buffered = c.Unwrap()
 	}
-	if err := f.sock.applyToClient(relay); err != nil {
+	op.relay = relay
+	fail := func(err error) opened {
 		splice.Abort(relay)
 		splice.Abort(upstream)
-		return ended(Result{}, fmt.Errorf("forward: client socket: %w", err))
+		op.err = err
+		return op
+	}
+	if err := f.sock.applyToClient(relay); err != nil {
+		return fail(fmt.Errorf("forward: client socket: %w", err))
 	}
 	if proxyHdr != nil {
 		// First on the target's socket, before any tenant byte, and counted
 		// as none of the tunnel's bytes.
 		if _, err := upstream.Write(proxyHdr); err != nil {
-			splice.Abort(relay)
-			splice.Abort(upstream)
-			return ended(Result{}, fmt.Errorf("forward: PROXY header to target: %w", err))
+			return fail(fmt.Errorf("forward: PROXY header to target: %w", err))
 		}
 	}
 	if len(buffered) > 0 {
@@ -332,14 +375,11 @@ func (f *Forwarder) Serve(c Gateway) (Result, error) {
 		n, werr := upstream.Write(buffered)
 		tun.AddToSandbox(int64(n))
 		if werr != nil {
-			splice.Abort(relay)
-			splice.Abort(upstream)
-			return ended(Result{}, fmt.Errorf("forward: buffered client bytes to target: %w", werr))
+			return fail(fmt.Errorf("forward: buffered client bytes to target: %w", werr))
 		}
 	}
-	opts, release := f.relayOptions(tun)
-	defer release()
-	return ended(f.carry(ctx, tun, splice.New(relay, upstream, opts), relay, upstream, opts, splice.Stats{}))
+	op.opts, op.release = f.relayOptions(tun)
+	return op
 }
 
 // relayOptions are the relay options of tun, and the function that

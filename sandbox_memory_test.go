@@ -1,6 +1,7 @@
 package caddyktls
 
 import (
+	"crypto/tls"
 	"fmt"
 	"testing"
 	"time"
@@ -31,10 +32,7 @@ func sandboxTunnelStacks(t *testing.T) {
 	up := forwardtest.NewPacedUpstream(t, 1, time.Hour)
 	e := newSandboxConfig(t, nil)
 	p := startCaddy(t, e, "")
-	read := func() (stacks, goroutines int64) {
-		m := e.metrics(t)
-		return m["go_memstats_stack_inuse_bytes"], m["go_goroutines"]
-	}
+	read := func() (stacks, goroutines int64) { return goStacks(t, e) }
 	stacks0, g0 := read()
 	conns := make([]*ktls.Conn, n)
 	for i := range conns {
@@ -63,4 +61,60 @@ func sandboxTunnelStacks(t *testing.T) {
 	if per >= 32<<10 {
 		t.Errorf("%.1f KiB of goroutine stacks per open tunnel, want under 32 KiB: a tunnel's goroutine kept the stack its opening grew", per/1024)
 	}
+}
+
+// TestKernelGatewayTunnelStacks is TestKernelSandboxTunnelStacks for the
+// edge gateway's kernel TLS tunnels (sandbox_proxy): the goroutine that
+// carries a user's tunnel to its end holds the stack the relay needs, not
+// the one its user's handshake and its dial to the forwarder (a handshake
+// and a preamble's signature) grew. The forwarder behind it is checked the
+// same way.
+func TestKernelGatewayTunnelStacks(t *testing.T) {
+	kerneltest.Require(t)
+	const n = 64
+	up := forwardtest.NewPacedUpstream(t, 1, time.Hour)
+	fwd, gw := gatewayProcessConfig(t, up, true, nil)
+	startCaddy(t, gw, "")
+	fwdStacks0, fwdG0 := goStacks(t, fwd)
+	gwStacks0, gwG0 := goStacks(t, gw)
+	var users []*tls.Conn
+	defer func() {
+		for _, c := range users {
+			c.Close()
+		}
+	}()
+	for i := range n {
+		c, err := tls.Dial("tcp", gw.addr, &tls.Config{RootCAs: fwd.ca.Pool, ServerName: fmt.Sprintf("sbx-gwstack-%d.sandbox.test", i)})
+		if err != nil {
+			t.Fatalf("user %d: %v", i, err)
+		}
+		users = append(users, c)
+	}
+	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n }, "every tunnel at the upstream")
+	for _, side := range []struct {
+		name        string
+		e           *sandboxEnv
+		stacks0, g0 int64
+	}{{"gateway", gw, gwStacks0, gwG0}, {"forwarder", fwd, fwdStacks0, fwdG0}} {
+		stacks, g := goStacks(t, side.e)
+		for deadline := time.Now().Add(30 * time.Second); g-side.g0 != 2*n; stacks, g = goStacks(t, side.e) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the %s runs %d goroutines more than before %d tunnels, want 2 per tunnel", side.name, g-side.g0, n)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		per := float64(stacks-side.stacks0) / n
+		t.Logf("%s: %d tunnels, %.1f KiB of goroutine stacks per tunnel", side.name, n, per/1024)
+		if per >= 32<<10 {
+			t.Errorf("the %s holds %.1f KiB of goroutine stacks per open tunnel, want under 32 KiB: a tunnel's goroutine kept the stack its opening grew", side.name, per/1024)
+		}
+	}
+}
+
+// goStacks reads the goroutine stacks (bytes) and the goroutines of the
+// Caddy process behind e's admin endpoint.
+func goStacks(t *testing.T, e *sandboxEnv) (stacks, goroutines int64) {
+	t.Helper()
+	m := e.metrics(t)
+	return m["go_memstats_stack_inuse_bytes"], m["go_goroutines"]
 }

@@ -293,12 +293,12 @@ func (f *Forwarder) Serve(c Gateway) (Result, error) {
 	}()
 	<-done
 	if op.tun == nil {
-		return op.res, op.err
+		return Result{}, op.err
 	}
 	defer op.tun.Close()
 	defer op.release()
 	if op.err != nil {
-		return op.ended(op.res, op.err)
+		return op.ended(Result{}, op.err)
 	}
 	return op.ended(f.carry(op.ctx, op.tun, splice.New(op.relay, op.upstream, op.opts), op.relay, op.upstream, op.opts, splice.Stats{}))
 }
@@ -312,7 +312,6 @@ type opened struct {
 	relay, upstream net.Conn
 	opts            splice.Options
 	release         func()
-	res             Result
 	err             error
 }
 

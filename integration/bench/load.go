@@ -8,6 +8,7 @@ import (
 	"log"
 	"net"
 	"net/http"
+	"os"
 	"os/exec"
 	"slices"
 	"strconv"
@@ -211,6 +212,11 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 	hops := make([]loadHop, len(procs))
 	for i, proc := range procs {
 		hops[i] = loadHop{name: proc.name, pid: proc.cmd.Process.Pid, admin: hopList[i].admin}
+		if _, err := os.Stat(hops[i].admin); err != nil {
+			// Not a Caddy (contender.hops names a socket for every
+			// one-process contender): no admin endpoint to read.
+			hops[i].admin = ""
+		}
 	}
 	logs := func() string {
 		var b strings.Builder

@@ -49,14 +49,26 @@ func hopCPUs(a, b []cpuSample, wall float64) []float64 {
 
 // scrapeHops reads every hop's counters of benchjson.LoadCounterFamilies
 // (nil for a hop without an admin endpoint, or whose endpoint failed:
-// its counters are then left out of the step).
+// its counters are then left out of the step). A one-process contender's
+// are not read: a step records counters for a chain's hops only
+// (hopStep).
 func scrapeHops(hops []loadHop) []map[string]float64 {
+	if len(hops) < 2 {
+		return nil
+	}
+	return scrapeHopSeries(hops, benchjson.LoadCounterFamilies)
+}
+
+// scrapeHopSeries reads every hop's series of families from its admin
+// endpoint's /metrics (nil for a hop without one, or whose endpoint
+// failed).
+func scrapeHopSeries(hops []loadHop, families []string) []map[string]float64 {
 	out := make([]map[string]float64, len(hops))
 	for i, h := range hops {
 		if h.admin == "" {
 			continue
 		}
-		c, err := scrapeCounters(h.admin)
+		c, err := scrapeSeries(h.admin, families)
 		if err != nil {
 			continue
 		}
@@ -65,9 +77,9 @@ func scrapeHops(hops []loadHop) []map[string]float64 {
 	return out
 }
 
-// scrapeCounters reads the counters of benchjson.LoadCounterFamilies from
-// the /metrics of the admin endpoint on sock.
-func scrapeCounters(sock string) (map[string]float64, error) {
+// scrapeSeries reads the series of families from the /metrics of the admin
+// endpoint on sock.
+func scrapeSeries(sock string, families []string) (map[string]float64, error) {
 	client := adminClient(sock)
 	client.Timeout = 10 * time.Second
 	resp, err := client.Get("http://localhost/metrics")
@@ -82,7 +94,7 @@ func scrapeCounters(sock string) (map[string]float64, error) {
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("/metrics: %s", resp.Status)
 	}
-	return parseCounters(body, benchjson.LoadCounterFamilies), nil
+	return parseCounters(body, families), nil
 }
 
 // parseCounters reads the series of families from Prometheus's text
@@ -248,24 +260,7 @@ var goMemoryFamilies = []string{"go_memstats_heap_alloc_bytes", "go_memstats_hea
 // scrapeGoMemory reads each hop's goMemoryFamilies (nil for a hop without
 // an admin endpoint, or whose endpoint failed).
 func scrapeGoMemory(hops []loadHop) []map[string]float64 {
-	out := make([]map[string]float64, len(hops))
-	for i, h := range hops {
-		if h.admin == "" {
-			continue
-		}
-		client := adminClient(h.admin)
-		client.Timeout = 10 * time.Second
-		resp, err := client.Get("http://localhost/metrics")
-		if err != nil {
-			continue
-		}
-		body, err := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if err == nil && resp.StatusCode == http.StatusOK {
-			out[i] = parseCounters(body, goMemoryFamilies)
-		}
-	}
-	return out
+	return scrapeHopSeries(hops, goMemoryFamilies)
 }
 
 // logGoMemory logs, per hop with an admin endpoint, what the Go runtime

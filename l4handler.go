@@ -245,8 +245,6 @@ func (h *KTLSHandler) overloaded(n int64) []zap.Field {
 	return nil
 }
 
-// handshake runs cx's TLS handshake and sets the connection variables of
-// its session; on error the caller closes the returned conn.
 // handshakeOwnStack runs the handshake on a goroutine of its own and
 // waits for it: the goroutine that calls Handle carries the connection to
 // its end, and a goroutine keeps the stack it grew while it lives (it
@@ -266,6 +264,8 @@ func (h *KTLSHandler) handshakeOwnStack(cx *layer4.Connection) (*ktls.Conn, erro
 	return r.conn, r.err
 }
 
+// handshake runs cx's TLS handshake and sets the connection variables of
+// its session; on error the caller closes the returned conn.
 func (h *KTLSHandler) handshake(cx *layer4.Connection) (*ktls.Conn, error) {
 	cfg := h.ConnectionPolicies.TLSConfig(h.ctx)
 	var hello l4tls.ClientHelloInfo

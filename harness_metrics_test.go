@@ -20,7 +20,7 @@ import (
 
 // metric reads one series (name and labels, as /metrics writes them) from
 // the admin endpoint's /metrics.
-func (e *sandboxEnv) metric(t *testing.T, series string) int64 {
+func (e *sandboxEnv) metric(t testing.TB, series string) int64 {
 	t.Helper()
 	v, ok := e.metrics(t)[series]
 	if !ok {
@@ -31,7 +31,7 @@ func (e *sandboxEnv) metric(t *testing.T, series string) int64 {
 
 // metrics scrapes the admin endpoint's /metrics: every series with its
 // value, cut to an integer (the series the tests read are counts).
-func (e *sandboxEnv) metrics(t *testing.T) map[string]int64 {
+func (e *sandboxEnv) metrics(t testing.TB) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}
 	for series, v := range parseMetrics(t, e.adminBody(t, "/metrics")) {

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
+	"github.com/ktlsingress/caddy-ktls/internal/listensock"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
@@ -103,6 +104,14 @@ type KTLSHandler struct {
 	opts   ktls.Options
 	// failures counts and logs failed handshakes.
 	failures *offload.HandshakeFailureLog
+	// served holds the local addresses (netip.AddrPort) of the
+	// connections that reached the handler, each registered with the
+	// listeners that shed in its name (listensock.Serves) until Cleanup;
+	// servedMu guards registering, forget and cleaned.
+	served   sync.Map
+	servedMu sync.Mutex
+	forget   []func()
+	cleaned  bool
 	// sessions keeps each policy's ticket-issuing configuration; tickets
 	// is the tls app's session ticket service (nil when not configured).
 	sessions sessionKeys
@@ -211,6 +220,7 @@ const DefaultMaxHandshakesPerCPU = 128
 // progress in the process, or more than one per CPU while its scheduling
 // delay is above MaxSchedulingDelay, where set.
 func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
+	h.serves(cx.LocalAddr())
 	n := offload.HandshakesInProgress.Add(1)
 	if why := h.overloaded(n); why != nil {
 		offload.HandshakesInProgress.Add(-1)
@@ -228,6 +238,55 @@ func (h *KTLSHandler) Handle(cx *layer4.Connection, next layer4.Handler) error {
 		return nil
 	}
 	return next.Handle(cx.Wrap(kconn))
+}
+
+// serves registers the handler, once per local address its connections
+// arrive at, with the tcp-retry and tcp-handoff listeners of that address:
+// while every handler registered there would shed a new connection, they
+// shed it in the handler's name before caddy-l4 accepts it into a
+// goroutine of its own (internal/listensock), at a fraction of the cost.
+// A handler without bounds registers too: its listener then sheds nothing.
+func (h *KTLSHandler) serves(local net.Addr) {
+	a, ok := local.(*net.TCPAddr)
+	if !ok {
+		return
+	}
+	ap := a.AddrPort()
+	if _, ok := h.served.Load(ap); ok {
+		return
+	}
+	h.servedMu.Lock()
+	defer h.servedMu.Unlock()
+	if _, loaded := h.served.LoadOrStore(ap, struct{}{}); loaded || h.cleaned {
+		return
+	}
+	h.forget = append(h.forget, listensock.Serves(ap, acceptShedder{h}))
+}
+
+// Cleanup ends the handler's registrations with the listeners
+// (caddy.CleanerUpper): its configuration is unloaded, and its bounds
+// shed nothing more, whatever connections it still handshakes.
+func (h *KTLSHandler) Cleanup() error {
+	h.servedMu.Lock()
+	defer h.servedMu.Unlock()
+	h.cleaned = true
+	for _, f := range h.forget {
+		f()
+	}
+	h.forget = nil
+	return nil
+}
+
+// acceptShedder is the handler as the listeners that shed in its name see
+// it.
+type acceptShedder struct{ h *KTLSHandler }
+
+func (s acceptShedder) ShedNow() []zap.Field {
+	return s.h.overloaded(offload.HandshakesInProgress.Load() + 1)
+}
+
+func (s acceptShedder) Shed(remote net.Addr, why []zap.Field) {
+	s.h.failures.Shed(remote, append(why[:len(why):len(why)], zap.String("shed_by", "listener"))...)
 }
 
 // overloaded says which bound sheds a connection that arrives as the nth
@@ -370,5 +429,6 @@ var (
 	_ layer4.NextHandler = (*KTLSHandler)(nil)
 	_ caddy.Provisioner  = (*KTLSHandler)(nil)
 	_ caddy.Validator    = (*KTLSHandler)(nil)
+	_ caddy.CleanerUpper = (*KTLSHandler)(nil)
 	_ ktls.Layered       = layeredConn{}
 )

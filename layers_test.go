@@ -43,7 +43,7 @@ var layers = []layer{
 	{"internal/controlplane", true, nil},
 	{"internal/l4conn", true, []string{"splice"}},
 	{"internal/caddymetrics", true, []string{"internal/moduleid"}},
-	{"internal/listensock", true, []string{"internal/moduleid", "internal/caddymetrics"}},
+	{"internal/listensock", true, []string{"ktls", "internal/moduleid", "internal/caddymetrics"}},
 	{"internal/upgrade", true, []string{"internal/handoff", "internal/listensock", "internal/moduleid"}},
 	{"internal/offload", true, []string{"ktls", "gateway", "internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs"}},
 

@@ -17,6 +17,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/internal/cputest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/listensock"
 	"github.com/ktlsingress/caddy-ktls/internal/offload"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/modules/forwarder"
@@ -27,7 +28,10 @@ import (
 // plaintext access_denied alert and the end, a gateway's dial fails as
 // overloaded (safe to retry), and each shed is counted and summarized.
 // The handshakes admitted before are untouched: once one of them ends, a
-// tunnel is admitted again and carries every byte.
+// tunnel is admitted again and carries every byte. On a plain `tcp/`
+// address the handler sheds; a `tcp-retry/` or `tcp-handoff/` listener
+// sheds in its name before caddy-l4 takes the connection, and says so in
+// each shed's DEBUG line.
 func TestSandboxShedsHandshakes(t *testing.T) { sandboxShedsHandshakes(t, false) }
 
 // TestKernelSandboxShedsHandshakes is TestSandboxShedsHandshakes on a
@@ -39,10 +43,18 @@ func TestKernelSandboxShedsHandshakes(t *testing.T) {
 }
 
 func sandboxShedsHandshakes(t *testing.T, kernel bool) {
+	for _, network := range []string{"tcp", listensock.RetryNetwork, listensock.Network} {
+		t.Run(network, func(t *testing.T) { sandboxShedsHandshakesOn(t, kernel, network) })
+	}
+}
+
+func sandboxShedsHandshakesOn(t *testing.T, kernel bool, network string) {
 	const size = 256 << 10
 	up := forwardtest.NewUpstream(t, size+3) // a reply unlike the request's size (exactTunnel)
 	e := newSandboxConfig(t, nil)
 	e.route()["handle"].([]any)[0].(map[string]any)["max_handshakes"] = 2
+	e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["tunnels"].(map[string]any)["listen"] = []string{network + "/" + e.addr}
+	e.cfg["logging"].(map[string]any)["logs"].(map[string]any)["default"].(map[string]any)["level"] = "DEBUG"
 	e.start(t)
 	inProgress := `caddy_ktls_handshakes_in_progress`
 	shedSeries := `caddy_ktls_handshake_failures_total{module="layer4.handlers.ktls",reason="overloaded"}`
@@ -75,6 +87,15 @@ func sandboxShedsHandshakes(t *testing.T, kernel bool) {
 	checkShedAlert(t, e.addr, "a shed connection")
 	if n := e.metric(t, shedSeries) - shed0; n != 2 {
 		t.Errorf("%s moved by %d, want 2 (the gateway's and the raw connection)", shedSeries, n)
+	}
+	byListener := 0
+	for _, l := range e.logLines(t, "TLS handshake refused: overloaded") {
+		if l["shed_by"] == "listener" {
+			byListener++
+		}
+	}
+	if want := map[bool]int{true: 2, false: 0}[network != "tcp"]; byListener != want {
+		t.Errorf("%d of the sheds' DEBUG lines say a %s listener shed them, want %d", byListener, network, want)
 	}
 	if n := e.metric(t, inProgress); n != 2 {
 		t.Errorf("%d handshakes in progress after the sheds, want the 2 held", n)
@@ -159,10 +180,35 @@ func TestSandboxMaxHandshakesSharedByHandlers(t *testing.T) {
 	checkTunnelTransfer(t, up, size, 9, n, sum)
 }
 
+// A listener sheds in the name of the handlers of the configurations
+// loaded now: after a reload raises max_handshakes, a connection that the
+// old bound would shed is admitted at once, before any connection reached
+// the new handler, and its tunnel carries every byte.
+func TestSandboxShedAtAcceptFollowsReload(t *testing.T) {
+	const size = 64 << 10
+	up := forwardtest.NewUpstream(t, size+3)
+	e := newSandboxConfig(t, nil)
+	ktlsHandler := e.route()["handle"].([]any)[0].(map[string]any)
+	ktlsHandler["max_handshakes"] = 2
+	e.cfg["apps"].(map[string]any)["layer4"].(map[string]any)["servers"].(map[string]any)["tunnels"].(map[string]any)["listen"] = []string{listensock.Network + "/" + e.addr}
+	e.start(t)
+	inProgress := `caddy_ktls_handshakes_in_progress`
+	holdHandshakes(t, e.addr, 2)
+	waitUntil(t, 30*time.Second, func() bool { return e.metric(t, inProgress) == 2 }, "the 2 held handshakes")
+	checkShedAlert(t, e.addr, "a connection past max_handshakes 2")
+
+	ktlsHandler["max_handshakes"] = 3
+	e.load(t)
+	if n := e.metric(t, inProgress); n != 2 {
+		t.Fatalf("%d handshakes in progress after the reload, want the 2 held", n)
+	}
+	e.exactTunnel(t, "sbx-after-reload", up, size, 5)
+}
+
 // holdHandshakes opens n connections to addr that never send a
 // ClientHello: each holds a handshake in progress until handshake_timeout
 // or its close (at the test's end, if not before).
-func holdHandshakes(t *testing.T, addr string, n int) []net.Conn {
+func holdHandshakes(t testing.TB, addr string, n int) []net.Conn {
 	t.Helper()
 	held := make([]net.Conn, 0, n)
 	t.Cleanup(func() {

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"net"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // shedRecord is a fatal access_denied alert as a plaintext TLS record: the
@@ -25,4 +27,15 @@ func Shed(c net.Conn) error {
 	c.SetWriteDeadline(time.Now().Add(RefuseLinger))
 	_, err := c.Write(shedRecord)
 	return errors.Join(err, c.Close())
+}
+
+// ShedFD is Shed for a connection accepted with accept4(2) that was never
+// made a net.Conn: a listener that sheds below Go's accept, which would
+// register the socket with the netpoller and set its keepalive options
+// first. fd is non-blocking and nothing was written on it, so the alert
+// fits its send buffer at once (or the peer has gone: the write fails,
+// MSG_NOSIGNAL keeps SIGPIPE away); ShedFD then closes fd.
+func ShedFD(fd int) error {
+	err := unix.Sendto(fd, shedRecord, unix.MSG_NOSIGNAL|unix.MSG_DONTWAIT, nil)
+	return errors.Join(err, unix.Close(fd))
 }

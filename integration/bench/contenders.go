@@ -238,7 +238,9 @@ func caddySandbox(offload map[string]any) func(*runEnv) (*exec.Cmd, error) {
 	}
 }
 
-// sandboxForwarder is the layer4 app of this project's forwarder on listen.
+// sandboxForwarder is the layer4 app of this project's forwarder on listen,
+// a `tcp-retry/` address as deployed (examples/forwarder.Caddyfile): its
+// listener sheds past max_handshakes before caddy-l4 accepts.
 func sandboxForwarder(env *runEnv, listen string, offload map[string]any) map[string]any {
 	ktlsHandler := map[string]any{"handler": "ktls", "connection_policies": []any{map[string]any{
 		"client_authentication": map[string]any{"mode": "require_and_verify", "trusted_ca_certs": []string{env.pki.caDER}},
@@ -261,7 +263,7 @@ func sandboxForwarder(env *runEnv, listen string, offload map[string]any) map[st
 	if len(env.allowCIDRs) > 0 {
 		sandbox["allow_cidrs"] = env.allowCIDRs
 	}
-	return layer4At(listen, ktlsHandler, sandbox)
+	return layer4At("tcp-retry/"+listen, ktlsHandler, sandbox)
 }
 
 // clientAuth is a Caddy connection policy's client authentication as the

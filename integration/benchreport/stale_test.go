@@ -19,7 +19,7 @@ var (
 		"go.mod", "go.sum", ":(glob)*.go", "ktls", "splice", "forward", "preamble",
 		"internal/sockerr", "internal/loopback", "internal/cphttp", "cmd/caddy", "integration/bench",
 		"modules/forwarder", "internal/moduleid", "internal/caddymetrics", "internal/offload", "internal/controlplane",
-		"internal/l4conn", "internal/logsummary", "internal/caddyfileargs", "internal/cli", "integration/internal/benchjson",
+		"internal/l4conn", "internal/logsummary", "internal/caddyfileargs", "internal/cli", "internal/listensock", "integration/internal/benchjson",
 		":(exclude,glob)**/*_test.go",
 	}
 	// The gateway modules, which only the gateway chains (l7-l7, l7-l4,

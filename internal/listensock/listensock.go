@@ -54,6 +54,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -102,8 +103,16 @@ var aLongTimeAgo = time.Unix(1, 0)
 // A socket is one listening socket of the process and its accepting
 // goroutine.
 type socket struct {
-	addr string // the key in sockets
-	ln   *net.TCPListener
+	addr  string // the key in sockets
+	bound netip.AddrPort
+	ln    *net.TCPListener
+	// raw is the process's second descriptor of the socket, opened at
+	// the first shed, on which shedRaw accepts: Go's listener offers no
+	// accept(2) of its own descriptor without making a connection of it.
+	raw *os.File
+	// halted is set with a deadline in the past on ln and raw: shedRaw
+	// accepts no more.
+	halted atomic.Bool
 	// accept is ln.AcceptTCP, as a net.Conn; a test injects errors.
 	accept func() (net.Conn, error)
 	logger *zap.Logger
@@ -133,6 +142,7 @@ type result struct {
 
 func newSocket(ln *net.TCPListener, addr string, logger *zap.Logger) *socket {
 	s := &socket{addr: addr, ln: ln, logger: logger, done: make(chan struct{}), exited: make(chan struct{})}
+	s.bound, _ = netip.ParseAddrPort(addr)
 	s.accept = func() (net.Conn, error) { return s.ln.Accept() }
 	s.wake = sync.NewCond(&mu)
 	return s
@@ -258,11 +268,34 @@ func (s *socket) loop() {
 		// Whoever leaves no Accept waiting, or stops accepting, sets a
 		// past deadline, under mu; this one is cleared only with an
 		// Accept waiting and accepting on.
-		s.ln.SetDeadline(time.Time{})
+		s.setDeadline(time.Time{})
 		accept, logger := s.accept, s.logger
+		shedding := false
+		if h, _ := shedFor(s.bound); h != nil {
+			if s.raw == nil {
+				if f, err := s.ln.File(); err == nil {
+					s.raw = f
+				} else {
+					logger.Warn("cannot shed connections below Go's accept: caddy-l4's handlers shed them", zap.String("address", s.addr), zap.Error(err))
+				}
+			}
+			shedding = s.raw != nil
+		}
 		s.accepting = true
 		mu.Unlock()
-		c, err := accept()
+		var (
+			c   net.Conn
+			err error
+		)
+		if shedding {
+			err = shedRaw(s.raw, s.bound, &s.halted)
+		}
+		if err == nil {
+			c, err = accept()
+			if err == nil && shedConn(s.bound, c) {
+				c, err = nil, errShed
+			}
+		}
 		mu.Lock()
 		s.accepting = false
 		idle.Broadcast()
@@ -272,6 +305,8 @@ func (s *socket) loop() {
 			s.deliver(result{c: c})
 		case errors.Is(err, os.ErrDeadlineExceeded):
 			// Woken: no Accept waits any more, or quit.
+		case err == errShed:
+			// Shed in a handler's name: accept the next.
 		default:
 			if delay, ok := b.next(logger, s.ln.Addr(), err); ok {
 				mu.Unlock()
@@ -315,7 +350,7 @@ func (s *socket) stop() {
 	}
 	s.quit = true
 	close(s.done)
-	s.ln.SetDeadline(aLongTimeAgo)
+	s.setDeadline(aLongTimeAgo)
 	s.wake.Broadcast()
 }
 
@@ -377,7 +412,7 @@ func (l *listener) Close() error {
 		return true
 	})
 	if len(s.waiters) == 0 {
-		s.ln.SetDeadline(aLongTimeAgo)
+		s.setDeadline(aLongTimeAgo)
 	}
 	if s.refs--; s.refs > 0 {
 		mu.Unlock()
@@ -407,7 +442,21 @@ func (s *socket) close() error {
 			c.Close()
 		}
 	}
+	if s.raw != nil {
+		s.raw.Close()
+	}
 	return s.ln.Close()
+}
+
+// setDeadline sets t as the deadline of s's accepts: ln's and raw's. A
+// deadline in the past also halts shedRaw between two accepts. Called
+// with mu held.
+func (s *socket) setDeadline(t time.Time) {
+	s.halted.Store(!t.IsZero())
+	s.ln.SetDeadline(t)
+	if s.raw != nil {
+		s.raw.SetReadDeadline(t)
+	}
 }
 
 // Export returns a duplicate of every tcp-handoff listening socket this
@@ -622,7 +671,7 @@ func PauseAccepting() {
 func pause() {
 	paused = true
 	for _, s := range sockets {
-		s.ln.SetDeadline(aLongTimeAgo)
+		s.setDeadline(aLongTimeAgo)
 	}
 	for anyAccepting() {
 		idle.Wait()

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -13,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 
 	"github.com/ktlsingress/caddy-ktls/internal/caddymetrics"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
@@ -57,15 +60,34 @@ func listenRetry(ctx context.Context, _, host, portRange string, portOffset uint
 	if err != nil {
 		return nil, err
 	}
+	// A descriptor of the socket of its own, on which the listener sheds
+	// below Go's accept (shedRaw): Caddy's listener offers none.
+	var raw *os.File
+	control := cfg.Control
+	cfg.Control = func(network, address string, c syscall.RawConn) error {
+		if control != nil {
+			if err := control(network, address, c); err != nil {
+				return err
+			}
+		}
+		return c.Control(func(fd uintptr) {
+			if dup, err := unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0); err == nil {
+				raw = os.NewFile(uintptr(dup), "tcp-retry")
+			}
+		})
+	}
 	got, err := na.Listen(ctx, portOffset, cfg)
+	ln, ok := got.(net.Listener)
+	if err == nil && !ok {
+		err = fmt.Errorf("%s: %s gave a %T, not a stream listener", RetryNetwork, na, got)
+	}
 	if err != nil {
+		if raw != nil {
+			raw.Close()
+		}
 		return nil, err
 	}
-	ln, ok := got.(net.Listener)
-	if !ok {
-		return nil, fmt.Errorf("%s: %s gave a %T, not a stream listener", RetryNetwork, na, got)
-	}
-	return &retryListener{Listener: ln, logger: contextLogger(ctx), closed: make(chan struct{})}, nil
+	return &retryListener{Listener: ln, bound: canonicalAddr(ln.Addr()), raw: raw, logger: contextLogger(ctx), closed: make(chan struct{})}, nil
 }
 
 // contextLogger returns the logger for accept errors of a listener opened
@@ -83,6 +105,9 @@ func contextLogger(ctx context.Context) *zap.Logger {
 // new connections queue in the kernel's backlog.
 type retryListener struct {
 	net.Listener
+	bound     netip.AddrPort // its address, for shedFor
+	raw       *os.File       // the socket's descriptor for shedRaw; nil if none
+	halted    atomic.Bool    // set at Close: shedRaw accepts no more
 	logger    *zap.Logger
 	closed    chan struct{}
 	closeOnce sync.Once
@@ -91,8 +116,15 @@ type retryListener struct {
 func (l *retryListener) Accept() (net.Conn, error) {
 	var b backoff
 	for {
-		c, err := l.Listener.Accept()
+		var c net.Conn
+		err := l.shed()
 		if err == nil {
+			c, err = l.Listener.Accept()
+		}
+		if err == nil {
+			if shedConn(l.bound, c) {
+				continue
+			}
 			return c, nil
 		}
 		delay, ok := b.next(l.logger, l.Addr(), err)
@@ -109,9 +141,35 @@ func (l *retryListener) Accept() (net.Conn, error) {
 	}
 }
 
+// shed sheds connections below Go's accept while every handler
+// registered for the address would shed them (shedRaw), and returns nil
+// once the next connection is one to accept: at once when no handler
+// would shed.
+func (l *retryListener) shed() error {
+	if l.raw == nil {
+		return nil
+	}
+	if h, _ := shedFor(l.bound); h == nil {
+		return nil
+	}
+	err := shedRaw(l.raw, l.bound, &l.halted)
+	if l.halted.Load() {
+		// Closed (raw too, perhaps during the wait): Go's accept says so,
+		// as without shedding.
+		return nil
+	}
+	return err
+}
+
 // Close also ends a backoff wait in Accept.
 func (l *retryListener) Close() error {
-	l.closeOnce.Do(func() { close(l.closed) })
+	l.closeOnce.Do(func() {
+		close(l.closed)
+		if l.raw != nil {
+			l.halted.Store(true)
+			l.raw.Close()
+		}
+	})
 	return l.Listener.Close()
 }
 

@@ -65,7 +65,10 @@ const (
 	sinceGoneGateway   = sinceGoneForwarder + ", and the gateway's user-gone checks (one getsockopt(TCP_INFO) before the dial and one before the preamble per tunnel)"
 	// sinceStacks: the changes of 2026-12-06 that made reports measured
 	// the day before stale.
-	sinceStacks = "the ktls handler's handshake and the forwarder's opening of a tunnel (preamble check, target dial, OnOpen) each on a goroutine of its own (two goroutine starts per connection, 16 KiB less stack per open tunnel), and the load bench giving its Caddy contenders an admin endpoint (a unix socket, scraped once per step)"
+	// sinceAcceptShed: the change of 2026-12-06 that moved the shed of
+	// max_handshakes below caddy-l4 on the bench's forwarders.
+	sinceAcceptShed = "tcp-retry and tcp-handoff listeners shedding below caddy-l4 for the ktls handlers (a registration per handler and local address, a check per accept) and the bench's forwarder contenders listening on tcp-retry/ (past capacity their sheds cost a third of what these reports measured)"
+	sinceStacks     = "the ktls handler's handshake and the forwarder's opening of a tunnel (preamble check, target dial, OnOpen) each on a goroutine of its own (two goroutine starts per connection, 16 KiB less stack per open tunnel), and the load bench giving its Caddy contenders an admin endpoint (a unix socket, scraped once per step)"
 )
 
 // knownStale are reports measured before a change to the code they
@@ -75,9 +78,10 @@ const (
 var knownStale = map[string]string{
 	"gateway.md":             "measured 2026-12-05 on e74e0d7 (recorded), within 2.4 % of the run before it; since: " + sinceStacks,
 	"ttfb.md":                "measured 2026-12-05 on 46c980a (recorded), the host quiet; since: " + sinceStacks,
-	"load.md":                "measured 2026-12-05 on 46c980a (recorded), the host quiet; since: " + sinceStacks,
-	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks,
-	"load-gateway.md":        "measured 2026-12-05 on bf86a16 (recorded), the host quiet; since: the sandbox_handoff app holding the Go collector off while tunnels move (during an upgrade only, on no tunnel's path), and a Pause that lands on a half-close waiting for it (the half-close through one more call)",
+	"load.md":                "measured 2026-12-05 on 46c980a (recorded), the host quiet; since: " + sinceStacks + "; and " + sinceAcceptShed,
+	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed,
+	"load-gateway.md":        "measured 2026-12-05 on bf86a16 (recorded), the host quiet; since: the sandbox_handoff app holding the Go collector off while tunnels move (during an upgrade only, on no tunnel's path), and a Pause that lands on a half-close waiting for it (the half-close through one more call); since: " + sinceAcceptShed,
+	"small-calls.md":         "measured 2026-12-06 on 885cff5 (recorded); since: " + sinceAcceptShed,
 	"small-mtls.md":          "measured 2026-12-05 on 794c39e (recorded); since: " + sinceGoneForwarder + ", some 1-2 µs against a per-call tunnel's 5.6 ms of CPU here, and " + sinceStacks + " (small-calls.md, rerun after them, moved by 1.2 % at most)",
 	"gateway-resumption.md":  "measured 2026-12-05 on 794c39e (recorded); since: " + sinceGoneGateway,
 	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun; since: " + sinceGoneForwarder,

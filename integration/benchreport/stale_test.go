@@ -81,7 +81,6 @@ var knownStale = map[string]string{
 	"load.md":                "measured 2026-12-05 on 46c980a (recorded), the host quiet; since: " + sinceStacks + "; and " + sinceAcceptShed,
 	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed,
 	"load-gateway.md":        "measured 2026-12-05 on bf86a16 (recorded), the host quiet; since: the sandbox_handoff app holding the Go collector off while tunnels move (during an upgrade only, on no tunnel's path), and a Pause that lands on a half-close waiting for it (the half-close through one more call); since: " + sinceAcceptShed,
-	"small-calls.md":         "measured 2026-12-06 on 885cff5 (recorded); since: " + sinceAcceptShed,
 	"small-mtls.md":          "measured 2026-12-05 on 794c39e (recorded); since: " + sinceGoneForwarder + ", some 1-2 µs against a per-call tunnel's 5.6 ms of CPU here, and " + sinceStacks + " (small-calls.md, rerun after them, moved by 1.2 % at most)",
 	"gateway-resumption.md":  "measured 2026-12-05 on 794c39e (recorded); since: " + sinceGoneGateway,
 	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun; since: " + sinceGoneForwarder,

@@ -36,8 +36,14 @@ type Conn struct {
 	isClient bool
 	opts     Options
 	record   *recordConn
-	tlsConn  *tls.Conn
-	keys     *keyCapture
+	// tlsConn runs the handshake, and every direction left in userspace.
+	// Once both directions are in the kernel and no session ticket can
+	// arrive for it (a server, or a client that does not resume), it is
+	// dropped, with its record buffers and AEAD states: finalState then
+	// answers ConnectionState.
+	tlsConn    atomic.Pointer[tls.Conn]
+	finalState atomic.Pointer[tls.ConnectionState]
+	keys       *keyCapture
 
 	hsMu   sync.Mutex
 	hsDone atomic.Bool
@@ -118,10 +124,10 @@ func newConn(raw net.Conn, cfg *tls.Config, opts Options, isClient bool) *Conn {
 	c := &Conn{raw: raw, isClient: isClient, opts: opts, record: newRecordConn(raw), keys: &keyCapture{}}
 	c.limiter = newTokenBucket(opts.KeyUpdateLimit)
 	if isClient {
-		c.tlsConn = tls.Client(c.record, c.keys.clientConfig(cfg))
+		c.tlsConn.Store(tls.Client(c.record, c.keys.clientConfig(cfg)))
 		c.resume = cfg != nil && cfg.ClientSessionCache != nil && !cfg.SessionTicketsDisabled
 	} else {
-		c.tlsConn = tls.Server(c.record, c.keys.serverConfig(cfg))
+		c.tlsConn.Store(tls.Server(c.record, c.keys.serverConfig(cfg)))
 	}
 	return c
 }
@@ -311,6 +317,13 @@ func (c *Conn) HandshakeContext(ctx context.Context) error {
 	}
 	c.hsErr = c.handshake(ctx)
 	c.hsDone.Store(true)
+	if c.hsErr == nil && c.kernelTX() && c.kernelRX() && !c.resume {
+		// Dropped after hsDone: a caller that finds tlsConn nil knows
+		// the handshake ended, both directions in the kernel.
+		state := c.tlsConn.Load().ConnectionState()
+		c.finalState.Store(&state)
+		c.tlsConn.Store(nil)
+	}
 	return c.hsErr
 }
 
@@ -319,12 +332,12 @@ func (c *Conn) HandshakeContext(ctx context.Context) error {
 // kTLS must own the receive queue from the moment it is attached).
 func (c *Conn) handshake(ctx context.Context) error {
 	start := time.Now()
-	if err := c.tlsConn.HandshakeContext(ctx); err != nil {
+	if err := c.tlsConn.Load().HandshakeContext(ctx); err != nil {
 		c.off = Offload{Reason: ReasonHandshakeFailed}
 		c.report(Event{Kind: EventHandshake, Offload: c.off, Err: err, Duration: time.Since(start)})
 		return err
 	}
-	state := c.tlsConn.ConnectionState()
+	state := c.tlsConn.Load().ConnectionState()
 	c.hsWrites = c.record.writes.Load()
 	c.off = Offload{Version: state.Version, CipherSuite: state.CipherSuite}
 	reason, err := c.offload(state)
@@ -559,7 +572,11 @@ func (c *Conn) ConnectionState() tls.ConnectionState {
 	if c.adopted != nil {
 		return *c.adopted
 	}
-	return c.tlsConn.ConnectionState()
+	if tc := c.tlsConn.Load(); tc != nil {
+		return tc.ConnectionState()
+	}
+	// Dropped (stored after finalState).
+	return *c.finalState.Load()
 }
 
 // NetConn returns the raw conn given to Server or Client.
@@ -639,7 +656,7 @@ func (c *Conn) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	if !c.kernelTX() {
-		n, err := c.tlsConn.Write(p)
+		n, err := c.tlsConn.Load().Write(p)
 		if err != nil {
 			c.tlsWriteFailed.Store(true)
 		}
@@ -698,8 +715,12 @@ func (c *Conn) Close() error {
 		if !c.hsDone.Load() || !c.kernelTX() {
 			// tls.Conn.Close sends close_notify after a completed
 			// handshake and closes the raw conn.
-			c.closeErr = c.tlsConn.Close()
-			return
+			if tc := c.tlsConn.Load(); tc != nil {
+				c.closeErr = tc.Close()
+				return
+			}
+			// The handshake ended meanwhile, both directions in the
+			// kernel (tlsConn dropped): on below.
 		}
 		c.writeMu.Lock()
 		if c.handedOff.Load() {
@@ -956,7 +977,7 @@ func (c *Conn) CloseWrite() error {
 		if c.closing.Load() {
 			c.record.closeWriting.Store(false)
 		}
-		err := c.tlsConn.CloseWrite()
+		err := c.tlsConn.Load().CloseWrite()
 		c.wroteEOF = err == nil
 		return err
 	}

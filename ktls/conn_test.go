@@ -69,6 +69,25 @@ func runCase(t *testing.T, p *testPKI, cc connCase, opts Options, n int, want Re
 	if cc.mutualAuth && len(pr.server.ConnectionState().PeerCertificates) == 0 {
 		t.Fatal("server saw no client certificate")
 	}
+	// With both directions in the kernel the server keeps no tls.Conn, and
+	// ConnectionState answers from what the handshake agreed: the same
+	// session as the client's, down to its exported keying material.
+	full := off.TX != ModeUserspace && off.RX != ModeUserspace
+	if dropped := pr.server.tlsConn.Load() == nil; dropped != full {
+		t.Errorf("tls.Conn dropped: %v, want %v (modes TX %v RX %v)", dropped, full, off.TX, off.RX)
+	}
+	ss, cs := pr.server.ConnectionState(), pr.client.ConnectionState()
+	if !ss.HandshakeComplete || ss.Version != cs.Version || ss.CipherSuite != cs.CipherSuite || ss.ServerName != cs.ServerName ||
+		ss.NegotiatedProtocol != cs.NegotiatedProtocol || ss.DidResume != cs.DidResume {
+		t.Errorf("server ConnectionState %+v, client's %+v", ss, cs)
+	}
+	if cc.version == tls.VersionTLS13 {
+		se, serr := ss.ExportKeyingMaterial("EXPORTER-test", nil, 32)
+		ce, cerr := cs.ExportKeyingMaterial("EXPORTER-test", nil, 32)
+		if serr != nil || cerr != nil || !bytes.Equal(se, ce) {
+			t.Errorf("exported keying material: server %x (%v), client %x (%v)", se, serr, ce, cerr)
+		}
+	}
 	exchange(t, pr, n)
 	pr.close()
 	return pr

@@ -88,7 +88,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 	}
 	if !c.kernelRX() && c.opener == nil {
 		c.readSince.Store(true)
-		n, err := c.tlsConn.Read(p)
+		n, err := c.tlsConn.Load().Read(p)
 		if err == io.EOF && !c.record.eof.Load() {
 			c.notified.Store(true)
 		}

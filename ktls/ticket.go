@@ -51,7 +51,7 @@ func (c *Conn) keepTicket(msg []byte) {
 	c.ticketsFed++
 	c.record.feed(record)
 	var one [1]byte
-	_, err = c.tlsConn.Read(one[:])
+	_, err = c.tlsConn.Load().Read(one[:])
 	c.record.feed(nil)
 	if err != errTicketFed {
 		// crypto/tls failed on the record: its input is now out of step.

@@ -258,14 +258,27 @@ const chainOpenParallel = 16
 var goMemoryFamilies = []string{"go_memstats_heap_alloc_bytes", "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_goroutines"}
 
 // scrapeGoMemory reads each hop's goMemoryFamilies (nil for a hop without
-// an admin endpoint, or whose endpoint failed).
+// an admin endpoint, or whose endpoint failed), each right after a garbage
+// collection (the admin endpoint's /debug/pprof/heap?gc=1), so that the
+// heap's figures are what is live, not what the next cycle would free.
 func scrapeGoMemory(hops []loadHop) []map[string]float64 {
+	for _, h := range hops {
+		if h.admin == "" {
+			continue
+		}
+		client := adminClient(h.admin)
+		client.Timeout = 30 * time.Second
+		if resp, err := client.Get("http://localhost/debug/pprof/heap?gc=1"); err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+	}
 	return scrapeHopSeries(hops, goMemoryFamilies)
 }
 
 // logGoMemory logs, per hop with an admin endpoint, what the Go runtime
 // holds per tunnel once the shape's tunnels are open (after − before, over
-// tunnels): the live heap, the heap's spans in use and the goroutine
+// tunnels, each after a collection): the live heap, the heap's spans in use and the goroutine
 // stacks, which with the runtime's own overhead and the heap's growth
 // room make up the resident memory the report gives.
 func logGoMemory(hops []loadHop, before, after []map[string]float64, tunnels int, shape string) {

@@ -264,7 +264,7 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 			gen.close()
 			continue
 		}
-		logGoMemory(hops, goBefore, scrapeGoMemory(hops), p.Tunnels, shape)
+		r.GoMemory = goMemory(hops, goBefore, scrapeGoMemory(hops), p.Tunnels, shape)
 		runLoadShape(ctx, gen, c, env, p, r)
 		r.Errors = append(r.Errors, stepErrors(r, strict)...)
 		if err := gen.close(); err != nil {

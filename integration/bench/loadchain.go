@@ -276,21 +276,27 @@ func scrapeGoMemory(hops []loadHop) []map[string]float64 {
 	return scrapeHopSeries(hops, goMemoryFamilies)
 }
 
-// logGoMemory logs, per hop with an admin endpoint, what the Go runtime
-// holds per tunnel once the shape's tunnels are open (after − before, over
-// tunnels, each after a collection): the live heap, the heap's spans in use and the goroutine
-// stacks, which with the runtime's own overhead and the heap's growth
-// room make up the resident memory the report gives.
-func logGoMemory(hops []loadHop, before, after []map[string]float64, tunnels int, shape string) {
+// goMemory returns, and logs, per hop with an admin endpoint, what the Go
+// runtime holds per tunnel once the shape's tunnels are open (after −
+// before, over tunnels, each after a collection): the live heap, the
+// heap's spans in use and the goroutine stacks, which with the runtime's
+// own overhead and the heap's growth room make up the resident memory the
+// report gives.
+func goMemory(hops []loadHop, before, after []map[string]float64, tunnels int, shape string) []benchjson.GoMemory {
 	if shape != "reuse" || tunnels <= 0 {
-		return
+		return nil
 	}
+	var out []benchjson.GoMemory
 	for i, h := range hops {
 		if before[i] == nil || after[i] == nil {
 			continue
 		}
 		per := func(name string) float64 { return (after[i][name] - before[i][name]) / float64(tunnels) }
+		m := benchjson.GoMemory{Name: h.name, HeapLive: per("go_memstats_heap_alloc_bytes"), HeapInuse: per("go_memstats_heap_inuse_bytes"),
+			Stacks: per("go_memstats_stack_inuse_bytes"), Goroutines: per("go_goroutines")}
 		log.Printf("   %s, Go runtime per tunnel after opening %d: live heap %.1f KiB, heap in use %.1f KiB, stacks %.1f KiB, goroutines %.2f",
-			h.name, tunnels, per("go_memstats_heap_alloc_bytes")/1024, per("go_memstats_heap_inuse_bytes")/1024, per("go_memstats_stack_inuse_bytes")/1024, per("go_goroutines"))
+			h.name, tunnels, m.HeapLive/1024, m.HeapInuse/1024, m.Stacks/1024, m.Goroutines)
+		out = append(out, m)
 	}
+	return out
 }

@@ -254,6 +254,15 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 				float64(peak.ContenderRSS-r.RSSBefore)/1024/n, r.FDsBefore, peak.ContenderFDs, float64(peak.ContenderFDs-r.FDsBefore)/n)
 		}
 	}
+	if slices.ContainsFunc(l.Results, func(r *benchjson.LoadResult) bool { return len(r.GoMemory) > 0 }) {
+		b.WriteString("\nWhat the Go runtime of each Caddy process held per tunnel once the reuse shape's tunnels were open (the change from just before they opened, each figure read right after a garbage collection): the live heap, the heap's spans in use, the goroutine stacks, and goroutines. Resident memory adds the heap's growth room (the next collection's target) and what the runtime has not returned. A chain's processes are one row each, the gateway first.\n\n")
+		b.WriteString("| contender | process | live heap (KiB) | heap in use (KiB) | stacks (KiB) | goroutines |\n|---|---|---:|---:|---:|---:|\n")
+		for _, r := range l.Results {
+			for _, m := range r.GoMemory {
+				fmt.Fprintf(&b, "| `%s` | %s | %.1f | %.1f | %.1f | %.2f |\n", r.Contender, m.Name, m.HeapLive/1024, m.HeapInuse/1024, m.Stacks/1024, m.Goroutines)
+			}
+		}
+	}
 
 	b.WriteString("\n## Errors by cause\n\n")
 	any := false

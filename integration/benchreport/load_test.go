@@ -144,6 +144,18 @@ func TestLoadReportMemoryHeld(t *testing.T) {
 	if !strings.Contains(section, "holds 100 tunnels open") {
 		t.Errorf("the section does not say how many tunnels were held:\n%s", section)
 	}
+	if strings.Contains(section, "| process |") {
+		t.Error("a run without go_memory has a Go runtime table")
+	}
+
+	// With the Go runtime's figures: a row per process.
+	ktls.GoMemory = []benchjson.GoMemory{{Name: "forwarder", HeapLive: 16.4 * 1024, HeapInuse: 25.4 * 1024, Stacks: 20 * 1024, Goroutines: 2}}
+	md = string(renderLoadMarkdown(l, "x"))
+	_, section, _ = strings.Cut(md, "## Memory of the tunnels held\n")
+	section, _, _ = strings.Cut(section, "\n## ")
+	if want := "| `ktls` | forwarder | 16.4 | 25.4 | 20.0 | 2.00 |"; !strings.Contains(section, want+"\n") {
+		t.Errorf("the memory section has no row %q:\n%s", want, section)
+	}
 }
 
 // readSyntheticLoad parses the load run in the file named.

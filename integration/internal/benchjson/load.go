@@ -107,8 +107,28 @@ type LoadResult struct {
 	// HopsBefore: a chain's processes, the gateway first, each with its
 	// resident memory and open fds just before the shape (their sums
 	// are RSSBefore and FDsBefore).
-	HopsBefore []Hop    `json:"hops_before,omitempty"`
-	Errors     []string `json:"errors,omitempty"`
+	HopsBefore []Hop `json:"hops_before,omitempty"`
+	// GoMemory: what the Go runtime of each Caddy process (a chain's
+	// gateway first) held per tunnel once the reuse shape's tunnels were
+	// open; none for other shapes and for contenders without an admin
+	// endpoint (HAProxy, nginx).
+	GoMemory []GoMemory `json:"go_memory,omitempty"`
+	Errors   []string   `json:"errors,omitempty"`
+}
+
+// GoMemory is one process's Go runtime memory per tunnel held: the change
+// from just before the tunnels opened to just after, each read right after
+// a garbage collection, over the tunnels opened.
+type GoMemory struct {
+	// Name: gateway or forwarder, as in Hop.
+	Name string `json:"name"`
+	// HeapLive: the live heap (bytes); HeapInuse: the heap's spans in
+	// use (bytes); Stacks: goroutine stacks (bytes); Goroutines: their
+	// number.
+	HeapLive   float64 `json:"heap_live_bytes_per_tunnel"`
+	HeapInuse  float64 `json:"heap_inuse_bytes_per_tunnel"`
+	Stacks     float64 `json:"stack_bytes_per_tunnel"`
+	Goroutines float64 `json:"goroutines_per_tunnel"`
 }
 
 // Hop is one process of a chain over a step: its CPU, memory and the

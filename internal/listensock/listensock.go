@@ -2,7 +2,9 @@
 // servers (caddy-l4's "listen" addresses): `tcp-retry`, plain TCP whose
 // Accept rides out a shortage of descriptors or memory, and `tcp-handoff`,
 // which does the same on a listening socket that outlives config reloads
-// and can be handed to the process that replaces this one.
+// and can be handed to the process that replaces this one. Both shed, in
+// the ktls handlers' name, the connections those handlers would shed,
+// before caddy-l4 accepts them (shed.go).
 //
 // # tcp-handoff
 //

@@ -77,7 +77,6 @@ const (
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
 	"gateway.md":             "measured 2026-12-05 on e74e0d7 (recorded), within 2.4 % of the run before it; since: " + sinceStacks,
-	"ttfb.md":                "measured 2026-12-05 on 46c980a (recorded), the host quiet; since: " + sinceStacks,
 	"load.md":                "measured 2026-12-06 on a099b3e (recorded), the host quiet; since: a doc comment of internal/listensock (no code)",
 	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed,
 	"load-gateway.md":        "measured 2026-12-05 on bf86a16 (recorded), the host quiet; since: the sandbox_handoff app holding the Go collector off while tunnels move (during an upgrade only, on no tunnel's path), and a Pause that lands on a half-close waiting for it (the half-close through one more call); since: " + sinceAcceptShed,

@@ -19,7 +19,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/cputest"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
@@ -57,7 +56,7 @@ func BenchmarkSandboxShed(b *testing.B) {
 				waitUntil(b, 30*time.Second, func() bool { return e.metric(b, `caddy_ktls_handshakes_in_progress`) == 1 }, "the held handshake")
 			}
 			key := e.gw.Key.Seed()
-			client := exec.Command(os.Args[0], "-test.run=^TestShedCostClientProcess$")
+			client := exec.Command(os.Args[0])
 			client.Env = append(os.Environ(),
 				shedClientEnv+"="+strings.Join([]string{arm.mode, e.addr, strconv.Itoa(b.N),
 					base64.StdEncoding.EncodeToString(e.ca.PEM), base64.StdEncoding.EncodeToString(e.client.CertPEM),
@@ -75,71 +74,99 @@ func BenchmarkSandboxShed(b *testing.B) {
 }
 
 // shedClientEnv carries BenchmarkSandboxShed's arguments to its client
-// process: mode (shed or served), the forwarder's address, the number of
+// process (TestMain): mode (shed or served), the forwarder's address, the number of
 // connections, then base64 of the CA's PEM, the client certificate's and
 // key's PEM, and the gateway's Ed25519 seed.
 const shedClientEnv = "CADDY_KTLS_SHED_CLIENT"
 
-// TestShedCostClientProcess is BenchmarkSandboxShed's client process; it
-// skips unless the benchmark started it.
-func TestShedCostClientProcess(t *testing.T) {
-	spec := os.Getenv(shedClientEnv)
-	if spec == "" {
-		t.Skip("the client process of BenchmarkSandboxShed")
+// TestMain runs BenchmarkSandboxShed's client process when the benchmark
+// started the test binary as one, and the tests otherwise.
+func TestMain(m *testing.M) {
+	if spec := os.Getenv(shedClientEnv); spec != "" {
+		if err := shedCostClient(spec); err != nil {
+			fmt.Fprintln(os.Stderr, "shed cost client:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
 	}
+	os.Exit(m.Run())
+}
+
+// shedCostClient makes BenchmarkSandboxShed's connections (shedClientEnv
+// is spec): shed ones, or served calls to a target of its own, which
+// answers each with 1 KiB.
+func shedCostClient(spec string) error {
 	f := strings.Split(spec, ",")
+	if len(f) != 7 {
+		return fmt.Errorf("%s: %d fields, want 7", shedClientEnv, len(f))
+	}
 	mode, addr := f[0], f[1]
 	n, err := strconv.Atoi(f[2])
 	if err != nil {
-		t.Fatal(err)
-	}
-	dec := func(s string) []byte {
-		v, err := base64.StdEncoding.DecodeString(s)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return v
+		return err
 	}
 	if mode == "shed" {
 		for i := range n {
 			if err := shedOnce(addr); err != nil {
-				t.Fatalf("connection %d: %v", i, err)
+				return fmt.Errorf("connection %d: %w", i, err)
 			}
 		}
-		return
+		return nil
+	}
+	var dec [7][]byte
+	for k := 3; k < 7; k++ {
+		if dec[k], err = base64.StdEncoding.DecodeString(f[k]); err != nil {
+			return err
+		}
 	}
 	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(dec(f[3]))
-	cert, err := tls.X509KeyPair(dec(f[4]), dec(f[5]))
+	pool.AppendCertsFromPEM(dec[3])
+	cert, err := tls.X509KeyPair(dec[4], dec[5])
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
-	signer, err := preamble.NewSigner(gatewayKeyID, ed25519.NewKeyFromSeed(dec(f[6])))
+	signer, err := preamble.NewSigner(gatewayKeyID, ed25519.NewKeyFromSeed(dec[6]))
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	cfg := &tls.Config{RootCAs: pool, ServerName: "localhost", MinVersion: tls.VersionTLS13,
 		Certificates: []tls.Certificate{cert}, CurvePreferences: []tls.CurveID{tls.X25519}}
-	up := forwardtest.NewUpstream(t, 1<<10)
+	target, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	defer target.Close()
+	reply := make([]byte, 1<<10)
+	go func() {
+		for {
+			c, err := target.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				io.Copy(io.Discard, c)
+				c.Write(reply)
+			}()
+		}
+	}()
 	req := make([]byte, 200)
 	for i := range n {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		c, err := gatewayDial(ctx, addr, cfg, signer, "sbx-bench", up.Addr())
+		c, err := gatewayDial(ctx, addr, cfg, signer, "sbx-bench", target.Addr().(*net.TCPAddr).AddrPort())
 		cancel()
 		if err != nil {
-			t.Fatalf("call %d: %v", i, err)
+			return fmt.Errorf("call %d: %w", i, err)
 		}
-		if _, err := c.Write(req); err != nil {
-			t.Fatal(err)
-		}
-		if err := c.CloseWrite(); err != nil {
-			t.Fatal(err)
-		}
-		if got, err := io.Copy(io.Discard, c); err != nil || got != 1<<10 {
-			t.Fatalf("call %d read %d bytes, %v; want 1024", i, got, err)
-		}
+		_, werr := c.Write(req)
+		cerr := c.CloseWrite()
+		got, rerr := io.Copy(io.Discard, c)
 		c.Close()
+		if werr != nil || cerr != nil || rerr != nil || got != 1<<10 {
+			return fmt.Errorf("call %d: read %d bytes (want 1024); write %v, close_notify %v, read %v", i, got, werr, cerr, rerr)
+		}
 	}
+	return nil
 }
 
 // shedOnce connects to addr as a gateway would (a ClientHello's worth of

@@ -55,7 +55,11 @@ func newFixture(t testing.TB, mod func(*Config)) *fixture {
 		t.Fatal(err)
 	}
 	pipes := splice.NewPipePool(0, 0)
-	cfg := Config{Verifier: v, Policy: pol, Registry: f.reg, Pipes: pipes, PreambleTimeout: 2 * time.Second}
+	// PreambleTimeout outlasts a preamble read whose goroutine waits
+	// seconds for a CPU (-race, every package's tests on two cores: a read
+	// that starts after its deadline fails though the bytes are there);
+	// the tests of the timeout set their own.
+	cfg := Config{Verifier: v, Policy: pol, Registry: f.reg, Pipes: pipes, PreambleTimeout: 10 * time.Second}
 	if mod != nil {
 		mod(&cfg)
 	}

@@ -25,6 +25,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -196,6 +197,7 @@ func Send(c *net.UnixConn, kind uint16, payload []byte, files ...*os.File) error
 		if len(fds) > 0 {
 			oob = unix.UnixRights(fds...)
 		}
+		msgSync.Add(1)
 		n, oobn, err := c.WriteMsgUnix(msg, oob, nil)
 		if err != nil {
 			return fmt.Errorf("fdpass: send: %w", err)
@@ -206,6 +208,14 @@ func Send(c *net.UnixConn, kind uint16, payload []byte, files ...*os.File) error
 		return nil
 	})
 }
+
+// msgSync orders, for the race detector, what a goroutine did before it
+// sent a message before what a goroutine of the same process does after it
+// received it (both ends of a session in one process, as in tests): the
+// socket guarantees that order, but the detector sees none through
+// sendmsg(2) and recvmsg(2) (package syscall marks read and write only,
+// with its ioSync), and reported races that cannot happen.
+var msgSync atomic.Int64
 
 // withFDs calls f with the descriptors of files, each held by its file's
 // Control so that none is closed meanwhile.
@@ -235,6 +245,7 @@ func Receive(c *net.UnixConn, lim Limits) (*Message, error) {
 	buf := *bp
 	oob := make([]byte, unix.CmsgSpace(lim.files()*4))
 	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
+	msgSync.Load()
 	// Descriptors first: whatever else went wrong, the kernel installed
 	// them in this process.
 	fds, perr := parseRights(oob[:oobn])

@@ -315,12 +315,12 @@ func (c *Conn) HandshakeContext(ctx context.Context) error {
 	if c.hsDone.Load() {
 		return c.hsErr
 	}
-	c.hsErr = c.handshake(ctx)
+	var state tls.ConnectionState
+	state, c.hsErr = c.handshake(ctx)
 	c.hsDone.Store(true)
 	if c.hsErr == nil && c.kernelTX() && c.kernelRX() && !c.resume {
 		// Dropped after hsDone: a caller that finds tlsConn nil knows
 		// the handshake ended, both directions in the kernel.
-		state := c.tlsConn.Load().ConnectionState()
 		c.finalState.Store(&state)
 		c.tlsConn.Store(nil)
 	}
@@ -329,13 +329,14 @@ func (c *Conn) HandshakeContext(ctx context.Context) error {
 
 // handshake runs under hsMu; nothing reads the socket before it returns,
 // so the ULP is never installed under a concurrent reader (CVE-2025-38616:
-// kTLS must own the receive queue from the moment it is attached).
-func (c *Conn) handshake(ctx context.Context) error {
+// kTLS must own the receive queue from the moment it is attached). It
+// returns the session's state after a completed handshake.
+func (c *Conn) handshake(ctx context.Context) (tls.ConnectionState, error) {
 	start := time.Now()
 	if err := c.tlsConn.Load().HandshakeContext(ctx); err != nil {
 		c.off = Offload{Reason: ReasonHandshakeFailed}
 		c.report(Event{Kind: EventHandshake, Offload: c.off, Err: err, Duration: time.Since(start)})
-		return err
+		return tls.ConnectionState{}, err
 	}
 	state := c.tlsConn.Load().ConnectionState()
 	c.hsWrites = c.record.writes.Load()
@@ -351,7 +352,7 @@ func (c *Conn) handshake(ctx context.Context) error {
 		c.raw.Close()
 		c.report(ev)
 		c.report(Event{Kind: EventClosed, Offload: c.off, Err: err})
-		return &OffloadError{Reason: reason, Err: err}
+		return state, &OffloadError{Reason: reason, Err: err}
 	case c.opts.RequireOffload && c.off.TX == ModeUserspace:
 		// A refusal, and the session is in userspace TLS: a reset. A
 		// close_notify would tell the peer that its stream is complete.
@@ -359,10 +360,10 @@ func (c *Conn) handshake(ctx context.Context) error {
 		c.report(ev)
 		c.report(Event{Kind: EventRefused, Offload: c.off, Err: oerr})
 		c.abort(AlertAccessDenied)
-		return oerr
+		return state, oerr
 	}
 	c.report(ev)
-	return nil
+	return state, nil
 }
 
 func (c *Conn) report(ev Event) {

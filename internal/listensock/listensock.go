@@ -112,6 +112,9 @@ type socket struct {
 	// the first shed, on which shedRaw accepts: Go's listener offers no
 	// accept(2) of its own descriptor without making a connection of it.
 	raw *os.File
+	// rawWarned: opening raw failed, and said so once (it is tried again
+	// at each shed; meanwhile the listener sheds after Go's accept).
+	rawWarned bool
 	// halted is set with a deadline in the past on ln and raw: shedRaw
 	// accepts no more.
 	halted atomic.Bool
@@ -246,11 +249,18 @@ func canonical(hostport string) (string, uint16, error) {
 		if ip, err = netip.ParseAddr(host); err != nil {
 			return "", 0, fmt.Errorf("host %q is not an IP address: a socket is handed over by its address, and a name could resolve to another one in the process that adopts it; listen on an IP address, or on every address (no host)", host)
 		}
-		if ip = ip.Unmap(); ip.IsUnspecified() {
-			ip = netip.IPv6Unspecified()
-		}
+		ip = canonicalIP(ip)
 	}
 	return netip.AddrPortFrom(ip, uint16(port)).String(), uint16(port), nil
+}
+
+// canonicalIP is ip in the form of a socket's key: IPv4-mapped IPv6 as
+// IPv4, and every wildcard as IPv6's.
+func canonicalIP(ip netip.Addr) netip.Addr {
+	if ip = ip.Unmap(); ip.IsUnspecified() {
+		return netip.IPv6Unspecified()
+	}
+	return ip
 }
 
 // loop accepts connections on s while some Accept waits, and hands each
@@ -277,8 +287,9 @@ func (s *socket) loop() {
 			if s.raw == nil {
 				if f, err := s.ln.File(); err == nil {
 					s.raw = f
-				} else {
-					logger.Warn("cannot shed connections below Go's accept: caddy-l4's handlers shed them", zap.String("address", s.addr), zap.Error(err))
+				} else if !s.rawWarned {
+					s.rawWarned = true
+					logger.Warn("cannot shed connections below Go's accept: the listener sheds them after it", zap.String("address", s.addr), zap.Error(err))
 				}
 			}
 			shedding = s.raw != nil

@@ -112,11 +112,7 @@ func canonicalAddr(addr net.Addr) netip.AddrPort {
 		return netip.AddrPort{}
 	}
 	ap := a.AddrPort()
-	ip := ap.Addr().Unmap()
-	if ip.IsUnspecified() {
-		ip = netip.IPv6Unspecified()
-	}
-	return netip.AddrPortFrom(ip, ap.Port())
+	return netip.AddrPortFrom(canonicalIP(ap.Addr()), ap.Port())
 }
 
 // errShed stands for a connection that a listener accepted and shed.

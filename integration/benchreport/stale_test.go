@@ -68,7 +68,10 @@ const (
 	// sinceAcceptShed: the change of 2026-12-06 that moved the shed of
 	// max_handshakes below caddy-l4 on the bench's forwarders.
 	sinceAcceptShed = "tcp-retry and tcp-handoff listeners shedding below caddy-l4 for the ktls handlers (a registration per handler and local address, a check per accept) and the bench's forwarder contenders listening on tcp-retry/ (past capacity their sheds cost a third of what these reports measured)"
-	sinceStacks     = "the ktls handler's handshake and the forwarder's opening of a tunnel (preamble check, target dial, OnOpen) each on a goroutine of its own (two goroutine starts per connection, 16 KiB less stack per open tunnel), and the load bench giving its Caddy contenders an admin endpoint (a unix socket, scraped once per step)"
+	// sinceReview: the review's refactors of 2026-12-06, after the last
+	// measurements that day.
+	sinceReview = "the review's refactors: the handshake's ConnectionState taken once instead of twice (one copy fewer per kTLS connection) and the listeners' address rule in one helper (no path changed)"
+	sinceStacks = "the ktls handler's handshake and the forwarder's opening of a tunnel (preamble check, target dial, OnOpen) each on a goroutine of its own (two goroutine starts per connection, 16 KiB less stack per open tunnel), and the load bench giving its Caddy contenders an admin endpoint (a unix socket, scraped once per step)"
 )
 
 // knownStale are reports measured before a change to the code they
@@ -77,10 +80,11 @@ const (
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
 	"gateway.md":             "measured 2026-12-05 on e74e0d7 (recorded), within 2.4 % of the run before it; since: " + sinceStacks,
-	"load.md":                "measured 2026-12-06 on a099b3e (recorded), the host quiet; since: a doc comment of internal/listensock (no code)",
+	"load.md":                "measured 2026-12-06 on a099b3e (recorded), the host quiet; since: a doc comment of internal/listensock (no code), and " + sinceReview,
+	"ttfb.md":                "measured 2026-12-06 on 86c9365 (recorded), the host quiet; since: " + sinceReview,
 	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed,
 	"load-gateway.md":        "measured 2026-12-05 on bf86a16 (recorded), the host quiet; since: the sandbox_handoff app holding the Go collector off while tunnels move (during an upgrade only, on no tunnel's path), and a Pause that lands on a half-close waiting for it (the half-close through one more call); since: " + sinceAcceptShed,
-	"small-calls.md":         "measured 2026-12-06 on 23b6857 (recorded); since: the load mode's go_memory field (integration/bench/load*.go, code the small shapes do not run)",
+	"small-calls.md":         "measured 2026-12-06 on 23b6857 (recorded); since: the load mode's go_memory field (integration/bench/load*.go, code the small shapes do not run), and " + sinceReview,
 	"small-mtls.md":          "measured 2026-12-05 on 794c39e (recorded); since: " + sinceGoneForwarder + ", some 1-2 µs against a per-call tunnel's 5.6 ms of CPU here, and " + sinceStacks + " (small-calls.md, rerun after them, moved by 1.2 % at most)",
 	"gateway-resumption.md":  "measured 2026-12-05 on 794c39e (recorded); since: " + sinceGoneGateway,
 	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun; since: " + sinceGoneForwarder,

@@ -230,6 +230,11 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 	for _, shape := range p.Shapes {
 		r := &benchjson.LoadResult{Contender: name, Shape: shape}
 		results = append(results, r)
+		// The shape before may have left work in flight: its tunnels
+		// would count here, their key installs in its window.
+		if settled := settleHops(context.Background(), hops, time.Minute); settled > time.Second {
+			log.Printf("   %s %s: waited %.1f s for the contender to settle", name, shape, settled.Seconds())
+		}
 		stat0, statErr := kerneltest.ReadStat()
 		conns0, counters0 := env.up.conns.Load(), scrapeHops(hops)
 		g := c.gateway(env, shape == "per-call")

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sync/atomic"
 	"syscall"
@@ -200,5 +201,39 @@ func TestKeyInstallCountsULPFallbacks(t *testing.T) {
 	offloadOf(r, c)
 	if len(r.Errors) != 2 {
 		t.Errorf("errors %v, want TX and RX short of 651", r.Errors)
+	}
+}
+
+// A chain settles only once its counters stop moving, however idle its
+// CPU: a tunnel its gateway counts late belongs to the shape that opened
+// it, not to the next one's tallies.
+func TestSettleWaitsForCounters(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "admin.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var scrapes atomic.Int64
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "caddy_ktls_gateway_dials_total{module=\"m\",result=\"ok\"} %d\n", min(scrapes.Add(1), 4))
+	})}
+	go srv.Serve(ln)
+	defer srv.Close()
+	// An idle process stands for both hops.
+	idle := exec.Command("sleep", "60")
+	if err := idle.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { idle.Process.Kill(); idle.Wait() }()
+	hops := []loadHop{{name: "gateway", pid: idle.Process.Pid, admin: sock}, {name: "forwarder", pid: idle.Process.Pid}}
+	settleHops(t.Context(), hops, time.Minute)
+	// Scrapes 1–2, 3–4 differ (1→2, 3→4); 5–6 read 4 and 4.
+	if n := scrapes.Load(); n != 6 {
+		t.Errorf("settled after %d scrapes, want 6: the first pair of equal ones", n)
+	}
+	scrapes.Store(10)
+	settleHops(t.Context(), hops, time.Minute)
+	if n := scrapes.Load(); n != 12 {
+		t.Errorf("a settled chain took %d scrapes, want 2", n-10)
 	}
 }

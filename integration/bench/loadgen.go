@@ -7,12 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptrace"
 	"net/netip"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -439,21 +441,32 @@ func waitUntil(ctx context.Context, t time.Time) {
 	}
 }
 
-// settle waits until the contender is idle: its CPU (every process's
-// together) below idleCores over a half-second window, up to limit. A step that overloaded it can
-// leave work behind (connections its clients abandoned, still queued),
-// which would otherwise burden the next step. It returns how long it
-// waited.
+// settle waits until the contender is idle (settleHops), up to limit. A
+// step that overloaded it can leave work behind (connections its clients
+// abandoned, still queued), which would otherwise burden the next step.
+// It returns how long it waited.
 func (g *loadGen) settle(ctx context.Context, limit time.Duration) time.Duration {
+	return settleHops(ctx, g.hops, limit)
+}
+
+// settleHops waits, up to limit, until hops are idle: their CPU (every
+// process's together) below idleCores over a half-second window and, for a
+// chain, none of their counters moved in it. A chain's gateway counts a
+// tunnel when its first byte passes, which can be long after its
+// handshakes (a tunnel whose user gave up waits out the forwarder's
+// queue): a shape's tallies (key installs per tunnel) start once none is
+// left in flight. It returns how long it waited.
+func settleHops(ctx context.Context, hops []loadHop, limit time.Duration) time.Duration {
 	const window, idleCores = 500 * time.Millisecond, 0.05
 	start := time.Now()
 	for time.Since(start) < limit && ctx.Err() == nil {
-		a, err := sampleHops(g.hops)
+		c0 := scrapeHops(hops) // outside the CPU window: a scrape costs the hop CPU
+		a, err := sampleHops(hops)
 		if err != nil || len(a) == 0 {
 			break
 		}
 		time.Sleep(window)
-		b, err := sampleHops(g.hops)
+		b, err := sampleHops(hops)
 		if err != nil {
 			break
 		}
@@ -461,11 +474,17 @@ func (g *loadGen) settle(ctx context.Context, limit time.Duration) time.Duration
 		for _, c := range hopCPUs(a, b, window.Seconds()) {
 			cores += c
 		}
-		if cores < idleCores {
+		if cores < idleCores && countersEqual(c0, scrapeHops(hops)) {
 			break
 		}
 	}
 	return time.Since(start)
+}
+
+// countersEqual reports whether two scrapes of the same hops read the same
+// series with the same values.
+func countersEqual(a, b []map[string]float64) bool {
+	return slices.EqualFunc(a, b, func(x, y map[string]float64) bool { return maps.Equal(x, y) })
 }
 
 // selfCPU is this process's user+system CPU time so far.

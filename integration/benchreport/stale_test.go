@@ -62,7 +62,6 @@ var benchReports = []struct {
 // The changes of 2026-12-05 that every report measured before them misses.
 const (
 	sinceGoneForwarder = "ktls.Conn.Gone and the forwarder's gateway-gone check before each target dial (one getsockopt(TCP_INFO) per tunnel), and, on no tunnel's path, an upgrade's old process serving the connections it accepted before the switch, a handoff's block of tunnel IDs and its holding the Go collector off while tunnels move, and a Pause that lands on a half-close waiting for it (the half-close through one more call)"
-	sinceGoneGateway   = sinceGoneForwarder + ", and the gateway's user-gone checks (one getsockopt(TCP_INFO) before the dial and one before the preamble per tunnel)"
 	// sinceStacks: the changes of 2026-12-06 that made reports measured
 	// the day before stale.
 	// sinceAcceptShed: the change of 2026-12-06 that moved the shed of
@@ -84,8 +83,6 @@ var knownStale = map[string]string{
 	"ttfb.md":                "measured 2026-12-06 on 86c9365 (recorded), the host quiet; since: " + sinceReview,
 	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed,
 	"small-calls.md":         "measured 2026-12-06 on 23b6857 (recorded); since: the load mode's go_memory field (integration/bench/load*.go, code the small shapes do not run), and " + sinceReview,
-	"small-mtls.md":          "measured 2026-12-05 on 794c39e (recorded); since: " + sinceGoneForwarder + ", some 1-2 µs against a per-call tunnel's 5.6 ms of CPU here, and " + sinceStacks + " (small-calls.md, rerun after them, moved by 1.2 % at most)",
-	"gateway-resumption.md":  "measured 2026-12-05 on 794c39e (recorded); since: " + sinceGoneGateway,
 	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun; since: " + sinceGoneForwarder,
 	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder,
 	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder,

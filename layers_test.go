@@ -52,11 +52,12 @@ var layers = []layer{
 		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/listensock", "internal/upgrade"}},
 	{"modules/edgegateway", true, []string{"ktls", "splice", "preamble", "gateway",
 		"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/upgrade"}},
+	{"modules/handoff", true, []string{"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/handoff", "internal/listensock", "internal/upgrade"}},
 	{"internal/cli", true, []string{"ktls", "preamble", "gateway", "internal/offload"}},
 
 	// The root: the map, and the TLS offload modules.
 	{"", true, []string{"ktls", "internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/offload", "internal/listensock",
-		"modules/forwarder", "modules/edgegateway", "internal/cli"}},
+		"modules/forwarder", "modules/edgegateway", "modules/handoff", "internal/cli"}},
 	{"cmd/caddy", true, []string{""}},
 
 	// Tools and examples beside the product.

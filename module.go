@@ -26,6 +26,8 @@
 //	layer4.handlers.sandbox_proxy          modules/edgegateway  proxy.go
 //	http.handlers.sandbox_lookup           modules/edgegateway  lookup.go
 //	layer4.handlers.sandbox_lookup         modules/edgegateway  lookupl4.go
+//	sandbox_handoff                        modules/handoff      handoff.go
+//	admin.api.sandbox_handoff              modules/handoff      admin.go
 //
 // The `tcp-retry` and `tcp-handoff` listener networks are
 // internal/listensock (acceptretry.go imports it); the `caddy ktls` and
@@ -45,4 +47,5 @@ import (
 	_ "github.com/ktlsingress/caddy-ktls/internal/cli"
 	_ "github.com/ktlsingress/caddy-ktls/modules/edgegateway"
 	_ "github.com/ktlsingress/caddy-ktls/modules/forwarder"
+	_ "github.com/ktlsingress/caddy-ktls/modules/handoff"
 )

@@ -18,6 +18,7 @@ const (
 	SandboxLookupHTTP = "http.handlers.sandbox_lookup"
 	SandboxLookupL4   = "layer4.handlers.sandbox_lookup"
 	SandboxHandoff    = "sandbox_handoff"
+	AdminHandoff      = "admin.api.sandbox_handoff"
 )
 
 // The roles: which modules move which metrics. The metrics' series are

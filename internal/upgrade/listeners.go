@@ -1,7 +1,8 @@
 // Package upgrade is the Caddy glue that the features share for a binary
-// upgrade without dropping a tunnel (the sandbox_handoff app): the load
-// check of the listeners that serve a moving handler, and the registry of
-// the features that move objects besides the forwarder's own.
+// upgrade without dropping a tunnel (the sandbox_handoff app,
+// modules/handoff): the load check of the listeners that serve a moving
+// handler, and the registry of what the features move (the process state,
+// the participants' objects).
 package upgrade
 
 import (

@@ -1,6 +1,7 @@
 package upgrade
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -8,24 +9,103 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"time"
+
+	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 )
 
-// The sandbox_handoff app (modules/forwarder) moves the process state, the
-// forwarder's standby connections and tunnels itself; a feature that moves
-// other objects in the same session registers a Participant at init: the
-// old process's app offers the participants' objects once its own have
-// moved, and the new one's hands each object of a participant's Kind to
-// its Adopt.
+// The sandbox_handoff app (modules/handoff) moves what the features
+// register here: first the process state (State: the forwarder's report
+// stream and replay caches), then the objects of every Participant in
+// Order (the forwarder's standby connections and tunnels, an edge
+// gateway's tunnels). The old process's app offers them; the new one's
+// hands each object of a participant's Kind to its Adopt.
+
+// State is the process state a feature moves before any object: once the
+// new process holds it, the new process serves; before, a failure leaves
+// everything with the old one. One at most (the forwarder's).
+type State struct {
+	// Versions names the encodings of everything this build moves (the
+	// state's and the participants' objects'): two builds hand over only
+	// when theirs are the same.
+	Versions string
+	// Settle waits, in the old process once it stopped accepting, until
+	// the connections it accepted before have finished opening (their
+	// handshake, their preamble), or until deadline: a tunnel that opened
+	// after the state moved would stand outside it. It reports whether
+	// they did, and what is still opening as log fields.
+	Settle func(deadline time.Time) (settled bool, opening []zap.Field)
+	// Export encodes the state in the old process. done(true) says that
+	// the new process holds it for good: the old one must not use it any
+	// more (its report stream); done(false) that it does not: the old
+	// one goes on with it.
+	Export func() (state []byte, done func(handedOver bool), err error)
+	// Adopt takes the state over in the new process; an error refuses it,
+	// and the upgrade fails.
+	Adopt func(state []byte) error
+	// Ended runs in the new process once the handoff has ended, whatever
+	// came of the objects: until then the old process may take the state
+	// back (its report stream), so the new one must not act on it.
+	Ended func()
+}
+
+var processState struct {
+	mu  sync.Mutex
+	set bool
+	s   State
+}
+
+// RegisterState registers the process state; a second one panics.
+func RegisterState(s State) {
+	processState.mu.Lock()
+	defer processState.mu.Unlock()
+	if processState.set {
+		panic("upgrade: a process state already registered")
+	}
+	processState.s, processState.set = s, true
+}
+
+// ProcessState returns the registered process state, false for none.
+func ProcessState() (State, bool) {
+	processState.mu.Lock()
+	defer processState.mu.Unlock()
+	return processState.s, processState.set
+}
+
+// The names of the forwarder's participants: their counts are
+// UpgradeResponse's own fields (moved, standby_moved), every other
+// participant's are under its name in the answer's others.
+const (
+	NameSandbox = "sandbox" // the forwarder's tunnels
+	NameStandby = "standby" // the gateways' standby connections at a forwarder
+)
 
 // Participant is a feature's part in an upgrade.
 type Participant struct {
-	// Name names the feature in the handoff's logs and answer (e.g.
-	// "gateway": the fields gateway_moved, gateway_stayed, gateway_tunnels).
+	// Name names the feature in the handoff's answer (NameSandbox,
+	// NameStandby, or a key of its others: "gateway").
 	Name string
 	// Kind is the handoff object kind it moves and adopts (internal/handoff).
 	Kind uint16
+	// Order places its Move among the others', lowest first (the
+	// forwarder's standby connections before its tunnels: one whose first
+	// preamble byte arrives as it moves opens a tunnel, which the tunnels'
+	// Move then offers).
+	Order int
+	// Tunnels says its objects are tunnels: counted in
+	// caddy_ktls_sandbox_handoff_tunnels_total, their pauses observed.
+	Tunnels bool
+	// Noun names one of its objects in the logs ("tunnel", "standby
+	// connection", "gateway tunnel").
+	Noun string
+	// StayMessage is the old process's log line for an object that stays,
+	// StayKey the field that names it.
+	StayMessage, StayKey string
+	// MovedField and StayedField name its counts in the old process's log
+	// line of the handoff, AdoptedField in the new one's.
+	MovedField, StayedField, AdoptedField string
 	// Move offers every object of this process's feature to m, in the old
 	// process, and returns what became of them, one that stays named for
 	// the logs (a tunnel's route, say).
@@ -52,12 +132,14 @@ func Register(p Participant) {
 	participants.list = append(participants.list, p)
 }
 
-// Participants returns the registered participants, in order of
-// registration.
+// Participants returns the registered participants in Order, those of
+// one Order in order of registration.
 func Participants() []Participant {
 	participants.mu.Lock()
 	defer participants.mu.Unlock()
-	return slices.Clone(participants.list)
+	list := slices.Clone(participants.list)
+	slices.SortStableFunc(list, func(a, b Participant) int { return cmp.Compare(a.Order, b.Order) })
+	return list
 }
 
 // ForKind returns the participant that adopts kind, false for none.

@@ -25,10 +25,18 @@ import (
 
 func init() {
 	upgrade.Register(upgrade.Participant{
-		Name:  "gateway",
-		Kind:  handoff.KindGatewayTunnel,
-		Move:  proxies.move,
-		Adopt: proxies.adopt,
+		Name:         "gateway",
+		Kind:         handoff.KindGatewayTunnel,
+		Order:        2, // after the forwarder's, in a process with both
+		Tunnels:      true,
+		Noun:         "gateway tunnel",
+		StayMessage:  "gateway tunnel stays in this process until it ends or the drain ends it",
+		StayKey:      "tunnel",
+		MovedField:   "gateway_moved",
+		StayedField:  "gateway_stayed",
+		AdoptedField: "gateway_tunnels",
+		Move:         proxies.move,
+		Adopt:        proxies.adopt,
 	})
 }
 

@@ -68,14 +68,18 @@ func testProxy(t *testing.T, name string) (*Proxy, *observer.ObservedLogs) {
 	return &Proxy{dialer: d, moveName: name, logger: zap.New(core)}, logs
 }
 
-// The gateway participant is registered for the gateway's tunnels.
+// The gateway participant is registered for the gateway's tunnels, which
+// are counted as tunnels and named in the handoff's logs.
 func TestGatewayParticipantRegistered(t *testing.T) {
 	p, ok := upgrade.ForKind(handoff.KindGatewayTunnel)
-	if !ok || p.Name != "gateway" || p.Move == nil || p.Adopt == nil {
-		t.Fatalf("upgrade.ForKind(KindGatewayTunnel) = %+v, %v; want the gateway participant", p, ok)
+	if !ok || p.Name != "gateway" || p.Move == nil || p.Adopt == nil || !p.Tunnels {
+		t.Fatalf("upgrade.ForKind(KindGatewayTunnel) = %+v, %v; want the gateway participant, its objects tunnels", p, ok)
+	}
+	if p.MovedField != "gateway_moved" || p.StayedField != "gateway_stayed" || p.AdoptedField != "gateway_tunnels" || p.StayKey != "tunnel" {
+		t.Errorf("log fields %q %q %q %q, want gateway_moved, gateway_stayed, gateway_tunnels and tunnel", p.MovedField, p.StayedField, p.AdoptedField, p.StayKey)
 	}
 	if _, ok := upgrade.ForKind(handoff.KindTunnel); ok {
-		t.Error("a participant adopts the forwarder's tunnels, which the sandbox_handoff app adopts itself")
+		t.Error("the edge gateway's package adopts the forwarder's tunnels")
 	}
 }
 

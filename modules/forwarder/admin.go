@@ -33,11 +33,9 @@ func init() {
 //     refused after a close, and the rejections counted so far by reason;
 //   - POST /sandbox/close: ends the tunnels of a sandbox or of a client
 //     certificate (CloseRequest), at once or after a grace period, and
-//     optionally refuses new tunnels to the sandbox for a while;
-//   - POST /sandbox/upgrade: starts the binary now installed at this
-//     process's path, with its arguments, which takes the listening
-//     sockets and the tunnels over (sandbox_handoff), and answers what
-//     moved (UpgradeResponse); this process then exits.
+//     optionally refuses new tunnels to the sandbox for a while.
+//
+// POST /sandbox/upgrade is modules/handoff's (admin.api.sandbox_handoff).
 //
 // The GETs read live counters and never block the data path.
 type AdminAPI struct{}
@@ -53,7 +51,6 @@ func (AdminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/sandbox/tunnels", Handler: caddy.AdminHandlerFunc(serveTunnels)},
 		{Pattern: "/sandbox/activity", Handler: caddy.AdminHandlerFunc(serveActivity)},
 		{Pattern: "/sandbox/close", Handler: caddy.AdminHandlerFunc(serveClose)},
-		{Pattern: "/sandbox/upgrade", Handler: caddy.AdminHandlerFunc(serveUpgrade)},
 	}
 }
 

@@ -1,4 +1,4 @@
-package forwarder
+package handoff
 
 import (
 	"net/http"
@@ -20,8 +20,8 @@ func TestHandoffCompatible(t *testing.T) {
 		build string
 		ok    bool
 	}{
-		{"caddy-ktls/v1.2.3; states: " + stateVersions, true},
-		{"caddy-ktls/(devel); states: " + stateVersions, true},
+		{"caddy-ktls/v1.2.3; states: " + stateVersions(), true},
+		{"caddy-ktls/(devel); states: " + stateVersions(), true},
 		{"caddy-ktls/v1.2.3; states: tunnel 2, report 1, process 1, ktls 1", false},
 		{"caddy-ktls/v1.2.3", false},
 		{"", false},
@@ -30,7 +30,7 @@ func TestHandoffCompatible(t *testing.T) {
 		if (err == nil) != tc.ok {
 			t.Errorf("build %q: %v, want accepted %v", tc.build, err, tc.ok)
 		}
-		if err != nil && (!strings.Contains(err.Error(), stateVersions) || !strings.Contains(err.Error(), "restart")) {
+		if err != nil && (!strings.Contains(err.Error(), stateVersions()) || !strings.Contains(err.Error(), "restart")) {
 			t.Errorf("build %q: %q does not name this build's encodings and the way out", tc.build, err)
 		}
 	}

@@ -1,12 +1,14 @@
-package forwarder
+package handoff
 
 import (
-	"encoding/json"
+	"context"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -15,20 +17,87 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 
-	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
+	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 )
 
 // Either process of an upgrade dies during the handoff, at a point the
 // test chooses: the other serves on with what it holds. The dying one is
 // a child process (this test binary in a peer mode), so that its death is
-// real: its sockets close and its pidfd says it exited.
+// real: its sockets close and its pidfd says it exited. The process state
+// and the objects are the test's (fake), registered as a forwarder
+// registers its own: the app's part is what it does with them.
 
 func TestMain(m *testing.M) {
+	upgrade.RegisterState(upgrade.State{
+		Versions: "test 1",
+		Settle:   func(time.Time) (bool, []zap.Field) { return true, nil },
+		Export:   fake.export,
+		Adopt:    fake.adopt,
+		Ended:    fake.ended,
+	})
+	upgrade.Register(upgrade.Participant{
+		Name: upgrade.NameSandbox, Kind: handoff.KindTunnel, Tunnels: true, Noun: "tunnel",
+		StayMessage: "test tunnel stays", StayKey: "id", MovedField: "moved", StayedField: "stayed", AdoptedField: "tunnels",
+		Move: func(context.Context, handoff.Mover) handoff.MoveResult[string] {
+			var res handoff.MoveResult[string]
+			res.Stay(handoff.Stay[string]{Object: "7", Why: handoff.StayNotMovable})
+			return res
+		},
+		Adopt: func([]byte, []*os.File) (func(), func(), error) { return func() {}, func() {}, nil },
+	})
 	if mode := os.Getenv("FORWARDER_HANDOFF_PEER"); mode != "" {
 		os.Exit(handoffPeer(mode, os.Getenv("FORWARDER_HANDOFF_PATH")))
 	}
 	os.Exit(m.Run())
+}
+
+// fakeState is the test's process state: what it exported and adopted,
+// and each done and Ended call.
+type fakeState struct {
+	mu      sync.Mutex
+	dones   []bool
+	adopted []string
+	ends    int
+}
+
+var fake fakeState
+
+// peerState is the state the dying old process hands over.
+const peerState = "state of the old process"
+
+func (f *fakeState) export() ([]byte, func(bool), error) {
+	return []byte("state of this process"), func(moved bool) {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		f.dones = append(f.dones, moved)
+	}, nil
+}
+
+func (f *fakeState) adopt(state []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.adopted = append(f.adopted, string(state))
+	return nil
+}
+
+func (f *fakeState) ended() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.ends++
+}
+
+// reset forgets every call so far.
+func (f *fakeState) reset() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.dones, f.adopted, f.ends = nil, nil, 0
+}
+
+func (f *fakeState) calls() (dones []bool, adopted []string, ended int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.dones), slices.Clone(f.adopted), f.ends
 }
 
 // faultTimeout is the handoff timeout of the fault tests.
@@ -38,8 +107,7 @@ const faultTimeout = 2 * time.Second
 //   - "new-dies-after-state": a new process that adopts the old one's
 //     process state and dies before the handoff's end;
 //   - "old-dies-after-state": an old process that hands its process state
-//     over (written to PATH.state too, for the test) and dies before the
-//     end;
+//     (peerState) over and dies before the end;
 //   - "old-dies-before-state": an old process that dies once the new one
 //     asked for its tunnels.
 func handoffPeer(mode, path string) int {
@@ -67,22 +135,7 @@ func handoffPeer(mode, path string) int {
 	if mode == "old-dies-before-state" {
 		os.Exit(3)
 	}
-	reg := forward.NewRegistry()
-	tun, _, err := reg.Open("sbx-fault", "10.9.0.1:80", forward.Origin{}, 0)
-	if err != nil {
-		return 2
-	}
-	tun.AddToSandbox(1234)
-	tun.Close()
-	st, _, err := reg.HandOff()
-	if err != nil {
-		return 2
-	}
-	state, _ := json.Marshal(processState{Version: processStateVersion, Reports: st})
-	if os.WriteFile(path+".state", state, 0o600) != nil {
-		return 2
-	}
-	if fate, _ := sess.Move(handoff.KindProcess, state); fate != handoff.Moved {
+	if fate, _ := sess.Move(handoff.KindProcess, []byte(peerState)); fate != handoff.Moved {
 		return 2
 	}
 	os.Exit(3)
@@ -111,27 +164,12 @@ func exitedWith(t *testing.T, cmd *exec.Cmd) {
 	}
 }
 
-// freshRegistry gives the test a registry of its own as the process's.
-func freshRegistry(t *testing.T) {
-	saved := tunnels
-	tunnels = forward.NewRegistry()
-	t.Cleanup(func() { tunnels = saved })
-}
-
 // The new process dies after it adopted the process state, before the
-// handoff's end: the old process takes its report stream back (the same
-// stream, every byte, nothing reported twice) and serves on.
+// handoff's end: the old process takes its state back (done(false), once)
+// and serves on; its answer names the death and what stayed.
 func TestHandoffNewProcessDiesAfterState(t *testing.T) {
-	freshRegistry(t)
-	tun, _, err := tunnels.Open("sbx-stays", "10.9.0.2:80", forward.Origin{}, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tun.Close()
-	tun.AddFromSandbox(777)
-	started := tunnels.Started()
+	fake.reset()
 	before := counterValue(handoffs.WithLabelValues("old", "peer_died"))
-
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	ln, err := handoff.Listen(path)
 	if err != nil {
@@ -152,23 +190,16 @@ func TestHandoffNewProcessDiesAfterState(t *testing.T) {
 	if got := counterValue(handoffs.WithLabelValues("old", "peer_died")) - before; got != 1 {
 		t.Errorf("handoffs{old,peer_died} %+v, want +1", got)
 	}
-	rep, ok := tunnels.TakeReport("fwd")
-	if !ok || rep.Sequence != 1 || !rep.ProcessStart.Equal(started.UTC()) {
-		t.Fatalf("the old process's report after the failed handoff: ok %v, %+v; want sequence 1 of its own stream (started %v)", ok, rep.ReportID, started)
-	}
-	if len(rep.Sandboxes) != 1 || rep.Sandboxes[0].Sandbox != "sbx-stays" || rep.Sandboxes[0].BytesFromSandbox != 777 {
-		t.Errorf("the old process's report after the failed handoff: %+v; want sbx-stays' 777 bytes", rep.Sandboxes)
-	}
-	if _, _, err := tunnels.HandOff(); err != nil {
-		t.Errorf("the next handoff: %v", err)
+	if dones, _, _ := fake.calls(); !slices.Equal(dones, []bool{false}) {
+		t.Errorf("the state's done calls %v, want one: false (this process takes it back)", dones)
 	}
 }
 
 // The old process dies after it handed its process state over, before the
-// handoff's end: the new process serves on with the adopted stream, and
-// reports it (it took no report during the handoff).
+// handoff's end: the new process serves on with the state it adopted, and
+// acts on it once the handoff has ended (Ended).
 func TestHandoffOldProcessDiesAfterState(t *testing.T) {
-	freshRegistry(t)
+	fake.reset()
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	peer := startPeer(t, "old-dies-after-state", path)
 	waitFile(t, path+".ready")
@@ -176,28 +207,18 @@ func TestHandoffOldProcessDiesAfterState(t *testing.T) {
 	h := &Handoff{Socket: path, Timeout: caddy.Duration(faultTimeout), logger: zap.NewNop()}
 	h.takeTunnels(&handoff.Hello{PID: peer.Process.Pid})
 	exitedWith(t, peer)
-	var ps processState
-	b, err := os.ReadFile(path + ".state")
-	if err != nil || json.Unmarshal(b, &ps) != nil {
-		t.Fatalf("the old process's state: %v", err)
-	}
 	if got := counterValue(handoffs.WithLabelValues("new", "done")) - before; got != 1 {
 		t.Errorf("handoffs{new,done} %+v, want +1: the state moved", got)
 	}
-	rep, ok := tunnels.TakeReport("fwd")
-	if !ok || rep.Sequence != 1 || !rep.ProcessStart.Equal(ps.Reports.Started.UTC()) {
-		t.Fatalf("the new process's report: ok %v, %+v; want sequence 1 of the adopted stream (started %v)", ok, rep.ReportID, ps.Reports.Started)
-	}
-	if len(rep.Sandboxes) != 1 || rep.Sandboxes[0].BytesToSandbox != 1234 || rep.Sandboxes[0].TotalBytesToSandbox != 1234 {
-		t.Errorf("the new process's report: %+v; want sbx-fault's 1234 bytes", rep.Sandboxes)
+	if _, adopted, ended := fake.calls(); !slices.Equal(adopted, []string{peerState}) || ended != 1 {
+		t.Errorf("adopted %q, Ended %d times; want the old process's state once, then Ended once", adopted, ended)
 	}
 }
 
 // The old process dies once asked for its tunnels, before its state
-// moved: the new process serves as after a restart, a stream of its own.
+// moved: the new process serves as after a restart, with nothing adopted.
 func TestHandoffOldProcessDiesBeforeState(t *testing.T) {
-	freshRegistry(t)
-	started := tunnels.Started()
+	fake.reset()
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	peer := startPeer(t, "old-dies-before-state", path)
 	waitFile(t, path+".ready")
@@ -208,22 +229,15 @@ func TestHandoffOldProcessDiesBeforeState(t *testing.T) {
 	if got := counterValue(handoffs.WithLabelValues("new", "peer_died")) - before; got != 1 {
 		t.Errorf("handoffs{new,peer_died} %+v, want +1", got)
 	}
-	tun, _, err := tunnels.Open("sbx-new", "10.9.0.3:80", forward.Origin{}, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tun.AddToSandbox(5)
-	tun.Close()
-	rep, ok := tunnels.TakeReport("fwd")
-	if !ok || rep.Sequence != 1 || !rep.ProcessStart.Equal(started.UTC()) {
-		t.Fatalf("the new process's report: ok %v, %+v; want sequence 1 of its own stream", ok, rep.ReportID)
+	if _, adopted, ended := fake.calls(); len(adopted) != 0 || ended != 0 {
+		t.Errorf("adopted %q, Ended %d times; want nothing", adopted, ended)
 	}
 }
 
 // A new process whose running process is gone (nobody at the socket, its
 // PID exited) serves as after a restart.
 func TestHandoffOldProcessGone(t *testing.T) {
-	freshRegistry(t)
+	fake.reset()
 	gone := exec.Command("true")
 	if err := gone.Run(); err != nil {
 		t.Fatal(err)
@@ -240,6 +254,9 @@ func TestHandoffOldProcessGone(t *testing.T) {
 	h.takeTunnels(&handoff.Hello{PID: gone.Process.Pid})
 	if got := counterValue(handoffs.WithLabelValues("new", "peer_died")) - before; got != 1 {
 		t.Errorf("handoffs{new,peer_died} %+v, want +1", got)
+	}
+	if _, adopted, _ := fake.calls(); len(adopted) != 0 {
+		t.Errorf("adopted %q, want nothing", adopted)
 	}
 }
 

@@ -70,7 +70,10 @@ const (
 	// sinceReview: the review's refactors of 2026-12-06, after the last
 	// measurements that day.
 	sinceReview = "the review's refactors: the handshake's ConnectionState taken once instead of twice (one copy fewer per kTLS connection) and the listeners' address rule in one helper (no path changed)"
-	sinceStacks = "the ktls handler's handshake and the forwarder's opening of a tunnel (preamble check, target dial, OnOpen) each on a goroutine of its own (two goroutine starts per connection, 16 KiB less stack per open tunnel), and the load bench giving its Caddy contenders an admin endpoint (a unix socket, scraped once per step)"
+	// sinceHandoffPackage: the sandbox_handoff app moved into a package of
+	// its own, after the last measurements of 2026-12-06.
+	sinceHandoffPackage = "the sandbox_handoff app moved from modules/forwarder into modules/handoff, the forwarder registering its state and objects with internal/upgrade (the upgrade's path only: no tunnel's or handshake's path changed)"
+	sinceStacks         = "the ktls handler's handshake and the forwarder's opening of a tunnel (preamble check, target dial, OnOpen) each on a goroutine of its own (two goroutine starts per connection, 16 KiB less stack per open tunnel), and the load bench giving its Caddy contenders an admin endpoint (a unix socket, scraped once per step)"
 )
 
 // knownStale are reports measured before a change to the code they
@@ -78,15 +81,16 @@ const (
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"gateway.md":             "measured 2026-12-05 on e74e0d7 (recorded), within 2.4 % of the run before it; since: " + sinceStacks,
-	"load.md":                "measured 2026-12-06 on a099b3e (recorded), the host quiet; since: a doc comment of internal/listensock (no code), and " + sinceReview,
-	"ttfb.md":                "measured 2026-12-06 on 86c9365 (recorded), the host quiet; since: " + sinceReview,
-	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed,
-	"small-calls.md":         "measured 2026-12-06 on 23b6857 (recorded); since: the load mode's go_memory field (integration/bench/load*.go, code the small shapes do not run), and " + sinceReview,
-	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun; since: " + sinceGoneForwarder,
-	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder,
-	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder,
-	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder,
+	"load-gateway.md":        "measured 2026-12-06 on d519806 (recorded), the host quiet; since: " + sinceHandoffPackage,
+	"gateway.md":             "measured 2026-12-05 on e74e0d7 (recorded), within 2.4 % of the run before it; since: " + sinceStacks + "; and " + sinceHandoffPackage,
+	"load.md":                "measured 2026-12-06 on a099b3e (recorded), the host quiet; since: a doc comment of internal/listensock (no code), and " + sinceReview + "; and " + sinceHandoffPackage,
+	"ttfb.md":                "measured 2026-12-06 on 86c9365 (recorded), the host quiet; since: " + sinceReview + "; and " + sinceHandoffPackage,
+	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed + "; and " + sinceHandoffPackage,
+	"small-calls.md":         "measured 2026-12-06 on 23b6857 (recorded); since: the load mode's go_memory field (integration/bench/load*.go, code the small shapes do not run), and " + sinceReview + "; and " + sinceHandoffPackage,
+	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
+	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
+	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
+	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
 }
 
 // git runs git in the repository root and returns its trimmed output.

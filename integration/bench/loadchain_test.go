@@ -128,18 +128,10 @@ func TestLoadStepRecordsHops(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer up.close()
-	sock := filepath.Join(t.TempDir(), "admin.sock")
-	ln, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var scrapes atomic.Int64
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		n := scrapes.Add(1)
-		fmt.Fprintf(w, "# TYPE caddy_ktls_gateway_dials_total counter\ncaddy_ktls_gateway_dials_total{module=\"m\",result=\"overloaded\"} %d\ncaddy_ktls_gateway_dials_total{module=\"m\",result=\"ok\"} 7\n", 5*n)
-	})}
-	go srv.Serve(ln)
-	defer srv.Close()
+	sock := fakeAdmin(t, func() string {
+		return fmt.Sprintf("# TYPE caddy_ktls_gateway_dials_total counter\ncaddy_ktls_gateway_dials_total{module=\"m\",result=\"overloaded\"} %d\ncaddy_ktls_gateway_dials_total{module=\"m\",result=\"ok\"} 7\n", 5*scrapes.Add(1))
+	})
 	gen := newLoadGen(true, 4, []func(context.Context) (net.Conn, error){plainDialer(up.rawAddr())}, "", nil, "", 64, 64, 5*time.Second)
 	gen.hops = []loadHop{{name: "gateway", pid: os.Getpid(), admin: sock}, {name: "forwarder", pid: os.Getpid()}}
 	s := gen.step(t.Context(), 100, 200*time.Millisecond, 1)
@@ -208,17 +200,10 @@ func TestKeyInstallCountsULPFallbacks(t *testing.T) {
 // CPU: a tunnel its gateway counts late belongs to the shape that opened
 // it, not to the next one's tallies.
 func TestSettleWaitsForCounters(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "admin.sock")
-	ln, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var scrapes atomic.Int64
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		fmt.Fprintf(w, "caddy_ktls_gateway_dials_total{module=\"m\",result=\"ok\"} %d\n", min(scrapes.Add(1), 4))
-	})}
-	go srv.Serve(ln)
-	defer srv.Close()
+	sock := fakeAdmin(t, func() string {
+		return fmt.Sprintf("caddy_ktls_gateway_dials_total{module=\"m\",result=\"ok\"} %d\n", min(scrapes.Add(1), 4))
+	})
 	// An idle process stands for both hops.
 	idle := exec.Command("sleep", "60")
 	if err := idle.Start(); err != nil {
@@ -236,4 +221,19 @@ func TestSettleWaitsForCounters(t *testing.T) {
 	if n := scrapes.Load(); n != 12 {
 		t.Errorf("a settled chain took %d scrapes, want 2", n-10)
 	}
+}
+
+// fakeAdmin serves, for the test, an admin endpoint on a unix socket whose
+// every response is body's, and returns the socket's path.
+func fakeAdmin(t *testing.T, body func() string) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "admin.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, body()) })}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return sock
 }

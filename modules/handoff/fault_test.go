@@ -222,16 +222,8 @@ func TestHandoffOldProcessDiesBeforeState(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	peer := startPeer(t, "old-dies-before-state", path)
 	waitFile(t, path+".ready")
-	before := counterValue(handoffs.WithLabelValues("new", "peer_died"))
-	h := &Handoff{Socket: path, Timeout: caddy.Duration(faultTimeout), logger: zap.NewNop()}
-	h.takeTunnels(&handoff.Hello{PID: peer.Process.Pid}) // returns: it does not exit
+	takeAlone(t, path, peer.Process.Pid)
 	exitedWith(t, peer)
-	if got := counterValue(handoffs.WithLabelValues("new", "peer_died")) - before; got != 1 {
-		t.Errorf("handoffs{new,peer_died} %+v, want +1", got)
-	}
-	if _, adopted, ended := fake.calls(); len(adopted) != 0 || ended != 0 {
-		t.Errorf("adopted %q, Ended %d times; want nothing", adopted, ended)
-	}
 }
 
 // A new process whose running process is gone (nobody at the socket, its
@@ -249,14 +241,22 @@ func TestHandoffOldProcessGone(t *testing.T) {
 	}
 	ln.SetUnlinkOnClose(false)
 	ln.Close() // the socket file stays, nobody listens: ECONNREFUSED
+	takeAlone(t, path, gone.Process.Pid)
+}
+
+// takeAlone runs a new process's ask for the tunnels of the process pid
+// at path, which must end as after a restart: it returns (the process
+// does not exit), counts the handoff as peer_died and adopts nothing.
+func takeAlone(t *testing.T, path string, pid int) {
+	t.Helper()
 	before := counterValue(handoffs.WithLabelValues("new", "peer_died"))
 	h := &Handoff{Socket: path, Timeout: caddy.Duration(faultTimeout), logger: zap.NewNop()}
-	h.takeTunnels(&handoff.Hello{PID: gone.Process.Pid})
+	h.takeTunnels(&handoff.Hello{PID: pid})
 	if got := counterValue(handoffs.WithLabelValues("new", "peer_died")) - before; got != 1 {
 		t.Errorf("handoffs{new,peer_died} %+v, want +1", got)
 	}
-	if _, adopted, _ := fake.calls(); len(adopted) != 0 {
-		t.Errorf("adopted %q, want nothing", adopted)
+	if _, adopted, ended := fake.calls(); len(adopted) != 0 || ended != 0 {
+		t.Errorf("adopted %q, Ended %d times; want nothing", adopted, ended)
 	}
 }
 

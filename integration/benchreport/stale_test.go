@@ -67,9 +67,6 @@ const (
 	// sinceAcceptShed: the change of 2026-12-06 that moved the shed of
 	// max_handshakes below caddy-l4 on the bench's forwarders.
 	sinceAcceptShed = "tcp-retry and tcp-handoff listeners shedding below caddy-l4 for the ktls handlers (a registration per handler and local address, a check per accept) and the bench's forwarder contenders listening on tcp-retry/ (past capacity their sheds cost a third of what these reports measured)"
-	// sinceReview: the review's refactors of 2026-12-06, after the last
-	// measurements that day.
-	sinceReview = "the review's refactors: the handshake's ConnectionState taken once instead of twice (one copy fewer per kTLS connection) and the listeners' address rule in one helper (no path changed)"
 	// sinceHandoffPackage: the sandbox_handoff app moved into a package of
 	// its own, after the last measurements of 2026-12-06.
 	sinceHandoffPackage = "the sandbox_handoff app moved from modules/forwarder into modules/handoff, the forwarder registering its state and objects with internal/upgrade (the upgrade's path only: no tunnel's or handshake's path changed)"
@@ -83,8 +80,6 @@ const (
 var knownStale = map[string]string{
 	"load-gateway.md":        "measured 2026-12-06 on d519806 (recorded), the host quiet; since: " + sinceHandoffPackage,
 	"gateway.md":             "measured 2026-12-05 on e74e0d7 (recorded), within 2.4 % of the run before it; since: " + sinceStacks + "; and " + sinceHandoffPackage,
-	"load.md":                "measured 2026-12-06 on a099b3e (recorded), the host quiet; since: a doc comment of internal/listensock (no code), and " + sinceReview + "; and " + sinceHandoffPackage,
-	"ttfb.md":                "measured 2026-12-06 on 86c9365 (recorded), the host quiet; since: " + sinceReview + "; and " + sinceHandoffPackage,
 	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed + "; and " + sinceHandoffPackage,
 	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
 	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,

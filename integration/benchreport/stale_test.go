@@ -64,9 +64,6 @@ const (
 	sinceGoneForwarder = "ktls.Conn.Gone and the forwarder's gateway-gone check before each target dial (one getsockopt(TCP_INFO) per tunnel), and, on no tunnel's path, an upgrade's old process serving the connections it accepted before the switch, a handoff's block of tunnel IDs and its holding the Go collector off while tunnels move, and a Pause that lands on a half-close waiting for it (the half-close through one more call)"
 	// sinceStacks: the changes of 2026-12-06 that made reports measured
 	// the day before stale.
-	// sinceAcceptShed: the change of 2026-12-06 that moved the shed of
-	// max_handshakes below caddy-l4 on the bench's forwarders.
-	sinceAcceptShed = "tcp-retry and tcp-handoff listeners shedding below caddy-l4 for the ktls handlers (a registration per handler and local address, a check per accept) and the bench's forwarder contenders listening on tcp-retry/ (past capacity their sheds cost a third of what these reports measured)"
 	// sinceHandoffPackage: the sandbox_handoff app moved into a package of
 	// its own, after the last measurements of 2026-12-06.
 	sinceHandoffPackage = "the sandbox_handoff app moved from modules/forwarder into modules/handoff, the forwarder registering its state and objects with internal/upgrade (the upgrade's path only: no tunnel's or handshake's path changed)"
@@ -78,9 +75,7 @@ const (
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"load-gateway.md":        "measured 2026-12-06 on d519806 (recorded), the host quiet; since: " + sinceHandoffPackage,
 	"gateway.md":             "measured 2026-12-05 on e74e0d7 (recorded), within 2.4 % of the run before it; since: " + sinceStacks + "; and " + sinceHandoffPackage,
-	"load-10k.md":            "measured 2026-12-06 on 60de93b (recorded), the host quiet; its memory figures are those of the code before the stacks change (docs/bench/README.md gives both, at 2,000 tunnels); since: " + sinceStacks + "; and " + sinceAcceptShed + "; and " + sinceHandoffPackage,
 	"results.md":             "measured 2026-12-02 (inferred: 71044e0); the forwarder changed since (close_notify required, lingering refusals, expect_no_pad, sandbox IDs lowercased); small-calls.md re-measured the small shapes on 2026-12-03 and again on 2026-12-05 (794c39e), the bulk shapes were not rerun; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
 	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
 	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,

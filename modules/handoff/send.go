@@ -138,10 +138,14 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	}
 	moved := moveParticipants(sess)
 	out.count(moved)
-	tunnelsMoved := 0
+	// What moved and stayed of the tunnels, every participant's together.
+	tunnelsMoved, stayed := 0, 0
+	var pauses []time.Duration
 	for _, m := range moved {
 		if m.p.Tunnels {
 			tunnelsMoved += m.res.Moved
+			stayed += len(m.res.Stays)
+			pauses = append(pauses, m.res.Pauses...)
 		}
 	}
 	if err := sess.Finish(); err != nil && sess.PeerDied() {
@@ -160,14 +164,6 @@ func (s *sender) sendTunnels(sess *handoff.Sender) UpgradeResponse {
 	done(true)
 	upgrade.HandedOver()
 	handoffs.WithLabelValues("old", "done").Inc()
-	var pauses []time.Duration
-	stayed := 0
-	for _, m := range moved {
-		if m.p.Tunnels {
-			pauses = append(pauses, m.res.Pauses...)
-			stayed += len(m.res.Stays)
-		}
-	}
 	handoffTunnels.WithLabelValues("moved").Add(float64(tunnelsMoved))
 	handoffTunnels.WithLabelValues("stayed").Add(float64(stayed))
 	for _, p := range pauses {

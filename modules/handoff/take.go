@@ -78,8 +78,7 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 	// As in the running process (sendTunnels), no collection while the
 	// tunnels arrive.
 	defer handoff.HoldCollection(handoff.CollectionHeadroom)()
-	participants := upgrade.Participants()
-	adopted := make([]int, len(participants))
+	adopted := map[string]int{} // by participant
 	refused := 0
 	for {
 		it, err := r.Next()
@@ -99,36 +98,26 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 		// several in flight at once. By the end of the loop every one has
 		// had its verdict.
 		kept := func() { refused++ }
-		i := kindIndex(participants, it.Kind)
-		if i < 0 {
+		p, ok := upgrade.ForKind(it.Kind)
+		if !ok {
 			it.Refuse(fmt.Sprintf("object kind %d offered where tunnels were asked for", it.Kind))
 			refused++
 			continue
 		}
-		adopt(h.logger, participants[i], it, func() { adopted[i]++ }, kept)
+		adopt(h.logger, p, it, func() { adopted[p.Name]++ }, kept)
 	}
 	fields := []zap.Field{zap.Int("pid", peer.PID), zap.String("build", peer.Build)}
 	tunnels := 0
-	for i, p := range participants {
-		fields = append(fields, zap.Int(p.AdoptedField, adopted[i]))
+	for _, p := range upgrade.Participants() {
+		fields = append(fields, zap.Int(p.AdoptedField, adopted[p.Name]))
 		if p.Tunnels {
-			tunnels += adopted[i]
+			tunnels += adopted[p.Name]
 		}
 	}
 	fields = append(fields, zap.Int("refused", refused), zap.Duration("duration", time.Since(start)))
 	handoffTunnels.WithLabelValues("adopted").Add(float64(tunnels))
 	handoffTunnels.WithLabelValues("refused").Add(float64(refused))
 	h.logger.Info("took the running process's tunnels over", fields...)
-}
-
-// kindIndex is the index of the participant that adopts kind, -1 for none.
-func kindIndex(ps []upgrade.Participant, kind uint16) int {
-	for i, p := range ps {
-		if p.Kind == kind {
-			return i
-		}
-	}
-	return -1
 }
 
 // adopt takes an object of participant p over and runs it once the

@@ -62,12 +62,9 @@ var benchReports = []struct {
 // The changes of 2026-12-05 that every report measured before them misses.
 const (
 	sinceGoneForwarder = "ktls.Conn.Gone and the forwarder's gateway-gone check before each target dial (one getsockopt(TCP_INFO) per tunnel), and, on no tunnel's path, an upgrade's old process serving the connections it accepted before the switch, a handoff's block of tunnel IDs and its holding the Go collector off while tunnels move, and a Pause that lands on a half-close waiting for it (the half-close through one more call)"
-	// sinceStacks: the changes of 2026-12-06 that made reports measured
-	// the day before stale.
 	// sinceHandoffPackage: the sandbox_handoff app moved into a package of
 	// its own, after the last measurements of 2026-12-06.
 	sinceHandoffPackage = "the sandbox_handoff app moved from modules/forwarder into modules/handoff, the forwarder registering its state and objects with internal/upgrade (the upgrade's path only: no tunnel's or handshake's path changed)"
-	sinceStacks         = "the ktls handler's handshake and the forwarder's opening of a tunnel (preamble check, target dial, OnOpen) each on a goroutine of its own (two goroutine starts per connection, 16 KiB less stack per open tunnel), and the load bench giving its Caddy contenders an admin endpoint (a unix socket, scraped once per step)"
 )
 
 // knownStale are reports measured before a change to the code they
@@ -75,7 +72,6 @@ const (
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"gateway.md":             "measured 2026-12-05 on e74e0d7 (recorded), within 2.4 % of the run before it; since: " + sinceStacks + "; and " + sinceHandoffPackage,
 	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
 	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,
 	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage,

@@ -5,7 +5,7 @@
 #
 # usage: integration/device.sh kit   here: build the kit (stripped,
 #                                    xz-compressed binaries of this checkout)
-#                                    into $BUILD/device-kit, some 25 MiB
+#                                    into $BUILD/device-kit, some 21 MiB
 #        integration/device.sh run   there: unpack the kit and measure,
 #                                    writing $OUT/device.md and the logs
 #
@@ -43,10 +43,9 @@ kit)
   go build -ldflags='-s -w' -o "$KIT/caddy" ./cmd/caddy
   go build -ldflags='-s -w' -o "$KIT/bench" ./integration/bench
   go test -c -ldflags='-s -w' -o "$KIT/forward.test" ./forward
-  git rev-parse HEAD >"$KIT/commit"
-  if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
-    echo "$(cat "$KIT/commit") with uncommitted changes" >"$KIT/commit"
-  fi
+  commit=$(git rev-parse HEAD)
+  [ -n "$(git status --porcelain --untracked-files=no)" ] && commit+=" with uncommitted changes"
+  echo "$commit" >"$KIT/commit"
   for f in caddy bench forward.test; do xz -T0 -6 "$KIT/$f"; done
   log "device kit: $(du -sh "$KIT" | cut -f1) in $KIT ($(cat "$KIT/commit"))"
   exit 0 ;;
@@ -56,6 +55,7 @@ esac
 
 OUT=${OUT:?run writes its results under \$OUT}
 [ -f "$KIT/commit" ] || die "no kit in $KIT: run '$0 kit' here and carry it"
+commit=$(cat "$KIT/commit")
 start=$(now)
 budget=${DEVICE_BUDGET:-540}
 left() { awk -v s="$start" -v b="$budget" -v n="$(now)" 'BEGIN { printf "%d", b - (n - s) }'; }
@@ -72,7 +72,7 @@ for f in caddy bench forward.test; do
 done
 
 ncpu=$(nproc)
-say "# Device run of $(cat "$KIT/commit")"
+say "# Device run of $commit"
 say ""
 say "- $(uname -srm), $ncpu CPUs, $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo)"
 modprobe tls 2>/dev/null
@@ -128,19 +128,17 @@ say "## Under load (issue 34)"
 say ""
 peers=l4-proxy
 for p in haproxy nginx; do command -v "$p" >/dev/null && peers+=",$p"; done
-gen="2-$((ncpu - 1))"
-[ "$ncpu" -le 2 ] && gen=1
-pin=0,1
-[ "$ncpu" -le 2 ] && pin=0
+# The contender on two CPUs, the generator on the rest (a 2-CPU check: one each).
+if [ "$ncpu" -le 2 ]; then pin=0 gen=1; else pin=0,1 gen="2-$((ncpu - 1))"; fi
 # Half of what is left each: per-call first (its shedding is the goal).
 half=$(( $(left) / 2 ))
 step load-percall "$half" taskset -c "$gen" "$bin/bench" load -mode native -pin-contender "$pin" \
-  -caddy "$bin/caddy" -commit "$(cat "$KIT/commit")" -label device-percall \
+  -caddy "$bin/caddy" -commit "$commit" -label device-percall \
   -contenders "$fwd,$peers,reverse-proxy" -shapes per-call -tunnels "$tunnels" -targets 1000 -bulk 4 \
   -step "$step" -unloaded-rate 100 -unloaded-step 4 -max-rate "$per_call_max" -search-steps "$search" \
   -out "$OUT/load-percall.json"
 step load-reuse "$(left)" taskset -c "$gen" "$bin/bench" load -mode native -pin-contender "$pin" \
-  -caddy "$bin/caddy" -commit "$(cat "$KIT/commit")" -label device-reuse \
+  -caddy "$bin/caddy" -commit "$commit" -label device-reuse \
   -contenders "$fwd,$peers" -shapes reuse -tunnels "$tunnels" -targets 1000 -bulk 4 \
   -step "$step" -unloaded-rate 200 -unloaded-step 4 -max-rate "$reuse_max" -search-steps "$search" \
   -out "$OUT/load-reuse.json"

@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -143,6 +144,8 @@ type front struct {
 	ln      net.Listener
 	wg      sync.WaitGroup
 	results chan relayResult
+	// opened counts the tunnels Carry reported open (onDial, nil).
+	opened atomic.Int32
 }
 
 type relayResult struct {
@@ -190,6 +193,7 @@ func startFrontWith(t *testing.T, p pki, d *Dialer, route Route, opts ktls.Optio
 					r.dials = append(r.dials, err)
 					if err == nil {
 						r.offload = tunnel.Offload()
+						fr.opened.Add(1)
 					}
 				})
 				fr.results <- r

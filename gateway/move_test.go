@@ -23,9 +23,21 @@ import (
 )
 
 // startStreams opens n user streams (forwardtest.RunStream) through fr,
-// once d carries each, and waits for bytes of each to have reached up;
-// finish lets them end, as the test's cleanup does.
+// once d carries each, and waits for bytes to reach up and for Carry to
+// report each tunnel open; finish lets them end, as the test's cleanup
+// does.
 func startStreams(t *testing.T, fr *front, roots *tls.Config, d *Dialer, up *forwardtest.Upstream, n int) *streams {
+	t.Helper()
+	s := openStreams(t, fr, roots, d, up, n)
+	// Bytes moving on some tunnels say nothing of the others: a tunnel
+	// opens at the forwarder's first byte, which a loaded machine may
+	// hold back while its user's bytes already flow.
+	waitUntil(t, "every tunnel opened", func() bool { return fr.opened.Load() == int32(n) })
+	return s
+}
+
+// openStreams is startStreams without waiting for the tunnels to open.
+func openStreams(t *testing.T, fr *front, roots *tls.Config, d *Dialer, up *forwardtest.Upstream, n int) *streams {
 	t.Helper()
 	release := make(chan struct{})
 	s := &streams{users: make([]*forwardtest.Stream, n), release: sync.OnceFunc(func() { close(release) })}

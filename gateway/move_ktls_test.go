@@ -196,3 +196,89 @@ func TestKernelGatewayMoveTunnels(t *testing.T) {
 	}
 	t.Logf("pauses %v; KeyUpdates applied by the moved sessions: %v (user), %v (forwarder)", res.Pauses, userUpdates.byPeer, tunnelUpdates.applied)
 }
+
+// A kernel TLS tunnel that moves before it opened (the forwarder's first
+// byte not yet relayed, though its user's bytes reach the sandbox) is
+// reported open once, by the process that adopted it: Carry ends it
+// EndMoved having told onDial nothing, and the adopted Run tells onDial
+// nil once the sandbox answers. Every byte arrives exact both ways, and
+// the counts go on from the move.
+func TestKernelGatewayMoveBeforeOpen(t *testing.T) {
+	kerneltest.Require(t)
+	const n = 2
+	forwardtest.CheckLeaks(t)
+	ktls.Probe() // cached for the process: its throwaway sessions stay out of the counters
+	p := newPKI(t)
+	gw := forwardtest.NewGateway(t, "gw-1")
+	hold := make(chan struct{})
+	holding := sync.OnceFunc(func() { close(hold) })
+	defer holding()
+	up := forwardtest.NewHeldUpstream(t, 16<<10, 2*time.Millisecond, hold)
+	f := startForwarder(t, p, gw, "127.0.0.0/8")
+	opts := ktls.Options{RequireOffload: true}
+	old, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: opts, UserKTLS: opts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	nu, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: opts, UserKTLS: opts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nu.Close()
+	fr := startFrontWith(t, p, old, Route{Forwarder: f.addr(), Sandbox: "sbx-early", Target: up.Addr()}, opts)
+	stat0, err := kerneltest.ReadStat()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	s := openStreams(t, fr, p.client, old, up, n)
+	waitUntil(t, "the sandbox's connection of each tunnel", func() bool { return up.Accepted() == n })
+	if got := fr.opened.Load(); got != 0 {
+		t.Fatalf("%d tunnels reported open before the sandbox sent a byte", got)
+	}
+	m := &adoptingMover{t: t, to: nu}
+	res := old.MoveTunnels(context.Background(), m)
+	if res.Moved != n || len(res.Stays) != 0 {
+		t.Fatalf("moved %d, stays %v; want all %d moved", res.Moved, res.Stays, n)
+	}
+	results := make(chan carryResult, n)
+	var runs sync.WaitGroup
+	var ended atomic.Int32
+	m.run(&runs, results, &ended)
+	holding()
+	s.finish()
+	up.Close()
+	runs.Wait()
+	close(results)
+	ups := up.Results()
+	forwardtest.ExactBothWays(t, s.users, ups)
+
+	for range n {
+		if r := fr.result(t); r.end != EndMoved || r.err != nil || len(r.dials) != 0 {
+			t.Errorf("Carry: end %s, %v, dials %v; want %s, onDial told nothing", r.end, r.err, r.dials, EndMoved)
+		}
+	}
+	var carriedTo, carriedFrom, upTo, upFrom int64
+	for r := range results {
+		if r.end != EndClosed || r.err != nil || len(r.dials) != 1 || r.dials[0] != nil || !r.stats.AToB.Spliced || !r.stats.BToA.Spliced {
+			t.Errorf("adopted Run: end %s, %v, dials %v, %+v; want %s splicing both ways, reported open once", r.end, r.err, r.dials, r.stats, EndClosed)
+		}
+		carriedTo += r.stats.AToB.Bytes
+		carriedFrom += r.stats.BToA.Bytes
+	}
+	for _, r := range ups {
+		upTo += r.Received
+		upFrom += r.Sent
+	}
+	if carriedTo != upTo || carriedFrom != upFrom || upFrom == 0 {
+		t.Errorf("the adopted tunnels counted %d bytes to and %d from the sandbox; it received %d and sent %d", carriedTo, carriedFrom, upTo, upFrom)
+	}
+	stat1, err := kerneltest.ReadStat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := stat1.Sub(stat0); d["TlsDecryptError"] != 0 || d["TlsTxSw"] != 3*n || d["TlsRxSw"] != 3*n {
+		t.Errorf("tls_stat deltas %v: want no decrypt error and exactly %d sessions installed each way (none again at an adoption)", d, 3*n)
+	}
+}

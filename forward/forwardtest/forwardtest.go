@@ -143,23 +143,41 @@ func NewPacedUpstream(t testing.TB, chunk int, pace time.Duration) *Upstream {
 	})
 }
 
+// NewHeldUpstream is NewPacedUpstream whose connections send nothing until
+// hold is closed: a sandbox service that has not answered yet.
+func NewHeldUpstream(t testing.TB, chunk int, pace time.Duration, hold <-chan struct{}) *Upstream {
+	t.Helper()
+	return newUpstream(t, "127.0.0.1:0", func(conn int, clientDone <-chan struct{}) io.Reader {
+		return &pacedReader{src: NewPattern(replySeed(conn)), chunk: chunk, pace: pace, stop: clientDone, hold: hold}
+	})
+}
+
 // replySeed is the pattern seed of the conn-th connection's reply: far from
 // the small seeds clients use, so that a tunnel echoing its client's bytes
 // back does not look like the reply.
 func replySeed(conn int) uint64 { return 1<<32 + uint64(conn) }
 
-// pacedReader yields chunk bytes of src at once and then every pace, and
-// io.EOF once stop is closed.
+// pacedReader yields chunk bytes of src once hold is closed (at once
+// where hold is nil) and then every pace, and io.EOF once stop is closed.
 type pacedReader struct {
 	src   io.Reader
 	chunk int
 	pace  time.Duration
 	stop  <-chan struct{}
+	hold  <-chan struct{}
 	left  int // bytes of the current chunk not read yet
 	timer *time.Timer
 }
 
 func (p *pacedReader) Read(b []byte) (int, error) {
+	if p.hold != nil {
+		select {
+		case <-p.stop:
+			return 0, io.EOF
+		case <-p.hold:
+			p.hold = nil
+		}
+	}
 	if p.left == 0 {
 		if p.timer != nil {
 			select {

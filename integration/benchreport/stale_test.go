@@ -20,7 +20,7 @@ var (
 		"internal/sockerr", "internal/loopback", "internal/cphttp", "cmd/caddy", "integration/bench",
 		"modules/forwarder", "internal/moduleid", "internal/caddymetrics", "internal/offload", "internal/controlplane",
 		"internal/l4conn", "internal/logsummary", "internal/caddyfileargs", "internal/cli", "internal/listensock", "integration/internal/benchjson",
-		":(exclude,glob)**/*_test.go",
+		":(exclude,glob)**/*_test.go", ":(exclude)" + unlinkedTestSupport,
 	}
 	// The gateway modules, which only the gateway chains (l7-l7, l7-l4,
 	// l4-l4) run in a Caddy process.
@@ -28,6 +28,10 @@ var (
 	measuredForwarder = append(append([]string{}, measuredCommon...), excludeAll(gatewayCode)...)
 	measuredGateway   = append(append([]string{}, measuredCommon...), gatewayCode...)
 )
+
+// unlinkedTestSupport is test support under a measured path that no
+// measured binary links (TestTestSupportNotLinked).
+const unlinkedTestSupport = "forward/forwardtest"
 
 func excludeAll(paths []string) []string {
 	var out []string
@@ -183,4 +187,28 @@ func TestBenchReportsMeasureCurrentCode(t *testing.T) {
 func itoa(n int) string {
 	b, _ := json.Marshal(n)
 	return string(b)
+}
+
+// The test support the measured code leaves out is linked by neither
+// measured binary: Caddy with this module and the bench's driver.
+func TestTestSupportNotLinked(t *testing.T) {
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skip("SKIP: no go command: what the binaries link cannot be listed")
+	}
+	cmd := exec.Command("go", "list", "-deps", "./cmd/caddy", "./integration/bench")
+	cmd.Dir = filepath.Join("..", "..")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list -deps: %v", err)
+	}
+	pkg := "github.com/ktlsingress/caddy-ktls/" + unlinkedTestSupport
+	deps := strings.Fields(string(out))
+	if len(deps) < 100 {
+		t.Fatalf("go list -deps listed %d packages, want the binaries' whole closure", len(deps))
+	}
+	for _, d := range deps {
+		if d == pkg || strings.HasPrefix(d, pkg+"/") {
+			t.Errorf("%s is linked into a measured binary: it is measured code, not test support", d)
+		}
+	}
 }

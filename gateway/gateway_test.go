@@ -138,6 +138,17 @@ func newDialer(t *testing.T, p pki, gw *forwardtest.Gateway) *Dialer {
 	return d
 }
 
+// newKTLSDialer is a Dialer whose tunnels to the forwarder and users'
+// sessions are offloaded as tunnel and user say.
+func newKTLSDialer(t *testing.T, p pki, gw *forwardtest.Gateway, tunnel, user ktls.Options) *Dialer {
+	t.Helper()
+	d, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: tunnel, UserKTLS: user})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
 // front is an edge gateway's user-facing side: it terminates the user's TLS
 // (kernel TLS where it can) and carries it to route (Dialer.Carry).
 type front struct {

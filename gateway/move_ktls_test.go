@@ -77,18 +77,12 @@ func TestKernelGatewayMoveTunnels(t *testing.T) {
 		userOpts.RecordLimit, userOpts.KeyUpdateLimit = 1024, ktls.Rate{PerSecond: 1e6, Burst: 1e6}
 		tunnelOpts.RecordLimit = 1024
 	}
-	old, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: tunnelOpts, UserKTLS: userOpts})
-	if err != nil {
-		t.Fatal(err)
-	}
+	old := newKTLSDialer(t, p, gw, tunnelOpts, userOpts)
 	defer old.Close()
 	var userUpdates, tunnelUpdates keyUpdates
 	nuUser, nuTunnel := userOpts, tunnelOpts
 	nuUser.Observer, nuTunnel.Observer = userUpdates.observe, tunnelUpdates.observe
-	nu, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: nuTunnel, UserKTLS: nuUser})
-	if err != nil {
-		t.Fatal(err)
-	}
+	nu := newKTLSDialer(t, p, gw, nuTunnel, nuUser)
 	defer nu.Close()
 	fr := startFrontWith(t, p, old, Route{Forwarder: f.addr(), Sandbox: "sbx-move", Target: up.Addr()}, userOpts)
 	stat0, err := kerneltest.ReadStat()
@@ -216,15 +210,9 @@ func TestKernelGatewayMoveBeforeOpen(t *testing.T) {
 	up := forwardtest.NewHeldUpstream(t, 16<<10, 2*time.Millisecond, hold)
 	f := startForwarder(t, p, gw, "127.0.0.0/8")
 	opts := ktls.Options{RequireOffload: true}
-	old, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: opts, UserKTLS: opts})
-	if err != nil {
-		t.Fatal(err)
-	}
+	old := newKTLSDialer(t, p, gw, opts, opts)
 	defer old.Close()
-	nu, err := New(Config{TLS: p.client, Signer: gw.Signer, KTLS: opts, UserKTLS: opts})
-	if err != nil {
-		t.Fatal(err)
-	}
+	nu := newKTLSDialer(t, p, gw, opts, opts)
 	defer nu.Close()
 	fr := startFrontWith(t, p, old, Route{Forwarder: f.addr(), Sandbox: "sbx-early", Target: up.Addr()}, opts)
 	stat0, err := kerneltest.ReadStat()

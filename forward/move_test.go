@@ -208,11 +208,7 @@ func TestMoveTunnelsMidStream(t *testing.T) {
 		movedTo += r.Relay.AToB.Bytes
 		movedFrom += r.Relay.BToA.Bytes
 	}
-	var upTo, upFrom int64
-	for _, r := range ups {
-		upTo += r.Received
-		upFrom += r.Sent
-	}
+	upTo, upFrom := forwardtest.Totals(ups)
 	if adopted != n || movedTo != upTo || movedFrom != upFrom {
 		t.Errorf("adopted %d tunnels counting %d bytes to and %d from the sandbox; the upstream received %d and sent %d",
 			adopted, movedTo, movedFrom, upTo, upFrom)
@@ -383,11 +379,7 @@ func TestMoveTunnelsWhileTheyEnd(t *testing.T) {
 			if moved != res.Moved || adopted != res.Moved {
 				t.Errorf("MoveTunnels says %d moved (stayed %v); the old process's Serve says %d, the new one adopted %d", res.Moved, res.Stayed, moved, adopted)
 			}
-			var upTo, upFrom int64
-			for _, r := range ups {
-				upTo += r.Received
-				upFrom += r.Sent
-			}
+			upTo, upFrom := forwardtest.Totals(ups)
 			if countedTo != upTo || countedFrom != upFrom {
 				t.Errorf("the tunnels' last relays count %d bytes to and %d from the sandbox, want %d and %d", countedTo, countedFrom, upTo, upFrom)
 			}

@@ -155,11 +155,7 @@ func TestKernelGatewayMoveTunnels(t *testing.T) {
 		carriedTo += r.stats.AToB.Bytes
 		carriedFrom += r.stats.BToA.Bytes
 	}
-	var upTo, upFrom int64
-	for _, r := range ups {
-		upTo += r.Received
-		upFrom += r.Sent
-	}
+	upTo, upFrom := forwardtest.Totals(ups)
 	if movedEnds != moved || endedHere != n-moved || adoptedEnds != moved || carriedTo != upTo || carriedFrom != upFrom {
 		t.Errorf("Carry ended moved %d, closed %d; adopted Runs closed %d; the tunnels counted %d bytes to and %d from the sandbox, "+
 			"the sandbox received %d and sent %d; want %d, %d, %d and the same bytes", movedEnds, endedHere, adoptedEnds, carriedTo, carriedFrom, upTo, upFrom,
@@ -247,7 +243,7 @@ func TestKernelGatewayMoveBeforeOpen(t *testing.T) {
 			t.Errorf("Carry: end %s, %v, dials %v; want %s, onDial told nothing", r.end, r.err, r.dials, EndMoved)
 		}
 	}
-	var carriedTo, carriedFrom, upTo, upFrom int64
+	var carriedTo, carriedFrom int64
 	for r := range results {
 		if r.end != EndClosed || r.err != nil || len(r.dials) != 1 || r.dials[0] != nil || !r.stats.AToB.Spliced || !r.stats.BToA.Spliced {
 			t.Errorf("adopted Run: end %s, %v, dials %v, %+v; want %s splicing both ways, reported open once", r.end, r.err, r.dials, r.stats, EndClosed)
@@ -255,10 +251,7 @@ func TestKernelGatewayMoveBeforeOpen(t *testing.T) {
 		carriedTo += r.stats.AToB.Bytes
 		carriedFrom += r.stats.BToA.Bytes
 	}
-	for _, r := range ups {
-		upTo += r.Received
-		upFrom += r.Sent
-	}
+	upTo, upFrom := forwardtest.Totals(ups)
 	if carriedTo != upTo || carriedFrom != upFrom || upFrom == 0 {
 		t.Errorf("the adopted tunnels counted %d bytes to and %d from the sandbox; it received %d and sent %d", carriedTo, carriedFrom, upTo, upFrom)
 	}

@@ -289,6 +289,15 @@ func (u *Upstream) Results() []Result {
 	return append([]Result(nil), u.results...)
 }
 
+// Totals sums what the connections of results received and sent.
+func Totals(results []Result) (received, sent int64) {
+	for _, r := range results {
+		received += r.Received
+		sent += r.Sent
+	}
+	return received, sent
+}
+
 // Pattern is a cheap deterministic byte stream (xorshift), so tests move
 // many MiB without paying for crypto/rand.
 type Pattern struct{ x uint64 }

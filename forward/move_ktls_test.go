@@ -274,7 +274,7 @@ type ktlsMoveFixture struct {
 	serves        sync.WaitGroup
 }
 
-func newKTLSMoveFixture(t *testing.T, opts ktls.Options, standbyTimeout time.Duration, served func(Result, error)) *ktlsMoveFixture {
+func newKTLSMoveFixture(t testing.TB, opts ktls.Options, standbyTimeout time.Duration, served func(Result, error)) *ktlsMoveFixture {
 	ktls.Probe() // cached for the process: its throwaway sessions stay out of the counters
 	ca := testpki.NewCA(t, "move CA")
 	serverLeaf, gatewayLeaf := ca.Server(t), ca.Client(t, "gateway")

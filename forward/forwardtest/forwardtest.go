@@ -380,7 +380,7 @@ func fdTargets() []string {
 // when they have not come back to that level within a few seconds. Empty
 // pipes kept for reuse by splice's default pool (two fds each) are not
 // leaks; a pipe still in use at cleanup is.
-func CheckLeaks(t *testing.T) {
+func CheckLeaks(t testing.TB) {
 	t.Helper()
 	pool := splice.DefaultPipePool()
 	fds, gs, idle := kerneltest.OpenFDs(t), runtime.NumGoroutine(), pool.Stats().Idle

@@ -22,11 +22,12 @@ var layers = []layer{
 	{"internal/loopback", false, nil},
 	{"internal/cphttp", false, nil},
 	{"internal/fdpass", false, nil},
+	{"internal/tcpfile", false, nil},
 	{"internal/handoff", false, []string{"internal/fdpass"}},
-	{"ktls", false, []string{"internal/loopback"}},
+	{"ktls", false, []string{"internal/loopback", "internal/tcpfile"}},
 	{"splice", false, []string{"internal/sockerr"}},
 	{"preamble", false, nil},
-	{"forward", false, []string{"preamble", "splice", "internal/cphttp", "internal/handoff"}},
+	{"forward", false, []string{"preamble", "splice", "internal/cphttp", "internal/handoff", "internal/tcpfile"}},
 	{"gateway", false, []string{"ktls", "preamble", "splice", "internal/cphttp", "internal/handoff"}},
 
 	// Test support: imported by tests only, never by a product package.

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
+	"github.com/ktlsingress/caddy-ktls/internal/tcpfile"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
@@ -235,7 +236,7 @@ func (f *Forwarder) Adopt(state []byte, files []*os.File) (*AdoptedTunnel, error
 	if err != nil {
 		return nil, fmt.Errorf("forward: moved tunnel %d: the gateway's connection: %w", mt.Tunnel.ID, err)
 	}
-	upstream, err := net.FileConn(files[1])
+	upstream, err := tcpfile.Conn(files[1]) // its liveness settings as they were
 	if err != nil {
 		release()
 		return nil, fmt.Errorf("forward: moved tunnel %d: the target's connection: %w", mt.Tunnel.ID, err)

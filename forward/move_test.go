@@ -14,6 +14,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/internal/splicetest"
+	"github.com/ktlsingress/caddy-ktls/internal/tcpfile"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
 
@@ -28,7 +29,7 @@ func tcpAdopt(state []byte, f *os.File) (net.Conn, func(), error) {
 	if string(state) != "tcp" {
 		return nil, nil, errors.New("not a tcp state")
 	}
-	c, err := net.FileConn(f)
+	c, err := tcpfile.Conn(f)
 	if err != nil {
 		return nil, nil, err
 	}

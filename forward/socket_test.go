@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -74,6 +75,69 @@ func TestSocketOptionsOnBothSockets(t *testing.T) {
 				t.Errorf("Serve: %v", errs[0])
 			}
 		})
+	}
+}
+
+// A moved tunnel's sockets keep the liveness options the old forwarder
+// gave them, read back with getsockopt(2) once only the adopted
+// descriptors are left: not the adopting forwarder's options (a tunnel
+// keeps what it was opened with, as across a reload), and not the defaults
+// Go sets on a connection made from a file (keepalive at 15 s, 9 probes).
+// The gateway's side here is plain TCP, adopted as the tests' tcpAdopt
+// does; ktls.Adopt keeps a kernel TLS socket's options the same way
+// (TestKernelAdopt).
+func TestMoveKeepsSocketOptions(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up := forwardtest.NewPacedUpstream(t, 1, time.Hour) // a byte, then quiet until the client's end
+	old := newFixture(t, func(c *Config) {
+		c.HandOffConn, c.AdoptConn = tcpHandOff, tcpAdopt
+		c.KeepAlive, c.TCPUserTimeout = 7*time.Second, 1500*time.Millisecond
+	})
+	nu, nuReg := newProcess(t, old.gw, func(c *Config) { c.KeepAlive, c.TCPUserTimeout = 11*time.Second, 2500*time.Millisecond })
+	c := old.dial(t)
+	defer c.Close()
+	if _, err := c.Write(old.gw.Frame(t, "sbx-sockopt", up.Addr())); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	results := make(chan Result, 1)
+	var runs sync.WaitGroup
+	if res, _ := upgrade(t, old.reg, nu, nuReg, results, &runs); res.Moved != 1 {
+		t.Fatalf("moved %d, stayed %v (%v); want the tunnel moved", res.Moved, res.Stayed, res.Stays)
+	}
+	old.wait(t, 1) // the old Serve has closed its descriptors
+	sides := map[string]netip.AddrPort{
+		"gateway side": c.LocalAddr().(*net.TCPAddr).AddrPort(),
+		"sandbox side": up.Addr(),
+	}
+	for side, peer := range sides {
+		fd := socketTo(t, peer)
+		for _, opt := range []struct {
+			name       string
+			level, opt int
+			want       int
+		}{
+			{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+			{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 7},
+			{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 7},
+			{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 3},
+			{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, 1500},
+			{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+		} {
+			if got, err := unix.GetsockoptInt(fd, opt.level, opt.opt); err != nil || got != opt.want {
+				t.Errorf("%s after the move: %s = %d (%v), want %d", side, opt.name, got, err, opt.want)
+			}
+		}
+	}
+	c.CloseWrite()
+	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
+		t.Errorf("the moved tunnel's end read %d bytes (%v), want its end alone", n, err)
+	}
+	runs.Wait()
+	if res := <-results; res.Moved || res.Relay.BToA.Bytes != 1 {
+		t.Errorf("adopted tunnel: moved %v, %d bytes down; want it ended here, its 1 byte counted", res.Moved, res.Relay.BToA.Bytes)
 	}
 }
 

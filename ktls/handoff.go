@@ -53,6 +53,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/tcpfile"
 )
 
 // HandoffVersion is the version of HandoffState's encoding. A decoder
@@ -287,7 +289,8 @@ var ErrAdoptMismatch = errors.New("ktls: the socket's kernel TLS state does not 
 
 // Adopt returns a Conn over a socket whose kernel TLS state another Conn
 // handed off (Handoff), in this process or another. It does not take f:
-// the Conn holds a duplicate, and the caller closes f. The socket must
+// the Conn holds a duplicate, and the caller closes f. The socket keeps
+// its options (Nagle, keepalive, TCP_USER_TIMEOUT) as they were. It must
 // carry the "tls" ULP with TLS_TX and TLS_RX installed for st's version and
 // cipher, at st's record sequence numbers, and for TLS 1.3 with the keys
 // st's secrets derive; otherwise Adopt fails (ErrAdoptMismatch, or an error
@@ -315,14 +318,11 @@ func Adopt(f *os.File, st HandoffState, opts Options) (*Conn, error) {
 		}
 		peerCerts = append(peerCerts, cert)
 	}
-	nc, err := net.FileConn(f)
+	// The socket keeps its Nagle and keepalive settings (net.FileConn
+	// alone would set Go's defaults on it).
+	sock, err := tcpfile.Conn(f)
 	if err != nil {
 		return nil, fmt.Errorf("ktls: adopt: %w", err)
-	}
-	sock, ok := nc.(*net.TCPConn)
-	if !ok {
-		nc.Close()
-		return nil, fmt.Errorf("ktls: adopt: %T is not a TCP connection", nc)
 	}
 	rawSock, err := sock.SyscallConn()
 	if err == nil {

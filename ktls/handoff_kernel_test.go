@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/fdpass"
+	"golang.org/x/sys/unix"
+
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
@@ -497,7 +499,8 @@ func handoffSameProcess(t *testing.T, server *Conn) (HandoffState, *os.File) {
 // sequence number, key, cipher or version is not the kernel's; the right
 // state then continues the session (the path back for a handoff whose
 // transfer failed). The closed ends travel: close_notify sent, and the
-// peer's close_notify received.
+// peer's close_notify received. The socket's own options (Nagle,
+// keepalive, TCP_USER_TIMEOUT) stay as they were.
 func TestKernelAdopt(t *testing.T) {
 	kerneltest.Require(t)
 	p := newTestPKI(t)
@@ -555,6 +558,60 @@ func TestKernelAdopt(t *testing.T) {
 		if cs := adopted.ConnectionState(); cs.Version != tls.VersionTLS13 || cs.CipherSuite != tls.TLS_AES_128_GCM_SHA256 || !cs.HandshakeComplete || cs.ServerName != "localhost" {
 			t.Errorf("adopted ConnectionState %+v", cs)
 		}
+		exchangeConns(t, adopted, client, n)
+	})
+
+	// The socket's own settings come through the adoption as they were:
+	// net.FileConn alone sets Go's defaults on it (Nagle off, keepalive on
+	// at 15 s, 15 s, 9 probes).
+	t.Run("socket-options", func(t *testing.T) {
+		checkNoFDLeak(t, kerneltest.OpenFDs)
+		server, client := kernelPeers(t, scfg, ccfg, Options{})
+		opts := []struct {
+			name        string
+			level, opt  int
+			value, want int
+		}{
+			{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 0, 0},
+			{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 7, 7},
+			{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 5, 5},
+			{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 3, 3},
+			{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1, 1},
+			{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, 1500, 1500},
+		}
+		onSocket := func(c *Conn, fn func(fd int) error) {
+			t.Helper()
+			rc, err := c.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ferr error
+			if err := rc.Control(func(fd uintptr) { ferr = fn(int(fd)) }); err != nil || ferr != nil {
+				t.Fatal(err, ferr)
+			}
+		}
+		onSocket(server, func(fd int) error {
+			for _, o := range opts {
+				if err := unix.SetsockoptInt(fd, o.level, o.opt, o.value); err != nil {
+					return fmt.Errorf("%s: %w", o.name, err)
+				}
+			}
+			return nil
+		})
+		st, f := handoffSameProcess(t, server)
+		adopted, err := Adopt(f, st, Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer adopted.Close()
+		onSocket(adopted, func(fd int) error {
+			for _, o := range opts {
+				if got, err := unix.GetsockoptInt(fd, o.level, o.opt); err != nil || got != o.want {
+					t.Errorf("adopted socket: %s = %d (%v), want %d", o.name, got, err, o.want)
+				}
+			}
+			return nil
+		})
 		exchangeConns(t, adopted, client, n)
 	})
 

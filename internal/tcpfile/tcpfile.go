@@ -1,0 +1,86 @@
+// Package tcpfile makes a *net.TCPConn of a TCP socket's file without
+// changing the socket. net.FileConn treats the socket as a new connection
+// and sets Go's defaults on it (TCP_NODELAY, and keepalive on with Go's
+// idle time, interval and probe count), on the socket itself, which every
+// holder of it shares: a socket that another owner configured (a tunnel
+// moved from another process) would lose its liveness settings.
+package tcpfile
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// options are the settings net.FileConn overwrites, in the order they are
+// put back: the keepalive timers before keepalive itself, so that a socket
+// with keepalive on never runs a moment on Go's timers once restored.
+var options = [...]struct {
+	level, name int
+	what        string
+}{
+	{unix.IPPROTO_TCP, unix.TCP_NODELAY, "TCP_NODELAY"},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, "TCP_KEEPIDLE"},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, "TCP_KEEPINTVL"},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, "TCP_KEEPCNT"},
+	{unix.SOL_SOCKET, unix.SO_KEEPALIVE, "SO_KEEPALIVE"},
+}
+
+// Conn returns a *net.TCPConn over a duplicate of f, a connected TCP
+// socket, with its Nagle and keepalive settings as they were before. The
+// caller closes f. A file that is not a TCP socket is refused before
+// anything is set on it.
+func Conn(f *os.File) (*net.TCPConn, error) {
+	var saved [len(options)]int
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil, fmt.Errorf("tcpfile: %w", err)
+	}
+	if err := control(rc.Control, func(fd int) error {
+		for i, o := range options {
+			v, err := unix.GetsockoptInt(fd, o.level, o.name)
+			if err != nil {
+				return fmt.Errorf("reading %s: %w", o.what, err)
+			}
+			saved[i] = v
+		}
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("tcpfile: %s: %w", f.Name(), err)
+	}
+	nc, err := net.FileConn(f)
+	if err != nil {
+		return nil, fmt.Errorf("tcpfile: %w", err)
+	}
+	c, ok := nc.(*net.TCPConn)
+	if !ok {
+		nc.Close()
+		return nil, fmt.Errorf("tcpfile: %s is a %T, not a TCP connection", f.Name(), nc)
+	}
+	crc, err := c.SyscallConn()
+	if err == nil {
+		err = control(crc.Control, func(fd int) error {
+			for i, o := range options {
+				if err := unix.SetsockoptInt(fd, o.level, o.name, saved[i]); err != nil {
+					return fmt.Errorf("restoring %s: %w", o.what, err)
+				}
+			}
+			return nil
+		})
+	}
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("tcpfile: %s: %w", f.Name(), err)
+	}
+	return c, nil
+}
+
+// control runs fn on the descriptor that ctl lends.
+func control(ctl func(func(uintptr)) error, fn func(fd int) error) error {
+	var ferr error
+	err := ctl(func(fd uintptr) { ferr = fn(int(fd)) })
+	return errors.Join(err, ferr)
+}

@@ -1,0 +1,149 @@
+package tcpfile
+
+import (
+	"io"
+	"net"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// pair returns both ends of a loopback TCP connection.
+func pair(t *testing.T) (a, b *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close(); s.Close() })
+	return c.(*net.TCPConn), s.(*net.TCPConn)
+}
+
+// sockopts reads options' values from c's socket.
+func sockopts(t *testing.T, c syscall.Conn) [len(options)]int {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got [len(options)]int
+	if err := control(rc.Control, func(fd int) error {
+		for i, o := range options {
+			v, err := unix.GetsockoptInt(fd, o.level, o.name)
+			if err != nil {
+				return err
+			}
+			got[i] = v
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+func setsockopts(t *testing.T, c syscall.Conn, v [len(options)]int) {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := control(rc.Control, func(fd int) error {
+		for i, o := range options {
+			if err := unix.SetsockoptInt(fd, o.level, o.name, v[i]); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A socket's Nagle and keepalive settings come through Conn as they were,
+// on and off, none of them Go's defaults for a new connection (which
+// net.FileConn alone would set: Nagle off, keepalive on at 15 s, 15 s, 9
+// probes), and the connection carries bytes.
+func TestConnKeepsOptions(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		want [len(options)]int // TCP_NODELAY, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, SO_KEEPALIVE
+	}{
+		{"keepalive-on", [len(options)]int{0, 7, 5, 3, 1}},
+		{"keepalive-off", [len(options)]int{1, 600, 60, 4, 0}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := pair(t)
+			setsockopts(t, b, tc.want)
+			f, err := b.File()
+			if err != nil {
+				t.Fatal(err)
+			}
+			c, err := Conn(f)
+			f.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			if got := sockopts(t, c); got != tc.want {
+				t.Errorf("options after Conn %v, want %v (TCP_NODELAY, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, SO_KEEPALIVE)", got, tc.want)
+			}
+			if _, err := a.Write([]byte("ping")); err != nil {
+				t.Fatal(err)
+			}
+			buf := make([]byte, 4)
+			if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "ping" {
+				t.Fatalf("read %q, %v through the new Conn", buf, err)
+			}
+		})
+	}
+}
+
+// A file that is no TCP socket is refused, and Conn leaves no descriptor
+// open.
+func TestConnRefusesOtherFiles(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u0, u1 := os.NewFile(uintptr(fds[0]), "unix-0"), os.NewFile(uintptr(fds[1]), "unix-1")
+	defer u0.Close()
+	defer u1.Close()
+	before := openFDs(t)
+	for _, f := range []*os.File{r, u0} {
+		c, err := Conn(f)
+		if c != nil || err == nil || !strings.Contains(err.Error(), f.Name()) {
+			t.Errorf("Conn(%s) = %v, %v; want an error naming it", f.Name(), c, err)
+		}
+	}
+	if after := openFDs(t); after != before {
+		t.Errorf("%d descriptors open before, %d after the refusals", before, after)
+	}
+}
+
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}

@@ -52,22 +52,7 @@ func TestSocketOptionsOnBothSockets(t *testing.T) {
 				"sandbox side": up.Addr(),
 			}
 			for side, peer := range sides {
-				fd := socketTo(t, peer)
-				for _, opt := range []struct {
-					name       string
-					level, opt int
-					want       int
-				}{
-					{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
-					{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, tc.wantKeepSecs},
-					{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, tc.wantKeepSecs},
-					{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 3},
-					{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, tc.wantUser},
-				} {
-					if got, err := unix.GetsockoptInt(fd, opt.level, opt.opt); err != nil || got != opt.want {
-						t.Errorf("%s: %s = %d (%v), want %d", side, opt.name, got, err, opt.want)
-					}
-				}
+				checkLiveness(t, side, socketTo(t, peer), tc.wantKeepSecs, tc.wantUser)
 			}
 			c.CloseWrite()
 			io.Copy(io.Discard, c)
@@ -113,23 +98,7 @@ func TestMoveKeepsSocketOptions(t *testing.T) {
 		"sandbox side": up.Addr(),
 	}
 	for side, peer := range sides {
-		fd := socketTo(t, peer)
-		for _, opt := range []struct {
-			name       string
-			level, opt int
-			want       int
-		}{
-			{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
-			{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 7},
-			{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 7},
-			{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 3},
-			{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, 1500},
-			{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
-		} {
-			if got, err := unix.GetsockoptInt(fd, opt.level, opt.opt); err != nil || got != opt.want {
-				t.Errorf("%s after the move: %s = %d (%v), want %d", side, opt.name, got, err, opt.want)
-			}
-		}
+		checkLiveness(t, side+" after the move", socketTo(t, peer), 7, 1500)
 	}
 	c.CloseWrite()
 	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
@@ -138,6 +107,29 @@ func TestMoveKeepsSocketOptions(t *testing.T) {
 	runs.Wait()
 	if res := <-results; res.Moved || res.Relay.BToA.Bytes != 1 {
 		t.Errorf("adopted tunnel: moved %v, %d bytes down; want it ended here, its 1 byte counted", res.Moved, res.Relay.BToA.Bytes)
+	}
+}
+
+// checkLiveness reads the forwarder's liveness options on fd back with
+// getsockopt(2): keepalive every keepSecs seconds, 3 probes,
+// TCP_USER_TIMEOUT userMS (0: the kernel's default), Nagle off.
+func checkLiveness(t *testing.T, side string, fd, keepSecs, userMS int) {
+	t.Helper()
+	for _, opt := range []struct {
+		name       string
+		level, opt int
+		want       int
+	}{
+		{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+		{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, keepSecs},
+		{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, keepSecs},
+		{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 3},
+		{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, userMS},
+		{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+	} {
+		if got, err := unix.GetsockoptInt(fd, opt.level, opt.opt); err != nil || got != opt.want {
+			t.Errorf("%s: %s = %d (%v), want %d", side, opt.name, got, err, opt.want)
+		}
 	}
 }
 

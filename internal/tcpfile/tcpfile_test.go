@@ -2,34 +2,16 @@ package tcpfile
 
 import (
 	"io"
-	"net"
 	"os"
 	"strings"
 	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
-)
 
-// pair returns both ends of a loopback TCP connection.
-func pair(t *testing.T) (a, b *net.TCPConn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close(); s.Close() })
-	return c.(*net.TCPConn), s.(*net.TCPConn)
-}
+	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+)
 
 // sockopts reads options' values from c's socket.
 func sockopts(t *testing.T, c syscall.Conn) [len(options)]int {
@@ -85,7 +67,7 @@ func TestConnKeepsOptions(t *testing.T) {
 		{"keepalive-off", [len(options)]int{1, 600, 60, 4, 0}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			a, b := pair(t)
+			a, b := forwardtest.TCPPair(t)
 			setsockopts(t, b, tc.want)
 			f, err := b.File()
 			if err != nil {
@@ -127,23 +109,14 @@ func TestConnRefusesOtherFiles(t *testing.T) {
 	u0, u1 := os.NewFile(uintptr(fds[0]), "unix-0"), os.NewFile(uintptr(fds[1]), "unix-1")
 	defer u0.Close()
 	defer u1.Close()
-	before := openFDs(t)
+	before := kerneltest.OpenFDs(t)
 	for _, f := range []*os.File{r, u0} {
 		c, err := Conn(f)
 		if c != nil || err == nil || !strings.Contains(err.Error(), f.Name()) {
 			t.Errorf("Conn(%s) = %v, %v; want an error naming it", f.Name(), c, err)
 		}
 	}
-	if after := openFDs(t); after != before {
+	if after := kerneltest.OpenFDs(t); after != before {
 		t.Errorf("%d descriptors open before, %d after the refusals", before, after)
 	}
-}
-
-func openFDs(t *testing.T) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(ents)
 }

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"io"
 	"os"
+	"runtime"
 	"runtime/pprof"
 	"slices"
 	"sync"
@@ -38,7 +39,9 @@ var (
 // both forwarders used per tunnel while it ran, the report stream's
 // handoff and the session's setup included (cpu-ns/tunnel: one process
 // here, two in an upgrade), and how long the relays stood still
-// (pause-p50-µs, pause-p99-µs, pause-max-µs; MoveResult.Pauses).
+// (pause-p50-µs, pause-p99-µs, pause-max-µs; MoveResult.Pauses), what
+// both allocated per tunnel and how many collections ran in the move
+// (alloc-B/tunnel, gc/move).
 // Each tunnel holds four descriptors in this process (both ends of both
 // connections): the benchmark fails at once when the limit is below that
 // and a margin. -move-window sets the session's window (Config.Window).
@@ -74,12 +77,15 @@ func benchmarkMoveIdle(b *testing.B, open func(b *testing.B, n int) *idleTunnels
 	}
 	var total, cpu time.Duration
 	var pauses []time.Duration
+	var allocated, collections uint64
 	for range b.N {
 		b.StopTimer()
-		took, used, res := moveIdle(b, open(b, n))
+		took, used, mem, res := moveIdle(b, open(b, n))
 		b.StartTimer()
 		total += took
 		cpu += used
+		allocated += mem.allocated
+		collections += mem.collections
 		pauses = append(pauses, res...)
 	}
 	b.StopTimer()
@@ -88,6 +94,8 @@ func benchmarkMoveIdle(b *testing.B, open func(b *testing.B, n int) *idleTunnels
 	b.ReportMetric(float64(total.Nanoseconds())/float64(b.N*n), "ns/tunnel")
 	b.ReportMetric(float64(total.Milliseconds())/float64(b.N), "ms/move")
 	b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N*n), "cpu-ns/tunnel")
+	b.ReportMetric(float64(allocated)/float64(b.N*n), "alloc-B/tunnel")
+	b.ReportMetric(float64(collections)/float64(b.N), "gc/move")
 	b.ReportMetric(q(0.5), "pause-p50-µs")
 	b.ReportMetric(q(0.99), "pause-p99-µs")
 	b.ReportMetric(q(1), "pause-max-µs")
@@ -173,10 +181,10 @@ func openKTLSIdle(b *testing.B, n int) *idleTunnels {
 
 // moveIdle moves set's tunnels, once each has read its upstream's byte (so
 // its relay has run and is idle), to the second forwarder and returns how
-// long MoveTunnels took, the CPU the process used meanwhile and each
-// tunnel's pause. It fails b unless every tunnel moved and then ended in
+// long MoveTunnels took, the CPU the process used meanwhile, what it
+// allocated and collected meanwhile, and each tunnel's pause. It fails b unless every tunnel moved and then ended in
 // order through its adopted relay, and ends them all before it returns.
-func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, pauses []time.Duration) {
+func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, mem moveMemory, pauses []time.Duration) {
 	for _, c := range set.clients {
 		if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
 			b.Fatal(err)
@@ -185,6 +193,9 @@ func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, pauses [
 	n := len(set.clients)
 	results := make(chan Result, n)
 	var runs sync.WaitGroup
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	alloc0, gc0 := ms.TotalAlloc, ms.NumGC
 	cpu0 := cputest.Used(b)
 	release := func() {}
 	if !*moveCollect {
@@ -195,6 +206,8 @@ func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, pauses [
 	stopProfile()
 	release()
 	cpu = cputest.Used(b) - cpu0
+	runtime.ReadMemStats(&ms)
+	mem = moveMemory{allocated: ms.TotalAlloc - alloc0, collections: uint64(ms.NumGC - gc0)}
 	if res.Moved != n || len(res.Stayed) != 0 {
 		b.Fatalf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)
 	}
@@ -219,7 +232,13 @@ func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, pauses [
 		b.Errorf("%d adopted tunnels ended, want %d", ended, n)
 	}
 	set.end()
-	return took, cpu, res.Pauses
+	return took, cpu, mem, res.Pauses
+}
+
+// moveMemory is what a move allocated (both sides: what HoldCollection's
+// headroom must hold) and how many collections ran meanwhile.
+type moveMemory struct {
+	allocated, collections uint64
 }
 
 // startMoveProfile starts the CPU profile -move-cpuprofile asks for and

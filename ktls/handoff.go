@@ -54,6 +54,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ktlsingress/caddy-ktls/internal/strictjson"
 	"github.com/ktlsingress/caddy-ktls/internal/tcpfile"
 )
 
@@ -312,7 +313,7 @@ func Adopt(f *os.File, st HandoffState, opts Options) (*Conn, error) {
 	}
 	var peerCerts []*x509.Certificate
 	for i, der := range st.PeerCertificates {
-		cert, err := x509.ParseCertificate(der)
+		cert, err := parseAdoptedCert(der)
 		if err != nil {
 			return nil, fmt.Errorf("ktls: adopt: peer certificate %d: %w", i, err)
 		}
@@ -539,24 +540,11 @@ func (s *HandoffState) Encode() ([]byte, error) {
 // (*HandoffVersionError), a field it does not know, a missing version,
 // anything after the object, and a state Adopt could not use.
 func DecodeHandoffState(b []byte) (HandoffState, error) {
-	// json.Unmarshal refuses anything after the object; the version
-	// decides which fields are known.
-	var probe struct {
-		V *int `json:"v"`
-	}
-	if err := json.Unmarshal(b, &probe); err != nil {
-		return HandoffState{}, fmt.Errorf("ktls: handoff state: %w", err)
-	}
-	if probe.V == nil {
-		return HandoffState{}, errors.New("ktls: handoff state: no version (\"v\")")
-	}
-	if *probe.V != HandoffVersion {
-		return HandoffState{}, &HandoffVersionError{Got: *probe.V}
-	}
 	var w handoffWire
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&w); err != nil {
+	switch got, err := strictjson.Versioned(b, &w, HandoffVersion, func() int { return w.V }); {
+	case errors.Is(err, strictjson.ErrVersion):
+		return HandoffState{}, &HandoffVersionError{Got: got}
+	case err != nil:
 		return HandoffState{}, fmt.Errorf("ktls: handoff state: %w", err)
 	}
 	s := HandoffState{

@@ -34,7 +34,6 @@ package splice
 // returns ErrPaused without closing anything.
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -44,6 +43,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/strictjson"
 )
 
 // ErrPaused is Run's error after a Pause succeeded: both connections are
@@ -683,22 +684,11 @@ func (s *PauseState) Encode() ([]byte, error) {
 // (*PauseVersionError), a field it does not know, a missing version,
 // anything after the object, and a state Resume could not use.
 func DecodePauseState(b []byte) (PauseState, error) {
-	var probe struct {
-		V *int `json:"v"`
-	}
-	if err := json.Unmarshal(b, &probe); err != nil {
-		return PauseState{}, fmt.Errorf("splice: pause state: %w", err)
-	}
-	if probe.V == nil {
-		return PauseState{}, errors.New("splice: pause state: no version (\"v\")")
-	}
-	if *probe.V != PauseVersion {
-		return PauseState{}, &PauseVersionError{Got: *probe.V}
-	}
 	var w pauseWire
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&w); err != nil {
+	switch got, err := strictjson.Versioned(b, &w, PauseVersion, func() int { return w.V }); {
+	case errors.Is(err, strictjson.ErrVersion):
+		return PauseState{}, &PauseVersionError{Got: got}
+	case err != nil:
 		return PauseState{}, fmt.Errorf("splice: pause state: %w", err)
 	}
 	var s PauseState

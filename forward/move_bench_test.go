@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"runtime"
+	"runtime/metrics"
 	"runtime/pprof"
 	"slices"
 	"sync"
@@ -40,8 +41,9 @@ var (
 // handoff and the session's setup included (cpu-ns/tunnel: one process
 // here, two in an upgrade), and how long the relays stood still
 // (pause-p50-µs, pause-p99-µs, pause-max-µs; MoveResult.Pauses), what
-// both allocated per tunnel and how many collections ran in the move
-// (alloc-B/tunnel, gc/move).
+// both allocated per tunnel, how much the process's memory grew per
+// tunnel (the new relays' stacks included) and how many collections ran
+// in the move (alloc-B/tunnel, grown-B/tunnel, gc/move).
 // Each tunnel holds four descriptors in this process (both ends of both
 // connections): the benchmark fails at once when the limit is below that
 // and a margin. -move-window sets the session's window (Config.Window).
@@ -78,6 +80,7 @@ func benchmarkMoveIdle(b *testing.B, open func(b *testing.B, n int) *idleTunnels
 	var total, cpu time.Duration
 	var pauses []time.Duration
 	var allocated, collections uint64
+	var grown int64
 	for range b.N {
 		b.StopTimer()
 		took, used, mem, res := moveIdle(b, open(b, n))
@@ -85,6 +88,7 @@ func benchmarkMoveIdle(b *testing.B, open func(b *testing.B, n int) *idleTunnels
 		total += took
 		cpu += used
 		allocated += mem.allocated
+		grown += mem.grown
 		collections += mem.collections
 		pauses = append(pauses, res...)
 	}
@@ -95,6 +99,7 @@ func benchmarkMoveIdle(b *testing.B, open func(b *testing.B, n int) *idleTunnels
 	b.ReportMetric(float64(total.Milliseconds())/float64(b.N), "ms/move")
 	b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N*n), "cpu-ns/tunnel")
 	b.ReportMetric(float64(allocated)/float64(b.N*n), "alloc-B/tunnel")
+	b.ReportMetric(float64(grown)/float64(b.N*n), "grown-B/tunnel")
 	b.ReportMetric(float64(collections)/float64(b.N), "gc/move")
 	b.ReportMetric(q(0.5), "pause-p50-µs")
 	b.ReportMetric(q(0.99), "pause-p99-µs")
@@ -195,7 +200,7 @@ func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, mem move
 	var runs sync.WaitGroup
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
-	alloc0, gc0 := ms.TotalAlloc, ms.NumGC
+	alloc0, gc0, total0 := ms.TotalAlloc, ms.NumGC, processMemory()
 	cpu0 := cputest.Used(b)
 	release := func() {}
 	if !*moveCollect {
@@ -207,7 +212,7 @@ func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, mem move
 	release()
 	cpu = cputest.Used(b) - cpu0
 	runtime.ReadMemStats(&ms)
-	mem = moveMemory{allocated: ms.TotalAlloc - alloc0, collections: uint64(ms.NumGC - gc0)}
+	mem = moveMemory{allocated: ms.TotalAlloc - alloc0, grown: processMemory() - total0, collections: uint64(ms.NumGC - gc0)}
 	if res.Moved != n || len(res.Stayed) != 0 {
 		b.Fatalf("moved %d, stayed %v (%v); want all %d moved", res.Moved, res.Stayed, res.Stays, n)
 	}
@@ -235,10 +240,21 @@ func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, mem move
 	return took, cpu, mem, res.Pauses
 }
 
-// moveMemory is what a move allocated (both sides: what HoldCollection's
-// headroom must hold) and how many collections ran meanwhile.
+// moveMemory is what a move allocated, how much the process's memory grew
+// meanwhile (allocations and new goroutines' stacks: what counts against
+// HoldCollection's headroom; both sides here), and how many collections
+// ran.
 type moveMemory struct {
 	allocated, collections uint64
+	grown                  int64
+}
+
+// processMemory is the Go runtime's whole memory (what a memory limit
+// counts).
+func processMemory() int64 {
+	s := []metrics.Sample{{Name: "/memory/classes/total:bytes"}}
+	metrics.Read(s)
+	return int64(s[0].Value.Uint64())
 }
 
 // startMoveProfile starts the CPU profile -move-cpuprofile asks for and

@@ -10,14 +10,19 @@ import (
 // forwarder with thousands of tunnels, their relays' goroutines and
 // buffers. One that lands in a handoff stops every relay behind it: moving
 // 10,000 idle tunnels cost some 40 % more CPU per tunnel, and its pauses'
-// p99 tripled, when one did (docs/bench/upgrade.md). A handoff allocates
-// little, some kilobytes per object on each side, so it holds collections
-// off while it moves, up to a memory limit.
+// p99 tripled or more, when one did (docs/bench/upgrade.md). A handoff
+// allocates some kilobytes per tunnel on each side, so it holds
+// collections off while it moves, up to a memory limit.
 
-// CollectionHeadroom is what HoldCollection lets the heap grow by before
-// the collector runs all the same: some 7 KB per tunnel on each side makes
-// it room for tens of thousands of tunnels.
-const CollectionHeadroom = 256 << 20
+// CollectionHeadroom is what HoldCollection lets the process's memory grow
+// by before the collector runs all the same. A move grows its processes by
+// some 20 KB per tunnel on plain TCP and 55 KB with kernel TLS, both sides
+// together (docs/bench/upgrade.md), and the collector starts well before
+// the limit (while it marks, the process goes on allocating): 256 MiB let
+// one run in the middle of a 10,000-tunnel move. It is a ceiling: a move
+// grows the process by what it needs, and a lower GOMEMLIMIT stays the
+// limit.
+const CollectionHeadroom = 1 << 30
 
 // HoldCollection turns the Go collector off (debug.SetGCPercent(-1)), with
 // a memory limit of the process's memory now plus headroom, or the limit

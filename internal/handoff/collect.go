@@ -16,7 +16,7 @@ import (
 
 // CollectionHeadroom is what HoldCollection lets the process's memory grow
 // by before the collector runs all the same. A move grows its processes by
-// some 20 KB per tunnel on plain TCP and 55 KB with kernel TLS, both sides
+// some 20 KB per tunnel on plain TCP and 47 KB with kernel TLS, both sides
 // together (docs/bench/upgrade.md), and the collector starts well before
 // the limit (while it marks, the process goes on allocating): 256 MiB let
 // one run in the middle of a 10,000-tunnel move. It is a ceiling: a move

@@ -169,14 +169,7 @@ func openKTLSIdle(b *testing.B, n int) *idleTunnels {
 		up.Close()
 		dialer.Close()
 		fx.close()
-		stat1, err := kerneltest.ReadStat()
-		if err != nil {
-			b.Fatal(err)
-		}
-		d := stat1.Sub(stat0)
-		if d["TlsDecryptError"] != 0 || d["TlsTxSw"] != int64(n) || d["TlsRxSw"] != int64(n) {
-			b.Errorf("tls_stat deltas %v: want no decrypt error and exactly %d sessions installed each way (none again at the adoption)", d, n)
-		}
+		kerneltest.InstalledOnce(b, stat0, int64(n))
 		if got := oldEnds.Load(); got != int64(n) {
 			b.Errorf("%d of the old forwarder's Serves returned, want %d", got, n)
 		}

@@ -141,6 +141,23 @@ func (s Stat) Sub(before Stat) Stat {
 	return d
 }
 
+// InstalledOnce fails t unless, since before, the kernel installed exactly
+// n sessions each way and authenticated every record (no TlsDecryptError):
+// a session that moves between owners is not installed again where it is
+// adopted. It returns the counters' moves.
+func InstalledOnce(t testing.TB, before Stat, n int64) Stat {
+	t.Helper()
+	after, err := ReadStat()
+	if err != nil {
+		t.Fatalf("read tls_stat: %v", err)
+	}
+	d := after.Sub(before)
+	if d["TlsDecryptError"] != 0 || d["TlsTxSw"] != n || d["TlsRxSw"] != n {
+		t.Errorf("tls_stat deltas %v: want no decrypt error and exactly %d sessions installed each way (none again at an adoption)", d, n)
+	}
+	return d
+}
+
 // StatDelta runs fn and returns how the tls_stat counters moved meanwhile.
 // It fails t when the counters cannot be read.
 func StatDelta(t testing.TB, fn func()) Stat {

@@ -39,15 +39,9 @@ func Conn(f *os.File) (*net.TCPConn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("tcpfile: %w", err)
 	}
-	if err := control(rc.Control, func(fd int) error {
-		for i, o := range options {
-			v, err := unix.GetsockoptInt(fd, o.level, o.name)
-			if err != nil {
-				return fmt.Errorf("reading %s: %w", o.what, err)
-			}
-			saved[i] = v
-		}
-		return nil
+	if err := control(rc.Control, func(fd int) (err error) {
+		saved, err = get(fd)
+		return err
 	}); err != nil {
 		return nil, fmt.Errorf("tcpfile: %s: %w", f.Name(), err)
 	}
@@ -62,20 +56,33 @@ func Conn(f *os.File) (*net.TCPConn, error) {
 	}
 	crc, err := c.SyscallConn()
 	if err == nil {
-		err = control(crc.Control, func(fd int) error {
-			for i, o := range options {
-				if err := unix.SetsockoptInt(fd, o.level, o.name, saved[i]); err != nil {
-					return fmt.Errorf("restoring %s: %w", o.what, err)
-				}
-			}
-			return nil
-		})
+		err = control(crc.Control, func(fd int) error { return set(fd, saved) })
 	}
 	if err != nil {
 		c.Close()
 		return nil, fmt.Errorf("tcpfile: %s: %w", f.Name(), err)
 	}
 	return c, nil
+}
+
+// get reads the options' values from fd.
+func get(fd int) (v [len(options)]int, err error) {
+	for i, o := range options {
+		if v[i], err = unix.GetsockoptInt(fd, o.level, o.name); err != nil {
+			return v, fmt.Errorf("reading %s: %w", o.what, err)
+		}
+	}
+	return v, nil
+}
+
+// set puts v on fd, in the options' order.
+func set(fd int, v [len(options)]int) error {
+	for i, o := range options {
+		if err := unix.SetsockoptInt(fd, o.level, o.name, v[i]); err != nil {
+			return fmt.Errorf("setting %s: %w", o.what, err)
+		}
+	}
+	return nil
 }
 
 // control runs fn on the descriptor that ctl lends.

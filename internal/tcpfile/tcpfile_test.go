@@ -14,42 +14,23 @@ import (
 )
 
 // sockopts reads options' values from c's socket.
-func sockopts(t *testing.T, c syscall.Conn) [len(options)]int {
+func sockopts(t *testing.T, c syscall.Conn) (v [len(options)]int) {
 	t.Helper()
-	rc, err := c.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var got [len(options)]int
-	if err := control(rc.Control, func(fd int) error {
-		for i, o := range options {
-			v, err := unix.GetsockoptInt(fd, o.level, o.name)
-			if err != nil {
-				return err
-			}
-			got[i] = v
-		}
-		return nil
-	}); err != nil {
-		t.Fatal(err)
-	}
-	return got
+	onSocket(t, c, func(fd int) (err error) {
+		v, err = get(fd)
+		return err
+	})
+	return v
 }
 
-func setsockopts(t *testing.T, c syscall.Conn, v [len(options)]int) {
+// onSocket runs fn on c's descriptor, failing t on an error.
+func onSocket(t *testing.T, c syscall.Conn, fn func(fd int) error) {
 	t.Helper()
 	rc, err := c.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := control(rc.Control, func(fd int) error {
-		for i, o := range options {
-			if err := unix.SetsockoptInt(fd, o.level, o.name, v[i]); err != nil {
-				return err
-			}
-		}
-		return nil
-	}); err != nil {
+	if err := control(rc.Control, fn); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -68,7 +49,7 @@ func TestConnKeepsOptions(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, b := forwardtest.TCPPair(t)
-			setsockopts(t, b, tc.want)
+			onSocket(t, b, func(fd int) error { return set(fd, tc.want) })
 			f, err := b.File()
 			if err != nil {
 				t.Fatal(err)

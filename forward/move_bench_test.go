@@ -180,8 +180,9 @@ func openKTLSIdle(b *testing.B, n int) *idleTunnels {
 // moveIdle moves set's tunnels, once each has read its upstream's byte (so
 // its relay has run and is idle), to the second forwarder and returns how
 // long MoveTunnels took, the CPU the process used meanwhile, what it
-// allocated and collected meanwhile, and each tunnel's pause. It fails b unless every tunnel moved and then ended in
-// order through its adopted relay, and ends them all before it returns.
+// allocated and collected meanwhile, and each tunnel's pause. It fails b
+// unless every tunnel moved and then ended in order through its adopted
+// relay, and ends them all before it returns.
 func moveIdle(b *testing.B, set *idleTunnels) (took, cpu time.Duration, mem moveMemory, pauses []time.Duration) {
 	for _, c := range set.clients {
 		if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {

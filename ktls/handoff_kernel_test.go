@@ -16,9 +16,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ktlsingress/caddy-ktls/internal/fdpass"
 	"golang.org/x/sys/unix"
 
+	"github.com/ktlsingress/caddy-ktls/internal/fdpass"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
@@ -568,26 +568,24 @@ func TestKernelAdopt(t *testing.T) {
 		checkNoFDLeak(t, kerneltest.OpenFDs)
 		server, client := kernelPeers(t, scfg, ccfg, Options{})
 		opts := []struct {
-			name        string
-			level, opt  int
-			value, want int
+			name              string
+			level, opt, value int
 		}{
-			{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 0, 0},
-			{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 7, 7},
-			{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 5, 5},
-			{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 3, 3},
-			{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1, 1},
-			{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, 1500, 1500},
+			{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 0},
+			{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 7},
+			{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 5},
+			{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 3},
+			{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+			{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, 1500},
 		}
 		onSocket := func(c *Conn, fn func(fd int) error) {
 			t.Helper()
 			rc, err := c.SyscallConn()
+			if err == nil {
+				err = controlFD(rc, fn)
+			}
 			if err != nil {
 				t.Fatal(err)
-			}
-			var ferr error
-			if err := rc.Control(func(fd uintptr) { ferr = fn(int(fd)) }); err != nil || ferr != nil {
-				t.Fatal(err, ferr)
 			}
 		}
 		onSocket(server, func(fd int) error {
@@ -606,8 +604,8 @@ func TestKernelAdopt(t *testing.T) {
 		defer adopted.Close()
 		onSocket(adopted, func(fd int) error {
 			for _, o := range opts {
-				if got, err := unix.GetsockoptInt(fd, o.level, o.opt); err != nil || got != o.want {
-					t.Errorf("adopted socket: %s = %d (%v), want %d", o.name, got, err, o.want)
+				if got, err := unix.GetsockoptInt(fd, o.level, o.opt); err != nil || got != o.value {
+					t.Errorf("adopted socket: %s = %d (%v), want %d", o.name, got, err, o.value)
 				}
 			}
 			return nil

@@ -93,15 +93,17 @@ vet:
 hosttest: tools
 	integration/hosttest.sh $(HOST_TEST_FLAGS)
 
-# A short run of every fuzz target: the parsers that face the network and
-# the Caddyfile unmarshalers. FuzzCaddyfile needs a coverage-instrumented
+# A short run of every fuzz target: the parsers that face the network, the
+# decoders of the states an upgrade moves, and the Caddyfile unmarshalers. FuzzCaddyfile needs a coverage-instrumented
 # build of all of Caddy (5.4 min cold on an idle 2-core machine, cached
 # after). The smoke is a count of executions, not a duration: with a
 # duration, Go 1.26's fuzz coordinator can report its own deadline as a
 # failure ("context deadline exceeded", golang/go#75804, fixed in Go 1.27).
 # FUZZTIME=10m for a real run.
 FUZZTIME ?= 20000x
-FUZZ_TARGETS = ./ktls:FuzzRecordReader ./ktls:FuzzRecordOpen ./ktls:FuzzControlRecord ./preamble:FuzzParse .:FuzzCaddyfile
+FUZZ_TARGETS = ./ktls:FuzzRecordReader ./ktls:FuzzRecordOpen ./ktls:FuzzControlRecord ./preamble:FuzzParse \
+	./internal/wire:FuzzReader ./ktls:FuzzHandoffState ./splice:FuzzPauseState ./forward:FuzzMovedTunnel ./gateway:FuzzMovedTunnel \
+	.:FuzzCaddyfile
 fuzz:
 	@for t in $(FUZZ_TARGETS); do \
 		echo "=== fuzz $${t#*:} in $${t%%:*} for $(FUZZTIME)"; \

@@ -23,13 +23,13 @@ var layers = []layer{
 	{"internal/cphttp", false, nil},
 	{"internal/fdpass", false, nil},
 	{"internal/tcpfile", false, nil},
-	{"internal/strictjson", false, nil},
+	{"internal/wire", false, nil},
 	{"internal/handoff", false, []string{"internal/fdpass"}},
-	{"ktls", false, []string{"internal/loopback", "internal/tcpfile", "internal/strictjson"}},
-	{"splice", false, []string{"internal/sockerr", "internal/strictjson"}},
+	{"ktls", false, []string{"internal/loopback", "internal/tcpfile", "internal/wire"}},
+	{"splice", false, []string{"internal/sockerr", "internal/wire"}},
 	{"preamble", false, nil},
-	{"forward", false, []string{"preamble", "splice", "internal/cphttp", "internal/handoff", "internal/tcpfile"}},
-	{"gateway", false, []string{"ktls", "preamble", "splice", "internal/cphttp", "internal/handoff"}},
+	{"forward", false, []string{"preamble", "splice", "internal/cphttp", "internal/handoff", "internal/tcpfile", "internal/wire"}},
+	{"gateway", false, []string{"ktls", "preamble", "splice", "internal/cphttp", "internal/handoff", "internal/wire"}},
 
 	// Test support: imported by tests only, never by a product package.
 	{"internal/testpki", false, nil},
@@ -50,7 +50,7 @@ var layers = []layer{
 	{"internal/offload", true, []string{"ktls", "gateway", "internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs"}},
 
 	// The features.
-	{"modules/forwarder", true, []string{"ktls", "preamble", "forward",
+	{"modules/forwarder", true, []string{"ktls", "splice", "preamble", "forward",
 		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/listensock", "internal/upgrade"}},
 	{"modules/edgegateway", true, []string{"ktls", "splice", "preamble", "gateway",
 		"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/upgrade"}},

@@ -25,9 +25,12 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward"
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
+	"github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
+	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/splice"
 	"golang.org/x/sys/unix"
 )
 
@@ -833,4 +836,23 @@ func probeSocket(pid, fd int) string {
 		clear(buf[:])
 	}
 	return out
+}
+
+// TestUpgradeEncodings: the build's handoff hello names the encoding of
+// every state it moves, with the versions the packages encode in: the
+// process state's, the session's and relay's that every moved object
+// carries, and each participant's objects', the edge gateway's tunnels
+// among them. Two builds that differ in any one refuse each other.
+func TestUpgradeEncodings(t *testing.T) {
+	got := upgrade.Encodings()
+	want := fmt.Sprintf("report %d, process 1, ktls %d, pause %d, standby %d, tunnel %d, gateway tunnel %d",
+		forward.ReportStateVersion, ktls.HandoffVersion, splice.PauseVersion, forward.MovedStandbyVersion, forward.MovedTunnelVersion, gateway.MovedTunnelVersion)
+	if got != want {
+		t.Fatalf("upgrade.Encodings() = %q, want %q", got, want)
+	}
+	for _, p := range upgrade.Participants() {
+		if p.Encoding == "" {
+			t.Errorf("participant %s names no encoding for its objects", p.Name)
+		}
+	}
 }

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/wire"
 )
 
 // A binary upgrade moves the activity-report stream to the new process
@@ -184,20 +186,60 @@ func (r *Registry) ResumeReports() {
 // TunnelState is a tunnel's registration as it moves to another process:
 // its identity, who opened it and what it counted.
 type TunnelState struct {
-	ID          uint64 `json:"id"`
-	Sandbox     string `json:"sandbox"`
-	Target      string `json:"target"`
-	Peer        string `json:"peer"`
-	Certificate string `json:"certificate,omitempty"`
+	ID          uint64
+	Sandbox     string
+	Target      string
+	Peer        string
+	Certificate string
 	// CertificateNames are the client certificate's names (Close matches
 	// them); KeyID and Key the key that signed the preamble (Revoke).
-	CertificateNames []string  `json:"certificate_names,omitempty"`
-	KeyID            string    `json:"key_id"`
-	Key              []byte    `json:"key"`
-	Opened           time.Time `json:"opened"`
-	LastActivity     time.Time `json:"last_activity"`
-	ToSandbox        int64     `json:"to_sandbox"`
-	FromSandbox      int64     `json:"from_sandbox"`
+	CertificateNames []string
+	KeyID            string
+	Key              []byte
+	Opened           time.Time
+	LastActivity     time.Time
+	ToSandbox        int64
+	FromSandbox      int64
+}
+
+// write appends s's fields in the order readTunnelState reads them.
+func (s *TunnelState) write(w *wire.Writer) {
+	w.Uint(s.ID)
+	for _, v := range []string{s.Sandbox, s.Target, s.Peer, s.Certificate} {
+		w.String(v)
+	}
+	w.Uint(uint64(len(s.CertificateNames)))
+	for _, name := range s.CertificateNames {
+		w.String(name)
+	}
+	w.String(s.KeyID)
+	w.Bytes(s.Key)
+	w.Time(s.Opened)
+	w.Time(s.LastActivity)
+	w.Int(s.ToSandbox)
+	w.Int(s.FromSandbox)
+}
+
+func readTunnelState(r *wire.Reader) TunnelState {
+	var s TunnelState
+	r.Field("tunnel")
+	s.ID = r.Uint()
+	for _, v := range []*string{&s.Sandbox, &s.Target, &s.Peer, &s.Certificate} {
+		*v = r.String()
+	}
+	if n := r.Count(); n > 0 {
+		s.CertificateNames = make([]string, n)
+		for i := range s.CertificateNames {
+			s.CertificateNames[i] = r.String()
+		}
+	}
+	s.KeyID = r.String()
+	s.Key = r.Bytes()
+	s.Opened = r.Time()
+	s.LastActivity = r.Time()
+	s.ToSandbox = r.Int()
+	s.FromSandbox = r.Int()
+	return s
 }
 
 // State returns t's registration for another process to adopt.

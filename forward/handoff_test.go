@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"testing"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/wire"
 )
 
 // viaJSON is st as it arrives in the other process.
@@ -16,6 +18,20 @@ func viaJSON[T any](t *testing.T, st T) T {
 	}
 	var out T
 	if err := json.Unmarshal(b, &out); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// viaWire returns s as the other process decodes it.
+func viaWire(t *testing.T, s TunnelState) TunnelState {
+	t.Helper()
+	w := wire.NewWriter(1, 0)
+	s.write(w)
+	r := wire.NewReader(w.B)
+	r.Version()
+	out := readTunnelState(r)
+	if err := r.End(); err != nil {
 		t.Fatal(err)
 	}
 	return out
@@ -65,7 +81,7 @@ func TestHandOffReportStream(t *testing.T) {
 		t.Fatal("the old registry took a report while its stream was being handed off")
 	}
 	stay.AddToSandbox(5) // after the export: the old process's new stream
-	moved := []TunnelState{viaJSON(t, moveA.State()), viaJSON(t, moveB.State())}
+	moved := []TunnelState{viaWire(t, moveA.State()), viaWire(t, moveB.State())}
 	moveA.Close()
 	moveB.Close()
 	done(true)

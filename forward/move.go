@@ -2,7 +2,6 @@ package forward
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/internal/tcpfile"
+	"github.com/ktlsingress/caddy-ktls/internal/wire"
 	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
@@ -31,20 +31,61 @@ import (
 // gateway that writes its preamble on one during an upgrade has it served
 // by whichever process holds the connection then.
 
-// MovedTunnelVersion is the MovedTunnel.Version this build writes and
-// adopts.
-const MovedTunnelVersion = 1
+// MovedTunnelVersion is the version of MovedTunnel's encoding (its first
+// byte): two builds move tunnels only when they agree on it.
+const MovedTunnelVersion = 2
 
 // MovedTunnel is a tunnel's state as it moves. Its descriptors travel
 // beside it, in this order: the gateway's connection, the target's, then
 // the pipes of the directions with bytes pending (AToB first).
 type MovedTunnel struct {
-	Version int         `json:"version"`
-	Tunnel  TunnelState `json:"tunnel"`
+	Tunnel TunnelState
 	// Conn is the gateway connection's session as Config.HandOffConn
-	// encoded it.
-	Conn  []byte            `json:"conn"`
-	Relay splice.PauseState `json:"relay"`
+	// encoded it. It holds the session's traffic secrets.
+	Conn  []byte
+	Relay splice.PauseState
+}
+
+// Encode returns m in the current MovedTunnelVersion (internal/wire): the
+// tunnel's registration (TunnelState's fields in their order), the
+// session's state, then the relay's (its own encoding, with its version).
+// The bytes hold the session's secrets: the caller wipes them once sent.
+func (m *MovedTunnel) Encode() ([]byte, error) {
+	relay, err := m.Relay.Encode()
+	if err != nil {
+		return nil, err
+	}
+	w := wire.NewWriter(MovedTunnelVersion, 256+len(m.Conn)+len(relay))
+	m.Tunnel.write(w)
+	w.Bytes(m.Conn)
+	w.Bytes(relay)
+	return w.B, nil
+}
+
+// DecodeMovedTunnel decodes what Encode wrote, refusing another version, a
+// state cut short or with anything after it, and a relay Resume could not
+// continue. The decoded Conn is a copy (the caller wipes b, and Adopt
+// wipes Conn).
+func DecodeMovedTunnel(b []byte) (MovedTunnel, error) {
+	r := wire.NewReader(b)
+	if v := r.Version(); r.Err() == nil && v != MovedTunnelVersion {
+		return MovedTunnel{}, fmt.Errorf("forward: moved tunnel version %d, this build adopts %d", v, MovedTunnelVersion)
+	}
+	var m MovedTunnel
+	m.Tunnel = readTunnelState(r)
+	r.Field("conn")
+	m.Conn = r.Bytes()
+	r.Field("relay")
+	relay := r.View()
+	err := r.End()
+	if err == nil {
+		m.Relay, err = splice.DecodePauseState(relay)
+	}
+	if err != nil {
+		clear(m.Conn)
+		return MovedTunnel{}, fmt.Errorf("forward: moved tunnel: %w", err)
+	}
+	return m, nil
 }
 
 // movable is what a running tunnel's Serve offers MoveTunnels.
@@ -117,7 +158,8 @@ func (t *Tunnel) move(ctx context.Context, m handoff.Mover) (stay string, pause 
 		if up, err = fc.File(); err != nil {
 			return nil, nil, err
 		}
-		state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Tunnel: t.State(), Conn: connState, Relay: paused.State})
+		mt := MovedTunnel{Tunnel: t.State(), Conn: connState, Relay: paused.State}
+		state, err := mt.Encode()
 		if err != nil {
 			return nil, nil, err
 		}
@@ -209,21 +251,16 @@ type AdoptedTunnel struct {
 	base     splice.Stats
 }
 
-// Adopt builds, without starting it, the tunnel of a MovedTunnel state
-// and its descriptors (MoveTunnels' order), registered in f's Registry,
-// which must have adopted the tunnel's report stream (AdoptReports). The
-// descriptors stay the caller's. A refusal says why; nothing was used.
-func (f *Forwarder) Adopt(state []byte, files []*os.File) (*AdoptedTunnel, error) {
+// Adopt builds, without starting it, the tunnel of a moved state
+// (DecodeMovedTunnel) and its descriptors (MoveTunnels' order), registered
+// in f's Registry, which must have adopted the tunnel's report stream
+// (AdoptReports). It wipes mt.Conn, the session's secrets, whatever it
+// returns; the descriptors stay the caller's. A refusal says why; nothing
+// was used.
+func (f *Forwarder) Adopt(mt MovedTunnel, files []*os.File) (*AdoptedTunnel, error) {
+	defer clear(mt.Conn)
 	if f.cfg.AdoptConn == nil {
 		return nil, errors.New("forward: this forwarder adopts no tunnel (no AdoptConn)")
-	}
-	var mt MovedTunnel
-	if err := json.Unmarshal(state, &mt); err != nil {
-		return nil, fmt.Errorf("forward: moved tunnel: %w", err)
-	}
-	defer clear(mt.Conn) // the session's secrets; state is the caller's to wipe
-	if mt.Version != MovedTunnelVersion {
-		return nil, fmt.Errorf("forward: moved tunnel version %d, this build adopts %d", mt.Version, MovedTunnelVersion)
 	}
 	if len(files) < 2 {
 		return nil, fmt.Errorf("forward: moved tunnel %d: %d descriptors, want the two connections' and the pipes'", mt.Tunnel.ID, len(files))

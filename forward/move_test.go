@@ -108,7 +108,13 @@ func handoffSession(t testing.TB, f *Forwarder, refuse bool, results chan<- Resu
 			it.Refuse("the test refuses every tunnel")
 			return
 		}
-		a, err := f.Adopt(it.State, it.Files)
+		mt, err := DecodeMovedTunnel(it.State)
+		if err != nil {
+			t.Errorf("moved tunnel: %v", err)
+			it.Refuse(err.Error())
+			return
+		}
+		a, err := f.Adopt(mt, it.Files)
 		if err != nil {
 			it.Refuse(err.Error())
 			return

@@ -2,12 +2,13 @@ package forward
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"os"
 	"time"
+
+	"github.com/ktlsingress/caddy-ktls/internal/handoff"
+	"github.com/ktlsingress/caddy-ktls/internal/wire"
 )
 
 // Moving a standby connection (standby.go) to another process: its wait
@@ -22,28 +23,77 @@ import (
 // offered. One the other process does not take goes on waiting here, as if
 // nothing had happened.
 
-// MovedStandbyVersion is the MovedStandby.Version this build writes and
-// adopts.
-const MovedStandbyVersion = 1
+// MovedStandbyVersion is the version of MovedStandby's encoding (its first
+// byte): two builds move standby connections only when they agree on it.
+const MovedStandbyVersion = 2
 
 // MovedStandby is a standby connection's state as it moves: the Gateway
 // fields the other process serves it with. Its one descriptor, the
 // gateway connection's socket, travels beside it.
 type MovedStandby struct {
-	Version int `json:"version"`
 	// Forwarder is the moving Forwarder's Config.MoveName.
-	Forwarder           string   `json:"forwarder,omitempty"`
-	Peer                string   `json:"peer"`
-	Binding             []byte   `json:"binding,omitempty"`
-	Certificate         string   `json:"certificate,omitempty"`
-	CertificateNames    []string `json:"certificate_names,omitempty"`
-	CertificateVerified bool     `json:"certificate_verified"`
+	Forwarder           string
+	Peer                string
+	Binding             []byte
+	Certificate         string
+	CertificateNames    []string
+	CertificateVerified bool
 	// StandbyBegan is when its wait for the first preamble byte began
 	// (Gateway.StandbyBegan).
-	StandbyBegan time.Time `json:"standby_began"`
+	StandbyBegan time.Time
 	// Conn is the gateway connection's session as Config.HandOffConn
-	// encoded it.
-	Conn []byte `json:"conn"`
+	// encoded it. It holds the session's traffic secrets.
+	Conn []byte
+}
+
+// Encode returns m in the current MovedStandbyVersion (internal/wire), its
+// fields in their order. The bytes hold the session's secrets: the caller
+// wipes them once sent.
+func (m *MovedStandby) Encode() []byte {
+	w := wire.NewWriter(MovedStandbyVersion, 256+len(m.Binding)+len(m.Conn))
+	w.String(m.Forwarder)
+	w.String(m.Peer)
+	w.Bytes(m.Binding)
+	w.String(m.Certificate)
+	w.Uint(uint64(len(m.CertificateNames)))
+	for _, name := range m.CertificateNames {
+		w.String(name)
+	}
+	w.Bool(m.CertificateVerified)
+	w.Time(m.StandbyBegan)
+	w.Bytes(m.Conn)
+	return w.B
+}
+
+// DecodeMovedStandby decodes what Encode wrote, refusing another version
+// and a state cut short or with anything after it. The decoded Conn is a
+// copy (the caller wipes b, and AdoptStandby wipes Conn).
+func DecodeMovedStandby(b []byte) (MovedStandby, error) {
+	r := wire.NewReader(b)
+	if v := r.Version(); r.Err() == nil && v != MovedStandbyVersion {
+		return MovedStandby{}, fmt.Errorf("forward: moved standby connection version %d, this build adopts %d", v, MovedStandbyVersion)
+	}
+	var m MovedStandby
+	r.Field("standby")
+	m.Forwarder = r.String()
+	m.Peer = r.String()
+	m.Binding = r.Bytes()
+	m.Certificate = r.String()
+	if n := r.Count(); n > 0 {
+		m.CertificateNames = make([]string, n)
+		for i := range m.CertificateNames {
+			m.CertificateNames[i] = r.String()
+		}
+	}
+	m.CertificateVerified = r.Bool()
+	m.StandbyBegan = r.Time()
+	r.Field("conn")
+	m.Conn = r.Bytes()
+	if err := r.End(); err != nil {
+		clear(m.Conn)
+		return MovedStandby{}, fmt.Errorf("forward: moved standby connection: %w", err)
+	}
+	return m, nil
 }
 
 // MoveStandby offers every standby connection that waits for its first
@@ -133,10 +183,10 @@ func (w *standbyWait) handOff(m handoff.Mover) (stay string, err error) {
 		}
 	}
 	encode := func(connState []byte) ([]byte, []*os.File, error) {
-		state, err := json.Marshal(MovedStandby{Version: MovedStandbyVersion, Forwarder: f.cfg.MoveName, Peer: c.Peer, Binding: c.Binding,
+		ms := MovedStandby{Forwarder: f.cfg.MoveName, Peer: c.Peer, Binding: c.Binding,
 			Certificate: c.Certificate, CertificateNames: c.CertificateNames, CertificateVerified: c.CertificateVerified,
-			StandbyBegan: c.StandbyBegan, Conn: connState})
-		return state, nil, err
+			StandbyBegan: c.StandbyBegan, Conn: connState}
+		return ms.Encode(), nil, nil
 	}
 	stay, kept, err := f.moveConn(m, handoff.KindStandby, conn, encode)
 	switch {
@@ -162,19 +212,13 @@ type AdoptedStandby struct {
 }
 
 // AdoptStandby builds, without serving it, the standby connection of a
-// MovedStandby state and its descriptor (MoveStandby's). The descriptor
-// stays the caller's. A refusal says why; nothing was used.
-func (f *Forwarder) AdoptStandby(state []byte, files []*os.File) (*AdoptedStandby, error) {
+// moved state (DecodeMovedStandby) and its descriptor (MoveStandby's). It
+// wipes ms.Conn, the session's secrets, whatever it returns; the
+// descriptor stays the caller's. A refusal says why; nothing was used.
+func (f *Forwarder) AdoptStandby(ms MovedStandby, files []*os.File) (*AdoptedStandby, error) {
+	defer clear(ms.Conn)
 	if f.cfg.AdoptConn == nil {
 		return nil, errors.New("forward: this forwarder adopts no standby connection (no AdoptConn)")
-	}
-	var ms MovedStandby
-	if err := json.Unmarshal(state, &ms); err != nil {
-		return nil, fmt.Errorf("forward: moved standby connection: %w", err)
-	}
-	defer clear(ms.Conn) // the session's secrets; state is the caller's to wipe
-	if ms.Version != MovedStandbyVersion {
-		return nil, fmt.Errorf("forward: moved standby connection version %d, this build adopts %d", ms.Version, MovedStandbyVersion)
 	}
 	if len(files) != 1 {
 		return nil, fmt.Errorf("forward: moved standby connection of %s: %d descriptors, want 1", ms.Peer, len(files))

@@ -3,7 +3,6 @@ package forward
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/json"
 	"errors"
 	"io"
 	"net"
@@ -32,15 +31,15 @@ func standbySession(t *testing.T, f *Forwarder, refuse func(offer int64) bool, a
 			t.Errorf("object kind %d offered, want handoff.KindStandby", it.Kind)
 			return
 		}
-		var ms MovedStandby
-		if err := json.Unmarshal(it.State, &ms); err != nil || ms.Forwarder != testMoveName {
+		ms, err := DecodeMovedStandby(it.State)
+		if err != nil || ms.Forwarder != testMoveName {
 			t.Errorf("moved standby state: forwarder %q, %v; want its forwarder's MoveName %q", ms.Forwarder, err, testMoveName)
 		}
 		if refuse(offer) {
 			it.Refuse("the test refuses every standby connection")
 			return
 		}
-		a, err := f.AdoptStandby(it.State, it.Files)
+		a, err := f.AdoptStandby(ms, it.Files)
 		it.Close() // the adopted connection holds a duplicate
 		if err != nil {
 			t.Errorf("AdoptStandby: %v", err)

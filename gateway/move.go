@@ -2,7 +2,6 @@ package gateway
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -12,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
+	"github.com/ktlsingress/caddy-ktls/internal/wire"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 	"github.com/ktlsingress/caddy-ktls/splice"
@@ -28,39 +28,101 @@ import (
 // had happened. Either way it is in exactly one process: the Mover
 // decides which.
 
-// MovedTunnelVersion is the MovedTunnel.Version this build writes and
-// adopts.
-const MovedTunnelVersion = 1
+// MovedTunnelVersion is the version of MovedTunnel's encoding (its first
+// byte): two builds move gateway tunnels only when they agree on it.
+const MovedTunnelVersion = 2
 
 // MovedTunnel is a gateway tunnel's state as it moves. Its descriptors
 // travel beside it, in this order: the user's connection, the forwarder's,
 // then the pipes of the directions with bytes pending (AToB, user →
 // sandbox, first).
 type MovedTunnel struct {
-	Version int `json:"version"`
 	// Dialer is the moving Dialer's Config.MoveName: the other process
 	// adopts the tunnel in its Dialer of that name.
-	Dialer string `json:"dialer,omitempty"`
+	Dialer string
 	// Forwarder, Sandbox, Target and Client are the tunnel's Route.
-	Forwarder string                  `json:"forwarder"`
-	Sandbox   string                  `json:"sandbox"`
-	Target    netip.AddrPort          `json:"target"`
-	Client    preamble.ClientIdentity `json:"client"`
+	Forwarder string
+	Sandbox   string
+	Target    netip.AddrPort
+	Client    preamble.ClientIdentity
 	// Opened is when Carry began the tunnel.
-	Opened time.Time `json:"opened"`
+	Opened time.Time
 	// Open says whether the tunnel was reported open (Carry's onDial):
 	// when not, the adopting process reports it.
-	Open bool `json:"open"`
+	Open bool
 	// Buffered is how many bytes were written to the forwarder before the
 	// relay ran (Carry's buffered), which the tunnel's AToB counts.
-	Buffered int64 `json:"buffered"`
+	Buffered int64
 	// User and Tunnel are the user's and the forwarder connection's
 	// sessions as ktls.HandOffConn encoded them. They hold the sessions'
 	// traffic secrets.
-	User   []byte `json:"user"`
-	Tunnel []byte `json:"tunnel"`
+	User   []byte
+	Tunnel []byte
 	// Relay is the paused relay's state: its counters and pending bytes.
-	Relay splice.PauseState `json:"relay"`
+	Relay splice.PauseState
+}
+
+// Encode returns m in the current MovedTunnelVersion (internal/wire), its
+// fields in their order, the relay's state in its own encoding (with its
+// version). The bytes hold the sessions' secrets: the caller wipes them
+// once sent.
+func (m *MovedTunnel) Encode() ([]byte, error) {
+	relay, err := m.Relay.Encode()
+	if err != nil {
+		return nil, err
+	}
+	w := wire.NewWriter(MovedTunnelVersion, 256+len(m.User)+len(m.Tunnel)+len(relay))
+	w.String(m.Dialer)
+	w.String(m.Forwarder)
+	w.String(m.Sandbox)
+	w.AddrPort(m.Target)
+	w.AddrPort(m.Client.Addr)
+	w.String(m.Client.ID)
+	w.Time(m.Opened)
+	w.Bool(m.Open)
+	w.Int(m.Buffered)
+	w.Bytes(m.User)
+	w.Bytes(m.Tunnel)
+	w.Bytes(relay)
+	return w.B, nil
+}
+
+// DecodeMovedTunnel decodes what Encode wrote, refusing another version, a
+// state cut short or with anything after it, and a relay Resume could not
+// continue. The decoded sessions are copies (the caller wipes b, and
+// AdoptTunnel wipes them).
+func DecodeMovedTunnel(b []byte) (MovedTunnel, error) {
+	r := wire.NewReader(b)
+	if v := r.Version(); r.Err() == nil && v != MovedTunnelVersion {
+		return MovedTunnel{}, fmt.Errorf("gateway: moved tunnel version %d, this build adopts %d", v, MovedTunnelVersion)
+	}
+	var m MovedTunnel
+	r.Field("route")
+	m.Dialer = r.String()
+	m.Forwarder = r.String()
+	m.Sandbox = r.String()
+	m.Target = r.AddrPort()
+	m.Client.Addr = r.AddrPort()
+	m.Client.ID = r.String()
+	r.Field("tunnel")
+	m.Opened = r.Time()
+	m.Open = r.Bool()
+	m.Buffered = r.Int()
+	r.Field("sessions")
+	m.User = r.Bytes()
+	m.Tunnel = r.Bytes()
+	r.Field("relay")
+	relay := r.View()
+	err := r.End()
+	if err == nil {
+		m.Relay, err = splice.DecodePauseState(relay)
+	}
+	if err != nil {
+		clear(m.User)
+		clear(m.Tunnel)
+		return MovedTunnel{}, fmt.Errorf("gateway: moved tunnel: %w", err)
+	}
+	return m, nil
 }
 
 // moveVerdict is what became of a paused tunnel: moved, resumed here (on
@@ -250,8 +312,9 @@ func (d *Dialer) moveSessions(c *carried, m handoff.Mover, paused *splice.Paused
 	defer tunnelFile.Close()
 	defer clear(tunnelState)
 	r := c.route
-	state, err := json.Marshal(MovedTunnel{Version: MovedTunnelVersion, Dialer: d.cfg.MoveName, Forwarder: r.Forwarder, Sandbox: r.Sandbox, Target: r.Target, Client: r.Client,
-		Opened: c.opened, Open: c.isOpen.Load(), Buffered: c.buffered, User: userState, Tunnel: tunnelState, Relay: paused.State})
+	mt := MovedTunnel{Dialer: d.cfg.MoveName, Forwarder: r.Forwarder, Sandbox: r.Sandbox, Target: r.Target, Client: r.Client,
+		Opened: c.opened, Open: c.isOpen.Load(), Buffered: c.buffered, User: userState, Tunnel: tunnelState, Relay: paused.State}
+	state, err := mt.Encode()
 	if err != nil {
 		return stayHere(handoff.StayNotMovable, err, tunnelState, tunnelFile)
 	}
@@ -287,22 +350,15 @@ type AdoptedTunnel struct {
 	release func()
 }
 
-// AdoptTunnel builds, without starting it, the tunnel of a MovedTunnel
-// state and its descriptors (MoveTunnels' order): both sessions adopted
-// (ktls.AdoptConn: the user's with Config.UserKTLS, the forwarder's with
-// Config.KTLS) and the relay resumed where it paused. The descriptors
-// stay the caller's. A refusal says why; nothing was used.
-func (d *Dialer) AdoptTunnel(state []byte, files []*os.File) (*AdoptedTunnel, error) {
-	var mt MovedTunnel
-	if err := json.Unmarshal(state, &mt); err != nil {
-		return nil, fmt.Errorf("gateway: moved tunnel: %w", err)
-	}
-	// The sessions' secrets; state is the caller's to wipe.
+// AdoptTunnel builds, without starting it, the tunnel of a moved state
+// (DecodeMovedTunnel) and its descriptors (MoveTunnels' order): both
+// sessions adopted (ktls.AdoptConn: the user's with Config.UserKTLS, the
+// forwarder's with Config.KTLS) and the relay resumed where it paused. It
+// wipes mt's sessions, their secrets, whatever it returns; the
+// descriptors stay the caller's. A refusal says why; nothing was used.
+func (d *Dialer) AdoptTunnel(mt MovedTunnel, files []*os.File) (*AdoptedTunnel, error) {
 	defer clear(mt.User)
 	defer clear(mt.Tunnel)
-	if mt.Version != MovedTunnelVersion {
-		return nil, fmt.Errorf("gateway: moved tunnel version %d, this build adopts %d", mt.Version, MovedTunnelVersion)
-	}
 	r := Route{Forwarder: mt.Forwarder, Sandbox: mt.Sandbox, Target: mt.Target, Client: mt.Client}
 	if len(files) < 2 {
 		return nil, fmt.Errorf("gateway: moved tunnel %s: %d descriptors, want the two sessions' and the pipes'", r, len(files))

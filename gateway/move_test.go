@@ -1,13 +1,13 @@
 package gateway
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
-	"encoding/json"
 	"errors"
 	"net/netip"
 	"os"
-	"slices"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -120,7 +120,12 @@ func (m *adoptingMover) Move(kind uint16, state []byte, files ...*os.File) (bool
 			f.Close()
 		}
 	}()
-	a, err := m.to.AdoptTunnel(state, dups)
+	mt, err := DecodeMovedTunnel(state)
+	if err != nil {
+		m.t.Errorf("offer %d: %v", offer, err)
+		return false, err
+	}
+	a, err := m.to.AdoptTunnel(mt, dups)
 	if err != nil {
 		m.t.Errorf("offer %d: %v", offer, err)
 		return false, err
@@ -157,7 +162,8 @@ func (m *adoptingMover) run(runs *sync.WaitGroup, results chan<- carryResult, en
 // The state of a moving tunnel: its route, its start, whether it was
 // reported open, the bytes sent ahead of its relay, both sessions and the
 // relay's counters, under a version that a build of another version
-// refuses. A state AdoptTunnel refuses uses none of its descriptors.
+// refuses; a state cut anywhere or with more after it is refused. A state
+// AdoptTunnel refuses uses none of its descriptors.
 func TestMovedTunnelState(t *testing.T) {
 	route := Route{Forwarder: "fwd.example:8443", Sandbox: "sbx-state", Target: netip.MustParseAddrPort("10.0.0.7:8080"),
 		Client: preamble.ClientIdentity{Addr: netip.MustParseAddrPort("192.0.2.1:5555"), ID: "alice"}}
@@ -165,33 +171,41 @@ func TestMovedTunnelState(t *testing.T) {
 	var ps splice.PauseState
 	ps.Dirs[splice.AToB].Bytes, ps.Dirs[splice.AToB].SpliceBytes = 10, 10
 	ps.Dirs[splice.BToA].Bytes, ps.Dirs[splice.BToA].SpliceBytes, ps.Dirs[splice.BToA].Pending = 20, 20, 5
-	mt := MovedTunnel{Version: MovedTunnelVersion, Dialer: "proxy-digest", Forwarder: route.Forwarder, Sandbox: route.Sandbox, Target: route.Target, Client: route.Client,
+	mt := MovedTunnel{Dialer: "proxy-digest", Forwarder: route.Forwarder, Sandbox: route.Sandbox, Target: route.Target, Client: route.Client,
 		Opened: opened, Open: true, Buffered: 3, User: []byte("user-session"), Tunnel: []byte("tunnel-session"), Relay: ps}
-	b, err := json.Marshal(mt)
+	b, err := mt.Encode()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var fields map[string]json.RawMessage
-	if err := json.Unmarshal(b, &fields); err != nil {
+	if b[0] != MovedTunnelVersion {
+		t.Fatalf("encoding starts with %d, want the version %d", b[0], MovedTunnelVersion)
+	}
+	back, err := DecodeMovedTunnel(b)
+	if err != nil {
 		t.Fatal(err)
 	}
-	var names []string
-	for k := range fields {
-		names = append(names, k)
-	}
-	slices.Sort(names)
-	want := []string{"buffered", "client", "dialer", "forwarder", "open", "opened", "relay", "sandbox", "target", "tunnel", "user", "version"}
-	if !slices.Equal(names, want) {
-		t.Errorf("MovedTunnel fields %v, want %v", names, want)
-	}
-	var back MovedTunnel
-	if err := json.Unmarshal(b, &back); err != nil {
-		t.Fatal(err)
-	}
-	if back.Dialer != "proxy-digest" || back.Forwarder != route.Forwarder || back.Sandbox != route.Sandbox || back.Target != route.Target || back.Client != route.Client ||
-		!back.Opened.Equal(opened) || !back.Open || back.Buffered != 3 || string(back.User) != "user-session" ||
-		string(back.Tunnel) != "tunnel-session" || back.Relay != ps {
+	if !reflect.DeepEqual(back, mt) {
 		t.Errorf("MovedTunnel round trip: %+v, want %+v", back, mt)
+	}
+	for i := range len(b) {
+		if _, err := DecodeMovedTunnel(b[:i]); err == nil {
+			t.Fatalf("cut at %d of %d: decoded", i, len(b))
+		}
+	}
+	other := bytes.Clone(b)
+	other[0] = MovedTunnelVersion + 1
+	for _, c := range []struct {
+		name  string
+		state []byte
+		want  string
+	}{
+		{"another version", other, "moved tunnel version 3, this build adopts 2"},
+		{"version 1 (JSON)", []byte(`{"version":1}`), "moved tunnel version 123"},
+		{"trailing", append(bytes.Clone(b), 0), "data after the last field"},
+	} {
+		if got, err := DecodeMovedTunnel(c.state); err == nil || !strings.Contains(err.Error(), c.want) || got.User != nil {
+			t.Errorf("%s: %v; want a refusal saying %q", c.name, err, c.want)
+		}
 	}
 
 	d := newDialer(t, newPKI(t), forwardtest.NewGateway(t, "gw-1"))
@@ -202,25 +216,26 @@ func TestMovedTunnelState(t *testing.T) {
 	}
 	defer r.Close()
 	defer w.Close()
-	other := mt
-	other.Version = MovedTunnelVersion + 1
-	otherState, _ := json.Marshal(other)
 	for _, c := range []struct {
 		name  string
-		state []byte
 		files []*os.File
 		want  string
 	}{
-		{"another version", otherState, []*os.File{r, w, r}, "version"},
-		{"not JSON", []byte("{"), []*os.File{r, w, r}, "moved tunnel"},
 		// Two sockets and BToA's pipe.
-		{"a pipe missing", b, []*os.File{r, w}, "pipes: 0, want 1"},
-		{"a socket missing", b, []*os.File{r}, "1 descriptors"},
-		{"sessions that do not decode", b, []*os.File{r, w, r}, "the user's session"},
+		{"a pipe missing", []*os.File{r, w}, "pipes: 0, want 1"},
+		{"a socket missing", []*os.File{r}, "1 descriptors"},
+		{"sessions that do not decode", []*os.File{r, w, r}, "the user's session"},
 	} {
-		a, err := d.AdoptTunnel(c.state, c.files)
+		mt, err := DecodeMovedTunnel(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, err := d.AdoptTunnel(mt, c.files)
 		if a != nil || err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: AdoptTunnel: %v, %v; want a refusal saying %q", c.name, a, err, c.want)
+		}
+		if !bytes.Equal(mt.User, make([]byte, len(mt.User))) || !bytes.Equal(mt.Tunnel, make([]byte, len(mt.Tunnel))) {
+			t.Errorf("%s: the refused state's sessions were left as they were: want them wiped", c.name)
 		}
 		for _, f := range c.files {
 			if _, err := f.Stat(); err != nil {
@@ -231,6 +246,31 @@ func TestMovedTunnelState(t *testing.T) {
 	if d.Tunnels() != 0 {
 		t.Errorf("%d tunnels carried after refused adoptions", d.Tunnels())
 	}
+}
+
+// FuzzMovedTunnel: no input makes DecodeMovedTunnel panic, and a state it
+// accepts encodes to exactly its input.
+func FuzzMovedTunnel(f *testing.F) {
+	var ps splice.PauseState
+	ps.Dirs[splice.BToA].Bytes, ps.Dirs[splice.BToA].SpliceBytes, ps.Dirs[splice.BToA].Pending = 20, 20, 5
+	mt := MovedTunnel{Dialer: "d", Forwarder: "fwd:8443", Sandbox: "sbx", Target: netip.MustParseAddrPort("10.0.0.7:8080"),
+		Client: preamble.ClientIdentity{Addr: netip.MustParseAddrPort("[2001:db8::1]:5555"), ID: "alice"},
+		Opened: time.Unix(1, 2), Open: true, Buffered: 3, User: []byte("u"), Tunnel: []byte("t"), Relay: ps}
+	b, err := mt.Encode()
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(b)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		mt, err := DecodeMovedTunnel(b)
+		if err != nil {
+			return
+		}
+		again, err := mt.Encode()
+		if err != nil || !bytes.Equal(again, b) {
+			t.Fatalf("accepted %x, which encodes as %x, %v", b, again, err)
+		}
+	})
 }
 
 // Tunnels whose sessions run in userspace TLS cannot move: they stay,

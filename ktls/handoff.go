@@ -42,25 +42,25 @@ import (
 	"crypto/subtle"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"math"
 	"net"
 	"os"
+	"slices"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/ktlsingress/caddy-ktls/internal/strictjson"
 	"github.com/ktlsingress/caddy-ktls/internal/tcpfile"
+	"github.com/ktlsingress/caddy-ktls/internal/wire"
 )
 
-// HandoffVersion is the version of HandoffState's encoding. A decoder
-// refuses every other version.
-const HandoffVersion = 2
+// HandoffVersion is the version of HandoffState's encoding (its first
+// byte). A decoder refuses every other version.
+const HandoffVersion = 3
 
 // ErrHandedOff is returned by every use of a Conn after Handoff.
 var ErrHandedOff = errors.New("ktls: the connection was handed off to another owner")
@@ -485,99 +485,119 @@ func (e *HandoffVersionError) Error() string {
 	return fmt.Sprintf("ktls: handoff state version %d, this build reads only version %d", e.Got, HandoffVersion)
 }
 
-// handoffWire is the encoding of HandoffState version 2: JSON, fields named
-// here, byte strings in base64.
-type handoffWire struct {
-	V                  int           `json:"v"`
-	TLSVersion         uint16        `json:"tls_version"`
-	CipherSuite        uint16        `json:"cipher_suite"`
-	Client             bool          `json:"client"`
-	TX                 directionWire `json:"tx"`
-	RX                 directionWire `json:"rx"`
-	CloseNotifySent    bool          `json:"close_notify_sent"`
-	PeerEnd            PeerEnd       `json:"peer_end"`
-	KeyUpdateAsked     bool          `json:"key_update_asked"`
-	KeyUpdateTokens    float64       `json:"key_update_tokens"`
-	KeyUpdateLast      *time.Time    `json:"key_update_last,omitempty"`
-	RecordLimit        uint64        `json:"record_limit"`
-	KeyUpdatePerSecond float64       `json:"key_update_per_second"`
-	KeyUpdateBurst     int           `json:"key_update_burst"`
-	ServerName         string        `json:"server_name,omitempty"`
-	NegotiatedProtocol string        `json:"alpn,omitempty"`
-	DidResume          bool          `json:"did_resume"`
-	PeerCertificates   [][]byte      `json:"peer_certificates,omitempty"`
-}
+// peerEnds numbers the PeerEnd values in the encoding.
+var peerEnds = []PeerEnd{PeerEndNone, PeerEndCloseNotify, PeerEndEOF}
 
-type directionWire struct {
-	Secret []byte `json:"secret,omitempty"`
-	Seq    uint64 `json:"seq"`
-	Bound  uint64 `json:"bound"`
-}
-
-// Encode returns s in the current HandoffVersion. The bytes hold the
-// traffic secrets: the caller wipes them once sent.
+// Encode returns s in the current HandoffVersion (internal/wire): the TLS
+// version and cipher suite, the flags (client, close_notify sent,
+// KeyUpdate asked, resumed), the peer's end, TX then RX (secret, record
+// sequence, wear bound), the KeyUpdate bucket (tokens, last), the limits
+// (records, KeyUpdates per second and burst), the server name, the ALPN
+// protocol and the peer's certificates. The bytes hold the traffic
+// secrets: the caller wipes them once sent.
 func (s *HandoffState) Encode() ([]byte, error) {
 	if err := s.validate(); err != nil {
 		return nil, err
 	}
-	w := handoffWire{
-		V: HandoffVersion, TLSVersion: s.Version, CipherSuite: s.CipherSuite, Client: s.Client,
-		TX:              directionWire{Secret: s.TX.Secret, Seq: s.TX.Seq, Bound: s.TX.Bound},
-		RX:              directionWire{Secret: s.RX.Secret, Seq: s.RX.Seq, Bound: s.RX.Bound},
-		CloseNotifySent: s.CloseNotifySent, PeerEnd: s.PeerEnd, KeyUpdateAsked: s.KeyUpdateAsked,
-		KeyUpdateTokens: s.KeyUpdateTokens, ServerName: s.ServerName, NegotiatedProtocol: s.NegotiatedProtocol,
-		DidResume: s.DidResume, PeerCertificates: s.PeerCertificates,
-		RecordLimit: s.RecordLimit, KeyUpdatePerSecond: s.KeyUpdateLimit.PerSecond, KeyUpdateBurst: s.KeyUpdateLimit.Burst,
+	return s.encode(), nil
+}
+
+// encode is Encode of a state already validated.
+func (s *HandoffState) encode() []byte {
+	size := 128 + len(s.TX.Secret) + len(s.RX.Secret) + len(s.ServerName) + len(s.NegotiatedProtocol)
+	for _, der := range s.PeerCertificates {
+		size += len(der) + 3
 	}
-	if !s.KeyUpdateLast.IsZero() {
-		t := s.KeyUpdateLast.Round(0) // the wall clock: a monotonic reading means nothing elsewhere
-		w.KeyUpdateLast = &t
+	w := wire.NewWriter(HandoffVersion, size)
+	w.Uint16(s.Version)
+	w.Uint16(s.CipherSuite)
+	w.Bool(s.Client)
+	w.Bool(s.CloseNotifySent)
+	w.Bool(s.KeyUpdateAsked)
+	w.Bool(s.DidResume)
+	w.Uint(uint64(slices.Index(peerEnds, s.PeerEnd)))
+	for _, d := range []*HandoffDirection{&s.TX, &s.RX} {
+		w.Bytes(d.Secret)
+		w.Uint(d.Seq)
+		w.Uint(d.Bound)
 	}
-	return json.Marshal(w)
+	w.Float(s.KeyUpdateTokens)
+	w.Time(s.KeyUpdateLast)
+	w.Uint(s.RecordLimit)
+	w.Float(s.KeyUpdateLimit.PerSecond)
+	w.Int(int64(s.KeyUpdateLimit.Burst))
+	w.String(s.ServerName)
+	w.String(s.NegotiatedProtocol)
+	w.Uint(uint64(len(s.PeerCertificates)))
+	for _, der := range s.PeerCertificates {
+		w.Bytes(der)
+	}
+	return w.B
 }
 
 // DecodeHandoffState decodes what Encode wrote. It refuses another version
-// (*HandoffVersionError), a field it does not know, a missing version,
-// anything after the object, and a state Adopt could not use.
+// (*HandoffVersionError), a state cut short or with anything after it, and
+// a state Adopt could not use. The state's bytes are not kept: the caller
+// wipes them.
 func DecodeHandoffState(b []byte) (HandoffState, error) {
-	var w handoffWire
-	switch got, err := strictjson.Versioned(b, &w, HandoffVersion, func() int { return w.V }); {
-	case errors.Is(err, strictjson.ErrVersion):
-		return HandoffState{}, &HandoffVersionError{Got: got}
-	case err != nil:
+	r := wire.NewReader(b)
+	if v := r.Version(); r.Err() == nil && v != HandoffVersion {
+		return HandoffState{}, &HandoffVersionError{Got: int(v)}
+	}
+	var s HandoffState
+	r.Field("tls version")
+	s.Version = r.Uint16()
+	r.Field("cipher suite")
+	s.CipherSuite = r.Uint16()
+	r.Field("flags")
+	s.Client, s.CloseNotifySent, s.KeyUpdateAsked, s.DidResume = r.Bool(), r.Bool(), r.Bool(), r.Bool()
+	r.Field("peer end")
+	if end := r.Uint(); end < uint64(len(peerEnds)) {
+		s.PeerEnd = peerEnds[end]
+	} else if r.Err() == nil {
+		return HandoffState{}, fmt.Errorf("ktls: handoff state: peer end %d", end)
+	}
+	for _, d := range []struct {
+		name string
+		dir  *HandoffDirection
+	}{{"tx", &s.TX}, {"rx", &s.RX}} {
+		r.Field(d.name)
+		d.dir.Secret = r.Bytes()
+		d.dir.Seq = r.Uint()
+		d.dir.Bound = r.Uint()
+	}
+	r.Field("key update bucket")
+	s.KeyUpdateTokens = r.Float()
+	s.KeyUpdateLast = r.Time()
+	r.Field("limits")
+	s.RecordLimit = r.Uint()
+	s.KeyUpdateLimit.PerSecond = r.Float()
+	burst := r.Int()
+	s.KeyUpdateLimit.Burst = int(burst)
+	r.Field("server name")
+	s.ServerName = r.String()
+	r.Field("alpn")
+	s.NegotiatedProtocol = r.String()
+	r.Field("peer certificates")
+	if n := r.Count(); n > 0 {
+		s.PeerCertificates = make([][]byte, n)
+		for i := range s.PeerCertificates {
+			s.PeerCertificates[i] = r.Bytes()
+		}
+	}
+	err := r.End()
+	if err == nil && int64(s.KeyUpdateLimit.Burst) != burst {
+		err = fmt.Errorf("KeyUpdate burst %d", burst)
+	}
+	if err != nil {
+		s.Zero()
 		return HandoffState{}, fmt.Errorf("ktls: handoff state: %w", err)
-	}
-	s := HandoffState{
-		Version: w.TLSVersion, CipherSuite: w.CipherSuite, Client: w.Client,
-		TX:              HandoffDirection{Secret: w.TX.Secret, Seq: w.TX.Seq, Bound: w.TX.Bound},
-		RX:              HandoffDirection{Secret: w.RX.Secret, Seq: w.RX.Seq, Bound: w.RX.Bound},
-		CloseNotifySent: w.CloseNotifySent, PeerEnd: w.PeerEnd, KeyUpdateAsked: w.KeyUpdateAsked,
-		KeyUpdateTokens: w.KeyUpdateTokens, ServerName: w.ServerName, NegotiatedProtocol: w.NegotiatedProtocol,
-		DidResume: w.DidResume, PeerCertificates: w.PeerCertificates,
-		RecordLimit: w.RecordLimit, KeyUpdateLimit: Rate{PerSecond: w.KeyUpdatePerSecond, Burst: w.KeyUpdateBurst},
-	}
-	if w.KeyUpdateLast != nil {
-		s.KeyUpdateLast = *w.KeyUpdateLast
 	}
 	if err := s.validate(); err != nil {
 		s.Zero()
 		return HandoffState{}, err
 	}
 	return s, nil
-}
-
-// MarshalJSON is Encode, so that a state inside a larger JSON message keeps
-// its version.
-func (s HandoffState) MarshalJSON() ([]byte, error) { return s.Encode() }
-
-// UnmarshalJSON is DecodeHandoffState.
-func (s *HandoffState) UnmarshalJSON(b []byte) error {
-	d, err := DecodeHandoffState(b)
-	if err != nil {
-		return err
-	}
-	*s = d
-	return nil
 }
 
 // HandOffConn is Handoff for c, a *Conn, with the state encoded: what

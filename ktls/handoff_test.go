@@ -3,10 +3,12 @@ package ktls
 import (
 	"bytes"
 	"crypto/tls"
-	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
+	"math"
 	"net"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -257,12 +259,16 @@ func testState() HandoffState {
 }
 
 // TestHandoffStateEncoding: a state survives Encode and DecodeHandoffState
-// field for field, in a larger JSON message too; Zero wipes the secrets.
+// field for field, its version first; the decoded state holds none of the
+// encoding's bytes (the caller wipes them); Zero wipes the secrets.
 func TestHandoffStateEncoding(t *testing.T) {
 	st := testState()
 	b, err := st.Encode()
 	if err != nil {
 		t.Fatal(err)
+	}
+	if b[0] != HandoffVersion {
+		t.Fatalf("encoding starts with %d, want the version %d", b[0], HandoffVersion)
 	}
 	got, err := DecodeHandoffState(b)
 	if err != nil {
@@ -271,30 +277,18 @@ func TestHandoffStateEncoding(t *testing.T) {
 	if !statesEqual(got, st) {
 		t.Fatalf("decoded %+v\nwant    %+v", got, st)
 	}
-	if !bytes.Contains(b, []byte(`"v":2`)) || !bytes.Contains(b, []byte(`"seq":1152921504606846976`)) {
-		t.Fatalf("encoding %s: want the version and the exact 64-bit sequence number", b)
+	clear(b)
+	if !statesEqual(got, st) {
+		t.Fatalf("after the encoding was wiped, the decoded state is %+v", got)
 	}
-	// Inside a message of the caller's.
-	type envelope struct {
-		Tunnel string
-		State  HandoffState
-	}
-	outer, err := json.Marshal(envelope{"t1", st})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var env envelope
-	if err := json.Unmarshal(outer, &env); err != nil || !statesEqual(env.State, st) {
-		t.Fatalf("through an envelope: %v, %+v", err, env.State)
-	}
-	// TLS 1.2 carries no secrets.
+	// TLS 1.2 carries no secrets; nothing set is nothing decoded.
 	st12 := HandoffState{Version: tls.VersionTLS12, CipherSuite: tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
 		TX: HandoffDirection{Seq: 5, Bound: 5}, RX: HandoffDirection{Seq: 4, Bound: 40}}
 	b, err = st12.Encode()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := DecodeHandoffState(b); err != nil || !statesEqual(got, st12) {
+	if got, err := DecodeHandoffState(b); err != nil || !statesEqual(got, st12) || got.PeerCertificates != nil || !got.KeyUpdateLast.IsZero() {
 		t.Fatalf("TLS 1.2: %+v, %v", got, err)
 	}
 	tx := st.TX.Secret
@@ -305,69 +299,75 @@ func TestHandoffStateEncoding(t *testing.T) {
 }
 
 func statesEqual(a, b HandoffState) bool {
-	ja, _ := json.Marshal(a)
-	jb, _ := json.Marshal(b)
-	return bytes.Equal(ja, jb) && a.KeyUpdateLast.Equal(b.KeyUpdateLast)
+	if !a.KeyUpdateLast.Equal(b.KeyUpdateLast) {
+		return false
+	}
+	a.KeyUpdateLast, b.KeyUpdateLast = time.Time{}, time.Time{}
+	return reflect.DeepEqual(a, b)
 }
 
-// TestHandoffStateDecodeStrict: the decoder refuses what it does not know
-// or Adopt could not use, saying what.
+// TestHandoffStateDecodeStrict: the decoder refuses a state of another
+// version, cut short or with more after it, and one Adopt could not use,
+// saying what.
 func TestHandoffStateDecodeStrict(t *testing.T) {
-	good, err := func() ([]byte, error) { st := testState(); return st.Encode() }()
+	st := testState()
+	good, err := st.Encode()
 	if err != nil {
 		t.Fatal(err)
 	}
-	edit := func(f func(m map[string]any)) []byte {
-		var m map[string]any
-		if err := json.Unmarshal(good, &m); err != nil {
-			t.Fatal(err)
-		}
-		f(m)
-		b, err := json.Marshal(m)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return b
+	// edit encodes a changed state without Encode's checks: Decode must
+	// make them.
+	edit := func(f func(s *HandoffState)) []byte {
+		s := testState()
+		f(&s)
+		return s.encode()
 	}
+	other := bytes.Clone(good)
+	other[0] = HandoffVersion + 1
 	for _, tc := range []struct {
 		name string
 		in   []byte
 		says string
 	}{
-		{"version 3", edit(func(m map[string]any) { m["v"] = 3; m["new_field"] = 1 }), "version 3, this build reads only version 2"},
-		{"version 1", edit(func(m map[string]any) { m["v"] = 1 }), "version 1, this build reads only version 2"},
-		{"no version", edit(func(m map[string]any) { delete(m, "v") }), "no version"},
-		{"unknown field", edit(func(m map[string]any) { m["extra"] = true }), `unknown field "extra"`},
-		{"unknown nested field", edit(func(m map[string]any) { m["tx"].(map[string]any)["iv"] = "AA==" }), `unknown field "iv"`},
-		{"trailing data", append(bytes.Clone(good), `{"v":2}`...), "after top-level value"},
-		{"not JSON", []byte("v=1"), "invalid character"},
-		{"short secret", edit(func(m map[string]any) { m["rx"].(map[string]any)["secret"] = "AAAA" }), "rx: ktls: traffic secret for TLS_AES_128_GCM_SHA256 is 3 bytes, want 32"},
-		{"TLS 1.3 without secret", edit(func(m map[string]any) { delete(m["tx"].(map[string]any), "secret") }), "tx: ktls: traffic secret"},
-		{"TLS 1.2 with secret", edit(func(m map[string]any) {
-			m["tls_version"] = tls.VersionTLS12
-			m["cipher_suite"] = tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+		{"next version", other, fmt.Sprintf("version %d, this build reads only version %d", HandoffVersion+1, HandoffVersion)},
+		{"version 2 (JSON)", []byte(`{"v":2}`), fmt.Sprintf("version 123, this build reads only version %d", HandoffVersion)},
+		{"empty", nil, "version: the state ends"},
+		{"cut short", good[:len(good)-1], "peer certificates: the state ends"},
+		{"trailing data", append(bytes.Clone(good), 0), "data after the last field"},
+		{"unknown peer end", func() []byte { b := bytes.Clone(good); b[9] = 3; return b }(), "peer end 3"},
+		{"flag 2", func() []byte { b := bytes.Clone(good); b[5] = 2; return b }(), "flags: a boolean other than 0 or 1"},
+		{"short secret", edit(func(s *HandoffState) { s.RX.Secret = s.RX.Secret[:3] }), "rx: ktls: traffic secret for TLS_AES_128_GCM_SHA256 is 3 bytes, want 32"},
+		{"TLS 1.3 without secret", edit(func(s *HandoffState) { s.TX.Secret = nil }), "tx: ktls: traffic secret"},
+		{"TLS 1.2 with secret", edit(func(s *HandoffState) {
+			s.Version, s.CipherSuite = tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
 		}), "a TLS 1.2 state carries no traffic secret"},
-		{"unsupported suite", edit(func(m map[string]any) { m["cipher_suite"] = tls.TLS_RSA_WITH_AES_128_CBC_SHA }), "not a supported TLS 1.3 cipher suite"},
-		{"unknown version", edit(func(m map[string]any) { m["tls_version"] = tls.VersionTLS11 }), "unsupported TLS version"},
-		{"unknown peer end", edit(func(m map[string]any) { m["peer_end"] = "reset" }), `unknown peer end "reset"`},
-		{"negative tokens", edit(func(m map[string]any) { m["key_update_tokens"] = -1 }), "KeyUpdate tokens -1"},
-		{"record limit above the most", edit(func(m map[string]any) { m["record_limit"] = MaxRecordLimit + 1 }), "record limit 16777217 above 16777216"},
-		{"negative KeyUpdate rate", edit(func(m map[string]any) { m["key_update_per_second"] = -1 }), "KeyUpdate rate -1 per second"},
-		{"empty certificate", edit(func(m map[string]any) { m["peer_certificates"] = []string{""} }), "peer certificate 0 is empty"},
-		{"sequence number as text", edit(func(m map[string]any) { m["tx"].(map[string]any)["seq"] = "7" }), "cannot unmarshal string"},
+		{"unsupported suite", edit(func(s *HandoffState) { s.CipherSuite = tls.TLS_RSA_WITH_AES_128_CBC_SHA }), "not a supported TLS 1.3 cipher suite"},
+		{"unknown version", edit(func(s *HandoffState) { s.Version = tls.VersionTLS11 }), "unsupported TLS version"},
+		{"negative tokens", edit(func(s *HandoffState) { s.KeyUpdateTokens = -1 }), "KeyUpdate tokens -1"},
+		{"NaN tokens", edit(func(s *HandoffState) { s.KeyUpdateTokens = math.NaN() }), "KeyUpdate tokens NaN"},
+		{"record limit above the most", edit(func(s *HandoffState) { s.RecordLimit = MaxRecordLimit + 1 }), "record limit 16777217 above 16777216"},
+		{"negative KeyUpdate rate", edit(func(s *HandoffState) { s.KeyUpdateLimit.PerSecond = -1 }), "KeyUpdate rate -1 per second"},
+		{"negative burst", edit(func(s *HandoffState) { s.KeyUpdateLimit.Burst = -1 }), "burst -1"},
+		{"empty certificate", edit(func(s *HandoffState) { s.PeerCertificates = [][]byte{{}} }), "peer certificate 0 is empty"},
+		{"certificates past the end", func() []byte {
+			s := testState()
+			s.PeerCertificates = nil
+			b := s.encode()
+			return append(b[:len(b)-1], 0xff, 0xff, 0x03) // 65535 certificates in 2 bytes
+		}(), "peer certificates: the state ends"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			st, err := DecodeHandoffState(tc.in)
 			if err == nil || !strings.Contains(err.Error(), tc.says) {
-				t.Fatalf("DecodeHandoffState(%s) = %v; want an error saying %q", tc.in, err, tc.says)
+				t.Fatalf("DecodeHandoffState(%x) = %v; want an error saying %q", tc.in, err, tc.says)
 			}
 			if st.Version != 0 || st.TX.Secret != nil {
 				t.Fatalf("a refused decode returned a state: %+v", st)
 			}
-			if tc.name == "version 3" {
+			if strings.HasPrefix(tc.name, "next version") {
 				var ve *HandoffVersionError
-				if !errors.As(err, &ve) || ve.Got != 3 {
-					t.Fatalf("%v: want a *HandoffVersionError for version 3", err)
+				if !errors.As(err, &ve) || ve.Got != HandoffVersion+1 {
+					t.Fatalf("%v: want a *HandoffVersionError for version %d", err, HandoffVersion+1)
 				}
 			}
 		})
@@ -378,6 +378,31 @@ func TestHandoffStateDecodeStrict(t *testing.T) {
 	if _, err := bad.Encode(); err == nil {
 		t.Fatal("Encode took a 5-byte secret")
 	}
+}
+
+// FuzzHandoffState: no input makes DecodeHandoffState panic, and a state
+// it accepts encodes to exactly its input: one encoding per state.
+func FuzzHandoffState(f *testing.F) {
+	for _, s := range []HandoffState{testState(), {Version: tls.VersionTLS12, CipherSuite: tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256}} {
+		b, err := s.Encode()
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		st, err := DecodeHandoffState(b)
+		if err != nil {
+			return
+		}
+		again, err := st.Encode()
+		if err != nil {
+			t.Fatalf("a decoded state does not encode: %v", err)
+		}
+		if !bytes.Equal(again, b) {
+			t.Fatalf("accepted %x, which encodes as %x", b, again)
+		}
+	})
 }
 
 // TestAdoptRefusesPlainSocket: Adopt checks the socket before anything

@@ -35,16 +35,16 @@ package splice
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/ktlsingress/caddy-ktls/internal/strictjson"
+	"github.com/ktlsingress/caddy-ktls/internal/wire"
 )
 
 // ErrPaused is Run's error after a Pause succeeded: both connections are
@@ -610,9 +610,9 @@ func adoptPipe(f *os.File, want int64) (int, error) {
 	return dup, nil
 }
 
-// PauseVersion is the version of PauseState's encoding. A decoder refuses
-// every other version.
-const PauseVersion = 1
+// PauseVersion is the version of PauseState's encoding (its first byte).
+// A decoder refuses every other version.
+const PauseVersion = 2
 
 // PauseVersionError is a state encoded in a version this package does not
 // read.
@@ -624,99 +624,64 @@ func (e *PauseVersionError) Error() string {
 	return fmt.Sprintf("splice: pause state version %d, this build reads only version %d", e.Got, PauseVersion)
 }
 
-// pauseWire is the encoding of PauseState version 1: JSON, fields named
-// here.
-type pauseWire struct {
-	V    int           `json:"v"`
-	AToB directionWire `json:"a_to_b"`
-	BToA directionWire `json:"b_to_a"`
-}
+// pauseEnds numbers the ends a paused direction can have in the encoding.
+var pauseEnds = []EndReason{EndRunning, EndEOF}
 
-type directionWire struct {
-	Bytes          int64  `json:"bytes"`
-	SpliceBytes    int64  `json:"splice_bytes"`
-	CopyBytes      int64  `json:"copy_bytes"`
-	ControlRecords int64  `json:"control_records"`
-	PipeShortages  int64  `json:"pipe_shortages"`
-	ThrottledNS    int64  `json:"throttled_ns"`
-	Spliced        bool   `json:"spliced"`
-	End            string `json:"end"` // "running" or "eof"
-	Pending        int64  `json:"pending"`
-}
-
-func (w *directionWire) set(pd PausedDirection) {
-	*w = directionWire{
-		Bytes: pd.Bytes, SpliceBytes: pd.SpliceBytes, CopyBytes: pd.CopyBytes,
-		ControlRecords: pd.ControlRecords, PipeShortages: pd.PipeShortages,
-		ThrottledNS: int64(pd.Throttled), Spliced: pd.Spliced, End: pd.End.String(), Pending: pd.Pending,
-	}
-}
-
-func (w directionWire) get() (PausedDirection, error) {
-	pd := PausedDirection{
-		Bytes: w.Bytes, SpliceBytes: w.SpliceBytes, CopyBytes: w.CopyBytes,
-		ControlRecords: w.ControlRecords, PipeShortages: w.PipeShortages,
-		Throttled: time.Duration(w.ThrottledNS), Spliced: w.Spliced, Pending: w.Pending,
-	}
-	switch w.End {
-	case EndRunning.String():
-		pd.End = EndRunning
-	case EndEOF.String():
-		pd.End = EndEOF
-	default:
-		return pd, fmt.Errorf("end %q", w.End)
-	}
-	return pd, nil
-}
-
-// Encode returns s in the current PauseVersion.
+// Encode returns s in the current PauseVersion (internal/wire): per
+// direction, AToB first, the counters (bytes, spliced, copied, control
+// records, pipe shortages, throttled nanoseconds), whether it spliced, its
+// end and its pending bytes.
 func (s *PauseState) Encode() ([]byte, error) {
 	if err := s.validate(); err != nil {
 		return nil, err
 	}
-	w := pauseWire{V: PauseVersion}
-	w.AToB.set(s.Dirs[AToB])
-	w.BToA.set(s.Dirs[BToA])
-	return json.Marshal(w)
+	return s.encode(), nil
+}
+
+// encode is Encode of a state already validated.
+func (s *PauseState) encode() []byte {
+	w := wire.NewWriter(PauseVersion, 64)
+	for _, pd := range s.Dirs {
+		for _, v := range []int64{pd.Bytes, pd.SpliceBytes, pd.CopyBytes, pd.ControlRecords, pd.PipeShortages, int64(pd.Throttled)} {
+			w.Int(v)
+		}
+		w.Bool(pd.Spliced)
+		w.Uint(uint64(slices.Index(pauseEnds, pd.End)))
+		w.Int(pd.Pending)
+	}
+	return w.B
 }
 
 // DecodePauseState decodes what Encode wrote. It refuses another version
-// (*PauseVersionError), a field it does not know, a missing version,
-// anything after the object, and a state Resume could not use.
+// (*PauseVersionError), a state cut short or with anything after it, and
+// a state Resume could not use.
 func DecodePauseState(b []byte) (PauseState, error) {
-	var w pauseWire
-	switch got, err := strictjson.Versioned(b, &w, PauseVersion, func() int { return w.V }); {
-	case errors.Is(err, strictjson.ErrVersion):
-		return PauseState{}, &PauseVersionError{Got: got}
-	case err != nil:
-		return PauseState{}, fmt.Errorf("splice: pause state: %w", err)
+	r := wire.NewReader(b)
+	if v := r.Version(); r.Err() == nil && v != PauseVersion {
+		return PauseState{}, &PauseVersionError{Got: int(v)}
 	}
 	var s PauseState
-	for d, dw := range [2]directionWire{w.AToB, w.BToA} {
-		pd, err := dw.get()
-		if err != nil {
-			return PauseState{}, fmt.Errorf("splice: pause state: %s: %w", Direction(d), err)
+	for d := range s.Dirs {
+		pd := &s.Dirs[d]
+		r.Field(Direction(d).String())
+		for _, v := range []*int64{&pd.Bytes, &pd.SpliceBytes, &pd.CopyBytes, &pd.ControlRecords, &pd.PipeShortages, (*int64)(&pd.Throttled)} {
+			*v = r.Int()
 		}
-		s.Dirs[d] = pd
+		pd.Spliced = r.Bool()
+		if end := r.Uint(); end < uint64(len(pauseEnds)) {
+			pd.End = pauseEnds[end]
+		} else if r.Err() == nil {
+			return PauseState{}, fmt.Errorf("splice: pause state: %s: end %d", Direction(d), end)
+		}
+		pd.Pending = r.Int()
+	}
+	if err := r.End(); err != nil {
+		return PauseState{}, fmt.Errorf("splice: pause state: %w", err)
 	}
 	if err := s.validate(); err != nil {
 		return PauseState{}, err
 	}
 	return s, nil
-}
-
-// MarshalJSON is Encode, so that a state inside a larger JSON message keeps
-// its version.
-func (s PauseState) MarshalJSON() ([]byte, error) { return s.Encode() }
-
-// UnmarshalJSON is DecodePauseState.
-func (s *PauseState) UnmarshalJSON(b []byte) error {
-	d, err := DecodePauseState(b)
-	if err != nil {
-		return err
-	}
-	*s = d
-	return nil
 }
 
 // validate checks what Pause guarantees: counters that add up, and an end

@@ -1,8 +1,8 @@
 package splice
 
 import (
+	"bytes"
 	"crypto/sha256"
-	"encoding/json"
 	"errors"
 	"io"
 	"net"
@@ -731,8 +731,9 @@ func TestPauseNotRunning(t *testing.T) {
 	}
 }
 
-// TestPauseStateEncoding: a state survives its encoding; another version,
-// an unknown field and states Resume could not continue are refused.
+// TestPauseStateEncoding: a state survives its encoding, its version
+// first; another version, a state cut short or with more after it, and
+// states Resume could not continue are refused, by the decoder too.
 func TestPauseStateEncoding(t *testing.T) {
 	st := PauseState{Dirs: [2]PausedDirection{
 		{Bytes: 5 << 20, SpliceBytes: 5<<20 - 100, CopyBytes: 100, ControlRecords: 3, PipeShortages: 1, Throttled: 1500 * time.Millisecond, Spliced: true, End: EndRunning, Pending: 65536},
@@ -742,6 +743,9 @@ func TestPauseStateEncoding(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if enc[0] != PauseVersion {
+		t.Fatalf("encoding starts with %d, want the version %d", enc[0], PauseVersion)
+	}
 	got, err := DecodePauseState(enc)
 	if err != nil {
 		t.Fatal(err)
@@ -749,29 +753,27 @@ func TestPauseStateEncoding(t *testing.T) {
 	if got != st {
 		t.Fatalf("round trip: %+v, want %+v", got, st)
 	}
-	// Inside a larger message, through encoding/json.
-	msg, err := json.Marshal(struct{ Relay PauseState }{st})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var back struct{ Relay PauseState }
-	if err := json.Unmarshal(msg, &back); err != nil || back.Relay != st {
-		t.Fatalf("inside a message: %+v, %v", back.Relay, err)
-	}
 
 	var ve *PauseVersionError
-	other := strings.Replace(string(enc), `"v":1`, `"v":2`, 1)
-	if _, err := DecodePauseState([]byte(other)); !errors.As(err, &ve) || ve.Got != 2 {
-		t.Errorf("version 2: %v, want a PauseVersionError", err)
+	other := bytes.Clone(enc)
+	other[0] = PauseVersion + 1
+	if _, err := DecodePauseState(other); !errors.As(err, &ve) || ve.Got != PauseVersion+1 {
+		t.Errorf("version %d: %v, want a PauseVersionError", PauseVersion+1, err)
 	}
-	for name, b := range map[string]string{
-		"no version":    strings.Replace(string(enc), `"v":1,`, ``, 1),
-		"unknown field": strings.Replace(string(enc), `"v":1,`, `"v":1,"fd":3,`, 1),
-		"trailing":      string(enc) + "{}",
-		"unknown end":   strings.Replace(string(enc), `"end":"eof"`, `"end":"error"`, 1),
+	unknownEnd := st
+	unknownEnd.Dirs[1].End = EndError // no version-2 state holds it: encoded as -1
+	unknown := unknownEnd.encode()
+	for name, tc := range map[string]struct {
+		b    []byte
+		says string
+	}{
+		"version 1 (JSON)": {[]byte(`{"v":1}`), "version 123"},
+		"cut short":        {enc[:len(enc)-1], "b->a: the state ends"},
+		"trailing":         {append(bytes.Clone(enc), 0), "data after the last field"},
+		"unknown end":      {unknown, "end 18446744073709551615"},
 	} {
-		if _, err := DecodePauseState([]byte(b)); err == nil {
-			t.Errorf("%s: decoded %s", name, b)
+		if _, err := DecodePauseState(tc.b); err == nil || !strings.Contains(err.Error(), tc.says) {
+			t.Errorf("%s: %v, want an error saying %q", name, err, tc.says)
 		}
 	}
 	for name, bad := range map[string]func(*PauseState){
@@ -785,10 +787,34 @@ func TestPauseStateEncoding(t *testing.T) {
 		if _, err := s.Encode(); err == nil {
 			t.Errorf("%s: encoded", name)
 		}
+		if _, err := DecodePauseState(s.encode()); err == nil {
+			t.Errorf("%s: decoded", name)
+		}
 		if _, err := Resume(&net.TCPConn{}, &net.TCPConn{}, &Paused{State: s}, Options{}); err == nil {
 			t.Errorf("%s: resumed", name)
 		}
 	}
+}
+
+// FuzzPauseState: no input makes DecodePauseState panic, and a state it
+// accepts encodes to exactly its input.
+func FuzzPauseState(f *testing.F) {
+	st := PauseState{Dirs: [2]PausedDirection{{Bytes: 9, SpliceBytes: 8, CopyBytes: 1, Spliced: true, Pending: 3}, {End: EndEOF}}}
+	enc, err := st.Encode()
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(enc)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		st, err := DecodePauseState(b)
+		if err != nil {
+			return
+		}
+		again, err := st.Encode()
+		if err != nil || !bytes.Equal(again, b) {
+			t.Fatalf("accepted %x, which encodes as %x, %v", b, again, err)
+		}
+	})
 }
 
 // TestResumeDiscard: a relay resumed with a pipe of pending bytes and never

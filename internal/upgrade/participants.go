@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,9 +28,10 @@ import (
 // new process holds it, the new process serves; before, a failure leaves
 // everything with the old one. One at most (the forwarder's).
 type State struct {
-	// Versions names the encodings of everything this build moves (the
-	// state's and the participants' objects'): two builds hand over only
-	// when theirs are the same.
+	// Versions names the encodings of the state and of what the objects
+	// share ("report 1, ktls 3"); each participant names its objects'
+	// (Participant.Encoding). Two builds hand over only when all of them
+	// are the same (Encodings).
 	Versions string
 	// Settle waits, in the old process once it stopped accepting, until
 	// the connections it accepted before have finished opening (their
@@ -97,6 +99,9 @@ type Participant struct {
 	// Tunnels says its objects are tunnels: counted in
 	// caddy_ktls_sandbox_handoff_tunnels_total, their pauses observed.
 	Tunnels bool
+	// Encoding names its objects' encoding and version ("tunnel 2"), for
+	// Encodings.
+	Encoding string
 	// Noun names one of its objects in the logs ("tunnel", "standby
 	// connection", "gateway tunnel").
 	Noun string
@@ -140,6 +145,18 @@ func Participants() []Participant {
 	list := slices.Clone(participants.list)
 	slices.SortStableFunc(list, func(a, b Participant) int { return cmp.Compare(a.Order, b.Order) })
 	return list
+}
+
+// Encodings names the encodings of everything this build moves: the
+// process state's Versions, then each participant's Encoding in Order.
+// Two builds hand over only when theirs are the same.
+func Encodings() string {
+	s, _ := ProcessState()
+	list := []string{s.Versions}
+	for _, p := range Participants() {
+		list = append(list, p.Encoding)
+	}
+	return strings.Join(slices.DeleteFunc(list, func(e string) bool { return e == "" }), ", ")
 }
 
 // ForKind returns the participant that adopts kind, false for none.

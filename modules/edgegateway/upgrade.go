@@ -2,7 +2,6 @@ package edgegateway
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"slices"
@@ -12,6 +11,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/ktlsingress/caddy-ktls/gateway"
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
 	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 )
@@ -29,6 +29,7 @@ func init() {
 		Kind:         handoff.KindGatewayTunnel,
 		Order:        2, // after the forwarder's, in a process with both
 		Tunnels:      true,
+		Encoding:     fmt.Sprintf("gateway tunnel %d", gateway.MovedTunnelVersion),
 		Noun:         "gateway tunnel",
 		StayMessage:  "gateway tunnel stays in this process until it ends or the drain ends it",
 		StayKey:      "tunnel",
@@ -129,17 +130,17 @@ func (r *proxyRegistry) handlerFor(name string) (*Proxy, int) {
 // adopt builds a moved tunnel in the handler handlerFor names; run carries
 // it to its end with that handler's logs and metrics.
 func (r *proxyRegistry) adopt(state []byte, files []*os.File) (run, discard func(), err error) {
-	var named struct {
-		Dialer string `json:"dialer"`
+	mt, err := gateway.DecodeMovedTunnel(state)
+	if err != nil {
+		return nil, nil, err
 	}
-	if err := json.Unmarshal(state, &named); err != nil {
-		return nil, nil, fmt.Errorf("moved gateway tunnel: %w", err)
-	}
-	h, n := r.handlerFor(named.Dialer)
+	h, n := r.handlerFor(mt.Dialer)
 	if h == nil {
+		clear(mt.User) // the sessions' secrets
+		clear(mt.Tunnel)
 		return nil, nil, fmt.Errorf("moved gateway tunnel: %d sandbox_proxy handlers in this configuration, none configured as the one the tunnel ran in", n)
 	}
-	a, err := h.dialer.AdoptTunnel(state, files)
+	a, err := h.dialer.AdoptTunnel(mt, files)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -5,7 +5,6 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/tls"
-	"encoding/json"
 	"errors"
 	"net"
 	"net/netip"
@@ -130,17 +129,16 @@ func TestProxyAdoptDispatch(t *testing.T) {
 	}
 	defer r.Close()
 	defer w.Close()
-	// A state AdoptTunnel refuses: its refusal is the participant's.
-	state, _ := json.Marshal(gateway.MovedTunnel{Version: gateway.MovedTunnelVersion + 1, Dialer: "two"})
 	withProxies(t, one, two)
 	for _, c := range []struct {
 		name  string
 		state []byte
 		want  string
 	}{
-		{"not JSON", []byte("{"), "moved gateway tunnel"},
-		{"no handler of its name", mustJSON(t, gateway.MovedTunnel{Version: gateway.MovedTunnelVersion, Dialer: "elsewhere"}), "2 sandbox_proxy handlers in this configuration, none configured as the one the tunnel ran in"},
-		{"the handler's refusal", state, "version"},
+		{"not a state", []byte("{"), "gateway: moved tunnel version 123"},
+		{"no handler of its name", mustEncode(t, gateway.MovedTunnel{Dialer: "elsewhere"}), "2 sandbox_proxy handlers in this configuration, none configured as the one the tunnel ran in"},
+		// A state AdoptTunnel refuses: its refusal is the participant's.
+		{"the handler's refusal", mustEncode(t, gateway.MovedTunnel{Dialer: "two"}), "the user's session"},
 	} {
 		run, discard, err := proxies.adopt(c.state, []*os.File{r, w})
 		if run != nil || discard != nil || err == nil || !strings.Contains(err.Error(), c.want) {
@@ -157,9 +155,9 @@ func TestProxyAdoptDispatch(t *testing.T) {
 	}
 }
 
-func mustJSON(t *testing.T, v any) []byte {
+func mustEncode(t *testing.T, mt gateway.MovedTunnel) []byte {
 	t.Helper()
-	b, err := json.Marshal(v)
+	b, err := mt.Encode()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
+	"github.com/ktlsingress/caddy-ktls/splice"
 )
 
 // The forwarder's part in a binary upgrade (the sandbox_handoff app,
@@ -41,6 +42,7 @@ func init() {
 		Name:         upgrade.NameStandby,
 		Kind:         handoff.KindStandby,
 		Order:        0,
+		Encoding:     fmt.Sprintf("standby %d", forward.MovedStandbyVersion),
 		Noun:         "standby connection",
 		StayMessage:  "sandbox standby connection stays in this process until its preamble, its standby_timeout or the drain",
 		StayKey:      "peer",
@@ -57,6 +59,7 @@ func init() {
 		Kind:         handoff.KindTunnel,
 		Order:        1,
 		Tunnels:      true,
+		Encoding:     fmt.Sprintf("tunnel %d", forward.MovedTunnelVersion),
 		Noun:         "tunnel",
 		StayMessage:  "sandbox tunnel stays in this process until it ends or the drain ends it",
 		StayKey:      "id",
@@ -90,10 +93,11 @@ type replayState struct {
 	Nonces []byte        `json:"nonces"`
 }
 
-// stateVersions names the encodings this build moves; two builds hand
-// over only when they agree on all of them.
-var stateVersions = fmt.Sprintf("tunnel %d, standby %d, report %d, process %d, ktls %d",
-	forward.MovedTunnelVersion, forward.MovedStandbyVersion, forward.ReportStateVersion, processStateVersion, ktls.HandoffVersion)
+// stateVersions names the encodings of the process state and of what
+// every moved object carries (a session's state, a relay's); the
+// participants name their objects' (upgrade.Encodings).
+var stateVersions = fmt.Sprintf("report %d, process %d, ktls %d, pause %d",
+	forward.ReportStateVersion, processStateVersion, ktls.HandoffVersion, splice.PauseVersion)
 
 // settle waits until no connection of this process is in its TLS
 // handshake or between it and its tunnel, but for the standby connections
@@ -179,19 +183,19 @@ func replayStates(now time.Time) ([]replayState, error) {
 // neither exists, it is refused, and stays in the old process until its
 // preamble, its standby_timeout or that process's drain.
 func adoptStandby(state []byte, files []*os.File) (run, discard func(), err error) {
-	var ms forward.MovedStandby
-	if err := json.Unmarshal(state, &ms); err != nil {
-		return nil, nil, fmt.Errorf("moved standby connection: %v", err)
+	ms, err := forward.DecodeMovedStandby(state)
+	if err != nil {
+		return nil, nil, err
 	}
-	clear(ms.Conn) // the session's secrets: AdoptStandby decodes its own copy
 	hd := keyrings.named(ms.Forwarder)
 	if hd == nil {
 		var n int
 		if hd, n = keyrings.only(); hd == nil {
+			clear(ms.Conn) // the session's secrets
 			return nil, nil, fmt.Errorf("%d sandbox handlers in this configuration, none configured as the one the standby connection waited in: before its preamble, it names no key to choose one by", n)
 		}
 	}
-	a, err := hd.fwd.AdoptStandby(state, files)
+	a, err := hd.fwd.AdoptStandby(ms, files)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -232,15 +236,16 @@ func adoptProcess(state []byte) error {
 // adoptTunnel builds a moved tunnel in the sandbox handler that trusts the
 // key that signed its preamble; run carries it to its end there.
 func adoptTunnel(state []byte, files []*os.File) (run, discard func(), err error) {
-	var mt forward.MovedTunnel
-	if err := json.Unmarshal(state, &mt); err != nil {
-		return nil, nil, fmt.Errorf("moved tunnel: %w", err)
+	mt, err := forward.DecodeMovedTunnel(state)
+	if err != nil {
+		return nil, nil, err
 	}
 	hd := keyrings.handlerTrusting(mt.Tunnel.KeyID, mt.Tunnel.Key)
 	if hd == nil {
+		clear(mt.Conn) // the session's secrets
 		return nil, nil, fmt.Errorf("moved tunnel %d: no sandbox handler of this configuration trusts its key %q", mt.Tunnel.ID, mt.Tunnel.KeyID)
 	}
-	a, err := hd.fwd.Adopt(state, files)
+	a, err := hd.fwd.Adopt(mt, files)
 	if err != nil {
 		return nil, nil, err
 	}

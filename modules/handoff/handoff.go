@@ -139,12 +139,9 @@ var upgrading struct {
 var senders = caddy.NewUsagePool()
 
 // stateVersions names the encodings this build moves
-// (upgrade.State.Versions); two builds hand over only when they agree on
-// all of them.
-func stateVersions() string {
-	s, _ := upgrade.ProcessState()
-	return s.Versions
-}
+// (upgrade.Encodings); two builds hand over only when they agree on all
+// of them.
+func stateVersions() string { return upgrade.Encodings() }
 
 func (h *Handoff) config(want string) handoff.Config {
 	return handoff.Config{

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,11 +19,15 @@ import (
 // alert is what a shed connection reads: ktls.Shed's access_denied record.
 var alert = []byte{21, 3, 3, 0, 2, 2, 49}
 
-// fakeShedder sheds while shed is set, and records whom.
+// fakeShedder sheds while shed is set, and records whom. With admitAfter
+// set, it admits from its admitAfter-th shed on (clears shed as it counts
+// it), as a handler whose load fell: the listener asks ShedNow about the
+// next connection only after Shed returned.
 type fakeShedder struct {
-	shed    atomic.Bool
-	mu      sync.Mutex
-	remotes []string
+	shed       atomic.Bool
+	admitAfter int
+	mu         sync.Mutex
+	remotes    []string
 }
 
 func (f *fakeShedder) ShedNow() []zap.Field {
@@ -38,7 +43,20 @@ func (f *fakeShedder) Shed(remote net.Addr, why []zap.Field) {
 	}
 	f.mu.Lock()
 	f.remotes = append(f.remotes, remote.String())
+	if len(f.remotes) == f.admitAfter {
+		f.shed.Store(false)
+	}
 	f.mu.Unlock()
+}
+
+// waitSheds returns whom f shed once it counted n, or after 5s: a
+// listener counts a shed after its client read the alert and the end.
+func (f *fakeShedder) waitSheds(n int) []string {
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if g := f.shedFrom(); len(g) >= n || time.Now().After(deadline) {
+			return g
+		}
+	}
 }
 
 func (f *fakeShedder) shedFrom() []string {
@@ -122,6 +140,12 @@ func shedDial(t *testing.T, addr string) ([]byte, string) {
 // client's address, and no Accept returns it. Once the handler admits,
 // the next connection is accepted; once its configuration is unloaded
 // (forget), the listener sheds nothing for it.
+//
+// The handler admits as it counts its fifth shed, before the listener
+// asks it about the next connection: set from the test, after the fifth
+// client read the end, the listener could still shed the next connection
+// on an answer it got before (ShedNow, then accept(2) of whatever arrived
+// meanwhile).
 func TestShedBelowAccept(t *testing.T) {
 	for _, network := range []string{Network, RetryNetwork} {
 		t.Run(network, func(t *testing.T) {
@@ -139,18 +163,42 @@ func TestShedBelowAccept(t *testing.T) {
 			}
 			addr := ln.Addr().String()
 			got := make(chan net.Conn, 8)
+			var acceptErr error // Accept's last, once got is closed
 			go func() {
 				defer close(got)
 				for {
 					c, err := ln.Accept()
 					if err != nil {
+						acceptErr = err
 						return
 					}
 					got <- c
 				}
 			}()
+			// However the test ends, Close ends the Accepts, and what
+			// they returned is closed: no goroutine or descriptor left.
+			closeLn := sync.OnceValue(ln.Close)
+			defer func() {
+				closeLn()
+				for c := range got {
+					c.Close()
+				}
+			}()
+			accepted := func() net.Conn {
+				t.Helper()
+				select {
+				case a, ok := <-got:
+					if !ok {
+						t.Fatalf("Accept failed: %v", acceptErr)
+					}
+					return a
+				case <-time.After(10 * time.Second):
+					t.Fatal("no Accept returned the connection")
+				}
+				return nil
+			}
 
-			f := new(fakeShedder)
+			f := &fakeShedder{admitAfter: 5}
 			f.shed.Store(true)
 			forget := Serves(netip.MustParseAddrPort(addr), f)
 			defer forget()
@@ -162,7 +210,7 @@ func TestShedBelowAccept(t *testing.T) {
 				}
 				want = append(want, from)
 			}
-			if g := f.shedFrom(); len(g) != len(want) || g[0] != want[0] || g[4] != want[4] {
+			if g := f.waitSheds(len(want)); !slices.Equal(g, want) {
 				t.Errorf("the handler counted sheds of %v, want %v", g, want)
 			}
 			if n := goAccept(); n > 1 {
@@ -173,13 +221,15 @@ func TestShedBelowAccept(t *testing.T) {
 			}
 
 			// The handler admits: the next connection is the Accept's.
-			f.shed.Store(false)
+			if f.shed.Load() {
+				t.Fatal("the handler still sheds: it counted no fifth shed")
+			}
 			c, err := net.Dial("tcp", addr)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer c.Close()
-			a := <-got
+			a := accepted()
 			if a.RemoteAddr().String() != c.LocalAddr().String() {
 				t.Errorf("Accept returned %s, dialed from %s", a.RemoteAddr(), c.LocalAddr())
 			}
@@ -193,7 +243,7 @@ func TestShedBelowAccept(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer c2.Close()
-			a = <-got
+			a = accepted()
 			if a.RemoteAddr().String() != c2.LocalAddr().String() {
 				t.Errorf("Accept returned %s, dialed from %s", a.RemoteAddr(), c2.LocalAddr())
 			}
@@ -201,9 +251,10 @@ func TestShedBelowAccept(t *testing.T) {
 			if n := len(f.shedFrom()); n != 5 {
 				t.Errorf("%d sheds counted, want the 5 before", n)
 			}
-			ln.Close()
-			for range got {
+			closeLn()
+			for c := range got {
 				t.Error("an Accept returned a connection after Close")
+				c.Close()
 			}
 		})
 	}

@@ -208,10 +208,7 @@ func (s *TunnelState) write(w *wire.Writer) {
 	for _, v := range []string{s.Sandbox, s.Target, s.Peer, s.Certificate} {
 		w.String(v)
 	}
-	w.Uint(uint64(len(s.CertificateNames)))
-	for _, name := range s.CertificateNames {
-		w.String(name)
-	}
+	w.Strings(s.CertificateNames)
 	w.String(s.KeyID)
 	w.Bytes(s.Key)
 	w.Time(s.Opened)
@@ -227,12 +224,7 @@ func readTunnelState(r *wire.Reader) TunnelState {
 	for _, v := range []*string{&s.Sandbox, &s.Target, &s.Peer, &s.Certificate} {
 		*v = r.String()
 	}
-	if n := r.Count(); n > 0 {
-		s.CertificateNames = make([]string, n)
-		for i := range s.CertificateNames {
-			s.CertificateNames[i] = r.String()
-		}
-	}
+	s.CertificateNames = r.Strings()
 	s.KeyID = r.String()
 	s.Key = r.Bytes()
 	s.Opened = r.Time()

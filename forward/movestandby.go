@@ -55,10 +55,7 @@ func (m *MovedStandby) Encode() []byte {
 	w.String(m.Peer)
 	w.Bytes(m.Binding)
 	w.String(m.Certificate)
-	w.Uint(uint64(len(m.CertificateNames)))
-	for _, name := range m.CertificateNames {
-		w.String(name)
-	}
+	w.Strings(m.CertificateNames)
 	w.Bool(m.CertificateVerified)
 	w.Time(m.StandbyBegan)
 	w.Bytes(m.Conn)
@@ -79,12 +76,7 @@ func DecodeMovedStandby(b []byte) (MovedStandby, error) {
 	m.Peer = r.String()
 	m.Binding = r.Bytes()
 	m.Certificate = r.String()
-	if n := r.Count(); n > 0 {
-		m.CertificateNames = make([]string, n)
-		for i := range m.CertificateNames {
-			m.CertificateNames[i] = r.String()
-		}
-	}
+	m.CertificateNames = r.Strings()
 	m.CertificateVerified = r.Bool()
 	m.StandbyBegan = r.Time()
 	r.Field("conn")

@@ -175,7 +175,6 @@ func BenchmarkMovedTunnelState(b *testing.B) {
 	}
 	b.Run("encode", func(b *testing.B) {
 		b.ReportAllocs()
-		b.ReportMetric(float64(len(enc)), "B/state")
 		for b.Loop() {
 			conn, err := st.Encode()
 			if err != nil {
@@ -187,6 +186,7 @@ func BenchmarkMovedTunnelState(b *testing.B) {
 				b.Fatal(err)
 			}
 		}
+		b.ReportMetric(float64(len(enc)), "B/state")
 	})
 	b.Run("decode", func(b *testing.B) {
 		b.ReportAllocs()

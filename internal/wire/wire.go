@@ -14,6 +14,7 @@
 //	Bytes   Uint length, then the bytes (String alike)
 //	Time    Bool (set), then if set Int nanoseconds since 1970 (UTC)
 //	Count   Uint: how many elements follow (each at least a byte long)
+//	Strings Count, then each String
 //	AddrPort Bytes of netip.AddrPort's binary form
 //
 // A Reader is strict: a value cut short, a varint not in its shortest
@@ -82,6 +83,13 @@ func (w *Writer) Time(t time.Time) {
 	w.Bool(!t.IsZero())
 	if !t.IsZero() {
 		w.Int(t.UnixNano())
+	}
+}
+
+func (w *Writer) Strings(v []string) {
+	w.Uint(uint64(len(v)))
+	for _, e := range v {
+		w.String(e)
 	}
 }
 
@@ -237,6 +245,19 @@ func (r *Reader) Time() time.Time {
 		return time.Time{}
 	}
 	return time.Unix(0, r.Int()).UTC()
+}
+
+// Strings reads what Writer.Strings wrote: nil for none.
+func (r *Reader) Strings() []string {
+	n := r.Count()
+	if n == 0 {
+		return nil
+	}
+	v := make([]string, n)
+	for i := range v {
+		v[i] = r.String()
+	}
+	return v
 }
 
 func (r *Reader) AddrPort() netip.AddrPort {

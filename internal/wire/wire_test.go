@@ -35,10 +35,7 @@ func (v fields) encode() []byte {
 	w.String(v.s)
 	w.Time(v.when)
 	w.Uint16(v.u16)
-	w.Uint(uint64(len(v.list)))
-	for _, e := range v.list {
-		w.String(e)
-	}
+	w.Strings(v.list)
 	w.AddrPort(v.ap)
 	return w.B
 }
@@ -64,12 +61,7 @@ func decode(b []byte) (fields, byte, error) {
 	r.Field("u16")
 	v.u16 = r.Uint16()
 	r.Field("list")
-	if n := r.Count(); n > 0 {
-		v.list = make([]string, n)
-		for i := range v.list {
-			v.list[i] = r.String()
-		}
-	}
+	v.list = r.Strings()
 	r.Field("ap")
 	v.ap = r.AddrPort()
 	return v, version, r.End()

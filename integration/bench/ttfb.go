@@ -222,16 +222,6 @@ func forwarderAddr(s string) (netip.Addr, error) {
 	return a, nil
 }
 
-// freeAddrOn picks a free port on addr.
-func freeAddrOn(addr netip.Addr) string {
-	ln, err := net.Listen("tcp", netip.AddrPortFrom(addr, 0).String())
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
-
 // netemBand is the prio band netem hangs on; netemHandle its handle.
 const (
 	netemBand   = "1:3"

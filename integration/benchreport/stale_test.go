@@ -69,9 +69,11 @@ const (
 	// sinceHandoffPackage: the sandbox_handoff app moved into a package of
 	// its own, after the last measurements of 2026-12-06.
 	sinceHandoffPackage = "the sandbox_handoff app moved from modules/forwarder into modules/handoff, the forwarder registering its state and objects with internal/upgrade (the upgrade's path only: no tunnel's or handshake's path changed)"
-	// sinceAdoption: the changes of 2026-12-06 to a tunnel's adoption in
-	// an upgrade, after every report but bulk-1gib.md was measured.
-	sinceAdoption = "an adopted tunnel's sockets keeping their keepalive and Nagle settings (internal/tcpfile), the moved states decoded in one pass (internal/strictjson) and an adopted session's peer certificates parsed once per process (the upgrade's adoption only: no tunnel's or handshake's path changed); measured before them"
+	// sinceAdoption: the changes of 2026-12-06 to a tunnel's move and
+	// adoption in an upgrade (sinceMove) and to the bench's port picks,
+	// after every report but bulk-1gib.md was measured.
+	sinceAdoption = sinceMove + "; and the bench's contenders listening on ports below the ephemeral range (integration/bench: a port race of bench-smoke; no contender's or measurement's path changed)"
+	sinceMove     = "an adopted tunnel's sockets keeping their keepalive and Nagle settings (internal/tcpfile), the moved states in a binary encoding decoded once (internal/wire) and an adopted session's peer certificates parsed once per process (the upgrade's move and adoption only: no tunnel's or handshake's path changed); measured before them"
 )
 
 // knownStale are reports measured before a change to the code they

@@ -34,6 +34,7 @@ var layers = []layer{
 	// Test support: imported by tests only, never by a product package.
 	{"internal/testpki", false, nil},
 	{"internal/cputest", false, nil},
+	{"internal/freeport", false, nil},
 	{"internal/splicetest", false, nil},
 	{"internal/kerneltest", false, []string{"internal/loopback"}},
 	{"forward/forwardtest", false, []string{"preamble", "splice", "internal/sockerr", "internal/kerneltest"}},
@@ -64,7 +65,7 @@ var layers = []layer{
 
 	// Tools and examples beside the product.
 	{"integration/internal/benchjson", false, nil}, // the load and time-to-first-byte runs' JSON, which bench writes and benchreport renders
-	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest", "integration/internal/benchjson"}},
+	{"integration/bench", false, []string{"ktls", "splice", "preamble", "gateway", "internal/kerneltest", "internal/freeport", "integration/internal/benchjson"}},
 	{"integration/benchreport", false, []string{"integration/internal/benchjson"}},
 	{"deploy", false, nil},
 	{"examples/demo-upstream", false, nil},

@@ -115,8 +115,10 @@ if [ $KIND = load ]; then
   rm -rf "$vm_out"
   mkdir -p "$vm_out"
   # Room for 10,000 tunnels (two sockets each in the forwarder) and for a
-  # connection per call (TIME_WAIT reuse, the whole port range).
-  cmd="ulimit -n 1048576 && echo 1 >/proc/sys/net/ipv4/tcp_tw_reuse && echo '1024 65535' >/proc/sys/net/ipv4/ip_local_port_range && "
+  # connection per call (TIME_WAIT reuse, the port range from 1024), with
+  # the ports above 60999 left out of it for the contenders to listen on
+  # (internal/freeport picks them outside the range).
+  cmd="ulimit -n 1048576 && echo 1 >/proc/sys/net/ipv4/tcp_tw_reuse && echo '1024 60999' >/proc/sys/net/ipv4/ip_local_port_range && "
   cmd+=$(printf '%q ' taskset -c 1 "$OUT/bench" load -mode vm -pin-contender 0 -caddy "$CADDY" -commit "$COMMIT" -label "${BENCH_LOAD_LABEL:-}" -out /run/vm-out/load.json "${SIZES[@]}" "$@")
   rc=0
   VM_SMP=2 VM_MEM=${VM_MEM:-4096} VM_OUT=$vm_out VM_TIMEOUT=${VM_TIMEOUT:-$timeout} \

@@ -9,7 +9,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -646,26 +645,5 @@ func TestResumedShapeResumesEveryMeasuredCall(t *testing.T) {
 		if got.calls != p.SmallPerCallCalls || measured != int64(got.calls) || resumed != measured {
 			t.Errorf("run %d: %d calls over %d measured tunnels, %d of them resumed; want %d calls, each on a resumed tunnel", run, got.calls, measured, resumed, p.SmallPerCallCalls)
 		}
-	}
-}
-
-// TestFreeAddr: the contenders' ports are free when picked, below the
-// ephemeral range (no connection's local port can take one before its
-// contender binds it), and never picked twice in a run.
-func TestFreeAddr(t *testing.T) {
-	low, _ := ephemeralRange()
-	seen := map[string]bool{}
-	for range 300 {
-		a := freeAddr()
-		ap := netip.MustParseAddrPort(a)
-		if seen[a] || int(ap.Port()) >= low || ap.Port() < pickFrom || ap.Addr() != netip.AddrFrom4([4]byte{127, 0, 0, 1}) {
-			t.Fatalf("picked %s (seen before: %v); want a fresh 127.0.0.1 port in [%d, %d)", a, seen[a], pickFrom, low)
-		}
-		seen[a] = true
-		ln, err := net.Listen("tcp", a)
-		if err != nil {
-			t.Fatalf("the picked %s: %v", a, err)
-		}
-		ln.Close()
 	}
 }

@@ -30,7 +30,6 @@ import (
 	"flag"
 	"fmt"
 	"log"
-	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -39,11 +38,11 @@ import (
 	"runtime"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/integration/internal/benchjson"
+	"github.com/ktlsingress/caddy-ktls/internal/freeport"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
@@ -837,63 +836,17 @@ func printTable(rep *report) {
 // freeAddr picks a loopback port for the next contender (freeAddrOn).
 func freeAddr() string { return freeAddrOn(netip.AddrFrom4([4]byte{127, 0, 0, 1})) }
 
-// Ports freeAddrOn picks from: below the kernel's ephemeral range, which
-// every connection's local port comes from. A port of that range, free
-// when picked, could be some connection's local port by the time the
-// contender binds it (the readiness dials, the hop behind it starting),
-// and a client's TIME_WAIT there refuses the bind for a minute.
-const (
-	pickFrom = 10000
-	pickSpan = 20000 // up to 30000, below Linux's default 32768
-)
-
-var picks struct {
-	sync.Mutex
-	done map[string]bool
-}
-
-// freeAddrOn picks a port on addr that nothing listens on, from below the
-// ephemeral range (pickFrom), a fresh one each call: no TIME_WAIT or
-// lingering listener of an earlier contender in the way, and no two
-// contenders of a run given one port.
+// freeAddrOn picks a port on addr for the next contender: a fresh one each
+// (no TIME_WAIT or lingering listener of an earlier contender in the way),
+// outside the ephemeral range, so that no connection made before the
+// contender binds it (the readiness dials, the hop behind it starting)
+// takes it as its local port (internal/freeport).
 func freeAddrOn(addr netip.Addr) string {
-	picks.Lock()
-	defer picks.Unlock()
-	if picks.done == nil {
-		picks.done = map[string]bool{}
-	}
-	low, _ := ephemeralRange()
-	span := min(pickSpan, low-pickFrom)
-	for range 1000 {
-		if span <= 0 {
-			break
-		}
-		a := netip.AddrPortFrom(addr, uint16(pickFrom+rand.IntN(span))).String()
-		if picks.done[a] {
-			continue
-		}
-		ln, err := net.Listen("tcp", a)
-		if err != nil {
-			continue
-		}
-		ln.Close()
-		picks.done[a] = true
-		return a
-	}
-	log.Fatalf("no free port on %s from %d below the ephemeral range (from %d)", addr, pickFrom, low)
-	return ""
-}
-
-// ephemeralRange is the kernel's ip_local_port_range.
-func ephemeralRange() (low, high int) {
-	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
-	if err == nil {
-		_, err = fmt.Sscan(string(b), &low, &high)
-	}
+	a, err := freeport.Addr(addr)
 	if err != nil {
-		log.Fatalf("reading the ephemeral port range: %v", err)
+		log.Fatal(err)
 	}
-	return low, high
+	return a.String()
 }
 
 func waitListening(addr string, exited <-chan struct{}) error {

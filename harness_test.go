@@ -8,13 +8,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -23,6 +21,7 @@ import (
 
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/gateway"
+	"github.com/ktlsingress/caddy-ktls/internal/freeport"
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
@@ -54,35 +53,22 @@ func loopbackAddr(t testing.TB) string {
 	return freeAddr(t, "127.0.0.1")
 }
 
-// handedOut are the ports freeAddr returned in this process. Caddy binds
-// its listeners with SO_REUSEPORT, so two of them given one port both
-// bind and the kernel spreads connections over the two: a CI run had a
-// tunnel's ClientHello answered by the admin server's HTTP 400 ("first
-// record does not look like a TLS handshake"). The kernel may pick a
-// port again as soon as its probe is closed, so each one is remembered.
-var handedOut = struct {
-	sync.Mutex
-	ports map[int]bool
-}{ports: map[int]bool{}}
-
-// freeAddr returns an ip:port where nothing listens (any more), with a
-// port no earlier call in this process returned.
+// freeAddr returns an ip:port where nothing listens, outside the ephemeral
+// range, with a port no earlier call in this process returned
+// (internal/freeport). Caddy binds its listeners with SO_REUSEPORT, so two
+// of them given one port would both bind and the kernel would spread
+// connections over the two: a CI run had a tunnel's ClientHello answered
+// by the admin server's HTTP 400 ("first record does not look like a TLS
+// handshake"). And a port of the ephemeral range, free when probed, can be
+// a connection's local port by the time it is used: a target's then
+// answers, and a dial from it to itself connects.
 func freeAddr(t testing.TB, ip string) string {
 	t.Helper()
-	handedOut.Lock()
-	defer handedOut.Unlock()
-	for {
-		ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		addr := ln.Addr().(*net.TCPAddr)
-		ln.Close()
-		if !handedOut.ports[addr.Port] {
-			handedOut.ports[addr.Port] = true
-			return addr.String()
-		}
+	a, err := freeport.Addr(netip.MustParseAddr(ip))
+	if err != nil {
+		t.Fatal(err)
 	}
+	return a.String()
 }
 
 // newSandboxEnv starts Caddy; sandboxOpts are merged into the sandbox

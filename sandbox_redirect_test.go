@@ -62,7 +62,7 @@ func TestControlPlaneRedirectsRefused(t *testing.T) {
 		e := newSandboxEnv(t, map[string]any{"wake": map[string]any{"url": strings.TrimSuffix(p.url, "/{sandbox}"), "timeout": "5s", "headers": headers}})
 		m0 := e.metrics(t)
 		rejected := len(e.logLines(t, rejectedMsg))
-		c := e.dial(t, "sbx-asleep", netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), freePortNumber(t)))
+		c := e.dial(t, "sbx-asleep", netip.MustParseAddrPort(loopbackAddr(t)))
 		c.SetReadDeadline(time.Now().Add(10 * time.Second))
 		if n, err := c.Read(make([]byte, 1)); n != 0 || err == nil {
 			t.Errorf("refused tunnel read %d bytes, %v", n, err)

@@ -1,7 +1,6 @@
 package caddyktls
 
 import (
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -28,12 +27,7 @@ func TestKernelSandboxWakeOnConnect(t *testing.T) {
 
 func sandboxWakeOnConnect(t *testing.T) {
 	t.Setenv("TEST_WAKE_TOKEN", "wake-token")
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	target := ln.Addr().(*net.TCPAddr).AddrPort()
-	ln.Close()
+	target := netip.MustParseAddrPort(loopbackAddr(t)) // nothing listens there until the wake
 	woken := make(chan string, 4)
 	plane := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("Authorization") != "Bearer wake-token" {
@@ -83,7 +77,7 @@ func sandboxWakeOnConnect(t *testing.T) {
 	e.sandboxHandler()["wake"].(map[string]any)["url"] = plane.URL + "/refuse"
 	e.postLoad(t)
 	rejected := len(e.logLines(t, rejectedMsg))
-	c := e.dial(t, "sbx-gone", netip.AddrPortFrom(target.Addr(), freePortNumber(t)))
+	c := e.dial(t, "sbx-gone", netip.MustParseAddrPort(loopbackAddr(t)))
 	c.SetReadDeadline(time.Now().Add(30 * time.Second))
 	if n, err := c.Read(make([]byte, 1)); n != 0 || err == nil {
 		t.Errorf("refused tunnel read %d bytes, %v", n, err)
@@ -92,14 +86,4 @@ func sandboxWakeOnConnect(t *testing.T) {
 	if line := e.waitLogLine(t, rejectedMsg, rejected); line["reason"] != "wake-failed" {
 		t.Errorf("rejection %v, want reason wake-failed", line)
 	}
-}
-
-// freePortNumber is a loopback port nothing listens on.
-func freePortNumber(t *testing.T) uint16 {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return uint16(ln.Addr().(*net.TCPAddr).Port)
 }

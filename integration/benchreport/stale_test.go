@@ -81,7 +81,6 @@ const (
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"results.md":             sinceAdoption,
 	"small-calls.md":         sinceAdoption,
 	"small-mtls.md":          sinceAdoption,
 	"gateway.md":             sinceAdoption,

@@ -206,10 +206,10 @@ type TunnelState struct {
 func (s *TunnelState) write(w *wire.Writer) {
 	w.Uint(s.ID)
 	for _, v := range []string{s.Sandbox, s.Target, s.Peer, s.Certificate} {
-		w.String(v)
+		w.Text(v)
 	}
-	w.Strings(s.CertificateNames)
-	w.String(s.KeyID)
+	w.Texts(s.CertificateNames)
+	w.Text(s.KeyID)
 	w.Bytes(s.Key)
 	w.Time(s.Opened)
 	w.Time(s.LastActivity)
@@ -222,10 +222,10 @@ func readTunnelState(r *wire.Reader) TunnelState {
 	r.Field("tunnel")
 	s.ID = r.Uint()
 	for _, v := range []*string{&s.Sandbox, &s.Target, &s.Peer, &s.Certificate} {
-		*v = r.String()
+		*v = r.Text()
 	}
-	s.CertificateNames = r.Strings()
-	s.KeyID = r.String()
+	s.CertificateNames = r.Texts()
+	s.KeyID = r.Text()
 	s.Key = r.Bytes()
 	s.Opened = r.Time()
 	s.LastActivity = r.Time()

@@ -51,11 +51,11 @@ type MovedStandby struct {
 // wipes them once sent.
 func (m *MovedStandby) Encode() []byte {
 	w := wire.NewWriter(MovedStandbyVersion, 256+len(m.Binding)+len(m.Conn))
-	w.String(m.Forwarder)
-	w.String(m.Peer)
+	w.Text(m.Forwarder)
+	w.Text(m.Peer)
 	w.Bytes(m.Binding)
-	w.String(m.Certificate)
-	w.Strings(m.CertificateNames)
+	w.Text(m.Certificate)
+	w.Texts(m.CertificateNames)
 	w.Bool(m.CertificateVerified)
 	w.Time(m.StandbyBegan)
 	w.Bytes(m.Conn)
@@ -72,11 +72,11 @@ func DecodeMovedStandby(b []byte) (MovedStandby, error) {
 	}
 	var m MovedStandby
 	r.Field("standby")
-	m.Forwarder = r.String()
-	m.Peer = r.String()
+	m.Forwarder = r.Text()
+	m.Peer = r.Text()
 	m.Binding = r.Bytes()
-	m.Certificate = r.String()
-	m.CertificateNames = r.Strings()
+	m.Certificate = r.Text()
+	m.CertificateNames = r.Texts()
 	m.CertificateVerified = r.Bool()
 	m.StandbyBegan = r.Time()
 	r.Field("conn")

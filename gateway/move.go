@@ -72,12 +72,12 @@ func (m *MovedTunnel) Encode() ([]byte, error) {
 		return nil, err
 	}
 	w := wire.NewWriter(MovedTunnelVersion, 256+len(m.User)+len(m.Tunnel)+len(relay))
-	w.String(m.Dialer)
-	w.String(m.Forwarder)
-	w.String(m.Sandbox)
+	w.Text(m.Dialer)
+	w.Text(m.Forwarder)
+	w.Text(m.Sandbox)
 	w.AddrPort(m.Target)
 	w.AddrPort(m.Client.Addr)
-	w.String(m.Client.ID)
+	w.Text(m.Client.ID)
 	w.Time(m.Opened)
 	w.Bool(m.Open)
 	w.Int(m.Buffered)
@@ -98,12 +98,12 @@ func DecodeMovedTunnel(b []byte) (MovedTunnel, error) {
 	}
 	var m MovedTunnel
 	r.Field("route")
-	m.Dialer = r.String()
-	m.Forwarder = r.String()
-	m.Sandbox = r.String()
+	m.Dialer = r.Text()
+	m.Forwarder = r.Text()
+	m.Sandbox = r.Text()
 	m.Target = r.AddrPort()
 	m.Client.Addr = r.AddrPort()
-	m.Client.ID = r.String()
+	m.Client.ID = r.Text()
 	r.Field("tunnel")
 	m.Opened = r.Time()
 	m.Open = r.Bool()

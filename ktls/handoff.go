@@ -526,8 +526,8 @@ func (s *HandoffState) encode() []byte {
 	w.Uint(s.RecordLimit)
 	w.Float(s.KeyUpdateLimit.PerSecond)
 	w.Int(int64(s.KeyUpdateLimit.Burst))
-	w.String(s.ServerName)
-	w.String(s.NegotiatedProtocol)
+	w.Text(s.ServerName)
+	w.Text(s.NegotiatedProtocol)
 	w.Uint(uint64(len(s.PeerCertificates)))
 	for _, der := range s.PeerCertificates {
 		w.Bytes(der)
@@ -552,11 +552,7 @@ func DecodeHandoffState(b []byte) (HandoffState, error) {
 	r.Field("flags")
 	s.Client, s.CloseNotifySent, s.KeyUpdateAsked, s.DidResume = r.Bool(), r.Bool(), r.Bool(), r.Bool()
 	r.Field("peer end")
-	if end := r.Uint(); end < uint64(len(peerEnds)) {
-		s.PeerEnd = peerEnds[end]
-	} else if r.Err() == nil {
-		return HandoffState{}, fmt.Errorf("ktls: handoff state: peer end %d", end)
-	}
+	s.PeerEnd = peerEnds[r.Index(len(peerEnds))]
 	for _, d := range []struct {
 		name string
 		dir  *HandoffDirection
@@ -575,9 +571,9 @@ func DecodeHandoffState(b []byte) (HandoffState, error) {
 	burst := r.Int()
 	s.KeyUpdateLimit.Burst = int(burst)
 	r.Field("server name")
-	s.ServerName = r.String()
+	s.ServerName = r.Text()
 	r.Field("alpn")
-	s.NegotiatedProtocol = r.String()
+	s.NegotiatedProtocol = r.Text()
 	r.Field("peer certificates")
 	if n := r.Count(); n > 0 {
 		s.PeerCertificates = make([][]byte, n)

@@ -334,7 +334,7 @@ func TestHandoffStateDecodeStrict(t *testing.T) {
 		{"empty", nil, "version: the state ends"},
 		{"cut short", good[:len(good)-1], "peer certificates: the state ends"},
 		{"trailing data", append(bytes.Clone(good), 0), "data after the last field"},
-		{"unknown peer end", func() []byte { b := bytes.Clone(good); b[9] = 3; return b }(), "peer end 3"},
+		{"unknown peer end", func() []byte { b := bytes.Clone(good); b[9] = 3; return b }(), "peer end: 3: a number past the values it numbers"},
 		{"flag 2", func() []byte { b := bytes.Clone(good); b[5] = 2; return b }(), "flags: a boolean other than 0 or 1"},
 		{"short secret", edit(func(s *HandoffState) { s.RX.Secret = s.RX.Secret[:3] }), "rx: ktls: traffic secret for TLS_AES_128_GCM_SHA256 is 3 bytes, want 32"},
 		{"TLS 1.3 without secret", edit(func(s *HandoffState) { s.TX.Secret = nil }), "tx: ktls: traffic secret"},

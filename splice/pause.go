@@ -668,11 +668,9 @@ func DecodePauseState(b []byte) (PauseState, error) {
 			*v = r.Int()
 		}
 		pd.Spliced = r.Bool()
-		if end := r.Uint(); end < uint64(len(pauseEnds)) {
-			pd.End = pauseEnds[end]
-		} else if r.Err() == nil {
-			return PauseState{}, fmt.Errorf("splice: pause state: %s: end %d", Direction(d), end)
-		}
+		r.Field(Direction(d).String() + " end")
+		pd.End = pauseEnds[r.Index(len(pauseEnds))]
+		r.Field(Direction(d).String())
 		pd.Pending = r.Int()
 	}
 	if err := r.End(); err != nil {

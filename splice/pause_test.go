@@ -770,7 +770,7 @@ func TestPauseStateEncoding(t *testing.T) {
 		"version 1 (JSON)": {[]byte(`{"v":1}`), "version 123"},
 		"cut short":        {enc[:len(enc)-1], "b->a: the state ends"},
 		"trailing":         {append(bytes.Clone(enc), 0), "data after the last field"},
-		"unknown end":      {unknown, "end 18446744073709551615"},
+		"unknown end":      {unknown, "b->a end: 18446744073709551615: a number past the values it numbers"},
 	} {
 		if _, err := DecodePauseState(tc.b); err == nil || !strings.Contains(err.Error(), tc.says) {
 			t.Errorf("%s: %v, want an error saying %q", name, err, tc.says)

@@ -11,10 +11,11 @@
 //	Int     zig-zag varint, shortest form only
 //	Bool    one byte, 0 or 1
 //	Float   8 bytes, IEEE 754, little-endian
-//	Bytes   Uint length, then the bytes (String alike)
+//	Bytes   Uint length, then the bytes (Text alike: a string)
 //	Time    Bool (set), then if set Int nanoseconds since 1970 (UTC)
 //	Count   Uint: how many elements follow (each at least a byte long)
-//	Strings Count, then each String
+//	Index   Uint: which of a table's values (below the table's length)
+//	Texts   Count, then each Text
 //	AddrPort Bytes of netip.AddrPort's binary form
 //
 // A Reader is strict: a value cut short, a varint not in its shortest
@@ -38,6 +39,7 @@ var (
 	ErrVarint   = errors.New("a number not in its shortest form, or over 64 bits")
 	ErrBool     = errors.New("a boolean other than 0 or 1")
 	ErrTrailing = errors.New("data after the last field")
+	ErrIndex    = errors.New("a number past the values it numbers")
 )
 
 // Writer appends a state's fields to B.
@@ -72,7 +74,7 @@ func (w *Writer) Bytes(v []byte) {
 	w.B = append(w.B, v...)
 }
 
-func (w *Writer) String(v string) {
+func (w *Writer) Text(v string) {
 	w.Uint(uint64(len(v)))
 	w.B = append(w.B, v...)
 }
@@ -86,10 +88,10 @@ func (w *Writer) Time(t time.Time) {
 	}
 }
 
-func (w *Writer) Strings(v []string) {
+func (w *Writer) Texts(v []string) {
 	w.Uint(uint64(len(v)))
 	for _, e := range v {
-		w.String(e)
+		w.Text(e)
 	}
 }
 
@@ -175,6 +177,17 @@ func (r *Reader) Count() int {
 	return int(n)
 }
 
+// Index reads which of n values (a table's, in an order the version
+// fixes) the field holds: ErrIndex for n or more.
+func (r *Reader) Index(n int) int {
+	v := r.Uint()
+	if r.err == nil && v >= uint64(n) {
+		r.fail(fmt.Errorf("%d: %w", v, ErrIndex))
+		return 0
+	}
+	return int(v)
+}
+
 func (r *Reader) Int() int64 {
 	u := r.Uint() // the zig-zag form, so its shortest form is the Uint's
 	return int64(u>>1) ^ -int64(u&1)
@@ -237,7 +250,9 @@ func (r *Reader) Bytes() []byte {
 	return nil
 }
 
-func (r *Reader) String() string { return string(r.View()) }
+// Text reads a string. (Not String: a Reader is no fmt.Stringer, which
+// fmt would call, and so consume a field, on printing one.)
+func (r *Reader) Text() string { return string(r.View()) }
 
 // Time reads what Writer.Time wrote: the zero Time, or a UTC time.
 func (r *Reader) Time() time.Time {
@@ -247,15 +262,15 @@ func (r *Reader) Time() time.Time {
 	return time.Unix(0, r.Int()).UTC()
 }
 
-// Strings reads what Writer.Strings wrote: nil for none.
-func (r *Reader) Strings() []string {
+// Texts reads what Writer.Texts wrote: nil for none.
+func (r *Reader) Texts() []string {
 	n := r.Count()
 	if n == 0 {
 		return nil
 	}
 	v := make([]string, n)
 	for i := range v {
-		v[i] = r.String()
+		v[i] = r.Text()
 	}
 	return v
 }

@@ -23,6 +23,7 @@ type fields struct {
 	when time.Time
 	list []string
 	ap   netip.AddrPort
+	idx  int // one of 3
 }
 
 func (v fields) encode() []byte {
@@ -32,11 +33,12 @@ func (v fields) encode() []byte {
 	w.Bool(v.b)
 	w.Float(v.f)
 	w.Bytes(v.raw)
-	w.String(v.s)
+	w.Text(v.s)
 	w.Time(v.when)
 	w.Uint16(v.u16)
-	w.Strings(v.list)
+	w.Texts(v.list)
 	w.AddrPort(v.ap)
+	w.Uint(uint64(v.idx))
 	return w.B
 }
 
@@ -55,22 +57,24 @@ func decode(b []byte) (fields, byte, error) {
 	r.Field("raw")
 	v.raw = r.Bytes()
 	r.Field("s")
-	v.s = r.String()
+	v.s = r.Text()
 	r.Field("when")
 	v.when = r.Time()
 	r.Field("u16")
 	v.u16 = r.Uint16()
 	r.Field("list")
-	v.list = r.Strings()
+	v.list = r.Texts()
 	r.Field("ap")
 	v.ap = r.AddrPort()
+	r.Field("idx")
+	v.idx = r.Index(3)
 	return v, version, r.End()
 }
 
 func (v fields) equal(o fields) bool {
 	return v.u == o.u && v.i == o.i && v.b == o.b && math.Float64bits(v.f) == math.Float64bits(o.f) &&
 		bytes.Equal(v.raw, o.raw) && v.s == o.s && v.when.Equal(o.when) && v.when.IsZero() == o.when.IsZero() &&
-		v.u16 == o.u16 && slices.Equal(v.list, o.list) && v.ap == o.ap
+		v.u16 == o.u16 && slices.Equal(v.list, o.list) && v.ap == o.ap && v.idx == o.idx
 }
 
 // TestRoundTrip: every kind of value comes back exactly, at its limits;
@@ -79,7 +83,7 @@ func TestRoundTrip(t *testing.T) {
 	for _, v := range []fields{
 		{},
 		{u: math.MaxUint64, i: math.MinInt64, b: true, f: math.Inf(-1), raw: []byte{0, 1, 2}, s: "sandbox ✓", when: time.Date(2026, 12, 6, 1, 2, 3, 456789012, time.UTC), u16: 0xffff, list: []string{"a", "", "c"}, ap: netip.MustParseAddrPort("[2001:db8::1]:443")},
-		{ap: netip.MustParseAddrPort("10.0.0.1:8080")},
+		{ap: netip.MustParseAddrPort("10.0.0.1:8080"), idx: 2},
 		{u: 127, i: math.MaxInt64, f: -0.0, raw: bytes.Repeat([]byte{0xff}, 300), when: time.Unix(0, -1)},
 		{u: 128, i: -1, f: 12.5, s: strings.Repeat("x", 1<<14), when: time.Unix(1, 0).In(time.FixedZone("x", 3600))},
 	} {
@@ -146,6 +150,7 @@ func TestRefusals(t *testing.T) {
 		{"cut in a uint16", good[:26], ErrShort, "u16:"},
 		{"count past the end", append(append([]byte(nil), good[:27]...), 2, 0), ErrShort, "list:"},
 		{"address of 5 bytes", append(append([]byte(nil), good[:28]...), 5, 1, 2, 3, 4, 5), nil, "ap:"},
+		{"index past the table", append(bytes.Clone(good[:len(good)-1]), 3), ErrIndex, "idx: 3"},
 		{"trailing", append(append([]byte(nil), good...), 0), ErrTrailing, "end:"},
 	} {
 		_, _, err := decode(tc.state)

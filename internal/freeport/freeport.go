@@ -1,5 +1,5 @@
 // Package freeport picks loopback ports for tests and the bench to listen
-// on a while later: a port that nothing listens on, below the kernel's
+// on a while later: a port that nothing listens on, outside the kernel's
 // ephemeral range (ip_local_port_range), and never the same twice in a
 // process.
 //

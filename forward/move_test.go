@@ -61,8 +61,32 @@ func newProcess(t testing.TB, gw *forwardtest.Gateway, mods ...func(*Config)) (*
 }
 
 // receiverSession connects a sender and a receiver, which passes each
-// object offered to take until the session ends.
+// object offered to take until the session ends, several at once on
+// goroutines of their own, as the sandbox_handoff app does
+// (handoff.Receiver.Take).
 func receiverSession(t testing.TB, take func(it *handoff.Item)) *handoff.Sender {
+	t.Helper()
+	return readSession(t, func(r *handoff.Receiver) { r.Take(take) })
+}
+
+// serialSession is a receiverSession that passes the objects to take one
+// at a time, on the goroutine that reads the session: take may wait for
+// its verdict (Item.Adopt).
+func serialSession(t testing.TB, take func(it *handoff.Item)) *handoff.Sender {
+	t.Helper()
+	return readSession(t, func(r *handoff.Receiver) {
+		for {
+			it, err := r.Next()
+			if err != nil {
+				return
+			}
+			take(it)
+		}
+	})
+}
+
+// readSession connects a sender and a receiver, which read reads.
+func readSession(t testing.TB, read func(r *handoff.Receiver)) *handoff.Sender {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "handoff.sock")
 	ln, err := handoff.Listen(path)
@@ -83,13 +107,7 @@ func receiverSession(t testing.TB, take func(it *handoff.Item)) *handoff.Sender 
 			return
 		}
 		defer r.Close()
-		for {
-			it, err := r.Next()
-			if err != nil {
-				return
-			}
-			take(it)
-		}
+		read(r)
 	}()
 	s, err := handoff.Accept(ln, cfg)
 	if err != nil {

@@ -19,12 +19,12 @@ import (
 )
 
 // standbySession connects a sender and a receiver; the receiver adopts
-// every standby connection into f, unless refuse says no to its offer
-// (counted from 1), and passes it to adopted unserved. offered counts the
-// objects offered.
+// every standby connection into f, one at a time (Item.Adopt), unless
+// refuse says no to its offer (counted from 1), and passes it to adopted
+// unserved. offered counts the objects offered.
 func standbySession(t *testing.T, f *Forwarder, refuse func(offer int64) bool, adopted chan<- *AdoptedStandby, offered *atomic.Int64) *handoff.Sender {
 	t.Helper()
-	return receiverSession(t, func(it *handoff.Item) {
+	return serialSession(t, func(it *handoff.Item) {
 		offer := offered.Add(1)
 		if it.Kind != handoff.KindStandby {
 			it.Refuse("not a standby connection")

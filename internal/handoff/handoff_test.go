@@ -711,3 +711,143 @@ func TestMoveAll(t *testing.T) {
 		}
 	}
 }
+
+// Take builds a window's objects at once: every take of the window is in
+// progress before any answers, the answers go back in the reverse order of
+// the offers, and every object arrives whole, its descriptor usable, its
+// verdict acted on by the time Take returns ErrDone.
+func TestTakeBuildsAtOnce(t *testing.T) {
+	checkFDs(t)
+	const window, objects = 4, 64
+	s, r := session(t, Config{Window: window}, Config{Window: window})
+	var mu sync.Mutex
+	started := map[uint16]int{}
+	var building, most int
+	// gates holds each take of the current window until the window is
+	// full, then lets the last offer answer first.
+	gates := make(chan chan struct{}, window)
+	take := func(it *Item) {
+		mu.Lock()
+		building++
+		most = max(most, building)
+		mu.Unlock()
+		gate := make(chan struct{})
+		gates <- gate
+		select {
+		case <-gate:
+		case <-time.After(time.Minute):
+			t.Errorf("object %d: the window's other objects were not built at once", it.Kind)
+		}
+		mu.Lock()
+		building--
+		mu.Unlock()
+		err := it.AdoptThen(func() {
+			mu.Lock()
+			started[it.Kind]++
+			mu.Unlock()
+			fmt.Fprintf(it.Files[0], "object %d", it.Kind)
+			it.Close()
+		}, func() {
+			t.Errorf("object %d kept", it.Kind)
+			it.Close()
+		})
+		if err != nil {
+			t.Errorf("object %d: %v", it.Kind, err)
+		}
+	}
+	go func() { // opens each window's gates, the last one first
+		for range objects / window {
+			var held []chan struct{}
+			for range window {
+				held = append(held, <-gates)
+			}
+			for i := len(held) - 1; i >= 0; i-- {
+				close(held[i])
+			}
+		}
+	}()
+	done := make(chan error, 1)
+	go func() { done <- r.Take(take) }()
+	fates := make(chan error, objects)
+	for i := range objects {
+		go func() {
+			rd, wr := pipeObject(t)
+			fate, err := s.Move(uint16(i), []byte(fmt.Sprint(i)), wr)
+			if fate != Moved {
+				fates <- fmt.Errorf("object %d: %v, %v", i, fate, err)
+				return
+			}
+			wr.Close()
+			got, _ := io.ReadAll(rd)
+			if want := fmt.Sprintf("object %d", i); string(got) != want {
+				fates <- fmt.Errorf("object %d: read %q through the moved descriptor, want %q", i, got, want)
+				return
+			}
+			fates <- nil
+		}()
+	}
+	for range objects {
+		if err := <-fates; err != nil {
+			t.Error(err)
+		}
+	}
+	if err := s.Finish(); err != nil {
+		t.Fatalf("finish: %v", err)
+	}
+	if err := <-done; !errors.Is(err, ErrDone) {
+		t.Fatalf("Take: %v, want ErrDone", err)
+	}
+	if len(started) != objects || most != window {
+		t.Fatalf("%d objects started, at most %d built at once; want %d and %d", len(started), most, objects, window)
+	}
+	for k, n := range started {
+		if n != 1 {
+			t.Errorf("object %d started %d times", k, n)
+		}
+	}
+}
+
+// An answer that fails on a take's goroutine ends the session at once,
+// named by that failure, while the reading goroutine waits for a message:
+// the object whose answer failed stays the sender's (AdoptThen says so and
+// calls neither of its functions), one released before is started, and
+// the sender keeps what it never released.
+func TestTakeAnswerFails(t *testing.T) {
+	checkFDs(t)
+	s, r := session(t, Config{Window: 2, Timeout: 500 * time.Millisecond}, Config{Window: 2})
+	first := make(chan struct{})
+	var startedFirst bool
+	var secondErr error
+	take := func(it *Item) {
+		switch it.Kind {
+		case 1:
+			if err := it.AdoptThen(func() { startedFirst = true; it.Close() }, func() { t.Error("object 1 kept"); it.Close() }); err != nil {
+				t.Errorf("object 1: %v", err)
+			}
+		case 2:
+			<-first // object 1 moved; the reader waits for a message
+			r.c.CloseWrite()
+			secondErr = it.AdoptThen(func() { t.Error("object 2 started") }, func() { t.Error("object 2 dropped by a verdict") })
+			it.Close()
+		}
+	}
+	done := make(chan error, 1)
+	go func() { done <- r.Take(take) }()
+	_, w1 := pipeObject(t)
+	if fate, err := s.Move(1, nil, w1); fate != Moved {
+		t.Fatalf("object 1: %v, %v", fate, err)
+	}
+	close(first)
+	_, w2 := pipeObject(t)
+	fate, err := s.Move(2, nil, w2)
+	if fate != Kept {
+		t.Fatalf("object 2: %v (%v), want it kept", fate, err)
+	}
+	err = <-done
+	if !errors.Is(err, unix.EPIPE) || !errors.Is(secondErr, ErrKept) || !errors.Is(secondErr, unix.EPIPE) {
+		t.Fatalf("Take: %v; object 2's AdoptThen: %v; want both to name the failed answer (EPIPE), the object kept", err, secondErr)
+	}
+	if !startedFirst {
+		t.Fatal("object 1, released before the failure, was not started")
+	}
+}

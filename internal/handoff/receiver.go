@@ -7,6 +7,8 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -16,20 +18,31 @@ import (
 // ErrDone is what Next returns once the sender has no more objects.
 var ErrDone = errors.New("handoff: the sender has no more objects")
 
-// Receiver is the new process's end of a handoff session. Its methods are
-// not safe for concurrent use: one goroutine reads the session, and the
-// verdicts of objects adopted with AdoptThen are acted on as it reads them.
+// Receiver is the new process's end of a handoff session. One goroutine
+// reads the session (Next, Item.Adopt, Take, Close), and the verdicts of
+// objects adopted with AdoptThen are acted on, on it, as it reads them. An
+// Item's AdoptThen, Refuse and Close may be called from other goroutines,
+// concurrently with the reading and with each other: Take builds several
+// objects at once.
 type Receiver struct {
 	c    *net.UnixConn
 	cfg  Config
 	peer Hello
 	// pidfd refers to the sender's process from the connection on, so a
 	// recycled PID is never mistaken for it.
-	pidfd   int
+	pidfd  int
+	more   []byte  // the parts of the next ITEM's state
+	queued []*Item // offered while Adopt waited for its verdict, for Next
+
+	// mu guards what follows and every message sent, so that an object is
+	// registered as adopted before its ADOPTED can be answered, and no
+	// answer is sent once the session ended.
+	mu      sync.Mutex
 	broken  error
-	more    []byte           // the parts of the next ITEM's state
-	queued  []*Item          // offered while Adopt waited for its verdict, for Next
 	adopted map[uint64]*Item // ADOPTED sent, the sender's verdict not yet read
+	// sendErr is the first failed answer of an object built on another
+	// goroutine than the reader's: the reader ends the session with it.
+	sendErr error
 }
 
 // Dial connects to the sender listening at path and says hello.
@@ -79,8 +92,8 @@ func (r *Receiver) Next() (*Item, error) {
 		return it, nil
 	}
 	for {
-		if r.broken != nil {
-			return nil, fmt.Errorf("%w: %w", ErrBroken, r.broken)
+		if err := r.brokenErr(); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrBroken, err)
 		}
 		it, err := r.step()
 		if err != nil {
@@ -92,6 +105,30 @@ func (r *Receiver) Next() (*Item, error) {
 	}
 }
 
+// Take reads the session to its end and hands each object offered to
+// take, on a goroutine of its own, up to the receiver's window
+// (Config.Window) at once: take builds the object and answers with
+// AdoptThen or Refuse, while the others are built and the session is read
+// on. It returns once the session has ended and every take has returned:
+// ErrDone when the sender had no more objects, else what ended it. Every
+// object adopted has had its verdict by then.
+func (r *Receiver) Take(take func(it *Item)) error {
+	turns := make(chan struct{}, r.cfg.window())
+	var takes sync.WaitGroup
+	defer takes.Wait()
+	for {
+		it, err := r.Next()
+		if err != nil {
+			return err
+		}
+		turns <- struct{}{}
+		takes.Go(func() {
+			defer func() { <-turns }()
+			take(it)
+		})
+	}
+}
+
 // step reads one message and acts on it: an ITEM is returned; a verdict is
 // given to its object; DONE is answered and ends the session with ErrDone;
 // a failure ends it with the error, after every object adopted has had its
@@ -99,6 +136,13 @@ func (r *Receiver) Next() (*Item, error) {
 func (r *Receiver) step() (*Item, error) {
 	m, err := fdpass.Receive(r.c, fdpass.Limits{Payload: chunk + 10})
 	if err != nil {
+		r.mu.Lock()
+		if r.sendErr != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+			// An answer failed, and woke this read (failSendLocked): the
+			// session ends with that failure.
+			err = r.sendErr
+		}
+		r.mu.Unlock()
 		return nil, r.end(err)
 	}
 	switch m.Kind {
@@ -123,11 +167,10 @@ func (r *Receiver) step() (*Item, error) {
 	case kindReleased:
 		m.Close()
 		id, _, _ := payloadID(m.Payload)
-		it := r.adopted[id]
+		it := r.takeAdopted(id)
 		if it == nil {
 			return nil, r.end(fmt.Errorf("RELEASED for object %d, which was not adopted", id))
 		}
-		delete(r.adopted, id)
 		it.verdict(nil)
 		return nil, nil
 	case kindKeep:
@@ -138,15 +181,18 @@ func (r *Receiver) step() (*Item, error) {
 		return nil, r.end(fmt.Errorf("%w (object %d: %s)", ErrKept, id, reason))
 	case kindDone:
 		m.Close()
-		if len(r.adopted) > 0 {
+		r.mu.Lock()
+		if n := len(r.adopted); n > 0 {
+			r.mu.Unlock()
 			// The sender finishes before its verdicts: it lives, and may
 			// use them; they are closed here.
-			return nil, r.end(fmt.Errorf("%w: the sender ended the session with %d objects adopted and neither released nor kept", ErrKept, len(r.adopted)))
+			return nil, r.end(fmt.Errorf("%w: the sender ended the session with %d objects adopted and neither released nor kept", ErrKept, n))
 		}
 		r.broken = ErrDone
 		// The answer tells the sender this process has every object;
 		// whether or not it arrives, this one owns them.
 		fdpass.Send(r.c, kindDone, nil)
+		r.mu.Unlock()
 		return nil, ErrDone
 	}
 	m.Close()
@@ -157,26 +203,36 @@ func (r *Receiver) step() (*Item, error) {
 // yet released its verdict: what the sender released before it ended is
 // started; the rest, when the sender died (its copies closed with it), is
 // started too, else closed (KEEP, or the sender lives and may use them:
-// never two copies in use).
+// never two copies in use). Only the reading goroutine calls it.
 func (r *Receiver) end(cause error) error {
+	r.mu.Lock()
 	if r.broken != nil {
+		r.mu.Unlock()
 		return fmt.Errorf("handoff: %w", cause)
 	}
+	// From here no answer is sent: an object built meanwhile is kept by
+	// the sender, which never hears of it.
 	r.broken = cause
-	if errors.Is(cause, unix.ECONNRESET) {
+	r.mu.Unlock()
+	if errors.Is(cause, unix.ECONNRESET) || errors.Is(cause, unix.EPIPE) {
 		// A socket closed with messages unread in its queue (our
 		// answers, as the sender failed with objects in flight) resets
 		// its peer: the kernel reports ECONNRESET before the messages
 		// the sender queued ahead of its close, which are still read
-		// after it. A RELEASED among them decides an object.
+		// after it. A RELEASED among them decides an object. An answer
+		// that found the sender's end closed (EPIPE) left them unread
+		// too.
 		r.drain()
 	}
 	// Only a session the sender ended can mean it died; on any other
 	// failure this side ends it, and the sender, alive, keeps them.
-	ended := errors.Is(cause, io.EOF) || errors.Is(cause, unix.ECONNRESET)
-	died := ended && len(r.adopted) > 0 && r.PeerDied()
-	for id, it := range r.adopted {
-		delete(r.adopted, id)
+	ended := errors.Is(cause, io.EOF) || errors.Is(cause, unix.ECONNRESET) || errors.Is(cause, unix.EPIPE)
+	r.mu.Lock()
+	adopted := r.adopted
+	r.adopted = map[uint64]*Item{}
+	r.mu.Unlock()
+	died := ended && len(adopted) > 0 && r.PeerDied()
+	for _, it := range adopted {
 		switch {
 		case died:
 			it.verdict(nil)
@@ -198,6 +254,7 @@ func (r *Receiver) end(cause error) error {
 // verdicts decide their objects; a KEEP ends the draining with the rest
 // kept; an object offered and never adopted stays the sender's.
 func (r *Receiver) drain() {
+	r.c.SetReadDeadline(time.Time{}) // a failed answer's wake-up (failSend) is over
 	for {
 		m, err := fdpass.Receive(r.c, fdpass.Limits{Payload: chunk + 10})
 		if errors.Is(err, unix.ECONNRESET) {
@@ -210,13 +267,15 @@ func (r *Receiver) drain() {
 		id, _, _ := payloadID(m.Payload)
 		switch m.Kind {
 		case kindReleased:
-			if it := r.adopted[id]; it != nil {
-				delete(r.adopted, id)
+			if it := r.takeAdopted(id); it != nil {
 				it.verdict(nil)
 			}
 		case kindKeep:
-			for id, it := range r.adopted {
-				delete(r.adopted, id)
+			r.mu.Lock()
+			adopted := r.adopted
+			r.adopted = map[uint64]*Item{}
+			r.mu.Unlock()
+			for _, it := range adopted {
 				it.verdict(fmt.Errorf("%w: the sender failed the session", ErrKept))
 			}
 			return
@@ -271,21 +330,52 @@ func (it *Item) AdoptThen(start, drop func()) error {
 	})
 }
 
-// adopted sends ADOPTED and registers verdict for the sender's answer.
+// adopted registers verdict for the sender's answer and sends ADOPTED.
 func (it *Item) adopted(verdict func(error)) error {
 	r := it.r
-	if r.broken != nil {
-		return fmt.Errorf("handoff: %w: %w", ErrKept, r.broken)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.broken != nil || r.sendErr != nil {
+		return fmt.Errorf("handoff: %w: %w", ErrKept, errors.Join(r.broken, r.sendErr))
 	}
-	if err := fdpass.Send(r.c, kindAdopted, idPayload(it.id, "")); err != nil {
-		// The sender never hears of the adoption: it keeps the object.
-		err = fmt.Errorf("%w: %w", ErrKept, err)
-		r.end(err)
-		return fmt.Errorf("handoff: %w", err)
-	}
+	// Registered before it is sent: the RELEASED that answers it may be
+	// read at once, on another goroutine.
 	it.verdict = verdict
 	r.adopted[it.id] = it
+	if err := fdpass.Send(r.c, kindAdopted, idPayload(it.id, "")); err != nil {
+		// The sender never hears of the adoption: it keeps the object.
+		delete(r.adopted, it.id)
+		err = fmt.Errorf("%w: %w", ErrKept, err)
+		r.failSendLocked(err)
+		return fmt.Errorf("handoff: %w", err)
+	}
 	return nil
+}
+
+// failSendLocked records an answer that could not be sent and wakes the
+// reading goroutine, which ends the session with it (step).
+func (r *Receiver) failSendLocked(err error) {
+	if r.sendErr == nil {
+		r.sendErr = err
+		r.c.SetReadDeadline(time.Now())
+	}
+}
+
+// takeAdopted removes and returns the object adopted as id; nil if none
+// is.
+func (r *Receiver) takeAdopted(id uint64) *Item {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	it := r.adopted[id]
+	delete(r.adopted, id)
+	return it
+}
+
+// brokenErr is what ended the session; nil while it is on.
+func (r *Receiver) brokenErr() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.broken
 }
 
 // Close closes the item's files: once the object built from them holds
@@ -301,11 +391,15 @@ func (it *Item) Close() {
 // sender keeps it) and closes the item's files.
 func (it *Item) Refuse(reason string) error {
 	it.Close()
-	if it.r.broken != nil {
-		return fmt.Errorf("handoff: %w", it.r.broken)
+	r := it.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.broken != nil || r.sendErr != nil {
+		return fmt.Errorf("handoff: %w", errors.Join(r.broken, r.sendErr))
 	}
-	if err := fdpass.Send(it.r.c, kindRefused, idPayload(it.id, reason)); err != nil {
-		return it.r.end(err)
+	if err := fdpass.Send(r.c, kindRefused, idPayload(it.id, reason)); err != nil {
+		r.failSendLocked(err)
+		return fmt.Errorf("handoff: %w", err)
 	}
 	return nil
 }
@@ -319,7 +413,7 @@ func (r *Receiver) PeerDied() bool { return peerDied(r.pidfd, r.cfg.timeout()) }
 // Close ends the session; the objects adopted and without a verdict have
 // theirs as the session's end gives it.
 func (r *Receiver) Close() error {
-	if r.broken == nil {
+	if r.brokenErr() == nil {
 		r.end(ErrBroken) // closes the connection
 	}
 	if r.pidfd >= 0 {

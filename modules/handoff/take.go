@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 	"syscall"
 	"time"
 
@@ -78,33 +79,38 @@ func (h *Handoff) takeTunnels(from *handoff.Hello) {
 	// As in the running process (sendTunnels), no collection while the
 	// tunnels arrive.
 	defer handoff.HoldCollection(handoff.CollectionHeadroom)()
+	var mu sync.Mutex           // the counts: objects are built on several goroutines
 	adopted := map[string]int{} // by participant
 	refused := 0
-	for {
-		it, err := r.Next()
-		if errors.Is(err, handoff.ErrDone) {
-			break
+	// Each object is built on a goroutine of its own, several at once as
+	// the running process offers them, and adopted without waiting for
+	// its verdict (AdoptThen), which the session's reading acts on. Once
+	// Take returns every one has had its verdict.
+	err = r.Take(func(it *handoff.Item) {
+		kept := func() {
+			mu.Lock()
+			defer mu.Unlock()
+			refused++
 		}
-		if err != nil {
-			if r.PeerDied() {
-				h.logger.Error("the running process died during the handoff: the tunnels it had not sent ended with it; this process serves on", zap.Int("pid", peer.PID), zap.Error(err))
-			} else {
-				h.logger.Error("the handoff ended early: the running process keeps the tunnels it did not send", zap.Int("pid", peer.PID), zap.Error(err))
-			}
-			break
-		}
-		// Each object is adopted without waiting for its verdict, which
-		// a later Next acts on (AdoptThen): the running process has
-		// several in flight at once. By the end of the loop every one has
-		// had its verdict.
-		kept := func() { refused++ }
 		p, ok := upgrade.ForKind(it.Kind)
 		if !ok {
 			it.Refuse(fmt.Sprintf("object kind %d offered where tunnels were asked for", it.Kind))
-			refused++
-			continue
+			kept()
+			return
 		}
-		adopt(h.logger, p, it, func() { adopted[p.Name]++ }, kept)
+		moved := func() {
+			mu.Lock()
+			defer mu.Unlock()
+			adopted[p.Name]++
+		}
+		adopt(h.logger, p, it, moved, kept)
+	})
+	if !errors.Is(err, handoff.ErrDone) {
+		if r.PeerDied() {
+			h.logger.Error("the running process died during the handoff: the tunnels it had not sent ended with it; this process serves on", zap.Int("pid", peer.PID), zap.Error(err))
+		} else {
+			h.logger.Error("the handoff ended early: the running process keeps the tunnels it did not send", zap.Int("pid", peer.PID), zap.Error(err))
+		}
 	}
 	fields := []zap.Field{zap.Int("pid", peer.PID), zap.String("build", peer.Build)}
 	tunnels := 0

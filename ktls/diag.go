@@ -8,6 +8,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -96,24 +97,36 @@ var errDiagNeedsNetAdmin = errors.New("ktls: sock_diag reports TLS offload detai
 // readULPInfo asks the kernel how the socket's records are processed. A
 // socket without the "tls" ULP reports ModeUserspace both ways.
 func readULPInfo(rc syscall.RawConn) (ulpInfo, error) {
-	resp, inode, err := querySockDiag(rc)
+	buf := diagBuffers.Get().(*[diagBufferSize]byte)
+	defer diagBuffers.Put(buf)
+	resp, inode, err := querySockDiag(rc, buf[:])
 	if err != nil {
 		return ulpInfo{}, err
 	}
-	return decideULPInfo(resp, inode, hasNetAdmin())
+	return decideULPInfo(resp, inode, hasNetAdmin)
 }
 
+// diagBufferSize is the room querySockDiag gives an answer: one socket's
+// is a few hundred bytes.
+const diagBufferSize = 16 << 10
+
+// diagBuffers hold the answers' buffers: every kernel TLS handshake and
+// every adoption asks, and a fresh buffer each time was garbage, cleared
+// and faulted in, that the collector and the scavenger paid for again.
+var diagBuffers = sync.Pool{New: func() any { return new([diagBufferSize]byte) }}
+
 // decideULPInfo interprets a sock_diag answer for the socket with the given
-// inode, knowing whether the requester held CAP_NET_ADMIN.
-func decideULPInfo(resp []byte, inode uint64, netAdmin bool) (ulpInfo, error) {
+// inode; netAdmin says whether the requester holds CAP_NET_ADMIN, asked
+// only for an answer without TLS details.
+func decideULPInfo(resp []byte, inode uint64, netAdmin func() bool) (ulpInfo, error) {
 	d, err := parseSockDiag(resp, inode)
 	if err != nil {
 		return ulpInfo{}, err
 	}
 	switch {
-	case d.ulpName == "" && netAdmin:
+	case d.ulpName == "" && netAdmin():
 		return ulpInfo{}, nil // no ULP: crypto/tls does everything
-	case d.ulpName == "" || d.ulpName == "tls" && !d.hasTLS && !netAdmin:
+	case d.ulpName == "" || d.ulpName == "tls" && !d.hasTLS && !netAdmin():
 		return ulpInfo{}, errDiagNeedsNetAdmin
 	case d.ulpName != "tls":
 		return ulpInfo{}, fmt.Errorf("ktls: socket carries ULP %q, not tls", d.ulpName)
@@ -124,9 +137,9 @@ func decideULPInfo(resp []byte, inode uint64, netAdmin bool) (ulpInfo, error) {
 }
 
 // querySockDiag sends one exact-socket SOCK_DIAG_BY_FAMILY request for the
-// socket's 4-tuple and returns the raw answer and the socket's inode, which
-// identifies the answer's socket.
-func querySockDiag(rc syscall.RawConn) (resp []byte, inode uint64, err error) {
+// socket's 4-tuple and returns the raw answer, read into buf, and the
+// socket's inode, which identifies the answer's socket.
+func querySockDiag(rc syscall.RawConn, buf []byte) (resp []byte, inode uint64, err error) {
 	var req []byte
 	cerr := rc.Control(func(fd uintptr) {
 		var st unix.Stat_t
@@ -161,9 +174,8 @@ func querySockDiag(rc syscall.RawConn) (resp []byte, inode uint64, err error) {
 	if err := unix.Sendto(nl, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return nil, 0, fmt.Errorf("ktls: sock_diag: send: %w", err)
 	}
-	// One socket's answer is a few hundred bytes; the kernel answers an
-	// exact request synchronously, so this blocking read returns at once.
-	buf := make([]byte, 16<<10)
+	// The kernel answers an exact request synchronously, so this blocking
+	// read returns at once.
 	n, _, err := unix.Recvfrom(nl, buf, 0)
 	if err != nil {
 		return nil, 0, fmt.Errorf("ktls: sock_diag: receive: %w", err)

@@ -83,7 +83,7 @@ func TestDecodeULPInfoFixtures(t *testing.T) {
 		{"diag_hw_sw_zerocopy.hex", ulpInfo{TX: ModeHW, RX: ModeSW, Version: tls.VersionTLS13, Cipher: kernelAESGCM256, ZeroCopyTX: true}},
 	} {
 		fx := loadDiagFixture(t, c.file)
-		got, err := decideULPInfo(fx.resp, fx.inode, true)
+		got, err := decideULPInfo(fx.resp, fx.inode, yes)
 		if err != nil {
 			t.Errorf("%s: %v", c.file, err)
 			continue
@@ -94,35 +94,62 @@ func TestDecodeULPInfoFixtures(t *testing.T) {
 	}
 }
 
+// yes and no are a requester's CAP_NET_ADMIN for decideULPInfo.
+func yes() bool { return true }
+func no() bool  { return false }
+
+// Whether the requester holds CAP_NET_ADMIN (a capget(2) per answer) is
+// asked only of an answer without TLS details, which it decides.
+func TestDecodeULPInfoAsksNetAdminOnlyWhenItDecides(t *testing.T) {
+	for _, c := range []struct {
+		file string
+		asks int
+	}{
+		{"diag_6.1_sw_sw.hex", 0},
+		{"diag_7.3_sw_sw_nopad.hex", 0},
+		{"diag_6.1_no_ulp.hex", 1},
+		{"diag_6.1_ulp_no_keys.hex", 0}, // TLS details, no keys yet
+	} {
+		fx := loadDiagFixture(t, c.file)
+		asked := 0
+		if _, err := decideULPInfo(fx.resp, fx.inode, func() bool { asked++; return true }); err != nil {
+			t.Errorf("%s: %v", c.file, err)
+		}
+		if asked != c.asks {
+			t.Errorf("%s: CAP_NET_ADMIN asked %d times, want %d", c.file, asked, c.asks)
+		}
+	}
+}
+
 func TestDecodeULPInfoWithoutNetAdmin(t *testing.T) {
 	// 6.1 leaves INET_DIAG_ULP_INFO out for a requester without
 	// CAP_NET_ADMIN, so "no attribute" proves nothing then.
 	fx := loadDiagFixture(t, "diag_6.1_no_ulp.hex")
-	if _, err := decideULPInfo(fx.resp, fx.inode, false); !errors.Is(err, errDiagNeedsNetAdmin) {
+	if _, err := decideULPInfo(fx.resp, fx.inode, no); !errors.Is(err, errDiagNeedsNetAdmin) {
 		t.Fatalf("no ULP attribute without CAP_NET_ADMIN: %v, want errDiagNeedsNetAdmin", err)
 	}
 	// Details present are believed whoever asked.
 	fx = loadDiagFixture(t, "diag_6.1_sw_sw.hex")
-	if got, err := decideULPInfo(fx.resp, fx.inode, false); err != nil || got.TX != ModeSW {
+	if got, err := decideULPInfo(fx.resp, fx.inode, no); err != nil || got.TX != ModeSW {
 		t.Fatalf("TLS details without CAP_NET_ADMIN: %+v, %v", got, err)
 	}
 }
 
 func TestDecodeULPInfoRejects(t *testing.T) {
 	fx := loadDiagFixture(t, "diag_6.1_sw_sw.hex")
-	if _, err := decideULPInfo(fx.resp, fx.inode+1, true); err == nil || !strings.Contains(err.Error(), "no answer for socket inode") {
+	if _, err := decideULPInfo(fx.resp, fx.inode+1, yes); err == nil || !strings.Contains(err.Error(), "no answer for socket inode") {
 		t.Errorf("other inode: %v", err)
 	}
-	if _, err := decideULPInfo(fx.resp[:len(fx.resp)-3], fx.inode, true); err == nil {
+	if _, err := decideULPInfo(fx.resp[:len(fx.resp)-3], fx.inode, yes); err == nil {
 		t.Error("truncated answer accepted")
 	}
-	if _, err := decideULPInfo(fx.resp[:20], fx.inode, true); err == nil {
+	if _, err := decideULPInfo(fx.resp[:20], fx.inode, yes); err == nil {
 		t.Error("answer cut inside inet_diag_msg accepted")
 	}
 	// Break the first attribute's length: it claims more than is left.
 	bad := bytes.Clone(fx.resp)
 	binary.NativeEndian.PutUint16(bad[unix.SizeofNlMsghdr+sizeofInetDiagMsg:], 0xfff0)
-	if _, err := decideULPInfo(bad, fx.inode, true); err == nil || !strings.Contains(err.Error(), "out of range") {
+	if _, err := decideULPInfo(bad, fx.inode, yes); err == nil || !strings.Contains(err.Error(), "out of range") {
 		t.Errorf("oversized attribute: %v", err)
 	}
 
@@ -132,7 +159,7 @@ func TestDecodeULPInfoRejects(t *testing.T) {
 	binary.NativeEndian.PutUint16(nlerr[4:6], unix.NLMSG_ERROR)
 	enoent := -int32(unix.ENOENT)
 	binary.NativeEndian.PutUint32(nlerr[16:20], uint32(enoent))
-	if _, err := decideULPInfo(nlerr, 1, true); !errors.Is(err, syscall.ENOENT) {
+	if _, err := decideULPInfo(nlerr, 1, yes); !errors.Is(err, syscall.ENOENT) {
 		t.Errorf("NLMSG_ERROR: %v, want ENOENT", err)
 	}
 }
@@ -231,7 +258,7 @@ func TestKernelULPInfo(t *testing.T) {
 
 	step := func(name string, want ulpInfo) {
 		t.Helper()
-		resp, inode, err := querySockDiag(rc)
+		resp, inode, err := querySockDiag(rc, make([]byte, diagBufferSize))
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
@@ -243,7 +270,7 @@ func TestKernelULPInfo(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		got, err := decideULPInfo(resp, inode, hasNetAdmin())
+		got, err := decideULPInfo(resp, inode, hasNetAdmin)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
@@ -318,11 +345,39 @@ func hexLines(b []byte) string {
 	return sb.String()
 }
 
-func syscallConn(t *testing.T, c net.Conn) syscall.RawConn {
+func syscallConn(t testing.TB, c net.Conn) syscall.RawConn {
 	t.Helper()
 	rc, err := c.(*net.TCPConn).SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
 	return rc
+}
+
+// BenchmarkReadULPInfo is what every kernel TLS handshake and every
+// adoption pays to learn how the kernel processes the socket's records
+// (here a plain TCP socket, which any host has: its answer has no ULP).
+func BenchmarkReadULPInfo(b *testing.B) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ln.Close()
+	client, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer client.Close()
+	server, err := ln.Accept()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer server.Close()
+	rc := syscallConn(b, server)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := readULPInfo(rc); err != nil && !errors.Is(err, errDiagNeedsNetAdmin) {
+			b.Fatal(err)
+		}
+	}
 }

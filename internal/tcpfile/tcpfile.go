@@ -18,15 +18,18 @@ import (
 // options are the settings net.FileConn overwrites, in the order they are
 // put back: the keepalive timers before keepalive itself, so that a socket
 // with keepalive on never runs a moment on Go's timers once restored.
+// goValue is what net.FileConn sets (TestFileConnSetsGoValues): an option
+// that had it already is not set again.
 var options = [...]struct {
 	level, name int
 	what        string
+	goValue     int
 }{
-	{unix.IPPROTO_TCP, unix.TCP_NODELAY, "TCP_NODELAY"},
-	{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, "TCP_KEEPIDLE"},
-	{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, "TCP_KEEPINTVL"},
-	{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, "TCP_KEEPCNT"},
-	{unix.SOL_SOCKET, unix.SO_KEEPALIVE, "SO_KEEPALIVE"},
+	{unix.IPPROTO_TCP, unix.TCP_NODELAY, "TCP_NODELAY", 1},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, "TCP_KEEPIDLE", 15},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, "TCP_KEEPINTVL", 15},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, "TCP_KEEPCNT", 9},
+	{unix.SOL_SOCKET, unix.SO_KEEPALIVE, "SO_KEEPALIVE", 1},
 }
 
 // Conn returns a *net.TCPConn over a duplicate of f, a connected TCP
@@ -56,7 +59,7 @@ func Conn(f *os.File) (*net.TCPConn, error) {
 	}
 	crc, err := c.SyscallConn()
 	if err == nil {
-		err = control(crc.Control, func(fd int) error { return set(fd, saved) })
+		err = control(crc.Control, func(fd int) error { return restore(fd, saved) })
 	}
 	if err != nil {
 		c.Close()
@@ -75,9 +78,13 @@ func get(fd int) (v [len(options)]int, err error) {
 	return v, nil
 }
 
-// set puts v on fd, in the options' order.
-func set(fd int, v [len(options)]int) error {
+// restore puts v back on fd after net.FileConn, in the options' order,
+// but for the options whose value is the one net.FileConn set.
+func restore(fd int, v [len(options)]int) error {
 	for i, o := range options {
+		if v[i] == o.goValue {
+			continue
+		}
 		if err := unix.SetsockoptInt(fd, o.level, o.name, v[i]); err != nil {
 			return fmt.Errorf("setting %s: %w", o.what, err)
 		}

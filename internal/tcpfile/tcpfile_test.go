@@ -1,7 +1,9 @@
 package tcpfile
 
 import (
+	"fmt"
 	"io"
+	"net"
 	"os"
 	"strings"
 	"syscall"
@@ -21,6 +23,44 @@ func sockopts(t *testing.T, c syscall.Conn) (v [len(options)]int) {
 		return err
 	})
 	return v
+}
+
+// set puts v on fd, in the options' order.
+func set(fd int, v [len(options)]int) error {
+	for i, o := range options {
+		if err := unix.SetsockoptInt(fd, o.level, o.name, v[i]); err != nil {
+			return fmt.Errorf("setting %s: %w", o.what, err)
+		}
+	}
+	return nil
+}
+
+// goValues are the options' goValue.
+func goValues() (v [len(options)]int) {
+	for i, o := range options {
+		v[i] = o.goValue
+	}
+	return v
+}
+
+// net.FileConn sets every option to its goValue, which Conn does not set
+// again: a Go release that changed one would leave it on the socket.
+func TestFileConnSetsGoValues(t *testing.T) {
+	_, b := forwardtest.TCPPair(t)
+	onSocket(t, b, func(fd int) error { return set(fd, [len(options)]int{0, 600, 60, 4, 0}) })
+	f, err := b.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	c, err := net.FileConn(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if got, want := sockopts(t, c.(syscall.Conn)), goValues(); got != want {
+		t.Fatalf("net.FileConn set %v, the table says %v (TCP_NODELAY, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, SO_KEEPALIVE)", got, want)
+	}
 }
 
 // onSocket runs fn on c's descriptor, failing t on an error.
@@ -46,6 +86,8 @@ func TestConnKeepsOptions(t *testing.T) {
 	}{
 		{"keepalive-on", [len(options)]int{0, 7, 5, 3, 1}},
 		{"keepalive-off", [len(options)]int{1, 600, 60, 4, 0}},
+		{"some-as-go-sets-them", [len(options)]int{1, 15, 60, 9, 0}},
+		{"all-as-go-sets-them", goValues()},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, b := forwardtest.TCPPair(t)

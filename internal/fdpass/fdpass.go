@@ -176,14 +176,39 @@ func checkSeqpacket(c *net.UnixConn) error {
 // read without changing the files' blocking mode (os.File.Fd would put a
 // shared socket into blocking mode for every holder).
 func Send(c *net.UnixConn, kind uint16, payload []byte, files ...*os.File) error {
+	if err := checkSeqpacket(c); err != nil {
+		return err
+	}
+	return send(c, kind, payload, files)
+}
+
+// Conn is a SOCK_SEQPACKET Unix socket whose type was checked once, when
+// NewConn made it: its Send and Receive are the package's, without asking
+// the kernel again for every message.
+type Conn struct{ c *net.UnixConn }
+
+// NewConn checks that c is a SOCK_SEQPACKET Unix socket.
+func NewConn(c *net.UnixConn) (*Conn, error) {
+	if err := checkSeqpacket(c); err != nil {
+		return nil, err
+	}
+	return &Conn{c}, nil
+}
+
+// Send is the package's Send on c.
+func (c *Conn) Send(kind uint16, payload []byte, files ...*os.File) error {
+	return send(c.c, kind, payload, files)
+}
+
+// Receive is the package's Receive on c.
+func (c *Conn) Receive(lim Limits) (*Message, error) { return receive(c.c, lim) }
+
+func send(c *net.UnixConn, kind uint16, payload []byte, files []*os.File) error {
 	if len(files) > MaxFiles {
 		return fmt.Errorf("fdpass: %d files, at most %d per message", len(files), MaxFiles)
 	}
 	if len(payload) > 1<<31 {
 		return fmt.Errorf("fdpass: payload of %d bytes", len(payload))
-	}
-	if err := checkSeqpacket(c); err != nil {
-		return err
 	}
 	msg := make([]byte, headerLen, headerLen+len(payload))
 	copy(msg, magic[:])
@@ -240,6 +265,10 @@ func Receive(c *net.UnixConn, lim Limits) (*Message, error) {
 	if err := checkSeqpacket(c); err != nil {
 		return nil, err
 	}
+	return receive(c, lim)
+}
+
+func receive(c *net.UnixConn, lim Limits) (*Message, error) {
 	bp := receiveBuffer(headerLen + lim.payload())
 	defer receiveBuffers.Put(bp)
 	buf := *bp

@@ -437,6 +437,53 @@ func TestReceiveEOF(t *testing.T) {
 // TestSendRefuses: Send refuses more descriptors than a message carries,
 // and a stream socket (on which messages would run together), and so does
 // Receive; nothing is sent.
+// A Conn, its type checked once, carries a message and its descriptors
+// as the package's functions do, and refuses what Send refuses.
+func TestConnSendReceive(t *testing.T) {
+	a, b, err := Pair()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	defer b.Close()
+	ca, err := NewConn(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cb, err := NewConn(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	if err := ca.Send(9, []byte("state"), w); err != nil {
+		t.Fatal(err)
+	}
+	m, err := cb.Receive(Limits{Files: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if m.Kind != 9 || string(m.Payload) != "state" || len(m.Files) != 1 {
+		t.Fatalf("kind %d, payload %q, %d files; want 9, \"state\", 1", m.Kind, m.Payload, len(m.Files))
+	}
+	if _, err := io.WriteString(m.Files[0], "through"); err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+	w.Close()
+	if got, err := io.ReadAll(r); string(got) != "through" || err != nil {
+		t.Fatalf("read %q (%v) through the passed descriptor", got, err)
+	}
+	if err := ca.Send(1, nil, make([]*os.File, MaxFiles+1)...); err == nil || !strings.Contains(err.Error(), "at most 253") {
+		t.Fatalf("Conn.Send of %d files: %v", MaxFiles+1, err)
+	}
+}
+
 func TestSendRefuses(t *testing.T) {
 	a, b, err := Pair()
 	if err != nil {
@@ -468,6 +515,9 @@ func TestSendRefuses(t *testing.T) {
 	}
 	if _, err := Receive(streams[1], Limits{}); err == nil || !strings.Contains(err.Error(), "SOCK_SEQPACKET") {
 		t.Fatalf("Receive on a stream socket: %v", err)
+	}
+	if c, err := NewConn(streams[0]); c != nil || err == nil || !strings.Contains(err.Error(), "SOCK_SEQPACKET") {
+		t.Fatalf("NewConn of a stream socket: %v, %v", c, err)
 	}
 	f, err := streams[0].File()
 	if err != nil {

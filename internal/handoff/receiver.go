@@ -26,6 +26,7 @@ var ErrDone = errors.New("handoff: the sender has no more objects")
 // objects at once.
 type Receiver struct {
 	c    *net.UnixConn
+	fc   *fdpass.Conn // c, its type checked once
 	cfg  Config
 	peer Hello
 	// pidfd refers to the sender's process from the connection on, so a
@@ -62,7 +63,13 @@ func Dial(path string, cfg Config) (*Receiver, error) {
 		unix.Close(pidfd)
 		return nil, err
 	}
-	return &Receiver{c: c, cfg: cfg, peer: peer, pidfd: pidfd, adopted: map[uint64]*Item{}}, nil
+	fc, err := fdpass.NewConn(c)
+	if err != nil {
+		c.Close()
+		unix.Close(pidfd)
+		return nil, fmt.Errorf("handoff: %w", err)
+	}
+	return &Receiver{c: c, fc: fc, cfg: cfg, peer: peer, pidfd: pidfd, adopted: map[uint64]*Item{}}, nil
 }
 
 // Peer is the sender's hello.
@@ -134,7 +141,7 @@ func (r *Receiver) Take(take func(it *Item)) error {
 // a failure ends it with the error, after every object adopted has had its
 // verdict (end).
 func (r *Receiver) step() (*Item, error) {
-	m, err := fdpass.Receive(r.c, fdpass.Limits{Payload: chunk + 10})
+	m, err := r.fc.Receive(fdpass.Limits{Payload: chunk + 10})
 	if err != nil {
 		r.mu.Lock()
 		if r.sendErr != nil && errors.Is(err, os.ErrDeadlineExceeded) {
@@ -191,7 +198,7 @@ func (r *Receiver) step() (*Item, error) {
 		r.broken = ErrDone
 		// The answer tells the sender this process has every object;
 		// whether or not it arrives, this one owns them.
-		fdpass.Send(r.c, kindDone, nil)
+		r.fc.Send(kindDone, nil)
 		r.mu.Unlock()
 		return nil, ErrDone
 	}
@@ -256,7 +263,7 @@ func (r *Receiver) end(cause error) error {
 func (r *Receiver) drain() {
 	r.c.SetReadDeadline(time.Time{}) // a failed answer's wake-up (failSend) is over
 	for {
-		m, err := fdpass.Receive(r.c, fdpass.Limits{Payload: chunk + 10})
+		m, err := r.fc.Receive(fdpass.Limits{Payload: chunk + 10})
 		if errors.Is(err, unix.ECONNRESET) {
 			continue
 		}
@@ -342,7 +349,7 @@ func (it *Item) adopted(verdict func(error)) error {
 	// read at once, on another goroutine.
 	it.verdict = verdict
 	r.adopted[it.id] = it
-	if err := fdpass.Send(r.c, kindAdopted, idPayload(it.id, "")); err != nil {
+	if err := r.fc.Send(kindAdopted, idPayload(it.id, "")); err != nil {
 		// The sender never hears of the adoption: it keeps the object.
 		delete(r.adopted, it.id)
 		err = fmt.Errorf("%w: %w", ErrKept, err)
@@ -397,7 +404,7 @@ func (it *Item) Refuse(reason string) error {
 	if r.broken != nil || r.sendErr != nil {
 		return fmt.Errorf("handoff: %w", errors.Join(r.broken, r.sendErr))
 	}
-	if err := fdpass.Send(r.c, kindRefused, idPayload(it.id, reason)); err != nil {
+	if err := r.fc.Send(kindRefused, idPayload(it.id, reason)); err != nil {
 		r.failSendLocked(err)
 		return fmt.Errorf("handoff: %w", err)
 	}

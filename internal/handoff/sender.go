@@ -36,6 +36,7 @@ func (f Fate) String() string {
 // and Close are called once every Move has returned.
 type Sender struct {
 	c      *net.UnixConn
+	fc     *fdpass.Conn // c, its type checked once
 	cfg    Config
 	peer   Hello
 	pidfd  int           // the receiver's process (checkPeer)
@@ -92,9 +93,15 @@ func accept(ln *net.UnixListener, cfg Config) (*Sender, error) {
 		unix.Close(pidfd)
 		return nil, err
 	}
+	fc, err := fdpass.NewConn(c)
+	if err != nil {
+		c.Close()
+		unix.Close(pidfd)
+		return nil, fmt.Errorf("handoff: %w", err)
+	}
 	// A receiver that says no window takes one object at a time.
 	window := min(cfg.window(), max(peer.Window, 1))
-	return &Sender{c: c, cfg: cfg, peer: peer, pidfd: pidfd, window: window, turns: make(chan struct{}, window),
+	return &Sender{c: c, fc: fc, cfg: cfg, peer: peer, pidfd: pidfd, window: window, turns: make(chan struct{}, window),
 		waits: map[uint64]chan answer{}, done: make(chan struct{}), readEnd: make(chan struct{})}, nil
 }
 
@@ -188,7 +195,7 @@ func (s *Sender) offer(kind uint16, state []byte, files []*os.File) (uint64, cha
 // is held.
 func (s *Sender) sendLocked(kind uint16, payload []byte, files ...*os.File) error {
 	s.c.SetWriteDeadline(time.Now().Add(s.cfg.timeout()))
-	return fdpass.Send(s.c, kind, payload, files...)
+	return s.fc.Send(kind, payload, files...)
 }
 
 // read delivers the receiver's answers to the objects waiting for them,
@@ -209,7 +216,7 @@ func (s *Sender) read() {
 	}()
 	for {
 		var m *fdpass.Message
-		if m, err = fdpass.Receive(s.c, fdpass.Limits{}); err != nil {
+		if m, err = s.fc.Receive(fdpass.Limits{}); err != nil {
 			return
 		}
 		m.Close()

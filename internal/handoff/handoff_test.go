@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -712,20 +713,30 @@ func TestMoveAll(t *testing.T) {
 	}
 }
 
-// Take builds a window's objects at once: every take of the window is in
-// progress before any answers, the answers go back in the reverse order of
-// the offers, and every object arrives whole, its descriptor usable, its
-// verdict acted on by the time Take returns ErrDone.
+// Take builds a window's objects at once, and no more than the process
+// has CPUs: every take of a group is in progress before any answers, the
+// answers go back in the reverse order of the offers, and every object
+// arrives whole, its descriptor usable, its verdict acted on by the time
+// Take returns ErrDone. With one CPU it builds one at a time.
 func TestTakeBuildsAtOnce(t *testing.T) {
+	for _, c := range []struct{ procs, builders int }{{8, 4}, {2, 2}, {1, 1}} {
+		t.Run(fmt.Sprintf("GOMAXPROCS=%d", c.procs), func(t *testing.T) {
+			defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(c.procs))
+			takeBuildsAtOnce(t, c.builders)
+		})
+	}
+}
+
+func takeBuildsAtOnce(t *testing.T, builders int) {
 	checkFDs(t)
 	const window, objects = 4, 64
 	s, r := session(t, Config{Window: window}, Config{Window: window})
 	var mu sync.Mutex
 	started := map[uint16]int{}
 	var building, most int
-	// gates holds each take of the current window until the window is
-	// full, then lets the last offer answer first.
-	gates := make(chan chan struct{}, window)
+	// gates holds each take of the current group until the group is
+	// complete, then lets the last offer answer first.
+	gates := make(chan chan struct{}, builders)
 	take := func(it *Item) {
 		mu.Lock()
 		building++
@@ -736,7 +747,7 @@ func TestTakeBuildsAtOnce(t *testing.T) {
 		select {
 		case <-gate:
 		case <-time.After(time.Minute):
-			t.Errorf("object %d: the window's other objects were not built at once", it.Kind)
+			t.Errorf("object %d: the group's other objects were not built at once", it.Kind)
 		}
 		mu.Lock()
 		building--
@@ -755,10 +766,10 @@ func TestTakeBuildsAtOnce(t *testing.T) {
 			t.Errorf("object %d: %v", it.Kind, err)
 		}
 	}
-	go func() { // opens each window's gates, the last one first
-		for range objects / window {
+	go func() { // opens each group's gates, the last one first
+		for range objects / builders {
 			var held []chan struct{}
-			for range window {
+			for range builders {
 				held = append(held, <-gates)
 			}
 			for i := len(held) - 1; i >= 0; i-- {
@@ -797,8 +808,8 @@ func TestTakeBuildsAtOnce(t *testing.T) {
 	if err := <-done; !errors.Is(err, ErrDone) {
 		t.Fatalf("Take: %v, want ErrDone", err)
 	}
-	if len(started) != objects || most != window {
-		t.Fatalf("%d objects started, at most %d built at once; want %d and %d", len(started), most, objects, window)
+	if len(started) != objects || most != builders {
+		t.Fatalf("%d objects started, at most %d built at once; want %d and %d", len(started), most, objects, builders)
 	}
 	for k, n := range started {
 		if n != 1 {
@@ -813,6 +824,7 @@ func TestTakeBuildsAtOnce(t *testing.T) {
 // calls neither of its functions), one released before is started, and
 // the sender keeps what it never released.
 func TestTakeAnswerFails(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(2)) // takes on goroutines of their own
 	checkFDs(t)
 	s, r := session(t, Config{Window: 2, Timeout: 500 * time.Millisecond}, Config{Window: 2})
 	first := make(chan struct{})

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"sync"
 	"time"
 
@@ -113,20 +114,28 @@ func (r *Receiver) Next() (*Item, error) {
 }
 
 // Take reads the session to its end and hands each object offered to
-// take, on a goroutine of its own, up to the receiver's window
-// (Config.Window) at once: take builds the object and answers with
-// AdoptThen or Refuse, while the others are built and the session is read
-// on. It returns once the session has ended and every take has returned:
-// ErrDone when the sender had no more objects, else what ended it. Every
-// object adopted has had its verdict by then.
+// take, which builds it and answers with AdoptThen or Refuse. Up to the
+// receiver's window (Config.Window) of objects, and no more than the
+// process has CPUs (GOMAXPROCS), are built at once, each on a goroutine of
+// its own, while the session is read on; with one CPU, one at a time on
+// the reading goroutine: building is CPU work, and more builders than CPUs
+// only make each object wait longer. It returns once the session has
+// ended and every take has returned: ErrDone when the sender had no more
+// objects, else what ended it. Every object adopted has had its verdict
+// by then.
 func (r *Receiver) Take(take func(it *Item)) error {
-	turns := make(chan struct{}, r.cfg.window())
+	builders := min(r.cfg.window(), runtime.GOMAXPROCS(0))
+	turns := make(chan struct{}, builders)
 	var takes sync.WaitGroup
 	defer takes.Wait()
 	for {
 		it, err := r.Next()
 		if err != nil {
 			return err
+		}
+		if builders <= 1 {
+			take(it)
+			continue
 		}
 		turns <- struct{}{}
 		takes.Go(func() {

@@ -485,8 +485,28 @@ func TestMoveInFlight(t *testing.T) {
 			}
 		}
 	}()
-	fates := make(chan error, objects)
-	for i := range objects {
+	moveFromGoroutines(t, s, objects)
+	if err := <-done; !errors.Is(err, ErrDone) {
+		t.Fatalf("receiver: %v, want ErrDone", err)
+	}
+	if len(started) != objects {
+		t.Fatalf("%d objects started, want %d", len(started), objects)
+	}
+	for k, n := range started {
+		if n != 1 {
+			t.Fatalf("object %d started %d times", k, n)
+		}
+	}
+}
+
+// moveFromGoroutines moves objects 0 to n-1, each from a goroutine of its
+// own with a pipe's write end, and fails t unless each moved and what the
+// receiver wrote through it ("object <kind>") arrived; then it finishes
+// the session.
+func moveFromGoroutines(t *testing.T, s *Sender, n int) {
+	t.Helper()
+	fates := make(chan error, n)
+	for i := range n {
 		go func() {
 			rd, wr := pipeObject(t)
 			fate, err := s.Move(uint16(i), []byte(fmt.Sprint(i)), wr)
@@ -503,24 +523,13 @@ func TestMoveInFlight(t *testing.T) {
 			fates <- nil
 		}()
 	}
-	for range objects {
+	for range n {
 		if err := <-fates; err != nil {
 			t.Error(err)
 		}
 	}
 	if err := s.Finish(); err != nil {
 		t.Fatalf("finish: %v", err)
-	}
-	if err := <-done; !errors.Is(err, ErrDone) {
-		t.Fatalf("receiver: %v, want ErrDone", err)
-	}
-	if len(started) != objects {
-		t.Fatalf("%d objects started, want %d", len(started), objects)
-	}
-	for k, n := range started {
-		if n != 1 {
-			t.Fatalf("object %d started %d times", k, n)
-		}
 	}
 }
 
@@ -779,32 +788,7 @@ func takeBuildsAtOnce(t *testing.T, builders int) {
 	}()
 	done := make(chan error, 1)
 	go func() { done <- r.Take(take) }()
-	fates := make(chan error, objects)
-	for i := range objects {
-		go func() {
-			rd, wr := pipeObject(t)
-			fate, err := s.Move(uint16(i), []byte(fmt.Sprint(i)), wr)
-			if fate != Moved {
-				fates <- fmt.Errorf("object %d: %v, %v", i, fate, err)
-				return
-			}
-			wr.Close()
-			got, _ := io.ReadAll(rd)
-			if want := fmt.Sprintf("object %d", i); string(got) != want {
-				fates <- fmt.Errorf("object %d: read %q through the moved descriptor, want %q", i, got, want)
-				return
-			}
-			fates <- nil
-		}()
-	}
-	for range objects {
-		if err := <-fates; err != nil {
-			t.Error(err)
-		}
-	}
-	if err := s.Finish(); err != nil {
-		t.Fatalf("finish: %v", err)
-	}
+	moveFromGoroutines(t, s, objects)
 	if err := <-done; !errors.Is(err, ErrDone) {
 		t.Fatalf("Take: %v, want ErrDone", err)
 	}

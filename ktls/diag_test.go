@@ -358,21 +358,7 @@ func syscallConn(t testing.TB, c net.Conn) syscall.RawConn {
 // adoption pays to learn how the kernel processes the socket's records
 // (here a plain TCP socket, which any host has: its answer has no ULP).
 func BenchmarkReadULPInfo(b *testing.B) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ln.Close()
-	client, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer client.Close()
-	server, err := ln.Accept()
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer server.Close()
+	_, server := loopbackPair(b)
 	rc := syscallConn(b, server)
 	b.ReportAllocs()
 	for b.Loop() {

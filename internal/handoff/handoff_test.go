@@ -273,10 +273,16 @@ func child(mode, path string) int {
 	if fdpass.Send(s.c, kindItem, item, wr) != nil {
 		return 2
 	}
+	if mode == "two-die" { // a second object in flight
+		_, wr2, _ := os.Pipe()
+		if fdpass.Send(s.c, kindItem, []byte{0, 1, 0, 0, 0, 0, 0, 0, 0, 2}, wr2) != nil {
+			return 2
+		}
+	}
 	if m, err := fdpass.Receive(s.c, fdpass.Limits{}); err != nil || m.Kind != kindAdopted {
 		return 2
 	}
-	if mode == "die" {
+	if mode == "die" || mode == "two-die" {
 		os.Exit(3) // ADOPTED read, RELEASED never sent
 	}
 	s.c.Close() // "close": ends the session without RELEASED or KEEP, and lives
@@ -331,6 +337,45 @@ func TestSenderDiedAfterAdopted(t *testing.T) {
 	}
 	if err := cmd.Wait(); cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 3 {
 		t.Fatalf("the sender exited %v (%v), want 3: it did not die where the test says", cmd.ProcessState, err)
+	}
+}
+
+// The sender dies after the receiver adopted one object and before its
+// answer to a second, which therefore fails (EPIPE): the first object,
+// whose copy died with the sender, is started, not dropped for the failed
+// answer; the second stays the sender's, as every object it was never told
+// of.
+func TestSenderDiedWhileAnswering(t *testing.T) {
+	// One CPU: the answers go on the reading goroutine, which reads
+	// nothing of the sender's end meanwhile.
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	path, cmd := startChild(t, "two-die")
+	r, err := Dial(path, Config{Window: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	var started, dropped bool
+	var secondErr error
+	err = r.Take(func(it *Item) {
+		defer it.Close()
+		if it.id == 1 {
+			if err := it.AdoptThen(func() { started = true }, func() { dropped = true }); err != nil {
+				t.Errorf("object 1: %v", err)
+			}
+			return
+		}
+		cmd.Wait() // the sender read the first ADOPTED and died
+		secondErr = it.AdoptThen(func() { t.Error("object 2 started") }, func() { t.Error("object 2 dropped by a verdict") })
+	})
+	if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 3 {
+		t.Fatalf("the sender exited %v, want 3: it did not die where the test says", cmd.ProcessState)
+	}
+	if !errors.Is(secondErr, unix.EPIPE) || !errors.Is(err, unix.EPIPE) {
+		t.Fatalf("object 2's answer: %v; Take: %v; want both to name EPIPE", secondErr, err)
+	}
+	if !started || dropped {
+		t.Fatalf("object 1: started %v, dropped %v; want it started: the sender died with its copy", started, dropped)
 	}
 }
 

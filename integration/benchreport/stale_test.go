@@ -73,7 +73,10 @@ const (
 	// adoption in an upgrade (sinceMove) and to the bench's port picks,
 	// after every report but bulk-1gib.md was measured.
 	sinceAdoption = sinceMove + "; and the bench's contenders listening on ports below the ephemeral range (integration/bench: a port race of bench-smoke; no contender's or measurement's path changed)"
-	sinceMove     = "an adopted tunnel's sockets keeping their keepalive and Nagle settings (internal/tcpfile), the moved states in a binary encoding decoded once (internal/wire) and an adopted session's peer certificates parsed once per process (the upgrade's move and adoption only: no tunnel's or handshake's path changed); measured before them"
+	// sinceDiag: sinceAdoption and the changes of the session after it
+	// (b49cf70..c545768), one of them on every kernel TLS handshake's path.
+	sinceDiag = sinceAdoption + "; and every kernel TLS install's sock_diag query reading into a pooled buffer and asking capget(2) only of an answer without TLS details (one 16 KiB allocation less per handshake, and with kTLS one system call: measured alone by ktls's BenchmarkReadULPInfo), and, on the upgrade's path only, the new process building moved tunnels at once, a handoff session's socket type checked once and an adopted socket's options left as net.FileConn set them where they already were"
+	sinceMove = "an adopted tunnel's sockets keeping their keepalive and Nagle settings (internal/tcpfile), the moved states in a binary encoding decoded once (internal/wire) and an adopted session's peer certificates parsed once per process (the upgrade's move and adoption only: no tunnel's or handshake's path changed); measured before them"
 )
 
 // knownStale are reports measured before a change to the code they
@@ -82,17 +85,17 @@ const (
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
 	"results.md":             "measured on 885786b (fc7e3c2); since: the moved states' decoders reading their strings and table indexes through wire.Text and wire.Index (the upgrade's adoption only: no tunnel's or handshake's path changed), and internal/freeport's package doc",
-	"small-calls.md":         sinceAdoption,
-	"small-mtls.md":          sinceAdoption,
-	"gateway.md":             sinceAdoption,
-	"gateway-resumption.md":  sinceAdoption,
-	"load.md":                sinceAdoption,
-	"load-10k.md":            sinceAdoption,
-	"ttfb.md":                sinceAdoption,
-	"load-gateway.md":        sinceAdoption,
-	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceAdoption,
-	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceAdoption,
-	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceAdoption,
+	"small-calls.md":         sinceDiag,
+	"small-mtls.md":          sinceDiag,
+	"gateway.md":             sinceDiag,
+	"gateway-resumption.md":  sinceDiag,
+	"load.md":                sinceDiag,
+	"load-10k.md":            sinceDiag,
+	"ttfb.md":                sinceDiag,
+	"load-gateway.md":        sinceDiag,
+	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiag,
+	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiag,
+	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiag,
 }
 
 // git runs git in the repository root and returns its trimmed output.

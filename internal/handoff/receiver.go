@@ -42,8 +42,8 @@ type Receiver struct {
 	mu      sync.Mutex
 	broken  error
 	adopted map[uint64]*Item // ADOPTED sent, the sender's verdict not yet read
-	// sendErr is the first failed answer of an object built on another
-	// goroutine than the reader's: the reader ends the session with it.
+	// sendErr is the first answer that could not be sent: the reading
+	// goroutine ends the session with it (failSendLocked).
 	sendErr error
 }
 
@@ -270,7 +270,7 @@ func (r *Receiver) end(cause error) error {
 // verdicts decide their objects; a KEEP ends the draining with the rest
 // kept; an object offered and never adopted stays the sender's.
 func (r *Receiver) drain() {
-	r.c.SetReadDeadline(time.Time{}) // a failed answer's wake-up (failSend) is over
+	r.c.SetReadDeadline(time.Time{}) // a failed answer's wake-up (failSendLocked) is over
 	for {
 		m, err := r.fc.Receive(fdpass.Limits{Payload: chunk + 10})
 		if errors.Is(err, unix.ECONNRESET) {

@@ -84,7 +84,6 @@ const (
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"results.md":             "measured on 885786b (fc7e3c2); since: the moved states' decoders reading their strings and table indexes through wire.Text and wire.Index (the upgrade's adoption only: no tunnel's or handshake's path changed), and internal/freeport's package doc",
 	"small-calls.md":         sinceDiag,
 	"small-mtls.md":          sinceDiag,
 	"gateway.md":             sinceDiag,

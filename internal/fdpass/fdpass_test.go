@@ -434,9 +434,6 @@ func TestReceiveEOF(t *testing.T) {
 	}
 }
 
-// TestSendRefuses: Send refuses more descriptors than a message carries,
-// and a stream socket (on which messages would run together), and so does
-// Receive; nothing is sent.
 // A Conn, its type checked once, carries a message and its descriptors
 // as the package's functions do, and refuses what Send refuses.
 func TestConnSendReceive(t *testing.T) {
@@ -484,6 +481,9 @@ func TestConnSendReceive(t *testing.T) {
 	}
 }
 
+// TestSendRefuses: Send refuses more descriptors than a message carries,
+// and a stream socket (on which messages would run together), and so does
+// Receive, and NewConn; nothing is sent.
 func TestSendRefuses(t *testing.T) {
 	a, b, err := Pair()
 	if err != nil {

@@ -156,16 +156,36 @@ type RefusedError struct{ Reason string }
 
 func (e *RefusedError) Error() string { return "handoff: refused by the peer: " + e.Reason }
 
+// establish opens a session on c, either side's connection: it checks the
+// socket's type once (fdpass.Conn) and the peer's user (checkPeer), then
+// says hello. On an error c is closed.
+func establish(c *net.UnixConn, cfg Config) (fc *fdpass.Conn, pidfd int, peer Hello, err error) {
+	if fc, err = fdpass.NewConn(c); err != nil {
+		c.Close()
+		return nil, -1, Hello{}, fmt.Errorf("handoff: %w", err)
+	}
+	if pidfd, err = checkPeer(c); err != nil {
+		c.Close()
+		return nil, -1, Hello{}, err
+	}
+	if peer, err = hello(c, fc, cfg); err != nil {
+		c.Close()
+		unix.Close(pidfd)
+		return nil, -1, Hello{}, err
+	}
+	return fc, pidfd, peer, nil
+}
+
 // hello sends ours and reads the peer's, then each side's verdict on the
-// other: both know the session is on before either uses it.
-func hello(c *net.UnixConn, cfg Config) (Hello, error) {
+// other: both know the session is on before either uses it. fc is c.
+func hello(c *net.UnixConn, fc *fdpass.Conn, cfg Config) (Hello, error) {
 	mine, _ := json.Marshal(Hello{Protocol: Protocol, Build: cfg.Build, PID: os.Getpid(), Want: cfg.Want, Window: cfg.window()})
-	if err := fdpass.Send(c, kindHello, mine); err != nil {
+	if err := fc.Send(kindHello, mine); err != nil {
 		return Hello{}, err
 	}
 	c.SetReadDeadline(time.Now().Add(cfg.timeout()))
 	defer c.SetReadDeadline(time.Time{})
-	m, err := receiveBare(c)
+	m, err := receiveBare(fc)
 	if err != nil {
 		return Hello{}, fmt.Errorf("handoff: the peer's hello: %w", err)
 	}
@@ -180,17 +200,17 @@ func hello(c *net.UnixConn, cfg Config) (Hello, error) {
 		why = cfg.Compatible(peer)
 	}
 	if why != nil {
-		fdpass.Send(c, kindRefused, idPayload(0, why.Error()))
+		fc.Send(kindRefused, idPayload(0, why.Error()))
 		// The peer's verdict is read before the caller closes: a socket
 		// closed with a message unread resets its peer, whose read would
 		// then fail before it reaches the refusal.
-		receiveBare(c)
+		receiveBare(fc)
 		return peer, fmt.Errorf("handoff: refused the peer (pid %d, build %q): %w", peer.PID, peer.Build, why)
 	}
 	// A peer that refused this one has sent why and closed: the send
 	// fails, and the refusal waits to be read.
-	serr := fdpass.Send(c, kindAccepted, nil)
-	if m, err = receiveBare(c); err != nil {
+	serr := fc.Send(kindAccepted, nil)
+	if m, err = receiveBare(fc); err != nil {
 		return peer, fmt.Errorf("handoff: the peer's verdict: %w", errors.Join(err, serr))
 	}
 	switch m.Kind {
@@ -205,8 +225,8 @@ func hello(c *net.UnixConn, cfg Config) (Hello, error) {
 
 // receiveBare receives a message that carries no descriptors (any that
 // came are closed).
-func receiveBare(c *net.UnixConn) (*fdpass.Message, error) {
-	m, err := fdpass.Receive(c, fdpass.Limits{})
+func receiveBare(fc *fdpass.Conn) (*fdpass.Message, error) {
+	m, err := fc.Receive(fdpass.Limits{})
 	if err == nil {
 		m.Close()
 	}

@@ -53,22 +53,9 @@ func Dial(path string, cfg Config) (*Receiver, error) {
 	if err != nil {
 		return nil, fmt.Errorf("handoff: %w", err)
 	}
-	pidfd, err := checkPeer(c)
+	fc, pidfd, peer, err := establish(c, cfg)
 	if err != nil {
-		c.Close()
 		return nil, err
-	}
-	peer, err := hello(c, cfg)
-	if err != nil {
-		c.Close()
-		unix.Close(pidfd)
-		return nil, err
-	}
-	fc, err := fdpass.NewConn(c)
-	if err != nil {
-		c.Close()
-		unix.Close(pidfd)
-		return nil, fmt.Errorf("handoff: %w", err)
 	}
 	return &Receiver{c: c, fc: fc, cfg: cfg, peer: peer, pidfd: pidfd, adopted: map[uint64]*Item{}}, nil
 }
@@ -230,7 +217,8 @@ func (r *Receiver) end(cause error) error {
 	// the sender, which never hears of it.
 	r.broken = cause
 	r.mu.Unlock()
-	if errors.Is(cause, unix.ECONNRESET) || errors.Is(cause, unix.EPIPE) {
+	unread := errors.Is(cause, unix.ECONNRESET) || errors.Is(cause, unix.EPIPE)
+	if unread {
 		// A socket closed with messages unread in its queue (our
 		// answers, as the sender failed with objects in flight) resets
 		// its peer: the kernel reports ECONNRESET before the messages
@@ -242,11 +230,8 @@ func (r *Receiver) end(cause error) error {
 	}
 	// Only a session the sender ended can mean it died; on any other
 	// failure this side ends it, and the sender, alive, keeps them.
-	ended := errors.Is(cause, io.EOF) || errors.Is(cause, unix.ECONNRESET) || errors.Is(cause, unix.EPIPE)
-	r.mu.Lock()
-	adopted := r.adopted
-	r.adopted = map[uint64]*Item{}
-	r.mu.Unlock()
+	ended := unread || errors.Is(cause, io.EOF)
+	adopted := r.takeAllAdopted()
 	died := ended && len(adopted) > 0 && r.PeerDied()
 	for _, it := range adopted {
 		switch {
@@ -287,11 +272,7 @@ func (r *Receiver) drain() {
 				it.verdict(nil)
 			}
 		case kindKeep:
-			r.mu.Lock()
-			adopted := r.adopted
-			r.adopted = map[uint64]*Item{}
-			r.mu.Unlock()
-			for _, it := range adopted {
+			for _, it := range r.takeAllAdopted() {
 				it.verdict(fmt.Errorf("%w: the sender failed the session", ErrKept))
 			}
 			return
@@ -351,8 +332,8 @@ func (it *Item) adopted(verdict func(error)) error {
 	r := it.r
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.broken != nil || r.sendErr != nil {
-		return fmt.Errorf("handoff: %w: %w", ErrKept, errors.Join(r.broken, r.sendErr))
+	if err := r.stoppedLocked(); err != nil {
+		return fmt.Errorf("handoff: %w: %w", ErrKept, err)
 	}
 	// Registered before it is sent: the RELEASED that answers it may be
 	// read at once, on another goroutine.
@@ -367,6 +348,11 @@ func (it *Item) adopted(verdict func(error)) error {
 	}
 	return nil
 }
+
+// stoppedLocked says why no answer may be sent: the session ended, or an
+// answer failed and the reading goroutine is about to end it; nil while
+// answers go out.
+func (r *Receiver) stoppedLocked() error { return errors.Join(r.broken, r.sendErr) }
 
 // failSendLocked records an answer that could not be sent and wakes the
 // reading goroutine, which ends the session with it (step).
@@ -385,6 +371,16 @@ func (r *Receiver) takeAdopted(id uint64) *Item {
 	it := r.adopted[id]
 	delete(r.adopted, id)
 	return it
+}
+
+// takeAllAdopted removes and returns every object adopted and without its
+// verdict.
+func (r *Receiver) takeAllAdopted() map[uint64]*Item {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	adopted := r.adopted
+	r.adopted = map[uint64]*Item{}
+	return adopted
 }
 
 // brokenErr is what ended the session; nil while it is on.
@@ -410,8 +406,8 @@ func (it *Item) Refuse(reason string) error {
 	r := it.r
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.broken != nil || r.sendErr != nil {
-		return fmt.Errorf("handoff: %w", errors.Join(r.broken, r.sendErr))
+	if err := r.stoppedLocked(); err != nil {
+		return fmt.Errorf("handoff: %w", err)
 	}
 	if err := r.fc.Send(kindRefused, idPayload(it.id, reason)); err != nil {
 		r.failSendLocked(err)

@@ -81,23 +81,10 @@ func accept(ln *net.UnixListener, cfg Config) (*Sender, error) {
 	if err != nil {
 		return nil, fmt.Errorf("handoff: %w", err)
 	}
-	pidfd, err := checkPeer(c)
-	if err != nil {
-		c.Close()
-		return nil, err
-	}
 	cfg.Want = ""
-	peer, err := hello(c, cfg)
+	fc, pidfd, peer, err := establish(c, cfg)
 	if err != nil {
-		c.Close()
-		unix.Close(pidfd)
 		return nil, err
-	}
-	fc, err := fdpass.NewConn(c)
-	if err != nil {
-		c.Close()
-		unix.Close(pidfd)
-		return nil, fmt.Errorf("handoff: %w", err)
 	}
 	// A receiver that says no window takes one object at a time.
 	window := min(cfg.window(), max(peer.Window, 1))

@@ -5,8 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/preamble"
@@ -125,15 +125,18 @@ type Config struct {
 	ProxyProtocol int
 	// HandOffConn, when set (with AdoptConn), lets MoveTunnels move this
 	// Forwarder's tunnels: it gives up a gateway connection's session (the relay's
-	// connection, paused) and returns its encoded state and a descriptor
-	// of its socket, or an error when it cannot (a userspace TLS session).
-	// The glue sets it to the kernel TLS handoff (ktls.Conn.Handoff).
-	HandOffConn func(net.Conn) (state []byte, socket *os.File, err error)
+	// connection, paused) and returns its encoded state and its socket,
+	// valid until the connection is closed (its descriptor is passed on as
+	// it is), or an error when it cannot (a userspace TLS session). The
+	// glue sets it to the kernel TLS handoff (ktls.Conn.Handoff).
+	HandOffConn func(net.Conn) (state []byte, socket syscall.Conn, err error)
 	// AdoptConn, when set, lets this Forwarder adopt tunnels
-	// (Forwarder.Adopt): it builds a gateway connection from what
-	// HandOffConn returned, and the function that drops it without ending
-	// its session (the other process keeps it).
-	AdoptConn func(state []byte, socket *os.File) (conn net.Conn, release func(), err error)
+	// (Forwarder.Adopt), and take back a session it gave up whose move
+	// failed: it builds a gateway connection from what HandOffConn
+	// returned (the socket as received, an *os.File, or HandOffConn's own),
+	// and the function that drops it without ending its session (the other
+	// process keeps it).
+	AdoptConn func(state []byte, socket syscall.Conn) (conn net.Conn, release func(), err error)
 	// MoveName names this Forwarder among its process's for a move: a
 	// moved standby connection, which has no preamble yet to choose a
 	// forwarder by, carries it (MovedStandby.Forwarder), so that the

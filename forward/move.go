@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
@@ -143,27 +144,21 @@ func (t *Tunnel) move(ctx context.Context, m handoff.Mover) (stay string, pause 
 		return handoff.StayPause, 0, err
 	}
 	defer paused.Close()
-	var up *os.File // the target connection's descriptor, once encode took it
-	defer func() {
-		if up != nil {
-			up.Close()
-		}
-	}()
-	encode := func(connState []byte) ([]byte, []*os.File, error) {
-		fc, ok := mv.upstream.(interface{ File() (*os.File, error) })
+	encode := func(connState []byte) ([]byte, []syscall.Conn, error) {
+		up, ok := mv.upstream.(syscall.Conn)
 		if !ok {
 			return nil, nil, fmt.Errorf("the target's connection (%T) has no descriptor to pass", mv.upstream)
-		}
-		var err error
-		if up, err = fc.File(); err != nil {
-			return nil, nil, err
 		}
 		mt := MovedTunnel{Tunnel: t.State(), Conn: connState, Relay: paused.State}
 		state, err := mt.Encode()
 		if err != nil {
 			return nil, nil, err
 		}
-		return state, append([]*os.File{up}, paused.Files()...), nil
+		files := []syscall.Conn{up}
+		for _, p := range paused.Files() {
+			files = append(files, p)
+		}
+		return state, files, nil
 	}
 	stay, gw, err := mv.f.moveConn(m, handoff.KindTunnel, mv.gw, encode)
 	if stay == "" {
@@ -199,27 +194,26 @@ func (t *Tunnel) move(ctx context.Context, m handoff.Mover) (stay string, pause 
 // (Config.HandOffConn), and offers it to m as kind: encode builds the
 // object's state around the session's (connState) and the descriptors
 // that travel after the connection's, which stay the caller's. It returns
-// "" when the object moved, else why it stays, the error, and the
-// connection it stays on: conn when its session was not given up
-// (handoff.StayConn), else the one adopted back (conn's descriptors closed), nil
-// when that failed (the socket closes with its last descriptor). The
-// session's state and the object's are wiped, and the session's
-// descriptor closed, before it returns.
+// "" when the object moved (conn, given up, is the caller's to close),
+// else why it stays, the error, and the connection it stays on: conn when
+// its session was not given up (handoff.StayConn), else the one adopted
+// back (conn closed), nil when that failed (the socket closes with its
+// last descriptor). The session's state and the object's are wiped
+// before it returns.
 func (f *Forwarder) moveConn(m handoff.Mover, kind uint16, conn net.Conn,
-	encode func(connState []byte) (state []byte, files []*os.File, err error)) (stay string, kept net.Conn, err error) {
-	connState, connFile, err := f.cfg.HandOffConn(conn)
+	encode func(connState []byte) (state []byte, files []syscall.Conn, err error)) (stay string, kept net.Conn, err error) {
+	connState, sock, err := f.cfg.HandOffConn(conn)
 	if err != nil {
 		return handoff.StayConn, conn, err
 	}
-	defer connFile.Close()
 	// The session's state holds its traffic secrets (ktls/handoff.go):
 	// wiped here once sent, or adopted back.
 	defer clear(connState)
 	// From here conn's session is given up: a connection that stays is
-	// the one adopted back from connFile.
+	// the one adopted back from its socket, before conn closes it.
 	stayHere := func(why string, cause error) (string, net.Conn, error) {
 		defer conn.Close() // its descriptors; the session goes on in back
-		back, _, err := f.cfg.AdoptConn(connState, connFile)
+		back, _, err := f.cfg.AdoptConn(connState, sock)
 		if err != nil {
 			// Unreachable: the state came from this connection.
 			return why, nil, errors.Join(cause, fmt.Errorf("adopting it back: %w", err))
@@ -231,7 +225,7 @@ func (f *Forwarder) moveConn(m handoff.Mover, kind uint16, conn net.Conn,
 		return stayHere(handoff.StayNotMovable, err)
 	}
 	defer clear(state)
-	if moved, err := m.Move(kind, state, append([]*os.File{connFile}, files...)...); !moved {
+	if moved, err := m.Move(kind, state, append([]syscall.Conn{sock}, files...)...); !moved {
 		return stayHere(handoff.StayRefused, err)
 	}
 	return "", nil, nil

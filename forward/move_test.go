@@ -5,9 +5,9 @@ import (
 	"crypto/ed25519"
 	"errors"
 	"net"
-	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -20,16 +20,15 @@ import (
 
 // Plain TCP gateway connections move as the descriptor alone (the kernel
 // TLS session is ktls's, tested in the VM).
-func tcpHandOff(c net.Conn) ([]byte, *os.File, error) {
-	f, err := c.(*net.TCPConn).File()
-	return []byte("tcp"), f, err
+func tcpHandOff(c net.Conn) ([]byte, syscall.Conn, error) {
+	return []byte("tcp"), c.(*net.TCPConn), nil
 }
 
-func tcpAdopt(state []byte, f *os.File) (net.Conn, func(), error) {
+func tcpAdopt(state []byte, s syscall.Conn) (net.Conn, func(), error) {
 	if string(state) != "tcp" {
 		return nil, nil, errors.New("not a tcp state")
 	}
-	c, err := tcpfile.Conn(f)
+	c, err := tcpfile.Conn(s)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -348,7 +347,7 @@ func TestMoveTunnelsWhileTheyEnd(t *testing.T) {
 			const n = 12
 			forwardtest.CheckLeaks(t)
 			old := newFixture(t, func(c *Config) {
-				c.HandOffConn = func(c net.Conn) ([]byte, *os.File, error) { return tcpHandOff(c.(splicetest.RecordCloser).TCPConn) }
+				c.HandOffConn = func(c net.Conn) ([]byte, syscall.Conn, error) { return tcpHandOff(c.(splicetest.RecordCloser).TCPConn) }
 				c.AdoptConn = tcpAdopt
 			})
 			wrap := func(c net.Conn) net.Conn { return splicetest.RecordCloser{TCPConn: c.(*net.TCPConn)} }

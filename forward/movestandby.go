@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"syscall"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
@@ -174,7 +175,7 @@ func (w *standbyWait) handOff(m handoff.Mover) (stay string, err error) {
 			return handoff.StayConn, fmt.Errorf("%d bytes of the gateway's are buffered above its connection", len(buffered))
 		}
 	}
-	encode := func(connState []byte) ([]byte, []*os.File, error) {
+	encode := func(connState []byte) ([]byte, []syscall.Conn, error) {
 		ms := MovedStandby{Forwarder: f.cfg.MoveName, Peer: c.Peer, Binding: c.Binding,
 			Certificate: c.Certificate, CertificateNames: c.CertificateNames, CertificateVerified: c.CertificateVerified,
 			StandbyBegan: c.StandbyBegan, Conn: connState}

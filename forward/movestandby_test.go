@@ -6,9 +6,9 @@ import (
 	"errors"
 	"io"
 	"net"
-	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -339,7 +339,7 @@ func TestMoveStandbyRaces(t *testing.T) {
 			case "byte-in-flight":
 				// Written once the connection was handed off: the byte
 				// waits in the socket's queue, which moves with it.
-				mover = moverFunc(func(kind uint16, state []byte, files ...*os.File) (bool, error) {
+				mover = moverFunc(func(kind uint16, state []byte, files ...syscall.Conn) (bool, error) {
 					if _, err := c.Write(frame); err != nil {
 						t.Error(err)
 					}
@@ -471,9 +471,9 @@ func isStandbyEnd(err error, end string) bool {
 	return ok && se.End == end
 }
 
-type moverFunc func(kind uint16, state []byte, files ...*os.File) (bool, error)
+type moverFunc func(kind uint16, state []byte, files ...syscall.Conn) (bool, error)
 
-func (f moverFunc) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
+func (f moverFunc) Move(kind uint16, state []byte, files ...syscall.Conn) (bool, error) {
 	return f(kind, state, files...)
 }
 

@@ -1,12 +1,16 @@
 package forward
 
 import (
+	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -110,6 +114,74 @@ func TestMoveKeepsSocketOptions(t *testing.T) {
 	}
 }
 
+// A moved tunnel's sockets travel as the forwarder holds them: each
+// descriptor the Mover is given is the forwarder's own connection, the one
+// socket of this process connected to its peer (no duplicate is made to
+// pass it). A tunnel the other process refuses then stays on the same
+// sockets, its session adopted back, and ends in order with its byte
+// counted.
+func TestMoveSendsTheSocketsItHolds(t *testing.T) {
+	forwardtest.CheckLeaks(t)
+	up := forwardtest.NewPacedUpstream(t, 1, time.Hour) // a byte, then quiet until the client's end
+	old := newFixture(t, func(c *Config) { c.HandOffConn, c.AdoptConn = tcpHandOff, tcpAdopt })
+	c := old.dial(t)
+	defer c.Close()
+	if _, err := c.Write(old.gw.Frame(t, "sbx-own", up.Addr())); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	peers := []netip.AddrPort{c.LocalAddr().(*net.TCPAddr).AddrPort(), up.Addr()} // the gateway's side, the sandbox's
+	type seen struct {
+		typ  string
+		fd   int
+		held []int // this process's sockets connected to the peer
+		err  error
+	}
+	var offered []seen
+	mover := moverFunc(func(kind uint16, state []byte, files ...syscall.Conn) (bool, error) {
+		for i, f := range files {
+			o := seen{typ: fmt.Sprintf("%T", f)}
+			o.fd, o.err = descriptor(f)
+			if o.err == nil && i < len(peers) {
+				o.held, o.err = socketsTo(peers[i])
+			}
+			offered = append(offered, o)
+		}
+		return false, errors.New("the test refuses")
+	})
+	if res := old.reg.MoveTunnels(t.Context(), mover); res.Moved != 0 || len(res.Stays) != 1 {
+		t.Fatalf("moved %d, stays %v; want the tunnel refused", res.Moved, res.Stays)
+	}
+	if len(offered) != len(peers) {
+		t.Fatalf("the Mover was given %+v; want the gateway's socket and the target's", offered)
+	}
+	for i, o := range offered {
+		if o.err != nil || o.typ != "*net.TCPConn" || !slices.Equal(o.held, []int{o.fd}) {
+			t.Errorf("descriptor %d: %+v; want the forwarder's own *net.TCPConn, the only socket connected to %v", i, o, peers[i])
+		}
+	}
+	c.CloseWrite()
+	if n, err := io.Copy(io.Discard, c); n != 0 || err != nil {
+		t.Errorf("the tunnel's end read %d bytes (%v), want its end alone", n, err)
+	}
+	if errs := old.wait(t, 1); errs[0] != nil || old.res[0].Moved || old.res[0].Relay.BToA.Bytes != 1 {
+		t.Errorf("the tunnel that stayed: %v, moved %v, %d bytes down; want it ended here, its 1 byte counted", errs[0], old.res[0].Moved, old.res[0].Relay.BToA.Bytes)
+	}
+}
+
+// descriptor returns the descriptor s holds.
+func descriptor(s syscall.Conn) (int, error) {
+	rc, err := s.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var fd int
+	err = rc.Control(func(d uintptr) { fd = int(d) })
+	return fd, err
+}
+
 // checkLiveness reads the forwarder's liveness options on fd back with
 // getsockopt(2): keepalive every keepSecs seconds, 3 probes,
 // TCP_USER_TIMEOUT userMS (0: the kernel's default), Nagle off.
@@ -139,10 +211,22 @@ func checkLiveness(t *testing.T, side string, fd, keepSecs, userMS int) {
 // read it, while its tunnel is open.
 func socketTo(t *testing.T, peer netip.AddrPort) int {
 	t.Helper()
+	found, err := socketsTo(peer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(found) != 1 {
+		t.Fatalf("%d sockets connected to %v, want exactly one", len(found), peer)
+	}
+	return found[0]
+}
+
+// socketsTo returns this process's sockets whose peer is peer.
+func socketsTo(peer netip.AddrPort) ([]int, error) {
 	peer = netip.AddrPortFrom(peer.Addr().Unmap(), peer.Port())
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	var found []int
 	for _, e := range ents {
@@ -156,8 +240,5 @@ func socketTo(t *testing.T, peer netip.AddrPort) int {
 			}
 		}
 	}
-	if len(found) != 1 {
-		t.Fatalf("%d sockets connected to %v, want exactly one", len(found), peer)
-	}
-	return found[0]
+	return found, nil
 }

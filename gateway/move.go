@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/ktlsingress/caddy-ktls/internal/handoff"
@@ -282,55 +283,58 @@ func (d *Dialer) move(ctx context.Context, c *carried, m handoff.Mover) (stay st
 // to m with c's state. It returns "" when the tunnel moved, else why it
 // stays and the error, with c.user and c.tunnel the connections it stays
 // on: those it had where a session was not given up, else the ones
-// adopted back (the old ones' descriptors closed), nil where that failed
-// (the socket closes with its last descriptor). The sessions' states and
-// the tunnel's are wiped, and the sessions' descriptors closed, before it
-// returns.
+// adopted back (the old ones closed), nil where that failed (the socket
+// closes with its last descriptor). When the tunnel moved, c.user and
+// c.tunnel, given up, are the caller's to close. The sessions' states and
+// the tunnel's are wiped before it returns.
 func (d *Dialer) moveSessions(c *carried, m handoff.Mover, paused *splice.Paused) (stay string, err error) {
-	userState, userFile, err := ktls.HandOffConn(c.user)
+	userState, userSock, err := ktls.HandOffConn(c.user)
 	if err != nil {
 		return handoff.StayConn, err
 	}
-	defer userFile.Close()
 	defer clear(userState)
 	// From here a session given up stays here as the one adopted back.
-	stayHere := func(why string, cause error, tunnelState []byte, tunnelFile *os.File) (string, error) {
+	stayHere := func(why string, cause error, tunnelState []byte, tunnelSock syscall.Conn) (string, error) {
 		var uerr, terr error
-		c.user, uerr = adoptBack("user's", c.user, userState, userFile, d.cfg.UserKTLS)
-		if tunnelFile != nil {
-			c.tunnel, terr = adoptBack("forwarder's", c.tunnel, tunnelState, tunnelFile, d.cfg.KTLS)
+		c.user, uerr = adoptBack("user's", c.user, userState, userSock, d.cfg.UserKTLS)
+		if tunnelSock != nil {
+			c.tunnel, terr = adoptBack("forwarder's", c.tunnel, tunnelState, tunnelSock, d.cfg.KTLS)
 			if kc, ok := c.tunnel.(*ktls.Conn); ok {
 				c.session.Store(kc)
 			}
 		}
 		return why, errors.Join(cause, uerr, terr)
 	}
-	tunnelState, tunnelFile, err := ktls.HandOffConn(c.tunnel)
+	tunnelState, tunnelSock, err := ktls.HandOffConn(c.tunnel)
 	if err != nil {
 		return stayHere(handoff.StayConn, err, nil, nil)
 	}
-	defer tunnelFile.Close()
 	defer clear(tunnelState)
 	r := c.route
 	mt := MovedTunnel{Dialer: d.cfg.MoveName, Forwarder: r.Forwarder, Sandbox: r.Sandbox, Target: r.Target, Client: r.Client,
 		Opened: c.opened, Open: c.isOpen.Load(), Buffered: c.buffered, User: userState, Tunnel: tunnelState, Relay: paused.State}
 	state, err := mt.Encode()
 	if err != nil {
-		return stayHere(handoff.StayNotMovable, err, tunnelState, tunnelFile)
+		return stayHere(handoff.StayNotMovable, err, tunnelState, tunnelSock)
 	}
 	defer clear(state)
-	if moved, err := m.Move(handoff.KindGatewayTunnel, state, append([]*os.File{userFile, tunnelFile}, paused.Files()...)...); !moved {
-		return stayHere(handoff.StayRefused, err, tunnelState, tunnelFile)
+	files := []syscall.Conn{userSock, tunnelSock}
+	for _, p := range paused.Files() {
+		files = append(files, p)
+	}
+	if moved, err := m.Move(handoff.KindGatewayTunnel, state, files...); !moved {
+		return stayHere(handoff.StayRefused, err, tunnelState, tunnelSock)
 	}
 	return "", nil
 }
 
 // adoptBack returns the connection that continues conn's session, given
-// up as state and f: adopted with opts, conn's own descriptors closed; nil
-// and the error when that fails (unreachable: the state came from conn).
-func adoptBack(side string, conn net.Conn, state []byte, f *os.File, opts ktls.Options) (net.Conn, error) {
+// up as state and sock (conn's socket): adopted with opts, then conn's own
+// descriptors closed; nil and the error when that fails (unreachable: the
+// state came from conn).
+func adoptBack(side string, conn net.Conn, state []byte, sock syscall.Conn, opts ktls.Options) (net.Conn, error) {
 	defer conn.Close() // its descriptors; the session goes on in back
-	back, _, err := ktls.AdoptConn(opts)(state, f)
+	back, _, err := ktls.AdoptConn(opts)(state, sock)
 	if err != nil {
 		return nil, fmt.Errorf("adopting the %s session back: %w", side, err)
 	}

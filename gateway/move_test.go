@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"reflect"
@@ -98,7 +99,7 @@ type adoptingMover struct {
 // Window is 1: the offers' indices are the order MoveTunnels makes them.
 func (m *adoptingMover) Window() int { return 1 }
 
-func (m *adoptingMover) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
+func (m *adoptingMover) Move(kind uint16, state []byte, files ...syscall.Conn) (bool, error) {
 	offer := m.offers
 	m.offers++
 	if kind != handoff.KindGatewayTunnel {
@@ -109,11 +110,16 @@ func (m *adoptingMover) Move(kind uint16, state []byte, files ...*os.File) (bool
 	}
 	dups := make([]*os.File, len(files))
 	for i, f := range files {
-		fd, err := syscall.Dup(int(f.Fd()))
+		rc, err := f.SyscallConn()
 		if err != nil {
 			m.t.Fatal(err)
 		}
-		dups[i] = os.NewFile(uintptr(fd), f.Name())
+		var fd int
+		var derr error
+		if err := rc.Control(func(s uintptr) { fd, derr = syscall.Dup(int(s)) }); err != nil || derr != nil {
+			m.t.Fatal(err, derr)
+		}
+		dups[i] = os.NewFile(uintptr(fd), fmt.Sprintf("moved-%d", i))
 	}
 	defer func() {
 		for _, f := range dups {

@@ -47,7 +47,6 @@ import (
 	"io"
 	"math"
 	"net"
-	"os"
 	"slices"
 	"syscall"
 	"time"
@@ -173,26 +172,27 @@ func (s *HandoffState) Zero() {
 }
 
 // Handoff stops this process's use of c and returns what another owner
-// needs to continue it: the state and a duplicate of the socket's
-// descriptor, which the caller passes on and closes. It refuses with a
-// *HandoffError, leaving c working, unless both directions run in the
-// kernel, no Read, Write or splice holds c, and nothing of the peer's
-// stream is buffered here. A KeyUpdate owed to the peer is sent first.
-// After a successful Handoff every use of c fails with ErrHandedOff, and
-// Close releases c's own descriptors only.
-func (c *Conn) Handoff() (HandoffState, *os.File, error) {
-	st, f, err := c.handoff()
+// needs to continue it: the state and the socket, c's own (no descriptor
+// is duplicated for it), to pass on (fdpass.Send reads its descriptor
+// under its RawConn's Control) or to Adopt in this process; it is valid
+// until c is closed. It refuses with a *HandoffError, leaving c working,
+// unless both directions run in the kernel, no Read, Write or splice holds
+// c, and nothing of the peer's stream is buffered here. A KeyUpdate owed
+// to the peer is sent first. After a successful Handoff every use of c
+// fails with ErrHandedOff, and Close releases c's own descriptors only.
+func (c *Conn) Handoff() (HandoffState, syscall.Conn, error) {
+	st, err := c.handoff()
 	if err != nil {
 		stats.handoffRefused.Add(1)
 		return HandoffState{}, nil, err
 	}
 	stats.handedOff.Add(1)
-	return st, f, nil
+	return st, c.sock, nil
 }
 
-func (c *Conn) handoff() (HandoffState, *os.File, error) {
-	refuse := func(reason HandoffReason, format string, args ...any) (HandoffState, *os.File, error) {
-		return HandoffState{}, nil, &HandoffError{Reason: reason, Err: fmt.Errorf(format, args...)}
+func (c *Conn) handoff() (HandoffState, error) {
+	refuse := func(reason HandoffReason, format string, args ...any) (HandoffState, error) {
+		return HandoffState{}, &HandoffError{Reason: reason, Err: fmt.Errorf(format, args...)}
 	}
 	if !c.hsDone.Load() {
 		return refuse(HandoffNotEstablished, "the handshake has not completed")
@@ -239,10 +239,6 @@ func (c *Conn) handoff() (HandoffState, *os.File, error) {
 	if txSeq > c.txBound {
 		return refuse(HandoffRecordCount, "the kernel sealed %d records under the current key, the key wear accounting counted at most %d", txSeq, c.txBound)
 	}
-	f, err := c.sock.File()
-	if err != nil {
-		return refuse(HandoffKernel, "duplicating the socket: %w", err)
-	}
 	cs := c.ConnectionState()
 	st := HandoffState{
 		Version:            c.off.Version,
@@ -275,7 +271,7 @@ func (c *Conn) handoff() (HandoffState, *os.File, error) {
 	clear(c.txSecret)
 	clear(c.rxSecret)
 	c.keys.wipe()
-	return st, f, nil
+	return st, nil
 }
 
 // closeLocal releases this process's descriptors of a handed-off
@@ -289,8 +285,11 @@ func (c *Conn) closeLocal() error {
 var ErrAdoptMismatch = errors.New("ktls: the socket's kernel TLS state does not match the handoff state")
 
 // Adopt returns a Conn over a socket whose kernel TLS state another Conn
-// handed off (Handoff), in this process or another. It does not take f:
-// the Conn holds a duplicate, and the caller closes f. The socket keeps
+// handed off (Handoff), in this process or another: s is a descriptor
+// received from another process (an *os.File), or the socket Handoff
+// returned. It does not take s: the Conn holds a descriptor of its own,
+// and the caller closes s (the socket Handoff returned closes with its
+// Conn). The socket keeps
 // its options (Nagle, keepalive, TCP_USER_TIMEOUT) as they were. It must
 // carry the "tls" ULP with TLS_TX and TLS_RX installed for st's version and
 // cipher, at st's record sequence numbers, and for TLS 1.3 with the keys
@@ -307,7 +306,7 @@ var ErrAdoptMismatch = errors.New("ktls: the socket's kernel TLS state does not 
 // they are. No Observer event reports the adoption. A client Conn passes
 // no later session ticket to a session cache: the tls.Conn that held the
 // resumption secret stayed with the old owner.
-func Adopt(f *os.File, st HandoffState, opts Options) (*Conn, error) {
+func Adopt(s syscall.Conn, st HandoffState, opts Options) (*Conn, error) {
 	if err := st.validate(); err != nil {
 		return nil, err
 	}
@@ -321,7 +320,7 @@ func Adopt(f *os.File, st HandoffState, opts Options) (*Conn, error) {
 	}
 	// The socket keeps its Nagle and keepalive settings (net.FileConn
 	// alone would set Go's defaults on it).
-	sock, err := tcpfile.Conn(f)
+	sock, err := tcpfile.Conn(s)
 	if err != nil {
 		return nil, fmt.Errorf("ktls: adopt: %w", err)
 	}
@@ -598,36 +597,35 @@ func DecodeHandoffState(b []byte) (HandoffState, error) {
 
 // HandOffConn is Handoff for c, a *Conn, with the state encoded: what
 // forward.Config.HandOffConn takes. Any other connection is refused.
-func HandOffConn(c net.Conn) ([]byte, *os.File, error) {
+func HandOffConn(c net.Conn) ([]byte, syscall.Conn, error) {
 	kc, ok := c.(*Conn)
 	if !ok {
 		return nil, nil, &HandoffError{Reason: HandoffNotOffloaded, Err: fmt.Errorf("a %T is no kernel TLS connection", c)}
 	}
-	st, f, err := kc.Handoff()
+	st, sock, err := kc.Handoff()
 	if err != nil {
 		return nil, nil, err
 	}
 	defer st.Zero()
 	b, err := st.Encode()
 	if err != nil {
-		f.Close()
 		return nil, nil, err
 	}
-	return b, f, nil
+	return b, sock, nil
 }
 
 // AdoptConn returns what forward.Config.AdoptConn takes: Adopt of an
 // encoded state with opts, and the function that drops the Conn without
 // ending its session (its descriptors close, nothing is sent): for a
 // connection whose session stays with the process that handed it over.
-func AdoptConn(opts Options) func(state []byte, f *os.File) (net.Conn, func(), error) {
-	return func(state []byte, f *os.File) (net.Conn, func(), error) {
+func AdoptConn(opts Options) func(state []byte, s syscall.Conn) (net.Conn, func(), error) {
+	return func(state []byte, s syscall.Conn) (net.Conn, func(), error) {
 		st, err := DecodeHandoffState(state)
 		if err != nil {
 			return nil, nil, err
 		}
 		defer st.Zero()
-		c, err := Adopt(f, st, opts)
+		c, err := Adopt(s, st, opts)
 		if err != nil {
 			return nil, nil, err
 		}

@@ -335,13 +335,17 @@ func TestKernelHandoff(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			before := Stats()
-			st, f, err := server.Handoff()
+			before, fds := Stats(), kerneltest.OpenFDs(t)
+			st, sock, err := server.Handoff()
 			if err != nil {
 				t.Fatal(err)
 			}
 			if got := Stats().HandedOff - before.HandedOff; got != 1 {
 				t.Errorf("HandedOff moved by %d, want 1", got)
+			}
+			// The socket goes as the Conn holds it: no descriptor made.
+			if after := kerneltest.OpenFDs(t); after != fds {
+				t.Errorf("%d descriptors open before Handoff, %d after", fds, after)
 			}
 			if st.TX.Seq == 0 || st.RX.Seq == 0 || st.TX.Seq > st.TX.Bound {
 				t.Errorf("handed off with record sequence numbers TX %d (bound %d), RX %d: want both records sealed and opened, within the bound", st.TX.Seq, st.TX.Bound, st.RX.Seq)
@@ -349,17 +353,17 @@ func TestKernelHandoff(t *testing.T) {
 			if _, err := server.Write([]byte("x")); !errors.Is(err, ErrHandedOff) {
 				t.Errorf("Write after Handoff: %v, want ErrHandedOff", err)
 			}
-			// The old Conn's Close must leave the socket to its new owner.
-			if err := server.Close(); err != nil {
-				t.Fatal(err)
-			}
 			enc, err := st.Encode()
 			if err != nil {
 				t.Fatal(err)
 			}
 			job, _ := json.Marshal(handoffJob{State: st, SeedUp: seedUp, SeedDown: seedDown, N: n, K: k, KeyUpdates: keyUpdates})
-			err = fdpass.Send(child, kindHandoff, job, f)
-			f.Close()
+			// The socket goes as the Conn holds it, not duplicated; the old
+			// Conn's Close then must leave it to its new owner.
+			err = fdpass.Send(child, kindHandoff, job, sock)
+			if cerr := server.Close(); cerr != nil {
+				t.Fatal(cerr)
+			}
 			clear(enc)
 			clear(job)
 			txSeq, rxSeq := st.TX.Seq, st.RX.Seq
@@ -479,11 +483,16 @@ func exchangeConns(t *testing.T, a, b *Conn, n int) {
 	}
 }
 
-// handoffSameProcess hands server off and returns the state and the
-// socket's descriptor, with the old Conn closed.
+// handoffSameProcess hands server off and returns the state and a
+// descriptor of the socket of its own, as a receiving process gets one,
+// with the old Conn closed.
 func handoffSameProcess(t *testing.T, server *Conn) (HandoffState, *os.File) {
 	t.Helper()
-	st, f, err := server.Handoff()
+	st, sock, err := server.Handoff()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := sock.(*net.TCPConn).File()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -516,7 +525,12 @@ func TestKernelAdopt(t *testing.T) {
 		if _, err := io.ReadFull(server, make([]byte, 6)); err != nil {
 			t.Fatal(err)
 		}
-		st, f := handoffSameProcess(t, server)
+		// The path back: the old Conn still open, its socket as Handoff
+		// returned it.
+		st, sock, err := server.Handoff()
+		if err != nil {
+			t.Fatal(err)
+		}
 		before := kerneltest.OpenFDs(t)
 		for _, bad := range []struct {
 			name string
@@ -537,7 +551,7 @@ func TestKernelAdopt(t *testing.T) {
 			b := st
 			b.TX.Secret, b.RX.Secret = bytes.Clone(st.TX.Secret), bytes.Clone(st.RX.Secret)
 			bad.edit(&b)
-			c, err := Adopt(f, b, Options{})
+			c, err := Adopt(sock, b, Options{})
 			if c != nil || !errors.Is(err, ErrAdoptMismatch) || !strings.Contains(err.Error(), bad.says) {
 				t.Fatalf("%s: Adopt = %v, %v; want ErrAdoptMismatch saying %q", bad.name, c, err, bad.says)
 			}
@@ -548,11 +562,15 @@ func TestKernelAdopt(t *testing.T) {
 		var adopted *Conn
 		d := statDelta(t, func() {
 			var err error
-			if adopted, err = Adopt(f, st, Options{}); err != nil {
+			if adopted, err = Adopt(sock, st, Options{}); err != nil {
 				t.Fatal(err)
 			}
 		})
 		defer adopted.Close()
+		// The old Conn's descriptors go; the session goes on in adopted.
+		if err := server.Close(); err != nil {
+			t.Fatal(err)
+		}
 		wantStat(t, d, "TlsTxSw", 0)
 		wantStat(t, d, "TlsRxSw", 0)
 		if cs := adopted.ConnectionState(); cs.Version != tls.VersionTLS13 || cs.CipherSuite != tls.TLS_AES_128_GCM_SHA256 || !cs.HandshakeComplete || cs.ServerName != "localhost" {
@@ -873,17 +891,16 @@ func BenchmarkKernelHandoff(b *testing.B) {
 	var handoffTime, adoptTime time.Duration
 	for b.Loop() {
 		t0 := time.Now()
-		st, f, err := conn.Handoff()
+		st, sock, err := conn.Handoff()
 		if err != nil {
 			b.Fatal(err)
 		}
 		enc, err := st.Encode()
 		if err == nil {
-			err = fdpass.Send(a, kindHandoff, enc, f)
+			err = fdpass.Send(a, kindHandoff, enc, sock)
 		}
 		st.Zero()
 		clear(enc)
-		f.Close()
 		conn.Close()
 		if err != nil {
 			b.Fatal(err)

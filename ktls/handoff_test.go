@@ -10,6 +10,7 @@ import (
 	"net"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -37,10 +38,10 @@ func TestHandoffRefusesUserspaceTLS(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := Stats()
-	st, f, err := pr.server.Handoff()
+	st, sock, err := pr.server.Handoff()
 	wantHandoffRefused(t, err, HandoffNotOffloaded, "offload reason disabled")
-	if f != nil || st.Version != 0 {
-		t.Fatalf("a refused Handoff returned %v and a state of version %#x", f, st.Version)
+	if sock != nil || st.Version != 0 {
+		t.Fatalf("a refused Handoff returned %v and a state of version %#x", sock, st.Version)
 	}
 	if got := Stats().HandoffRefused - before.HandoffRefused; got != 1 {
 		t.Errorf("HandoffRefused moved by %d, want 1", got)
@@ -130,14 +131,14 @@ func TestHandoffRefusals(t *testing.T) {
 			c := offloadedConn()
 			undo := tc.set(c)
 			readErr, pending := c.readErr, bytes.Clone(c.pending)
-			_, f, err := c.Handoff()
+			_, sock, err := c.Handoff()
 			if undo != nil {
 				undo()
 			}
 			wantHandoffRefused(t, err, tc.reason, tc.says)
-			if f != nil || c.handedOff.Load() != (tc.name == "handed off") || c.readErr != readErr || !bytes.Equal(c.pending, pending) {
-				t.Fatalf("the refusal changed the Conn: file %v, handed off %v, read error %v, %d bytes pending",
-					f, c.handedOff.Load(), c.readErr, len(c.pending))
+			if sock != nil || c.handedOff.Load() != (tc.name == "handed off") || c.readErr != readErr || !bytes.Equal(c.pending, pending) {
+				t.Fatalf("the refusal changed the Conn: socket %v, handed off %v, read error %v, %d bytes pending",
+					sock, c.handedOff.Load(), c.readErr, len(c.pending))
 			}
 			// Neither lock was left held.
 			if !c.readMu.TryLock() || !c.writeMu.TryLock() {
@@ -166,12 +167,13 @@ func TestHandedOffConnRefusesUse(t *testing.T) {
 			}
 			c := offloadedConn()
 			c.raw, c.sock, c.rawSock = sock, sock, rc
-			// What Handoff leaves.
+			// The new owner's descriptor, as a receiving process gets one.
 			f, err := sock.File()
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer f.Close()
+			// What Handoff leaves.
 			c.handedOff.Store(true)
 			c.readErr = ErrHandedOff
 
@@ -405,10 +407,17 @@ func FuzzHandoffState(f *testing.F) {
 	})
 }
 
+// noFileConn is a syscall.Conn with no File method.
+type noFileConn struct{}
+
+func (noFileConn) SyscallConn() (syscall.RawConn, error) { return nil, errors.New("unused") }
+
 // TestAdoptRefusesPlainSocket: Adopt checks the socket before anything
 // else: a TCP socket without kernel TLS is refused with the reason, the
-// descriptor Adopt duplicated is closed, and the socket carries bytes as
-// before. An invalid state is refused before the socket is looked at.
+// descriptors Adopt duplicated are closed, and the socket carries bytes as
+// before; the same for a received file and for a socket of this process
+// as Handoff returns it. An invalid state is refused before the socket is
+// looked at.
 func TestAdoptRefusesPlainSocket(t *testing.T) {
 	checkNoFDLeak(t, kerneltest.OpenFDs)
 	peer, conn := loopbackPair(t)
@@ -422,13 +431,18 @@ func TestAdoptRefusesPlainSocket(t *testing.T) {
 	defer f.Close()
 	st := testState()
 	st.PeerCertificates = nil
-	before := kerneltest.OpenFDs(t)
-	c, err := Adopt(f, st, Options{})
-	if c != nil || err == nil || !strings.Contains(err.Error(), `the socket has no kernel TLS (ULP "")`) {
-		t.Fatalf("Adopt of a plain TCP socket: %v, %v", c, err)
+	for _, s := range []syscall.Conn{f, sock} {
+		before := kerneltest.OpenFDs(t)
+		c, err := Adopt(s, st, Options{})
+		if c != nil || err == nil || !strings.Contains(err.Error(), `the socket has no kernel TLS (ULP "")`) {
+			t.Fatalf("Adopt of a plain TCP socket (%T): %v, %v", s, c, err)
+		}
+		if after := kerneltest.OpenFDs(t); after != before {
+			t.Fatalf("%T: %d descriptors before Adopt, %d after its refusal", s, before, after)
+		}
 	}
-	if after := kerneltest.OpenFDs(t); after != before {
-		t.Fatalf("%d descriptors before Adopt, %d after its refusal", before, after)
+	if _, err := Adopt(noFileConn{}, st, Options{}); err == nil || !strings.Contains(err.Error(), "tcpfile: a ktls.noFileConn has no file") {
+		t.Fatalf("Adopt of a descriptor holder that is neither a file nor a socket: %v", err)
 	}
 	bad := testState()
 	bad.TX.Secret = nil

@@ -16,16 +16,15 @@ import (
 )
 
 // handoffConn moves a kTLS connection as the upgrade does: Handoff, the
-// state through its encoding, Adopt on the duplicated socket, and the old
-// Conn closed (which releases only its own descriptors).
+// state through its encoding, Adopt on the socket Handoff returned, and
+// the old Conn closed (which releases only its own descriptors).
 func handoffConn(t *testing.T, c net.Conn) net.Conn {
 	t.Helper()
 	kc := c.(*ktls.Conn)
-	st, f, err := kc.Handoff()
+	st, sock, err := kc.Handoff()
 	if err != nil {
 		t.Fatalf("handoff: %v", err)
 	}
-	defer f.Close()
 	enc, err := st.Encode()
 	st.Zero()
 	if err != nil {
@@ -36,7 +35,7 @@ func handoffConn(t *testing.T, c net.Conn) net.Conn {
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := ktls.Adopt(f, st, ktls.Options{})
+	nc, err := ktls.Adopt(sock, st, ktls.Options{})
 	st.Zero()
 	if err != nil {
 		t.Fatalf("adopt: %v", err)

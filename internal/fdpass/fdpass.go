@@ -26,6 +26,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -171,11 +172,14 @@ func checkSeqpacket(c *net.UnixConn) error {
 	return nil
 }
 
-// Send sends one message with files, which stay the caller's: the receiver
-// gets its own descriptors of the same open files. The descriptors are
-// read without changing the files' blocking mode (os.File.Fd would put a
-// shared socket into blocking mode for every holder).
-func Send(c *net.UnixConn, kind uint16, payload []byte, files ...*os.File) error {
+// Send sends one message with the descriptors of files (an *os.File, a
+// *net.TCPConn: anything with a syscall.RawConn), which stay the caller's:
+// the receiver gets its own descriptors of the same open files, as
+// *os.File. Each descriptor is read under its RawConn's Control, which
+// keeps it open meanwhile and leaves its blocking mode as it is
+// (os.File.Fd would put a shared socket into blocking mode for every
+// holder), and no descriptor is duplicated to send it.
+func Send(c *net.UnixConn, kind uint16, payload []byte, files ...syscall.Conn) error {
 	if err := checkSeqpacket(c); err != nil {
 		return err
 	}
@@ -196,14 +200,14 @@ func NewConn(c *net.UnixConn) (*Conn, error) {
 }
 
 // Send is the package's Send on c.
-func (c *Conn) Send(kind uint16, payload []byte, files ...*os.File) error {
+func (c *Conn) Send(kind uint16, payload []byte, files ...syscall.Conn) error {
 	return send(c.c, kind, payload, files)
 }
 
 // Receive is the package's Receive on c.
 func (c *Conn) Receive(lim Limits) (*Message, error) { return receive(c.c, lim) }
 
-func send(c *net.UnixConn, kind uint16, payload []byte, files []*os.File) error {
+func send(c *net.UnixConn, kind uint16, payload []byte, files []syscall.Conn) error {
 	if len(files) > MaxFiles {
 		return fmt.Errorf("fdpass: %d files, at most %d per message", len(files), MaxFiles)
 	}
@@ -242,19 +246,19 @@ func send(c *net.UnixConn, kind uint16, payload []byte, files []*os.File) error 
 // with its ioSync), and reported races that cannot happen.
 var msgSync atomic.Int64
 
-// withFDs calls f with the descriptors of files, each held by its file's
-// Control so that none is closed meanwhile.
-func withFDs(files []*os.File, fds []int, f func([]int) error) error {
+// withFDs calls f with the descriptors of files, each held by its
+// RawConn's Control so that none is closed meanwhile.
+func withFDs(files []syscall.Conn, fds []int, f func([]int) error) error {
 	if len(files) == 0 {
 		return f(fds)
 	}
 	rc, err := files[0].SyscallConn()
 	if err != nil {
-		return fmt.Errorf("fdpass: file %s: %w", files[0].Name(), err)
+		return fmt.Errorf("fdpass: descriptor %d (%T): %w", len(fds), files[0], err)
 	}
 	var ferr error
 	if err := rc.Control(func(fd uintptr) { ferr = withFDs(files[1:], append(fds, int(fd)), f) }); err != nil {
-		return fmt.Errorf("fdpass: file %s: %w", files[0].Name(), err)
+		return fmt.Errorf("fdpass: descriptor %d (%T): %w", len(fds), files[0], err)
 	}
 	return ferr
 }

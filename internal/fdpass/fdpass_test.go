@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -194,7 +195,9 @@ func TestPassTCPToChild(t *testing.T) {
 	}()
 
 	clients := make([]*net.TCPConn, conns)
-	files := make([]*os.File, conns)
+	// The sockets go as they are, no *os.File made of them: Send reads
+	// each descriptor under its RawConn's Control.
+	servers := make([]syscall.Conn, conns)
 	jobs := make([]job, conns)
 	for i := range conns {
 		var server *net.TCPConn
@@ -202,17 +205,13 @@ func TestPassTCPToChild(t *testing.T) {
 		defer clients[i].Close()
 		// Bounds a run whose child failed; no assertion depends on it.
 		clients[i].SetDeadline(time.Now().Add(2 * time.Minute))
-		files[i], err = server.File()
-		server.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
+		servers[i] = server
 		jobs[i] = job{SeedIn: uint64(10 + i), SeedOut: uint64(20 + i), N: n}
 	}
 	payload, _ := json.Marshal(jobs)
-	err = Send(a, kindConns, payload, files...)
-	for _, f := range files {
-		f.Close()
+	err = Send(a, kindConns, payload, servers...)
+	for _, s := range servers {
+		s.(*net.TCPConn).Close()
 	}
 	if err != nil {
 		t.Fatal(err)
@@ -276,7 +275,8 @@ func TestSendReceive(t *testing.T) {
 	}
 	defer a.Close()
 	defer b.Close()
-	var readers, writers []*os.File
+	var readers []*os.File
+	var writers []syscall.Conn
 	for range 3 {
 		r, w, err := os.Pipe()
 		if err != nil {
@@ -476,7 +476,7 @@ func TestConnSendReceive(t *testing.T) {
 	if got, err := io.ReadAll(r); string(got) != "through" || err != nil {
 		t.Fatalf("read %q (%v) through the passed descriptor", got, err)
 	}
-	if err := ca.Send(1, nil, make([]*os.File, MaxFiles+1)...); err == nil || !strings.Contains(err.Error(), "at most 253") {
+	if err := ca.Send(1, nil, make([]syscall.Conn, MaxFiles+1)...); err == nil || !strings.Contains(err.Error(), "at most 253") {
 		t.Fatalf("Conn.Send of %d files: %v", MaxFiles+1, err)
 	}
 }
@@ -491,7 +491,7 @@ func TestSendRefuses(t *testing.T) {
 	}
 	defer a.Close()
 	defer b.Close()
-	files := make([]*os.File, MaxFiles+1)
+	files := make([]syscall.Conn, MaxFiles+1)
 	if err := Send(a, 1, nil, files...); err == nil || !strings.Contains(err.Error(), "at most 253") {
 		t.Fatalf("Send of %d files: %v", len(files), err)
 	}

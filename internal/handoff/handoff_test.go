@@ -15,6 +15,7 @@ import (
 	"runtime"
 	"slices"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -697,8 +698,8 @@ func TestReleasedBeforeResetIsRead(t *testing.T) {
 
 type windowMover int
 
-func (windowMover) Move(uint16, []byte, ...*os.File) (bool, error) { return true, nil }
-func (w windowMover) Window() int                                  { return int(w) }
+func (windowMover) Move(uint16, []byte, ...syscall.Conn) (bool, error) { return true, nil }
+func (w windowMover) Window() int                                      { return int(w) }
 
 // each offers every object once, with as many calls at once as the
 // mover's window, and no more.

@@ -1,6 +1,6 @@
 package handoff
 
-import "os"
+import "syscall"
 
 // The kinds of object a session carries: one table for every side that
 // offers or adopts them, so that one session carries them all and the
@@ -14,12 +14,13 @@ const (
 )
 
 // Mover moves one object to another process: kind and state are the
-// object's, files its descriptors (the caller's still). moved reports
+// object's, files its descriptors (the caller's still: an *os.File, a
+// *net.TCPConn, anything fdpass.Send takes). moved reports
 // whether the other process took it; when it did not, err says why. The
 // mechanisms that move objects (forward, gateway) take a Mover; a Sender
 // is one through SenderMover.
 type Mover interface {
-	Move(kind uint16, state []byte, files ...*os.File) (moved bool, err error)
+	Move(kind uint16, state []byte, files ...syscall.Conn) (moved bool, err error)
 	// Window is how many Move calls may run at once, at least 1.
 	Window() int
 }
@@ -30,7 +31,7 @@ func SenderMover(s *Sender) Mover { return senderMover{s} }
 
 type senderMover struct{ s *Sender }
 
-func (m senderMover) Move(kind uint16, state []byte, files ...*os.File) (bool, error) {
+func (m senderMover) Move(kind uint16, state []byte, files ...syscall.Conn) (bool, error) {
 	fate, err := m.s.Move(kind, state, files...)
 	return fate == Moved, err
 }

@@ -4,8 +4,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net"
-	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -100,13 +100,14 @@ func (s *Sender) Peer() Hello { return s.peer }
 func (s *Sender) Window() int { return s.window }
 
 // Move offers one object: its kind (the caller's), its state and its
-// files, which stay the caller's. It returns Moved once the receiver
+// files (anything with a descriptor: fdpass.Send), which stay the
+// caller's. It returns Moved once the receiver
 // adopted it and was told so: the caller then stops using it and closes
 // its files. Kept, with the reason as the error: the receiver refused it
 // (a *RefusedError; the session goes on), or the session failed (any
 // other error; every object in flight and every later Move is Kept, the
 // later ones with ErrBroken at once).
-func (s *Sender) Move(kind uint16, state []byte, files ...*os.File) (Fate, error) {
+func (s *Sender) Move(kind uint16, state []byte, files ...syscall.Conn) (Fate, error) {
 	s.turns <- struct{}{}
 	defer func() { <-s.turns }()
 	id, wait, err := s.offer(kind, state, files)
@@ -147,7 +148,7 @@ func (s *Sender) Move(kind uint16, state []byte, files ...*os.File) (Fate, error
 
 // offer sends an object's parts and its ITEM, and returns its ID and where
 // its answer arrives.
-func (s *Sender) offer(kind uint16, state []byte, files []*os.File) (uint64, chan answer, error) {
+func (s *Sender) offer(kind uint16, state []byte, files []syscall.Conn) (uint64, chan answer, error) {
 	s.send.Lock()
 	defer s.send.Unlock()
 	if s.broken != nil {
@@ -180,7 +181,7 @@ func (s *Sender) offer(kind uint16, state []byte, files []*os.File) (uint64, cha
 // sendLocked sends one message, bounded by the timeout: a receiver that
 // stops reading fails the session rather than hold this process. s.send
 // is held.
-func (s *Sender) sendLocked(kind uint16, payload []byte, files ...*os.File) error {
+func (s *Sender) sendLocked(kind uint16, payload []byte, files ...syscall.Conn) error {
 	s.c.SetWriteDeadline(time.Now().Add(s.cfg.timeout()))
 	return s.fc.Send(kind, payload, files...)
 }

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -32,11 +33,26 @@ var options = [...]struct {
 	{unix.SOL_SOCKET, unix.SO_KEEPALIVE, "SO_KEEPALIVE", 1},
 }
 
-// Conn returns a *net.TCPConn over a duplicate of f, a connected TCP
-// socket, with its Nagle and keepalive settings as they were before. The
-// caller closes f. A file that is not a TCP socket is refused before
-// anything is set on it.
-func Conn(f *os.File) (*net.TCPConn, error) {
+// Conn returns a *net.TCPConn over a descriptor of its own of s, a
+// connected TCP socket (a received *os.File, or a socket of this process:
+// anything with a File method), with its Nagle and keepalive settings as
+// they were before. The caller closes s. A socket that is not TCP is
+// refused before anything is set on it.
+func Conn(s syscall.Conn) (*net.TCPConn, error) {
+	f, ok := s.(*os.File)
+	if !ok {
+		// A socket of this process: a file of its own first, which
+		// net.FileConn duplicates in turn.
+		fc, ok := s.(interface{ File() (*os.File, error) })
+		if !ok {
+			return nil, fmt.Errorf("tcpfile: a %T has no file", s)
+		}
+		var err error
+		if f, err = fc.File(); err != nil {
+			return nil, fmt.Errorf("tcpfile: %w", err)
+		}
+		defer f.Close()
+	}
 	var saved [len(options)]int
 	rc, err := f.SyscallConn()
 	if err != nil {

@@ -1,6 +1,7 @@
 package tcpfile
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -78,7 +79,9 @@ func onSocket(t *testing.T, c syscall.Conn, fn func(fd int) error) {
 // A socket's Nagle and keepalive settings come through Conn as they were,
 // on and off, none of them Go's defaults for a new connection (which
 // net.FileConn alone would set: Nagle off, keepalive on at 15 s, 15 s, 9
-// probes), and the connection carries bytes.
+// probes), and the connection carries bytes: from a file (what a process
+// receives) and from a socket of this process (*net.TCPConn), which the
+// caller then closes.
 func TestConnKeepsOptions(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -89,35 +92,52 @@ func TestConnKeepsOptions(t *testing.T) {
 		{"some-as-go-sets-them", [len(options)]int{1, 15, 60, 9, 0}},
 		{"all-as-go-sets-them", goValues()},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			a, b := forwardtest.TCPPair(t)
-			onSocket(t, b, func(fd int) error { return set(fd, tc.want) })
-			f, err := b.File()
-			if err != nil {
-				t.Fatal(err)
-			}
-			c, err := Conn(f)
-			f.Close()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			if got := sockopts(t, c); got != tc.want {
-				t.Errorf("options after Conn %v, want %v (TCP_NODELAY, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, SO_KEEPALIVE)", got, tc.want)
-			}
-			if _, err := a.Write([]byte("ping")); err != nil {
-				t.Fatal(err)
-			}
-			buf := make([]byte, 4)
-			if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "ping" {
-				t.Fatalf("read %q, %v through the new Conn", buf, err)
-			}
-		})
+		for _, from := range []string{"file", "socket"} {
+			t.Run(tc.name+"/"+from, func(t *testing.T) {
+				testConnKeepsOptions(t, tc.want, from == "file")
+			})
+		}
 	}
 }
 
-// A file that is no TCP socket is refused, and Conn leaves no descriptor
-// open.
+func testConnKeepsOptions(t *testing.T, want [len(options)]int, fromFile bool) {
+	a, b := forwardtest.TCPPair(t)
+	onSocket(t, b, func(fd int) error { return set(fd, want) })
+	var s syscall.Conn = b
+	if fromFile {
+		f, err := b.File()
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Close()
+		s = f
+	}
+	c, err := Conn(s)
+	s.(io.Closer).Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if got := sockopts(t, c); got != want {
+		t.Errorf("options after Conn %v, want %v (TCP_NODELAY, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, SO_KEEPALIVE)", got, want)
+	}
+	if _, err := a.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4)
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "ping" {
+		t.Fatalf("read %q, %v through the new Conn", buf, err)
+	}
+}
+
+// noFile is a syscall.Conn without a File method.
+type noFile struct{}
+
+func (noFile) SyscallConn() (syscall.RawConn, error) { return nil, errors.New("unused") }
+
+// A file that is no TCP socket is refused, and so are a socket of this
+// process that is no TCP socket and a descriptor holder without a file;
+// Conn leaves no descriptor open.
 func TestConnRefusesOtherFiles(t *testing.T) {
 	r, w, err := os.Pipe()
 	if err != nil {
@@ -137,6 +157,23 @@ func TestConnRefusesOtherFiles(t *testing.T) {
 		c, err := Conn(f)
 		if c != nil || err == nil || !strings.Contains(err.Error(), f.Name()) {
 			t.Errorf("Conn(%s) = %v, %v; want an error naming it", f.Name(), c, err)
+		}
+	}
+	uc, err := net.FileConn(u1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer uc.Close()
+	before = kerneltest.OpenFDs(t)
+	for _, tc := range []struct {
+		s    syscall.Conn
+		says string
+	}{
+		{uc.(*net.UnixConn), "reading TCP_NODELAY"},
+		{noFile{}, "a tcpfile.noFile has no file"},
+	} {
+		if c, err := Conn(tc.s); c != nil || err == nil || !strings.Contains(err.Error(), tc.says) {
+			t.Errorf("Conn(%T) = %v, %v; want an error saying %q", tc.s, c, err, tc.says)
 		}
 	}
 	if after := kerneltest.OpenFDs(t); after != before {

@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -194,7 +195,7 @@ func TestProxyMoveNothingCarried(t *testing.T) {
 
 type countingMover struct{ offers int }
 
-func (m *countingMover) Move(uint16, []byte, ...*os.File) (bool, error) {
+func (m *countingMover) Move(uint16, []byte, ...syscall.Conn) (bool, error) {
 	m.offers++
 	return false, nil
 }

@@ -76,7 +76,13 @@ const (
 	// sinceDiag: sinceAdoption and the changes of the session after it
 	// (b49cf70..c545768), one of them on every kernel TLS handshake's path.
 	sinceDiag = sinceAdoption + "; and every kernel TLS install's sock_diag query reading into a pooled buffer and asking capget(2) only of an answer without TLS details (one 16 KiB allocation less per handshake, and with kTLS one system call: measured alone by ktls's BenchmarkReadULPInfo), and, on the upgrade's path only, the new process building moved tunnels at once, a handoff session's socket type checked once and an adopted socket's options left as net.FileConn set them where they already were"
-	sinceMove = "an adopted tunnel's sockets keeping their keepalive and Nagle settings (internal/tcpfile), the moved states in a binary encoding decoded once (internal/wire) and an adopted session's peer certificates parsed once per process (the upgrade's move and adoption only: no tunnel's or handshake's path changed); measured before them"
+	// sinceOwnSockets: the change of 720f1d2, after results.md's last
+	// measurement.
+	sinceOwnSockets = "on the upgrade's path only, the old process sending a moved tunnel's sockets as it holds them, not duplicated (ktls.Conn.Handoff returning the Conn's own socket, fdpass.Send taking any syscall.Conn): no tunnel's or handshake's path changed"
+	// sinceDiagAndOwnSockets: both, for the reports measured before
+	// sinceDiag.
+	sinceDiagAndOwnSockets = sinceDiag + "; and " + sinceOwnSockets
+	sinceMove              = "an adopted tunnel's sockets keeping their keepalive and Nagle settings (internal/tcpfile), the moved states in a binary encoding decoded once (internal/wire) and an adopted session's peer certificates parsed once per process (the upgrade's move and adoption only: no tunnel's or handshake's path changed); measured before them"
 )
 
 // knownStale are reports measured before a change to the code they
@@ -84,17 +90,18 @@ const (
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"small-calls.md":         sinceDiag,
-	"small-mtls.md":          sinceDiag,
-	"gateway.md":             sinceDiag,
-	"gateway-resumption.md":  sinceDiag,
-	"load.md":                sinceDiag,
-	"load-10k.md":            sinceDiag,
-	"ttfb.md":                sinceDiag,
-	"load-gateway.md":        sinceDiag,
-	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiag,
-	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiag,
-	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiag,
+	"results.md":             sinceOwnSockets,
+	"small-calls.md":         sinceDiagAndOwnSockets,
+	"small-mtls.md":          sinceDiagAndOwnSockets,
+	"gateway.md":             sinceDiagAndOwnSockets,
+	"gateway-resumption.md":  sinceDiagAndOwnSockets,
+	"load.md":                sinceDiagAndOwnSockets,
+	"load-10k.md":            sinceDiagAndOwnSockets,
+	"ttfb.md":                sinceDiagAndOwnSockets,
+	"load-gateway.md":        sinceDiagAndOwnSockets,
+	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets,
+	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets,
+	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets,
 }
 
 // git runs git in the repository root and returns its trimmed output.

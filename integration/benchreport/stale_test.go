@@ -91,10 +91,7 @@ const (
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
 	"results.md":             sinceOwnSockets,
-	"small-calls.md":         sinceDiagAndOwnSockets,
-	"small-mtls.md":          sinceDiagAndOwnSockets,
 	"gateway.md":             sinceDiagAndOwnSockets,
-	"gateway-resumption.md":  sinceDiagAndOwnSockets,
 	"load.md":                sinceDiagAndOwnSockets,
 	"load-10k.md":            sinceDiagAndOwnSockets,
 	"ttfb.md":                sinceDiagAndOwnSockets,

@@ -76,8 +76,7 @@ const (
 	// sinceDiag: sinceAdoption and the changes of the session after it
 	// (b49cf70..c545768), one of them on every kernel TLS handshake's path.
 	sinceDiag = sinceAdoption + "; and every kernel TLS install's sock_diag query reading into a pooled buffer and asking capget(2) only of an answer without TLS details (one 16 KiB allocation less per handshake, and with kTLS one system call: measured alone by ktls's BenchmarkReadULPInfo), and, on the upgrade's path only, the new process building moved tunnels at once, a handoff session's socket type checked once and an adopted socket's options left as net.FileConn set them where they already were"
-	// sinceOwnSockets: the change of 720f1d2, after results.md's last
-	// measurement.
+	// sinceOwnSockets: the change of 720f1d2.
 	sinceOwnSockets = "on the upgrade's path only, the old process sending a moved tunnel's sockets as it holds them, not duplicated (ktls.Conn.Handoff returning the Conn's own socket, fdpass.Send taking any syscall.Conn): no tunnel's or handshake's path changed"
 	// sinceDiagAndOwnSockets: both, for the reports measured before
 	// sinceDiag.
@@ -90,7 +89,6 @@ const (
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"results.md":             sinceOwnSockets,
 	"gateway.md":             sinceDiagAndOwnSockets,
 	"load.md":                sinceDiagAndOwnSockets,
 	"load-10k.md":            sinceDiagAndOwnSockets,

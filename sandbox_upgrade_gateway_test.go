@@ -51,9 +51,12 @@ func TestUpgradeGatewayServesConnectionsAcceptedBefore(t *testing.T) {
 	}
 	const chunk, pace = 4 << 10, 20 * time.Millisecond
 	up := forwardtest.NewPacedUpstream(t, chunk, pace)
-	fwd, gw := gatewayProcessConfig(t, up, false, map[string]any{"drain_grace_period": "1m"})
-	// The handshake held outlasts the old process's settle step (10 s).
-	layer4Server(gw.cfg, "tunnels")["routes"].([]any)[0].(map[string]any)["handle"].([]any)[0].(map[string]any)["handshake_timeout"] = "1m"
+	fwd, gw := gatewayProcessConfig(t, up, false, map[string]any{"drain_grace_period": "5m"})
+	// The handshake held outlasts the old process's settle step (10 s)
+	// and the waits before the handoff (up to 1 minute for it to be held,
+	// 2 for the new process to start), and the grace period the call after
+	// it: on a busy host the new process's start alone took over a minute.
+	layer4Server(gw.cfg, "tunnels")["routes"].([]any)[0].(map[string]any)["handle"].([]any)[0].(map[string]any)["handshake_timeout"] = "5m"
 	handoffConfig(gw, filepath.Join(t.TempDir(), "handoff.sock"))
 	old := startCaddy(t, gw, "")
 

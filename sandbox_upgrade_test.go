@@ -361,9 +361,13 @@ func TestUpgradeServesConnectionsAcceptedBefore(t *testing.T) {
 		t.Skip("the same on every kernel: a host test")
 	}
 	small := forwardtest.NewUpstream(t, 4<<10)
-	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "1m"})
-	// The handshake held outlasts the old process's settle step (10 s).
-	e.route()["handle"].([]any)[0].(map[string]any)["handshake_timeout"] = "1m"
+	// The handshake held and the standby connection outlast the old
+	// process's settle step (10 s) and the waits before the handoff (up
+	// to 1 minute for each to be held, 2 for the new process to start),
+	// and the grace period the calls after it: on a busy host the new
+	// process's start alone took over a minute.
+	e := newSandboxConfig(t, map[string]any{"drain_grace_period": "5m", "standby_timeout": "5m"})
+	e.route()["handle"].([]any)[0].(map[string]any)["handshake_timeout"] = "5m"
 	handoffConfig(e, filepath.Join(t.TempDir(), "handoff.sock"))
 	old := startCaddy(t, e, "")
 

@@ -89,7 +89,6 @@ const (
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"gateway.md":             sinceDiagAndOwnSockets,
 	"load.md":                sinceDiagAndOwnSockets,
 	"load-10k.md":            sinceDiagAndOwnSockets,
 	"ttfb.md":                sinceDiagAndOwnSockets,

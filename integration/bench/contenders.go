@@ -122,11 +122,11 @@ type runEnv struct {
 	allowCIDRs []string
 	// maxConns: nginx's worker_connections (default 1024).
 	maxConns int
-	// maxHandshakes: the ktls contenders' max_handshakes (0: the
-	// handler's default).
+	// maxHandshakes: the ktls contenders' max_handshakes, and an l4-l4
+	// gateway's (0: the handler's default).
 	maxHandshakes int
-	// maxSchedulingDelay: the ktls contenders' max_scheduling_delay, a Go
-	// duration ("": none).
+	// maxSchedulingDelay: the ktls contenders' max_scheduling_delay, and
+	// an l4-l4 gateway's, a Go duration ("": none).
 	maxSchedulingDelay string
 	// gatewayStandby: the standby option of an l4-l4 gateway (0: none).
 	gatewayStandby int
@@ -248,12 +248,7 @@ func sandboxForwarder(env *runEnv, listen string, offload map[string]any) map[st
 	for k, v := range offload {
 		ktlsHandler[k] = v
 	}
-	if env.maxHandshakes != 0 {
-		ktlsHandler["max_handshakes"] = env.maxHandshakes
-	}
-	if env.maxSchedulingDelay != "" {
-		ktlsHandler["max_scheduling_delay"] = env.maxSchedulingDelay
-	}
+	withShedding(env, ktlsHandler)
 	sandbox := map[string]any{
 		"handler":                 "sandbox",
 		"keys":                    []any{map[string]any{"id": env.pki.signer.KeyID(), "public_key": env.pki.signingPub}},
@@ -264,6 +259,18 @@ func sandboxForwarder(env *runEnv, listen string, offload map[string]any) map[st
 		sandbox["allow_cidrs"] = env.allowCIDRs
 	}
 	return layer4At("tcp-retry/"+listen, ktlsHandler, sandbox)
+}
+
+// withShedding sets env's bounds on a layer4 ktls handler (the forwarder's,
+// and an l4-l4 gateway's, which terminates the user's TLS) and returns it.
+func withShedding(env *runEnv, ktlsHandler map[string]any) map[string]any {
+	if env.maxHandshakes != 0 {
+		ktlsHandler["max_handshakes"] = env.maxHandshakes
+	}
+	if env.maxSchedulingDelay != "" {
+		ktlsHandler["max_scheduling_delay"] = env.maxSchedulingDelay
+	}
+	return ktlsHandler
 }
 
 // clientAuth is a Caddy connection policy's client authentication as the
@@ -438,7 +445,7 @@ func l4l4(env *runEnv) ([]hop, error) {
 		proxy["standby"] = env.gatewayStandby
 		name += "-standby"
 	}
-	gw := layer4At(env.listen, map[string]any{"handler": "ktls"}, proxy)
+	gw := layer4At(env.listen, withShedding(env, map[string]any{"handler": "ktls"}), proxy)
 	return chainHops(env, name, gw, sandboxForwarder(env, env.hopListen, nil), "forwarder")
 }
 

@@ -87,10 +87,10 @@ func renderLoadMarkdown(l *benchjson.LoadReport, source string) []byte {
 		fmt.Fprintf(&b, " %s on CPU %s, the generator (and the upstream, in its process) on the others.", who, p.PinContender)
 	}
 	if p.MaxHandshakes != 0 {
-		fmt.Fprintf(&b, " The forwarder's `max_handshakes` was %d (-1: no bound).", p.MaxHandshakes)
+		fmt.Fprintf(&b, " The forwarder's (and an `l4-l4` gateway's) `max_handshakes` was %d (-1: no bound).", p.MaxHandshakes)
 	}
 	if p.MaxSchedulingDelay != "" {
-		fmt.Fprintf(&b, " The forwarder's `max_scheduling_delay` was %s.", p.MaxSchedulingDelay)
+		fmt.Fprintf(&b, " The forwarder's (and an `l4-l4` gateway's) `max_scheduling_delay` was %s.", p.MaxSchedulingDelay)
 	}
 	b.WriteString("\n\n")
 	if l.Mode == "vm" {

@@ -45,11 +45,11 @@ type LoadParams struct {
 	FairnessPct  float64 `json:"fairness_pct,omitempty"`
 	PinContender string  `json:"pin_contender,omitempty"`
 	PeersMTLS    bool    `json:"peers_mtls"`
-	// MaxHandshakes: the forwarder's max_handshakes (0: its default,
-	// 128 per CPU it may use; -1: no bound).
+	// MaxHandshakes: the forwarder's max_handshakes, and an l4-l4
+	// gateway's (0: its default, 128 per CPU it may use; -1: no bound).
 	MaxHandshakes int `json:"max_handshakes,omitempty"`
-	// MaxSchedulingDelay: the forwarder's max_scheduling_delay, a Go
-	// duration ("": none).
+	// MaxSchedulingDelay: the forwarder's max_scheduling_delay, and an
+	// l4-l4 gateway's, a Go duration ("": none).
 	MaxSchedulingDelay string `json:"max_scheduling_delay,omitempty"`
 	// Standby: the standby option of l4-l4-standby's gateway.
 	Standby int `json:"standby,omitempty"`

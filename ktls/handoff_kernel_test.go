@@ -539,6 +539,7 @@ func TestKernelAdopt(t *testing.T) {
 		}{
 			{"seq", func(s *HandoffState) { s.RX.Seq++ }, "RX: record sequence number 1 in the kernel, 2 in the state"},
 			{"secret", func(s *HandoffState) { s.TX.Secret[0] ^= 1 }, "TX: the kernel's key is not the one"},
+			{"rx secret", func(s *HandoffState) { s.RX.Secret[31] ^= 1 }, "RX: the kernel's key is not the one"},
 			{"cipher", func(s *HandoffState) {
 				s.CipherSuite = tls.TLS_AES_256_GCM_SHA384
 				s.TX.Secret, s.RX.Secret = make([]byte, 48), make([]byte, 48)

@@ -40,20 +40,27 @@ func checkSecret(cs *cipherSuite, secret []byte) error {
 // trafficKeys derives the record key and the 12-byte static IV of a TLS 1.3
 // traffic secret (RFC 8446 section 7.3).
 func trafficKeys(suite uint16, secret []byte) (key, iv []byte, err error) {
-	cs, err := suiteFor(tls.VersionTLS13, suite)
-	if err != nil {
+	if key, err = trafficKey(suite, secret); err != nil {
 		return nil, nil, err
 	}
-	if err := checkSecret(cs, secret); err != nil {
-		return nil, nil, err
-	}
-	if key, err = hkdfExpandLabel(cs.hash, secret, "key", cs.keyLen); err != nil {
-		return nil, nil, err
-	}
+	cs, _ := suiteFor(tls.VersionTLS13, suite)
 	if iv, err = hkdfExpandLabel(cs.hash, secret, "iv", cs.ivLen); err != nil {
+		clear(key)
 		return nil, nil, err
 	}
 	return key, iv, nil
+}
+
+// trafficKey derives the record key alone of a TLS 1.3 traffic secret.
+func trafficKey(suite uint16, secret []byte) ([]byte, error) {
+	cs, err := suiteFor(tls.VersionTLS13, suite)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkSecret(cs, secret); err != nil {
+		return nil, err
+	}
+	return hkdfExpandLabel(cs.hash, secret, "key", cs.keyLen)
 }
 
 // nextTrafficSecret derives application_traffic_secret_N+1 from

@@ -21,8 +21,8 @@ func movedKTLSTunnel(t testing.TB) (MovedTunnel, ktls.HandoffState) {
 	ca := testpki.NewCA(t, "gateways")
 	leaf := ca.Client(t, "gateway-1")
 	st := ktls.HandoffState{Version: tls.VersionTLS13, CipherSuite: tls.TLS_AES_128_GCM_SHA256,
-		TX:              ktls.HandoffDirection{Secret: bytes.Repeat([]byte{1}, 32), Seq: 7, Bound: 9},
-		RX:              ktls.HandoffDirection{Secret: bytes.Repeat([]byte{2}, 32), Seq: 3, Bound: 3},
+		TX:              ktls.HandoffDirection{Secret: bytes.Repeat([]byte{1}, 32), Seq: 7, Bound: 9, Mode: ktls.ModeSW},
+		RX:              ktls.HandoffDirection{Secret: bytes.Repeat([]byte{2}, 32), Seq: 3, Bound: 3, Mode: ktls.ModeSW},
 		KeyUpdateTokens: 10, ServerName: "forwarder.example", NegotiatedProtocol: "sandbox",
 		PeerCertificates: [][]byte{leaf.TLS.Certificate[0], ca.Cert.Raw}}
 	conn, err := st.Encode()

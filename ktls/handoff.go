@@ -59,7 +59,7 @@ import (
 
 // HandoffVersion is the version of HandoffState's encoding (its first
 // byte). A decoder refuses every other version.
-const HandoffVersion = 3
+const HandoffVersion = 4
 
 // ErrHandedOff is returned by every use of a Conn after Handoff.
 var ErrHandedOff = errors.New("ktls: the connection was handed off to another owner")
@@ -129,6 +129,10 @@ type HandoffDirection struct {
 	// are counted only when the kernel's count is read, so Seq may exceed
 	// Bound.
 	Bound uint64
+	// Mode is where the kernel seals or opens this direction's records
+	// (ModeSW or ModeHW), as the Conn learned it when the key went in: the
+	// kernel does not change it while the socket lives.
+	Mode Mode
 }
 
 // HandoffState is what a process needs, beyond the socket, to continue a
@@ -139,6 +143,8 @@ type HandoffState struct {
 	CipherSuite uint16 // crypto/tls cipher suite ID
 	Client      bool   // the Conn was the client side
 	TX, RX      HandoffDirection
+	// RXNoPad: TLS_RX_EXPECT_NO_PAD is in effect on the socket.
+	RXNoPad bool
 	// CloseNotifySent: we sent close_notify (CloseWrite); writes fail.
 	CloseNotifySent bool
 	// PeerEnd: how the peer's stream ended, if it did; Read then returns io.EOF.
@@ -244,8 +250,9 @@ func (c *Conn) handoff() (HandoffState, error) {
 		Version:            c.off.Version,
 		CipherSuite:        c.off.CipherSuite,
 		Client:             c.isClient,
-		TX:                 HandoffDirection{Secret: bytes.Clone(c.txSecret), Seq: txSeq, Bound: c.txBound},
-		RX:                 HandoffDirection{Secret: bytes.Clone(c.rxSecret), Seq: rxSeq, Bound: c.rxBound},
+		TX:                 HandoffDirection{Secret: bytes.Clone(c.txSecret), Seq: txSeq, Bound: c.txBound, Mode: c.off.TX},
+		RX:                 HandoffDirection{Secret: bytes.Clone(c.rxSecret), Seq: rxSeq, Bound: c.rxBound, Mode: c.off.RX},
+		RXNoPad:            c.off.RXNoPad,
 		CloseNotifySent:    c.wroteEOF,
 		KeyUpdateAsked:     c.rxAsked,
 		KeyUpdateTokens:    c.limiter.tokens,
@@ -335,10 +342,9 @@ func Adopt(s syscall.Conn, st HandoffState, opts Options) (*Conn, error) {
 	opts.RecordLimit, opts.KeyUpdateLimit = st.RecordLimit, st.KeyUpdateLimit
 	c := &Conn{raw: sock, isClient: st.Client, opts: opts, record: newRecordConn(sock), keys: &keyCapture{}}
 	c.sock, c.rawSock = sock, rawSock
-	c.off = Offload{TX: ModeSW, RX: ModeSW, Reason: ReasonNone, Version: st.Version, CipherSuite: st.CipherSuite}
-	if info, err := readULPInfo(rawSock); err == nil {
-		c.off.TX, c.off.RX, c.off.RXNoPad = info.TX, info.RX, info.RXNoPad
-	}
+	// The modes are the ones the kernel reported to the Conn that handed
+	// it off (sock_diag, at its handshake): no query of its own here.
+	c.off = Offload{TX: st.TX.Mode, RX: st.RX.Mode, RXNoPad: st.RXNoPad, Reason: ReasonNone, Version: st.Version, CipherSuite: st.CipherSuite}
 	c.adopted = &tls.ConnectionState{
 		Version:            st.Version,
 		HandshakeComplete:  true,
@@ -443,6 +449,9 @@ func (s *HandoffState) validate() error {
 		name string
 		dir  HandoffDirection
 	}{{"tx", s.TX}, {"rx", s.RX}} {
+		if d.dir.Mode != ModeSW && d.dir.Mode != ModeHW {
+			return fmt.Errorf("ktls: handoff state: %s: a direction in mode %v is not in the kernel", d.name, d.dir.Mode)
+		}
 		switch {
 		case s.Version == tls.VersionTLS13:
 			if err := checkSecret(cs, d.dir.Secret); err != nil {
@@ -489,11 +498,11 @@ var peerEnds = []PeerEnd{PeerEndNone, PeerEndCloseNotify, PeerEndEOF}
 
 // Encode returns s in the current HandoffVersion (internal/wire): the TLS
 // version and cipher suite, the flags (client, close_notify sent,
-// KeyUpdate asked, resumed), the peer's end, TX then RX (secret, record
-// sequence, wear bound), the KeyUpdate bucket (tokens, last), the limits
-// (records, KeyUpdates per second and burst), the server name, the ALPN
-// protocol and the peer's certificates. The bytes hold the traffic
-// secrets: the caller wipes them once sent.
+// KeyUpdate asked, resumed, RX expects no padding), the peer's end, TX
+// then RX (secret, record sequence, wear bound, mode), the KeyUpdate
+// bucket (tokens, last), the limits (records, KeyUpdates per second and
+// burst), the server name, the ALPN protocol and the peer's certificates.
+// The bytes hold the traffic secrets: the caller wipes them once sent.
 func (s *HandoffState) Encode() ([]byte, error) {
 	if err := s.validate(); err != nil {
 		return nil, err
@@ -514,11 +523,13 @@ func (s *HandoffState) encode() []byte {
 	w.Bool(s.CloseNotifySent)
 	w.Bool(s.KeyUpdateAsked)
 	w.Bool(s.DidResume)
+	w.Bool(s.RXNoPad)
 	w.Uint(uint64(slices.Index(peerEnds, s.PeerEnd)))
 	for _, d := range []*HandoffDirection{&s.TX, &s.RX} {
 		w.Bytes(d.Secret)
 		w.Uint(d.Seq)
 		w.Uint(d.Bound)
+		w.Uint(uint64(d.Mode))
 	}
 	w.Float(s.KeyUpdateTokens)
 	w.Time(s.KeyUpdateLast)
@@ -549,7 +560,7 @@ func DecodeHandoffState(b []byte) (HandoffState, error) {
 	r.Field("cipher suite")
 	s.CipherSuite = r.Uint16()
 	r.Field("flags")
-	s.Client, s.CloseNotifySent, s.KeyUpdateAsked, s.DidResume = r.Bool(), r.Bool(), r.Bool(), r.Bool()
+	s.Client, s.CloseNotifySent, s.KeyUpdateAsked, s.DidResume, s.RXNoPad = r.Bool(), r.Bool(), r.Bool(), r.Bool(), r.Bool()
 	r.Field("peer end")
 	s.PeerEnd = peerEnds[r.Index(len(peerEnds))]
 	for _, d := range []struct {
@@ -560,6 +571,7 @@ func DecodeHandoffState(b []byte) (HandoffState, error) {
 		d.dir.Secret = r.Bytes()
 		d.dir.Seq = r.Uint()
 		d.dir.Bound = r.Uint()
+		d.dir.Mode = Mode(r.Index(int(ModeHW) + 1))
 	}
 	r.Field("key update bucket")
 	s.KeyUpdateTokens = r.Float()

@@ -580,6 +580,47 @@ func TestKernelAdopt(t *testing.T) {
 		exchangeConns(t, adopted, client, n)
 	})
 
+	// The adopted Conn reports the modes the kernel reported to the one
+	// that handed it off, carried in the state, and they are the kernel's
+	// now: TLS_RX_EXPECT_NO_PAD in effect or not, both directions in
+	// software.
+	t.Run("modes", func(t *testing.T) {
+		checkNoFDLeak(t, kerneltest.OpenFDs)
+		for _, noPad := range []bool{true, false} {
+			server, client := kernelPeers(t, scfg, ccfg, Options{ExpectNoPad: noPad})
+			before := server.Offload()
+			if before.TX != ModeSW || before.RX != ModeSW || before.RXNoPad != noPad {
+				t.Fatalf("ExpectNoPad %v: the handshake's offload is %+v", noPad, before)
+			}
+			st, sock, err := server.Handoff()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.TX.Mode != ModeSW || st.RX.Mode != ModeSW || st.RXNoPad != noPad {
+				t.Fatalf("ExpectNoPad %v: the state carries TX %v, RX %v, RXNoPad %v", noPad, st.TX.Mode, st.RX.Mode, st.RXNoPad)
+			}
+			adopted, err := Adopt(sock, st, Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			server.Close()
+			got := adopted.Offload()
+			if got.TX != before.TX || got.RX != before.RX || got.RXNoPad != before.RXNoPad || got.Reason != ReasonNone {
+				t.Errorf("ExpectNoPad %v: adopted offload %+v, handed off %+v", noPad, got, before)
+			}
+			info, err := readULPInfo(adopted.rawSock)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info.TX != got.TX || info.RX != got.RX || info.RXNoPad != got.RXNoPad {
+				t.Errorf("ExpectNoPad %v: the kernel reports %+v, the adopted Conn %+v", noPad, info, got)
+			}
+			exchangeConns(t, adopted, client, smallBytes)
+			adopted.Close()
+			client.Close()
+		}
+	})
+
 	// The socket's own settings come through the adoption as they were:
 	// net.FileConn alone sets Go's defaults on it (Nagle off, keepalive on
 	// at 15 s, 15 s, 9 probes).

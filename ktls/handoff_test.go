@@ -250,9 +250,9 @@ func TestHandedOffConnRefusesUse(t *testing.T) {
 func testState() HandoffState {
 	return HandoffState{
 		Version: tls.VersionTLS13, CipherSuite: tls.TLS_AES_128_GCM_SHA256,
-		TX:              HandoffDirection{Secret: bytes.Repeat([]byte{1}, 32), Seq: 7, Bound: 9},
-		RX:              HandoffDirection{Secret: bytes.Repeat([]byte{2}, 32), Seq: 1 << 60, Bound: 3},
-		CloseNotifySent: true, PeerEnd: PeerEndCloseNotify, KeyUpdateAsked: true,
+		TX:      HandoffDirection{Secret: bytes.Repeat([]byte{1}, 32), Seq: 7, Bound: 9, Mode: ModeSW},
+		RX:      HandoffDirection{Secret: bytes.Repeat([]byte{2}, 32), Seq: 1 << 60, Bound: 3, Mode: ModeHW},
+		RXNoPad: true, CloseNotifySent: true, PeerEnd: PeerEndCloseNotify, KeyUpdateAsked: true,
 		KeyUpdateTokens: 12.5, KeyUpdateLast: time.Date(2026, 5, 4, 3, 2, 1, 123456789, time.UTC),
 		ServerName: "sandbox.example", NegotiatedProtocol: "h2", DidResume: true,
 		PeerCertificates: [][]byte{{0x30, 1, 2}, {0x30, 3}},
@@ -285,7 +285,7 @@ func TestHandoffStateEncoding(t *testing.T) {
 	}
 	// TLS 1.2 carries no secrets; nothing set is nothing decoded.
 	st12 := HandoffState{Version: tls.VersionTLS12, CipherSuite: tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
-		TX: HandoffDirection{Seq: 5, Bound: 5}, RX: HandoffDirection{Seq: 4, Bound: 40}}
+		TX: HandoffDirection{Seq: 5, Bound: 5, Mode: ModeSW}, RX: HandoffDirection{Seq: 4, Bound: 40, Mode: ModeSW}}
 	b, err = st12.Encode()
 	if err != nil {
 		t.Fatal(err)
@@ -336,9 +336,11 @@ func TestHandoffStateDecodeStrict(t *testing.T) {
 		{"empty", nil, "version: the state ends"},
 		{"cut short", good[:len(good)-1], "peer certificates: the state ends"},
 		{"trailing data", append(bytes.Clone(good), 0), "data after the last field"},
-		{"unknown peer end", func() []byte { b := bytes.Clone(good); b[9] = 3; return b }(), "peer end: 3: a number past the values it numbers"},
+		{"unknown peer end", func() []byte { b := bytes.Clone(good); b[10] = 3; return b }(), "peer end: 3: a number past the values it numbers"},
 		{"flag 2", func() []byte { b := bytes.Clone(good); b[5] = 2; return b }(), "flags: a boolean other than 0 or 1"},
 		{"short secret", edit(func(s *HandoffState) { s.RX.Secret = s.RX.Secret[:3] }), "rx: ktls: traffic secret for TLS_AES_128_GCM_SHA256 is 3 bytes, want 32"},
+		{"a direction in userspace", edit(func(s *HandoffState) { s.TX.Mode = ModeUserspace }), "tx: a direction in mode userspace is not in the kernel"},
+		{"unknown mode", edit(func(s *HandoffState) { s.RX.Mode = ModeHW + 1 }), "rx: 3: a number past the values it numbers"},
 		{"TLS 1.3 without secret", edit(func(s *HandoffState) { s.TX.Secret = nil }), "tx: ktls: traffic secret"},
 		{"TLS 1.2 with secret", edit(func(s *HandoffState) {
 			s.Version, s.CipherSuite = tls.VersionTLS12, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
@@ -385,7 +387,8 @@ func TestHandoffStateDecodeStrict(t *testing.T) {
 // FuzzHandoffState: no input makes DecodeHandoffState panic, and a state
 // it accepts encodes to exactly its input: one encoding per state.
 func FuzzHandoffState(f *testing.F) {
-	for _, s := range []HandoffState{testState(), {Version: tls.VersionTLS12, CipherSuite: tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256}} {
+	for _, s := range []HandoffState{testState(), {Version: tls.VersionTLS12, CipherSuite: tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+		TX: HandoffDirection{Mode: ModeSW}, RX: HandoffDirection{Mode: ModeSW}}} {
 		b, err := s.Encode()
 		if err != nil {
 			f.Fatal(err)

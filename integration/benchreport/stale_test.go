@@ -98,7 +98,6 @@ const sinceAdoptKey = "on the upgrade's path only, ktls.Adopt checking a directi
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"load.md":                sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey,
 	"load-10k.md":            sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey,
 	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey,
 	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey,

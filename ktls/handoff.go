@@ -376,8 +376,8 @@ func Adopt(s syscall.Conn, st HandoffState, opts Options) (*Conn, error) {
 
 // checkAdoptable compares the socket's kernel TLS state with st: the "tls"
 // ULP, and per direction the version, cipher and record sequence number
-// and, for TLS 1.3, the key and static IV st's secret derives (the kernel
-// returns its crypto_info, key included, on getsockopt).
+// and, for TLS 1.3, the key st's secret derives (the kernel returns its
+// crypto_info, key included, on getsockopt).
 func checkAdoptable(rc syscall.RawConn, st *HandoffState) error {
 	var ulp [16]byte
 	var n int

@@ -132,8 +132,7 @@ func parseRecordType(oob []byte) int {
 // kernelInfo is a direction's crypto_info as getsockopt returns it.
 type kernelInfo struct {
 	version, cipher uint16
-	ivField, key    []byte
-	salt            []byte
+	key             []byte
 	seq             uint64
 	raw             []byte
 }
@@ -186,10 +185,9 @@ func readCryptoInfo(rc syscall.RawConn, opt int, cs *cipherSuite) (kernelInfo, e
 		clear(buf)
 		return kernelInfo{}, fmt.Errorf("reading the crypto_info: %w", err)
 	}
+	// The header, the IV field, the key, the salt, the record sequence.
 	k.raw = buf
-	k.ivField = buf[4 : 4+ivLen]
 	k.key = buf[4+ivLen : 4+ivLen+cs.keyLen]
-	k.salt = buf[4+ivLen+cs.keyLen : 4+ivLen+cs.keyLen+cs.saltLen]
 	k.seq = binary.BigEndian.Uint64(buf[len(buf)-8:])
 	return k, nil
 }

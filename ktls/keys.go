@@ -40,10 +40,14 @@ func checkSecret(cs *cipherSuite, secret []byte) error {
 // trafficKeys derives the record key and the 12-byte static IV of a TLS 1.3
 // traffic secret (RFC 8446 section 7.3).
 func trafficKeys(suite uint16, secret []byte) (key, iv []byte, err error) {
-	if key, err = trafficKey(suite, secret); err != nil {
+	cs, err := tls13Suite(suite, secret)
+	if err != nil {
 		return nil, nil, err
 	}
-	if iv, err = expandTrafficSecret(suite, secret, "iv", func(cs *cipherSuite) int { return cs.ivLen }); err != nil {
+	if key, err = hkdfExpandLabel(cs.hash, secret, "key", cs.keyLen); err != nil {
+		return nil, nil, err
+	}
+	if iv, err = hkdfExpandLabel(cs.hash, secret, "iv", cs.ivLen); err != nil {
 		clear(key)
 		return nil, nil, err
 	}
@@ -52,20 +56,27 @@ func trafficKeys(suite uint16, secret []byte) (key, iv []byte, err error) {
 
 // trafficKey derives the record key alone of a TLS 1.3 traffic secret.
 func trafficKey(suite uint16, secret []byte) ([]byte, error) {
-	return expandTrafficSecret(suite, secret, "key", func(cs *cipherSuite) int { return cs.keyLen })
+	cs, err := tls13Suite(suite, secret)
+	if err != nil {
+		return nil, err
+	}
+	return hkdfExpandLabel(cs.hash, secret, "key", cs.keyLen)
 }
 
 // nextTrafficSecret derives application_traffic_secret_N+1 from
 // application_traffic_secret_N, as both sides do after a KeyUpdate
 // (RFC 8446 section 7.2).
 func nextTrafficSecret(suite uint16, secret []byte) ([]byte, error) {
-	return expandTrafficSecret(suite, secret, "traffic upd", func(cs *cipherSuite) int { return cs.hash().Size() })
+	cs, err := tls13Suite(suite, secret)
+	if err != nil {
+		return nil, err
+	}
+	return hkdfExpandLabel(cs.hash, secret, "traffic upd", cs.hash().Size())
 }
 
-// expandTrafficSecret is HKDF-Expand-Label(secret, label, "", length) for
-// a TLS 1.3 traffic secret of suite, checked against the suite's hash
-// length first.
-func expandTrafficSecret(suite uint16, secret []byte, label string, length func(*cipherSuite) int) ([]byte, error) {
+// tls13Suite returns the TLS 1.3 suite whose traffic secret secret is,
+// once its length is the suite's hash length.
+func tls13Suite(suite uint16, secret []byte) (*cipherSuite, error) {
 	cs, err := suiteFor(tls.VersionTLS13, suite)
 	if err != nil {
 		return nil, err
@@ -73,7 +84,7 @@ func expandTrafficSecret(suite uint16, secret []byte, label string, length func(
 	if err := checkSecret(cs, secret); err != nil {
 		return nil, err
 	}
-	return hkdfExpandLabel(cs.hash, secret, label, length(cs))
+	return cs, nil
 }
 
 // tls12KeyBlock is the part of a TLS 1.2 key block an AEAD suite uses

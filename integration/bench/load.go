@@ -275,6 +275,12 @@ func loadContender(name string, c contender, env *runEnv, p benchjson.LoadParams
 		if err := gen.close(); err != nil {
 			r.Errors = append(r.Errors, "closing the tunnels: "+err.Error())
 		}
+		// Past capacity a hop is still taking on what the gateway dialed
+		// (a forwarder's key install trails the gateway's ok dial): the
+		// shape's tallies below are read once the chain is idle.
+		if settled := settleHops(ctx, hops, time.Minute); settled > time.Second {
+			log.Printf("   %s %s: waited %.1f s after the shape for the contender to settle", name, shape, settled.Seconds())
+		}
 		r.Tunnels, r.Established = g.tunnels.Load(), gen.established.Load()
 		r.Handshakes, r.Resumed = g.tunnels.Load()+gen.handshakes.Load(), g.resumed.Load()+gen.resumed.Load()
 		res := &result{Tunnels: gen.established.Load()}

@@ -96,23 +96,27 @@ const sinceAdoptKey = "on the upgrade's path only, ktls.Adopt checking a directi
 // sinceSuiteOnce: c48ffcf, after the reports measured on 2026-12-07.
 const sinceSuiteOnce = "trafficKeys (every kernel TLS handshake, both directions) looking its suite up and checking the secret once instead of twice (since e8e50f6 and 6bfb2ad): measured on code that did one suite lookup and length check more per direction, a few table reads against a handshake's milliseconds"
 
+// sinceSettleAfter: the load run reading a shape's closing tallies once
+// its contender has settled, after the reports measured on 2026-12-07.
+const sinceSettleAfter = "the load run waiting, after a shape, for its contender to settle before it reads the shape's closing counters and tls_stat (integration/bench; the other modes and every contender's configuration unchanged)"
+
 // knownStale are reports measured before a change to the code they
 // measure and not measured again yet, each with why. The test fails for a
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"load-10k.md":            sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey,
-	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey,
-	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey,
-	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey,
-	"results.md":             sinceChainBounds + "; and " + sinceAdoptKey,
-	"gateway.md":             sinceChainBounds + "; and " + sinceAdoptKey,
-	"load-gateway.md":        sinceChainBounds + "; and " + sinceAdoptKey,
-	"small-calls.md":         sinceSuiteOnce,
-	"small-mtls.md":          sinceSuiteOnce,
-	"gateway-resumption.md":  sinceSuiteOnce,
-	"load.md":                sinceSuiteOnce,
-	"ttfb.md":                sinceSuiteOnce,
+	"load-10k.md":            sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
+	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
+	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
+	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
+	"results.md":             sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
+	"gateway.md":             sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
+	"load-gateway.md":        sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
+	"small-calls.md":         sinceSuiteOnce + "; and " + sinceSettleAfter,
+	"small-mtls.md":          sinceSuiteOnce + "; and " + sinceSettleAfter,
+	"gateway-resumption.md":  sinceSuiteOnce + "; and " + sinceSettleAfter,
+	"load.md":                sinceSuiteOnce + "; and " + sinceSettleAfter,
+	"ttfb.md":                sinceSuiteOnce + "; and " + sinceSettleAfter,
 }
 
 // git runs git in the repository root and returns its trimmed output.

@@ -235,6 +235,28 @@ func ulpFallbacks(before, after []map[string]float64) int64 {
 	return n
 }
 
+// failedBehind is how many handshakes the processes behind a chain's
+// gateway (every hop but the first) failed between two scrapes for a cause
+// other than shedding: their caddy_ktls_handshake_failures_total without
+// reason="overloaded". A shed connection never completes the gateway's
+// handshake, so it is no tunnel the gateway counted; a handshake the
+// gateway completed and then gave up on (its user gone), or one the
+// forwarder's handshake_timeout ended, may be, and its socket installs no
+// key.
+func failedBehind(before, after []map[string]float64) int64 {
+	var n int64
+	for i := 1; i < min(len(before), len(after)); i++ {
+		if before[i] == nil || after[i] == nil {
+			continue
+		}
+		d, _ := seriesDelta(before[i], after[i], func(name, series string) bool {
+			return name == "caddy_ktls_handshake_failures_total" && !strings.Contains(series, `reason="overloaded"`)
+		})
+		n += d
+	}
+	return n
+}
+
 // seriesDelta sums the change of the series that match from before to
 // after; found says whether after has any.
 func seriesDelta(before, after map[string]float64, match func(name, series string) bool) (n int64, found bool) {

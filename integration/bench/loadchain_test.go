@@ -179,6 +179,45 @@ func TestULPFallbacks(t *testing.T) {
 	}
 }
 
+// The handshakes failed behind the gateway are summed over every process
+// but the gateway, for every reason but shedding.
+func TestFailedBehind(t *testing.T) {
+	fail := func(reason string) string {
+		return `caddy_ktls_handshake_failures_total{module="layer4.handlers.ktls",reason="` + reason + `"}`
+	}
+	before := []map[string]float64{{fail("closed"): 0}, {fail("timeout"): 2, fail("overloaded"): 5}}
+	after := []map[string]float64{
+		{fail("closed"): 40}, // the gateway's own users: no tunnel of its
+		{fail("timeout"): 9, fail("closed"): 3, fail("other"): 1, fail("overloaded"): 80},
+	}
+	if n := failedBehind(before, after); n != 7+3+1 {
+		t.Errorf("%d failed behind, want 7 timeouts + 3 closed + 1 other (not the gateway's, not the sheds)", n)
+	}
+	if n := failedBehind(before[:1], after[:1]); n != 0 {
+		t.Errorf("a gateway alone: %d failed behind, want 0", n)
+	}
+}
+
+// The run of 2026-12-07 on 555f7c2 (l7-l4 per call, past capacity): the
+// gateway counted 675 tunnels, the kernel 1,219 installs each way, 119
+// sockets served in userspace after TCP_ULP failed, and the check failed
+// 12 short. That run kept no per-shape counters; the runs since counted up
+// to 37 forwarder handshakes per shape ending in a timeout or a close.
+// 12 failed behind make up the 12 installs; 11 leave it one short.
+func TestKeyInstallCountsFailedBehind(t *testing.T) {
+	c, _ := findContender("l7-l4")
+	for _, tc := range []struct {
+		failedBehind int64
+		errors       int
+	}{{12, 0}, {11, 2}} {
+		r := &result{TLSStat: map[string]int64{"TlsTxSw": 1219, "TlsRxSw": 1219}, UpstreamConns: 675, keyless: 119 + tc.failedBehind}
+		offloadOf(r, c)
+		if len(r.Errors) != tc.errors {
+			t.Errorf("%d failed behind: errors %v, want %d", tc.failedBehind, r.Errors, tc.errors)
+		}
+	}
+}
+
 // A chain's userspace fallbacks make up for the key installs they lack,
 // and no more: l4-l4 per-call in the VM, 217 tunnels, 647 installs each
 // way and 4 sockets whose TCP_ULP failed, passes; with 3 it does not.

@@ -104,6 +104,20 @@ type LoadResult struct {
 	// the handshake): they install no key, and the key-install check
 	// counts them as installed.
 	ULPFallbacks int64 `json:"ulp_fallback_sockets,omitempty"`
+	// FailedBehind: handshakes the hops behind a chain's gateway failed
+	// over the shape for a cause other than shedding (their
+	// caddy_ktls_handshake_failures_total without reason="overloaded": the
+	// gateway closed, or the handshake_timeout ended it). Past capacity
+	// the gateway may count a tunnel as dialed (its own handshake done, the
+	// preamble written) whose forwarder never finished its handshake: that
+	// socket installs no key and carried nothing, and the key-install
+	// check counts it as installed.
+	FailedBehind int64 `json:"failed_behind,omitempty"`
+	// ShapeCounters: a chain's processes, the gateway first, each with the
+	// change of its counters (as Hop.Counters) over the whole shape, from
+	// before its tunnels opened to once it had settled after them: the
+	// tallies GatewayTunnels, ULPFallbacks and FailedBehind are read from.
+	ShapeCounters []Hop `json:"shape_counters,omitempty"`
 	// HopsBefore: a chain's processes, the gateway first, each with its
 	// resident memory and open fds just before the shape (their sums
 	// are RSSBefore and FDsBefore).

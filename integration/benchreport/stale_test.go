@@ -116,7 +116,6 @@ var knownStale = map[string]string{
 	"small-mtls.md":          sinceSuiteOnce + "; and " + sinceSettleAfter,
 	"gateway-resumption.md":  sinceSuiteOnce + "; and " + sinceSettleAfter,
 	"load.md":                sinceSuiteOnce + "; and " + sinceSettleAfter,
-	"ttfb.md":                sinceSuiteOnce + "; and " + sinceSettleAfter,
 }
 
 // git runs git in the repository root and returns its trimmed output.

@@ -113,7 +113,6 @@ var knownStale = map[string]string{
 	"results.md":             sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
 	"gateway.md":             sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
 	"small-calls.md":         sinceSuiteOnce + "; and " + sinceSettleAfter,
-	"small-mtls.md":          sinceSuiteOnce + "; and " + sinceSettleAfter,
 	"gateway-resumption.md":  sinceSuiteOnce + "; and " + sinceSettleAfter,
 	"load.md":                sinceSuiteOnce + "; and " + sinceSettleAfter,
 }

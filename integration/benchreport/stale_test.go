@@ -112,7 +112,6 @@ var knownStale = map[string]string{
 	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
 	"results.md":             sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
 	"gateway.md":             sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
-	"gateway-resumption.md":  sinceSuiteOnce + "; and " + sinceSettleAfter,
 	"load.md":                sinceSuiteOnce + "; and " + sinceSettleAfter,
 }
 

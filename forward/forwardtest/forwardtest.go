@@ -213,19 +213,24 @@ func newUpstream(t testing.TB, addr string, reply func(conn int, clientDone <-ch
 			if err != nil {
 				return
 			}
-			u.mu.Lock()
-			conn := u.accepted
-			u.accepted++
-			u.mu.Unlock()
-			u.wg.Add(1)
-			go func() {
-				defer u.wg.Done()
-				u.serve(c, conn)
-			}()
+			u.take(c)
 		}
 	}()
 	t.Cleanup(u.Close)
 	return u
+}
+
+// take serves c, the next connection accepted.
+func (u *Upstream) take(c *net.TCPConn) {
+	u.mu.Lock()
+	conn := u.accepted
+	u.accepted++
+	u.mu.Unlock()
+	u.wg.Add(1)
+	go func() {
+		defer u.wg.Done()
+		u.serve(c, conn)
+	}()
 }
 
 func (u *Upstream) serve(c *net.TCPConn, conn int) {
@@ -275,10 +280,47 @@ func (u *Upstream) Accepted() int {
 	return u.accepted
 }
 
-// Close stops listening and waits for the connections to finish.
+// Close stops listening and waits for the connections to finish. The
+// connections the kernel has queued for the listener are taken first:
+// closing a listener resets what it has not accepted, so a dial that
+// completed just before Close (a forwarder's, whose tunnel then ended at
+// once) would otherwise leave no Result.
 func (u *Upstream) Close() {
+	for _, c := range u.queued() {
+		u.take(c)
+	}
 	u.ln.Close()
 	u.wg.Wait()
+}
+
+// queued accepts what the listener's queue holds now, without waiting
+// (Go's listening socket is non-blocking: accept4 says EAGAIN once the
+// queue is empty). None once the listener is closed.
+func (u *Upstream) queued() []*net.TCPConn {
+	rc, err := u.ln.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	var fds []int
+	rc.Control(func(fd uintptr) {
+		for {
+			nfd, _, err := syscall.Accept4(int(fd), syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC)
+			if err != nil {
+				return
+			}
+			fds = append(fds, nfd)
+		}
+	})
+	var conns []*net.TCPConn
+	for _, fd := range fds {
+		f := os.NewFile(uintptr(fd), "upstream")
+		c, err := net.FileConn(f)
+		f.Close()
+		if err == nil {
+			conns = append(conns, c.(*net.TCPConn))
+		}
+	}
+	return conns
 }
 
 // Results returns the finished connections' results; call after Close to

@@ -111,7 +111,6 @@ var knownStale = map[string]string{
 	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
 	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
 	"gateway.md":             sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
-	"load.md":                sinceSuiteOnce + "; and " + sinceSettleAfter,
 }
 
 // git runs git in the repository root and returns its trimmed output.

@@ -295,7 +295,8 @@ func (u *Upstream) Close() {
 
 // queued accepts what the listener's queue holds now, without waiting
 // (Go's listening socket is non-blocking: accept4 says EAGAIN once the
-// queue is empty). None once the listener is closed.
+// queue is empty; an interrupted or aborted accept goes on to the next,
+// as Go's does). None once the listener is closed.
 func (u *Upstream) queued() []*net.TCPConn {
 	rc, err := u.ln.SyscallConn()
 	if err != nil {
@@ -305,10 +306,14 @@ func (u *Upstream) queued() []*net.TCPConn {
 	rc.Control(func(fd uintptr) {
 		for {
 			nfd, _, err := syscall.Accept4(int(fd), syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC)
-			if err != nil {
-				return
+			switch err {
+			case nil:
+				fds = append(fds, nfd)
+			case syscall.EINTR, syscall.ECONNABORTED:
+				// As Go's accept: the next one.
+			default:
+				return // EAGAIN: the queue is empty
 			}
-			fds = append(fds, nfd)
 		}
 	})
 	var conns []*net.TCPConn

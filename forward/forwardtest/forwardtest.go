@@ -199,7 +199,7 @@ func (p *pacedReader) Read(b []byte) (int, error) {
 // accepts with what reply(conn, ...) yields.
 func newUpstream(t testing.TB, addr string, reply func(conn int, clientDone <-chan struct{}) io.Reader) *Upstream {
 	t.Helper()
-	l, err := net.Listen("tcp", addr)
+	l, err := listen(addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -363,16 +363,54 @@ func (p *Pattern) Read(b []byte) (int, error) {
 }
 
 // ClosedPort is a loopback address nothing listens on: a target or a
-// forwarder that refuses the connection.
+// forwarder that refuses the connection. The port stays bound, not
+// listening, until the test ends or NewUpstreamOn listens on it (a sandbox
+// that wakes): a port merely closed goes back to the kernel, whose next
+// listener on port 0 (another forwarder of the same test) may get it and
+// answer.
 func ClosedPort(t testing.TB) netip.AddrPort {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := ln.Addr().(*net.TCPAddr).AddrPort()
-	ln.Close()
+	f := os.NewFile(uintptr(fd), "closed port")
+	// No SO_REUSEADDR: every other bind to this port conflicts with it.
+	lo := netip.AddrFrom4([4]byte{127, 0, 0, 1})
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: lo.As4()}); err != nil {
+		f.Close()
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		f.Close()
+		t.Fatal(err)
+	}
+	a := netip.AddrPortFrom(lo, uint16(sa.(*syscall.SockaddrInet4).Port))
+	closedPorts.Store(a, f)
+	t.Cleanup(func() {
+		closedPorts.Delete(a)
+		f.Close()
+	})
 	return a
+}
+
+// closedPorts holds ClosedPort's sockets that no upstream listens on yet.
+var closedPorts sync.Map // netip.AddrPort -> *os.File
+
+// listen listens on addr, on ClosedPort's own socket where addr is one.
+func listen(addr string) (net.Listener, error) {
+	if a, err := netip.ParseAddrPort(addr); err == nil {
+		if f, ok := closedPorts.LoadAndDelete(a); ok {
+			f := f.(*os.File)
+			defer f.Close()
+			if err := syscall.Listen(int(f.Fd()), syscall.SOMAXCONN); err != nil {
+				return nil, os.NewSyscallError("listen", err)
+			}
+			return net.FileListener(f)
+		}
+	}
+	return net.Listen("tcp", addr)
 }
 
 // SendPattern writes n bytes of seed's pattern to c, then half-closes it,

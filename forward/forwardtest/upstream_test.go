@@ -50,3 +50,40 @@ func TestUpstreamCloseTakesQueuedConnections(t *testing.T) {
 	}
 	up.Close() // a second Close takes nothing and waits for nothing
 }
+
+// A closed port refuses connections and no listener can take it while the
+// test runs.
+func TestClosedPortStaysClosed(t *testing.T) {
+	a := ClosedPort(t)
+	if c, err := net.Dial("tcp", a.String()); !errors.Is(err, syscall.ECONNREFUSED) {
+		if err == nil {
+			c.Close()
+		}
+		t.Fatalf("dial %s: %v, want the connection refused", a, err)
+	}
+	if l, err := net.Listen("tcp", a.String()); !errors.Is(err, syscall.EADDRINUSE) {
+		if err == nil {
+			l.Close()
+		}
+		t.Fatalf("listen on %s: %v, want the address in use", a, err)
+	}
+}
+
+// An upstream on a closed port listens on it: the sandbox wakes.
+func TestUpstreamOnClosedPort(t *testing.T) {
+	a := ClosedPort(t)
+	up := NewUpstreamOn(t, a.String(), 5)
+	if up.Addr() != a {
+		t.Fatalf("upstream on %s, want %s", up.Addr(), a)
+	}
+	c, err := net.Dial("tcp", a.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.(*net.TCPConn).CloseWrite()
+	b, err := io.ReadAll(c)
+	c.Close()
+	if len(b) != 5 || err != nil {
+		t.Errorf("read %d bytes, %v: want the upstream's 5", len(b), err)
+	}
+}

@@ -381,9 +381,7 @@ func TestDialErrors(t *testing.T) {
 	target := netip.MustParseAddrPort("10.0.0.7:8080")
 
 	// Nothing listens.
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	closed := ln.Addr().String()
-	ln.Close()
+	closed := forwardtest.ClosedPort(t).String()
 	_, err := d.Dial(context.Background(), Route{Forwarder: closed, Sandbox: "s", Target: target})
 	var de *DialError
 	if !errors.As(err, &de) || de.Step != StepConnect {

@@ -327,9 +327,7 @@ func TestPoolEnds(t *testing.T) {
 	p.CloseIdleConnections()
 	ev.waitCounts(t, "dials ok 2, failed 0; ends closed 1, refused 0, failed 1; failures 1")
 
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	closed := ln.Addr().(*net.TCPAddr).AddrPort()
-	ln.Close()
+	closed := forwardtest.ClosedPort(t)
 	_, err = get(t, p, Route{Forwarder: f.addr(), Sandbox: "sbx-refused", Target: closed}, "/")
 	if !Refused(err) || !RetrySafe(err) {
 		t.Fatalf("request to a target that does not answer: %v, want the forwarder's refusal, retry-safe", err)

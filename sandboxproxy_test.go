@@ -287,12 +287,7 @@ func TestSandboxProxyNoRoute(t *testing.T) {
 // Forwarder unreachable: the user's connection is refused, the failed step
 // counted and logged.
 func TestSandboxProxyForwarderDown(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	down := ln.Addr().String()
-	ln.Close()
+	down := forwardtest.ClosedPort(t).String()
 	e := newGatewayEnv(t, map[string]any{"target": "127.0.0.1:9", "forwarder": down})
 	m0 := e.metrics(t)
 	if n, err := userEnded(t, e.userDial(t, "sbx-x"), 0); n != 0 || err == nil {

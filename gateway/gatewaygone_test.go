@@ -37,14 +37,10 @@ func TestForwarderRefusesGoneGateway(t *testing.T) {
 			var waker *forward.Waker
 			if tc.wake {
 				// A target that refuses: its sandbox sleeps.
-				ln, err := net.Listen("tcp", "127.0.0.1:0")
-				if err != nil {
-					t.Fatal(err)
-				}
-				target = ln.Addr().(*net.TCPAddr).AddrPort()
-				ln.Close()
+				target = forwardtest.ClosedPort(t)
 				cp := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { wakes.Add(1) }))
 				t.Cleanup(cp.Close)
+				var err error
 				if waker, err = forward.NewWaker(forward.WakerConfig{URL: cp.URL}); err != nil {
 					t.Fatal(err)
 				}

@@ -77,7 +77,9 @@ func checkMetricDeltas(t *testing.T, before, after, want map[string]int64) {
 }
 
 // tunnelEndError returns the error the handler logged when sandbox's tunnel
-// ended, or "" when it ended cleanly.
+// ended, or "" when it ended cleanly. The handler logs the end after the
+// registry's count of open tunnels (waitIdle) has fallen: where a test
+// wants an error, waitTunnelEndError waits for it.
 func (e *sandboxEnv) tunnelEndError(t *testing.T, sandbox string) string {
 	t.Helper()
 	for _, l := range e.logLines(t, "sandbox tunnel ended with an error") {
@@ -87,6 +89,21 @@ func (e *sandboxEnv) tunnelEndError(t *testing.T, sandbox string) string {
 		}
 	}
 	return ""
+}
+
+// waitTunnelEndError is tunnelEndError once the handler has logged sandbox's
+// tunnel as ended with an error, or after 10 s if it does not: "" then.
+// The handler counts the end's cause (the closes by event) before it logs
+// it, so those counters are complete once this returns an error.
+func (e *sandboxEnv) waitTunnelEndError(t *testing.T, sandbox string) string {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if s := e.tunnelEndError(t, sandbox); s != "" || time.Now().After(deadline) {
+			return s
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // dataPathDelta notes tls_stat (on a kTLS kernel) and the registry's

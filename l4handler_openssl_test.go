@@ -139,7 +139,7 @@ func sandboxOpenSSLKeyUpdate(t *testing.T, kernel bool) {
 			gw.SentSHA256 != gw.ReceivedSHA256 || !strings.Contains(gw.End, "alert internal error") {
 			t.Errorf("gateway %+v: want the first block echoed, the KeyUpdate sent, then the forwarder's internal_error alert", gw)
 		}
-		if got := e.tunnelEndError(t, sandbox); !strings.Contains(got, ktls.ErrRekeyUnsupported.Error()) {
+		if got := e.waitTunnelEndError(t, sandbox); !strings.Contains(got, ktls.ErrRekeyUnsupported.Error()) {
 			t.Errorf("tunnel end logged with error %q, want %q", got, ktls.ErrRekeyUnsupported)
 		}
 		return
@@ -202,6 +202,7 @@ func sandboxBadRecord(t *testing.T, kernel bool) {
 	gw := e.opensslGateway(t, sandbox, target, "data:"+strconv.Itoa(keyUpdateBlock), "badrecord", "wait")
 	up := <-echoed
 	waitIdle(t)
+	logged := e.waitTunnelEndError(t, sandbox)
 	stat, dp := since()
 	// Counted once, as a bad record and nothing else.
 	checkMetricDeltas(t, before, e.metrics(t), map[string]int64{badRecordSeries: 1, rekeyUnsupportedSeries: 0,
@@ -213,7 +214,6 @@ func sandboxBadRecord(t *testing.T, kernel bool) {
 	if gw.End == "" || gw.End == "close_notify" {
 		t.Errorf("the gateway's tunnel ended with %q, want an error or EOF (the forwarder failed it)", gw.End)
 	}
-	logged := e.tunnelEndError(t, sandbox)
 	if logged == "" {
 		t.Errorf("no log line says the tunnel of %s ended with an error", sandbox)
 	}
@@ -273,7 +273,7 @@ func sandboxPeerAlert(t *testing.T, kernel bool) {
 	if kernel {
 		want = ktls.AlertError(internalErrorAlert).Error()
 	}
-	if got := e.tunnelEndError(t, sandbox); !strings.Contains(got, want) {
+	if got := e.waitTunnelEndError(t, sandbox); !strings.Contains(got, want) {
 		t.Errorf("tunnel end logged with error %q, want %q", got, want)
 	}
 	if !kernel {
@@ -337,8 +337,9 @@ func sandboxKeyUpdateFlood(t *testing.T, kernel bool) {
 			t.Errorf("tls_stat delta %v: want TlsRxRekeyOk from the burst (%d) to fewer than the %d sent, TlsDecryptError 0", stat, burst, flood)
 		}
 	}
+	got := e.waitTunnelEndError(t, sandbox)
 	checkMetricDeltas(t, before, e.metrics(t), closes)
-	if got := e.tunnelEndError(t, sandbox); !strings.Contains(got, want) {
+	if !strings.Contains(got, want) {
 		t.Errorf("tunnel end logged with error %q, want %q", got, want)
 	}
 

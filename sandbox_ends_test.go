@@ -54,12 +54,9 @@ func checkClosedWithError(t *testing.T, e *sandboxEnv, sandbox string, toSandbox
 	if a.TotalTunnels != 1 || a.OpenTunnels != 0 || a.BytesToSandbox != toSandbox || a.BytesFromSandbox != fromSandbox {
 		t.Errorf("activity of %s: %+v; want 1 closed tunnel with %d/%d bytes", sandbox, a, toSandbox, fromSandbox)
 	}
-	for _, l := range e.logLines(t, "sandbox tunnel ended with an error") {
-		if l["sandbox"] == sandbox {
-			return
-		}
+	if e.waitTunnelEndError(t, sandbox) == "" {
+		t.Errorf("no log line says the tunnel of %s ended with an error", sandbox)
 	}
-	t.Errorf("no log line says the tunnel of %s ended with an error", sandbox)
 }
 
 // The sandbox resets its connection mid-transfer: the tunnel ends, the

@@ -35,7 +35,8 @@ func TestRegistryClose(t *testing.T) {
 	if !errors.As(context.Cause(bctx), &ce) || ce.Certificate != "gw-2.example" || actx.Err() != nil {
 		t.Errorf("b's cause %v, a's %v: want b closed, a open", context.Cause(bctx), actx.Err())
 	}
-	res, err = reg.Close(CloseRequest{Sandbox: "sbx-a", RefuseFor: 200 * time.Millisecond})
+	// Long enough that a loaded machine reaches the checks below within it.
+	res, err = reg.Close(CloseRequest{Sandbox: "sbx-a", RefuseFor: 2 * time.Second})
 	if err != nil || len(res.Tunnels) != 1 || res.RefusingUntil.IsZero() || reg.Closed() != 2 {
 		t.Fatalf("close sbx-a: %+v, %v, closed %d", res, err, reg.Closed())
 	}
@@ -151,12 +152,13 @@ func TestRegistryCloseRefusalBound(t *testing.T) {
 			t.Fatalf("refusal %d: %v", i, err)
 		}
 	}
-	if _, err := reg.Close(CloseRequest{Sandbox: "sbx-short", RefuseFor: 100 * time.Millisecond}); err != nil {
+	short, err := reg.Close(CloseRequest{Sandbox: "sbx-short", RefuseFor: 2 * time.Second})
+	if err != nil {
 		t.Fatalf("refusal %d: %v", MaxRefusals, err)
 	}
 	over, ctx, _ := reg.Open("sbx-over", "10.0.0.1:1", Origin{}, 0)
 	defer over.Close()
-	_, err := reg.Close(CloseRequest{Sandbox: "sbx-over", RefuseFor: time.Minute})
+	_, err = reg.Close(CloseRequest{Sandbox: "sbx-over", RefuseFor: time.Minute})
 	full, ok := errors.AsType[*RefusalsFullError](err)
 	if !ok || full.Max != MaxRefusals || full.Sandbox != "sbx-over" ||
 		err.Error() != "sandbox sbx-over cannot be refused: 4096 sandboxes are refused already, the most at once; a place frees when a refusal's period ends" {
@@ -168,7 +170,7 @@ func TestRegistryCloseRefusalBound(t *testing.T) {
 	if _, err := reg.Close(CloseRequest{Sandbox: "sbx-7", RefuseFor: 2 * time.Hour}); err != nil {
 		t.Errorf("lengthening a refusal at the bound: %v", err)
 	}
-	time.Sleep(150 * time.Millisecond) // sbx-short's refusal ends
+	time.Sleep(time.Until(short.RefusingUntil) + time.Millisecond) // sbx-short's refusal ends
 	res, err := reg.Close(CloseRequest{Sandbox: "sbx-over", RefuseFor: time.Minute})
 	if err != nil || len(res.Tunnels) != 1 || res.RefusingUntil.IsZero() || len(reg.Refusals()) != MaxRefusals {
 		t.Errorf("close once a place freed: %+v, %v, %d refused", res, err, len(reg.Refusals()))

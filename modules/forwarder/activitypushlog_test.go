@@ -20,7 +20,9 @@ import (
 func TestPushDropLog(t *testing.T) {
 	core, logs := observer.New(zapcore.DebugLevel)
 	l := newPushDropLog(zap.New(core), "http://cp/activity")
-	l.every = 100 * time.Millisecond
+	// Long enough that the two drops after the first, and the check that
+	// they wait, come within it on a loaded machine.
+	l.every = time.Second
 	answer := errors.New(`activity pusher: http://cp/activity answered 503 Service Unavailable: "quota exceeded"`)
 	drop := func(seq uint64, reason string, attempts int, err error) {
 		l.drop(forward.Drop{Report: forward.ReportID{ID: fmt.Sprintf("fwd/1/%d", seq), Sequence: seq}, Reason: reason, Attempts: attempts, Err: err})
@@ -66,7 +68,7 @@ func TestPushDropLog(t *testing.T) {
 	if _, ok := got[1]["first"]; ok || got[1]["since_last_line"] == nil || got[1]["last_answer"] != nil {
 		t.Errorf("summary %v: want since_last_line, no first, no last_answer (the last drop had no attempt)", got[1])
 	}
-	time.Sleep(5 * l.every)
+	time.Sleep(2 * l.every)
 	if n := len(lines()); n != 2 {
 		t.Errorf("%d lines with no drop since the summary, want 2", n)
 	}
@@ -82,7 +84,7 @@ func TestPushDropLog(t *testing.T) {
 	}
 	check(got[2], map[string]any{"dropped": 1, "stopped": 1, "last_report": "fwd/1/4"})
 	check(got[3], map[string]any{"dropped": 1, "stopped": 1, "last_report": "fwd/1/5"})
-	time.Sleep(3 * l.every)
+	time.Sleep(2 * l.every)
 	if n := len(lines()); n != 4 {
 		t.Errorf("%d lines after the stop, want 4: nothing more", n)
 	}

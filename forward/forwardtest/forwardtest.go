@@ -370,29 +370,32 @@ func (p *Pattern) Read(b []byte) (int, error) {
 // answer.
 func ClosedPort(t testing.TB) netip.AddrPort {
 	t.Helper()
+	f, a := boundSocket(t, netip.AddrFrom4([4]byte{127, 0, 0, 1}), "closed port")
+	closedPorts.Store(a, f)
+	t.Cleanup(func() { closedPorts.Delete(a) })
+	return a
+}
+
+// boundSocket returns a TCP socket bound to ip, on a port the kernel
+// picks, and its address. It is not listening and has no SO_REUSEADDR:
+// every other bind to the port conflicts with it. The test's end closes
+// it.
+func boundSocket(t testing.TB, ip netip.Addr, name string) (*os.File, netip.AddrPort) {
+	t.Helper()
 	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := os.NewFile(uintptr(fd), "closed port")
-	// No SO_REUSEADDR: every other bind to this port conflicts with it.
-	lo := netip.AddrFrom4([4]byte{127, 0, 0, 1})
-	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: lo.As4()}); err != nil {
-		f.Close()
+	f := os.NewFile(uintptr(fd), name)
+	t.Cleanup(func() { f.Close() })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: ip.As4()}); err != nil {
 		t.Fatal(err)
 	}
 	sa, err := syscall.Getsockname(fd)
 	if err != nil {
-		f.Close()
 		t.Fatal(err)
 	}
-	a := netip.AddrPortFrom(lo, uint16(sa.(*syscall.SockaddrInet4).Port))
-	closedPorts.Store(a, f)
-	t.Cleanup(func() {
-		closedPorts.Delete(a)
-		f.Close()
-	})
-	return a
+	return f, netip.AddrPortFrom(ip, uint16(sa.(*syscall.SockaddrInet4).Port))
 }
 
 // closedPorts holds ClosedPort's sockets that no upstream listens on yet.
@@ -492,24 +495,11 @@ func CheckLeaks(t testing.TB) {
 // hangs until the dialer gives up, like a firewall that drops packets.
 func Blackhole(t testing.TB, ip netip.Addr) netip.AddrPort {
 	t.Helper()
-	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln := os.NewFile(uintptr(fd), "blackhole")
-	t.Cleanup(func() { ln.Close() })
-	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: ip.As4()}); err != nil {
-		t.Fatal(err)
-	}
+	ln, addr := boundSocket(t, ip, "blackhole")
 	// Backlog 0: the queue holds one connection, never accepted.
-	if err := syscall.Listen(fd, 0); err != nil {
+	if err := syscall.Listen(int(ln.Fd()), 0); err != nil {
 		t.Fatal(err)
 	}
-	sa, err := syscall.Getsockname(fd)
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := netip.AddrPortFrom(ip, uint16(sa.(*syscall.SockaddrInet4).Port))
 	for range 2 {
 		c, err := net.DialTimeout("tcp", addr.String(), time.Second)
 		if err != nil {

@@ -13,7 +13,8 @@
 #      summary then counts failures per test), VM_TEST_TIMEOUT (seconds per
 #      test binary, default 900 x VM_TEST_COUNT: the root package's kernel tests take
 #      5-10 minutes on a loaded 2-core host),
-#      VM_TIMEOUT (seconds per kernel, boot included, default 1500), VM_* (see vm.sh)
+#      VM_TIMEOUT (seconds per kernel, boot included, default 2400: one binary hung to
+#      its VM_TEST_TIMEOUT still leaves the others time to run and report), VM_* (see vm.sh)
 # exit: 0 only if every kernel passed.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
@@ -50,7 +51,7 @@ count=${VM_TEST_COUNT:-1}
 
 # run_kernel K OUT runs the suite in a VM on kernel K, results under OUT.
 run_kernel() {
-  VM_OUT=$2 VM_TIMEOUT=${VM_TIMEOUT:-$((1500 * count))} "$REPO/integration/vm.sh" "$1" \
+  VM_OUT=$2 VM_TIMEOUT=${VM_TIMEOUT:-$((2400 * count))} "$REPO/integration/vm.sh" "$1" \
     "KTLS_TEST_MIB=${KTLS_TEST_MIB:-} KTLS_LOAD_TUNNELS=${KTLS_LOAD_TUNNELS:-} KTLS_LOAD_RELOADS=${KTLS_LOAD_RELOADS:-} KTLS_BINARY_DOWNLOAD_MIB=${KTLS_BINARY_DOWNLOAD_MIB:-} VM_TEST_RUN='${VM_TEST_RUN:-^TestKernel}' VM_TEST_COUNT=$count VM_TEST_TIMEOUT=${VM_TEST_TIMEOUT:-$((900 * count))} integration/guest-suite.sh ${manifest#"$REPO"/}"
 }
 
@@ -62,6 +63,27 @@ clock_jump() {
   awk '{ for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] } }
     END { if (v["command"] != "" && v["wall"] != "" && v["command"] > v["wall"] + 60) {
       printf "guest %ss, host %ss\n", v["command"], v["wall"]; exit 0 } exit 1 }' "$1"
+}
+
+# failure_digest OUT prints, for each test binary's log under OUT, each
+# failed test with the first lines it logged (cut to 300 characters) and,
+# where the binary timed out, the first lines the last test to start
+# logged and the tests that were running then (listed under "panic: test
+# timed out"); at most 30 lines a log.
+failure_digest() {
+  local f
+  for f in "$1"/*.test.log; do
+    [ -f "$f" ] || continue
+    awk -v b="$(basename "$f" .log)" '
+      function say(s) { print b ": " substr(s, 1, 300) }
+      /^=== (RUN|CONT)/ { n = 0; next }
+      /^panic: test timed out/ { for (i = 0; i < n; i++) say("  " msg[i]); n = 0; say($0); running = 1; next }
+      running && /^[ \t]*running tests:/ { next }
+      running && /^[ \t]+Test/ { sub(/^[ \t]+/, ""); say("still running: " $0); next }
+      running { running = 0 }
+      /^[ \t]*--- FAIL/ { for (i = 0; i < n; i++) say("  " msg[i]); n = 0; sub(/^[ \t]+/, ""); say($0); next }
+      /^[ \t]+[^ \t]+_test\.go:[0-9]+: / && n < 3 { m = $0; sub(/^[ \t]+/, "", m); msg[n++] = m }' "$f" | head -30
+  done
 }
 
 summary=()
@@ -106,6 +128,12 @@ for k in "${kernels[@]}"; do
   summary+=("kernel $k: $verdict; $times; TlsTxSw=$tx TlsRxSw=$rx")
   if [ -s "$out/flake" ]; then
     while read -r line; do summary+=("  kernel $k $line"); done <"$out/flake"
+  fi
+  # What failed, repeated after the logs: a binary that timed out printed the
+  # tests it was running above thousands of lines of goroutines, and whoever
+  # reads only the end of the output must still see their names.
+  if [ "$verdict" != PASS ]; then
+    while read -r line; do summary+=("  kernel $k $line"); done < <(failure_digest "$out")
   fi
 done
 log "=== vmtest summary"

@@ -436,6 +436,29 @@ func (s *idleServer) serveConn(c net.Conn) {
 	}
 }
 
+// state says how many connections have ended and what the open tunnels
+// have moved, the 20 least recently active first.
+func (s *idleServer) state() string {
+	s.mu.Lock()
+	ended, errs := s.ended, len(s.errs)
+	s.mu.Unlock()
+	tunnels := s.reg.Tunnels()
+	slices.SortFunc(tunnels, func(a, b TunnelInfo) int { return a.LastActivity.Compare(b.LastActivity) })
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d connections ended (%d with an error), %d tunnels open, pipes %+v", ended, errs, len(tunnels), s.pipes.Stats())
+	for _, ti := range tunnels[:min(len(tunnels), 20)] {
+		b.WriteString("; " + describeTunnel(ti))
+	}
+	return b.String()
+}
+
+// describeTunnel says what an open tunnel has moved, for a test that
+// gave up waiting on it.
+func describeTunnel(ti TunnelInfo) string {
+	return fmt.Sprintf("tunnel %d: %d to the sandbox, %d from it, last active %v ago",
+		ti.ID, ti.BytesToSandbox, ti.BytesFromSandbox, time.Since(ti.LastActivity).Round(time.Millisecond))
+}
+
 // waitEnded waits until n connections have been served to their end.
 func (s *idleServer) waitEnded(t *testing.T, n int) {
 	t.Helper()
@@ -531,7 +554,7 @@ func measureTunnels(t *testing.T, run tunnelRun) tunnelFigures {
 	peer := startIdlePeer(t, idlePeerConfig{
 		Forwarder: s.ln.Addr().String(), Tunnels: n, KeyID: "gw-1", SigningSeed: seed,
 		CAPEM: ca.PEM, CertPEM: gatewayLeaf.CertPEM, KeyPEM: gatewayLeaf.KeyPEM,
-	})
+	}, s.state)
 	statBefore, statErr := kerneltest.ReadStat()
 	before := takeIdleSnapshot(t, s.pipes)
 
@@ -813,9 +836,15 @@ type idlePeer struct {
 	cmd *exec.Cmd
 	in  io.WriteCloser
 	out *bufio.Scanner
+	// state describes the forwarder's side when the peer does not answer.
+	state func() string
 }
 
-func startIdlePeer(t *testing.T, cfg idlePeerConfig) *idlePeer {
+// idlePeerLimit bounds the wait for one answer of the peer: a loaded
+// emulated machine opens, streams and closes the tunnels in seconds.
+const idlePeerLimit = 3 * time.Minute
+
+func startIdlePeer(t *testing.T, cfg idlePeerConfig, state func() string) *idlePeer {
 	t.Helper()
 	js, err := json.Marshal(cfg)
 	if err != nil {
@@ -824,7 +853,7 @@ func startIdlePeer(t *testing.T, cfg idlePeerConfig) *idlePeer {
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), idlePeerEnv+"="+string(js))
 	cmd.Stderr = os.Stderr
-	p := &idlePeer{cmd: cmd}
+	p := &idlePeer{cmd: cmd, state: state}
 	if p.in, err = cmd.StdinPipe(); err != nil {
 		t.Fatal(err)
 	}
@@ -861,15 +890,28 @@ func (p *idlePeer) ask(t *testing.T, cmd string) string {
 	if _, err := fmt.Fprintln(p.in, cmd); err != nil {
 		t.Fatalf("peer: %s: %v", cmd, err)
 	}
-	if !p.out.Scan() {
+	if !p.scan(t, cmd) {
 		t.Fatalf("peer exited before answering %q (its error is above): %v", cmd, p.out.Err())
 	}
 	return p.out.Text()
 }
 
+// scan reads the peer's next line. A peer that has not answered what
+// was asked within idlePeerLimit fails t with the forwarder's state and
+// is killed, which ends its tunnels and the read.
+func (p *idlePeer) scan(t *testing.T, asked string) bool {
+	t.Helper()
+	stuck := time.AfterFunc(idlePeerLimit, func() {
+		t.Errorf("peer: no answer to %q within %v; the forwarder: %s", asked, idlePeerLimit, p.state())
+		p.cmd.Process.Kill()
+	})
+	defer stuck.Stop()
+	return p.out.Scan()
+}
+
 func (p *idlePeer) expect(t *testing.T, line string) {
 	t.Helper()
-	if !p.out.Scan() {
+	if !p.scan(t, line) {
 		t.Fatalf("peer exited before saying %q (its error is above): %v", line, p.out.Err())
 	}
 	if got := p.out.Text(); got != line {

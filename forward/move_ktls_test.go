@@ -6,8 +6,10 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
+	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -55,6 +57,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 	stat0, statErr := kerneltest.ReadStat()
 
 	clients := make([]*forwardtest.Stream, n)
+	conns := make([]net.Conn, n)
 	var wg sync.WaitGroup
 	start, release := make(chan struct{}), make(chan struct{})
 	for i := range n {
@@ -62,6 +65,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		conns[i] = c
 		wg.Go(func() { clients[i] = forwardtest.RunStream(c, nil, uint64(i+1), start, release) })
 	}
 	waitStreaming(t, oldReg, up, n, func() { close(start) })
@@ -79,7 +83,7 @@ func moveTLSTunnels(t *testing.T, opts ktls.Options, n int) {
 		t.Errorf("moved %d, stayed %v (%v); want all %d to stay: userspace TLS", res.Moved, res.Stayed, res.Stays, n)
 	}
 	close(release)
-	wg.Wait()
+	waitStreams(t, &wg, conns, up, oldReg, nuReg)
 	up.Close()
 	runs.Wait()
 	fx.close()
@@ -197,7 +201,11 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 			}
 		})
 	}
-	wg.Wait()
+	netConns := make([]net.Conn, n)
+	for i, c := range conns {
+		netConns[i] = c
+	}
+	waitStreams(t, &wg, netConns, up, oldReg, nuReg)
 	up.Close()
 	runs.Wait()
 	fx.close()
@@ -244,6 +252,38 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 	if statErr == nil && movable {
 		kerneltest.InstalledOnce(t, stat0, int64(n))
 	}
+}
+
+// streamsLimit bounds the wait for a move test's streams to end: a
+// loaded emulated machine ends them in seconds.
+const streamsLimit = 2 * time.Minute
+
+// waitStreams waits for the gateways' streams (wg) to end. A stream that
+// has not ended within streamsLimit fails t with what each registry's open
+// tunnels have moved and what the upstream received, and then conns are
+// closed, which ends the tunnels: the test and its cleanups return instead
+// of hanging until the binary's timeout.
+func waitStreams(t *testing.T, wg *sync.WaitGroup, conns []net.Conn, up *forwardtest.Upstream, regs ...*Registry) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return
+	case <-time.After(streamsLimit):
+	}
+	var b strings.Builder
+	for i, reg := range regs {
+		fmt.Fprintf(&b, "; registry %d:", i)
+		for _, ti := range reg.Tunnels() {
+			b.WriteString(" " + describeTunnel(ti) + ";")
+		}
+	}
+	t.Errorf("the streams have not ended within %v: the upstream received %d bytes%s", streamsLimit, up.Received(), b.String())
+	for _, c := range conns {
+		c.Close()
+	}
+	<-done
 }
 
 // ktlsMoveFixture is what the kernel move tests share: two forwarders of

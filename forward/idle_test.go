@@ -455,8 +455,8 @@ func (s *idleServer) state() string {
 // describeTunnel says what an open tunnel has moved, for a test that
 // gave up waiting on it.
 func describeTunnel(ti TunnelInfo) string {
-	return fmt.Sprintf("tunnel %d: %d to the sandbox, %d from it, last active %v ago",
-		ti.ID, ti.BytesToSandbox, ti.BytesFromSandbox, time.Since(ti.LastActivity).Round(time.Millisecond))
+	return fmt.Sprintf("tunnel %d (gateway %s): %d to the sandbox, %d from it, last active %v ago",
+		ti.ID, ti.Peer, ti.BytesToSandbox, ti.BytesFromSandbox, time.Since(ti.LastActivity).Round(time.Millisecond))
 }
 
 // waitEnded waits until n connections have been served to their end.

@@ -9,6 +9,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"os/exec"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -156,7 +159,9 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 	adopted := make(chan *AdoptedStandby, n)
 	var offered atomic.Int64
 	s := standbySession(t, nu, func(offer int64) bool { return offer%2 == 0 }, adopted, &offered)
-	res := oldReg.MoveStandby(context.Background(), handoff.SenderMover(s))
+	ctx, cancel := context.WithTimeout(context.Background(), streamsLimit)
+	defer cancel()
+	res := oldReg.MoveStandby(ctx, handoff.SenderMover(s))
 	s.Close()
 	movable := !opts.Disable
 	if movable && (res.Moved != n-n/2 || res.Stayed[handoff.StayRefused] != n/2 || len(res.Stays) != n/2) {
@@ -254,8 +259,8 @@ func moveTLSStandby(t *testing.T, opts ktls.Options, n int) {
 	}
 }
 
-// streamsLimit bounds the wait for a move test's streams to end: a
-// loaded emulated machine ends them in seconds.
+// streamsLimit bounds a move test's waits (the move, the streams' end):
+// a loaded emulated machine is done with each in seconds.
 const streamsLimit = 2 * time.Minute
 
 // waitStreams waits for the gateways' streams (wg) to end. A stream that
@@ -280,10 +285,45 @@ func waitStreams(t *testing.T, wg *sync.WaitGroup, conns []net.Conn, up *forward
 		}
 	}
 	t.Errorf("the streams have not ended within %v: the upstream received %d bytes%s", streamsLimit, up.Received(), b.String())
+	t.Logf("sockets with bytes queued (/proc/net/tcp: local, remote, state, tx_queue:rx_queue):\n%s", queuedSockets())
+	if out, err := exec.Command("ss", "-tnmeio", "state", "established").CombinedOutput(); err == nil {
+		t.Logf("ss -tnmeio (the sockets' memory, windows and timers):\n%s", out)
+	}
+	t.Logf("the relays' goroutines:\n%s", relayStacks())
 	for _, c := range conns {
 		c.Close()
 	}
 	<-done
+}
+
+// queuedSockets lists the IPv4 TCP sockets that have bytes queued to send
+// or to read, as /proc/net/tcp shows them (addresses in hex).
+func queuedSockets() string {
+	b, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		return err.Error()
+	}
+	var out strings.Builder
+	for line := range strings.Lines(string(b)) {
+		f := strings.Fields(line)
+		if len(f) > 4 && f[4] != "tx_queue" && f[4] != "00000000:00000000" {
+			fmt.Fprintf(&out, "%s %s %s %s\n", f[1], f[2], f[3], f[4])
+		}
+	}
+	return out.String()
+}
+
+// relayStacks is the stacks of the goroutines running a splice.Relay.
+func relayStacks() string {
+	buf := make([]byte, 8<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	var out strings.Builder
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		if strings.Contains(g, "splice.(*Relay)") {
+			out.WriteString(g + "\n\n")
+		}
+	}
+	return out.String()
 }
 
 // ktlsMoveFixture is what the kernel move tests share: two forwarders of

@@ -168,8 +168,12 @@ func upgrade(t testing.TB, old *Registry, nu *Forwarder, nuReg *Registry, result
 		t.Fatal(err)
 	}
 	s := handoffSession(t, nu, false, results, runs)
+	// A pause that never completes stays, canceled, and the test fails
+	// naming it, rather than hanging.
+	ctx, cancel := context.WithTimeout(context.Background(), streamsLimit)
+	defer cancel()
 	start := time.Now()
-	res := old.MoveTunnels(context.Background(), handoff.SenderMover(s))
+	res := old.MoveTunnels(ctx, handoff.SenderMover(s))
 	took := time.Since(start)
 	// The receiver's answer comes once it acted on every verdict: each
 	// tunnel that moved runs.

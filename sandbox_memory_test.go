@@ -3,6 +3,7 @@ package caddyktls
 import (
 	"crypto/tls"
 	"fmt"
+	"os"
 	"testing"
 	"time"
 
@@ -24,6 +25,7 @@ import (
 // userspace TLS session's relay grows its stacks itself, in crypto/tls.
 func TestKernelSandboxTunnelStacks(t *testing.T) {
 	kerneltest.Require(t)
+	fixedStackStart(t)
 	const n = 64
 	// One byte, then nothing until the tunnel ends: both directions wait.
 	up := forwardtest.NewPacedUpstream(t, 1, time.Hour)
@@ -50,6 +52,7 @@ func TestKernelSandboxTunnelStacks(t *testing.T) {
 // same way.
 func TestKernelGatewayTunnelStacks(t *testing.T) {
 	kerneltest.Require(t)
+	fixedStackStart(t)
 	const n = 64
 	up := forwardtest.NewPacedUpstream(t, 1, time.Hour)
 	fwd, gw := gatewayProcessConfig(t, up, true, nil)
@@ -72,6 +75,21 @@ func TestKernelGatewayTunnelStacks(t *testing.T) {
 	waitUntil(t, time.Minute, func() bool { return up.Accepted() == n }, "every tunnel at the upstream")
 	checkTunnelStacks(t, "gateway", gw, gwStacks0, gwG0, n)
 	checkTunnelStacks(t, "forwarder", fwd, fwdStacks0, fwdG0, n)
+}
+
+// fixedStackStart makes the Caddy processes the test starts begin every
+// goroutine on the smallest stack (GODEBUG adaptivestackstart=0), so that
+// what their goroutines hold is what they grew to. By default a Go runtime
+// starts new goroutines on the average stack its last collection scanned:
+// after a collection that met many handshakes in progress, a tunnel's two
+// fresh goroutines begin on 16 KiB each, and the figure says nothing of
+// what the tunnel kept.
+func fixedStackStart(t *testing.T) {
+	v := "adaptivestackstart=0"
+	if old := os.Getenv("GODEBUG"); old != "" {
+		v += "," + old
+	}
+	t.Setenv("GODEBUG", v)
 }
 
 // checkTunnelStacks waits until the Caddy process behind e runs two

@@ -9,9 +9,11 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -25,6 +27,7 @@ import (
 	"github.com/ktlsingress/caddy-ktls/internal/testpki"
 	"github.com/ktlsingress/caddy-ktls/ktls"
 	"github.com/ktlsingress/caddy-ktls/preamble"
+	"golang.org/x/sys/unix"
 )
 
 // Kernel TLS tunnels move mid-stream to another forwarder and on the
@@ -290,10 +293,56 @@ func waitStreams(t *testing.T, wg *sync.WaitGroup, conns []net.Conn, up *forward
 		t.Logf("ss -tnmeio (the sockets' memory, windows and timers):\n%s", out)
 	}
 	t.Logf("the relays' goroutines:\n%s", relayStacks())
+	for _, reg := range regs {
+		for _, ti := range reg.Tunnels() {
+			t.Logf("tunnel %d: %s", ti.ID, peekStalled(reg, ti))
+		}
+	}
 	for _, c := range conns {
 		c.Close()
 	}
 	<-done
+}
+
+// peekStalled peeks (MSG_PEEK, non-blocking) at the forwarder's socket to
+// ti's gateway, which runs the kernel TLS receive path once more, and says
+// whether the tunnel then moved bytes towards the sandbox within 5 s: a
+// record parser that waits behind a window TCP closed after its last look
+// copies the partial record out on such a call and reopens the window.
+func peekStalled(reg *Registry, ti TunnelInfo) string {
+	peer, err := netip.ParseAddrPort(ti.Peer)
+	if err != nil {
+		return err.Error()
+	}
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return err.Error()
+	}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		sa, err := unix.Getpeername(fd)
+		in4, ok := sa.(*unix.SockaddrInet4)
+		if err != nil || !ok || netip.AddrPortFrom(netip.AddrFrom4(in4.Addr), uint16(in4.Port)) != peer {
+			continue
+		}
+		inq, _ := unix.IoctlGetInt(fd, unix.SIOCINQ)
+		var b [1]byte
+		oob := make([]byte, unix.CmsgSpace(1))
+		n, _, _, _, perr := unix.Recvmsg(fd, b[:], oob, unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		before := ti.BytesToSandbox
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+			for _, now := range reg.Tunnels() {
+				if now.ID == ti.ID && now.BytesToSandbox > before {
+					return fmt.Sprintf("fd %d (%d bytes queued): a peek read %d (%v), and the tunnel moved on: +%d bytes to the sandbox", fd, inq, n, perr, now.BytesToSandbox-before)
+				}
+			}
+		}
+		return fmt.Sprintf("fd %d (%d bytes queued): a peek read %d (%v); the tunnel did not move on within 5 s", fd, inq, n, perr)
+	}
+	return "no socket of this process has the gateway " + ti.Peer + " as its peer"
 }
 
 // queuedSockets lists the IPv4 TCP sockets that have bytes queued to send

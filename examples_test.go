@@ -137,35 +137,12 @@ func listeningSockets(t *testing.T, pid int) []string {
 			if proto == "tcp" && fields[3] != "0A" { // TCP_LISTEN
 				continue
 			}
-			out = append(out, proto+" "+procNetAddr(t, fields[1]))
+			out = append(out, proto+" "+forwardtest.ProcNetAddr(t, fields[1]))
 		}
 		f.Close()
 	}
 	slices.Sort(out)
 	return out
-}
-
-// procNetAddr decodes a /proc/net/tcp address ("0100007F:1F90", the IPv6
-// form in four little-endian words) as ip:port.
-func procNetAddr(t *testing.T, s string) string {
-	t.Helper()
-	hexIP, hexPort, _ := strings.Cut(s, ":")
-	port, err := strconv.ParseUint(hexPort, 16, 16)
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw := make(net.IP, len(hexIP)/2)
-	for i := range raw {
-		b, err := strconv.ParseUint(hexIP[2*i:2*i+2], 16, 8)
-		if err != nil {
-			t.Fatal(err)
-		}
-		raw[i] = byte(b)
-	}
-	for w := 0; w < len(raw); w += 4 { // each 32-bit word is in host (little-endian) order
-		slices.Reverse(raw[w : w+4])
-	}
-	return net.JoinHostPort(raw.String(), strconv.Itoa(int(port)))
 }
 
 // exampleForwarder is a forwarder under test: how to start it and what it

@@ -699,44 +699,11 @@ func logStalled(t *testing.T, e *sandboxEnv, ends []netip.AddrPort) {
 	for _, end := range ends {
 		t.Logf("the forwarder's socket of gateway end %v: %s", end, kernelSocket(t, data, end))
 	}
-	var b strings.Builder
-	for _, f := range procNetTCPLines(data) {
-		if f[4] != "00000000:00000000" {
-			fmt.Fprintf(&b, "\n  %s %s st %s tx:rx %s", procNetAddr(t, f[1]), procNetAddr(t, f[2]), f[3], f[4])
-		}
-	}
-	t.Logf("sockets with bytes queued (local remote state tx_queue:rx_queue, hex):%s", b.String())
+	t.Logf("sockets with bytes queued (local remote state tx_queue:rx_queue, hex):%s", forwardtest.QueuedSockets(t, data))
 	var own bytes.Buffer
 	pprof.Lookup("goroutine").WriteTo(&own, 1)
-	t.Logf("this process's stream goroutines:\n%s", goroutineBlocks(own.String(), "pacedStream"))
-	t.Logf("the Caddy's relay goroutines:\n%s", goroutineBlocks(string(e.adminBody(t, "/debug/pprof/goroutine?debug=1")), "splice.", "forward."))
-}
-
-// procNetTCPLines returns the fields of each socket's line of
-// /proc/net/tcp (data), the header left out.
-func procNetTCPLines(data []byte) [][]string {
-	var out [][]string
-	for _, line := range strings.Split(string(data), "\n")[1:] {
-		if f := strings.Fields(line); len(f) > 9 {
-			out = append(out, f)
-		}
-	}
-	return out
-}
-
-// goroutineBlocks returns the stacks of a goroutine profile (debug=1) that
-// mention one of subs.
-func goroutineBlocks(profile string, subs ...string) string {
-	var keep []string
-	for _, block := range strings.Split(profile, "\n\n") {
-		for _, sub := range subs {
-			if strings.Contains(block, sub) {
-				keep = append(keep, block)
-				break
-			}
-		}
-	}
-	return strings.Join(keep, "\n\n")
+	t.Logf("this process's stream goroutines:\n%s", forwardtest.GoroutineBlocks(own.String(), "pacedStream"))
+	t.Logf("the Caddy's relay goroutines:\n%s", forwardtest.GoroutineBlocks(string(e.adminBody(t, "/debug/pprof/goroutine?debug=1")), "splice.", "forward."))
 }
 
 // kernelSocket describes, as the kernel has it, the socket whose peer is
@@ -748,9 +715,9 @@ func goroutineBlocks(profile string, subs ...string) string {
 func kernelSocket(t *testing.T, data []byte, remote netip.AddrPort) string {
 	var b strings.Builder
 	inode := ""
-	for _, f := range procNetTCPLines(data) {
-		if procNetAddr(t, f[2]) == remote.String() {
-			fmt.Fprintf(&b, "%s %s st %s tx:rx %s timer %s retr %s inode %s", procNetAddr(t, f[1]), remote, f[3], f[4], f[5], f[6], f[9])
+	for _, f := range forwardtest.ProcNetTCPLines(data) {
+		if forwardtest.ProcNetAddr(t, f[2]) == remote.String() {
+			fmt.Fprintf(&b, "%s %s st %s tx:rx %s timer %s retr %s inode %s", forwardtest.ProcNetAddr(t, f[1]), remote, f[3], f[4], f[5], f[6], f[9])
 			inode = f[9]
 		}
 	}

@@ -288,11 +288,16 @@ func waitStreams(t *testing.T, wg *sync.WaitGroup, conns []net.Conn, up *forward
 		}
 	}
 	t.Errorf("the streams have not ended within %v: the upstream received %d bytes%s", streamsLimit, up.Received(), b.String())
-	t.Logf("sockets with bytes queued (/proc/net/tcp: local, remote, state, tx_queue:rx_queue):\n%s", queuedSockets())
+	procNet, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		t.Logf("/proc/net/tcp: %v", err)
+	}
+	t.Logf("sockets with bytes queued (local remote state tx_queue:rx_queue, hex):%s", forwardtest.QueuedSockets(t, procNet))
 	if out, err := exec.Command("ss", "-tnmeio", "state", "established").CombinedOutput(); err == nil {
 		t.Logf("ss -tnmeio (the sockets' memory, windows and timers):\n%s", out)
 	}
-	t.Logf("the relays' goroutines:\n%s", relayStacks())
+	stacks := make([]byte, 8<<20)
+	t.Logf("the relays' goroutines:\n%s", forwardtest.GoroutineBlocks(string(stacks[:runtime.Stack(stacks, true)]), "splice.(*Relay)"))
 	for _, reg := range regs {
 		for _, ti := range reg.Tunnels() {
 			t.Logf("tunnel %d: %s", ti.ID, peekStalled(reg, ti))
@@ -343,36 +348,6 @@ func peekStalled(reg *Registry, ti TunnelInfo) string {
 		return fmt.Sprintf("fd %d (%d bytes queued): a peek read %d (%v); the tunnel did not move on within 5 s", fd, inq, n, perr)
 	}
 	return "no socket of this process has the gateway " + ti.Peer + " as its peer"
-}
-
-// queuedSockets lists the IPv4 TCP sockets that have bytes queued to send
-// or to read, as /proc/net/tcp shows them (addresses in hex).
-func queuedSockets() string {
-	b, err := os.ReadFile("/proc/net/tcp")
-	if err != nil {
-		return err.Error()
-	}
-	var out strings.Builder
-	for line := range strings.Lines(string(b)) {
-		f := strings.Fields(line)
-		if len(f) > 4 && f[4] != "tx_queue" && f[4] != "00000000:00000000" {
-			fmt.Fprintf(&out, "%s %s %s %s\n", f[1], f[2], f[3], f[4])
-		}
-	}
-	return out.String()
-}
-
-// relayStacks is the stacks of the goroutines running a splice.Relay.
-func relayStacks() string {
-	buf := make([]byte, 8<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	var out strings.Builder
-	for g := range strings.SplitSeq(string(buf), "\n\n") {
-		if strings.Contains(g, "splice.(*Relay)") {
-			out.WriteString(g + "\n\n")
-		}
-	}
-	return out.String()
 }
 
 // ktlsMoveFixture is what the kernel move tests share: two forwarders of

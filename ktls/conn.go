@@ -56,11 +56,19 @@ type Conn struct {
 	// Set once by the handshake when a direction runs in the kernel.
 	sock    *net.TCPConn
 	rawSock syscall.RawConn
+	// rx reads the kernel socket when RX runs there (partial.go); rd is
+	// its read deadline.
+	rx *rxReader
+	rd readDeadline
 
-	readMu   sync.Mutex
-	pending  []byte      // decrypted bytes not yet returned by Read
-	readErr  error       // sticky: io.EOF after close_notify, or a fatal error
-	notified atomic.Bool // the peer's close_notify was read
+	readMu    sync.Mutex
+	readFn    func(fd uintptr) bool // kernelRead's callback, made once
+	readBuf   []byte                // kernelRead's call: its buffer and results
+	readN     int
+	readErrno error
+	pending   []byte      // decrypted bytes not yet returned by Read
+	readErr   error       // sticky: io.EOF after close_notify, or a fatal error
+	notified  atomic.Bool // the peer's close_notify was read
 	// readSince: a Read ran since the handshake; with RX in userspace,
 	// crypto/tls may then hold a record it read (Gone).
 	readSince atomic.Bool
@@ -448,6 +456,8 @@ func (c *Conn) offload(state tls.ConnectionState) (Reason, error) {
 		}
 		c.rxSecret = rx.secret
 		c.off.RX = ModeSW
+		c.rx = newRXReader(&c.rd, rawSock)
+		c.rd.setSock(sock)
 		if c.opts.ExpectNoPad && state.Version == tls.VersionTLS13 {
 			if err := controlFD(rawSock, func(fd int) error {
 				return unix.SetsockoptInt(fd, unix.SOL_TLS, optRXExpectNoPad, 1)
@@ -602,7 +612,7 @@ func (c *Conn) SyscallConn() (syscall.RawConn, error) {
 // reads decrypted bytes from it.
 func (c *Conn) SpliceSource() (syscall.RawConn, bool) {
 	if c.hsDone.Load() && c.hsErr == nil && c.off.RX != ModeUserspace && !c.handedOff.Load() {
-		return c.rawSock, true
+		return c.rx, true
 	}
 	return nil, false
 }
@@ -624,12 +634,12 @@ func (c *Conn) RemoteAddr() net.Addr { return c.raw.RemoteAddr() }
 
 // SetDeadline sets both deadlines, on the kernel socket too.
 func (c *Conn) SetDeadline(t time.Time) error {
-	return c.deadline(t, net.Conn.SetDeadline)
+	return c.rd.set(t, func(t time.Time) error { return c.deadline(t, net.Conn.SetDeadline) })
 }
 
 // SetReadDeadline sets the read deadline.
 func (c *Conn) SetReadDeadline(t time.Time) error {
-	return c.deadline(t, net.Conn.SetReadDeadline)
+	return c.rd.set(t, func(t time.Time) error { return c.deadline(t, net.Conn.SetReadDeadline) })
 }
 
 // SetWriteDeadline sets the write deadline.

@@ -345,6 +345,10 @@ func Adopt(s syscall.Conn, st HandoffState, opts Options) (*Conn, error) {
 	// The modes are the ones the kernel reported to the Conn that handed
 	// it off (sock_diag, at its handshake): no query of its own here.
 	c.off = Offload{TX: st.TX.Mode, RX: st.RX.Mode, RXNoPad: st.RXNoPad, Reason: ReasonNone, Version: st.Version, CipherSuite: st.CipherSuite}
+	if c.off.RX != ModeUserspace {
+		c.rx = newRXReader(&c.rd, rawSock)
+		c.rd.setSock(sock)
+	}
 	c.adopted = &tls.ConnectionState{
 		Version:            st.Version,
 		HandshakeComplete:  true,

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"syscall"
 	"time"
 
@@ -117,7 +118,7 @@ func (c *Conn) Read(p []byte) (int, error) {
 			}
 			continue
 		}
-		n, err := c.sock.Read(p)
+		n, err := c.kernelRead(p)
 		if n > 0 {
 			if werr := c.openedLocked(int64(n)); werr != nil {
 				c.fail(werr)
@@ -147,6 +148,35 @@ func (c *Conn) Read(p []byte) (int, error) {
 			return 0, nil
 		}
 	}
+}
+
+// kernelRead is read(2) from the kernel socket through c.rx, with the
+// results net.TCPConn's Read gives. Caller holds readMu.
+func (c *Conn) kernelRead(p []byte) (int, error) {
+	if c.readFn == nil {
+		c.readFn = func(fd uintptr) bool {
+			for {
+				c.readN, c.readErrno = unix.Read(int(fd), c.readBuf)
+				if c.readErrno != unix.EINTR {
+					return c.readErrno != unix.EAGAIN
+				}
+			}
+		}
+	}
+	c.readBuf = p
+	err := c.rx.Read(c.readFn)
+	n, errno := max(c.readN, 0), c.readErrno
+	c.readBuf, c.readN, c.readErrno = nil, 0, nil
+	switch {
+	case err != nil:
+	case errno != nil:
+		err = os.NewSyscallError("read", errno)
+	case n == 0 && len(p) > 0:
+		return 0, io.EOF
+	default:
+		return n, nil
+	}
+	return 0, &net.OpError{Op: "read", Net: "tcp", Source: c.sock.LocalAddr(), Addr: c.sock.RemoteAddr(), Err: err}
 }
 
 // CloseNotified reports whether the peer ended its stream with close_notify.
@@ -206,7 +236,7 @@ func (c *Conn) readKernelRecord() error {
 	oob := make([]byte, unix.CmsgSpace(1))
 	var n, oobn int
 	var serr error
-	err := c.rawSock.Read(func(fd uintptr) bool {
+	err := c.rx.Read(func(fd uintptr) bool {
 		n, oobn, _, _, serr = unix.Recvmsg(int(fd), c.ctrlBuf, oob, 0)
 		return serr != unix.EAGAIN
 	})

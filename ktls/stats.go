@@ -20,6 +20,10 @@ type StatsSnapshot struct {
 	HandedOff        uint64            // connections handed off to another owner (Handoff)
 	HandoffRefused   uint64            // Handoff calls refused (the connection stayed)
 	Adopted          uint64            // connections taken over from another owner (Adopt)
+	// PartialRecordRetries: waits of a kernel RX socket's reader for a
+	// record that ended by their bound, part of one queued (partial.go):
+	// the reader asked again, which a collapsed receive window needs.
+	PartialRecordRetries uint64
 }
 
 type counters struct {
@@ -29,7 +33,7 @@ type counters struct {
 	control  map[string]uint64
 
 	keyUpdates, keyUpdatesSent, keyExhausted, rateLimited, closedAfterTX, ticketsKept, ticketsDropped atomic.Uint64
-	handedOff, handoffRefused, adopted                                                                atomic.Uint64
+	handedOff, handoffRefused, adopted, partialRecordRetries                                          atomic.Uint64
 }
 
 var stats = counters{tx: map[Mode]uint64{}, rx: map[Mode]uint64{}, outcomes: map[Reason]uint64{}, control: map[string]uint64{}}
@@ -44,6 +48,7 @@ func Stats() StatsSnapshot {
 		RateLimitedClose: stats.rateLimited.Load(), ClosedAfterTX: stats.closedAfterTX.Load(),
 		TicketsKept: stats.ticketsKept.Load(), TicketsDropped: stats.ticketsDropped.Load(),
 		HandedOff: stats.handedOff.Load(), HandoffRefused: stats.handoffRefused.Load(), Adopted: stats.adopted.Load(),
+		PartialRecordRetries: stats.partialRecordRetries.Load(),
 	}
 	for k, v := range stats.tx {
 		s.TX[k] = v

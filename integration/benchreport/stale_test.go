@@ -101,14 +101,27 @@ const sinceSuiteOnce = "trafficKeys (every kernel TLS handshake, both directions
 // failed_behind and shape_counters).
 const sinceSettleAfter = "the load run waiting, after a shape, for its contender to settle before it reads the shape's closing counters and tls_stat, and a chain's key-install check counting the handshakes failed behind its gateway (integration/bench; the other modes, every measurement's path and every contender's configuration unchanged)"
 
+// sincePartialRecord: the kernel RX readers' bounded wait for a partial
+// record (ktls/partial.go), after every report was measured.
+const sincePartialRecord = "every read of a kernel TLS receive socket (a spliced direction's and ktls.Conn.Read's) going through ktls's rxReader: a mutex per read, one SIOCINQ ioctl when a read would block, ktls.Conn.Read calling read(2) through the socket's RawConn instead of net.TCPConn.Read, and a wait bounded at 250 ms (doubling to 4 s) only while part of a record is queued; measured before it"
+
 // knownStale are reports measured before a change to the code they
 // measure and not measured again yet, each with why. The test fails for a
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
-	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
-	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter,
+	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord,
+	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord,
+	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord,
+	"results.md":             "measured 2026-12-07 on the code before ktls's partial-record retry; `make bench` takes 13 minutes; since: " + sincePartialRecord,
+	"small-calls.md":         "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord,
+	"small-mtls.md":          "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord,
+	"gateway.md":             "measured on the code before ktls's partial-record retry; `make bench-gateway` takes 35 minutes; since: " + sincePartialRecord,
+	"gateway-resumption.md":  "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord,
+	"load.md":                "measured on the code before ktls's partial-record retry; its real-time run needs a quiet host; since: " + sincePartialRecord,
+	"load-10k.md":            "measured on the code before ktls's partial-record retry; its real-time run (26 minutes) needs a quiet host; since: " + sincePartialRecord,
+	"ttfb.md":                "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord,
+	"load-gateway.md":        "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord,
 }
 
 // git runs git in the repository root and returns its trimmed output.

@@ -94,13 +94,17 @@ var descSchedulingDelay = prometheus.NewDesc("caddy_ktls_scheduling_delay_second
 	"How long the process's goroutines waited, runnable, for a CPU: the 90th percentile of the Go scheduler's run-queue delay over the last window of 100 ms or more with enough samples (0: an idle process), rounded down to the runtime's histogram bucket. A ktls handler sheds a connection that arrives while it is above max_scheduling_delay and more handshakes than CPUs are in progress (caddy_ktls_handshake_failures_total{reason=\"overloaded\"}).",
 	nil, nil)
 
+var descPartialRecordRetries = prometheus.NewDesc("caddy_ktls_partial_record_retries_total",
+	"Waits for a record on a kernel TLS receive socket that ended by their own bound (250 ms, doubling to 4 s) with part of a record queued, after which the reader asked the kernel again: the kernel would not wake it, and only asking lets it copy a partial record out of a full receive buffer whose window has closed. A few a minute are records that arrive slowly; a tunnel that stalls without them is a bug to report.",
+	nil, nil)
+
 var descKernelSupport = prometheus.NewDesc("caddy_ktls_kernel_support",
 	"What this host's kernel accepted when the process probed it at its first use (1 yes, 0 no), by feature: tx and rx (TLS_TX, TLS_RX for at least one TLS version and cipher), rekey (a TLS 1.3 KeyUpdate: a second key installed). See `caddy ktls probe`.",
 	[]string{"feature"}, nil)
 
 func init() {
 	caddymetrics.Add(moduleid.Engine, &caddymetrics.Gathered{
-		Descs: []*prometheus.Desc{descOffloads, descOffloadModes, descConnCloses},
+		Descs: []*prometheus.Desc{descOffloads, descOffloadModes, descConnCloses, descPartialRecordRetries},
 		Gather: func(ch chan<- prometheus.Metric) {
 			for k, n := range handshakeOutcomes.Snapshot() {
 				ch <- prometheus.MustNewConstMetric(descOffloads, prometheus.CounterValue, float64(n), k.Module, string(k.Reason))
@@ -114,6 +118,7 @@ func init() {
 			for k, n := range connCloses.Snapshot() {
 				ch <- prometheus.MustNewConstMetric(descConnCloses, prometheus.CounterValue, float64(n), k.Module, string(k.Event))
 			}
+			ch <- prometheus.MustNewConstMetric(descPartialRecordRetries, prometheus.CounterValue, float64(ks.PartialRecordRetries))
 		},
 	}, handshakeDuration)
 	caddymetrics.Add(moduleid.Server, &caddymetrics.Gathered{

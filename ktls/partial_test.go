@@ -1,0 +1,202 @@
+package ktls
+
+import (
+	"errors"
+	"net"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// partialReader is an rxReader over the accepted end of a loopback TCP
+// pair whose peer has sent queuedBytes that nobody reads: a reader that
+// finds no record ready with part of one queued.
+func partialReader(t *testing.T, queuedBytes int) (*rxReader, *readDeadline, *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	peer, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { peer.Close() })
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := c.(*net.TCPConn)
+	t.Cleanup(func() { sock.Close() })
+	if queuedBytes > 0 {
+		if _, err := peer.Write(make([]byte, queuedBytes)); err != nil {
+			t.Fatal(err)
+		}
+		rc, _ := sock.SyscallConn()
+		for deadline := time.Now().Add(5 * time.Second); ; {
+			var q bool
+			rc.Control(func(fd uintptr) { q = queued(fd) })
+			if q {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the peer's bytes never reached the receive queue")
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	rd := &readDeadline{}
+	rd.setSock(sock)
+	rc, err := sock.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return newRXReader(rd, rc), rd, sock
+}
+
+// readyAfter returns a read callback that finds a record only once the
+// reader's wait ended by its bound retries times in a row (0: never), and
+// the count of its calls. The callback may also be called on wake-ups the
+// netpoller gives for an old readiness.
+func readyAfter(rd *readDeadline, retries int32) (func(fd uintptr) bool, *atomic.Int32) {
+	var n atomic.Int32
+	return func(uintptr) bool {
+		n.Add(1)
+		return retries > 0 && rd.retries.Load() >= retries
+	}, &n
+}
+
+// readWithin runs r.Read(f) and returns its error, failing t when it has
+// not returned within limit.
+func readWithin(t *testing.T, r *rxReader, f func(fd uintptr) bool, limit time.Duration) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- r.Read(f) }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(limit):
+		t.Fatalf("Read still waiting after %v", limit)
+		return nil
+	}
+}
+
+// TestRXReaderAsksAgainWithBytesQueued: a reader that finds no record while
+// bytes are queued is called again when its bound passes (250 ms, then
+// 500 ms), with no readability event, and each such retry is counted.
+func TestRXReaderAsksAgainWithBytesQueued(t *testing.T) {
+	r, rd, _ := partialReader(t, 100)
+	f, calls := readyAfter(rd, 2)
+	before := Stats().PartialRecordRetries
+	start := time.Now()
+	if err := readWithin(t, r, f, 10*time.Second); err != nil {
+		t.Fatalf("Read: %v", err)
+	}
+	if got := calls.Load(); got < 3 {
+		t.Errorf("the callback ran %d times, want 3 or more", got)
+	}
+	// The bounds double: 250 ms, then 500 ms.
+	if took := time.Since(start); took < partialRecordRetry*3 {
+		t.Errorf("two bounded waits took %v, less than their bounds (%v)", took, partialRecordRetry*3)
+	}
+	if got := Stats().PartialRecordRetries - before; got != 2 {
+		t.Errorf("PartialRecordRetries moved by %d, want 2", got)
+	}
+	if rd.bounded || rd.retries.Load() != 0 {
+		t.Errorf("after a read that found its record: bounded %v, retries %d; want false, 0", rd.bounded, rd.retries.Load())
+	}
+}
+
+// TestRXReaderIdleWaitUnbounded: with nothing queued the wait has no bound:
+// only the caller's deadline ends it.
+func TestRXReaderIdleWaitUnbounded(t *testing.T) {
+	r, rd, sock := partialReader(t, 0)
+	rd.set(time.Now().Add(700*time.Millisecond), sock.SetReadDeadline)
+	f, _ := readyAfter(rd, 0)
+	before := Stats().PartialRecordRetries
+	err := readWithin(t, r, f, 10*time.Second)
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Read: %v, want the caller's deadline", err)
+	}
+	if got := Stats().PartialRecordRetries - before; got != 0 {
+		t.Errorf("PartialRecordRetries moved by %d, want 0", got)
+	}
+}
+
+// TestRXReaderCallerDeadlineFirst: a caller's deadline before the bound
+// ends the wait as the caller's, not as a retry.
+func TestRXReaderCallerDeadlineFirst(t *testing.T) {
+	r, rd, sock := partialReader(t, 100)
+	rd.set(time.Now().Add(100*time.Millisecond), sock.SetReadDeadline)
+	f, _ := readyAfter(rd, 0)
+	before := Stats().PartialRecordRetries
+	err := readWithin(t, r, f, 10*time.Second)
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Read: %v, want the caller's deadline", err)
+	}
+	if got := Stats().PartialRecordRetries - before; got != 0 {
+		t.Errorf("PartialRecordRetries moved by %d, want 0", got)
+	}
+}
+
+// TestRXReaderDeadlineDuringBoundedWait: while a wait is bounded, a caller
+// who clears its deadline leaves the bound in force (the reader still asks
+// again), and a caller's past deadline ends the wait as the caller's.
+func TestRXReaderDeadlineDuringBoundedWait(t *testing.T) {
+	t.Run("cleared", func(t *testing.T) {
+		r, rd, sock := partialReader(t, 100)
+		f, _ := readyAfter(rd, 1)
+		done := make(chan error, 1)
+		go func() { done <- r.Read(f) }()
+		waitBounded(t, rd)
+		if err := rd.set(time.Time{}, sock.SetReadDeadline); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("Read: %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("clearing the caller's deadline dropped the bound: the reader never asked again")
+		}
+	})
+	t.Run("past", func(t *testing.T) {
+		r, rd, sock := partialReader(t, 100)
+		f, _ := readyAfter(rd, 0)
+		done := make(chan error, 1)
+		go func() { done <- r.Read(f) }()
+		waitBounded(t, rd)
+		if err := rd.set(time.Unix(1, 0), sock.SetReadDeadline); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-done:
+			if !errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatalf("Read: %v, want the caller's deadline", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a past deadline did not end the bounded wait")
+		}
+		if rd.bounded {
+			t.Error("the wait is still marked bounded")
+		}
+	})
+}
+
+func waitBounded(t *testing.T, rd *readDeadline) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		rd.mu.Lock()
+		b := rd.bounded
+		rd.mu.Unlock()
+		if b {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the reader never bounded its wait")
+		}
+	}
+}

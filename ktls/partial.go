@@ -87,6 +87,9 @@ func (r *rxReader) Read(f func(fd uintptr) bool) error {
 			return err
 		}
 		if !r.rd.unbound(err) {
+			if err == nil {
+				r.rd.resetRetry()
+			}
 			return err
 		}
 		if r.queued() {

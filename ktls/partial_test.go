@@ -12,9 +12,9 @@ import (
 )
 
 // partialReader is an rxReader over the accepted end of a loopback TCP
-// pair whose peer has sent queuedBytes that nobody reads: a reader that
-// finds no record ready with part of one queued.
-func partialReader(t *testing.T, queuedBytes int) (*rxReader, *readDeadline, *net.TCPConn) {
+// pair whose peer (returned last) has sent queuedBytes that nobody reads: a
+// reader that finds no record ready with part of one queued.
+func partialReader(t *testing.T, queuedBytes int) (*rxReader, *readDeadline, *net.TCPConn, net.Conn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -58,7 +58,7 @@ func partialReader(t *testing.T, queuedBytes int) (*rxReader, *readDeadline, *ne
 	if err != nil {
 		t.Fatal(err)
 	}
-	return newRXReader(rd, rc), rd, sock
+	return newRXReader(rd, rc), rd, sock, peer
 }
 
 // readyAfter returns a read callback that finds a record only once the
@@ -92,7 +92,7 @@ func readWithin(t *testing.T, r *rxReader, f func(fd uintptr) bool, limit time.D
 // bytes are queued is called again when its bound passes (250 ms, then
 // 500 ms), with no readability event, and each such retry is counted.
 func TestRXReaderAsksAgainWithBytesQueued(t *testing.T) {
-	r, rd, _ := partialReader(t, 100)
+	r, rd, _, _ := partialReader(t, 100)
 	f, calls := readyAfter(rd, 2)
 	before := Stats().PartialRecordRetries
 	start := time.Now()
@@ -114,11 +114,45 @@ func TestRXReaderAsksAgainWithBytesQueued(t *testing.T) {
 	}
 }
 
+// TestRXReaderRecordDuringBoundedWait: a record that arrives while a wait
+// is bounded ends it as readability does, and the next wait's bound starts
+// from partialRecordRetry again, not from where the retries had doubled it.
+func TestRXReaderRecordDuringBoundedWait(t *testing.T) {
+	r, rd, _, peer := partialReader(t, 100)
+	// Ready once more than the first 100 bytes are queued.
+	f := func(fd uintptr) bool {
+		n, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+		return err == nil && n > 100
+	}
+	done := make(chan error, 1)
+	go func() { done <- r.Read(f) }()
+	for deadline := time.Now().Add(5 * time.Second); rd.retries.Load() < 1; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the reader never asked again")
+		}
+	}
+	waitBounded(t, rd)
+	if _, err := peer.Write([]byte{1}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Read: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the arriving byte did not end the bounded wait")
+	}
+	if got := rd.retries.Load(); got != 0 {
+		t.Errorf("retries %d after the wait ended by readability, want 0", got)
+	}
+}
+
 // TestRXReaderIdleWaitUnbounded: when the bound passes with nothing queued
 // the reader does not ask again (no retry counted): it waits for
 // readability alone, until the caller's deadline.
 func TestRXReaderIdleWaitUnbounded(t *testing.T) {
-	r, rd, sock := partialReader(t, 0)
+	r, rd, sock, _ := partialReader(t, 0)
 	rd.set(time.Now().Add(900*time.Millisecond), sock.SetReadDeadline)
 	f, calls := readyAfter(rd, 0)
 	before := Stats().PartialRecordRetries
@@ -140,7 +174,7 @@ func TestRXReaderIdleWaitUnbounded(t *testing.T) {
 // TestRXReaderCallerDeadlineFirst: a caller's deadline before the bound
 // ends the wait as the caller's, not as a retry.
 func TestRXReaderCallerDeadlineFirst(t *testing.T) {
-	r, rd, sock := partialReader(t, 100)
+	r, rd, sock, _ := partialReader(t, 100)
 	rd.set(time.Now().Add(100*time.Millisecond), sock.SetReadDeadline)
 	f, _ := readyAfter(rd, 0)
 	before := Stats().PartialRecordRetries
@@ -158,7 +192,7 @@ func TestRXReaderCallerDeadlineFirst(t *testing.T) {
 // again), and a caller's past deadline ends the wait as the caller's.
 func TestRXReaderDeadlineDuringBoundedWait(t *testing.T) {
 	t.Run("cleared", func(t *testing.T) {
-		r, rd, sock := partialReader(t, 100)
+		r, rd, sock, _ := partialReader(t, 100)
 		f, _ := readyAfter(rd, 1)
 		done := make(chan error, 1)
 		go func() { done <- r.Read(f) }()
@@ -176,7 +210,7 @@ func TestRXReaderDeadlineDuringBoundedWait(t *testing.T) {
 		}
 	})
 	t.Run("past", func(t *testing.T) {
-		r, rd, sock := partialReader(t, 100)
+		r, rd, sock, _ := partialReader(t, 100)
 		f, _ := readyAfter(rd, 0)
 		done := make(chan error, 1)
 		go func() { done <- r.Read(f) }()

@@ -612,9 +612,26 @@ func (c *Conn) SyscallConn() (syscall.RawConn, error) {
 // reads decrypted bytes from it.
 func (c *Conn) SpliceSource() (syscall.RawConn, bool) {
 	if c.hsDone.Load() && c.hsErr == nil && c.off.RX != ModeUserspace && !c.handedOff.Load() {
-		return c.rx, true
+		return c.rawSock, true
 	}
 	return nil, false
+}
+
+// BeginWait tells c that its reader is about to wait on SpliceSource's
+// RawConn (its Read); EndWait, with what that Read returned, that the wait
+// is over. EndWait returns true when c ended the wait itself, with the
+// deadline error, to have the reader ask again: part of a record has been
+// queued for longer than the kernel could need to complete it
+// (partial.go). Neither may be called without the other.
+func (c *Conn) BeginWait() {
+	if c.rx != nil {
+		c.rx.begin()
+	}
+}
+
+// EndWait: see BeginWait.
+func (c *Conn) EndWait(err error) (again bool) {
+	return c.rx != nil && c.rx.end(err)
 }
 
 // SpliceSink returns the socket when TX runs in the kernel, so splice(2)

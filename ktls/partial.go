@@ -8,14 +8,14 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"weak"
 
 	"golang.org/x/sys/unix"
 )
 
-// partialRecordRetry bounds a reader's wait for a record on a kTLS socket.
-// When the bound passes with bytes queued, the reader asks again, and each
-// such wait in a row doubles the next bound, up to partialRecordRetryMax;
-// with none queued it waits for readability alone.
+// A read of a kernel RX socket that has waited partialRecordRetry for a
+// record while bytes are queued is woken to ask again; each such wake in a
+// row doubles the wait before the next, up to partialRecordRetryMax.
 //
 // The kernel surprises here. Its record parser (net/tls/tls_strp.c) leaves
 // a record that has not fully arrived in TCP's receive queue, where it is
@@ -28,113 +28,207 @@ import (
 // delayed one, up to 200 ms later) advertises no window when what is
 // queued leaves less than a segment's room. Then nothing can arrive, a
 // reader parked for readability is never woken, and the peer probes a
-// zero window for good. A reader that finds bytes still queued when its
-// bound passes therefore asks again: its read is the parser's look. The
-// bound is a timer, not a system call: a read that would block costs no
-// more than two deadline changes, and only a wait that outlasts the
-// bound asks the socket what it holds (SIOCINQ).
+// zero window for good. Woken, the reader's read is the parser's look.
+//
+// A sweep every sweepTick watches every reader, so a read costs two
+// atomic additions: no timer, no system call, and no frame deeper on the
+// stack of a relay's goroutine, which parks already deep (a relay that
+// waits on SpliceSource's RawConn marks its waits with BeginWait and
+// EndWait). It asks a socket what it
+// holds (SIOCINQ) once per read that outlasts partialRecordRetry, and
+// wakes the reader through the socket's read deadline.
 const (
 	partialRecordRetry    = 250 * time.Millisecond
 	partialRecordRetryMax = 4 * time.Second
+	sweepTick             = partialRecordRetry / 2
 )
 
-// rxReader is the kernel socket as its readers' syscall.RawConn (Read,
-// SpliceSource): Read bounds the wait for readability
-// (partialRecordRetry), with the bound as the socket's read deadline,
-// below the caller's (readDeadline).
+// rxReader watches the waits of the kernel socket's readers: its Read is
+// the RawConn's that Conn.Read reads through, and a relay that splices
+// from the RawConn of SpliceSource marks its waits with Conn.BeginWait and
+// Conn.EndWait.
 type rxReader struct {
 	syscall.RawConn
 	rd *readDeadline
-	// mu makes one Read at a time (the socket's read lock would anyway)
-	// and guards the call's state.
-	mu       sync.Mutex
-	f        func(fd uintptr) bool // the caller's, for this Read
-	mayBound bool                  // this Read still bounds its waits
-	bounded  bool                  // this wait has its bound set
-	call     func(fd uintptr) bool // r.read, made once
-	inq      func(fd uintptr)      // r.queued's callback, made once
-	nInq     int
+	// mu makes one Read at a time (the socket's read lock would anyway).
+	mu sync.Mutex
+	// seq is odd while a Read waits in RawConn.Read; each wait has its own.
+	seq atomic.Uint64
+	// The sweeper's own: the seq it saw at its last sweep, the sweeps in
+	// a row that saw it, and the seq whose queue it found empty.
+	seen, checked uint64
+	sweeps        int
 }
 
 func newRXReader(rd *readDeadline, rc syscall.RawConn) *rxReader {
 	r := &rxReader{RawConn: rc, rd: rd}
-	r.call = r.read
-	r.inq = func(fd uintptr) {
-		n, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
-		if err != nil {
-			n = 0
-		}
-		r.nInq = n
-	}
+	watched.add(r)
 	return r
 }
 
 // Read calls f until it returns true, waiting for readability in between
-// as syscall.RawConn does. A wait whose bound passes calls f again when
-// bytes are queued, and goes on without a bound when none are.
+// as syscall.RawConn does; a wait the sweeper ends calls f again.
 func (r *rxReader) Read(f func(fd uintptr) bool) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.f, r.mayBound = f, true
-	defer func() { r.f = nil }()
 	for {
-		r.bounded = false
-		err := r.RawConn.Read(r.call)
-		if !r.bounded {
-			if err == nil {
-				r.rd.resetRetry()
-			}
-			return err
+		r.begin()
+		err := r.RawConn.Read(f)
+		if r.end(err) {
+			continue
 		}
-		if !r.rd.unbound(err) {
-			if err == nil {
-				r.rd.resetRetry()
-			}
-			return err
-		}
-		if r.queued() {
-			r.rd.retries.Add(1)
-			stats.partialRecordRetries.Add(1)
-		} else {
-			r.rd.resetRetry()
-			r.mayBound = false
-		}
+		return err
 	}
 }
 
-// read is the callback under the socket's read lock: f, and when it would
-// block, the bound on the wait.
-func (r *rxReader) read(fd uintptr) bool {
-	if r.f(fd) {
+// begin marks the start of a wait on the socket, which the sweeper watches.
+func (r *rxReader) begin() { r.seq.Add(1) }
+
+// end marks the end of the wait begun, which ended with err. It reports
+// whether the sweeper ended it, to ask the kernel again.
+func (r *rxReader) end(err error) (again bool) {
+	r.seq.Add(1)
+	if r.rd.poked.Load() && r.rd.unpoke(err) {
+		r.rd.retries.Add(1)
+		stats.partialRecordRetries.Add(1)
 		return true
 	}
-	if r.mayBound && !r.bounded {
-		r.bounded = r.rd.bound()
+	if err == nil && r.rd.retries.Load() != 0 {
+		r.rd.retries.Store(0)
 	}
 	return false
 }
 
 // queued reports whether TCP holds bytes the kTLS parser has not taken:
-// part of a record, when a read found no record ready.
-func (r *rxReader) queued() bool {
-	r.nInq = 0
-	r.RawConn.Control(r.inq)
-	return r.nInq > 0
+// part of a record, while a read finds no record ready. False for a
+// closed socket.
+func (r *rxReader) queued() (queued, open bool) {
+	var n int
+	var err error
+	if r.RawConn.Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }) != nil {
+		return false, false
+	}
+	return err == nil && n > 0, true
+}
+
+// watched holds every rxReader, weakly: a Conn dropped without Close
+// leaves it with the garbage collector.
+var watched watchList
+
+type watchList struct {
+	mu      sync.Mutex
+	readers []weak.Pointer[rxReader]
+	running bool
+	sweeps  int
+}
+
+// openCheckEvery: every that many sweeps, the readers not waiting are
+// checked for a closed socket too.
+const openCheckEvery = 8
+
+func (w *watchList) add(r *rxReader) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.readers = append(w.readers, weak.Make(r))
+	if !w.running {
+		w.running = true
+		time.AfterFunc(sweepTick, w.sweeper)
+	}
+}
+
+// sweeper sweeps every sweepTick while a reader is watched, each time on a
+// goroutine of its own: none waits between sweeps.
+func (w *watchList) sweeper() {
+	if w.sweep() {
+		time.AfterFunc(sweepTick, w.sweeper)
+	}
+}
+
+// sweep wakes each reader whose wait has lasted its bound with bytes
+// queued, and drops the readers of closed sockets. It returns false, the
+// sweeps ending, when none is left.
+func (w *watchList) sweep() bool {
+	w.mu.Lock()
+	w.sweeps++
+	checkIdle := w.sweeps%openCheckEvery == 0
+	var due, idle []*rxReader
+	live := w.readers[:0]
+	for _, p := range w.readers {
+		r := p.Value()
+		if r == nil {
+			continue
+		}
+		s := r.seq.Load()
+		if s%2 == 0 || s != r.seen {
+			r.seen, r.sweeps = s, 0
+			if checkIdle {
+				idle = append(idle, r)
+			}
+		} else if r.sweeps++; r.checked != s && r.sweeps >= 2<<min(r.rd.retries.Load(), 4) {
+			due = append(due, r)
+		}
+		live = append(live, p)
+	}
+	clear(w.readers[len(live):])
+	w.readers = live
+	w.mu.Unlock()
+	var closed []*rxReader
+	for _, r := range due {
+		queued, open := r.queued()
+		switch {
+		case !open:
+			closed = append(closed, r)
+		case queued:
+			r.rd.poke(r, r.seen)
+		default:
+			r.checked = r.seen
+		}
+	}
+	for _, r := range idle {
+		if r.RawConn.Control(func(uintptr) {}) != nil {
+			closed = append(closed, r)
+		}
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(closed) > 0 {
+		live := w.readers[:0]
+		for _, p := range w.readers {
+			if r := p.Value(); r != nil && !contains(closed, r) {
+				live = append(live, p)
+			}
+		}
+		clear(w.readers[len(live):])
+		w.readers = live
+	}
+	if len(w.readers) == 0 {
+		w.running = false
+		return false
+	}
+	return true
+}
+
+func contains(rs []*rxReader, r *rxReader) bool {
+	for _, x := range rs {
+		if x == r {
+			return true
+		}
+	}
+	return false
 }
 
 // readDeadline is the read deadline of the kernel socket: the caller's
-// (SetReadDeadline, SetDeadline), or earlier while a reader's wait for a
-// partial record is bounded.
+// (SetReadDeadline, SetDeadline), or past while the sweeper wakes a
+// reader (poked).
 type readDeadline struct {
 	mu      sync.Mutex
 	sock    *net.TCPConn // the kernel socket once RX runs there; nil before
 	caller  time.Time
-	bounded bool
-	at      time.Time    // the bound, while bounded
-	retries atomic.Int32 // waits in a row that ended by their bound with bytes queued
+	poked   atomic.Bool
+	retries atomic.Int32 // wakes in a row that found no record
 }
 
-// setSock makes sock's waits boundable.
+// setSock makes sock's readers wakeable.
 func (d *readDeadline) setSock(sock *net.TCPConn) {
 	d.mu.Lock()
 	d.sock = sock
@@ -142,52 +236,42 @@ func (d *readDeadline) setSock(sock *net.TCPConn) {
 }
 
 // set records the caller's deadline t, which set applies to the sockets; a
-// bounded wait keeps its bound when that comes first.
+// wake in progress stays in force.
 func (d *readDeadline) set(t time.Time, set func(time.Time) error) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.caller = t
 	err := set(t)
-	if d.bounded && (t.IsZero() || t.After(d.at)) {
-		err = errors.Join(err, d.sock.SetReadDeadline(d.at))
+	if d.poked.Load() {
+		err = errors.Join(err, d.sock.SetReadDeadline(pastDeadline))
 	}
 	return err
 }
 
-// bound sets the socket's read deadline to the bound of the next wait,
-// unless the caller's comes first; false when it did not.
-func (d *readDeadline) bound() bool {
+// pastDeadline wakes a reader at once.
+var pastDeadline = time.Unix(1, 0)
+
+// poke wakes r's read number seq, if it still waits, by a past deadline.
+func (d *readDeadline) poke(r *rxReader, seq uint64) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.sock == nil {
-		return false
+	if d.sock == nil || r.seq.Load() != seq {
+		return
 	}
-	wait := min(partialRecordRetry<<min(d.retries.Load(), 8), partialRecordRetryMax)
-	at := time.Now().Add(wait)
-	if !d.caller.IsZero() && !d.caller.After(at) {
-		return false
-	}
-	if d.sock.SetReadDeadline(at) != nil {
-		return false
-	}
-	d.bounded, d.at = true, at
-	return true
+	d.poked.Store(true)
+	d.sock.SetReadDeadline(pastDeadline)
 }
 
-// unbound ends a bounded wait that ended with err and puts the caller's
-// deadline back. It reports whether the wait ended by its bound alone.
-func (d *readDeadline) unbound(err error) bool {
+// unpoke ends a wake and puts the caller's deadline back. It reports
+// whether the read that ended with err ended by the wake alone: the
+// caller's deadline has not passed.
+func (d *readDeadline) unpoke(err error) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.bounded = false
+	if !d.poked.Load() {
+		return false
+	}
+	d.poked.Store(false)
 	d.sock.SetReadDeadline(d.caller)
 	return errors.Is(err, os.ErrDeadlineExceeded) && (d.caller.IsZero() || time.Now().Before(d.caller))
-}
-
-// resetRetry starts the next wait's bound from partialRecordRetry: a read
-// found what it waited for, or nothing was queued.
-func (d *readDeadline) resetRetry() {
-	if d.retries.Load() != 0 {
-		d.retries.Store(0)
-	}
 }

@@ -89,8 +89,9 @@ func readWithin(t *testing.T, r *rxReader, f func(fd uintptr) bool, limit time.D
 }
 
 // TestRXReaderAsksAgainWithBytesQueued: a reader that finds no record while
-// bytes are queued is called again when its bound passes (250 ms, then
-// 500 ms), with no readability event, and each such retry is counted.
+// bytes are queued is woken to ask again once it has waited its bound
+// (250 ms, then 500 ms), with no readability event, and each such retry
+// is counted.
 func TestRXReaderAsksAgainWithBytesQueued(t *testing.T) {
 	r, rd, _, _ := partialReader(t, 100)
 	f, calls := readyAfter(rd, 2)
@@ -109,15 +110,15 @@ func TestRXReaderAsksAgainWithBytesQueued(t *testing.T) {
 	if got := Stats().PartialRecordRetries - before; got != 2 {
 		t.Errorf("PartialRecordRetries moved by %d, want 2", got)
 	}
-	if rd.bounded || rd.retries.Load() != 0 {
-		t.Errorf("after a read that found its record: bounded %v, retries %d; want false, 0", rd.bounded, rd.retries.Load())
+	if rd.poked.Load() || rd.retries.Load() != 0 {
+		t.Errorf("after a read that found its record: poked %v, retries %d; want false, 0", rd.poked.Load(), rd.retries.Load())
 	}
 }
 
-// TestRXReaderRecordDuringBoundedWait: a record that arrives while a wait
-// is bounded ends it as readability does, and the next wait's bound starts
-// from partialRecordRetry again, not from where the retries had doubled it.
-func TestRXReaderRecordDuringBoundedWait(t *testing.T) {
+// TestRXReaderRecordAfterRetry: a record that arrives after a retry ends
+// the wait as readability does, and the next wait's bound starts from
+// partialRecordRetry again, not from where the retries had doubled it.
+func TestRXReaderRecordAfterRetry(t *testing.T) {
 	r, rd, _, peer := partialReader(t, 100)
 	// Ready once more than the first 100 bytes are queued.
 	f := func(fd uintptr) bool {
@@ -131,7 +132,7 @@ func TestRXReaderRecordDuringBoundedWait(t *testing.T) {
 			t.Fatal("the reader never asked again")
 		}
 	}
-	waitBounded(t, rd)
+	waitParked(t, r)
 	if _, err := peer.Write([]byte{1}); err != nil {
 		t.Fatal(err)
 	}
@@ -141,15 +142,15 @@ func TestRXReaderRecordDuringBoundedWait(t *testing.T) {
 			t.Fatalf("Read: %v", err)
 		}
 	case <-time.After(10 * time.Second):
-		t.Fatal("the arriving byte did not end the bounded wait")
+		t.Fatal("the arriving byte did not end the wait")
 	}
 	if got := rd.retries.Load(); got != 0 {
 		t.Errorf("retries %d after the wait ended by readability, want 0", got)
 	}
 }
 
-// TestRXReaderIdleWaitUnbounded: when the bound passes with nothing queued
-// the reader does not ask again (no retry counted): it waits for
+// TestRXReaderIdleWaitUnbounded: a reader that waits with nothing queued
+// is never woken (no retry counted, the callback run once): it waits for
 // readability alone, until the caller's deadline.
 func TestRXReaderIdleWaitUnbounded(t *testing.T) {
 	r, rd, sock, _ := partialReader(t, 0)
@@ -163,11 +164,9 @@ func TestRXReaderIdleWaitUnbounded(t *testing.T) {
 	if got := Stats().PartialRecordRetries - before; got != 0 {
 		t.Errorf("PartialRecordRetries moved by %d, want 0", got)
 	}
-	// Once at the start and once when the bound passed; a bound kept
-	// after that would have called it again at 500 and 750 ms. Nothing
-	// is queued, so no readiness wakes it in between.
-	if got := calls.Load(); got != 2 {
-		t.Errorf("the callback ran %d times, want 2", got)
+	// Nothing is queued, so no readiness wakes it either.
+	if got := calls.Load(); got != 1 {
+		t.Errorf("the callback ran %d times, want 1", got)
 	}
 }
 
@@ -187,17 +186,17 @@ func TestRXReaderCallerDeadlineFirst(t *testing.T) {
 	}
 }
 
-// TestRXReaderDeadlineDuringBoundedWait: while a wait is bounded, a caller
-// who clears its deadline leaves the bound in force (the reader still asks
-// again), and a caller's past deadline ends the wait as the caller's.
-func TestRXReaderDeadlineDuringBoundedWait(t *testing.T) {
-	t.Run("cleared", func(t *testing.T) {
+// TestRXReaderCallerDeadlineWhileWaiting: a caller's later deadline set
+// while the reader waits leaves the retry in force, and a caller's past
+// one ends the wait as the caller's.
+func TestRXReaderCallerDeadlineWhileWaiting(t *testing.T) {
+	t.Run("later", func(t *testing.T) {
 		r, rd, sock, _ := partialReader(t, 100)
 		f, _ := readyAfter(rd, 1)
 		done := make(chan error, 1)
 		go func() { done <- r.Read(f) }()
-		waitBounded(t, rd)
-		if err := rd.set(time.Time{}, sock.SetReadDeadline); err != nil {
+		waitParked(t, r)
+		if err := rd.set(time.Now().Add(time.Minute), sock.SetReadDeadline); err != nil {
 			t.Fatal(err)
 		}
 		select {
@@ -206,7 +205,10 @@ func TestRXReaderDeadlineDuringBoundedWait(t *testing.T) {
 				t.Fatalf("Read: %v", err)
 			}
 		case <-time.After(10 * time.Second):
-			t.Fatal("clearing the caller's deadline dropped the bound: the reader never asked again")
+			t.Fatal("the caller's deadline stopped the retry: the reader never asked again")
+		}
+		if rd.poked.Load() {
+			t.Error("still poked")
 		}
 	})
 	t.Run("past", func(t *testing.T) {
@@ -214,7 +216,7 @@ func TestRXReaderDeadlineDuringBoundedWait(t *testing.T) {
 		f, _ := readyAfter(rd, 0)
 		done := make(chan error, 1)
 		go func() { done <- r.Read(f) }()
-		waitBounded(t, rd)
+		waitParked(t, r)
 		if err := rd.set(time.Unix(1, 0), sock.SetReadDeadline); err != nil {
 			t.Fatal(err)
 		}
@@ -224,25 +226,42 @@ func TestRXReaderDeadlineDuringBoundedWait(t *testing.T) {
 				t.Fatalf("Read: %v, want the caller's deadline", err)
 			}
 		case <-time.After(10 * time.Second):
-			t.Fatal("a past deadline did not end the bounded wait")
-		}
-		if rd.bounded {
-			t.Error("the wait is still marked bounded")
+			t.Fatal("a past deadline did not end the wait")
 		}
 	})
 }
 
-func waitBounded(t *testing.T, rd *readDeadline) {
-	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
-		rd.mu.Lock()
-		b := rd.bounded
-		rd.mu.Unlock()
-		if b {
-			return
+// TestRXReaderClosedLeavesSweeper: the sweeper drops the readers of closed
+// sockets, and ends when none is left.
+func TestRXReaderClosedLeavesSweeper(t *testing.T) {
+	r, _, sock, _ := partialReader(t, 100)
+	f, _ := readyAfter(r.rd, 0)
+	done := make(chan error, 1)
+	go func() { done <- r.Read(f) }()
+	waitParked(t, r)
+	sock.Close()
+	if err := <-done; err == nil {
+		t.Fatal("Read on a closed socket returned nil")
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		watched.mu.Lock()
+		running, n := watched.running, len(watched.readers)
+		watched.mu.Unlock()
+		if !running {
+			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the reader never bounded its wait")
+			t.Fatalf("the sweeper still runs, %d readers watched", n)
+		}
+	}
+}
+
+// waitParked waits until r's Read waits in RawConn.Read.
+func waitParked(t *testing.T, r *rxReader) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); r.seq.Load()%2 == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the reader never waited")
 		}
 	}
 }

@@ -20,9 +20,9 @@ type StatsSnapshot struct {
 	HandedOff        uint64            // connections handed off to another owner (Handoff)
 	HandoffRefused   uint64            // Handoff calls refused (the connection stayed)
 	Adopted          uint64            // connections taken over from another owner (Adopt)
-	// PartialRecordRetries: waits of a kernel RX socket's reader for a
-	// record that ended by their bound, part of one queued (partial.go):
-	// the reader asked again, which a collapsed receive window needs.
+	// PartialRecordRetries: reads of a kernel RX socket woken after a
+	// wait with part of a record queued, to ask again, which a collapsed
+	// receive window needs (partial.go).
 	PartialRecordRetries uint64
 }
 

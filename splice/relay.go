@@ -111,6 +111,16 @@ type Sealer interface {
 	EndSeal(n int64)
 }
 
+// Waiter is implemented by sources whose waits the relay marks
+// (*ktls.Conn): BeginWait before it waits on SpliceSource's RawConn,
+// EndWait with what that wait returned. EndWait returns true when the
+// source ended the wait itself, to have the relay ask the kernel again
+// (a partial record behind a closed receive window: ktls's partial.go).
+type Waiter interface {
+	BeginWait()
+	EndWait(err error) (again bool)
+}
+
 // Opener is implemented by sources whose kernel opens records under the
 // peer's key, which wears out (*ktls.Conn). The relay reports every
 // splice(2) from the source to Opened with what it moved; an error ends
@@ -747,6 +757,10 @@ func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.
 	// Method values made once: the callbacks syscall.RawConn takes would
 	// otherwise be allocated anew (with what they capture) for every burst.
 	sd.fill, sd.flush = sd.fillPipe, sd.flushPipe
+	// Kept in sd, not on the stack: a direction that runs on Run's caller
+	// can park within about a hundred bytes of its 16 KiB stack (a field
+	// more in spliceEnd doubled an open gateway tunnel's stack).
+	sd.waiter, _ = src.(Waiter)
 	defer func() {
 		if sd.p != nil {
 			t.pipes.put(sd.p)
@@ -757,7 +771,13 @@ func (t *Relay) spliceLoop(d Direction, src net.Conn, srcEnd spliceEnd, dst net.
 	for {
 		sd.n, sd.serr, sd.perr = 0, nil, nil
 		sd.lim, sd.wait = lim, 0
+		if sd.waiter != nil {
+			sd.waiter.BeginWait()
+		}
 		err := srcEnd.rc.Read(sd.fill)
+		if sd.waiter != nil && sd.waiter.EndWait(err) {
+			continue
+		}
 		n, serr, perr := sd.n, sd.serr, sd.perr
 		if sd.wait > 0 && err == nil && perr == nil {
 			// The source is readable but the Limiter grants nothing yet:
@@ -838,6 +858,8 @@ type spliced struct {
 	werr error
 	// fill and flush as func values, made once (spliceLoop).
 	fill, flush func(fd uintptr) bool
+	// waiter marks the source's waits (nil: it does not).
+	waiter Waiter
 	// lim is the direction's Limiter (nil: none); wait, set by fill, is
 	// how long it asked the direction to wait before the next fill.
 	lim  Limiter

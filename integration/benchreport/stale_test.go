@@ -103,7 +103,7 @@ const sinceSettleAfter = "the load run waiting, after a shape, for its contender
 
 // sincePartialRecord: the kernel RX readers' bounded wait for a partial
 // record (ktls/partial.go), after every report was measured.
-const sincePartialRecord = "every read of a kernel TLS receive socket (a spliced direction's and ktls.Conn.Read's) going through ktls's rxReader: a mutex per read, a read deadline set and cleared (a runtime timer) when a read would block, ktls.Conn.Read calling read(2) through the socket's RawConn instead of net.TCPConn.Read, and after a wait of 250 ms one SIOCINQ ioctl and, only with part of a record queued, another read; measured before it"
+const sincePartialRecord = "every read of a kernel TLS receive socket watched for a partial record behind a closed window (ktls/partial.go): two atomic additions around each wait (ktls.Conn.BeginWait and EndWait from the splice relay, which keeps the source's Waiter in its heap state), ktls.Conn.Read calling read(2) through the socket's RawConn instead of net.TCPConn.Read, one sweep every 125 ms over the process's kernel RX sockets, and one SIOCINQ ioctl for each wait that outlasts 250 ms; measured before it"
 
 // knownStale are reports measured before a change to the code they
 // measure and not measured again yet, each with why. The test fails for a

@@ -95,7 +95,7 @@ var descSchedulingDelay = prometheus.NewDesc("caddy_ktls_scheduling_delay_second
 	nil, nil)
 
 var descPartialRecordRetries = prometheus.NewDesc("caddy_ktls_partial_record_retries_total",
-	"Waits for a record on a kernel TLS receive socket that ended by their own bound (250 ms, doubling to 4 s) with part of a record queued, after which the reader asked the kernel again: the kernel would not wake it, and only asking lets it copy a partial record out of a full receive buffer whose window has closed. A few a minute are records that arrive slowly; a tunnel that stalls without them is a bug to report.",
+	"Reads of a kernel TLS receive socket woken after waiting 250 ms (doubling to 4 s) with part of a record queued, to ask the kernel again: the kernel would not wake them, and only a read lets it copy a partial record out of a full receive buffer whose window has closed. A few a minute are records that arrive slowly; a tunnel that stalls without them is a bug to report.",
 	nil, nil)
 
 var descKernelSupport = prometheus.NewDesc("caddy_ktls_kernel_support",

@@ -62,16 +62,16 @@ func TestKernelReadPartialRecordStall(t *testing.T) {
 				done <- err
 			}()
 			waitIOWait(t, "ktls.(*Conn).Read")
-			fd := serverFD(t, pr.server)
-			if q := inq(t, fd); q != part {
+			fd := kerneltest.SocketFD(t, pr.server)
+			if q := kerneltest.Inq(t, fd); q != part {
 				t.Fatalf("SIOCINQ %d, want the second record's first %d bytes", q, part)
 			}
 			if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 1024); err != nil {
 				t.Fatal(err)
 			}
-			for deadline := time.Now().Add(15 * time.Second); inq(t, fd) != 0; time.Sleep(10 * time.Millisecond) {
+			for deadline := time.Now().Add(15 * time.Second); kerneltest.Inq(t, fd) != 0; time.Sleep(10 * time.Millisecond) {
 				if time.Now().After(deadline) {
-					t.Fatalf("the partial record is still in TCP's queue (SIOCINQ %d) 15 s after the buffer filled: the reader never asked again", inq(t, fd))
+					t.Fatalf("the partial record is still in TCP's queue (SIOCINQ %d) 15 s after the buffer filled: the reader never asked again", kerneltest.Inq(t, fd))
 				}
 			}
 			if got := Stats().PartialRecordRetries - before; got < 1 {
@@ -113,26 +113,6 @@ func sealed(t *testing.T, pr *pair, data []byte) []byte {
 	pr.held.buf.Reset()
 	pr.held.hold = false
 	return wire
-}
-
-func serverFD(t *testing.T, c *Conn) int {
-	t.Helper()
-	rc, err := c.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var fd int
-	rc.Control(func(f uintptr) { fd = int(f) })
-	return fd
-}
-
-func inq(t *testing.T, fd int) int {
-	t.Helper()
-	n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
-	if err != nil {
-		t.Fatalf("SIOCINQ: %v", err)
-	}
-	return n
 }
 
 // waitIOWait waits until a goroutine whose stack holds fn is parked in the

@@ -58,17 +58,17 @@ func TestKernelRelayPartialRecordStall(t *testing.T) {
 		t.Fatal("the first record's bytes differ")
 	}
 	waitSourceParked(t)
-	fd := connFD(t, tp.server)
-	if q := socketInq(t, fd); q != part {
+	fd := kerneltest.SocketFD(t, tp.server)
+	if q := kerneltest.Inq(t, fd); q != part {
 		t.Fatalf("SIOCINQ %d, want the second record's first %d bytes", q, part)
 	}
 	before := ktls.Stats().PartialRecordRetries
 	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 1024); err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(15 * time.Second); socketInq(t, fd) != 0; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(15 * time.Second); kerneltest.Inq(t, fd) != 0; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("the partial record is still in TCP's queue (SIOCINQ %d) 15 s after the buffer filled: the relay never asked again", socketInq(t, fd))
+			t.Fatalf("the partial record is still in TCP's queue (SIOCINQ %d) 15 s after the buffer filled: the relay never asked again", kerneltest.Inq(t, fd))
 		}
 	}
 	if got := ktls.Stats().PartialRecordRetries - before; got < 1 {
@@ -154,24 +154,4 @@ func waitSourceParked(t *testing.T) {
 			t.Fatal("the kTLS source's direction never parked for readability")
 		}
 	}
-}
-
-func connFD(t *testing.T, c *ktls.Conn) int {
-	t.Helper()
-	rc, err := c.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var fd int
-	rc.Control(func(f uintptr) { fd = int(f) })
-	return fd
-}
-
-func socketInq(t *testing.T, fd int) int {
-	t.Helper()
-	n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
-	if err != nil {
-		t.Fatalf("SIOCINQ: %v", err)
-	}
-	return n
 }

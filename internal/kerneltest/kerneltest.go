@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -182,4 +183,30 @@ func OpenFDs(t testing.TB) int {
 		t.Fatalf("count fds: %v", err)
 	}
 	return len(ents)
+}
+
+// SocketFD returns the descriptor of c's socket, for a test's ioctl and
+// setsockopt; it stays c's.
+func SocketFD(t testing.TB, c syscall.Conn) int {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fd := -1
+	if err := rc.Control(func(f uintptr) { fd = int(f) }); err != nil {
+		t.Fatal(err)
+	}
+	return fd
+}
+
+// Inq returns the bytes TCP holds unread on the socket fd (SIOCINQ): on a
+// kTLS socket, what the record parser has not taken.
+func Inq(t testing.TB, fd int) int {
+	t.Helper()
+	n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+	if err != nil {
+		t.Fatalf("SIOCINQ: %v", err)
+	}
+	return n
 }

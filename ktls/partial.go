@@ -54,10 +54,21 @@ type rxReader struct {
 	mu sync.Mutex
 	// seq is odd while a Read waits in RawConn.Read; each wait has its own.
 	seq atomic.Uint64
+	// retries: wakes in a row that found no record.
+	retries atomic.Int32
 	// The sweeper's own: the seq it saw at its last sweep, the sweeps in
-	// a row that saw it, and the seq whose queue it found empty.
+	// a row that saw it, the seq whose queue it found empty, and whether
+	// the socket was found closed (dropped at the next sweep).
 	seen, checked uint64
 	sweeps        int
+	closed        bool
+}
+
+// dueSweeps is how many sweeps a wait lasts before it is looked at:
+// partialRecordRetry, doubled for each wake in a row before it, up to
+// partialRecordRetryMax.
+func (r *rxReader) dueSweeps() int {
+	return int(min(partialRecordRetry<<min(r.retries.Load(), 8), partialRecordRetryMax) / sweepTick)
 }
 
 func newRXReader(rd *readDeadline, rc syscall.RawConn) *rxReader {
@@ -89,12 +100,12 @@ func (r *rxReader) begin() { r.seq.Add(1) }
 func (r *rxReader) end(err error) (again bool) {
 	r.seq.Add(1)
 	if r.rd.poked.Load() && r.rd.unpoke(err) {
-		r.rd.retries.Add(1)
+		r.retries.Add(1)
 		stats.partialRecordRetries.Add(1)
 		return true
 	}
-	if err == nil && r.rd.retries.Load() != 0 {
-		r.rd.retries.Store(0)
+	if err == nil && r.retries.Load() != 0 {
+		r.retries.Store(0)
 	}
 	return false
 }
@@ -119,7 +130,7 @@ type watchList struct {
 	mu      sync.Mutex
 	readers []weak.Pointer[rxReader]
 	running bool
-	sweeps  int
+	rounds  int // sweeps made
 }
 
 // openCheckEvery: every that many sweeps, the readers not waiting are
@@ -149,13 +160,13 @@ func (w *watchList) sweeper() {
 // sweeps ending, when none is left.
 func (w *watchList) sweep() bool {
 	w.mu.Lock()
-	w.sweeps++
-	checkIdle := w.sweeps%openCheckEvery == 0
+	w.rounds++
+	checkIdle := w.rounds%openCheckEvery == 0
 	var due, idle []*rxReader
 	live := w.readers[:0]
 	for _, p := range w.readers {
 		r := p.Value()
-		if r == nil {
+		if r == nil || r.closed {
 			continue
 		}
 		s := r.seq.Load()
@@ -164,7 +175,7 @@ func (w *watchList) sweep() bool {
 			if checkIdle {
 				idle = append(idle, r)
 			}
-		} else if r.sweeps++; r.checked != s && r.sweeps >= 2<<min(r.rd.retries.Load(), 4) {
+		} else if r.sweeps++; r.checked != s && r.sweeps >= r.dueSweeps() {
 			due = append(due, r)
 		}
 		live = append(live, p)
@@ -172,12 +183,11 @@ func (w *watchList) sweep() bool {
 	clear(w.readers[len(live):])
 	w.readers = live
 	w.mu.Unlock()
-	var closed []*rxReader
 	for _, r := range due {
 		queued, open := r.queued()
 		switch {
 		case !open:
-			closed = append(closed, r)
+			r.closed = true
 		case queued:
 			r.rd.poke(r, r.seen)
 		default:
@@ -185,22 +195,10 @@ func (w *watchList) sweep() bool {
 		}
 	}
 	for _, r := range idle {
-		if r.RawConn.Control(func(uintptr) {}) != nil {
-			closed = append(closed, r)
-		}
+		r.closed = r.RawConn.Control(func(uintptr) {}) != nil
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if len(closed) > 0 {
-		live := w.readers[:0]
-		for _, p := range w.readers {
-			if r := p.Value(); r != nil && !contains(closed, r) {
-				live = append(live, p)
-			}
-		}
-		clear(w.readers[len(live):])
-		w.readers = live
-	}
 	if len(w.readers) == 0 {
 		w.running = false
 		return false
@@ -208,24 +206,14 @@ func (w *watchList) sweep() bool {
 	return true
 }
 
-func contains(rs []*rxReader, r *rxReader) bool {
-	for _, x := range rs {
-		if x == r {
-			return true
-		}
-	}
-	return false
-}
-
 // readDeadline is the read deadline of the kernel socket: the caller's
 // (SetReadDeadline, SetDeadline), or past while the sweeper wakes a
 // reader (poked).
 type readDeadline struct {
-	mu      sync.Mutex
-	sock    *net.TCPConn // the kernel socket once RX runs there; nil before
-	caller  time.Time
-	poked   atomic.Bool
-	retries atomic.Int32 // wakes in a row that found no record
+	mu     sync.Mutex
+	sock   *net.TCPConn // the kernel socket once RX runs there; nil before
+	caller time.Time
+	poked  atomic.Bool
 }
 
 // setSock makes sock's readers wakeable.

@@ -5,8 +5,6 @@ import (
 	"crypto/tls"
 	"io"
 	"math/rand/v2"
-	"runtime"
-	"strings"
 	"testing"
 	"time"
 
@@ -61,7 +59,7 @@ func TestKernelReadPartialRecordStall(t *testing.T) {
 				_, err := io.ReadFull(pr.server, got[size:])
 				done <- err
 			}()
-			waitIOWait(t, "ktls.(*Conn).Read")
+			kerneltest.WaitIOWait(t, "ktls.(*Conn).Read")
 			fd := kerneltest.SocketFD(t, pr.server)
 			if q := kerneltest.Inq(t, fd); q != part {
 				t.Fatalf("SIOCINQ %d, want the second record's first %d bytes", q, part)
@@ -113,21 +111,4 @@ func sealed(t *testing.T, pr *pair, data []byte) []byte {
 	pr.held.buf.Reset()
 	pr.held.hold = false
 	return wire
-}
-
-// waitIOWait waits until a goroutine whose stack holds fn is parked in the
-// netpoller.
-func waitIOWait(t *testing.T, fn string) {
-	t.Helper()
-	buf := make([]byte, 1<<20)
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
-			if strings.Contains(g, "[IO wait") && strings.Contains(g, fn) {
-				return
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no goroutine in %s parked for readability", fn)
-		}
-	}
 }

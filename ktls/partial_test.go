@@ -61,31 +61,56 @@ func partialReader(t *testing.T, queuedBytes int) (*rxReader, *readDeadline, *ne
 	return newRXReader(rd, rc), rd, sock, peer
 }
 
-// readyAfter returns a read callback that finds a record only once the
-// reader's wait ended by its bound retries times in a row (0: never), and
-// the count of its calls. The callback may also be called on wake-ups the
-// netpoller gives for an old readiness.
-func readyAfter(rd *readDeadline, retries int32) (func(fd uintptr) bool, *atomic.Int32) {
+// readyAfter returns a read callback that finds a record only once r was
+// woken retries times in a row (0: never), and the count of its calls.
+// The callback may also be called on wake-ups the netpoller gives for an
+// old readiness.
+func readyAfter(r *rxReader, retries int32) (func(fd uintptr) bool, *atomic.Int32) {
 	var n atomic.Int32
 	return func(uintptr) bool {
 		n.Add(1)
-		return retries > 0 && rd.retries.Load() >= retries
+		return retries > 0 && r.retries.Load() >= retries
 	}, &n
 }
 
-// readWithin runs r.Read(f) and returns its error, failing t when it has
-// not returned within limit.
-func readWithin(t *testing.T, r *rxReader, f func(fd uintptr) bool, limit time.Duration) error {
-	t.Helper()
+// goRead starts r.Read(f); its error comes on the channel.
+func goRead(r *rxReader, f func(fd uintptr) bool) <-chan error {
 	done := make(chan error, 1)
 	go func() { done <- r.Read(f) }()
+	return done
+}
+
+// awaitRead returns the error of the Read behind done, failing t with
+// stuck when it has not returned within 10 s.
+func awaitRead(t *testing.T, done <-chan error, stuck string) error {
+	t.Helper()
 	select {
 	case err := <-done:
 		return err
-	case <-time.After(limit):
-		t.Fatalf("Read still waiting after %v", limit)
+	case <-time.After(10 * time.Second):
+		t.Fatal(stuck)
 		return nil
 	}
+}
+
+// readToCallerDeadline runs a Read that finds no record, with queued bytes
+// queued and the caller's deadline after from now. It fails t unless the
+// caller's deadline ended it with no retry counted, and returns the count
+// of the callback's calls.
+func readToCallerDeadline(t *testing.T, queued int, after time.Duration) int32 {
+	t.Helper()
+	r, rd, sock, _ := partialReader(t, queued)
+	rd.set(time.Now().Add(after), sock.SetReadDeadline)
+	f, calls := readyAfter(r, 0)
+	before := Stats().PartialRecordRetries
+	err := awaitRead(t, goRead(r, f), "Read still waiting after 10 s")
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Read: %v, want the caller's deadline", err)
+	}
+	if got := Stats().PartialRecordRetries - before; got != 0 {
+		t.Errorf("PartialRecordRetries moved by %d, want 0", got)
+	}
+	return calls.Load()
 }
 
 // TestRXReaderAsksAgainWithBytesQueued: a reader that finds no record while
@@ -94,10 +119,10 @@ func readWithin(t *testing.T, r *rxReader, f func(fd uintptr) bool, limit time.D
 // is counted.
 func TestRXReaderAsksAgainWithBytesQueued(t *testing.T) {
 	r, rd, _, _ := partialReader(t, 100)
-	f, calls := readyAfter(rd, 2)
+	f, calls := readyAfter(r, 2)
 	before := Stats().PartialRecordRetries
 	start := time.Now()
-	if err := readWithin(t, r, f, 10*time.Second); err != nil {
+	if err := awaitRead(t, goRead(r, f), "Read still waiting after 10 s"); err != nil {
 		t.Fatalf("Read: %v", err)
 	}
 	if got := calls.Load(); got < 3 {
@@ -110,8 +135,8 @@ func TestRXReaderAsksAgainWithBytesQueued(t *testing.T) {
 	if got := Stats().PartialRecordRetries - before; got != 2 {
 		t.Errorf("PartialRecordRetries moved by %d, want 2", got)
 	}
-	if rd.poked.Load() || rd.retries.Load() != 0 {
-		t.Errorf("after a read that found its record: poked %v, retries %d; want false, 0", rd.poked.Load(), rd.retries.Load())
+	if rd.poked.Load() || r.retries.Load() != 0 {
+		t.Errorf("after a read that found its record: poked %v, retries %d; want false, 0", rd.poked.Load(), r.retries.Load())
 	}
 }
 
@@ -119,15 +144,14 @@ func TestRXReaderAsksAgainWithBytesQueued(t *testing.T) {
 // the wait as readability does, and the next wait's bound starts from
 // partialRecordRetry again, not from where the retries had doubled it.
 func TestRXReaderRecordAfterRetry(t *testing.T) {
-	r, rd, _, peer := partialReader(t, 100)
+	r, _, _, peer := partialReader(t, 100)
 	// Ready once more than the first 100 bytes are queued.
 	f := func(fd uintptr) bool {
 		n, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
 		return err == nil && n > 100
 	}
-	done := make(chan error, 1)
-	go func() { done <- r.Read(f) }()
-	for deadline := time.Now().Add(5 * time.Second); rd.retries.Load() < 1; time.Sleep(time.Millisecond) {
+	done := goRead(r, f)
+	for deadline := time.Now().Add(5 * time.Second); r.retries.Load() < 1; time.Sleep(time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("the reader never asked again")
 		}
@@ -136,15 +160,10 @@ func TestRXReaderRecordAfterRetry(t *testing.T) {
 	if _, err := peer.Write([]byte{1}); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("Read: %v", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the arriving byte did not end the wait")
+	if err := awaitRead(t, done, "the arriving byte did not end the wait"); err != nil {
+		t.Fatalf("Read: %v", err)
 	}
-	if got := rd.retries.Load(); got != 0 {
+	if got := r.retries.Load(); got != 0 {
 		t.Errorf("retries %d after the wait ended by readability, want 0", got)
 	}
 }
@@ -153,19 +172,8 @@ func TestRXReaderRecordAfterRetry(t *testing.T) {
 // is never woken (no retry counted, the callback run once): it waits for
 // readability alone, until the caller's deadline.
 func TestRXReaderIdleWaitUnbounded(t *testing.T) {
-	r, rd, sock, _ := partialReader(t, 0)
-	rd.set(time.Now().Add(900*time.Millisecond), sock.SetReadDeadline)
-	f, calls := readyAfter(rd, 0)
-	before := Stats().PartialRecordRetries
-	err := readWithin(t, r, f, 10*time.Second)
-	if !errors.Is(err, os.ErrDeadlineExceeded) {
-		t.Fatalf("Read: %v, want the caller's deadline", err)
-	}
-	if got := Stats().PartialRecordRetries - before; got != 0 {
-		t.Errorf("PartialRecordRetries moved by %d, want 0", got)
-	}
 	// Nothing is queued, so no readiness wakes it either.
-	if got := calls.Load(); got != 1 {
+	if got := readToCallerDeadline(t, 0, 900*time.Millisecond); got != 1 {
 		t.Errorf("the callback ran %d times, want 1", got)
 	}
 }
@@ -173,17 +181,7 @@ func TestRXReaderIdleWaitUnbounded(t *testing.T) {
 // TestRXReaderCallerDeadlineFirst: a caller's deadline before the bound
 // ends the wait as the caller's, not as a retry.
 func TestRXReaderCallerDeadlineFirst(t *testing.T) {
-	r, rd, sock, _ := partialReader(t, 100)
-	rd.set(time.Now().Add(100*time.Millisecond), sock.SetReadDeadline)
-	f, _ := readyAfter(rd, 0)
-	before := Stats().PartialRecordRetries
-	err := readWithin(t, r, f, 10*time.Second)
-	if !errors.Is(err, os.ErrDeadlineExceeded) {
-		t.Fatalf("Read: %v, want the caller's deadline", err)
-	}
-	if got := Stats().PartialRecordRetries - before; got != 0 {
-		t.Errorf("PartialRecordRetries moved by %d, want 0", got)
-	}
+	readToCallerDeadline(t, 100, 100*time.Millisecond)
 }
 
 // TestRXReaderCallerDeadlineWhileWaiting: a caller's later deadline set
@@ -192,20 +190,14 @@ func TestRXReaderCallerDeadlineFirst(t *testing.T) {
 func TestRXReaderCallerDeadlineWhileWaiting(t *testing.T) {
 	t.Run("later", func(t *testing.T) {
 		r, rd, sock, _ := partialReader(t, 100)
-		f, _ := readyAfter(rd, 1)
-		done := make(chan error, 1)
-		go func() { done <- r.Read(f) }()
+		f, _ := readyAfter(r, 1)
+		done := goRead(r, f)
 		waitParked(t, r)
 		if err := rd.set(time.Now().Add(time.Minute), sock.SetReadDeadline); err != nil {
 			t.Fatal(err)
 		}
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Fatalf("Read: %v", err)
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("the caller's deadline stopped the retry: the reader never asked again")
+		if err := awaitRead(t, done, "the caller's deadline stopped the retry: the reader never asked again"); err != nil {
+			t.Fatalf("Read: %v", err)
 		}
 		if rd.poked.Load() {
 			t.Error("still poked")
@@ -213,20 +205,14 @@ func TestRXReaderCallerDeadlineWhileWaiting(t *testing.T) {
 	})
 	t.Run("past", func(t *testing.T) {
 		r, rd, sock, _ := partialReader(t, 100)
-		f, _ := readyAfter(rd, 0)
-		done := make(chan error, 1)
-		go func() { done <- r.Read(f) }()
+		f, _ := readyAfter(r, 0)
+		done := goRead(r, f)
 		waitParked(t, r)
 		if err := rd.set(time.Unix(1, 0), sock.SetReadDeadline); err != nil {
 			t.Fatal(err)
 		}
-		select {
-		case err := <-done:
-			if !errors.Is(err, os.ErrDeadlineExceeded) {
-				t.Fatalf("Read: %v, want the caller's deadline", err)
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("a past deadline did not end the wait")
+		if err := awaitRead(t, done, "a past deadline did not end the wait"); !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("Read: %v, want the caller's deadline", err)
 		}
 	})
 }
@@ -235,12 +221,11 @@ func TestRXReaderCallerDeadlineWhileWaiting(t *testing.T) {
 // sockets, and ends when none is left.
 func TestRXReaderClosedLeavesSweeper(t *testing.T) {
 	r, _, sock, _ := partialReader(t, 100)
-	f, _ := readyAfter(r.rd, 0)
-	done := make(chan error, 1)
-	go func() { done <- r.Read(f) }()
+	f, _ := readyAfter(r, 0)
+	done := goRead(r, f)
 	waitParked(t, r)
 	sock.Close()
-	if err := <-done; err == nil {
+	if err := awaitRead(t, done, "Read on a closed socket still waiting after 10 s"); err == nil {
 		t.Fatal("Read on a closed socket returned nil")
 	}
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {

@@ -12,11 +12,13 @@ import (
 	"bufio"
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -209,4 +211,31 @@ func Inq(t testing.TB, fd int) int {
 		t.Fatalf("SIOCINQ: %v", err)
 	}
 	return n
+}
+
+// WaitIOWait waits until a goroutine of this process whose stack holds
+// every one of frames is parked in the netpoller (IO wait), failing t
+// after 10 s.
+func WaitIOWait(t testing.TB, frames ...string) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			if strings.Contains(g, "[IO wait") && containsAll(g, frames) {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no goroutine in %s parked for readability", strings.Join(frames, " and "))
+		}
+	}
+}
+
+func containsAll(s string, subs []string) bool {
+	for _, sub := range subs {
+		if !strings.Contains(s, sub) {
+			return false
+		}
+	}
+	return true
 }

@@ -1,9 +1,12 @@
 package caddyktls
 
 import (
+	"bufio"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -39,6 +42,81 @@ func (e *sandboxEnv) adminRequest(t testing.TB, method, path, contentType string
 	}
 	json.Unmarshal(b, &apiErr)
 	return resp.StatusCode, apiErr.Error
+}
+
+// rawAdminRequest writes request, whole, to the env's admin endpoint on a
+// connection of its own, and reads the answer while it writes. It returns
+// the status, the answer's "error", and how the connection ended after the
+// answer: nil for the server's FIN, the read's error otherwise.
+func (e *sandboxEnv) rawAdminRequest(t testing.TB, request string) (int, string, error) {
+	t.Helper()
+	c, err := net.Dial("tcp", e.adminAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	wrote := make(chan error, 1)
+	go func() { _, err := io.WriteString(c, request); wrote <- err }()
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("reading the answer: %v (the write: %v)", err, <-wrote)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("reading the answer's body: %v", err)
+	}
+	var apiErr struct {
+		Error string `json:"error"`
+	}
+	json.Unmarshal(b, &apiErr)
+	_, end := br.ReadByte()
+	if errors.Is(end, io.EOF) {
+		end = nil
+	}
+	if err := <-wrote; err != nil && end == nil {
+		t.Errorf("the server ended with a FIN, yet writing the request failed: %v", err)
+	}
+	return resp.StatusCode, apiErr.Error, end
+}
+
+// A refused POST /sandbox/close reads the body it did not want, so that a
+// client that sends it whole reads the refusal: closing a socket with bytes
+// unread would send a reset, and a client still writing loses the answer
+// to its write's error. Each case asks for the connection's close, which
+// net/http takes as leave to skip the body; the server's FIN after the
+// answer shows that it read everything.
+func TestSandboxCloseRefusalReadsTheBody(t *testing.T) {
+	e, sb, c, _ := movingTunnel(t, "sbx-close-drain")
+	big := `{"sandbox": "` + sb + `", "mode": "fail"}` + strings.Repeat(" ", 64<<10)
+	chunk := func(s string) string { return fmt.Sprintf("%x\r\n%s\r\n0\r\n\r\n", len(s), s) }
+	head := "POST /sandbox/close HTTP/1.1\r\nHost: " + e.adminAddr + "\r\nConnection: close\r\n"
+	cases := []struct {
+		name, request string
+		status        int
+	}{
+		{"over the limit", head + "Content-Type: application/json\r\nContent-Length: " + fmt.Sprint(len(big)) + "\r\n\r\n" + big,
+			http.StatusRequestEntityTooLarge},
+		{"over the limit, chunked", head + "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(big),
+			http.StatusRequestEntityTooLarge},
+		{"text/plain", head + "Content-Type: text/plain\r\nContent-Length: " + fmt.Sprint(len(big)) + "\r\n\r\n" + big,
+			http.StatusUnsupportedMediaType},
+	}
+	for _, tc := range cases {
+		status, msg, end := e.rawAdminRequest(t, tc.request)
+		if status != tc.status || !strings.HasPrefix(msg, "POST /sandbox/close: ") {
+			t.Errorf("%s: %d %q, want %d and the refusal", tc.name, status, msg, tc.status)
+		}
+		if end != nil {
+			t.Errorf("%s: after the answer the connection ended with %v, want the server's FIN: it closed with the body unread", tc.name, end)
+		}
+	}
+	if len(idsOf(sb)) != 1 {
+		t.Errorf("a refused request ended the tunnel: %v", idsOf(sb))
+	}
+	c.Close()
+	waitIdle(t)
 }
 
 // POST /sandbox/close refuses what it cannot read for sure, ending nothing:

@@ -115,7 +115,6 @@ var knownStale = map[string]string{
 	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord,
 	"load.md":                "measured on the code before ktls's partial-record retry; its real-time run needs a quiet host; since: " + sincePartialRecord,
 	"load-10k.md":            "measured on the code before ktls's partial-record retry; its real-time run (26 minutes) needs a quiet host; since: " + sincePartialRecord,
-	"ttfb.md":                "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord,
 	"load-gateway.md":        "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord,
 }
 

@@ -182,10 +182,17 @@ func connectable(addr string) bool {
 // returns it.
 func (p *caddyProcess) settledFDs(t *testing.T, limit int) int {
 	t.Helper()
-	n, still := p.fdsBelow(t, limit), 0
-	for deadline := time.Now().Add(5 * time.Second); still < 5 && time.Now().Before(deadline); {
-		time.Sleep(20 * time.Millisecond)
-		if m := p.fdsBelow(t, limit); m == n {
+	return heldStill(func() int { return p.fdsBelow(t, limit) }, 20*time.Millisecond, 5, 5*time.Second)
+}
+
+// heldStill reads read every interval until it returns the same value
+// reads times in a row after the first, or until within has passed, and
+// returns the last value.
+func heldStill[N comparable](read func() N, interval time.Duration, reads int, within time.Duration) N {
+	n, still := read(), 0
+	for deadline := time.Now().Add(within); still < reads && time.Now().Before(deadline); {
+		time.Sleep(interval)
+		if m := read(); m == n {
 			still++
 		} else {
 			n, still = m, 0

@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/ktlsingress/caddy-ktls/forward/forwardtest"
 	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 	"github.com/ktlsingress/caddy-ktls/internal/sockerr"
@@ -216,16 +214,10 @@ func sandboxDrainStalledGateway(t *testing.T, kernel bool) {
 // returns the bytes queued. The 2-minute bound is for liveness only.
 func awaitReceiveQueueStalled(t testing.TB, c *net.TCPConn) int {
 	t.Helper()
-	rc, err := c.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
+	fd := kerneltest.SocketFD(t, c)
 	last, same := -1, 0
 	for deadline := time.Now().Add(2 * time.Minute); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		queued, qerr := 0, error(nil)
-		if err := rc.Control(func(fd uintptr) { queued, qerr = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }); err != nil || qerr != nil {
-			t.Fatalf("SIOCINQ: %v %v", err, qerr)
-		}
+		queued := kerneltest.Inq(t, fd)
 		if queued > 0 && queued == last {
 			if same++; same == 10 {
 				return queued

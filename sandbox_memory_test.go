@@ -127,17 +127,7 @@ func goroutines(t *testing.T, e *sandboxEnv) int64 {
 // baseline that counted them would miss as many of the tunnels'.
 func settledGoroutines(t *testing.T, e *sandboxEnv) int64 {
 	t.Helper()
-	g, same := goroutines(t, e), 0
-	for deadline := time.Now().Add(10 * time.Second); same < 2 && time.Now().Before(deadline); {
-		time.Sleep(100 * time.Millisecond)
-		next := goroutines(t, e)
-		if next == g {
-			same++
-		} else {
-			g, same = next, 0
-		}
-	}
-	return g
+	return heldStill(func() int64 { return goroutines(t, e) }, 100*time.Millisecond, 2, 10*time.Second)
 }
 
 // goStacks reads the goroutine stacks (bytes) of the Caddy process behind

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ktlsingress/caddy-ktls/internal/kerneltest"
 )
 
 // partialReader is an rxReader over the accepted end of a loopback TCP
@@ -36,20 +38,11 @@ func partialReader(t *testing.T, queuedBytes int) (*rxReader, *readDeadline, *ne
 		if _, err := peer.Write(make([]byte, queuedBytes)); err != nil {
 			t.Fatal(err)
 		}
-		rc, _ := sock.SyscallConn()
-		for deadline := time.Now().Add(5 * time.Second); ; {
-			var q bool
-			rc.Control(func(fd uintptr) {
-				n, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
-				q = err == nil && n > 0
-			})
-			if q {
-				break
-			}
+		fd := kerneltest.SocketFD(t, sock)
+		for deadline := time.Now().Add(5 * time.Second); kerneltest.Inq(t, fd) == 0; time.Sleep(time.Millisecond) {
 			if time.Now().After(deadline) {
 				t.Fatal("the peer's bytes never reached the receive queue")
 			}
-			time.Sleep(time.Millisecond)
 		}
 	}
 	rd := &readDeadline{}

@@ -43,6 +43,7 @@ var layers = []layer{
 	{"internal/moduleid", false, nil},
 	{"internal/logsummary", false, nil},
 	{"internal/caddyfileargs", true, nil},
+	{"internal/adminapi", true, nil},
 	{"internal/controlplane", true, nil},
 	{"internal/l4conn", true, []string{"splice"}},
 	{"internal/caddymetrics", true, []string{"internal/moduleid"}},
@@ -52,10 +53,10 @@ var layers = []layer{
 
 	// The features.
 	{"modules/forwarder", true, []string{"ktls", "splice", "preamble", "forward",
-		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/listensock", "internal/upgrade"}},
+		"internal/moduleid", "internal/caddymetrics", "internal/logsummary", "internal/caddyfileargs", "internal/adminapi", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/listensock", "internal/upgrade"}},
 	{"modules/edgegateway", true, []string{"ktls", "splice", "preamble", "gateway",
 		"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/l4conn", "internal/offload", "internal/handoff", "internal/upgrade"}},
-	{"modules/handoff", true, []string{"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/controlplane", "internal/handoff", "internal/listensock", "internal/upgrade"}},
+	{"modules/handoff", true, []string{"internal/moduleid", "internal/caddymetrics", "internal/caddyfileargs", "internal/adminapi", "internal/controlplane", "internal/handoff", "internal/listensock", "internal/upgrade"}},
 	{"internal/cli", true, []string{"ktls", "preamble", "gateway", "internal/offload"}},
 
 	// The root: the map, and the TLS offload modules.

@@ -81,32 +81,45 @@ func (e *sandboxEnv) rawAdminRequest(t testing.TB, request string) (int, string,
 	return resp.StatusCode, apiErr.Error, end
 }
 
-// A refused POST /sandbox/close reads the body it did not want, so that a
-// client that sends it whole reads the refusal: closing a socket with bytes
-// unread would send a reset, and a client still writing loses the answer
-// to its write's error. Each case asks for the connection's close, which
-// net/http takes as leave to skip the body; the server's FIN after the
-// answer shows that it read everything.
-func TestSandboxCloseRefusalReadsTheBody(t *testing.T) {
+// Every admin route of the module reads the body it did not want before
+// it answers, so that a client that sends its request whole reads the
+// answer: closing a socket with bytes unread would send a reset, and a
+// client still writing loses the answer to its write's error. Each case
+// asks for the connection's close, which net/http takes as leave to skip
+// the body; the server's FIN after the answer shows that it read
+// everything.
+func TestAdminRefusalsReadTheBody(t *testing.T) {
 	e, sb, c, _ := movingTunnel(t, "sbx-close-drain")
 	big := `{"sandbox": "` + sb + `", "mode": "fail"}` + strings.Repeat(" ", 64<<10)
 	chunk := func(s string) string { return fmt.Sprintf("%x\r\n%s\r\n0\r\n\r\n", len(s), s) }
-	head := "POST /sandbox/close HTTP/1.1\r\nHost: " + e.adminAddr + "\r\nConnection: close\r\n"
+	head := func(method, path string) string {
+		return method + " " + path + " HTTP/1.1\r\nHost: " + e.adminAddr + "\r\nConnection: close\r\n"
+	}
+	length := "Content-Length: " + fmt.Sprint(len(big)) + "\r\n\r\n" + big
 	cases := []struct {
 		name, request string
 		status        int
+		error         string // the answer's error begins so
 	}{
-		{"over the limit", head + "Content-Type: application/json\r\nContent-Length: " + fmt.Sprint(len(big)) + "\r\n\r\n" + big,
-			http.StatusRequestEntityTooLarge},
-		{"over the limit, chunked", head + "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(big),
-			http.StatusRequestEntityTooLarge},
-		{"text/plain", head + "Content-Type: text/plain\r\nContent-Length: " + fmt.Sprint(len(big)) + "\r\n\r\n" + big,
-			http.StatusUnsupportedMediaType},
+		{"close over the limit", head("POST", "/sandbox/close") + "Content-Type: application/json\r\n" + length,
+			http.StatusRequestEntityTooLarge, "POST /sandbox/close: "},
+		{"close over the limit, chunked", head("POST", "/sandbox/close") + "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(big),
+			http.StatusRequestEntityTooLarge, "POST /sandbox/close: "},
+		{"close as text/plain", head("POST", "/sandbox/close") + "Content-Type: text/plain\r\n" + length,
+			http.StatusUnsupportedMediaType, "POST /sandbox/close: "},
+		{"POST /sandbox/tunnels", head("POST", "/sandbox/tunnels") + "Content-Type: application/json\r\n" + length,
+			http.StatusMethodNotAllowed, "method not allowed: use GET"},
+		{"PUT /sandbox/activity", head("PUT", "/sandbox/activity") + "Content-Type: application/json\r\n" + length,
+			http.StatusMethodNotAllowed, "method not allowed: use GET"},
+		{"GET /sandbox/upgrade", head("GET", "/sandbox/upgrade") + "Content-Type: application/json\r\n" + length,
+			http.StatusMethodNotAllowed, "method not allowed: use POST"},
+		{"upgrade without sandbox_handoff", head("POST", "/sandbox/upgrade") + "Content-Type: application/json\r\n" + length,
+			http.StatusConflict, "no sandbox_handoff app in the running configuration"},
 	}
 	for _, tc := range cases {
 		status, msg, end := e.rawAdminRequest(t, tc.request)
-		if status != tc.status || !strings.HasPrefix(msg, "POST /sandbox/close: ") {
-			t.Errorf("%s: %d %q, want %d and the refusal", tc.name, status, msg, tc.status)
+		if status != tc.status || !strings.HasPrefix(msg, tc.error) {
+			t.Errorf("%s: %d %q, want %d and %q", tc.name, status, msg, tc.status, tc.error)
 		}
 		if end != nil {
 			t.Errorf("%s: after the answer the connection ended with %v, want the server's FIN: it closed with the body unread", tc.name, end)

@@ -34,9 +34,9 @@ import (
 // atomic additions: no timer, no system call, and no frame deeper on the
 // stack of a relay's goroutine, which parks already deep (a relay that
 // waits on SpliceSource's RawConn marks its waits with BeginWait and
-// EndWait). It asks a socket what it
-// holds (SIOCINQ) once per read that outlasts partialRecordRetry, and
-// wakes the reader through the socket's read deadline.
+// EndWait). It asks a socket what it holds (SIOCINQ) once per read that
+// outlasts partialRecordRetry, and wakes the reader through the socket's
+// read deadline.
 const (
 	partialRecordRetry    = 250 * time.Millisecond
 	partialRecordRetryMax = 4 * time.Second

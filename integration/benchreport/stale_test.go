@@ -19,7 +19,7 @@ var (
 		"go.mod", "go.sum", ":(glob)*.go", "ktls", "splice", "forward", "preamble",
 		"internal/sockerr", "internal/loopback", "internal/cphttp", "cmd/caddy", "integration/bench",
 		"modules/forwarder", "internal/moduleid", "internal/caddymetrics", "internal/offload", "internal/controlplane",
-		"internal/l4conn", "internal/logsummary", "internal/caddyfileargs", "internal/cli", "internal/listensock", "integration/internal/benchjson",
+		"internal/l4conn", "internal/logsummary", "internal/caddyfileargs", "internal/cli", "internal/listensock", "internal/adminapi", "integration/internal/benchjson",
 		":(exclude,glob)**/*_test.go", ":(exclude)" + unlinkedTestSupport,
 	}
 	// The gateway modules, which only the gateway chains (l7-l7, l7-l4,
@@ -105,17 +105,27 @@ const sinceSettleAfter = "the load run waiting, after a shape, for its contender
 // record (ktls/partial.go), after every report was measured.
 const sincePartialRecord = "every read of a kernel TLS receive socket watched for a partial record behind a closed window (ktls/partial.go): two atomic additions around each wait (ktls.Conn.BeginWait and EndWait from the splice relay, which keeps the source's Waiter in its heap state), ktls.Conn.Read calling read(2) through the socket's RawConn instead of net.TCPConn.Read, one sweep every 125 ms over the process's kernel RX sockets, and one SIOCINQ ioctl for each wait that outlasts 250 ms; measured before it"
 
+// sinceAdminDrain: the admin routes' body drain, after the reports
+// measured on 2026-12-07.
+const sinceAdminDrain = "every admin route of the module reading what its answer left of a request body (internal/adminapi, in modules/forwarder's and modules/handoff's admin routes) and a comment's line breaks in ktls/partial.go: the admin API's path only, no tunnel's or handshake's path changed"
+
 // knownStale are reports measured before a change to the code they
 // measure and not measured again yet, each with why. The test fails for a
 // stale report that is not listed here, and for a listed one that is
 // current (remove it once it is measured again).
 var knownStale = map[string]string{
-	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord,
-	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord,
-	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord,
-	"load.md":                "measured on the code before ktls's partial-record retry; its real-time run needs a quiet host; since: " + sincePartialRecord,
-	"load-10k.md":            "measured on the code before ktls's partial-record retry; its real-time run (26 minutes) needs a quiet host; since: " + sincePartialRecord,
-	"load-gateway.md":        "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord,
+	"bulk-1gib.md":           "measured 2026-12-01 (inferred: c4af7b1); 1 GiB each way takes hours in the VM and was not rerun since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord + "; and " + sinceAdminDrain,
+	"load-native-percall.md": "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine (no kTLS; the forwarder as ktls-off), which the session could not have again; since: max_handshakes counted over the process (the same with one handler), the refusal-summary table, ktls Handoff/Adopt, the bench's memory fields, the generator closing a failed call's socket without close_notify, ktls-off closing without close_notify after a failed Write and max_scheduling_delay (off by default); rerun with the commands in docs/bench/overload.md on such a machine; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord + "; and " + sinceAdminDrain,
+	"load-native-reuse.md":   "measured 2026-12-04 on 5bc2ae9 on a lent 16-core machine, as load-native-percall.md, with the same changes since; since: " + sinceGoneForwarder + "; and " + sinceHandoffPackage + "; and " + sinceDiagAndOwnSockets + "; and " + sinceChainBounds + "; and " + sinceAdoptKey + "; and " + sinceSettleAfter + "; and " + sincePartialRecord + "; and " + sinceAdminDrain,
+	"load.md":                "measured on the code before ktls's partial-record retry; its real-time run needs a quiet host; since: " + sincePartialRecord + "; and " + sinceAdminDrain,
+	"load-10k.md":            "measured on the code before ktls's partial-record retry; its real-time run (26 minutes) needs a quiet host; since: " + sincePartialRecord + "; and " + sinceAdminDrain,
+	"load-gateway.md":        "measured on the code before ktls's partial-record retry; since: " + sincePartialRecord + "; and " + sinceAdminDrain,
+	"results.md":             "measured 2026-12-07 on 96fdd34; since: " + sinceAdminDrain,
+	"small-calls.md":         "measured 2026-12-07 on 96fdd34; since: " + sinceAdminDrain,
+	"small-mtls.md":          "measured 2026-12-07 on 96fdd34; since: " + sinceAdminDrain,
+	"gateway-resumption.md":  "measured 2026-12-07 on 96fdd34; since: " + sinceAdminDrain,
+	"gateway.md":             "measured 2026-12-07 on a3c6d68; since: " + sinceAdminDrain,
+	"ttfb.md":                "measured 2026-12-07 on 01894d3; since: " + sinceAdminDrain,
 }
 
 // git runs git in the repository root and returns its trimmed output.

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/ktlsingress/caddy-ktls/forward"
+	"github.com/ktlsingress/caddy-ktls/internal/adminapi"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/preamble"
 )
@@ -48,9 +49,9 @@ func (AdminAPI) CaddyModule() caddy.ModuleInfo {
 // Routes returns the admin routes.
 func (AdminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{
-		{Pattern: "/sandbox/tunnels", Handler: caddy.AdminHandlerFunc(serveTunnels)},
-		{Pattern: "/sandbox/activity", Handler: caddy.AdminHandlerFunc(serveActivity)},
-		{Pattern: "/sandbox/close", Handler: caddy.AdminHandlerFunc(serveClose)},
+		adminapi.Route("/sandbox/tunnels", serveTunnels),
+		adminapi.Route("/sandbox/activity", serveActivity),
+		adminapi.Route("/sandbox/close", serveClose),
 	}
 }
 
@@ -136,22 +137,6 @@ type closeRequestJSON struct {
 // hundred bytes.
 const maxCloseBody = 64 << 10
 
-// maxCloseDrain bounds what a refused POST /sandbox/close reads and drops
-// of a body it did not want. A server that closes a socket with bytes
-// unread sends a reset, and a client still writing then loses the answer
-// to its write's error: read to the end, the refusal reaches it. A body
-// declared longer is not read (net/http's bound for a body a handler left
-// unread is the same 256 KiB).
-const maxCloseDrain = 256 << 10
-
-// discardBody reads what is left of r's body, up to maxCloseDrain.
-func discardBody(r *http.Request) {
-	if r.ContentLength > maxCloseDrain {
-		return
-	}
-	io.CopyN(io.Discard, r.Body, maxCloseDrain)
-}
-
 // Why a POST /sandbox/close was refused, as
 // caddy_ktls_sandbox_close_refused_total counts it and its log line says.
 const (
@@ -189,7 +174,6 @@ type CloseResponse struct {
 }
 
 func serveClose(w http.ResponseWriter, r *http.Request) error {
-	defer discardBody(r)
 	if r.Method != http.MethodPost {
 		return refuseClose(http.StatusMethodNotAllowed, closeRefusedMethod, errors.New("method not allowed: use POST"))
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/ktlsingress/caddy-ktls/internal/adminapi"
 	"github.com/ktlsingress/caddy-ktls/internal/moduleid"
 	"github.com/ktlsingress/caddy-ktls/internal/upgrade"
 )
@@ -35,7 +36,7 @@ func (AdminAPI) CaddyModule() caddy.ModuleInfo {
 
 // Routes returns the admin routes.
 func (AdminAPI) Routes() []caddy.AdminRoute {
-	return []caddy.AdminRoute{{Pattern: "/sandbox/upgrade", Handler: caddy.AdminHandlerFunc(serveUpgrade)}}
+	return []caddy.AdminRoute{adminapi.Route("/sandbox/upgrade", serveUpgrade)}
 }
 
 // UpgradeResponse is the answer of POST /sandbox/upgrade: what the new

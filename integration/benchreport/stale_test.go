@@ -123,7 +123,6 @@ var knownStale = map[string]string{
 	"small-mtls.md":          "measured 2026-12-07 on 96fdd34; since: " + sinceAdminDrain,
 	"gateway-resumption.md":  "measured 2026-12-07 on 96fdd34; since: " + sinceAdminDrain,
 	"gateway.md":             "measured 2026-12-07 on a3c6d68; since: " + sinceAdminDrain,
-	"ttfb.md":                "measured 2026-12-07 on 01894d3; since: " + sinceAdminDrain,
 }
 
 // git runs git in the repository root and returns its trimmed output.

@@ -215,6 +215,63 @@ func gatewayOKDials(before, after []map[string]float64) (n int64, counted bool) 
 	})
 }
 
+// chainTunnels is how many tunnels a chain's gateway opened between two
+// scrapes: its ok dials (gatewayOKDials), and of them those the
+// key-install check counts (checked): no more than its completed
+// handshakes with the hop behind it (gatewayDialHandshakes). ok is false
+// where the gateway counts no dials (l7-l7's reverse_proxy).
+func chainTunnels(before, after []map[string]float64) (dials, checked int64, ok bool) {
+	dials, ok = gatewayOKDials(before, after)
+	if !ok {
+		return 0, 0, false
+	}
+	checked = dials
+	if h, ok := gatewayDialHandshakes(before, after); ok {
+		checked = min(dials, h)
+	}
+	return dials, checked, true
+}
+
+// gatewayDialHandshakes is how many TLS handshakes with the hop behind a
+// chain's gateway (hops[0]) completed between two scrapes: the change of
+// its caddy_ktls_handshakes_total, every reason but handshake-failed, for
+// each module that counts dials (caddy_ktls_gateway_dials_total). A
+// tunnel's keys are installed at its handshake, while the gateway counts
+// its dial ok later where it cannot tell sooner: an L7 gateway's pool
+// reports a tunnel open at its first byte or its close, and the HTTP
+// transport dials tunnels it leaves idle. Such a tunnel's ok dial can fall
+// in a later shape than its key installs. counted is false where the
+// gateway has no dial counters or a scrape is missing.
+func gatewayDialHandshakes(before, after []map[string]float64) (n int64, counted bool) {
+	if len(before) == 0 || len(after) == 0 || before[0] == nil || after[0] == nil {
+		return 0, false
+	}
+	dialers := map[string]bool{}
+	for k := range after[0] {
+		if name, labels, _ := strings.Cut(k, "{"); name == "caddy_ktls_gateway_dials_total" {
+			dialers[moduleLabel(labels)] = true
+		}
+	}
+	if len(dialers) == 0 {
+		return 0, false
+	}
+	n, _ = seriesDelta(before[0], after[0], func(name, series string) bool {
+		_, labels, _ := strings.Cut(series, "{")
+		return name == "caddy_ktls_handshakes_total" && dialers[moduleLabel(labels)] && !strings.Contains(labels, `reason="handshake-failed"`)
+	})
+	return n, true
+}
+
+// moduleLabel is the module label's value in a series' labels.
+func moduleLabel(labels string) string {
+	_, v, ok := strings.Cut(labels, `module="`)
+	if !ok {
+		return ""
+	}
+	v, _, _ = strings.Cut(v, `"`)
+	return v
+}
+
 // ulpFallbacks is how many sockets the chain's processes served in
 // userspace because TCP_ULP failed on them between two scrapes (their
 // caddy_ktls_handshakes_total{reason="setsockopt-ulp"}): on a kernel with

@@ -276,3 +276,52 @@ func fakeAdmin(t *testing.T, body func() string) string {
 	t.Cleanup(func() { srv.Close() })
 	return sock
 }
+
+// The run of 2026-12-08 on 346a827 (l7-l4, reduced load-gateway run): in
+// the reuse shape the gateway completed 247 handshakes with the forwarder
+// and counted 215 dials ok, the rest left idle in its pool by the HTTP
+// transport; in the per-call shape after it, 396 handshakes and 398 ok
+// dials, two of them tunnels of the reuse shape first used or closed
+// then. Checked against its ok dials, the per-call shape failed 4 installs
+// short (743 each way and 49 sockets whose TCP_ULP failed, for 2 × 398);
+// the check counts the tunnels it handshaked, and the reuse shape's
+// surplus stays its own.
+func TestChainTunnelsCountHandshakes(t *testing.T) {
+	const m = `module="http.reverse_proxy.transport.sandbox"`
+	ok := `caddy_ktls_gateway_dials_total{` + m + `,result="ok"}`
+	shed := `caddy_ktls_gateway_dials_total{` + m + `,result="overloaded"}`
+	done := `caddy_ktls_handshakes_total{` + m + `,reason="none"}`
+	failed := `caddy_ktls_handshakes_total{` + m + `,reason="handshake-failed"}`
+	user := `caddy_ktls_handshakes_total{module="layer4.handlers.ktls",reason="none"}` // another module's, not a dial
+	c, _ := findContender("l7-l4")
+	for _, tc := range []struct {
+		name                  string
+		before, after         map[string]float64
+		installs, keyless     int64
+		wantDials, wantCheckd int64
+	}{
+		{"reuse", map[string]float64{}, map[string]float64{ok: 215, done: 247, user: 500}, 488, 6, 215, 215},
+		{"per-call", map[string]float64{ok: 215, done: 247, user: 500},
+			map[string]float64{ok: 613, shed: 9, done: 643, failed: 9, user: 3000}, 743, 49, 398, 396},
+	} {
+		dials, checked, counted := chainTunnels([]map[string]float64{tc.before, {}}, []map[string]float64{tc.after, {}})
+		if !counted || dials != tc.wantDials || checked != tc.wantCheckd {
+			t.Errorf("%s: %d dials, %d checked (counted %v), want %d and %d", tc.name, dials, checked, counted, tc.wantDials, tc.wantCheckd)
+		}
+		r := &result{TLSStat: map[string]int64{"TlsTxSw": tc.installs, "TlsRxSw": tc.installs}, UpstreamConns: checked, keyless: tc.keyless}
+		offloadOf(r, c)
+		if len(r.Errors) != 0 {
+			t.Errorf("%s: errors %v, want none", tc.name, r.Errors)
+		}
+	}
+	// A tunnel the gateway handshaked and never counted ok is still checked:
+	// one install short of 2 × 396 fails.
+	r := &result{TLSStat: map[string]int64{"TlsTxSw": 742, "TlsRxSw": 742}, UpstreamConns: 396, keyless: 49}
+	offloadOf(r, c)
+	if len(r.Errors) != 2 {
+		t.Errorf("errors %v, want TX and RX one short", r.Errors)
+	}
+	if _, _, counted := chainTunnels([]map[string]float64{{}}, []map[string]float64{{user: 3}}); counted {
+		t.Error("a gateway without dial counters counted tunnels")
+	}
+}

@@ -96,8 +96,11 @@ type LoadResult struct {
 	UpstreamConns int64 `json:"upstream_conns,omitempty"`
 	// GatewayTunnels: the tunnels a chain's gateway opened over the shape
 	// (its caddy_ktls_gateway_dials_total{result="ok"}), the unit of the
-	// key-install check where the gateway counts them: under overload
-	// the upstream accepts connections that are no tunnel's.
+	// key-install check where the gateway counts them (under overload
+	// the upstream accepts connections that are no tunnel's), or its
+	// completed handshakes with the hop behind it where those are fewer
+	// (in ShapeCounters): a tunnel an L7 gateway's pool dialed in an
+	// earlier shape and counted ok in this one installed its keys there.
 	GatewayTunnels int64 `json:"gateway_tunnels,omitempty"`
 	// ULPFallbacks: sockets a chain's processes served in userspace over
 	// the shape because TCP_ULP failed on them (their peer had left after

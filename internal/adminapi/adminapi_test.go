@@ -11,7 +11,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// countingBody counts what is read of a body of n bytes.
+// countingBody is a request body of left bytes that counts what is read
+// of it.
 type countingBody struct {
 	left, read int64
 }
